@@ -1,0 +1,366 @@
+"""
+Lesson 01: the sliding window, and a first Triton convolution
+=============================================================
+
+What you will learn:
+- what a 2-D convolution computes, on a 3x3 input and a 2x2 filter you can check by hand;
+- the general formula with batch, channels, stride, padding and dilation, and the output size;
+- a scalar-filter Triton kernel: one program owns a tile of the output, walks the filter taps, and
+  for each tap multiplies one filter value by one shifted tile of the input;
+- how to extend it to stride, padding and many channels (NCHW);
+- why this is wasteful: each input element is loaded once per filter tap that touches it. We count
+  it in code and plot it, which motivates lesson 02 (convolution as a matrix product).
+
+Builds on: nothing; this is the first lesson. `common.py` holds the shared helpers.
+Requires: any CUDA GPU for the GPU run; on a CPU the same kernels run in the Triton interpreter
+(TRITON_INTERPRET=1, set automatically by common.py).
+Run:  python 01-conv-basics.py [--outdir out]      Tests:  pytest 01-conv-basics.py
+"""
+
+# %%
+import itertools
+
+import common  # first: on a machine without a GPU it turns on the Triton interpreter
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+# %%
+# The sliding window
+# ------------------
+# A convolution slides a small filter over an image. At each position the filter and the patch
+# under it are multiplied element by element and summed: one dot product per output value.
+#
+#     input (3x3)      filter (2x2)      output (2x2)
+#     a b c            w0 w1             y0 y1
+#     d e f            w2 w3             y2 y3
+#     g h i
+#
+# There are (3 - 2 + 1) x (3 - 2 + 1) = 2 x 2 positions. `run_sliding_window_example` prints the
+# four dot products with numbers, then checks them against PyTorch.
+
+
+def run_sliding_window_example(verbose=True):
+    image = torch.arange(1.0, 10.0).reshape(3, 3)         # a..i = 1..9
+    filt = torch.tensor([[1.0, 0.0], [-1.0, 2.0]])         # w0..w3
+    names = [["a", "b", "c"], ["d", "e", "f"], ["g", "h", "i"]]
+    out = torch.empty(2, 2)
+    lines = []
+    for out_y, out_x in itertools.product(range(2), range(2)):
+        terms, total = [], 0.0
+        for r, s in itertools.product(range(2), range(2)):
+            pixel = image[out_y + r, out_x + s].item()
+            weight = filt[r, s].item()
+            terms.append(f"{names[out_y + r][out_x + s]}*w{2 * r + s}")
+            total += pixel * weight
+        out[out_y, out_x] = total
+        lines.append(f"  y{2 * out_y + out_x} = {' + '.join(terms):<27} = {total:g}")
+    if verbose:
+        print("input (a..i = 1..9):\n", image, "\nfilter (w0..w3):\n", filt)
+        print("the four dot products:")
+        print("\n".join(lines))
+    # torch's conv2d is a cross-correlation too (no filter flip), so it must agree exactly.
+    expected = torch.nn.functional.conv2d(image[None, None], filt[None, None])[0, 0]
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    return out
+
+
+def test_sliding_window_example():
+    out = run_sliding_window_example(verbose=False)
+    # y0 = a*1 + b*0 + d*(-1) + e*2 = 1 - 4 + 10 = 7, written out from the definition.
+    assert out[0, 0].item() == 1 * 1 + 2 * 0 + 4 * -1 + 5 * 2
+
+
+# %%
+# The general formula
+# -------------------
+# With a batch of N images, Ci input channels, Co filters, stride (sh, sw), padding (ph, pw) and
+# dilation (dh, dw), in NCHW layout:
+#
+#     y[n, co, oy, ox] = sum over ci < Ci, r < R, s < S of
+#                        x[n, ci, oy*sh - ph + r*dh, ox*sw - pw + s*dw] * w[co, ci, r, s]
+#
+# where x reads as 0 outside the image (that is what padding means), and
+#
+#     out_h = floor((H + 2*ph - dh*(R-1) - 1) / sh) + 1      (the same for out_w)
+#
+# `common.conv_output_size` is that formula; `common.conv_geometry` validates a whole convolution.
+
+# %%
+# A first Triton kernel: one scalar filter, one output tile per program
+# ----------------------------------------------------------------------
+# Pseudocode, for one single-channel image and one filter, stride 1, no padding:
+#
+#     for each output tile T (BLOCK_H x BLOCK_W), in parallel:   # one Triton program
+#         acc = zeros(BLOCK_H, BLOCK_W)                          # fp32
+#         for r in range(R): for s in range(S):                  # the filter taps
+#             w_rs = w[r, s]                                     # one scalar
+#             acc += w_rs * x[T.rows + r, T.cols + s]            # one shifted input tile
+#         y[T] = acc
+#
+# Each tap is a whole-tile multiply-add, so the program does R*S vector operations and never
+# reorganises data. The masks keep the last tiles inside the image.
+
+
+@triton.jit
+def conv2d_scalar_filter_kernel(x_ptr, w_ptr, y_ptr, H, W, out_h, out_w,
+                                R: tl.constexpr, S: tl.constexpr,
+                                BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr):
+    # for each output tile T, in parallel:
+    tile_y, tile_x = tl.program_id(0), tl.program_id(1)
+    out_rows = tile_y * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+    out_cols = tile_x * BLOCK_W + tl.arange(0, BLOCK_W)[None, :]
+    inside = (out_rows < out_h) & (out_cols < out_w)
+    # acc = zeros(BLOCK_H, BLOCK_W)
+    acc = tl.zeros((BLOCK_H, BLOCK_W), dtype=tl.float32)
+    # for r in range(R): for s in range(S):
+    for r in tl.static_range(R):
+        for s in tl.static_range(S):
+            # w_rs = w[r, s]
+            w_rs = tl.load(w_ptr + r * S + s).to(tl.float32)
+            # acc += w_rs * x[T.rows + r, T.cols + s]
+            x_tile = tl.load(x_ptr + (out_rows + r) * W + (out_cols + s), mask=inside, other=0.0)
+            acc += w_rs * x_tile.to(tl.float32)
+    # y[T] = acc
+    tl.store(y_ptr + out_rows * out_w + out_cols, acc.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+def conv2d_scalar_filter(x_hw, w_rs, block=(16, 16)):
+    """Single-channel 'valid' convolution (stride 1, no padding) of an [H, W] image by an [R, S] filter."""
+    if not isinstance(x_hw, torch.Tensor) or not isinstance(w_rs, torch.Tensor):
+        raise TypeError("x_hw and w_rs must be torch.Tensors")
+    if x_hw.dim() != 2 or w_rs.dim() != 2:
+        raise ValueError(f"x_hw must be [H, W] and w_rs [R, S], got shapes {tuple(x_hw.shape)} and "
+                         f"{tuple(w_rs.shape)}")
+    geometry = common.conv_geometry((1, *x_hw.shape, 1), (1, *w_rs.shape, 1))
+    x_hw, w_rs = x_hw.contiguous(), w_rs.contiguous()
+    y = torch.empty(geometry.out_h, geometry.out_w, device=x_hw.device, dtype=x_hw.dtype)
+    grid = (triton.cdiv(geometry.out_h, block[0]), triton.cdiv(geometry.out_w, block[1]))
+    conv2d_scalar_filter_kernel[grid](x_hw, w_rs, y, geometry.H, geometry.W, geometry.out_h,
+                                      geometry.out_w, geometry.R, geometry.S, block[0], block[1])
+    return y
+
+
+def run_scalar_filter(H=37, W=29, R=3, S=3, dtype=torch.float32, verbose=True):
+    x_hw = torch.randn(H, W).to(common.device(), dtype)
+    w_rs = torch.randn(R, S).to(common.device(), dtype)
+    y = conv2d_scalar_filter(x_hw, w_rs)
+    expected = common.reference_conv2d_nhwc(x_hw[None, :, :, None], w_rs[None, :, :, None])[0, :, :, 0]
+    common.assert_close_to_reference(y, expected, dtype=dtype, K=R * S)
+    if verbose:
+        print(f"scalar-filter conv of a {H}x{W} image by a {R}x{S} filter -> {tuple(y.shape)}: "
+              f"matches torch.nn.functional.conv2d")
+    return y
+
+
+@pytest.mark.parametrize("H, W, R, S", [(37, 29, 3, 3), (8, 8, 1, 1), (5, 9, 5, 2), (16, 16, 7, 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_scalar_filter(H, W, R, S, dtype):
+    run_scalar_filter(H, W, R, S, dtype, verbose=False)
+
+
+# %%
+# Growing the kernel: stride, padding, dilation, channels and a batch
+# ------------------------------------------------------------------
+# Three changes turn the toy into a real (if slow) convolution, in NCHW layout:
+#
+# 1. Stride and dilation change *where* a tap reads: output pixel (oy, ox) and tap (r, s) read
+#    input row oy*sh - ph + r*dh and column ox*sw - pw + s*dw. The tile of inputs one tap touches
+#    is now strided, but it is still one vector load.
+# 2. Padding means those rows and columns may fall outside the image. Rather than padding the
+#    tensor in memory, the load's mask is false there and `other=0.0` supplies the zero.
+# 3. Channels: output channel co sums over every input channel ci. The grid gets two more axes,
+#    one program per (tile, co, n), and the tap loop gains an outer loop over ci:
+#
+#     for each (output tile T, co, n), in parallel:
+#         acc = zeros(BLOCK_H, BLOCK_W)
+#         for ci in range(Ci): for r in range(R): for s in range(S):
+#             acc += w[co, ci, r, s] * x[n, ci, T.rows*sh - ph + r*dh, T.cols*sw - pw + s*dw]
+#         y[n, co, T] = acc
+
+
+@triton.jit
+def conv2d_nchw_direct_kernel(x_ptr, w_ptr, y_ptr, Ci, H, W, Co, out_h, out_w,
+                              stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
+                              R: tl.constexpr, S: tl.constexpr,
+                              BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr):
+    # for each (output tile T, co, n), in parallel:
+    tile_id, co, n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    tiles_w = tl.cdiv(out_w, BLOCK_W)
+    out_rows = (tile_id // tiles_w) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+    out_cols = (tile_id % tiles_w) * BLOCK_W + tl.arange(0, BLOCK_W)[None, :]
+    inside = (out_rows < out_h) & (out_cols < out_w)
+    # Top-left input pixel each output pixel's window starts from.
+    in_row0 = out_rows * stride_h - pad_h
+    in_col0 = out_cols * stride_w - pad_w
+    acc = tl.zeros((BLOCK_H, BLOCK_W), dtype=tl.float32)
+    # Offsets in int64: N*Ci*H*W can pass 2**31 for big batches.
+    x_image = x_ptr + n.to(tl.int64) * Ci * H * W
+    # for ci in range(Ci): for r in range(R): for s in range(S):
+    for ci in range(Ci):
+        x_channel = x_image + ci * H * W
+        w_channel = w_ptr + (co * Ci + ci) * R * S
+        for r in tl.static_range(R):
+            in_rows = in_row0 + r * dil_h
+            rows_ok = (in_rows >= 0) & (in_rows < H)
+            for s in tl.static_range(S):
+                in_cols = in_col0 + s * dil_w
+                # Padding: outside the image the mask is off and the load yields 0.
+                valid = inside & rows_ok & (in_cols >= 0) & (in_cols < W)
+                x_tile = tl.load(x_channel + in_rows * W + in_cols, mask=valid, other=0.0)
+                # acc += w[co, ci, r, s] * x[n, ci, ...]
+                acc += tl.load(w_channel + r * S + s).to(tl.float32) * x_tile.to(tl.float32)
+    y_plane = y_ptr + (n.to(tl.int64) * Co + co) * out_h * out_w
+    tl.store(y_plane + out_rows * out_w + out_cols, acc.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+def conv2d_nchw_direct(x_nchw, w_kcrs, stride=1, padding=0, dilation=1, block=(16, 16)):
+    """Direct convolution of an NCHW batch by [Co, Ci, R, S] filters; returns NCHW.
+
+    The layout of this lesson is PyTorch's default (NCHW); from lesson 02 on the series uses NHWC."""
+    for name, t in (("x_nchw", x_nchw), ("w_kcrs", w_kcrs)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have rank 4, got shape {tuple(t.shape)}")
+    if x_nchw.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"x_nchw has dtype {x_nchw.dtype}; allowed: float32, float16, bfloat16")
+    if w_kcrs.dtype != x_nchw.dtype:
+        raise TypeError(f"dtype mismatch: x_nchw is {x_nchw.dtype} but w_kcrs is {w_kcrs.dtype}")
+    N, Ci, H, W = x_nchw.shape
+    Co, Ci_w, R, S = w_kcrs.shape
+    geometry = common.conv_geometry((N, H, W, Ci), (Co, R, S, Ci_w), stride, padding, dilation)
+    x_nchw, w_kcrs = x_nchw.contiguous(), w_kcrs.contiguous()
+    y = torch.empty(N, Co, geometry.out_h, geometry.out_w, device=x_nchw.device, dtype=x_nchw.dtype)
+    tiles = triton.cdiv(geometry.out_h, block[0]) * triton.cdiv(geometry.out_w, block[1])
+    conv2d_nchw_direct_kernel[(tiles, Co, N)](
+        x_nchw, w_kcrs, y, Ci, H, W, Co, geometry.out_h, geometry.out_w,
+        *geometry.stride, *geometry.padding, *geometry.dilation, R, S, block[0], block[1])
+    return y
+
+
+def run_direct_conv(N=2, Ci=3, H=13, W=11, Co=4, R=3, S=3, stride=1, padding=1, dilation=1,
+                    dtype=torch.float32, verbose=True):
+    x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, dtype)
+    y = conv2d_nchw_direct(x_nhwc.permute(0, 3, 1, 2), w.permute(0, 3, 1, 2), stride, padding, dilation)
+    expected = common.reference_conv2d_nhwc(x_nhwc, w, None, stride, padding, dilation)
+    common.assert_close_to_reference(y.permute(0, 2, 3, 1), expected, dtype=dtype, K=Ci * R * S)
+    if verbose:
+        geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding, dilation)
+        print(f"direct NCHW conv, {geometry.describe()}: matches torch.nn.functional.conv2d")
+    return y
+
+
+@pytest.mark.parametrize("N, Ci, H, W, Co", [(1, 1, 9, 9, 1), (2, 3, 13, 11, 4), (1, 5, 7, 10, 2)])
+@pytest.mark.parametrize("R, S", [(1, 1), (3, 3), (5, 2), (7, 7)])
+@pytest.mark.parametrize("stride, padding", [(1, 0), (2, 1), (3, 2), ((1, 2), (2, 0))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_direct_conv(N, Ci, H, W, Co, R, S, stride, padding, dtype):
+    if common.conv_output_size(H, R, common.pair(stride, "stride", 1)[0],
+                               common.pair(padding, "padding", 0)[0], 1) <= 0 or \
+            common.conv_output_size(W, S, common.pair(stride, "stride", 1)[1],
+                                    common.pair(padding, "padding", 0)[1], 1) <= 0:
+        pytest.skip("filter larger than the padded input: no output")
+    run_direct_conv(N, Ci, H, W, Co, R, S, stride, padding, 1, dtype, verbose=False)
+
+
+def test_direct_conv_dilation():
+    run_direct_conv(N=1, Ci=2, H=12, W=9, Co=3, R=3, S=2, stride=1, padding=(2, 1), dilation=(2, 3),
+                    verbose=False)
+
+
+@pytest.mark.parametrize("bad_call, error, message", [
+    (lambda x, w: conv2d_nchw_direct(x.double(), w.double()), TypeError, "dtype"),
+    (lambda x, w: conv2d_nchw_direct(x, w.half()), TypeError, "mismatch"),
+    (lambda x, w: conv2d_nchw_direct(x[0], w), ValueError, "rank 4"),
+    (lambda x, w: conv2d_nchw_direct(x, w[:, :2]), ValueError, "channel mismatch"),
+    (lambda x, w: conv2d_nchw_direct(x, w, stride=0), ValueError, "stride"),
+    (lambda x, w: conv2d_nchw_direct(x, w, padding=-1), ValueError, "padding"),
+    (lambda x, w: conv2d_nchw_direct(x[:, :, :2, :2], w), ValueError, "empty output"),
+])
+def test_direct_conv_rejects_bad_input(bad_call, error, message):
+    x = torch.randn(1, 3, 8, 8, device=common.device())
+    w = torch.randn(4, 3, 3, 3, device=common.device())
+    with pytest.raises(error, match=message):
+        bad_call(x, w)
+
+
+# %%
+# What the direct kernel loads, and what it needs
+# -----------------------------------------------
+# A program's tile of BLOCK_H x BLOCK_W outputs needs only the input pixels under the union of its
+# windows: ((BLOCK_H-1)*stride + R) x ((BLOCK_W-1)*stride + S) of them per channel. But it loads a
+# full shifted tile per tap: R*S*BLOCK_H*BLOCK_W. For a 32x32 tile and a 3x3 filter that is
+# 9 x 32 x 32 = 9216 loads for 34 x 34 = 1156 distinct pixels: each one is fetched ~8 times.
+# Caches absorb part of it, but every load is still an instruction and a register, and nothing
+# here uses tensor cores. Below we count it by listing the addresses the kernel's loads touch.
+
+
+def count_tile_loads(tile_h, tile_w, R, S, stride=1, dilation=1):
+    """Return (loads issued, distinct input pixels) for one output tile and one channel.
+
+    Lists every (row, col) the kernel's tap loop reads for the tile and counts them; nothing is
+    taken from the closed form, which the test compares against."""
+    rows = torch.arange(tile_h)[:, None] * stride
+    cols = torch.arange(tile_w)[None, :] * stride
+    addresses = []
+    for r, s in itertools.product(range(R), range(S)):
+        tap_rows = (rows + r * dilation).expand(tile_h, tile_w)
+        tap_cols = (cols + s * dilation).expand(tile_h, tile_w)
+        addresses.append(tap_rows * 100_000 + tap_cols)   # one number per (row, col)
+    addresses = torch.cat([a.flatten() for a in addresses])
+    return addresses.numel(), torch.unique(addresses).numel()
+
+
+def run_load_count(outdir=None, verbose=True):
+    issued, unique = count_tile_loads(32, 32, 3, 3)
+    if verbose:
+        print(f"32x32 tile, 3x3 filter: {issued} loads issued for {unique} distinct input pixels "
+              f"({issued / unique:.1f}x)")
+    filter_sizes = [1, 2, 3, 5, 7]
+    tile_sizes = [8, 16, 32, 64]
+    ratios = {tile: [count_tile_loads(tile, tile, f, f)[0] / count_tile_loads(tile, tile, f, f)[1]
+                     for f in filter_sizes] for tile in tile_sizes}
+    if outdir is not None:
+        fig, ax = common.new_figure(figsize=(7, 4.5))
+        for tile in tile_sizes:
+            ax.plot(filter_sizes, ratios[tile], marker="o", label=f"{tile}x{tile} output tile")
+        ax.plot(filter_sizes, [f * f for f in filter_sizes], "k--", lw=1, label="R*S (limit for huge tiles)")
+        ax.set_xlabel("filter size R = S")
+        ax.set_ylabel("input loads issued / distinct input pixels needed")
+        ax.set_title("Direct convolution re-loads each input pixel about R*S times\n"
+                     "(scalar-filter kernel, one channel, stride 1)")
+        ax.set_xticks(filter_sizes)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        common.save_figure(fig, outdir, "01_load_redundancy",
+                           {"filter_sizes": filter_sizes, "ratio_by_tile": ratios})
+    return issued, unique, ratios
+
+
+def test_load_count():
+    issued, unique, ratios = run_load_count(verbose=False)
+    assert (issued, unique) == (9 * 32 * 32, 34 * 34)
+    # Against the closed form: with stride 1 (and a tile at least as wide as the dilation) the
+    # windows overlap into one dense block of (tile-1) + dil*(R-1) + 1 pixels per side.
+    for tile, R, dil in [(8, 3, 1), (16, 5, 1), (4, 3, 2), (8, 1, 1), (8, 7, 3)]:
+        span = (tile - 1) + dil * (R - 1) + 1
+        assert count_tile_loads(tile, tile, R, R, 1, dil) == (R * R * tile * tile, span * span)
+    # With stride 2 and a 1x1 filter nothing is shared: every load is a distinct pixel.
+    assert count_tile_loads(8, 8, 1, 1, stride=2) == (64, 64)
+
+
+# %%
+if __name__ == "__main__":
+    args = common.lesson_args("Lesson 01: the sliding window and a scalar-filter Triton conv")
+    outdir = common.output_dir(args.outdir)
+    print(f"device: {common.gpu_name()}, Triton {triton.__version__}, "
+          f"interpreter: {common.interpreter_mode()}")
+    run_sliding_window_example()
+    run_scalar_filter()
+    run_direct_conv()
+    run_direct_conv(N=2, Ci=3, H=20, W=17, Co=5, R=5, S=5, stride=2, padding=2, dtype=torch.float16)
+    run_load_count(outdir)
+    print("lesson 01: all checks passed")

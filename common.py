@@ -1,0 +1,500 @@
+"""Shared machinery for the convolution tutorial series.
+
+Every lesson imports this module plainly (``import common``). It holds what more than one lesson
+needs, so no lesson copies a helper from another.
+
+Naming key, used everywhere in the series
+-----------------------------------------
+- Activations are NHWC: ``[N, H, W, Ci]`` (batch, height, width, input channels).
+- Weights are ``[Co, R, S, Ci]``: output channels, filter height R, filter width S, input channels.
+- The output is NHWC ``[N, out_h, out_w, Co]``.
+- stride, padding and dilation are ``(h, w)`` pairs; an int means the same value for both.
+- The GEMM view of a convolution: ``M = N * out_h * out_w`` rows (one per output pixel),
+  ``N_GEMM = Co`` columns, and a reduction of ``K = R * S * Ci``, ordered (r, s, ci) with ci fastest.
+- FLOPs of one convolution: ``2 * N * out_h * out_w * Co * Ci * R * S``.
+
+What is in here
+---------------
+- Environment: CUDA present, exact GPU generation (Hopper = sm_90, Blackwell = sm_100/sm_103),
+  interpreter mode. Importing this module on a machine without a CUDA GPU turns on the Triton
+  interpreter (``TRITON_INTERPRET=1``) before Triton is imported, so plain Triton kernels run on the CPU.
+- Convolution geometry and input validation with clear errors.
+- A reference convolution for NHWC tensors (``torch.nn.functional.conv2d`` in fp32).
+- A TFLOPS benchmark helper on ``triton.testing.do_bench`` and a cuDNN baseline.
+- A plot helper (matplotlib, Agg backend, one output folder).
+- An ahead-of-time compiler: builds a Gluon or Triton kernel for sm_90 or sm_100 on a machine with
+  no GPU and returns its PTX, so CPU tests can check the instructions a GPU lesson relies on.
+- A loader for the numbered lesson files (their names start with digits and hold dashes).
+- (Lessons 03-05) the TMA im2col descriptor settings of a convolution and the MMA abstraction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent
+
+# %% Environment ---------------------------------------------------------------------------------
+# Decide on the interpreter before Triton is imported: `triton.jit` reads TRITON_INTERPRET when a
+# kernel is decorated. The ahead-of-time compiler's child process sets CONV_TUTORIAL_AOT=1 to keep
+# real (compilable) kernels even though it has no GPU.
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA and os.environ.get("CONV_TUTORIAL_AOT") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402  (must come after the interpreter decision above)
+
+MIN_TRITON = (3, 8)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+TRITON_VERSION = _version_tuple(triton.__version__)
+if TRITON_VERSION[:2] < MIN_TRITON:
+    raise ImportError(
+        f"this series needs Triton >= {MIN_TRITON[0]}.{MIN_TRITON[1]} (the first release with "
+        f"TensorDescriptorIm2Col, the TMA im2col descriptor of lessons 03-05), but Triton "
+        f"{triton.__version__} is installed. Run the README's commands, which install it, or "
+        f"`pip install -r requirements.txt`.")
+
+
+def interpreter_mode() -> bool:
+    """True when plain Triton kernels run on the CPU through the Triton interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def device() -> str:
+    """Where lessons put their tensors: "cuda" on a GPU machine, "cpu" under the interpreter."""
+    return "cuda" if HAS_CUDA else "cpu"
+
+
+def capability() -> tuple[int, int] | None:
+    """The CUDA compute capability of the current GPU, or None without one."""
+    return torch.cuda.get_device_capability() if HAS_CUDA else None
+
+
+def is_hopper() -> bool:
+    """Exactly sm_90 (H100, H200): WGMMA and TMA. Not a `>= 9` test: sm_120 is not Hopper."""
+    return capability() == (9, 0)
+
+
+def is_blackwell() -> bool:
+    """Data-centre Blackwell (sm_100, sm_103): tcgen05 and tensor memory. Consumer sm_120 has neither."""
+    cap = capability()
+    return cap is not None and cap[0] == 10
+
+
+def has_tma_mma_gpu() -> bool:
+    """A GPU the Gluon lessons (03-05) run on: Hopper or data-centre Blackwell."""
+    return is_hopper() or is_blackwell()
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name() if HAS_CUDA else "no GPU (CPU)"
+
+
+GLUON_SKIP_REASON = (
+    "needs an NVIDIA Hopper (sm_90) or data-centre Blackwell (sm_100) GPU; this machine has "
+    + ("a GPU of capability %s" % (capability(),) if HAS_CUDA else "no CUDA GPU"))
+CUDA_SKIP_REASON = "needs a CUDA GPU (timing and GPU-only comparisons)"
+
+
+def require_tma_mma_gpu(what: str) -> tuple[int, int]:
+    """Raise a clear error unless a Hopper or Blackwell GPU is present; return its capability."""
+    cap = capability()
+    if cap is None:
+        raise RuntimeError(f"{what} needs an NVIDIA GPU of capability 9.0 (Hopper) or 10.x "
+                           f"(Blackwell); no CUDA GPU is present")
+    if not has_tma_mma_gpu():
+        raise RuntimeError(f"{what} needs an NVIDIA GPU of capability 9.0 (Hopper) or 10.x "
+                           f"(data-centre Blackwell); this GPU ({gpu_name()}) has capability "
+                           f"{cap[0]}.{cap[1]}")
+    return cap
+
+
+def versions() -> dict:
+    """Versions and device for data files and plot titles."""
+    info = {"device": gpu_name(), "torch": torch.__version__, "triton": triton.__version__}
+    if HAS_CUDA:
+        info["capability"] = "%d.%d" % capability()
+        info["cudnn"] = torch.backends.cudnn.version()
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+# %% Convolution geometry and validation ---------------------------------------------------------
+
+
+def pair(value, name: str, minimum: int) -> tuple[int, int]:
+    """Turn an int or an (h, w) pair into a validated (h, w) tuple of ints >= minimum."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or a pair of ints (h, w), got {value!r}")
+    if isinstance(value, int):
+        value = (value, value)
+    if not isinstance(value, (tuple, list)) or len(value) != 2 or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise TypeError(f"{name} must be an int or a pair of ints (h, w), got {value!r}")
+    if min(value) < minimum:
+        kind = "positive" if minimum == 1 else "non-negative"
+        raise ValueError(f"{name} must be {kind} (each value >= {minimum}), got {tuple(value)}")
+    return int(value[0]), int(value[1])
+
+
+def conv_output_size(size: int, filter_size: int, stride: int, padding: int, dilation: int) -> int:
+    """Output length along one axis: floor((size + 2*padding - dilation*(filter-1) - 1) / stride) + 1.
+
+    May be <= 0 for a filter larger than the padded input; callers reject that."""
+    return (size + 2 * padding - dilation * (filter_size - 1) - 1) // stride + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvGeometry:
+    """Everything about one convolution's shape, in the series' naming key."""
+    N: int
+    H: int
+    W: int
+    Ci: int
+    Co: int
+    R: int
+    S: int
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+    out_h: int
+    out_w: int
+
+    @property
+    def M(self) -> int:
+        return self.N * self.out_h * self.out_w
+
+    @property
+    def N_GEMM(self) -> int:
+        return self.Co
+
+    @property
+    def K(self) -> int:
+        return self.R * self.S * self.Ci
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.M * self.Co * self.K
+
+    def describe(self) -> str:
+        def hw(p):
+            return str(p[0]) if p[0] == p[1] else f"{p[0]}x{p[1]}"
+        text = (f"N={self.N} {self.H}x{self.W} Ci={self.Ci} -> Co={self.Co}, {self.R}x{self.S}, "
+                f"stride {hw(self.stride)}, pad {hw(self.padding)}")
+        return text + (f", dil {hw(self.dilation)}" if self.dilation != (1, 1) else "")
+
+
+def conv_geometry(x_shape, w_shape, stride=1, padding=0, dilation=1) -> ConvGeometry:
+    """Validate shapes and hyper-parameters of an NHWC x [Co,R,S,Ci] convolution; return its geometry."""
+    if len(x_shape) != 4:
+        raise ValueError(f"x_nhwc must have rank 4 [N, H, W, Ci], got shape {tuple(x_shape)}")
+    if len(w_shape) != 4:
+        raise ValueError(f"w must have rank 4 [Co, R, S, Ci], got shape {tuple(w_shape)}")
+    N, H, W, Ci = (int(v) for v in x_shape)
+    Co, R, S, Ci_w = (int(v) for v in w_shape)
+    if Ci != Ci_w:
+        raise ValueError(f"channel mismatch: x_nhwc has Ci={Ci} channels but w [Co, R, S, Ci] "
+                         f"has Ci={Ci_w}")
+    for name, value in (("N", N), ("H", H), ("W", W), ("Ci", Ci), ("Co", Co), ("R", R), ("S", S)):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {name}={value} "
+                             f"(x_nhwc {tuple(x_shape)}, w {tuple(w_shape)})")
+    stride = pair(stride, "stride", 1)
+    padding = pair(padding, "padding", 0)
+    dilation = pair(dilation, "dilation", 1)
+    out_h = conv_output_size(H, R, stride[0], padding[0], dilation[0])
+    out_w = conv_output_size(W, S, stride[1], padding[1], dilation[1])
+    if out_h <= 0 or out_w <= 0:
+        raise ValueError(
+            f"empty output: out_h={out_h}, out_w={out_w} for an input of {H}x{W} with a {R}x{S} "
+            f"filter, stride {stride}, padding {padding}, dilation {dilation}; the dilated filter "
+            f"({dilation[0] * (R - 1) + 1}x{dilation[1] * (S - 1) + 1}) must fit in the padded "
+            f"input ({H + 2 * padding[0]}x{W + 2 * padding[1]})")
+    return ConvGeometry(N, H, W, Ci, Co, R, S, stride, padding, dilation, out_h, out_w)
+
+
+def check_conv_inputs(x_nhwc, w, stride=1, padding=0, dilation=1, *, dtypes, bias=None,
+                      need_cuda=False) -> ConvGeometry:
+    """Validate the tensors of a convolution entry point and return its geometry.
+
+    `dtypes` lists the accepted dtypes. Errors name the argument, the value and what is allowed."""
+    for name, t in (("x_nhwc", x_nhwc), ("w", w)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+    if x_nhwc.dtype not in dtypes:
+        raise TypeError(f"x_nhwc has dtype {x_nhwc.dtype}; allowed: {allowed}")
+    if w.dtype != x_nhwc.dtype:
+        raise TypeError(f"dtype mismatch: x_nhwc is {x_nhwc.dtype} but w is {w.dtype}; "
+                        f"both must have the same dtype ({allowed})")
+    geometry = conv_geometry(x_nhwc.shape, w.shape, stride, padding, dilation)
+    if x_nhwc.device != w.device:
+        raise ValueError(f"x_nhwc is on {x_nhwc.device} but w is on {w.device}; use one device")
+    if need_cuda and x_nhwc.device.type != "cuda":
+        raise ValueError(f"x_nhwc is on {x_nhwc.device}; this kernel runs on a CUDA GPU, "
+                         f"move the tensors with .cuda()")
+    if not x_nhwc.is_contiguous():
+        raise ValueError(
+            f"x_nhwc must be a contiguous NHWC tensor [N, H, W, Ci], got strides {x_nhwc.stride()} "
+            f"for shape {tuple(x_nhwc.shape)}; an NCHW tensor x becomes NHWC with "
+            f"x.permute(0, 2, 3, 1).contiguous()")
+    if not w.is_contiguous():
+        raise ValueError(f"w must be a contiguous [Co, R, S, Ci] tensor, got strides {w.stride()} "
+                         f"for shape {tuple(w.shape)}; a [Co, Ci, R, S] weight becomes "
+                         f"[Co, R, S, Ci] with w.permute(0, 2, 3, 1).contiguous()")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if bias.shape != (geometry.Co,):
+            raise ValueError(f"bias must have shape [Co]=({geometry.Co},), got {tuple(bias.shape)}")
+        if bias.device != x_nhwc.device:
+            raise ValueError(f"bias is on {bias.device} but x_nhwc is on {x_nhwc.device}")
+        if not bias.dtype.is_floating_point:
+            raise TypeError(f"bias must be a floating-point tensor, got {bias.dtype}")
+    return geometry
+
+
+# %% Reference convolution ------------------------------------------------------------------------
+
+
+def reference_conv2d_nhwc(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1,
+                          out_dtype=None):
+    """The ground truth of the series: torch.nn.functional.conv2d, computed in fp32.
+
+    Takes NHWC input and a [Co, R, S, Ci] weight, returns NHWC. The math runs in fp32 on the inputs'
+    device whatever their dtype, so fp16/bf16 kernels are compared with a more precise answer; the
+    result is cast to `out_dtype` (default: the input dtype)."""
+    stride, padding, dilation = (pair(stride, "stride", 1), pair(padding, "padding", 0),
+                                 pair(dilation, "dilation", 1))
+    x_nchw = x_nhwc.permute(0, 3, 1, 2).float()
+    w_kcrs = w.permute(0, 3, 1, 2).float()
+    out = torch.nn.functional.conv2d(x_nchw, w_kcrs, None if bias is None else bias.float(),
+                                     stride=stride, padding=padding, dilation=dilation)
+    return out.permute(0, 2, 3, 1).to(out_dtype or x_nhwc.dtype).contiguous()
+
+
+def random_conv_inputs(N, H, W, Ci, Co, R, S, dtype=torch.float16, device_name=None, seed=0):
+    """Random NHWC input and [Co, R, S, Ci] weight, scaled so outputs stay near unit size."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(N, H, W, Ci, generator=generator)
+    w = torch.randn(Co, R, S, Ci, generator=generator) / math.sqrt(R * S * Ci)
+    target = device_name or device()
+    return x.to(target, dtype), w.to(target, dtype)
+
+
+def assert_close_to_reference(out, expected, *, dtype, K):
+    """Compare a kernel's NHWC output with the fp32 reference, with a tolerance that says why.
+
+    fp32 inputs on the CPU interpreter are exact up to summation order: 1e-4. fp16 keeps 11 bits of
+    mantissa: each product is exact in the fp32 accumulator, and the final rounding to fp16 costs
+    half an ulp (~5e-4 relative), so 2e-3 leaves room. bf16 keeps 8 bits (~4e-3 relative per
+    rounding): 2e-2. The absolute part scales with sqrt(K), the growth of a random sum."""
+    rtol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    atol = rtol * max(1.0, math.sqrt(K) / 8)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+# %% Benchmarks -------------------------------------------------------------------------------------
+
+
+def bench_tflops(fn, flops: int, warmup_ms: int = 25, rep_ms: int = 100) -> dict:
+    """Median TFLOPS of `fn` (with 20th/80th percentiles) from triton.testing.do_bench.
+
+    do_bench times with CUDA events, clears the L2 cache before every call (so each run reads its
+    operands from HBM) and includes the launch overhead of whatever `fn` launches."""
+    ms_median, ms_p20, ms_p80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms,
+                                                        quantiles=[0.5, 0.2, 0.8])
+    to_tflops = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
+    return {"ms": ms_median, "tflops": to_tflops(ms_median),
+            # a shorter time is a higher rate: the 20th percentile of time is the 80th of TFLOPS
+            "tflops_p80": to_tflops(ms_p20), "tflops_p20": to_tflops(ms_p80)}
+
+
+def cudnn_conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1):
+    """Return a closure running cuDNN on the same data, in channels_last memory format.
+
+    An NHWC tensor permuted to NCHW *is* a channels_last tensor: no copy is made, and cuDNN sees
+    exactly the bytes our kernels read."""
+    x_nchw = x_nhwc.permute(0, 3, 1, 2)
+    w_kcrs = w.permute(0, 3, 1, 2)
+    assert x_nchw.is_contiguous(memory_format=torch.channels_last)
+    stride, padding, dilation = (pair(stride, "stride", 1), pair(padding, "padding", 0),
+                                 pair(dilation, "dilation", 1))
+    return lambda: torch.nn.functional.conv2d(x_nchw, w_kcrs, bias, stride, padding, dilation)
+
+
+# Shapes used by the benchmarks of lessons 02 and 05: (label, N, H, W, Ci, Co, R, S, stride, padding)
+HEADLINE_SHAPE = ("headline 64x64 384->384 3x3", 128, 64, 64, 384, 384, 3, 3, 1, 1)
+RESNET50_3X3_SHAPES = [
+    ("RN50 56x56 64->64 3x3", 128, 56, 56, 64, 64, 3, 3, 1, 1),
+    ("RN50 28x28 128->128 3x3", 128, 28, 28, 128, 128, 3, 3, 1, 1),
+    ("RN50 14x14 256->256 3x3", 128, 14, 14, 256, 256, 3, 3, 1, 1),
+    ("RN50 7x7 512->512 3x3", 128, 7, 7, 512, 512, 3, 3, 1, 1),
+]
+
+
+# %% Plots and output folder --------------------------------------------------------------------------
+
+
+def output_dir(path=None, announce=True) -> Path:
+    """The one folder where the series writes plots and data: --outdir, $CONV_TUTORIAL_OUT or ./out."""
+    folder = Path(path or os.environ.get("CONV_TUTORIAL_OUT") or REPO_ROOT / "out").resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    if announce:
+        print(f"[output] plots and data go to {folder}")
+    return folder
+
+
+def new_figure(*args, **kwargs):
+    """A matplotlib figure drawn with the Agg backend (no display needed)."""
+    import matplotlib
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    return plt.subplots(*args, **kwargs)
+
+
+def save_figure(fig, outdir, name: str, data=None) -> Path:
+    """Save `fig` as outdir/name.png (and `data` as name.json beside it); print and return the path."""
+    import matplotlib.pyplot as plt
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    path = outdir / f"{name}.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    if data is not None:
+        (outdir / f"{name}.json").write_text(json.dumps(data, indent=2, default=str))
+    print(f"[plot] {path}")
+    return path
+
+
+def lesson_args(description: str, argv=None):
+    """The small command line every lesson shares: --bench, --outdir, --quick."""
+    import argparse
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--bench", action="store_true", help="run the GPU benchmark (needs a GPU)")
+    parser.add_argument("--outdir", default=None, help="folder for plots and data (default ./out)")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes, for a fast look")
+    return parser.parse_args(argv)
+
+
+# %% Loading lessons -------------------------------------------------------------------------------
+
+
+def load_lesson(stem: str):
+    """Import a numbered lesson (e.g. "02-im2col-explicit") as a module, once per process.
+
+    Lesson files start with digits and hold dashes, so `import` cannot name them. Importing a lesson
+    has no side effects beyond defining its kernels and functions."""
+    path = REPO_ROOT / f"{stem}.py"
+    if not path.exists():
+        raise FileNotFoundError(f"no lesson file {path}")
+    for module in list(sys.modules.values()):
+        if getattr(module, "__file__", None) and Path(module.__file__).resolve() == path:
+            return module
+    module_name = "lesson_" + stem.replace("-", "_")
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# %% Ahead-of-time compilation for a GPU target on a machine without one --------------------------
+
+ARCHS = {"sm_90": 90, "sm_100": 100}
+
+
+def compile_kernel_for_target(kernel, args, kwargs, arch: str):
+    """Compile `kernel` (Gluon or Triton) for `arch` ("sm_90" or "sm_100") without a GPU.
+
+    `args`/`kwargs` are what a launch would get (CPU tensors and host TensorDescriptor objects are
+    fine; launch options like num_warps go in kwargs). Returns the CompiledKernel, whose
+    `.asm["ptx"]` holds the PTX and `.metadata.shared` the shared memory a launch needs.
+    These are Triton-internal APIs: keep every use behind this one function."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
+    target = GPUTarget("cuda", ARCHS[arch], 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args,
+                                                              specialization, options)
+    try:
+        from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+        is_gluon = isinstance(kernel, GluonJITFunction)
+    except ImportError:  # pragma: no cover - Triton without Gluon
+        is_gluon = False
+    source_cls = GluonASTSource if is_gluon else ASTSource
+    return triton.compile(source_cls(kernel, signature, constexprs, attrs), target=target,
+                          options=options.__dict__)
+
+
+def _aot_child(stem: str, builder: str, arch: str, params_json: str) -> None:
+    """Runs in the subprocess: build the kernel's launch arguments and print PTX + metadata as JSON."""
+    module = load_lesson(stem) if stem != "common" else sys.modules[__name__]
+    kernel, args, kwargs = getattr(module, builder)(arch=arch, **json.loads(params_json))
+    compiled = compile_kernel_for_target(kernel, args, kwargs, arch)
+    meta = compiled.metadata
+    print("AOT-JSON:" + json.dumps({"ptx": compiled.asm["ptx"], "shared": meta.shared,
+                                    "tmem_size": getattr(meta, "tmem_size", 0),
+                                    "num_warps": meta.num_warps}))
+
+
+@functools.lru_cache(maxsize=None)
+def _aot_cached(stem, builder, arch, params_json):
+    env = dict(os.environ, CONV_TUTORIAL_AOT="1", TRITON_INTERPRET="0",
+               CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+    code = (f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r}); import common; "
+            f"common._aot_child({stem!r}, {builder!r}, {arch!r}, {params_json!r})")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600)
+    for line in proc.stdout.splitlines():
+        if line.startswith("AOT-JSON:"):
+            return json.loads(line[len("AOT-JSON:"):])
+    raise RuntimeError(f"ahead-of-time compile of {stem}.{builder} for {arch} failed "
+                       f"(exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+def aot_compile(stem: str, builder: str, arch: str, **params) -> dict:
+    """Compile a lesson's kernel for `arch` in a fresh subprocess; return {"ptx", "shared", ...}.
+
+    `builder` names a function of the lesson, `builder(arch=..., **params)`, that returns
+    `(kernel, args, kwargs)` built from CPU tensors. A subprocess, because a kernel built for the wrong
+    architecture aborts the whole Python process (an LLVM error, not an exception). Results are
+    cached per process."""
+    return _aot_cached(stem, builder, arch, json.dumps(params, sort_keys=True))
+
+
+def ptx_instructions(ptx: str, prefixes) -> dict:
+    """Count the PTX lines that start with each prefix (e.g. "wgmma.mma_async")."""
+    counts = {prefix: 0 for prefix in prefixes}
+    for line in ptx.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("@"):  # predicated instruction: "@%p1 cp.async..."
+            stripped = stripped.split(None, 1)[-1] if " " in stripped else stripped
+        for prefix in prefixes:
+            if stripped.startswith(prefix):
+                counts[prefix] += 1
+    return counts

@@ -1,0 +1,42 @@
+# Sourced by run_series.sh and run_tests.sh: finds or makes a Python with everything in
+# requirements.txt, exports PY (that interpreter) and picks the Triton interpreter when no GPU is present.
+# Order of preference: $PYTHON if set; a python3 that already satisfies requirements.txt (e.g. a GPU
+# image); otherwise a fresh ./.venv installed from requirements.txt (a CPU build of torch on CPU machines).
+set -euo pipefail
+_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+_satisfies() {
+  "$1" - <<'PY' 2>/dev/null
+import importlib.metadata as md, sys
+def ver(name):
+    return tuple(int(p) for p in md.version(name).split("+")[0].split(".")[:2])
+ok = ver("triton") >= (3, 8) and ver("torch") >= (2, 9)
+for name in ("pytest", "matplotlib", "numpy"):
+    md.version(name)
+sys.exit(0 if ok else 1)
+PY
+}
+if [ -n "${PYTHON:-}" ]; then
+  PY=$PYTHON
+elif [ -x "$_root/.venv/bin/python" ] && _satisfies "$_root/.venv/bin/python"; then
+  PY=$_root/.venv/bin/python
+elif _satisfies "$(command -v python3)"; then
+  PY=$(command -v python3)
+else
+  echo "[setup] creating $_root/.venv and installing requirements.txt (first run only)..."
+  python3 -m venv "$_root/.venv"
+  PY=$_root/.venv/bin/python
+  "$PY" -m pip install -q --upgrade pip
+  if ! command -v nvidia-smi >/dev/null 2>&1; then
+    # No NVIDIA driver: take the CPU build of torch (much smaller than the CUDA build).
+    "$PY" -m pip install -q "torch==2.13.0" || "$PY" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+  fi
+  "$PY" -m pip install -q -r "$_root/requirements.txt"
+fi
+export PY
+export MPLBACKEND=Agg PYTHONUNBUFFERED=1
+# Triton kernels run under the interpreter when there is no CUDA GPU.
+if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  export TRITON_INTERPRET=1
+  echo "[setup] no CUDA GPU: Triton kernels run under TRITON_INTERPRET=1; GPU-only parts are skipped"
+fi
+"$PY" -c "import sys, torch, triton; print('[setup] python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
