@@ -53,6 +53,7 @@ if not HAS_CUDA and os.environ.get("CONV_TUTORIAL_AOT") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402  (must come after the interpreter decision above)
+import triton.language as tl  # noqa: E402
 
 MIN_TRITON = (3, 8)
 
@@ -287,8 +288,10 @@ def reference_conv2d_nhwc(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1,
                                  pair(dilation, "dilation", 1))
     x_nchw = x_nhwc.permute(0, 3, 1, 2).float()
     w_kcrs = w.permute(0, 3, 1, 2).float()
-    out = torch.nn.functional.conv2d(x_nchw, w_kcrs, None if bias is None else bias.float(),
-                                     stride=stride, padding=padding, dilation=dilation)
+    # cuDNN would use TF32 (10-bit mantissa) for fp32 convolutions by default: not a reference.
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        out = torch.nn.functional.conv2d(x_nchw, w_kcrs, None if bias is None else bias.float(),
+                                         stride=stride, padding=padding, dilation=dilation)
     return out.permute(0, 2, 3, 1).to(out_dtype or x_nhwc.dtype).contiguous()
 
 
@@ -336,7 +339,8 @@ def cudnn_conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1):
     exactly the bytes our kernels read."""
     x_nchw = x_nhwc.permute(0, 3, 1, 2)
     w_kcrs = w.permute(0, 3, 1, 2)
-    assert x_nchw.is_contiguous(memory_format=torch.channels_last)
+    if not x_nchw.is_contiguous(memory_format=torch.channels_last):
+        raise ValueError(f"x_nhwc must be a contiguous NHWC tensor, got strides {x_nhwc.stride()}")
     stride, padding, dilation = (pair(stride, "stride", 1), pair(padding, "padding", 0),
                                  pair(dilation, "dilation", 1))
     return lambda: torch.nn.functional.conv2d(x_nchw, w_kcrs, bias, stride, padding, dilation)
@@ -498,3 +502,20 @@ def ptx_instructions(ptx: str, prefixes) -> dict:
             if stripped.startswith(prefix):
                 counts[prefix] += 1
     return counts
+
+
+# %% A Triton building block shared by the plain-Triton lessons ---------------------------------------
+
+INTERPRETED = interpreter_mode()
+
+
+@triton.jit
+def dot_accumulate(a, b, acc, INTERPRETED: tl.constexpr):
+    """acc += a @ b with fp32 accumulation (tensor cores on a GPU).
+
+    Under the CPU interpreter of Triton 3.8, `tl.dot` misreads bf16 operands (it returns garbage of
+    size ~1e10), so there the operands are widened to fp32 first. Both are exact products summed in
+    fp32; on a GPU this branch is compiled away."""
+    if INTERPRETED:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)

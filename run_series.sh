@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Runs the whole series in order, setting up everything on first use (see README.md).
+# Plots and data go to one folder: $CONV_TUTORIAL_OUT, or ./out. Extra arguments go to every lesson
+# (e.g. --bench on a GPU, --quick for a fast look).
+set -euo pipefail
+cd "$(dirname "$0")"
+source scripts/bootstrap.sh
+export CONV_TUTORIAL_OUT=${CONV_TUTORIAL_OUT:-$PWD/out}
+echo "[series] plots and data go to $CONV_TUTORIAL_OUT"
+for lesson in [0-9][0-9]-*.py; do
+  echo; echo "================ $lesson ================"
+  "$PY" "$lesson" --outdir "$CONV_TUTORIAL_OUT" "$@"
+done
+echo; echo "[series] done; plots and data are in $CONV_TUTORIAL_OUT"
