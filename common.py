@@ -519,3 +519,101 @@ def dot_accumulate(a, b, acc, INTERPRETED: tl.constexpr):
     if INTERPRETED:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     return tl.dot(a, b, acc)
+
+
+# %% TMA im2col: descriptor limits and the settings of a convolution (lessons 03-05) ---------------
+
+# Limits of an NHWC (rank-4) im2col tensor map, as cuTensorMapEncodeIm2col and Triton's host
+# descriptor check them: corners are signed 8-bit for rank 4, traversal strides are 1..8, the box
+# has at most 1024 pixels and 256 channels, and every row of the tensor must be 16-byte aligned.
+IM2COL_CORNER_RANGE = (-128, 127)
+IM2COL_MAX_ELEMENT_STRIDE = 8
+IM2COL_MAX_PIXELS = 1024
+IM2COL_MAX_CHANNELS = 256
+
+
+def _is_power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+def validate_im2col_settings(shape, element_size, block_pixels, block_channels,
+                             pixel_box_lower_corner, pixel_box_upper_corner, element_strides):
+    """Raise a clear ValueError for descriptor settings the hardware (or Triton) would reject."""
+    if len(shape) != 4:
+        raise ValueError(f"the im2col tensor must be NHWC of rank 4, got shape {tuple(shape)} "
+                         f"(rank {len(shape)})")
+    channels = shape[-1]
+    if channels * element_size % 16:
+        raise ValueError(
+            f"misaligned channel stride: each pixel holds Ci={channels} channels of {element_size} "
+            f"bytes = {channels * element_size} bytes, but TMA needs a multiple of 16 bytes "
+            f"(pad Ci to a multiple of {16 // math.gcd(16, element_size)})")
+    if not _is_power_of_two(block_pixels) or block_pixels > IM2COL_MAX_PIXELS:
+        raise ValueError(f"block_pixels must be a power of two <= {IM2COL_MAX_PIXELS}, got {block_pixels}")
+    if not _is_power_of_two(block_channels) or block_channels > IM2COL_MAX_CHANNELS:
+        raise ValueError(f"block_channels must be a power of two <= {IM2COL_MAX_CHANNELS}, "
+                         f"got {block_channels}")
+    if block_channels * element_size % 16:
+        raise ValueError(f"block_channels * element size must be a multiple of 16 bytes, got "
+                         f"{block_channels} x {element_size} bytes")
+    for name, corner in (("pixel_box_lower_corner", pixel_box_lower_corner),
+                         ("pixel_box_upper_corner", pixel_box_upper_corner)):
+        if len(corner) != 2:
+            raise ValueError(f"{name} must have 2 entries [h, w] for an NHWC tensor, got {list(corner)}")
+        low, high = IM2COL_CORNER_RANGE
+        if not all(low <= v <= high for v in corner):
+            raise ValueError(f"{name} entries must lie in [{low}, {high}] for a rank-4 tensor, "
+                             f"got {list(corner)}")
+    if len(element_strides) != 4 or element_strides[-1] != 1 or not all(
+            1 <= v <= IM2COL_MAX_ELEMENT_STRIDE for v in element_strides):
+        raise ValueError(f"element_strides must be 4 values in [1, {IM2COL_MAX_ELEMENT_STRIDE}] "
+                         f"with the last (channels) equal to 1, got {list(element_strides)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvIm2ColSettings:
+    """How a convolution maps onto TMA im2col: one descriptor, a start coordinate per M-tile, and
+    one offset pair per filter tap.
+
+    - element_strides = [1, sh, sw, 1]: consecutive pixels of a tile are one conv stride apart.
+    - pixel_box_lower_corner = [-ph, -pw]: the window starts in the padding.
+    - pixel_box_upper_corner = [(out_h-1)*sh - ph - (H-1), ...]: the window's last row/column is
+      the top-left tap of the last output pixel, so each image's window holds exactly out_h x out_w
+      pixels and the walk moves on to the next image right after.
+    - a tile starting at output row m0 = (n, oy, ox) starts at [n, oy*sh - ph, ox*sw - pw, c0];
+    - tap (r, s) adds offsets [r*dh, s*dw]: the same window, shifted onto that tap's pixels."""
+    geometry: ConvGeometry
+    element_strides: tuple
+    pixel_box_lower_corner: tuple
+    pixel_box_upper_corner: tuple
+
+    def start_coord(self, m0: int, c0: int = 0):
+        g = self.geometry
+        n, rest = divmod(m0, g.out_h * g.out_w)
+        oy, ox = divmod(rest, g.out_w)
+        return [n, oy * g.stride[0] - g.padding[0], ox * g.stride[1] - g.padding[1], c0]
+
+    def tap_offsets(self, r: int, s: int):
+        return [r * self.geometry.dilation[0], s * self.geometry.dilation[1]]
+
+
+def conv_im2col_settings(geometry: ConvGeometry) -> ConvIm2ColSettings:
+    """The TMA im2col descriptor settings of a convolution, checked against the descriptor limits."""
+    g = geometry
+    upper = tuple((o - 1) * st - p - (size - 1)
+                  for o, st, p, size in ((g.out_h, g.stride[0], g.padding[0], g.H),
+                                         (g.out_w, g.stride[1], g.padding[1], g.W)))
+    lower = (-g.padding[0], -g.padding[1])
+    low, high = IM2COL_CORNER_RANGE
+    for name, corner in (("padding", lower), ("image and filter size", upper)):
+        if not all(low <= v <= high for v in corner):
+            raise ValueError(f"this convolution ({g.describe()}) needs pixel-box corners {list(corner)} "
+                             f"(from its {name}), outside the [{low}, {high}] a rank-4 TMA im2col "
+                             f"descriptor can encode")
+    if max(g.stride) > IM2COL_MAX_ELEMENT_STRIDE:
+        raise ValueError(f"stride {g.stride} exceeds the TMA im2col traversal stride limit of "
+                         f"{IM2COL_MAX_ELEMENT_STRIDE}")
+    max_offset = max(g.dilation[0] * (g.R - 1), g.dilation[1] * (g.S - 1))
+    if max_offset > 2 ** 15 - 1:
+        raise ValueError(f"filter taps reach offset {max_offset}; im2col offsets are 16-bit")
+    return ConvIm2ColSettings(g, (1, g.stride[0], g.stride[1], 1), lower, upper)
