@@ -250,9 +250,6 @@ def check_conv_inputs(x_nhwc, w, stride=1, padding=0, dilation=1, *, dtypes, bia
     geometry = conv_geometry(x_nhwc.shape, w.shape, stride, padding, dilation)
     if x_nhwc.device != w.device:
         raise ValueError(f"x_nhwc is on {x_nhwc.device} but w is on {w.device}; use one device")
-    if need_cuda and x_nhwc.device.type != "cuda":
-        raise ValueError(f"x_nhwc is on {x_nhwc.device}; this kernel runs on a CUDA GPU, "
-                         f"move the tensors with .cuda()")
     if not x_nhwc.is_contiguous():
         raise ValueError(
             f"x_nhwc must be a contiguous NHWC tensor [N, H, W, Ci], got strides {x_nhwc.stride()} "
@@ -271,6 +268,9 @@ def check_conv_inputs(x_nhwc, w, stride=1, padding=0, dilation=1, *, dtypes, bia
             raise ValueError(f"bias is on {bias.device} but x_nhwc is on {x_nhwc.device}")
         if not bias.dtype.is_floating_point:
             raise TypeError(f"bias must be a floating-point tensor, got {bias.dtype}")
+    if need_cuda and x_nhwc.device.type != "cuda":
+        raise ValueError(f"x_nhwc is on {x_nhwc.device}; this kernel runs on a CUDA GPU, "
+                         f"move the tensors with .cuda()")
     return geometry
 
 
@@ -617,3 +617,193 @@ def conv_im2col_settings(geometry: ConvGeometry) -> ConvIm2ColSettings:
     if max_offset > 2 ** 15 - 1:
         raise ValueError(f"filter taps reach offset {max_offset}; im2col offsets are 16-bit")
     return ConvIm2ColSettings(g, (1, g.stride[0], g.stride[1], 1), lower, upper)
+
+
+def pad_channels_for_tma(x_nhwc, w):
+    """Zero-pad Ci so each pixel's channels span a multiple of 16 bytes, as TMA requires.
+
+    Returns (x_nhwc, w, Ci_padded). Zero channels add zero products, so the convolution is unchanged;
+    the copy costs one pass over the input and happens only when Ci is misaligned (e.g. Ci=3)."""
+    lanes = 16 // x_nhwc.element_size()
+    Ci = x_nhwc.shape[-1]
+    Ci_padded = -(-Ci // lanes) * lanes
+    if Ci_padded == Ci:
+        return x_nhwc, w, Ci
+    pad = (0, Ci_padded - Ci)
+    return (torch.nn.functional.pad(x_nhwc, pad).contiguous(),
+            torch.nn.functional.pad(w, pad).contiguous(), Ci_padded)
+
+
+# %% The MMA abstraction (lessons 04-05) -------------------------------------------------------------
+# An asynchronous tile MMA with an fp32 accumulator, behind one interface:
+#
+#     mma = Impl.initialize(dtype, BLOCK_M, BLOCK_N, num_warps)    # zeroed accumulator
+#     mma = mma.issue_async_mma(a_smem, b_smem)                    # acc += A @ B, returns at once
+#     mma = mma.wait_num_outstanding(k)                            # until <= k MMAs are in flight
+#     acc, mma = mma.take_result()                                 # fp32 tile in registers; reset
+#
+# Gluon aggregates are immutable values, so every call returns the new state: `mma = mma.f(...)`.
+#
+# Where the two architectures differ, and why the kernel above need not care:
+# - Hopper (sm_90) WGMMA: the accumulator lives in the *registers* of the warpgroup(s) that issue
+#   the MMA (so num_warps is a multiple of 4 and BLOCK_M a multiple of 64). Completion is tracked
+#   by `warpgroup_mma_wait(k)`, which blocks until at most k issued groups are pending.
+# - Blackwell (sm_100) tcgen05: the accumulator lives in *tensor memory* (TMEM), a per-SM scratch
+#   next to the tensor cores, and a single thread can issue the MMA. Completion is signalled on an
+#   mbarrier by `tcgen05_commit`; waiting means waiting on that barrier. Reading the result is an
+#   explicit TMEM -> register load.
+# Both read A and B from shared memory in the NVMMA swizzled layout the TMA writes, both accumulate
+# in fp32, and "wait until <= k outstanding, then read" means the same thing on both. The interface
+# is shaped after WGMMA because it is the stricter of the two.
+
+from typing import Union  # noqa: E402
+
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.blackwell import (  # noqa: E402
+    TensorMemoryLayout, allocate_tensor_memory, tcgen05_commit, tcgen05_mma, tensor_memory_descriptor)
+from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+    mbarrier, warpgroup_mma, warpgroup_mma_accumulator, warpgroup_mma_wait)
+
+
+@gluon.constexpr_function
+def wgmma_accumulator_layout(dtype, BLOCK_M, BLOCK_N, num_warps):
+    """Register layout of a WGMMA accumulator: warps stack along M first (16 rows per warp of a
+    64-row warpgroup instruction), the instruction's N is the widest that splits BLOCK_N, and its K
+    covers 32 bytes of the operand type (16 for fp16/bf16)."""
+    warps_per_cta = [4, 1]
+    while warps_per_cta[0] * warps_per_cta[1] < num_warps:
+        if BLOCK_M > 16 * warps_per_cta[0]:
+            warps_per_cta[0] *= 2
+        else:
+            warps_per_cta[1] *= 2
+    instr_n = min(256, BLOCK_N // warps_per_cta[1])
+    while BLOCK_N % instr_n:
+        instr_n -= 8
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps_per_cta,
+                                     instr_shape=[16, instr_n, 256 // dtype.primitive_bitwidth])
+
+
+@gluon.aggregate
+class HopperWGMMA:
+    """WGMMA: accumulator in the issuing warps' registers; completion by warpgroup_mma_wait."""
+    acc: Union[warpgroup_mma_accumulator, gl.tensor]
+    use_acc: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, acc, use_acc):
+        self.acc = acc
+        self.use_acc = use_acc
+
+    @gluon.jit
+    def initialize(dtype: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   num_warps: gl.constexpr):
+        layout: gl.constexpr = wgmma_accumulator_layout(dtype, BLOCK_M, BLOCK_N, num_warps)
+        return HopperWGMMA(gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout), gl.to_tensor(False))
+
+    @gluon.jit
+    def issue_async_mma(self, a, b):
+        # The first MMA of a tile ignores the old accumulator (use_acc=False): no zeroing needed.
+        acc = warpgroup_mma(a, b, self.acc, is_async=True, use_acc=self.use_acc)
+        return HopperWGMMA(acc, gl.to_tensor(True))
+
+    @gluon.jit
+    def wait_num_outstanding(self, num_outstanding: gl.constexpr):
+        return HopperWGMMA(warpgroup_mma_wait(num_outstanding, (self.acc,)), self.use_acc)
+
+    @gluon.jit
+    def take_result(self):
+        return self.acc, HopperWGMMA(self.acc, gl.to_tensor(False))
+
+
+@gluon.aggregate
+class BlackwellTcgen05:
+    """tcgen05: accumulator in tensor memory; completion signalled on an mbarrier by tcgen05_commit."""
+    acc_tmem: tensor_memory_descriptor
+    done: gl.shared_memory_descriptor
+    issued: gl.tensor
+    use_acc: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, acc_tmem, done, issued, use_acc):
+        self.acc_tmem = acc_tmem
+        self.done = done
+        self.issued = issued
+        self.use_acc = use_acc
+
+    @gluon.jit
+    def initialize(dtype: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   num_warps: gl.constexpr):
+        # TMEM blocks are 64 or 128 lanes tall; a 256-row tile is two 128-lane blocks.
+        tmem_layout: gl.constexpr = TensorMemoryLayout([min(BLOCK_M, 128), BLOCK_N], col_stride=1)
+        acc_tmem = allocate_tensor_memory(gl.float32, [BLOCK_M, BLOCK_N], tmem_layout)
+        done = mbarrier.allocate_mbarrier()
+        mbarrier.init(done, count=1)
+        return BlackwellTcgen05(acc_tmem, done, gl.to_tensor(0), gl.to_tensor(False))
+
+    @gluon.jit
+    def issue_async_mma(self, a, b):
+        tcgen05_mma(a, b, self.acc_tmem, use_acc=self.use_acc)
+        # The barrier completes one phase when this and every earlier MMA have finished.
+        tcgen05_commit(self.done)
+        return BlackwellTcgen05(self.acc_tmem, self.done, self.issued + 1, gl.to_tensor(True))
+
+    @gluon.jit
+    def wait_num_outstanding(self, num_outstanding: gl.constexpr):
+        # One barrier counts completions in order, so only "wait for all" (0) is expressible; that
+        # is all the single-buffered kernel needs. Before the first MMA, issued - 1 = -1 asks for
+        # the phase before the barrier's first, which has trivially completed: no wait.
+        gl.static_assert(num_outstanding == 0, "BlackwellTcgen05 waits for all issued MMAs")
+        mbarrier.wait(self.done, (self.issued - 1) & 1)
+        return self
+
+    @gluon.jit
+    def take_result(self):
+        acc = self.acc_tmem.load()   # TMEM -> registers
+        return acc, BlackwellTcgen05(self.acc_tmem, self.done, self.issued, gl.to_tensor(False))
+
+
+ARCH_CAPABILITY = {"sm_90": (9, 0), "sm_100": (10, 0)}
+
+
+def select_mma_impl(capability):
+    """The MMA implementation for a GPU of `capability` (a (major, minor) tuple).
+
+    (9, 0) -> HopperWGMMA, (10, x) -> BlackwellTcgen05. Anything else has neither WGMMA nor tcgen05:
+    Ampere/Ada (8.x) have only warp-level mma.sync, and consumer Blackwell (12.x) lacks tcgen05."""
+    if not (isinstance(capability, tuple) and len(capability) == 2):
+        raise TypeError(f"capability must be a (major, minor) tuple, got {capability!r}")
+    if capability == (9, 0):
+        return HopperWGMMA
+    if capability[0] == 10:
+        return BlackwellTcgen05
+    raise ValueError(f"no tensor-core MMA implementation for compute capability "
+                     f"{capability[0]}.{capability[1]}: lessons 04-05 need 9.0 (Hopper, WGMMA) or "
+                     f"10.x (data-centre Blackwell, tcgen05)")
+
+
+GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
+
+
+def conv_tma_descriptors(x_nhwc, w, out_2d, settings: ConvIm2ColSettings, BLOCK_M, BLOCK_N, BLOCK_K):
+    """The three TMA descriptors of a TMA-im2col convolution (lessons 04-05).
+
+    - input: im2col descriptor on x [N, H, W, Ci], box [BLOCK_M pixels, BLOCK_K channels];
+    - weight: tiled descriptor on w viewed as [Co, R*S*Ci], box [BLOCK_N, BLOCK_K];
+    - output: tiled descriptor on out_2d [M, Co_alloc], box [BLOCK_M, BLOCK_N] (TMA clips the edges).
+    All shared-memory tiles use the default NVMMA swizzle for their shape, which both TMA and the
+    tensor cores understand."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
+    dtype = GL_DTYPES[x_nhwc.dtype]
+    Co = w.shape[0]
+    a_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
+    b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
+    c_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    in_desc = TensorDescriptorIm2Col.from_tensor(
+        x_nhwc, [BLOCK_M, BLOCK_K], a_layout, padding="zero",
+        element_strides=list(settings.element_strides),
+        pixel_box_lower_corner=list(settings.pixel_box_lower_corner),
+        pixel_box_upper_corner=list(settings.pixel_box_upper_corner))
+    w_desc = TensorDescriptor.from_tensor(w.reshape(Co, -1), [BLOCK_N, BLOCK_K], b_layout)
+    out_desc = TensorDescriptor.from_tensor(out_2d, [BLOCK_M, BLOCK_N], c_layout)
+    return in_desc, w_desc, out_desc

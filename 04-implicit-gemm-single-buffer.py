@@ -1,0 +1,355 @@
+"""
+Lesson 04: a tensor-core convolution with TMA im2col, single-buffered
+=====================================================================
+
+What you will learn:
+- the implicit-GEMM loop of lesson 02 rewritten around two asynchronous engines: TMA (im2col for
+  the activations, a tiled load for the weights) and the tensor cores (WGMMA or tcgen05);
+- mbarriers: how a kernel learns that a TMA load has landed;
+- the MMA abstraction of common.py: one kernel source for Hopper and Blackwell;
+- the host side: descriptors from lesson 03's conv mapping, channel padding for TMA alignment,
+  validation with clear errors;
+- what the compiler produced (wgmma / tcgen05.mma and the im2col bulk copy in the PTX), readable
+  on a machine with no GPU.
+
+What changed since lesson 03: the im2col loads now feed an MMA instead of a print-out; and since
+lesson 02, address generation and tensor-core issue moved out of our registers into hardware.
+This kernel is deliberately simple (one buffer, everything in order); lesson 05 makes it fast.
+Requires: sm_90 (H100/H200) or sm_100 (B200/GB200) for the GPU runs. On a CPU: input validation,
+the MMA selector, and ahead-of-time compiles for sm_90 and sm_100 whose PTX is shown and checked.
+Note: the Blackwell path is compiled and inspected here, not run: no Blackwell GPU was available.
+Run:  python 04-implicit-gemm-single-buffer.py [--bench] [--outdir out]
+Tests: pytest 04-implicit-gemm-single-buffer.py
+"""
+
+# %%
+import common  # first: on a machine without a GPU it turns on the Triton interpreter
+
+import pytest
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+CONV_DTYPES = (torch.float16, torch.bfloat16)
+
+# %%
+# The algorithm
+# -------------
+# The GEMM view of lesson 02: M = N*out_h*out_w output pixels, N_GEMM = Co, K = R*S*Ci. One
+# program computes one [BLOCK_M, BLOCK_N] tile of the output:
+#
+#     (n, oy, ox) = decode(m0 = pid_m * BLOCK_M)
+#     acc = zeros(BLOCK_M, BLOCK_N)                          # fp32, in registers or TMEM
+#     for r in range(R): for s in range(S):                  # filter taps
+#         for c0 in range(0, Ci, BLOCK_K):                   # channel blocks
+#             wait until the previous MMA is done            # it reads the buffers we refill
+#             A = im2col_load(x, [n, oy*sh-ph, ox*sw-pw, c0], offsets=[r*dh, s*dw])  # [BLOCK_M, BLOCK_K]
+#             B = load(w2d, [co0, (r*S + s)*Ci + c0])         # [BLOCK_N, BLOCK_K]
+#             wait until A and B have landed                 # one mbarrier
+#             acc += A @ B^T                                 # asynchronous MMA
+#     y[m0:m0+BLOCK_M, co0:co0+BLOCK_N] = acc                # cast, TMA store
+#
+# Two things the hardware does for us. The im2col load fills window pixels outside the image
+# with zeros (padding) and continues into the next image when a tile crosses one. And when Ci
+# is not a multiple of BLOCK_K, the last channel block's extra channels are outside the tensor,
+# so they arrive as zeros; the weight tile at the same K positions holds the next tap's weights
+# (or zeros past the end of w), which are then multiplied by those zeros. The sum is exact.
+#
+# Single-buffered means one A buffer and one B buffer: a load cannot start until the MMA that
+# reads the buffer is done, and the MMA cannot start until the load is done. TMA and tensor cores
+# take turns, each idle while the other works. Lesson 05 measures that and fixes it.
+
+
+@gluon.jit
+def conv2d_tma_im2col_kernel(in_desc, w_desc, out_desc, out_h, out_w, stride_h, stride_w,
+                             pad_h, pad_w, dil_h, dil_w, Ci, R, S,
+                             MMAImpl: gl.constexpr, num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
+    BLOCK_K: gl.constexpr = in_desc.block_type.shape[1]
+    dtype: gl.constexpr = in_desc.dtype
+
+    # (n, oy, ox) = decode(m0 = pid_m * BLOCK_M)
+    m0 = gl.program_id(0) * BLOCK_M
+    co0 = gl.program_id(1) * BLOCK_N
+    n = m0 // (out_h * out_w)
+    oy = (m0 // out_w) % out_h
+    ox = m0 % out_w
+    start_h = oy * stride_h - pad_h
+    start_w = ox * stride_w - pad_w
+
+    a_smem = gl.allocate_shared_memory(dtype, in_desc.block_type.shape, in_desc.layout)
+    b_smem = gl.allocate_shared_memory(dtype, w_desc.block_type.shape, w_desc.layout)
+    loaded = mbarrier.allocate_mbarrier()
+    mbarrier.init(loaded, count=1)
+    # acc = zeros(BLOCK_M, BLOCK_N)
+    mma = MMAImpl.initialize(dtype, BLOCK_M, BLOCK_N, num_warps)
+
+    channel_blocks = gl.cdiv(Ci, BLOCK_K)
+    phase = 0
+    # for r in range(R): for s in range(S): for c0 in range(0, Ci, BLOCK_K):   (as one loop)
+    for k_step in range(R * S * channel_blocks):
+        tap = k_step // channel_blocks
+        c0 = (k_step % channel_blocks) * BLOCK_K
+        r = tap // S
+        s = tap % S
+        # wait until the previous MMA is done: it reads a_smem and b_smem
+        mma = mma.wait_num_outstanding(0)
+        mbarrier.expect(loaded, in_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        # A = im2col_load(x, [n, oy*sh-ph, ox*sw-pw, c0], offsets=[r*dh, s*dw])
+        tma.async_load_im2col(in_desc, [n, start_h, start_w, c0],
+                              [(r * dil_h).to(gl.int16), (s * dil_w).to(gl.int16)], loaded, a_smem)
+        # B = load(w2d, [co0, (r*S + s)*Ci + c0])
+        tma.async_load(w_desc, [co0, tap * Ci + c0], loaded, b_smem)
+        # wait until A and B have landed
+        mbarrier.wait(loaded, phase)
+        phase ^= 1
+        # acc += A @ B^T
+        mma = mma.issue_async_mma(a_smem, b_smem.permute((1, 0)))
+
+    mma = mma.wait_num_outstanding(0)
+    mbarrier.invalidate(loaded)
+    # y[m0:m0+BLOCK_M, co0:co0+BLOCK_N] = acc   (TMA clips rows past M and columns past Co)
+    acc, mma = mma.take_result()
+    c_smem = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
+    c_smem.store(acc.to(dtype))
+    fence_async_shared()
+    tma.async_store(out_desc, [m0, co0], c_smem)
+    tma.store_wait(pendings=0)
+
+
+# %%
+# The host side
+# -------------
+# `conv2d_tma_im2col` validates the input, pads Ci to TMA's 16-byte alignment if needed, builds
+# the descriptors from the conv mapping of lesson 03 (common.conv_im2col_settings), picks the MMA
+# implementation for the GPU, and launches one program per output tile. The output is written as
+# the [M, Co] matrix, which *is* the NHWC tensor. Its rows must be 16-byte aligned for the TMA
+# store, so when Co is not a multiple of 8 the kernel writes a slightly wider buffer and we keep
+# the first Co columns.
+
+
+def default_config(geometry):
+    BLOCK_K = 64 if geometry.Ci > 32 else max(16, triton.next_power_of_2(geometry.Ci))
+    BLOCK_N = 64 if geometry.Co <= 64 else 128
+    return dict(BLOCK_M=128, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+
+
+def prepare_launch(x_nhwc, w, geometry, mma_impl, BLOCK_M, BLOCK_N, BLOCK_K, num_warps):
+    """Everything a launch needs: (grid, args, kwargs, output buffer). Works on CPU tensors too,
+    which is how the ahead-of-time compile below gets its arguments."""
+    x_nhwc, w, Ci_padded = common.pad_channels_for_tma(x_nhwc, w)
+    padded = common.conv_geometry(x_nhwc.shape, w.shape, geometry.stride, geometry.padding,
+                                  geometry.dilation)
+    settings = common.conv_im2col_settings(padded)
+    Co_alloc = -(-geometry.Co // 8) * 8
+    out_2d = torch.empty(geometry.M, Co_alloc, device=x_nhwc.device, dtype=x_nhwc.dtype)
+    in_desc, w_desc, out_desc = common.conv_tma_descriptors(x_nhwc, w, out_2d, settings,
+                                                            BLOCK_M, BLOCK_N, BLOCK_K)
+    grid = (triton.cdiv(geometry.M, BLOCK_M), triton.cdiv(geometry.Co, BLOCK_N))
+    args = (in_desc, w_desc, out_desc, geometry.out_h, geometry.out_w, *geometry.stride,
+            *geometry.padding, *geometry.dilation, Ci_padded, geometry.R, geometry.S)
+    return grid, args, dict(MMAImpl=mma_impl, num_warps=num_warps), out_2d
+
+
+def conv2d_tma_im2col(x_nhwc, w, stride=1, padding=0, dilation=1, BLOCK_M=None, BLOCK_N=None,
+                      BLOCK_K=None, num_warps=None):
+    """Convolution with TMA im2col + tensor-core MMA (Hopper WGMMA or Blackwell tcgen05).
+
+    x_nhwc: [N, H, W, Ci] fp16/bf16 on the GPU, contiguous; w: [Co, R, S, Ci], same dtype.
+    stride, padding, dilation: int or (h, w). Returns NHWC [N, out_h, out_w, Co] in x's dtype."""
+    geometry = common.check_conv_inputs(x_nhwc, w, stride, padding, dilation, dtypes=CONV_DTYPES,
+                                        need_cuda=True)
+    mma_impl = common.select_mma_impl(common.require_tma_mma_gpu("conv2d_tma_im2col"))
+    config = default_config(geometry)
+    for name, value in (("BLOCK_M", BLOCK_M), ("BLOCK_N", BLOCK_N), ("BLOCK_K", BLOCK_K),
+                        ("num_warps", num_warps)):
+        if value is not None:
+            config[name] = value
+    grid, args, kwargs, out_2d = prepare_launch(x_nhwc, w, geometry, mma_impl, **config)
+    conv2d_tma_im2col_kernel[grid](*args, **kwargs)
+    out = out_2d.view(geometry.N, geometry.out_h, geometry.out_w, out_2d.shape[1])
+    return out if out_2d.shape[1] == geometry.Co else out[..., :geometry.Co].contiguous()
+
+
+# %%
+# What the compiler produced (no GPU needed)
+# ------------------------------------------
+# Compiled ahead of time for both architectures, the kernel's PTX shows the two engines it
+# drives: `cp.async.bulk.tensor.4d...im2col` (the A load), a 2-D bulk tensor copy (B), and either
+# `wgmma.mma_async` (sm_90) or `tcgen05.mma` (sm_100). Everything else is bookkeeping.
+
+EXPECTED_PTX = {
+    "sm_90": ["cp.async.bulk.tensor.4d.shared::cta.global.im2col", "cp.async.bulk.tensor.2d.shared",
+              "wgmma.mma_async", "cp.async.bulk.tensor.2d.global.shared::cta"],
+    "sm_100": ["cp.async.bulk.tensor.4d.shared::cta.global.im2col", "cp.async.bulk.tensor.2d.shared",
+               "tcgen05.mma", "cp.async.bulk.tensor.2d.global.shared::cta"],
+}
+
+
+def aot_conv2d_tma_im2col(arch, N=2, H=16, W=16, Ci=64, Co=64, R=3, S=3, stride=1, padding=1):
+    """Launch arguments on CPU tensors for common.aot_compile (the kernel itself is unchanged)."""
+    x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.float16, device_name="cpu")
+    geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
+    mma_impl = common.select_mma_impl(common.ARCH_CAPABILITY[arch])
+    _, args, kwargs, _ = prepare_launch(x_nhwc, w, geometry, mma_impl, **default_config(geometry))
+    return conv2d_tma_im2col_kernel, args, kwargs
+
+
+def run_show_ptx(verbose=True):
+    report = {}
+    for arch, prefixes in EXPECTED_PTX.items():
+        compiled = common.aot_compile("04-implicit-gemm-single-buffer", "aot_conv2d_tma_im2col", arch)
+        counts = common.ptx_instructions(compiled["ptx"], prefixes)
+        report[arch] = counts
+        if verbose:
+            print(f"\n{arch}: PTX of conv2d_tma_im2col_kernel (BLOCK 128x64x64, 4 warps), "
+                  f"{compiled['shared']} bytes of shared memory")
+            for prefix in prefixes:
+                example = next(line.strip() for line in compiled["ptx"].splitlines() if prefix in line) \
+                    if counts[prefix] else "(none)"
+                print(f"   {counts[prefix]:3d} x {example[:110]}")
+    return report
+
+
+@pytest.mark.parametrize("arch", list(EXPECTED_PTX))
+def test_kernel_compiles_with_expected_instructions(arch):
+    compiled = common.aot_compile("04-implicit-gemm-single-buffer", "aot_conv2d_tma_im2col", arch)
+    counts = common.ptx_instructions(compiled["ptx"], EXPECTED_PTX[arch])
+    missing = [prefix for prefix, count in counts.items() if count == 0]
+    assert not missing, f"{arch}: PTX lacks {missing}"
+    other_mma = "tcgen05.mma" if arch == "sm_90" else "wgmma.mma_async"
+    assert common.ptx_instructions(compiled["ptx"], [other_mma])[other_mma] == 0
+
+
+def test_kernel_compiles_for_padded_channels_and_dilation():
+    # Ci=3 is padded to 8 and BLOCK_K is 16; dilation and stride only change runtime arguments.
+    compiled = common.aot_compile("04-implicit-gemm-single-buffer", "aot_conv2d_tma_im2col", "sm_90",
+                                  Ci=3, Co=72, R=7, S=7, stride=2, padding=3)
+    assert common.ptx_instructions(compiled["ptx"], ["wgmma.mma_async"])["wgmma.mma_async"] > 0
+
+
+@pytest.mark.parametrize("capability, expected", [
+    ((9, 0), "HopperWGMMA"), ((10, 0), "BlackwellTcgen05"), ((10, 3), "BlackwellTcgen05")])
+def test_mma_selector(capability, expected):
+    assert common.select_mma_impl(capability).__name__ == expected
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (9, 1), (12, 0), (7, 5)])
+def test_mma_selector_rejects_other_gpus(capability):
+    with pytest.raises(ValueError, match="9.0 \\(Hopper, WGMMA\\) or 10.x"):
+        common.select_mma_impl(capability)
+
+
+BAD_INPUTS = [
+    (lambda x, w: (x.float(), w.float()), {}, TypeError, "dtype"),
+    (lambda x, w: (x, w.to(torch.bfloat16)), {}, TypeError, "mismatch"),
+    (lambda x, w: (x[0], w), {}, ValueError, "rank 4"),
+    (lambda x, w: (x, w[..., :4]), {}, ValueError, "channel mismatch"),
+    (lambda x, w: (x, w), {"stride": 0}, ValueError, "stride"),
+    (lambda x, w: (x, w), {"padding": -2}, ValueError, "padding"),
+    (lambda x, w: (x[:, :2, :2], w), {}, ValueError, "empty output"),
+    (lambda x, w: (x.transpose(1, 2), w), {}, ValueError, "contiguous NHWC"),
+]
+
+
+@pytest.mark.parametrize("make_args, kwargs, error, message", BAD_INPUTS)
+def test_rejects_bad_input(make_args, kwargs, error, message):
+    x_nhwc, w = common.random_conv_inputs(1, 8, 8, 8, 16, 3, 3, torch.float16)
+    with pytest.raises(error, match=message):
+        conv2d_tma_im2col(*make_args(x_nhwc, w), **kwargs)
+
+
+@pytest.mark.skipif(common.has_tma_mma_gpu(), reason="checks the error on machines without Hopper/Blackwell")
+def test_rejects_unsupported_gpu():
+    x_nhwc, w = common.random_conv_inputs(1, 8, 8, 8, 16, 3, 3, torch.float16)
+    error = RuntimeError if common.HAS_CUDA else ValueError  # CPU tensors fail the device check first
+    with pytest.raises(error, match="CUDA GPU|capability"):
+        conv2d_tma_im2col(x_nhwc, w)
+
+
+# %%
+# Correctness on the GPU
+# ----------------------
+# The grid of the upstream tutorial (N, 16x16 images, 64 and 96 channels, 3x3 and 1x1, stride 1-2,
+# padding 0-1) plus the awkward cases: Ci=3 (padded to 8), Co=72 (not a multiple of BLOCK_N),
+# dilation 2, different (h, w) stride and padding, non-square images, and both fp16 and bf16.
+
+
+def run_conv(N, H, W, Ci, Co, R, S, stride, padding, dilation=1, dtype=torch.float16, seed=0):
+    x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, dtype, seed=seed)
+    out = conv2d_tma_im2col(x_nhwc, w, stride, padding, dilation)
+    expected = common.reference_conv2d_nhwc(x_nhwc, w, None, stride, padding, dilation)
+    assert out.shape == expected.shape and out.dtype == dtype
+    common.assert_close_to_reference(out, expected, dtype=dtype, K=Ci * R * S)
+    return out
+
+
+needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
+
+
+@needs_gpu
+@pytest.mark.parametrize("N", [1, 4])
+@pytest.mark.parametrize("Ci, Co", [(64, 64), (96, 96)])
+@pytest.mark.parametrize("R, S", [(3, 3), (1, 1)])
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("padding", [0, 1])
+def test_conv_grid(N, Ci, Co, R, S, stride, padding):
+    run_conv(N, 16, 16, Ci, Co, R, S, stride, padding)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", CONV_DTYPES)
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", [
+    (2, 16, 16, 3, 72, 3, 3, 1, 1, 1),           # Ci=3 padded to 8, Co=72
+    (1, 32, 32, 3, 64, 7, 7, 2, 3, 1),           # a ResNet stem
+    (2, 16, 16, 64, 64, 3, 3, 1, 2, 2),          # dilation 2
+    (2, 17, 23, 32, 48, 3, 3, (1, 2), (2, 0), 1),  # asymmetric stride and padding, non-square
+    (3, 12, 20, 40, 24, 3, 5, 2, 1, (2, 1)),     # Ci not a multiple of BLOCK_K, non-square filter
+    (1, 9, 7, 128, 200, 1, 1, 1, 0, 1),          # 1x1, Co > BLOCK_N and not a multiple
+])
+def test_conv_awkward(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype):
+    run_conv(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype)
+
+
+# %%
+# A first speed measurement (GPU only)
+# ------------------------------------
+# This kernel is a baseline, not a contender: with one buffer, TMA and the tensor cores never work
+# at the same time. `--bench` puts numbers on it next to cuDNN on the headline shape.
+
+
+def bench_headline(outdir, dtype=torch.bfloat16):
+    label, N, H, W, Ci, Co, R, S, stride, padding = common.HEADLINE_SHAPE
+    x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, dtype)
+    geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
+    ours = common.bench_tflops(lambda: conv2d_tma_im2col(x_nhwc, w, stride, padding), geometry.flops)
+    cudnn = common.bench_tflops(common.cudnn_conv2d(x_nhwc, w, None, stride, padding), geometry.flops)
+    info = common.versions()
+    print(f"\n{label} ({geometry.describe()}), {str(dtype)[6:]}, {info['device']}:")
+    print(f"  lesson 04 single-buffered: {ours['tflops']:7.1f} TFLOPS")
+    print(f"  cuDNN (channels_last)    : {cudnn['tflops']:7.1f} TFLOPS   ratio {ours['tflops'] / cudnn['tflops']:.2f}")
+    fig, ax = common.new_figure(figsize=(6, 4))
+    ax.bar(["lesson 04\nsingle-buffered", "cuDNN"], [ours["tflops"], cudnn["tflops"]], color=["#c44", "#4a4"])
+    ax.set_ylabel("TFLOPS (higher is better)")
+    ax.set_title(f"{geometry.describe()}\n{str(dtype)[6:]}, {info['device']}", fontsize=9)
+    common.save_figure(fig, outdir, "04_single_buffer_vs_cudnn",
+                       {"shape": geometry.describe(), "lesson04": ours, "cudnn": cudnn, **info})
+    return ours, cudnn
+
+
+# %%
+if __name__ == "__main__":
+    args = common.lesson_args("Lesson 04: TMA im2col + MMA, single-buffered")
+    outdir = common.output_dir(args.outdir)
+    run_show_ptx()
+    if common.has_tma_mma_gpu():
+        run_conv(2, 16, 16, 64, 64, 3, 3, 1, 1)
+        run_conv(2, 16, 16, 3, 72, 3, 3, 2, 1, dtype=torch.bfloat16)
+        print(f"\nconv2d_tma_im2col matches torch.nn.functional.conv2d on {common.gpu_name()}")
+        bench_headline(outdir)
+    else:
+        print(f"\n[skip] GPU runs and the benchmark: {common.GLUON_SKIP_REASON}")
+    print("lesson 04: all checks passed")
