@@ -201,7 +201,11 @@ def aot_conv2d_tma_im2col(arch, N=2, H=16, W=16, Ci=64, Co=64, R=3, S=3, stride=
 def run_show_ptx(verbose=True):
     report = {}
     for arch, prefixes in EXPECTED_PTX.items():
-        compiled = common.aot_compile("04-implicit-gemm-single-buffer", "aot_conv2d_tma_im2col", arch)
+        try:
+            compiled = common.aot_compile("04-implicit-gemm-single-buffer", "aot_conv2d_tma_im2col", arch)
+        except common.AotToolMissing as missing:
+            print(f"\n[skip] {arch} PTX: {missing}")
+            continue
         counts = common.ptx_instructions(compiled["ptx"], prefixes)
         report[arch] = counts
         if verbose:
@@ -216,7 +220,7 @@ def run_show_ptx(verbose=True):
 
 @pytest.mark.parametrize("arch", list(EXPECTED_PTX))
 def test_kernel_compiles_with_expected_instructions(arch):
-    compiled = common.aot_compile("04-implicit-gemm-single-buffer", "aot_conv2d_tma_im2col", arch)
+    compiled = common.aot_compile_or_skip("04-implicit-gemm-single-buffer", "aot_conv2d_tma_im2col", arch)
     counts = common.ptx_instructions(compiled["ptx"], EXPECTED_PTX[arch])
     missing = [prefix for prefix, count in counts.items() if count == 0]
     assert not missing, f"{arch}: PTX lacks {missing}"
