@@ -1,0 +1,761 @@
+"""
+Lesson 05: a persistent, pipelined, warp-specialized convolution for Hopper and Blackwell
+=======================================================================================
+
+What you will learn:
+- why lesson 04 leaves the tensor cores idle, and how a ring of shared-memory stages with
+  ready/empty mbarriers lets TMA loads run ahead of the MMAs;
+- warp specialization: a one-warp loader partition that only issues TMA, MMA issue, and the
+  epilogue, each where the architecture wants them (and why Hopper maps them differently);
+- a persistent grid (one program per SM) walking output tiles in a grouped, L2-friendly order;
+- overlapping one tile's epilogue with the next tile's main loop;
+- host-side engineering: cached plans, a small autotuner pruned to the device's shared memory
+  (and tensor memory), channel padding, a fused bias, and clear errors;
+- measuring it all against cuDNN: `python 05-warp-specialized-conv.py --bench`.
+
+What changed since lesson 04: the same TMA im2col + MMA inner step, now fed by a multi-stage
+pipeline from its own warp, in a persistent kernel, with the epilogue overlapped.
+Requires: sm_90 (H100/H200) or sm_100 (B200/GB200) for GPU runs. On a CPU: validation, config
+pruning, and ahead-of-time compiles for sm_90 and sm_100 whose PTX is checked.
+Note: the Blackwell path is compiled and inspected, not run: no Blackwell GPU was available to this
+series. All measured numbers in this file come from an H100 (see the bench output and JSON).
+Run:  python 05-warp-specialized-conv.py [--bench] [--quick] [--outdir out]
+Tests: pytest 05-warp-specialized-conv.py
+"""
+
+# %%
+import math
+import time
+
+import common  # first: on a machine without a GPU it turns on the Triton interpreter
+
+import pytest
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.blackwell import (
+    TensorMemoryLayout, allocate_tensor_memory, tcgen05_commit, tcgen05_mma)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+CONV_DTYPES = (torch.float16, torch.bfloat16)
+
+# %%
+# What is wrong with lesson 04
+# ----------------------------
+# Lesson 04's loop is: wait for the MMA, load A and B, wait for the load, issue the MMA. At any
+# moment either the copy engine or the tensor cores work, never both. On an H100 (2026-11-22) it
+# ran the headline shape (N=128, 64x64, 384->384, 3x3, bf16) at 487 TFLOPS against cuDNN's 705:
+# it only got that far because several of its small programs share an SM and interleave by
+# accident. Four changes make the overlap deliberate.
+#
+# 1. A ring of NUM_BUFFERS shared-memory stages. Stage i has two mbarriers: ready[i] (the loads
+#    into it have landed: TMA arrives on it with the byte count) and empty[i] (the MMA that read
+#    it is done: the consumer arrives). The producer waits for empty, the consumer for ready, and
+#    the loads of step k+NUM_BUFFERS-1 are in flight while step k multiplies. A counter that runs
+#    across all k-steps of all tiles gives the slot (counter % NUM_BUFFERS) and the phase
+#    ((counter // NUM_BUFFERS) & 1) each side waits for; the producer starts at the opposite
+#    phase, so its first pass over the ring finds every stage empty.
+#
+# 2. Warp specialization. Issuing TMA takes one thread; doing it from the warps that run the
+#    MMAs steals their issue slots and forces the compiler to interleave two instruction streams.
+#    `gl.warp_specialize` runs separate functions in separate warps of one program:
+#      - Blackwell: three partitions, as CUTLASS does. A 1-warp loader; a 1-warp MMA issuer (a
+#        single thread issues tcgen05, and `tcgen05_mma(..., mbarriers=[empty[slot]])` lets the
+#        hardware release the stage when the MMA finishes); and the epilogue (4 warps, the
+#        default partition), which reads the accumulator from tensor memory. With two TMEM
+#        accumulators, the MMA warp starts tile t+1 while the epilogue drains tile t.
+#      - Hopper: WGMMA must be issued by whole warpgroups (4 warps), its accumulator lives in the
+#        issuing warps' registers, and its completion cannot arrive on an mbarrier. So MMA issue
+#        and epilogue are one partition (the default, 4 or 8 warps), which waits with
+#        `warpgroup_mma_wait(1)` (the previous MMA is done) and then arrives on that stage's empty
+#        barrier itself; the loader is a 1-warp worker with its registers cut to 24 so the MMA
+#        warps can keep large accumulators.
+#
+# 3. A persistent grid: one program per SM, each looping over output tiles
+#    tile = pid, pid + num_programs, ... No launch cost per tile, and the loader runs ahead into
+#    the next tile while the current one finishes. Tiles are numbered in groups of GROUP_M
+#    row-tiles (Triton's matmul tutorial order) so that the Co/BLOCK_N tiles sharing one strip of
+#    A run close together in time and read it from L2, not HBM.
+#
+# 4. Overlapping the epilogue. On Blackwell, the double-buffered TMEM accumulator does it. On
+#    Hopper, the registers hold only one accumulator, so the overlap is partial: the loader keeps
+#    prefetching the next tile's stages during the epilogue, and the TMA store of tile t drains
+#    while tile t+1 computes (we only wait for it before reusing the staging buffer).
+#
+# Where the two architectures must differ, the kernel branches on the constexpr IS_BLACKWELL; the
+# loader, the tile order and the epilogue store are shared. The Hopper partition drives its MMAs
+# through common.HopperWGMMA (lesson 04's abstraction); on Blackwell the MMA warp calls tcgen05
+# directly, because there the stage is released by the hardware instead of by a wait.
+
+# %%
+# The shared pieces: tile order, loader, epilogue store
+
+
+@gluon.jit
+def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    """(pid_m, pid_n) of a linear tile id, GROUP_M row-tiles at a time (L2-friendly order)."""
+    tiles_per_group = GROUP_M * num_pid_n
+    first_m = (tile_id // tiles_per_group) * GROUP_M
+    rows_in_group = gl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile_id % tiles_per_group) % rows_in_group
+    pid_n = (tile_id % tiles_per_group) // rows_in_group
+    return pid_m, pid_n
+
+
+@gluon.jit
+def loader_partition(in_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n,
+                     out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci, S, k_steps,
+                     channel_blocks, GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr):
+    """One warp: for every (tile, k-step) of this program, wait for a free stage and fill it."""
+    BLOCK_M: gl.constexpr = in_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = in_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    stage_bytes: gl.constexpr = in_desc.block_type.nbytes + w_desc.block_type.nbytes
+    counter = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        m0 = pid_m * BLOCK_M
+        n = m0 // (out_h * out_w)
+        oy = (m0 // out_w) % out_h
+        ox = m0 % out_w
+        start_h = oy * stride_h - pad_h
+        start_w = ox * stride_w - pad_w
+        co0 = pid_n * BLOCK_N
+        for k in range(k_steps):
+            tap = k // channel_blocks
+            c0 = (k % channel_blocks) * BLOCK_K
+            slot = counter % NUM_BUFFERS
+            # wait until the MMA that last read this stage is done (first pass: returns at once)
+            mbarrier.wait(empty.index(slot), ((counter // NUM_BUFFERS) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), stage_bytes)
+            # A = im2col_load(x, [n, oy*sh-ph, ox*sw-pw, c0], offsets=[r*dh, s*dw])
+            tma.async_load_im2col(in_desc, [n, start_h, start_w, c0],
+                                  [((tap // S) * dil_h).to(gl.int16), ((tap % S) * dil_w).to(gl.int16)],
+                                  ready.index(slot), a_bufs.index(slot))
+            # B = load(w2d, [co0, (r*S + s)*Ci + c0])
+            tma.async_load(w_desc, [co0, tap * Ci + c0], ready.index(slot), b_bufs.index(slot))
+            counter += 1
+
+
+@gluon.jit
+def store_output_tile(acc, c_smem, out_desc, bias_ptr, Co, m0, co0, HAS_BIAS: gl.constexpr):
+    """Epilogue: + bias[co] (fp32), cast, and an asynchronous TMA store of the tile.
+
+    The store is not waited for here: it drains while the next tile computes. Before writing the
+    staging buffer again we wait for the previous store to have read it."""
+    BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
+    if HAS_BIAS:
+        cols = co0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+        bias = gl.load(bias_ptr + cols, mask=cols < Co, other=0.0)
+        acc = acc + gl.expand_dims(bias.to(gl.float32), 0)
+    tma.store_wait(pendings=0)
+    c_smem.store(acc.to(out_desc.dtype))
+    fence_async_shared()
+    tma.async_store(out_desc, [m0, co0], c_smem)
+
+
+# %%
+# Hopper: MMA issue and epilogue in the default partition
+
+
+@gluon.jit
+def hopper_mma_epilogue_partition(a_bufs, b_bufs, ready, empty, c_smem, out_desc, bias_ptr, Co,
+                                  num_pid_m, num_pid_n, k_steps, GROUP_M: gl.constexpr,
+                                  NUM_BUFFERS: gl.constexpr, HAS_BIAS: gl.constexpr,
+                                  num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
+    counter = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        # acc = zeros(BLOCK_M, BLOCK_N)
+        mma = common.HopperWGMMA.initialize(out_desc.dtype, BLOCK_M, BLOCK_N, num_warps)
+        for k in range(k_steps):
+            slot = counter % NUM_BUFFERS
+            mbarrier.wait(ready.index(slot), (counter // NUM_BUFFERS) & 1)
+            # acc += A @ B^T, asynchronously
+            mma = mma.issue_async_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)))
+            # At most one MMA in flight: the one of step k-1 is done, so its stage is free.
+            mma = mma.wait_num_outstanding(1)
+            mbarrier.arrive(empty.index((counter + NUM_BUFFERS - 1) % NUM_BUFFERS), pred=k > 0)
+            counter += 1
+        mma = mma.wait_num_outstanding(0)
+        mbarrier.arrive(empty.index((counter + NUM_BUFFERS - 1) % NUM_BUFFERS))
+        acc, mma = mma.take_result()
+        store_output_tile(acc, c_smem, out_desc, bias_ptr, Co, pid_m * BLOCK_M, pid_n * BLOCK_N,
+                          HAS_BIAS)
+    tma.store_wait(pendings=0)
+
+
+# %%
+# Blackwell: a one-warp MMA issuer and the epilogue, joined by a double-buffered TMEM accumulator
+
+
+@gluon.jit
+def blackwell_mma_partition(a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty,
+                            num_pid_m, num_pid_n, k_steps, NUM_BUFFERS: gl.constexpr,
+                            NUM_ACC: gl.constexpr):
+    counter = 0
+    tile_count = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        buf = tile_count % NUM_ACC
+        # wait until the epilogue has read this accumulator (first pass: returns at once)
+        mbarrier.wait(acc_empty.index(buf), ((tile_count // NUM_ACC) & 1) ^ 1)
+        acc = acc_tmem.index(buf)
+        for k in range(k_steps):
+            slot = counter % NUM_BUFFERS
+            mbarrier.wait(ready.index(slot), (counter // NUM_BUFFERS) & 1)
+            # acc += A @ B^T; the hardware arrives on empty[slot] when this MMA is done
+            tcgen05_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc,
+                        use_acc=k > 0, mbarriers=[empty.index(slot)])
+            counter += 1
+        # signal the epilogue once every MMA of the tile has finished
+        tcgen05_commit(acc_ready.index(buf))
+        tile_count += 1
+
+
+@gluon.jit
+def blackwell_epilogue_partition(acc_tmem, acc_ready, acc_empty, c_smem, out_desc, bias_ptr, Co,
+                                 num_pid_m, num_pid_n, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
+                                 NUM_ACC: gl.constexpr):
+    BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
+    tile_count = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        buf = tile_count % NUM_ACC
+        mbarrier.wait(acc_ready.index(buf), (tile_count // NUM_ACC) & 1)
+        acc = acc_tmem.index(buf).load()           # TMEM -> registers
+        mbarrier.arrive(acc_empty.index(buf))      # the MMA warp may reuse it now
+        store_output_tile(acc, c_smem, out_desc, bias_ptr, Co, pid_m * BLOCK_M, pid_n * BLOCK_N,
+                          HAS_BIAS)
+        tile_count += 1
+    tma.store_wait(pendings=0)
+
+
+# %%
+# The kernel: allocate the ring and barriers, then split into partitions
+
+
+@gluon.jit
+def conv2d_fprop_kernel(in_desc, w_desc, out_desc, bias_ptr, Co, num_pid_m, num_pid_n,
+                        out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci, S,
+                        k_steps, channel_blocks,
+                        IS_BLACKWELL: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
+                        NUM_BUFFERS: gl.constexpr, num_warps: gl.constexpr):
+    dtype: gl.constexpr = in_desc.dtype
+    BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + in_desc.block_type.shape, in_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + w_desc.block_type.shape, w_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    loader_args = (in_desc, w_desc, a_bufs, b_bufs, ready, empty, num_pid_m, num_pid_n, out_h, out_w,
+                   stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks,
+                   GROUP_M, NUM_BUFFERS)
+    if IS_BLACKWELL:
+        NUM_ACC: gl.constexpr = 2
+        tmem_layout: gl.constexpr = TensorMemoryLayout([BLOCK_M, BLOCK_N], col_stride=1)
+        acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N], tmem_layout)
+        acc_ready = gl.allocate_shared_memory(gl.int64, [NUM_ACC, 1], mbarrier.MBarrierLayout())
+        acc_empty = gl.allocate_shared_memory(gl.int64, [NUM_ACC, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_ACC):
+            mbarrier.init(acc_ready.index(i), count=1)
+            mbarrier.init(acc_empty.index(i), count=1)
+        gl.warp_specialize([
+            (blackwell_epilogue_partition, (acc_tmem, acc_ready, acc_empty, c_smem, out_desc, bias_ptr,
+                                            Co, num_pid_m, num_pid_n, GROUP_M, HAS_BIAS, NUM_ACC)),
+            (blackwell_mma_partition, (a_bufs, b_bufs, ready, empty, acc_tmem, acc_ready, acc_empty,
+                                       num_pid_m, num_pid_n, k_steps, NUM_BUFFERS, NUM_ACC)),
+            (loader_partition, loader_args),
+        ], [1, 1], [24, 24])
+    else:
+        gl.warp_specialize([
+            (hopper_mma_epilogue_partition, (a_bufs, b_bufs, ready, empty, c_smem, out_desc, bias_ptr,
+                                             Co, num_pid_m, num_pid_n, k_steps, GROUP_M, NUM_BUFFERS,
+                                             HAS_BIAS, num_warps)),
+            (loader_partition, loader_args),
+        ], [1], [24])
+
+
+# %%
+# The host side: plans, configs, and the autotuner
+# ------------------------------------------------
+# A ResNet layer runs in ~50 us, so the Python around the launch matters. Everything that depends
+# only on the problem's shape (geometry, descriptor settings, shared layouts, grid, the chosen
+# config) is computed once and cached in a `ConvPlan`; a call then only validates its tensors,
+# builds three small descriptor objects around their pointers, and launches.
+#
+# Configs are (BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUFFERS, num_warps). Before anything is compiled,
+# candidates are pruned to what fits: shared memory (NUM_BUFFERS stages of A and B tiles plus the
+# epilogue's staging tile, against the device's opt-in limit, 227 KB on H100/H200/B200), tensor
+# memory on Blackwell (two fp32 accumulators of BLOCK_N columns, at most 512), register room on
+# Hopper (a 128x256 fp32 accumulator needs 8 warps) and tiles not much wider than Co.
+
+HOPPER_CANDIDATES = [
+    # BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUFFERS, num_warps
+    (128, 128, 64, 4, 4),
+    (128, 256, 64, 3, 8),
+    (256, 128, 64, 3, 8),
+    (128, 128, 64, 6, 8),
+    (128, 64, 64, 6, 4),
+    (256, 64, 64, 4, 8),
+]
+BLACKWELL_CANDIDATES = [
+    (128, 128, 64, 4, 4),
+    (128, 256, 64, 3, 4),
+    (128, 64, 64, 6, 4),
+]
+FIXED_CONFIG = (128, 128, 64, 4, 4)   # the tests' config: valid on both architectures
+SMEM_LIMIT_BYTES = {"sm_90": 232448, "sm_100": 232448}
+
+
+def shared_memory_bytes(config, element_size=2):
+    BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUFFERS, _ = config
+    ring = NUM_BUFFERS * (BLOCK_M + BLOCK_N) * BLOCK_K * element_size
+    return ring + BLOCK_M * BLOCK_N * element_size + 2 * NUM_BUFFERS * 8 + 64
+
+
+def prune_configs(candidates, geometry, arch, smem_limit=None):
+    """Keep the configs that fit the device and suit the shape (no compilation needed)."""
+    smem_limit = smem_limit or SMEM_LIMIT_BYTES[arch]
+    kept = []
+    for config in candidates:
+        BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUFFERS, num_warps = config
+        if shared_memory_bytes(config) > smem_limit:
+            continue
+        if arch == "sm_100" and 2 * BLOCK_N > 512:                  # TMEM columns
+            continue
+        if arch == "sm_90" and BLOCK_M * BLOCK_N // (32 * num_warps) > 128:  # fp32 acc registers/thread
+            continue
+        if BLOCK_N > max(64, triton.next_power_of_2(geometry.Co)):  # mostly-empty tiles
+            continue
+        kept.append(config)
+    return kept
+
+
+def adapt_block_k(config, Ci_padded):
+    """Small channel counts (a padded Ci of 8 or 16) get a smaller K block: fewer zeros multiplied."""
+    BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUFFERS, num_warps = config
+    if Ci_padded < BLOCK_K:
+        BLOCK_K = max(16, triton.next_power_of_2(Ci_padded))
+    return (BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUFFERS, num_warps)
+
+
+class ConvPlan:
+    """Everything about one (shape, dtype, config) that does not depend on the tensors' pointers."""
+
+    def __init__(self, geometry, dtype, config, arch, num_sms):
+        self.geometry = geometry
+        self.arch = arch
+        lanes = 16 // torch.empty(0, dtype=dtype).element_size()
+        self.Ci_padded = -(-geometry.Ci // lanes) * lanes
+        padded = common.conv_geometry((geometry.N, geometry.H, geometry.W, self.Ci_padded),
+                                      (geometry.Co, geometry.R, geometry.S, self.Ci_padded),
+                                      geometry.stride, geometry.padding, geometry.dilation)
+        self.settings = common.conv_im2col_settings(padded)
+        self.config = adapt_block_k(config, self.Ci_padded)
+        BLOCK_M, BLOCK_N, BLOCK_K, self.num_buffers, self.num_warps = self.config
+        self.blocks = (BLOCK_M, BLOCK_N, BLOCK_K)
+        self.Co_alloc = -(-geometry.Co // lanes) * lanes
+        self.num_pid_m = triton.cdiv(geometry.M, BLOCK_M)
+        self.num_pid_n = triton.cdiv(geometry.Co, BLOCK_N)
+        self.grid = (min(num_sms, self.num_pid_m * self.num_pid_n),)
+        self.channel_blocks = triton.cdiv(self.Ci_padded, BLOCK_K)
+        self.k_steps = geometry.R * geometry.S * self.channel_blocks
+
+    def launch_args(self, x_nhwc, w, bias):
+        """(args, kwargs, output buffer) for this plan and these tensors."""
+        g = self.geometry
+        x_nhwc, w, _ = common.pad_channels_for_tma(x_nhwc, w)
+        out_2d = torch.empty(g.M, self.Co_alloc, device=x_nhwc.device, dtype=x_nhwc.dtype)
+        in_desc, w_desc, out_desc = common.conv_tma_descriptors(x_nhwc, w, out_2d, self.settings,
+                                                                *self.blocks)
+        args = (in_desc, w_desc, out_desc, bias if bias is not None else out_2d, g.Co,
+                self.num_pid_m, self.num_pid_n, g.out_h, g.out_w, *g.stride, *g.padding,
+                *g.dilation, self.Ci_padded, g.S, self.k_steps, self.channel_blocks)
+        kwargs = dict(IS_BLACKWELL=self.arch == "sm_100", HAS_BIAS=bias is not None, GROUP_M=8,
+                      NUM_BUFFERS=self.num_buffers, num_warps=self.num_warps)
+        return args, kwargs, out_2d
+
+    def run(self, x_nhwc, w, bias=None):
+        args, kwargs, out_2d = self.launch_args(x_nhwc, w, bias)
+        conv2d_fprop_kernel[self.grid](*args, **kwargs)
+        g = self.geometry
+        out = out_2d.view(g.N, g.out_h, g.out_w, self.Co_alloc)
+        return out if self.Co_alloc == g.Co else out[..., :g.Co].contiguous()
+
+
+_PLANS = {}          # (key, config) -> ConvPlan
+_BEST_CONFIG = {}    # key -> config chosen by the autotuner
+
+
+def _device_facts():
+    cap = common.require_tma_mma_gpu("conv2d_fprop")
+    arch = "sm_90" if cap == (9, 0) else "sm_100"
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    smem = getattr(props, "shared_memory_per_block_optin", SMEM_LIMIT_BYTES[arch])
+    return arch, props.multi_processor_count, smem
+
+
+def _validate(x_nhwc, w, bias, stride, padding, dilation):
+    geometry = common.check_conv_inputs(x_nhwc, w, stride, padding, dilation, dtypes=CONV_DTYPES,
+                                        bias=bias, need_cuda=True)
+    if bias is not None and not bias.is_contiguous():
+        raise ValueError("bias must be contiguous")
+    return geometry
+
+
+def _plan_for(geometry, dtype, config):
+    arch, num_sms, _ = _device_facts()
+    key = (geometry, dtype, config, torch.cuda.current_device())
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = ConvPlan(geometry, dtype, config, arch, num_sms)
+    return plan
+
+
+def conv2d_fprop_fixed(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG):
+    """The warp-specialized conv with one given config (the tests use this: no autotuning)."""
+    geometry = _validate(x_nhwc, w, bias, stride, padding, dilation)
+    return _plan_for(geometry, x_nhwc.dtype, tuple(config)).run(x_nhwc, w, bias)
+
+
+def conv2d_fprop(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1):
+    """Autotuned warp-specialized convolution. x_nhwc [N, H, W, Ci], w [Co, R, S, Ci] (fp16/bf16,
+    CUDA, contiguous), optional bias [Co] fused in the epilogue; returns NHWC in x's dtype.
+
+    The first call for a shape times every pruned config on the real tensors and remembers the
+    fastest; later calls reuse the cached plan. The key is the whole geometry (N, H, W, Ci, Co, R,
+    S, stride, padding, dilation) and dtype: shapes that want different tiles never share one."""
+    geometry = _validate(x_nhwc, w, bias, stride, padding, dilation)
+    key = (geometry, x_nhwc.dtype, torch.cuda.current_device())
+    config = _BEST_CONFIG.get(key)
+    if config is None:
+        config = _BEST_CONFIG[key] = autotune(geometry, x_nhwc, w, bias)
+    return _plan_for(geometry, x_nhwc.dtype, config).run(x_nhwc, w, bias)
+
+
+def autotune(geometry, x_nhwc, w, bias, verbose=False):
+    arch, _, smem = _device_facts()
+    candidates = prune_configs(HOPPER_CANDIDATES if arch == "sm_90" else BLACKWELL_CANDIDATES,
+                               geometry, arch, smem)
+    if not candidates:
+        raise RuntimeError(f"no kernel config fits {geometry.describe()} on this GPU")
+    timings = {}
+    for config in candidates:
+        plan = _plan_for(geometry, x_nhwc.dtype, config)
+        try:
+            timings[config] = triton.testing.do_bench(lambda: plan.run(x_nhwc, w, bias), warmup=5, rep=20)
+        except Exception as error:  # a config the compiler or the launch refuses: skip it
+            if verbose:
+                print(f"   config {config} skipped: {type(error).__name__}: {str(error)[:100]}")
+    if not timings:
+        raise RuntimeError(f"every kernel config failed for {geometry.describe()}")
+    best = min(timings, key=timings.get)
+    if verbose:
+        for config, ms in sorted(timings.items(), key=lambda item: item[1]):
+            print(f"   {str(config):<28} {geometry.flops / ms / 1e9:7.1f} TFLOPS"
+                  + ("   <- chosen" if config == best else ""))
+    return best
+
+
+# %%
+# What the compiler produced (no GPU needed)
+# ------------------------------------------
+# Compiled ahead of time, the PTX shows the partitions' work: the im2col bulk copies (loader),
+# `wgmma.mma_async` (Hopper) or `tcgen05.mma` (Blackwell), `setmaxnreg` (the loader's registers
+# handed to the MMA warps) and the TMA store.
+
+EXPECTED_PTX = {
+    "sm_90": ["cp.async.bulk.tensor.4d.shared::cta.global.im2col", "wgmma.mma_async", "setmaxnreg",
+              "cp.async.bulk.tensor.2d.global.shared::cta"],
+    "sm_100": ["cp.async.bulk.tensor.4d.shared::cta.global.im2col", "tcgen05.mma", "setmaxnreg",
+               "cp.async.bulk.tensor.2d.global.shared::cta", "tcgen05.ld"],
+}
+
+
+def aot_conv2d_fprop(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, padding=1,
+                     config=FIXED_CONFIG, bias=False):
+    x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16, device_name="cpu")
+    geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
+    plan = ConvPlan(geometry, torch.bfloat16, tuple(config), arch, num_sms=132)
+    args, kwargs, _ = plan.launch_args(x_nhwc, w, torch.zeros(Co, dtype=torch.float32) if bias else None)
+    return conv2d_fprop_kernel, args, kwargs
+
+
+def run_show_ptx(verbose=True):
+    report = {}
+    for arch, prefixes in EXPECTED_PTX.items():
+        try:
+            compiled = common.aot_compile("05-warp-specialized-conv", "aot_conv2d_fprop", arch)
+        except common.AotToolMissing as missing:
+            print(f"\n[skip] {arch} PTX: {missing}")
+            continue
+        counts = common.ptx_instructions(compiled["ptx"], prefixes)
+        report[arch] = (counts, compiled["shared"])
+        if verbose:
+            print(f"\n{arch}: conv2d_fprop_kernel, config {FIXED_CONFIG}, {compiled['shared']} bytes "
+                  f"of shared memory, {compiled['num_warps']} warps in all")
+            for prefix in prefixes:
+                print(f"   {counts[prefix]:3d} x {prefix}")
+    return report
+
+
+@pytest.mark.parametrize("arch", list(EXPECTED_PTX))
+def test_kernel_compiles_with_expected_instructions(arch):
+    compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch)
+    counts = common.ptx_instructions(compiled["ptx"], EXPECTED_PTX[arch])
+    missing = [prefix for prefix, count in counts.items() if count == 0]
+    assert not missing, f"{arch}: PTX lacks {missing}"
+    # The pruning model of shared memory must not under-estimate what the compiler allocates.
+    assert compiled["shared"] <= shared_memory_bytes(FIXED_CONFIG) + 1024
+
+
+@pytest.mark.parametrize("config", HOPPER_CANDIDATES)
+def test_every_hopper_candidate_compiles_within_budget(config):
+    geometry = common.conv_geometry((2, 16, 16, 64), (256, 3, 3, 64), 1, 1)
+    if config not in prune_configs([config], geometry, "sm_90"):
+        pytest.skip("pruned for this shape")
+    compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
+                                          Co=256, config=list(config), bias=True)
+    assert compiled["shared"] <= SMEM_LIMIT_BYTES["sm_90"]
+    assert common.ptx_instructions(compiled["ptx"], ["wgmma.mma_async"])["wgmma.mma_async"] > 0
+
+
+def test_pruning():
+    geometry = common.conv_geometry((128, 56, 56, 64), (64, 3, 3, 64), 1, 1)
+    kept = prune_configs(HOPPER_CANDIDATES, geometry, "sm_90")
+    assert kept and all(config[1] <= 64 for config in kept)          # Co=64: no 128-wide tiles
+    assert all(shared_memory_bytes(c) <= SMEM_LIMIT_BYTES["sm_90"] for c in kept)
+    assert prune_configs([(128, 256, 64, 4, 8)], common.conv_geometry((1, 8, 8, 64), (256, 1, 1, 64)),
+                         "sm_90") == []                                 # 4 stages of 128x256: too much smem
+    assert prune_configs([(128, 256, 64, 3, 4)], common.conv_geometry((1, 8, 8, 64), (256, 1, 1, 64)),
+                         "sm_90") == []                                 # 128x256 fp32 acc on 4 warps
+    assert adapt_block_k(FIXED_CONFIG, 8)[2] == 16
+
+
+BAD_INPUTS = [
+    (lambda x, w: (x.float(), w.float()), {}, TypeError, "dtype"),
+    (lambda x, w: (x, w.to(torch.float16)), {}, TypeError, "mismatch"),
+    (lambda x, w: (x[0], w), {}, ValueError, "rank 4"),
+    (lambda x, w: (x, w[..., :4]), {}, ValueError, "channel mismatch"),
+    (lambda x, w: (x, w), {"stride": 0}, ValueError, "stride"),
+    (lambda x, w: (x, w), {"dilation": (1, 0)}, ValueError, "dilation"),
+    (lambda x, w: (x[:, :2, :2], w), {}, ValueError, "empty output"),
+    (lambda x, w: (x.transpose(1, 2), w), {}, ValueError, "contiguous NHWC"),
+    (lambda x, w: (x, w), {"bias": "zeros"}, TypeError, "bias"),
+    (lambda x, w: (x, w), {"bias": torch.zeros(3)}, ValueError, "bias must have shape"),
+]
+
+
+@pytest.mark.parametrize("entry", ["conv2d_fprop", "conv2d_fprop_fixed"])
+@pytest.mark.parametrize("make_args, kwargs, error, message", BAD_INPUTS)
+def test_rejects_bad_input(entry, make_args, kwargs, error, message):
+    x_nhwc, w = common.random_conv_inputs(1, 8, 8, 8, 16, 3, 3, torch.bfloat16)
+    if "bias" in kwargs and isinstance(kwargs["bias"], torch.Tensor):
+        kwargs = dict(kwargs, bias=kwargs["bias"].to(x_nhwc.device))
+    with pytest.raises(error, match=message):
+        globals()[entry](*make_args(x_nhwc, w), **kwargs)
+
+
+# %%
+# Correctness on the GPU
+# ----------------------
+# The upstream Blackwell grid (N in {1, 128}, 64x64 images, Ci=Co in {384, 416}, 3x3/4x4/5x5
+# filters, stride 1-2, padding 0-1) with the fixed config, then the awkward cases, then the
+# autotuned entry point. Tolerances: common.assert_close_to_reference.
+
+needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
+
+
+def run_conv(entry, N, H, W, Ci, Co, R, S, stride, padding, dilation=1, dtype=torch.bfloat16,
+             with_bias=False, seed=0):
+    x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, dtype, seed=seed)
+    bias = torch.randn(Co, device=x_nhwc.device, dtype=torch.float32) if with_bias else None
+    out = entry(x_nhwc, w, bias, stride, padding, dilation)
+    expected = common.reference_conv2d_nhwc(x_nhwc, w, bias, stride, padding, dilation)
+    assert out.shape == expected.shape and out.dtype == dtype
+    common.assert_close_to_reference(out, expected, dtype=dtype, K=Ci * R * S)
+    return out
+
+
+@needs_gpu
+@pytest.mark.parametrize("N", [1, 128])
+@pytest.mark.parametrize("Ci_Co", [384, 416])
+@pytest.mark.parametrize("R", [3, 4, 5])
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("padding", [0, 1])
+def test_fixed_config_grid(N, Ci_Co, R, stride, padding):
+    run_conv(conv2d_fprop_fixed, N, 64, 64, Ci_Co, Ci_Co, R, R, stride, padding)
+
+
+@needs_gpu
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias", [
+    (1, 1, 8, 96, 128, 1, 2, (1, 2), 0, 1, torch.bfloat16, False),     # asymmetric stride
+    (16, 32, 32, 5, 96, 3, 3, 1, 1, 1, torch.bfloat16, False),         # Ci=5, padded to 8
+    (4, 64, 64, 3, 64, 7, 7, 2, 3, 1, torch.bfloat16, False),          # ResNet stem
+    (2, 32, 32, 64, 64, 3, 3, 1, 2, 2, torch.bfloat16, False),         # dilation 2
+    (2, 32, 32, 128, 200, 3, 3, 1, 1, 1, torch.bfloat16, True),        # bias, Co not a multiple of 8*16
+    (8, 30, 26, 256, 128, 3, 3, 1, 1, 1, torch.float16, True),         # fp16, non-square
+    (3, 17, 23, 40, 48, 3, 5, (2, 1), (1, 2), 1, torch.float16, False),  # odd sizes
+])
+def test_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias):
+    run_conv(conv2d_fprop_fixed, N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias)
+
+
+@needs_gpu
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding", [
+    (32, 28, 28, 128, 128, 3, 3, 1, 1),
+    (32, 56, 56, 256, 64, 1, 1, 1, 0),
+    (8, 16, 16, 320, 320, 3, 3, 2, 1),
+])
+def test_autotuned_entry_point(N, H, W, Ci, Co, R, S, stride, padding):
+    run_conv(conv2d_fprop, N, H, W, Ci, Co, R, S, stride, padding, with_bias=True)
+
+
+@needs_gpu
+def test_every_hopper_candidate_is_correct():
+    if not common.is_hopper():
+        pytest.skip("Hopper candidates")
+    for config in HOPPER_CANDIDATES:
+        run_conv(lambda *a: conv2d_fprop_fixed(*a, config=config), 4, 20, 20, 136, 200, 3, 3, 1, 1,
+                 with_bias=True)
+
+
+# %%
+# Benchmark (GPU): the series' ladder, next to cuDNN
+# --------------------------------------------------
+# One run measures, per shape, lesson 02's implicit GEMM, lesson 04, this lesson (autotuned) and
+# cuDNN, all in bf16, all timed by common.bench_tflops (do_bench: median, L2 flushed, launch
+# overhead included).
+
+BENCH_SHAPES = [
+    common.HEADLINE_SHAPE,
+    *common.RESNET50_3X3_SHAPES,
+    ("RN50 56x56 128->128 3x3 s2", 128, 56, 56, 128, 128, 3, 3, 2, 1),
+    ("RN50 56x56 256->64 1x1", 128, 56, 56, 256, 64, 1, 1, 1, 0),
+    ("RN50 14x14 1024->256 1x1", 128, 14, 14, 1024, 256, 1, 1, 1, 0),
+    ("SD UNet 64x64 320->320 3x3", 8, 64, 64, 320, 320, 3, 3, 1, 1),
+]
+DENSE_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "B200": 2250.0}   # bf16 dense, datasheets
+
+
+def dense_peak(device_name):
+    return next((peak for name, peak in DENSE_PEAK_TFLOPS.items() if name in device_name), None)
+
+
+def measure_host_overhead(x_nhwc, w, stride, padding, calls=200):
+    """Host time of one conv2d_fprop call (validation, plan lookup, descriptors, launch), in us."""
+    conv2d_fprop(x_nhwc, w, None, stride, padding)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        conv2d_fprop(x_nhwc, w, None, stride, padding)
+    host_us = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return host_us
+
+
+def run_bench(outdir, quick=False, dtype=torch.bfloat16):
+    lesson02 = common.load_lesson("02-im2col-explicit")
+    lesson04 = common.load_lesson("04-implicit-gemm-single-buffer")
+    shapes = BENCH_SHAPES[:3] if quick else BENCH_SHAPES
+    rows = []
+    for label, N, H, W, Ci, Co, R, S, stride, padding in shapes:
+        x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, dtype)
+        geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
+        print(f"\n{label}: {geometry.describe()}; autotuning lesson 05:")
+        _BEST_CONFIG[(geometry, dtype, torch.cuda.current_device())] = autotune(
+            geometry, x_nhwc, w, None, verbose=True)
+        # Correct before timed: the benchmarked output matches the reference.
+        expected = common.reference_conv2d_nhwc(x_nhwc, w, None, stride, padding)
+        common.assert_close_to_reference(conv2d_fprop(x_nhwc, w, None, stride, padding), expected,
+                                         dtype=dtype, K=geometry.K)
+        runs = {
+            "02 implicit GEMM": lambda: lesson02.conv2d_implicit_gemm(x_nhwc, w, stride, padding),
+            "04 single-buffer": lambda: lesson04.conv2d_tma_im2col(x_nhwc, w, stride, padding),
+            "05 warp-specialized": lambda: conv2d_fprop(x_nhwc, w, None, stride, padding),
+            "cuDNN": common.cudnn_conv2d(x_nhwc, w, None, stride, padding),
+        }
+        row = {"shape": label, "geometry": geometry.describe(), "flops": geometry.flops,
+               "config_05": _BEST_CONFIG[(geometry, dtype, torch.cuda.current_device())]}
+        for name, fn in runs.items():
+            row[name] = common.bench_tflops(fn, geometry.flops)
+        row["ratio_05_cudnn"] = row["05 warp-specialized"]["tflops"] / row["cuDNN"]["tflops"]
+        row["host_us_05"] = measure_host_overhead(x_nhwc, w, stride, padding)
+        rows.append(row)
+        del x_nhwc, w, expected
+        torch.cuda.empty_cache()
+    info = common.versions()
+    print(f"\nTFLOPS, {str(dtype)[6:]}, {info['device']}, torch {info['torch']}, triton {info['triton']}, "
+          f"cuDNN {info.get('cudnn')}")
+    names = ["02 implicit GEMM", "04 single-buffer", "05 warp-specialized", "cuDNN"]
+    print(f"  {'shape':<30}" + "".join(f"{n.split()[0]:>9}" for n in names)
+          + "  05/cuDNN  host us  kernel us   config")
+    for row in rows:
+        print(f"  {row['shape']:<30}" + "".join(f"{row[n]['tflops']:9.1f}" for n in names)
+              + f"  {row['ratio_05_cudnn']:7.2f}x {row['host_us_05']:8.1f} "
+              f"{row['05 warp-specialized']['ms'] * 1e3:9.1f}   {row['config_05']}")
+    three_by_three = [r["ratio_05_cudnn"] for r in rows if "3x3" in r["shape"]]
+    geomean = math.exp(sum(math.log(r) for r in three_by_three) / len(three_by_three))
+    print(f"  geometric mean of 05/cuDNN over the {len(three_by_three)} 3x3 shapes: {geomean:.3f}x")
+    data = {"rows": rows, "geomean_3x3_ratio": geomean, "dtype": str(dtype), **info}
+    plot_bench(rows, info, dtype, outdir, data)
+    return rows, geomean
+
+
+def plot_bench(rows, info, dtype, outdir, data):
+    names = ["02 implicit GEMM", "04 single-buffer", "05 warp-specialized", "cuDNN"]
+    colors = ["#999999", "#d08040", "#2060c0", "#40a040"]
+    fig, ax = common.new_figure(figsize=(12, 5))
+    width = 0.2
+    for i, name in enumerate(names):
+        xs = [j + (i - 1.5) * width for j in range(len(rows))]
+        ax.bar(xs, [r[name]["tflops"] for r in rows], width, label=name, color=colors[i])
+    peak = dense_peak(info["device"])
+    if peak:
+        ax.axhline(peak, color="red", ls="--", lw=1, label=f"dense bf16 peak ({peak:.0f}, datasheet)")
+    ax.set_xticks(range(len(rows)), [r["shape"] for r in rows], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("TFLOPS (higher is better)")
+    ax.set_title(f"Convolution throughput per shape, {str(dtype)[6:]}, {info['device']}\n"
+                 f"Triton {info['triton']}, torch {info['torch']}, cuDNN {info.get('cudnn')}")
+    ax.legend(fontsize=8, loc="upper right")
+    ax.grid(axis="y", alpha=0.3)
+    common.save_figure(fig, outdir, "05_tflops_per_shape", data)
+
+    headline = rows[0]
+    fig, ax = common.new_figure(figsize=(7, 4.5))
+    values = [headline[n]["tflops"] for n in names]
+    bars = ax.bar(["lesson 02\nimplicit GEMM", "lesson 04\nTMA + MMA", "lesson 05\nwarp-specialized",
+                   "cuDNN"], values, color=colors)
+    for bar, value in zip(bars, values):
+        ax.text(bar.get_x() + bar.get_width() / 2, value, f"{value:.0f}", ha="center", va="bottom")
+    if peak:
+        ax.axhline(peak, color="red", ls="--", lw=1, label=f"dense bf16 peak ({peak:.0f})")
+        ax.legend(fontsize=8)
+    ax.set_ylabel("TFLOPS (higher is better)")
+    ax.set_title(f"The ladder of the series on {headline['geometry']}\n{str(dtype)[6:]}, {info['device']}",
+                 fontsize=9)
+    common.save_figure(fig, outdir, "05_ladder")
+
+
+# %%
+if __name__ == "__main__":
+    args = common.lesson_args("Lesson 05: warp-specialized persistent conv")
+    outdir = common.output_dir(args.outdir)
+    run_show_ptx()
+    if common.has_tma_mma_gpu():
+        run_conv(conv2d_fprop_fixed, 4, 32, 32, 384, 384, 3, 3, 1, 1)
+        run_conv(conv2d_fprop, 8, 28, 28, 128, 128, 3, 3, 1, 1, with_bias=True)
+        print(f"\nconv2d_fprop matches torch.nn.functional.conv2d on {common.gpu_name()}")
+        if args.bench:
+            run_bench(outdir, quick=args.quick)
+    else:
+        print(f"\n[skip] GPU runs and the benchmark: {common.GLUON_SKIP_REASON}")
+    print("lesson 05: all checks passed")
