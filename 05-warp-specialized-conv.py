@@ -24,6 +24,8 @@ Tests: pytest 05-warp-specialized-conv.py
 """
 
 # %%
+import copy
+import functools
 import math
 import time
 
@@ -291,32 +293,43 @@ def conv2d_fprop_kernel(in_desc, w_desc, out_desc, bias_ptr, Co, num_pid_m, num_
 # config) is computed once and cached in a `ConvPlan`; a call then only validates its tensors,
 # builds three small descriptor objects around their pointers, and launches.
 #
-# Configs are (BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUFFERS, num_warps). Before anything is compiled,
-# candidates are pruned to what fits: shared memory (NUM_BUFFERS stages of A and B tiles plus the
-# epilogue's staging tile, against the device's opt-in limit, 227 KB on H100/H200/B200), tensor
-# memory on Blackwell (two fp32 accumulators of BLOCK_N columns, at most 512), register room on
-# Hopper (a 128x256 fp32 accumulator needs 8 warps) and tiles not much wider than Co.
+# Configs are (BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUFFERS, num_warps, programs per SM). Before anything
+# is compiled, candidates are pruned to what fits: shared memory (NUM_BUFFERS stages of A and B
+# tiles plus the epilogue's staging tile, against the device's per-program limit, and times the
+# programs per SM against the SM's 228 KB), tensor memory on Blackwell (two fp32 accumulators of
+# BLOCK_N columns, at most 512), register room on Hopper (a 128x256 fp32 accumulator needs 8
+# warps) and tiles not much wider than Co.
+#
+# Two programs per SM is the cheap way to hide Hopper's epilogue: while one program converts and
+# stores its tile, the other's MMAs keep the tensor cores busy. It needs half the shared memory
+# per program and at most 128 registers per thread at launch (`maxnreg=128`; setmaxnreg then
+# moves the loader's unused registers to the MMA warps), which is what small-K layers such as
+# ResNet's 64-channel ones want.
 
 HOPPER_CANDIDATES = [
-    # BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUFFERS, num_warps
-    (128, 128, 64, 4, 4),
-    (128, 256, 64, 3, 8),
-    (256, 128, 64, 3, 8),
-    (128, 128, 64, 6, 8),
-    (128, 64, 64, 6, 4),
-    (256, 64, 64, 4, 8),
+    # BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUFFERS, num_warps, programs per SM
+    (128, 128, 64, 4, 4, 1),
+    (128, 256, 64, 3, 8, 1),
+    (256, 128, 64, 3, 8, 1),
+    (128, 128, 64, 6, 8, 1),
+    (128, 64, 64, 6, 4, 1),
+    (256, 64, 64, 4, 8, 1),
+    (128, 128, 64, 2, 4, 2),
+    (128, 64, 64, 4, 4, 2),
+    (64, 128, 64, 4, 4, 2),
 ]
 BLACKWELL_CANDIDATES = [
-    (128, 128, 64, 4, 4),
-    (128, 256, 64, 3, 4),
-    (128, 64, 64, 6, 4),
+    (128, 128, 64, 4, 4, 1),
+    (128, 256, 64, 3, 4, 1),
+    (128, 64, 64, 6, 4, 1),
 ]
-FIXED_CONFIG = (128, 128, 64, 4, 4)   # the tests' config: valid on both architectures
-SMEM_LIMIT_BYTES = {"sm_90": 232448, "sm_100": 232448}
+FIXED_CONFIG = (128, 128, 64, 4, 4, 1)   # the tests' config: valid on both architectures
+SMEM_LIMIT_BYTES = {"sm_90": 232448, "sm_100": 232448}   # per program (opt-in maximum)
+SMEM_PER_SM_BYTES = 233472                               # 228 KB per SM, 1 KB of it reserved per program
 
 
 def shared_memory_bytes(config, element_size=2):
-    BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUFFERS, _ = config
+    BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUFFERS = config[:4]
     ring = NUM_BUFFERS * (BLOCK_M + BLOCK_N) * BLOCK_K * element_size
     return ring + BLOCK_M * BLOCK_N * element_size + 2 * NUM_BUFFERS * 8 + 64
 
@@ -326,12 +339,15 @@ def prune_configs(candidates, geometry, arch, smem_limit=None):
     smem_limit = smem_limit or SMEM_LIMIT_BYTES[arch]
     kept = []
     for config in candidates:
-        BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUFFERS, num_warps = config
-        if shared_memory_bytes(config) > smem_limit:
+        BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUFFERS, num_warps, per_sm = config
+        smem = shared_memory_bytes(config)
+        if smem > smem_limit or per_sm * (smem + 1024) > SMEM_PER_SM_BYTES:
             continue
-        if arch == "sm_100" and 2 * BLOCK_N > 512:                  # TMEM columns
+        if arch == "sm_100" and (2 * BLOCK_N > 512 or per_sm > 1):     # TMEM columns
             continue
         if arch == "sm_90" and BLOCK_M * BLOCK_N // (32 * num_warps) > 128:  # fp32 acc registers/thread
+            continue
+        if per_sm > 1 and num_warps != 4:       # 2 x (4 + loader) warps at 128 registers fill the RF
             continue
         if BLOCK_N > max(64, triton.next_power_of_2(geometry.Co)):  # mostly-empty tiles
             continue
@@ -341,10 +357,10 @@ def prune_configs(candidates, geometry, arch, smem_limit=None):
 
 def adapt_block_k(config, Ci_padded):
     """Small channel counts (a padded Ci of 8 or 16) get a smaller K block: fewer zeros multiplied."""
-    BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUFFERS, num_warps = config
+    BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUFFERS, num_warps, per_sm = config
     if Ci_padded < BLOCK_K:
         BLOCK_K = max(16, triton.next_power_of_2(Ci_padded))
-    return (BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUFFERS, num_warps)
+    return (BLOCK_M, BLOCK_N, BLOCK_K, NUM_BUFFERS, num_warps, per_sm)
 
 
 class ConvPlan:
@@ -360,27 +376,43 @@ class ConvPlan:
                                       geometry.stride, geometry.padding, geometry.dilation)
         self.settings = common.conv_im2col_settings(padded)
         self.config = adapt_block_k(config, self.Ci_padded)
-        BLOCK_M, BLOCK_N, BLOCK_K, self.num_buffers, self.num_warps = self.config
+        BLOCK_M, BLOCK_N, BLOCK_K, self.num_buffers, self.num_warps, per_sm = self.config
         self.blocks = (BLOCK_M, BLOCK_N, BLOCK_K)
         self.Co_alloc = -(-geometry.Co // lanes) * lanes
         self.num_pid_m = triton.cdiv(geometry.M, BLOCK_M)
         self.num_pid_n = triton.cdiv(geometry.Co, BLOCK_N)
-        self.grid = (min(num_sms, self.num_pid_m * self.num_pid_n),)
+        self.grid = (min(per_sm * num_sms, self.num_pid_m * self.num_pid_n),)
+        self.launch_options = dict(num_warps=self.num_warps, **({"maxnreg": 128} if per_sm > 1 else {}))
         self.channel_blocks = triton.cdiv(self.Ci_padded, BLOCK_K)
         self.k_steps = geometry.R * geometry.S * self.channel_blocks
+        self.layouts = common.conv_tma_layouts(dtype, BLOCK_M, BLOCK_N, BLOCK_K)
+        g = geometry
+        self.scalar_args = (g.Co, self.num_pid_m, self.num_pid_n, g.out_h, g.out_w, *g.stride,
+                            *g.padding, *g.dilation, self.Ci_padded, g.S, self.k_steps,
+                            self.channel_blocks)
+        self.needs_channel_padding = self.Ci_padded != g.Ci
+        self.descriptor_templates = None
 
     def launch_args(self, x_nhwc, w, bias):
         """(args, kwargs, output buffer) for this plan and these tensors."""
-        g = self.geometry
-        x_nhwc, w, _ = common.pad_channels_for_tma(x_nhwc, w)
-        out_2d = torch.empty(g.M, self.Co_alloc, device=x_nhwc.device, dtype=x_nhwc.dtype)
-        in_desc, w_desc, out_desc = common.conv_tma_descriptors(x_nhwc, w, out_2d, self.settings,
-                                                                *self.blocks)
-        args = (in_desc, w_desc, out_desc, bias if bias is not None else out_2d, g.Co,
-                self.num_pid_m, self.num_pid_n, g.out_h, g.out_w, *g.stride, *g.padding,
-                *g.dilation, self.Ci_padded, g.S, self.k_steps, self.channel_blocks)
+        if self.needs_channel_padding:
+            x_nhwc, w, _ = common.pad_channels_for_tma(x_nhwc, w)
+        out_2d = torch.empty(self.geometry.M, self.Co_alloc, device=x_nhwc.device, dtype=x_nhwc.dtype)
+        if self.descriptor_templates is None:
+            # First call: build (and let Triton validate) the three descriptors.
+            self.descriptor_templates = common.conv_tma_descriptors(
+                x_nhwc, w, out_2d, self.settings, *self.blocks, layouts=self.layouts)
+            in_desc, w_desc, out_desc = self.descriptor_templates
+        else:
+            # Later calls: same shapes, strides, boxes and layouts; only the base pointers change.
+            # Re-validating all of that costs ~30 us of Python per call, so copy the validated
+            # templates and swap the tensors in (checking the one property that can differ).
+            in_desc, w_desc, out_desc = (
+                _with_base(template, tensor) for template, tensor in
+                zip(self.descriptor_templates, (x_nhwc, w.view(w.shape[0], -1), out_2d)))
+        args = (in_desc, w_desc, out_desc, bias if bias is not None else out_2d, *self.scalar_args)
         kwargs = dict(IS_BLACKWELL=self.arch == "sm_100", HAS_BIAS=bias is not None, GROUP_M=8,
-                      NUM_BUFFERS=self.num_buffers, num_warps=self.num_warps)
+                      NUM_BUFFERS=self.num_buffers, **self.launch_options)
         return args, kwargs, out_2d
 
     def run(self, x_nhwc, w, bias=None):
@@ -391,16 +423,33 @@ class ConvPlan:
         return out if self.Co_alloc == g.Co else out[..., :g.Co].contiguous()
 
 
+def _with_base(template, tensor):
+    if tensor.data_ptr() % 16:
+        raise ValueError(f"TMA needs 16-byte aligned tensors; this one starts at address "
+                         f"{tensor.data_ptr():#x} (a view into another tensor?); pass .clone()")
+    descriptor = copy.copy(template)
+    descriptor.base = tensor
+    return descriptor
+
+
 _PLANS = {}          # (key, config) -> ConvPlan
 _BEST_CONFIG = {}    # key -> config chosen by the autotuner
 
 
-def _device_facts():
+@functools.lru_cache(maxsize=None)
+def _device_facts_of(device_index):
     cap = common.require_tma_mma_gpu("conv2d_fprop")
     arch = "sm_90" if cap == (9, 0) else "sm_100"
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     smem = getattr(props, "shared_memory_per_block_optin", SMEM_LIMIT_BYTES[arch])
     return arch, props.multi_processor_count, smem
+
+
+def _device_facts():
+    """(arch, SM count, shared-memory limit) of the current GPU, looked up once per device."""
+    if not common.HAS_CUDA:
+        common.require_tma_mma_gpu("conv2d_fprop")
+    return _device_facts_of(torch.cuda.current_device())
 
 
 def _validate(x_nhwc, w, bias, stride, padding, dilation):
@@ -525,6 +574,9 @@ def test_every_hopper_candidate_compiles_within_budget(config):
     compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
                                           Co=256, config=list(config), bias=True)
     assert compiled["shared"] <= SMEM_LIMIT_BYTES["sm_90"]
+    assert config[5] * (compiled["shared"] + 1024) <= SMEM_PER_SM_BYTES
+    if config[5] > 1:
+        assert ".maxnreg 128" in compiled["ptx"]
     assert common.ptx_instructions(compiled["ptx"], ["wgmma.mma_async"])["wgmma.mma_async"] > 0
 
 
@@ -533,11 +585,12 @@ def test_pruning():
     kept = prune_configs(HOPPER_CANDIDATES, geometry, "sm_90")
     assert kept and all(config[1] <= 64 for config in kept)          # Co=64: no 128-wide tiles
     assert all(shared_memory_bytes(c) <= SMEM_LIMIT_BYTES["sm_90"] for c in kept)
-    assert prune_configs([(128, 256, 64, 4, 8)], common.conv_geometry((1, 8, 8, 64), (256, 1, 1, 64)),
+    assert prune_configs([(128, 256, 64, 4, 8, 1)], common.conv_geometry((1, 8, 8, 64), (256, 1, 1, 64)),
                          "sm_90") == []                                 # 4 stages of 128x256: too much smem
-    assert prune_configs([(128, 256, 64, 3, 4)], common.conv_geometry((1, 8, 8, 64), (256, 1, 1, 64)),
+    assert prune_configs([(128, 256, 64, 3, 4, 1)], common.conv_geometry((1, 8, 8, 64), (256, 1, 1, 64)),
                          "sm_90") == []                                 # 128x256 fp32 acc on 4 warps
     assert adapt_block_k(FIXED_CONFIG, 8)[2] == 16
+    assert prune_configs([(128, 64, 64, 4, 8, 2)], geometry, "sm_90") == []  # 2 x 8+ warps: no registers
 
 
 BAD_INPUTS = [
@@ -687,6 +740,9 @@ def run_bench(outdir, quick=False, dtype=torch.bfloat16):
                "config_05": _BEST_CONFIG[(geometry, dtype, torch.cuda.current_device())]}
         for name, fn in runs.items():
             row[name] = common.bench_tflops(fn, geometry.flops)
+        # Kernel time alone, launch overhead removed (CUDA graph replay), for 05 and cuDNN.
+        for name in ("05 warp-specialized", "cuDNN"):
+            row[name + " graph"] = common.bench_tflops(runs[name], geometry.flops, cuda_graph=True)
         row["ratio_05_cudnn"] = row["05 warp-specialized"]["tflops"] / row["cuDNN"]["tflops"]
         row["host_us_05"] = measure_host_overhead(x_nhwc, w, stride, padding)
         rows.append(row)
@@ -696,12 +752,17 @@ def run_bench(outdir, quick=False, dtype=torch.bfloat16):
     print(f"\nTFLOPS, {str(dtype)[6:]}, {info['device']}, torch {info['torch']}, triton {info['triton']}, "
           f"cuDNN {info.get('cudnn')}")
     names = ["02 implicit GEMM", "04 single-buffer", "05 warp-specialized", "cuDNN"]
-    print(f"  {'shape':<30}" + "".join(f"{n.split()[0]:>9}" for n in names)
-          + "  05/cuDNN  host us  kernel us   config")
+    print("  end to end (do_bench: L2 flushed, launch overhead included); 'graph' columns: kernels "
+          "alone (CUDA graph replay)")
+    print(f"  {'shape':<30}" + "".join(f"{n.split()[0]:>7}" for n in names)
+          + "  05/cuDNN  05 graph cuDNN graph  ratio   host us  05 us   config")
     for row in rows:
-        print(f"  {row['shape']:<30}" + "".join(f"{row[n]['tflops']:9.1f}" for n in names)
-              + f"  {row['ratio_05_cudnn']:7.2f}x {row['host_us_05']:8.1f} "
-              f"{row['05 warp-specialized']['ms'] * 1e3:9.1f}   {row['config_05']}")
+        graph_ratio = row["05 warp-specialized graph"]["tflops"] / row["cuDNN graph"]["tflops"]
+        row["ratio_05_cudnn_graph"] = graph_ratio
+        print(f"  {row['shape']:<30}" + "".join(f"{row[n]['tflops']:7.1f}" for n in names)
+              + f"  {row['ratio_05_cudnn']:7.2f}x {row['05 warp-specialized graph']['tflops']:8.1f}"
+              f" {row['cuDNN graph']['tflops']:11.1f} {graph_ratio:6.2f}x {row['host_us_05']:8.1f}"
+              f" {row['05 warp-specialized']['ms'] * 1e3:6.1f}   {row['config_05']}")
     three_by_three = [r["ratio_05_cudnn"] for r in rows if "3x3" in r["shape"]]
     geomean = math.exp(sum(math.log(r) for r in three_by_three) / len(three_by_three))
     print(f"  geometric mean of 05/cuDNN over the {len(three_by_three)} 3x3 shapes: {geomean:.3f}x")

@@ -204,8 +204,29 @@ class ConvGeometry:
         return text + (f", dil {hw(self.dilation)}" if self.dilation != (1, 1) else "")
 
 
+def _hashable(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
 def conv_geometry(x_shape, w_shape, stride=1, padding=0, dilation=1) -> ConvGeometry:
-    """Validate shapes and hyper-parameters of an NHWC x [Co,R,S,Ci] convolution; return its geometry."""
+    """Validate shapes and hyper-parameters of an NHWC x [Co,R,S,Ci] convolution; return its geometry.
+
+    Memoized: a network calls the same few shapes over and over, and this runs on every call."""
+    try:
+        return _conv_geometry_cached(tuple(x_shape), tuple(w_shape), _hashable(stride),
+                                     _hashable(padding), _hashable(dilation))
+    except TypeError as error:
+        if "unhashable" not in str(error):
+            raise
+        return _conv_geometry(x_shape, w_shape, stride, padding, dilation)
+
+
+@functools.lru_cache(maxsize=1024)
+def _conv_geometry_cached(x_shape, w_shape, stride, padding, dilation):
+    return _conv_geometry(x_shape, w_shape, stride, padding, dilation)
+
+
+def _conv_geometry(x_shape, w_shape, stride, padding, dilation) -> ConvGeometry:
     if len(x_shape) != 4:
         raise ValueError(f"x_nhwc must have rank 4 [N, H, W, Ci], got shape {tuple(x_shape)}")
     if len(w_shape) != 4:
@@ -241,10 +262,10 @@ def check_conv_inputs(x_nhwc, w, stride=1, padding=0, dilation=1, *, dtypes, bia
     for name, t in (("x_nhwc", x_nhwc), ("w", w)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-    if x_nhwc.dtype not in dtypes:
-        raise TypeError(f"x_nhwc has dtype {x_nhwc.dtype}; allowed: {allowed}")
-    if w.dtype != x_nhwc.dtype:
+    if x_nhwc.dtype not in dtypes or w.dtype != x_nhwc.dtype:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        if x_nhwc.dtype not in dtypes:
+            raise TypeError(f"x_nhwc has dtype {x_nhwc.dtype}; allowed: {allowed}")
         raise TypeError(f"dtype mismatch: x_nhwc is {x_nhwc.dtype} but w is {w.dtype}; "
                         f"both must have the same dtype ({allowed})")
     geometry = conv_geometry(x_nhwc.shape, w.shape, stride, padding, dilation)
@@ -319,13 +340,19 @@ def assert_close_to_reference(out, expected, *, dtype, K):
 # %% Benchmarks -------------------------------------------------------------------------------------
 
 
-def bench_tflops(fn, flops: int, warmup_ms: int = 25, rep_ms: int = 100) -> dict:
+def bench_tflops(fn, flops: int, warmup_ms: int = 25, rep_ms: int = 100, cuda_graph=False) -> dict:
     """Median TFLOPS of `fn` (with 20th/80th percentiles) from triton.testing.do_bench.
 
     do_bench times with CUDA events, clears the L2 cache before every call (so each run reads its
-    operands from HBM) and includes the launch overhead of whatever `fn` launches."""
-    ms_median, ms_p20, ms_p80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms,
-                                                        quantiles=[0.5, 0.2, 0.8])
+    operands from HBM) and includes the launch overhead of whatever `fn` launches: the end-to-end
+    number a user sees. With cuda_graph=True, do_bench_cudagraph replays `fn` captured in a CUDA
+    graph instead: host overhead disappears and the kernels' own speed remains (L2 not flushed)."""
+    if cuda_graph:
+        ms_median, ms_p20, ms_p80 = triton.testing.do_bench_cudagraph(fn, rep=rep_ms,
+                                                                      quantiles=[0.5, 0.2, 0.8])
+    else:
+        ms_median, ms_p20, ms_p80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms,
+                                                            quantiles=[0.5, 0.2, 0.8])
     to_tflops = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
     return {"ms": ms_median, "tflops": to_tflops(ms_median),
             # a shorter time is a higher rate: the 20th percentile of time is the 80th of TFLOPS
@@ -801,7 +828,16 @@ def select_mma_impl(capability):
 GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
 
 
-def conv_tma_descriptors(x_nhwc, w, out_2d, settings: ConvIm2ColSettings, BLOCK_M, BLOCK_N, BLOCK_K):
+def conv_tma_layouts(dtype, BLOCK_M, BLOCK_N, BLOCK_K):
+    """The shared-memory layouts of the A, B and output tiles (worth caching: ~10 us each to build)."""
+    gl_dtype = GL_DTYPES[dtype]
+    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl_dtype),
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl_dtype),
+            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl_dtype))
+
+
+def conv_tma_descriptors(x_nhwc, w, out_2d, settings: ConvIm2ColSettings, BLOCK_M, BLOCK_N, BLOCK_K,
+                         layouts=None):
     """The three TMA descriptors of a TMA-im2col convolution (lessons 04-05).
 
     - input: im2col descriptor on x [N, H, W, Ci], box [BLOCK_M pixels, BLOCK_K channels];
@@ -810,11 +846,8 @@ def conv_tma_descriptors(x_nhwc, w, out_2d, settings: ConvIm2ColSettings, BLOCK_
     All shared-memory tiles use the default NVMMA swizzle for their shape, which both TMA and the
     tensor cores understand."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
-    dtype = GL_DTYPES[x_nhwc.dtype]
     Co = w.shape[0]
-    a_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
-    b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dtype)
-    c_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+    a_layout, b_layout, c_layout = layouts or conv_tma_layouts(x_nhwc.dtype, BLOCK_M, BLOCK_N, BLOCK_K)
     in_desc = TensorDescriptorIm2Col.from_tensor(
         x_nhwc, [BLOCK_M, BLOCK_K], a_layout, padding="zero",
         element_strides=list(settings.element_strides),
