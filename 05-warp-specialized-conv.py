@@ -381,7 +381,7 @@ class ConvPlan:
         self.Co_alloc = -(-geometry.Co // lanes) * lanes
         self.num_pid_m = triton.cdiv(geometry.M, BLOCK_M)
         self.num_pid_n = triton.cdiv(geometry.Co, BLOCK_N)
-        self.grid = (min(per_sm * num_sms, self.num_pid_m * self.num_pid_n),)
+        self.grid = (min(per_sm * num_sms, self.num_pid_m * self.num_pid_n), 1, 1)
         self.launch_options = dict(num_warps=self.num_warps, **({"maxnreg": 128} if per_sm > 1 else {}))
         self.channel_blocks = triton.cdiv(self.Ci_padded, BLOCK_K)
         self.k_steps = geometry.R * geometry.S * self.channel_blocks
@@ -511,7 +511,7 @@ def autotune(geometry, x_nhwc, w, bias, verbose=False):
                                geometry, arch, smem)
     if not candidates:
         raise RuntimeError(f"no kernel config fits {geometry.describe()} on this GPU")
-    timings = {}
+    timings, errors = {}, []
     for config in candidates:
         plan = _plan_for(geometry, x_nhwc.dtype, config)
         try:
@@ -520,10 +520,12 @@ def autotune(geometry, x_nhwc, w, bias, verbose=False):
             # differences between configs.
             timings[config] = triton.testing.do_bench_cudagraph(lambda: plan.run(x_nhwc, w, bias), rep=20)
         except Exception as error:  # a config the compiler or the launch refuses: skip it
+            errors.append(f"{config}: {type(error).__name__}: {error}")
             if verbose:
                 print(f"   config {config} skipped: {type(error).__name__}: {str(error)[:100]}")
     if not timings:
-        raise RuntimeError(f"every kernel config failed for {geometry.describe()}")
+        raise RuntimeError(f"every kernel config failed for {geometry.describe()}; first error: "
+                           f"{errors[0] if errors else '?'}")
     best = min(timings, key=timings.get)
     if verbose:
         for config, ms in sorted(timings.items(), key=lambda item: item[1]):
