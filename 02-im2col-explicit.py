@@ -193,7 +193,8 @@ def run_materialization_cost(outdir=None, bench=False, verbose=True):
             ax = axes[0][1]
             labels = list(timings["ms"])
             ax.bar(labels, [timings["ms"][k] for k in labels], color=["#888", "#c44", "#e94", "#49c", "#4a4"])
-            ax.set_ylabel("time per convolution (ms, lower is better)")
+            ax.set_yscale("log")
+            ax.set_ylabel("time per convolution (ms, log scale, lower is better)")
             ax.set_title(f"{timings['shape']}, {timings['dtype']}\n{common.gpu_name()}")
             ax.tick_params(axis="x", rotation=20)
         common.save_figure(fig, outdir, "02_im2col_cost",
