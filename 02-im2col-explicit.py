@@ -350,13 +350,7 @@ CONV_CASES = [
 
 
 def run_conv_case(fn, case, dtype, seed=0):
-    N, H, W, Ci, Co, R, S, stride, padding, dilation = case
-    x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, dtype, seed=seed)
-    out = fn(x_nhwc, w, stride, padding, dilation)
-    expected = common.reference_conv2d_nhwc(x_nhwc, w, None, stride, padding, dilation)
-    assert out.shape == expected.shape and out.dtype == dtype
-    common.assert_close_to_reference(out, expected, dtype=dtype, K=Ci * R * S)
-    return out
+    return common.check_conv(fn, *case, dtype=dtype, seed=seed)
 
 
 @pytest.mark.parametrize("case", CONV_CASES)

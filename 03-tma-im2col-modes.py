@@ -517,11 +517,10 @@ TMA_STORE = "cp.async.bulk.tensor.2d.global.shared::cta"
 def run_show_ptx(verbose=True):
     found = {}
     for arch in common.ARCHS:
-        try:
-            ptx = common.aot_compile("03-tma-im2col-modes", "aot_tma_im2col_copy", arch)["ptx"]
-        except common.AotToolMissing as missing:
-            print(f"\n[skip] {arch} PTX: {missing}")
+        compiled = common.aot_compile_or_say_why("03-tma-im2col-modes", "aot_tma_im2col_copy", arch)
+        if compiled is None:
             continue
+        ptx = compiled["ptx"]
         lines = [line.strip() for line in ptx.splitlines() if "cp.async.bulk.tensor" in line]
         found[arch] = lines
         if verbose:

@@ -201,10 +201,8 @@ def aot_conv2d_tma_im2col(arch, N=2, H=16, W=16, Ci=64, Co=64, R=3, S=3, stride=
 def run_show_ptx(verbose=True):
     report = {}
     for arch, prefixes in EXPECTED_PTX.items():
-        try:
-            compiled = common.aot_compile("04-implicit-gemm-single-buffer", "aot_conv2d_tma_im2col", arch)
-        except common.AotToolMissing as missing:
-            print(f"\n[skip] {arch} PTX: {missing}")
+        compiled = common.aot_compile_or_say_why("04-implicit-gemm-single-buffer", "aot_conv2d_tma_im2col", arch)
+        if compiled is None:
             continue
         counts = common.ptx_instructions(compiled["ptx"], prefixes)
         report[arch] = counts
@@ -283,12 +281,8 @@ def test_rejects_unsupported_gpu():
 
 
 def run_conv(N, H, W, Ci, Co, R, S, stride, padding, dilation=1, dtype=torch.float16, seed=0):
-    x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, dtype, seed=seed)
-    out = conv2d_tma_im2col(x_nhwc, w, stride, padding, dilation)
-    expected = common.reference_conv2d_nhwc(x_nhwc, w, None, stride, padding, dilation)
-    assert out.shape == expected.shape and out.dtype == dtype
-    common.assert_close_to_reference(out, expected, dtype=dtype, K=Ci * R * S)
-    return out
+    return common.check_conv(conv2d_tma_im2col, N, H, W, Ci, Co, R, S, stride, padding, dilation,
+                             dtype=dtype, seed=seed)
 
 
 needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)

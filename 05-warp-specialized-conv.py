@@ -561,10 +561,8 @@ def aot_conv2d_fprop(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, p
 def run_show_ptx(verbose=True):
     report = {}
     for arch, prefixes in EXPECTED_PTX.items():
-        try:
-            compiled = common.aot_compile("05-warp-specialized-conv", "aot_conv2d_fprop", arch)
-        except common.AotToolMissing as missing:
-            print(f"\n[skip] {arch} PTX: {missing}")
+        compiled = common.aot_compile_or_say_why("05-warp-specialized-conv", "aot_conv2d_fprop", arch)
+        if compiled is None:
             continue
         counts = common.ptx_instructions(compiled["ptx"], prefixes)
         report[arch] = (counts, compiled["shared"])
@@ -649,13 +647,8 @@ needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON
 
 def run_conv(entry, N, H, W, Ci, Co, R, S, stride, padding, dilation=1, dtype=torch.bfloat16,
              with_bias=False, seed=0):
-    x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, dtype, seed=seed)
-    bias = torch.randn(Co, device=x_nhwc.device, dtype=torch.float32) if with_bias else None
-    out = entry(x_nhwc, w, bias, stride, padding, dilation)
-    expected = common.reference_conv2d_nhwc(x_nhwc, w, bias, stride, padding, dilation)
-    assert out.shape == expected.shape and out.dtype == dtype
-    common.assert_close_to_reference(out, expected, dtype=dtype, K=Ci * R * S)
-    return out
+    return common.check_conv(entry, N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype=dtype,
+                             with_bias=with_bias, seed=seed)
 
 
 @needs_gpu
@@ -704,7 +697,7 @@ def test_every_hopper_candidate_is_correct():
     if not common.is_hopper():
         pytest.skip("Hopper candidates")
     for config in HOPPER_CANDIDATES:
-        run_conv(lambda *a: conv2d_fprop_fixed(*a, config=config), 4, 20, 20, 136, 200, 3, 3, 1, 1,
+        run_conv(functools.partial(conv2d_fprop_fixed, config=config), 4, 20, 20, 136, 200, 3, 3, 1, 1,
                  with_bias=True)
 
 

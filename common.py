@@ -337,6 +337,24 @@ def assert_close_to_reference(out, expected, *, dtype, K):
     torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=atol)
 
 
+def check_conv(entry, N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1, dtype=torch.float16,
+               with_bias=False, seed=0, **kwargs):
+    """Run a lesson's conv entry point on random inputs and compare it with the fp32 reference.
+
+    `entry(x_nhwc, w, stride=, padding=, dilation=[, bias=], **kwargs)` returns NHWC. Returns the output."""
+    x_nhwc, w = random_conv_inputs(N, H, W, Ci, Co, R, S, dtype, seed=seed)
+    bias = None
+    if with_bias:
+        bias = torch.randn(Co, generator=torch.Generator().manual_seed(seed + 1)).to(x_nhwc.device)
+        kwargs = dict(kwargs, bias=bias)
+    out = entry(x_nhwc, w, stride=stride, padding=padding, dilation=dilation, **kwargs)
+    expected = reference_conv2d_nhwc(x_nhwc, w, bias, stride, padding, dilation)
+    if out.shape != expected.shape or out.dtype != dtype:
+        raise AssertionError(f"got {tuple(out.shape)} {out.dtype}, expected {tuple(expected.shape)} {dtype}")
+    assert_close_to_reference(out, expected, dtype=dtype, K=Ci * R * S)
+    return out
+
+
 # %% Benchmarks -------------------------------------------------------------------------------------
 
 
@@ -523,6 +541,15 @@ def aot_compile(stem: str, builder: str, arch: str, **params) -> dict:
     architecture aborts the whole Python process (an LLVM error, not an exception). Results are
     cached per process."""
     return _aot_cached(stem, builder, arch, json.dumps(params, sort_keys=True))
+
+
+def aot_compile_or_say_why(stem: str, builder: str, arch: str, **params):
+    """aot_compile for a lesson's demo: None (and one printed line) where Triton cannot target `arch`."""
+    try:
+        return aot_compile(stem, builder, arch, **params)
+    except AotToolMissing as missing:
+        print(f"\n[skip] {arch} PTX: {missing}")
+        return None
 
 
 def aot_compile_or_skip(stem: str, builder: str, arch: str, **params) -> dict:
