@@ -258,10 +258,9 @@ def run_direct_conv(N=2, Ci=3, H=13, W=11, Co=4, R=3, S=3, stride=1, padding=1, 
 @pytest.mark.parametrize("stride, padding", [(1, 0), (2, 1), (3, 2), ((1, 2), (2, 0))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_direct_conv(N, Ci, H, W, Co, R, S, stride, padding, dtype):
-    if common.conv_output_size(H, R, common.pair(stride, "stride", 1)[0],
-                               common.pair(padding, "padding", 0)[0], 1) <= 0 or \
-            common.conv_output_size(W, S, common.pair(stride, "stride", 1)[1],
-                                    common.pair(padding, "padding", 0)[1], 1) <= 0:
+    try:
+        common.conv_geometry((N, H, W, Ci), (Co, R, S, Ci), stride, padding)
+    except ValueError:
         pytest.skip("filter larger than the padded input: no output")
     run_direct_conv(N, Ci, H, W, Co, R, S, stride, padding, 1, dtype, verbose=False)
 

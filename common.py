@@ -113,7 +113,6 @@ def gpu_name() -> str:
 GLUON_SKIP_REASON = (
     "needs an NVIDIA Hopper (sm_90) or data-centre Blackwell (sm_100) GPU; this machine has "
     + ("a GPU of capability %s" % (capability(),) if HAS_CUDA else "no CUDA GPU"))
-CUDA_SKIP_REASON = "needs a CUDA GPU (timing and GPU-only comparisons)"
 
 
 def require_tma_mma_gpu(what: str) -> tuple[int, int]:
@@ -575,9 +574,6 @@ def ptx_instructions(ptx: str, prefixes) -> dict:
 
 
 # %% A Triton building block shared by the plain-Triton lessons ---------------------------------------
-
-INTERPRETED = interpreter_mode()
-
 
 @triton.jit
 def dot_accumulate(a, b, acc, INTERPRETED: tl.constexpr):
