@@ -24,7 +24,6 @@ Tests: pytest 05-warp-specialized-conv.py
 """
 
 # %%
-import copy
 import functools
 import math
 import time
@@ -572,12 +571,11 @@ class ConvPlan:
         self.compiled = {}
 
     def launch_args(self, x_nhwc, w, bias):
-        """(args, kwargs, output buffer) for this plan and these tensors."""
+        """(args, output buffer) for this plan and these tensors: the kernel's run-time arguments."""
         if self.needs_channel_padding:
             x_nhwc, w, _ = common.pad_channels_for_tma(x_nhwc, w)
         out_2d = torch.empty(self.geometry.M, self.Co_alloc, device=x_nhwc.device, dtype=x_nhwc.dtype)
         w_2d = w.view(w.shape[0], -1)
-        tensors = (x_nhwc, w_2d, out_2d) + ((w_2d, out_2d) if self.tail else ())
         if self.descriptor_templates is None:
             # First call: build (and let Triton validate) the descriptors.
             descriptors = common.conv_tma_descriptors(x_nhwc, w, out_2d, self.settings, *self.blocks,
@@ -592,51 +590,60 @@ class ConvPlan:
             # Later calls: same shapes, strides, boxes and layouts; only the base pointers change.
             # Re-validating all of that costs ~30 us of Python per call, so copy the validated
             # templates and swap the tensors in (checking the one property that can differ).
+            tensors = (x_nhwc, w_2d, out_2d, w_2d, out_2d)
             descriptors = tuple(_with_base(template, tensor)
                                 for template, tensor in zip(self.descriptor_templates, tensors))
-        in_desc, w_desc, out_desc = descriptors[:3]
-        # without a tail, the main descriptors stand in for the (unused) tail arguments
-        w_tail_desc, out_tail_desc = descriptors[3:] if self.tail else (w_desc, out_desc)
+        # Without a tail, the tail descriptors are None: a constexpr to the kernel, which never
+        # touches them, and nothing for the launcher to encode (each descriptor is a tensor map
+        # the launcher builds on every call).
+        in_desc, w_desc, out_desc, w_tail_desc, out_tail_desc = descriptors + (None, None) * (not self.tail)
         args = (in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc,
                 bias if bias is not None else out_2d, *self.scalar_args)
-        kwargs = dict(IS_BLACKWELL=self.arch == "sm_100", HAS_BIAS=bias is not None, GROUP_M=8,
-                      NUM_BUFFERS=self.num_buffers, NUM_CONSUMERS=self.config.consumers,
-                      BLOCK_N_TAIL=self.tail,
-                      **self.launch_options)
-        return args, kwargs, out_2d
+        return args, out_2d
 
-    @staticmethod
-    def constexpr_args(kwargs):
+    def kernel_kwargs(self, has_bias):
+        """The constexprs and launch options of the kernel, by name."""
+        return dict(IS_BLACKWELL=self.arch == "sm_100", HAS_BIAS=has_bias, GROUP_M=8,
+                    NUM_BUFFERS=self.num_buffers, NUM_CONSUMERS=self.config.consumers,
+                    BLOCK_N_TAIL=self.tail, **self.launch_options)
+
+    def constexpr_args(self, has_bias):
         """The constexpr arguments in the kernel's signature order (for the direct launch)."""
+        kwargs = self.kernel_kwargs(has_bias)
         return (kwargs["IS_BLACKWELL"], kwargs["HAS_BIAS"], kwargs["GROUP_M"], kwargs["NUM_BUFFERS"],
                 kwargs["NUM_CONSUMERS"], kwargs["BLOCK_N_TAIL"], kwargs["num_warps"])
 
     def run(self, x_nhwc, w, bias=None):
-        args, kwargs, out_2d = self.launch_args(x_nhwc, w, bias)
+        args, out_2d = self.launch_args(x_nhwc, w, bias)
         # The specialization Triton compiled for: bias or not, and whether its pointer is
         # 16-byte aligned (Triton specializes pointer alignment). Everything else is fixed by the plan.
-        variant = (bias is not None, bias is None or bias.data_ptr() % 16 == 0)
+        has_bias = bias is not None
+        variant = (has_bias, not has_bias or bias.data_ptr() % 16 == 0)
         compiled = self.compiled.get(variant)
         if compiled is None:
             # First launch of this variant: the generic path (binds, specializes, compiles).
-            self.compiled[variant] = conv2d_fprop_kernel[self.grid](*args, **kwargs)
+            launched = conv2d_fprop_kernel[self.grid](*args, **self.kernel_kwargs(has_bias))
+            self.compiled[variant] = (launched, self.constexpr_args(has_bias))
         else:
             # Later launches: straight to the compiled kernel. Triton's generic launcher re-derives
             # the specialization of all ~25 arguments on every call, which costs tens of
             # microseconds of Python -- as much as a whole ResNet layer. The plan already knows the
             # answer, so it hands the arguments (constexprs included, in signature order) to the
             # compiled kernel's launcher.
-            compiled[self.grid](*args, *self.constexpr_args(kwargs))
+            kernel, constexprs = compiled
+            kernel[self.grid](*args, *constexprs)
         g = self.geometry
         out = out_2d.view(g.N, g.out_h, g.out_w, self.Co_alloc)
         return out if self.Co_alloc == g.Co else out[..., :g.Co].contiguous()
 
 
 def _with_base(template, tensor):
+    """A copy of a validated descriptor that points at `tensor` (same shape, strides and dtype)."""
     if tensor.data_ptr() % 16:
         raise ValueError(f"TMA needs 16-byte aligned tensors; this one starts at address "
                          f"{tensor.data_ptr():#x} (a view into another tensor?); pass .clone()")
-    descriptor = copy.copy(template)
+    descriptor = object.__new__(type(template))    # copy.copy, without its ~3 us of generality
+    descriptor.__dict__.update(template.__dict__)
     descriptor.base = tensor
     return descriptor
 
@@ -678,10 +685,55 @@ def _plan_for(geometry, dtype, config):
     return plan
 
 
+# The entry points look their plan up by what a call can see at a glance (shapes, dtypes,
+# devices, hyper-parameters): a dictionary hit skips the full validation, which the first call of
+# each key has passed. What can change between calls with the same key (contiguity, alignment)
+# is still checked every time.
+_FAST_PLANS = {}     # (call key, config or None for autotuned) -> (geometry, plan)
+
+
+def _call_key(x_nhwc, w, bias, stride, padding, dilation):
+    if not (isinstance(x_nhwc, torch.Tensor) and isinstance(w, torch.Tensor)):
+        return None
+    bias_key = None if bias is None else (
+        (bias.shape, bias.dtype, bias.device) if isinstance(bias, torch.Tensor) else type(bias))
+    return (x_nhwc.shape, w.shape, x_nhwc.dtype, w.dtype, x_nhwc.device, w.device, bias_key,
+            stride, padding, dilation)
+
+
+def _fast_plan(key, x_nhwc, w, bias):
+    entry = _FAST_PLANS.get(key)
+    if entry is None or not (x_nhwc.is_contiguous() and w.is_contiguous()
+                             and (bias is None or bias.is_contiguous())):
+        return None                      # the slow path validates and explains
+    return entry[1]
+
+
+def _entry(x_nhwc, w, bias, stride, padding, dilation, config):
+    try:
+        key = (_call_key(x_nhwc, w, bias, stride, padding, dilation), config)
+        hash(key)
+    except TypeError:                    # list-valued stride/padding: no fast path
+        key = None
+    plan = _fast_plan(key, x_nhwc, w, bias) if key is not None and key[0] is not None else None
+    if plan is None:
+        geometry = _validate(x_nhwc, w, bias, stride, padding, dilation)
+        if config is None:
+            tuned_key = (geometry, x_nhwc.dtype, torch.cuda.current_device())
+            chosen = _BEST_CONFIG.get(tuned_key)
+            if chosen is None:
+                chosen = _BEST_CONFIG[tuned_key] = autotune(geometry, x_nhwc, w, bias)
+        else:
+            chosen = KernelConfig(*config)
+        plan = _plan_for(geometry, x_nhwc.dtype, chosen)
+        if key is not None and key[0] is not None:
+            _FAST_PLANS[key] = (geometry, plan)
+    return plan.run(x_nhwc, w, bias)
+
+
 def conv2d_fprop_fixed(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG):
     """The warp-specialized conv with one given config (the tests use this: no autotuning)."""
-    geometry = _validate(x_nhwc, w, bias, stride, padding, dilation)
-    return _plan_for(geometry, x_nhwc.dtype, KernelConfig(*config)).run(x_nhwc, w, bias)
+    return _entry(x_nhwc, w, bias, stride, padding, dilation, tuple(config))
 
 
 def conv2d_fprop(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1):
@@ -691,12 +743,7 @@ def conv2d_fprop(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1):
     The first call for a shape times every pruned config on the real tensors and remembers the
     fastest; later calls reuse the cached plan. The key is the whole geometry (N, H, W, Ci, Co, R,
     S, stride, padding, dilation) and dtype: shapes that want different tiles never share one."""
-    geometry = _validate(x_nhwc, w, bias, stride, padding, dilation)
-    key = (geometry, x_nhwc.dtype, torch.cuda.current_device())
-    config = _BEST_CONFIG.get(key)
-    if config is None:
-        config = _BEST_CONFIG[key] = autotune(geometry, x_nhwc, w, bias)
-    return _plan_for(geometry, x_nhwc.dtype, config).run(x_nhwc, w, bias)
+    return _entry(x_nhwc, w, bias, stride, padding, dilation, None)
 
 
 def autotune(geometry, x_nhwc, w, bias, verbose=False):
@@ -748,7 +795,8 @@ def aot_conv2d_fprop(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, p
     x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16, device_name="cpu")
     geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
     plan = ConvPlan(geometry, torch.bfloat16, KernelConfig(*config), arch, num_sms=132)
-    args, kwargs, _ = plan.launch_args(x_nhwc, w, torch.zeros(Co, dtype=torch.float32) if bias else None)
+    args, _ = plan.launch_args(x_nhwc, w, torch.zeros(Co, dtype=torch.float32) if bias else None)
+    kwargs = plan.kernel_kwargs(has_bias=bias)
     return conv2d_fprop_kernel, args, kwargs
 
 
@@ -965,6 +1013,23 @@ def test_tail_tiles(config, N, H, W, Ci, Co, R, S, stride, padding, dtype, with_
 
 
 @needs_gpu
+def test_fast_path_still_checks_each_call():
+    # A call with a cached plan skips the full validation; what a same-shaped tensor can still get
+    # wrong (layout, alignment) must be caught on every call.
+    x_nhwc, w = common.random_conv_inputs(2, 12, 12, 64, 96, 3, 3, torch.bfloat16)
+    conv2d_fprop_fixed(x_nhwc, w, padding=1)
+    not_contiguous = x_nhwc.transpose(1, 2).contiguous().transpose(1, 2)
+    with pytest.raises(ValueError, match="contiguous NHWC"):
+        conv2d_fprop_fixed(not_contiguous, w, padding=1)
+    storage = torch.empty(x_nhwc.numel() + 1, dtype=x_nhwc.dtype, device=x_nhwc.device)
+    misaligned = storage[1:].view(x_nhwc.shape)       # contiguous, same shape, 2 bytes off
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        conv2d_fprop_fixed(misaligned, w, padding=1)
+    # list-valued hyper-parameters are unhashable: they take the slow path and still work
+    run_conv(conv2d_fprop_fixed, 2, 12, 12, 64, 96, 3, 3, [1, 1], [1, 1])
+
+
+@needs_gpu
 def test_direct_launch_path_on_new_data():
     # The second call of a plan skips Triton's generic launcher: it must see the new tensors.
     for seed in (1, 2, 3):
@@ -1019,9 +1084,9 @@ def compare_launch_paths(x_nhwc, w, stride, padding, calls=200):
     """Host us per launch through Triton's generic launcher vs the plan's direct call (same args)."""
     geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
     plan = _plan_for(geometry, x_nhwc.dtype, _BEST_CONFIG[(geometry, x_nhwc.dtype, torch.cuda.current_device())])
-    args, kwargs, _ = plan.launch_args(x_nhwc, w, None)
-    compiled = plan.compiled[(False, True)]
-    constexprs = plan.constexpr_args(kwargs)
+    args, _ = plan.launch_args(x_nhwc, w, None)
+    kwargs = plan.kernel_kwargs(has_bias=False)
+    compiled, constexprs = plan.compiled[(False, True)]
     timings = {}
     for name, launch in (("generic", lambda: conv2d_fprop_kernel[plan.grid](*args, **kwargs)),
                          ("direct", lambda: compiled[plan.grid](*args, *constexprs))):
