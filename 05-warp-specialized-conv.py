@@ -103,6 +103,17 @@ CONV_DTYPES = (torch.float16, torch.bfloat16)
 #    accumulator and store. The loader fills both weight boxes into one stage (one `expect` with
 #    the sum of the bytes); the consumer issues two MMAs per k-step and waits for two.
 #
+# What did not pay, measured on an H100 (2026-11-22), so you need not try it first:
+# - Split-K for layers with too few tiles (ResNet's 7x7: 196 tiles of 128x128 leave the second
+#   wave of 132 SMs half empty). Two units per tile, the first publishing an fp32 partial sum
+#   for the second to add (release/acquire on a per-tile counter): 481-501 TFLOPS against 557
+#   for plain 128x256 tiles; the partial sums' round trip through L2 sits on the critical path
+#   and costs more than the idle SMs did. (The code is in this repository's history, commit
+#   627d1da.)
+# - K steps of 32 instead of 64 with deeper rings (6 stages): 672 against 759 TFLOPS on the
+#   headline shape; twice the barrier traffic per FLOP. Only the 160-wide tile below, whose
+#   64-deep stages would not fit, keeps BLOCK_K=32.
+#
 # %%
 # The shared pieces: tile order, loader, epilogue store
 
@@ -122,7 +133,7 @@ def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, ready, empty,
                      num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
                      Ci, S, k_steps, channel_blocks, GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-                     TILE_N: gl.constexpr, SPLIT_K: gl.constexpr):
+                     TILE_N: gl.constexpr):
     """One warp: for every (tile, k-step) of this program, wait for a free stage and fill it."""
     BLOCK_M: gl.constexpr = in_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = in_desc.block_type.shape[1]
@@ -131,8 +142,7 @@ def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, 
     # bytes that land per stage: the A box, and TILE_N rows of weights (main box + tail box)
     stage_bytes: gl.constexpr = in_desc.block_type.nbytes + w_desc.block_type.nbytes * TILE_N // BLOCK_N
     counter = 0
-    for unit in range(gl.program_id(0), num_pid_m * num_pid_n * SPLIT_K, gl.num_programs(0)):
-        tile_id, k_first, k_last = split_k_unit(unit, k_steps, SPLIT_K)
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         m0 = pid_m * BLOCK_M
         n = m0 // (out_h * out_w)
@@ -141,7 +151,7 @@ def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, 
         start_h = oy * stride_h - pad_h
         start_w = ox * stride_w - pad_w
         co0 = pid_n * TILE_N
-        for k in range(k_first, k_last):
+        for k in range(k_steps):
             tap = k // channel_blocks
             c0 = (k % channel_blocks) * BLOCK_K
             slot = counter % NUM_BUFFERS
@@ -158,47 +168,6 @@ def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, 
                 tma.async_load(w_tail_desc, [co0 + BLOCK_N, tap * Ci + c0], ready.index(slot),
                                b_tail_bufs.index(slot))
             counter += 1
-
-
-@gluon.jit
-def split_k_unit(unit, k_steps, SPLIT_K: gl.constexpr):
-    """(tile, first k-step, end k-step) of a work unit: SPLIT_K units share each tile's K loop."""
-    k_per_unit = gl.cdiv(k_steps, SPLIT_K)
-    k_first = (unit % SPLIT_K) * k_per_unit
-    return unit // SPLIT_K, k_first, gl.minimum(k_steps, k_first + k_per_unit)
-
-
-@gluon.jit
-def split_k_reduce(acc, workspace_ptr, flags_ptr, unit, SPLIT_K: gl.constexpr):
-    """Split-K: add the other units' partial sums of this tile into `acc`; True for the unit that
-    finishes the tile (the last one), which then runs the epilogue.
-
-    Units 0..SPLIT_K-2 of a tile write their fp32 partial sum to the workspace and count
-    themselves on the tile's flag (release: the writes before it are visible to whoever reads
-    the count with acquire). The last unit waits for the count, adds the partials and resets the
-    flag for the next launch. No deadlock: a unit only waits for lower-numbered units of other
-    programs, and every program of the persistent grid is resident."""
-    BLOCK_M: gl.constexpr = acc.shape[0]
-    BLOCK_N: gl.constexpr = acc.shape[1]
-    tile_id = unit // SPLIT_K
-    part = unit % SPLIT_K
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
-    offsets = gl.expand_dims(rows, 1) * BLOCK_N + gl.expand_dims(cols, 0)
-    first_slot = tile_id.to(gl.int64) * (SPLIT_K - 1) * (BLOCK_M * BLOCK_N)
-    is_last = part == SPLIT_K - 1
-    if is_last:
-        while gl.atomic_add(flags_ptr + tile_id, 0, sem="acquire", scope="gpu") < SPLIT_K - 1:
-            pass
-        gl.barrier()
-        for i in gl.static_range(SPLIT_K - 1):
-            acc += gl.load(workspace_ptr + first_slot + i * (BLOCK_M * BLOCK_N) + offsets)
-        gl.atomic_xchg(flags_ptr + tile_id, 0, sem="relaxed", scope="gpu")
-    else:
-        gl.store(workspace_ptr + first_slot + part * (BLOCK_M * BLOCK_N) + offsets, acc)
-        gl.barrier()     # every thread's partial is written before the flag moves
-        gl.atomic_add(flags_ptr + tile_id, 1, sem="release", scope="gpu")
-    return acc, is_last
 
 
 @gluon.jit
@@ -237,6 +206,12 @@ def store_output_tile(acc, c_smem, out_desc, bias_ptr, Co, m0, co0, HAS_BIAS: gl
 # after the other one has issued every MMA of the tile before (arrive on turn[c] after the loop,
 # wait for turn[c] before it). This also keeps their main loops in order, which is the point: the
 # tensor cores serve one tile at a time, and each epilogue hides under the other consumer's loop.
+#
+# Measured on an H100: ping-pong with 128x128 tiles reached 585-595 TFLOPS on the headline shape,
+# no faster than one 4-warp consumer with the same tile (590-605). The winner there is a single
+# 8-warp consumer with 256x128 tiles (700-760): per FLOP it moves a quarter fewer bytes through
+# L2 and shared memory, and that matters more than the hidden epilogue (a 256x128 ping-pong would
+# need 256 accumulator registers per thread). The autotuner keeps both and picks per shape.
 
 
 @gluon.jit
@@ -245,11 +220,8 @@ def hopper_mma_epilogue_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, tur
                                   GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr,
                                   HAS_BIAS: gl.constexpr, TILE_N: gl.constexpr,
                                   CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                                  workspace_ptr, flags_ptr, SPLIT_K: gl.constexpr,
                                   num_warps: gl.constexpr):
     gl.static_assert(NUM_CONSUMERS <= 2, "one consumer, or two taking turns")
-    gl.static_assert(SPLIT_K == 1 or (NUM_CONSUMERS == 1 and TILE_N == out_desc.block_type.shape[1]),
-                     "split-K runs with one consumer and no tail")
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
     BLOCK_N_TAIL: gl.constexpr = TILE_N - BLOCK_N
@@ -257,9 +229,8 @@ def hopper_mma_epilogue_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, tur
     MMAS_PER_STEP: gl.constexpr = 2 if HAS_TAIL else 1
     counter = CONSUMER * k_steps      # the ring position of this consumer's first k-step
     local_tile = 0
-    for unit in range(gl.program_id(0) + CONSUMER * gl.num_programs(0), num_pid_m * num_pid_n * SPLIT_K,
-                      NUM_CONSUMERS * gl.num_programs(0)):
-        tile_id, k_first, k_last = split_k_unit(unit, k_steps, SPLIT_K)
+    for tile_id in range(gl.program_id(0) + CONSUMER * gl.num_programs(0), num_pid_m * num_pid_n,
+                         NUM_CONSUMERS * gl.num_programs(0)):
         pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         if NUM_CONSUMERS == 2:
             # my turn: the other consumer has issued the whole main loop of the tile before mine.
@@ -269,7 +240,7 @@ def hopper_mma_epilogue_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, tur
         mma = common.HopperWGMMA.initialize(out_desc.dtype, BLOCK_M, BLOCK_N, num_warps)
         if HAS_TAIL:
             mma_tail = common.HopperWGMMA.initialize(out_desc.dtype, BLOCK_M, BLOCK_N_TAIL, num_warps)
-        for k in range(k_first, k_last):
+        for k in range(k_steps):
             slot = counter % NUM_BUFFERS
             mbarrier.wait(ready.index(slot), (counter // NUM_BUFFERS) & 1)
             # acc += A @ B^T, asynchronously (and the tail's columns: a second, narrower MMA)
@@ -280,7 +251,7 @@ def hopper_mma_epilogue_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, tur
                 mma_tail = mma_tail.wait_num_outstanding(MMAS_PER_STEP)
             # Only this step's MMAs in flight: the ones of step k-1 are done, so its stage is free.
             mma = mma.wait_num_outstanding(MMAS_PER_STEP)
-            mbarrier.arrive(empty.index((counter + NUM_BUFFERS - 1) % NUM_BUFFERS), pred=k > k_first)
+            mbarrier.arrive(empty.index((counter + NUM_BUFFERS - 1) % NUM_BUFFERS), pred=k > 0)
             counter += 1
         if NUM_CONSUMERS == 2:
             mbarrier.arrive(turn.index(1 - CONSUMER))   # your turn: my MMAs are all issued
@@ -289,14 +260,8 @@ def hopper_mma_epilogue_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, tur
             mma_tail = mma_tail.wait_num_outstanding(0)
         mbarrier.arrive(empty.index((counter + NUM_BUFFERS - 1) % NUM_BUFFERS))
         acc, mma = mma.take_result()
-        if SPLIT_K > 1:
-            acc, finishes_tile = split_k_reduce(acc, workspace_ptr, flags_ptr, unit, SPLIT_K)
-            if finishes_tile:
-                store_output_tile(acc, c_smem, out_desc, bias_ptr, Co, pid_m * BLOCK_M,
-                                  pid_n * TILE_N, HAS_BIAS)
-        else:
-            store_output_tile(acc, c_smem, out_desc, bias_ptr, Co, pid_m * BLOCK_M,
-                              pid_n * TILE_N, HAS_BIAS)
+        store_output_tile(acc, c_smem, out_desc, bias_ptr, Co, pid_m * BLOCK_M,
+                          pid_n * TILE_N, HAS_BIAS)
         if HAS_TAIL:
             acc_tail, mma_tail = mma_tail.take_result()
             store_output_tile(acc_tail, c_tail_smem, out_tail_desc, bias_ptr, Co, pid_m * BLOCK_M,
@@ -371,15 +336,14 @@ def blackwell_epilogue_partition(acc_tmem, acc_tail_tmem, acc_ready, acc_empty, 
 @gluon.jit
 def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, bias_ptr, Co,
                         num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w,
-                        dil_h, dil_w, Ci, S, k_steps, channel_blocks, workspace_ptr, flags_ptr,
+                        dil_h, dil_w, Ci, S, k_steps, channel_blocks,
                         IS_BLACKWELL: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
                         NUM_BUFFERS: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                        BLOCK_N_TAIL: gl.constexpr, SPLIT_K: gl.constexpr, num_warps: gl.constexpr):
+                        BLOCK_N_TAIL: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = in_desc.dtype
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
     TILE_N: gl.constexpr = BLOCK_N + BLOCK_N_TAIL     # output columns per tile
-    gl.static_assert(SPLIT_K == 1 or not IS_BLACKWELL, "split-K is wired into the Hopper consumer only")
     # (The partitions' argument tuples are written out in each gl.warp_specialize call: a tuple
     # assigned to a variable first would turn its constexprs into run-time tensors in Triton 3.8.)
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + in_desc.block_type.shape, in_desc.layout)
@@ -424,7 +388,7 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
             (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, ready, empty,
                                 num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w,
                                 dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
-                                TILE_N, 1)),
+                                TILE_N)),
         ], [1, 1], [24, 24])
     else:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -436,11 +400,11 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
                                                  c_smem.index(0), c_tail_smem.index(0), out_desc,
                                                  out_tail_desc, bias_ptr, Co, num_pid_m, num_pid_n,
                                                  k_steps, GROUP_M, NUM_BUFFERS, HAS_BIAS, TILE_N,
-                                                 0, 1, workspace_ptr, flags_ptr, SPLIT_K, num_warps)),
+                                                 0, 1, num_warps)),
                 (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, ready, empty,
                                     num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w,
                                     dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
-                                    TILE_N, SPLIT_K)),
+                                    TILE_N)),
             ], [1], [24])
         else:
             # ping-pong: consumer 0 is the default partition, consumer 1 a worker of as many warps.
@@ -450,16 +414,16 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
                                                  c_smem.index(0), c_tail_smem.index(0), out_desc,
                                                  out_tail_desc, bias_ptr, Co, num_pid_m, num_pid_n,
                                                  k_steps, GROUP_M, NUM_BUFFERS, HAS_BIAS, TILE_N,
-                                                 0, 2, workspace_ptr, flags_ptr, SPLIT_K, num_warps)),
+                                                 0, 2, num_warps)),
                 (hopper_mma_epilogue_partition, (a_bufs, b_bufs, b_tail_bufs, ready, empty, turn,
                                                  c_smem.index(1), c_tail_smem.index(1), out_desc,
                                                  out_tail_desc, bias_ptr, Co, num_pid_m, num_pid_n,
                                                  k_steps, GROUP_M, NUM_BUFFERS, HAS_BIAS, TILE_N,
-                                                 1, 2, workspace_ptr, flags_ptr, SPLIT_K, num_warps)),
+                                                 1, 2, num_warps)),
                 (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, ready, empty,
                                     num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w,
                                     dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
-                                    TILE_N, SPLIT_K)),
+                                    TILE_N)),
             ], [num_warps, 1], [240, 24])
 
 
@@ -468,8 +432,13 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
 # ------------------------------------------------
 # A ResNet layer runs in ~50 us, so the Python around the launch matters. Everything that depends
 # only on the problem's shape (geometry, descriptor settings, shared layouts, grid, the chosen
-# config) is computed once and cached in a `ConvPlan`; a call then only validates its tensors,
-# builds three small descriptor objects around their pointers, and launches.
+# config) is computed once and cached in a `ConvPlan`; a call then looks the plan up by what it
+# sees at a glance (shapes, dtypes, devices), checks what can differ between calls (contiguity,
+# alignment), puts its pointers into copies of three descriptors, and launches the compiled
+# kernel directly. Measured on the H100 host: ~30-35 us per call, of which ~17 us is Triton's
+# launcher (it encodes each TMA descriptor into a tensor map on every launch: ~8 us per
+# descriptor, which is why a tile without a tail passes None, not a dummy, for the tail's two);
+# cuDNN's call measured ~21 us.
 #
 # A config is a `KernelConfig`: tile sizes, ring depth, warps per consumer, programs per SM and
 # consumers per program. Before anything is compiled, candidates are pruned to what fits: shared
@@ -496,7 +465,6 @@ class KernelConfig(NamedTuple):
     programs_per_sm: int = 1
     consumers: int = 1      # 2: Hopper ping-pong
     block_n_tail: int = 0   # extra output columns per tile, in a second MMA (see below)
-    split_k: int = 1        # units of work per tile, each a slice of the K loop (Hopper)
 
     @property
     def tile_n(self):
@@ -504,8 +472,7 @@ class KernelConfig(NamedTuple):
 
     def __str__(self):
         extras = ([f"{self.programs_per_sm}/SM"] if self.programs_per_sm > 1 else []) + \
-                 (["ping-pong"] if self.consumers > 1 else []) + \
-                 ([f"split-K {self.split_k}"] if self.split_k > 1 else [])
+                 (["ping-pong"] if self.consumers > 1 else [])
         width = f"({self.block_n}+{self.block_n_tail})" if self.block_n_tail else f"{self.block_n}"
         return (f"{self.block_m}x{width}x{self.block_k} {self.num_buffers} stages "
                 f"{self.num_warps} warps" + "".join(f", {e}" for e in extras))
@@ -529,13 +496,6 @@ HOPPER_CANDIDATES = [
     KernelConfig(128, 128, 64, 5, 4, block_n_tail=32),
     KernelConfig(128, 128, 64, 4, 4, consumers=2, block_n_tail=32),
     KernelConfig(128, 64, 64, 6, 4, block_n_tail=32),
-    # K in 32-wide steps: twice the barriers per FLOP, but deeper rings in the same memory
-    KernelConfig(256, 128, 32, 6, 8),
-    KernelConfig(128, 256, 32, 6, 8),
-    # split-K, for layers with too few tiles to fill the SMs evenly (ResNet's 7x7)
-    KernelConfig(128, 128, 64, 6, 8, split_k=2),
-    KernelConfig(128, 128, 64, 4, 4, split_k=2),
-    KernelConfig(128, 256, 64, 3, 8, split_k=4),
 ]
 BLACKWELL_CANDIDATES = [
     KernelConfig(128, 128, 64, 4, 4),
@@ -561,12 +521,7 @@ def wasted_columns(Co, tile_n):
     return triton.cdiv(Co, tile_n) * tile_n - Co
 
 
-def wave_efficiency(units, num_sms):
-    """Busy fraction of the SMs when `units` equal pieces of work are spread over them."""
-    return units / (triton.cdiv(units, num_sms) * num_sms)
-
-
-def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
+def prune_configs(candidates, geometry, arch, smem_limit=None):
     """Keep the configs that fit the device and suit the shape (no compilation needed)."""
     smem_limit = smem_limit or SMEM_LIMIT_BYTES[arch]
     kept = []
@@ -589,15 +544,6 @@ def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
         if config.block_n_tail and (wasted_columns(geometry.Co, config.tile_n)
                                     >= wasted_columns(geometry.Co, config.block_n)):
             continue                            # a tail only where it saves work
-        if config.split_k > 1:
-            tiles = triton.cdiv(geometry.M, config.block_m) * triton.cdiv(geometry.Co, config.tile_n)
-            k_steps = geometry.R * geometry.S * triton.cdiv(geometry.Ci, config.block_k)
-            if (arch != "sm_90" or config.consumers > 1 or config.block_n_tail
-                    or config.programs_per_sm > 1 or k_steps < 4 * config.split_k):
-                continue                        # wired into the single Hopper consumer only
-            if (wave_efficiency(tiles * config.split_k, num_sms)
-                    < wave_efficiency(tiles, num_sms) + 0.1):
-                continue                        # only where it evens out the last wave
         kept.append(config)
     return kept
 
@@ -610,19 +556,13 @@ def adapt_block_k(config, Ci_padded):
     return config
 
 
-def _check_config(config, arch, k_steps):
-    """Combinations the kernel does not implement get a ValueError, not a hang or a wrong result."""
-    problems = []
-    if config.consumers > 1 and arch != "sm_90":
-        problems.append("ping-pong (consumers=2) is a Hopper schedule")
-    if config.split_k > 1:
-        if arch != "sm_90" or config.consumers > 1 or config.block_n_tail:
-            problems.append("split_k > 1 needs Hopper, one consumer and no tail")
-        if triton.cdiv(k_steps, config.split_k) * (config.split_k - 1) >= k_steps:
-            problems.append(f"split_k={config.split_k} leaves a unit with no k-step (K loop of "
-                            f"{k_steps} steps of {config.block_k})")
-    if problems:
-        raise ValueError(f"config {config}: " + "; ".join(problems))
+def _check_config(config, arch):
+    """Combinations the kernel does not implement get a ValueError, not a compile error or a hang."""
+    if config.consumers > 2 or (config.consumers > 1 and arch != "sm_90"):
+        raise ValueError(f"config {config}: consumers={config.consumers}; ping-pong (2 consumers) "
+                         f"is a Hopper schedule, elsewhere consumers must be 1")
+    if config.programs_per_sm > 1 and arch != "sm_90":
+        raise ValueError(f"config {config}: programs_per_sm > 1 is offered on Hopper only")
 
 
 class ConvPlan:
@@ -638,8 +578,7 @@ class ConvPlan:
                                       geometry.stride, geometry.padding, geometry.dilation)
         self.settings = common.conv_im2col_settings(padded)
         self.config = adapt_block_k(config, self.Ci_padded)
-        _check_config(self.config, arch, geometry.R * geometry.S * triton.cdiv(self.Ci_padded,
-                                                                              self.config.block_k))
+        _check_config(self.config, arch)
         BLOCK_M, BLOCK_N, BLOCK_K = self.blocks = self.config[:3]
         self.num_buffers, self.num_warps = self.config.num_buffers, self.config.num_warps
         per_sm = self.config.programs_per_sm
@@ -647,9 +586,7 @@ class ConvPlan:
         self.num_pid_m = triton.cdiv(geometry.M, BLOCK_M)
         self.tail = self.config.block_n_tail
         self.num_pid_n = triton.cdiv(geometry.Co, self.config.tile_n)
-        self.split_k = self.config.split_k
-        self.grid = (min(per_sm * num_sms, self.num_pid_m * self.num_pid_n * self.split_k), 1, 1)
-        self.split_k_buffers = None     # (fp32 partial sums, per-tile counters), made on first use
+        self.grid = (min(per_sm * num_sms, self.num_pid_m * self.num_pid_n), 1, 1)
         self.launch_options = dict(num_warps=self.num_warps, **({"maxnreg": 128} if per_sm > 1 else {}))
         self.channel_blocks = triton.cdiv(self.Ci_padded, BLOCK_K)
         self.k_steps = geometry.R * geometry.S * self.channel_blocks
@@ -692,30 +629,21 @@ class ConvPlan:
         # touches them, and nothing for the launcher to encode (each descriptor is a tensor map
         # the launcher builds on every call).
         in_desc, w_desc, out_desc, w_tail_desc, out_tail_desc = descriptors + (None, None) * (not self.tail)
-        if self.split_k > 1 and self.split_k_buffers is None:
-            # One workspace per plan: launches of a plan must not overlap (one stream at a time).
-            num_tiles = self.num_pid_m * self.num_pid_n
-            BLOCK_M, BLOCK_N, _ = self.blocks
-            self.split_k_buffers = (
-                torch.empty(num_tiles * (self.split_k - 1) * BLOCK_M * BLOCK_N, device=x_nhwc.device,
-                            dtype=torch.float32),
-                torch.zeros(num_tiles, device=x_nhwc.device, dtype=torch.int32))
         args = (in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc,
-                bias if bias is not None else out_2d, *self.scalar_args,
-                *(self.split_k_buffers or (None, None)))
+                bias if bias is not None else out_2d, *self.scalar_args)
         return args, out_2d
 
     def kernel_kwargs(self, has_bias):
         """The constexprs and launch options of the kernel, by name."""
         return dict(IS_BLACKWELL=self.arch == "sm_100", HAS_BIAS=has_bias, GROUP_M=8,
                     NUM_BUFFERS=self.num_buffers, NUM_CONSUMERS=self.config.consumers,
-                    BLOCK_N_TAIL=self.tail, SPLIT_K=self.split_k, **self.launch_options)
+                    BLOCK_N_TAIL=self.tail, **self.launch_options)
 
     def constexpr_args(self, has_bias):
         """The constexpr arguments in the kernel's signature order (for the direct launch)."""
         kwargs = self.kernel_kwargs(has_bias)
         return (kwargs["IS_BLACKWELL"], kwargs["HAS_BIAS"], kwargs["GROUP_M"], kwargs["NUM_BUFFERS"],
-                kwargs["NUM_CONSUMERS"], kwargs["BLOCK_N_TAIL"], kwargs["SPLIT_K"], kwargs["num_warps"])
+                kwargs["NUM_CONSUMERS"], kwargs["BLOCK_N_TAIL"], kwargs["num_warps"])
 
     def run(self, x_nhwc, w, bias=None):
         args, out_2d = self.launch_args(x_nhwc, w, bias)
@@ -851,9 +779,9 @@ def conv2d_fprop(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1):
 
 
 def autotune(geometry, x_nhwc, w, bias, verbose=False):
-    arch, num_sms, smem = _device_facts()
+    arch, _, smem = _device_facts()
     candidates = prune_configs(HOPPER_CANDIDATES if arch == "sm_90" else BLACKWELL_CANDIDATES,
-                               geometry, arch, smem, num_sms)
+                               geometry, arch, smem)
     if not candidates:
         raise RuntimeError(f"no kernel config fits {geometry.describe()} on this GPU")
     timings, errors = {}, []
@@ -954,6 +882,14 @@ def test_tail_build_issues_a_second_mma(arch, config, mma_shapes):
     assert tail["shared"] <= shared_memory_bytes(config) + 1024
 
 
+def test_unsupported_config_combinations_are_refused():
+    geometry = common.conv_geometry((1, 8, 8, 64), (64, 3, 3, 64), 1, 1)
+    for config, arch in [(PINGPONG_CONFIG, "sm_100"), (KernelConfig(128, 128, 64, 4, 4, consumers=3), "sm_90"),
+                         (KernelConfig(128, 64, 64, 4, 4, programs_per_sm=2), "sm_100")]:
+        with pytest.raises(ValueError, match="config"):
+            ConvPlan(geometry, torch.bfloat16, config, arch, num_sms=132)
+
+
 def test_pingpong_build_has_two_consumer_warpgroups():
     compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
                                           config=list(PINGPONG_CONFIG))
@@ -970,16 +906,12 @@ def test_pingpong_build_has_two_consumer_warpgroups():
 
 @pytest.mark.parametrize("config", HOPPER_CANDIDATES, ids=str)
 def test_every_hopper_candidate_compiles_within_budget(config):
-    # a shape each config is meant for: Co=320 for tails, ResNet's 7x7 for split-K
-    shape = (dict(N=2, H=16, W=16, Ci=64, Co=320) if config.block_n_tail else
-             dict(N=128, H=7, W=7, Ci=512, Co=512) if config.split_k > 1 else
-             dict(N=2, H=16, W=16, Ci=64, Co=256))
-    geometry = common.conv_geometry((shape["N"], shape["H"], shape["W"], shape["Ci"]),
-                                    (shape["Co"], 3, 3, shape["Ci"]), 1, 1)
+    Co = 320 if config.block_n_tail else 256
+    geometry = common.conv_geometry((2, 16, 16, 64), (Co, 3, 3, 64), 1, 1)
     if config not in prune_configs([config], geometry, "sm_90"):
         pytest.skip("pruned for this shape")
     compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
-                                          **shape, config=list(config), bias=True)
+                                          Co=Co, config=list(config), bias=True)
     assert compiled["shared"] <= SMEM_LIMIT_BYTES["sm_90"]
     assert config.programs_per_sm * (compiled["shared"] + 1024) <= SMEM_PER_SM_BYTES
     assert compiled["shared"] <= shared_memory_bytes(config) + 1024    # the pruning model holds
@@ -1005,36 +937,6 @@ def test_pruning():
     assert {c.tile_n for c in prune_configs(tails, sd, "sm_90")} == {160}
     assert prune_configs(tails, common.conv_geometry((8, 64, 64, 384), (384, 3, 3, 384), 1, 1), "sm_90") == []
     assert wasted_columns(320, 128) == 64 and wasted_columns(320, 160) == 0
-    # split-K only where the tiles leave the last wave half empty (RN50 7x7: 196 tiles on 132 SMs)
-    splits = [c for c in HOPPER_CANDIDATES if c.split_k > 1]
-    rn50_7x7 = common.conv_geometry((128, 7, 7, 512), (512, 3, 3, 512), 1, 1)
-    assert {c.split_k for c in prune_configs(splits, rn50_7x7, "sm_90")} == {2, 4}
-    assert prune_configs(splits, common.conv_geometry((128, 64, 64, 384), (384, 3, 3, 384), 1, 1),
-                         "sm_90") == []
-    assert prune_configs(splits, rn50_7x7, "sm_100") == []
-    assert wave_efficiency(196, 132) == pytest.approx(196 / 264)
-    assert wave_efficiency(392, 132) == pytest.approx(392 / 396)
-
-
-def test_unsupported_config_combinations_are_refused():
-    geometry = common.conv_geometry((1, 8, 8, 64), (64, 3, 3, 64), 1, 1)
-    for config, arch, message in [
-        (KernelConfig(128, 128, 64, 4, 4, split_k=4), "sm_90", "no k-step"),        # 9 steps / 4
-        (KernelConfig(128, 128, 64, 4, 4, consumers=2, split_k=2), "sm_90", "one consumer"),
-        (KernelConfig(128, 128, 64, 4, 4, split_k=2), "sm_100", "needs Hopper"),
-        (PINGPONG_CONFIG, "sm_100", "Hopper schedule"),
-    ]:
-        with pytest.raises(ValueError, match=message):
-            ConvPlan(geometry, torch.bfloat16, config, arch, num_sms=132)
-
-
-def test_split_k_build_uses_release_and_acquire():
-    compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
-                                          Ci=512, Co=512, config=list(KernelConfig(128, 128, 64, 6, 8, split_k=2)))
-    ptx = compiled["ptx"]
-    assert "atom.global.gpu.release.add" in ptx          # a partial sum is published
-    assert "ld.global.gpu.acquire" in ptx                # the last unit waits for it
-    assert ".local" not in ptx                           # no spills of the accumulator
 
 
 BAD_INPUTS = [
@@ -1149,20 +1051,6 @@ def test_tail_tiles(config, N, H, W, Ci, Co, R, S, stride, padding, dtype, with_
         pytest.skip(f"{config} is not a candidate on this architecture")
     run_conv(functools.partial(conv2d_fprop_fixed, config=config), N, H, W, Ci, Co, R, S, stride,
              padding, 1, dtype, with_bias)
-
-
-@needs_hopper
-@pytest.mark.parametrize("config", [c for c in HOPPER_CANDIDATES if c.split_k > 1], ids=str)
-@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias", [
-    (128, 7, 7, 512, 512, 3, 3, 1, 1, torch.bfloat16, True),      # RN50 7x7, what split-K is for
-    (16, 9, 11, 192, 200, 3, 3, 1, 1, torch.float16, False),      # 27 k-steps: unequal slices; Co=200
-    (8, 14, 14, 1024, 256, 1, 1, 1, 0, torch.bfloat16, True),     # 1x1
-])
-def test_split_k(config, N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias):
-    # twice, with new data: the per-tile counters must be back at zero after each launch
-    for seed in (0, 1):
-        run_conv(functools.partial(conv2d_fprop_fixed, config=config), N, H, W, Ci, Co, R, S, stride,
-                 padding, 1, dtype, with_bias, seed=seed)
 
 
 @needs_gpu
