@@ -8,9 +8,11 @@ What you will learn:
 - warp specialization: a one-warp loader partition that only issues TMA, MMA issue, and the
   epilogue, each where the architecture wants them (and why Hopper maps them differently);
 - a persistent grid (one program per SM) walking output tiles in a grouped, L2-friendly order;
-- overlapping one tile's epilogue with the next tile's main loop;
-- host-side engineering: cached plans, a small autotuner pruned to the device's shared memory
-  (and tensor memory), channel padding, a fused bias, and clear errors;
+- overlapping one tile's epilogue with the next tile's main loop (Blackwell: two accumulators in
+  tensor memory; Hopper: two consumer warpgroups taking turns, "ping-pong");
+- tiles that are not a power of two wide (160 = 128 + 32 columns for Co=320), built from two MMAs;
+- host-side engineering: cached plans found at a glance, a small autotuner pruned to the device's
+  shared memory (and tensor memory), channel padding, a fused bias, and clear errors;
 - measuring it all against cuDNN: `python 05-warp-specialized-conv.py --bench`.
 
 What changed since lesson 04: the same TMA im2col + MMA inner step, now fed by a multi-stage
@@ -49,7 +51,7 @@ CONV_DTYPES = (torch.float16, torch.bfloat16)
 # moment either the copy engine or the tensor cores work, never both. On an H100 (2026-11-22) it
 # ran the headline shape (N=128, 64x64, 384->384, 3x3, bf16) at 487 TFLOPS against cuDNN's 705:
 # it only got that far because several of its small programs share an SM and interleave by
-# accident. Four changes make the overlap deliberate.
+# accident. Four changes make the overlap deliberate; a fifth stops computing padding columns.
 #
 # 1. A ring of NUM_BUFFERS shared-memory stages. Stage i has two mbarriers: ready[i] (the loads
 #    into it have landed: TMA arrives on it with the byte count) and empty[i] (the MMA that read
@@ -1228,6 +1230,7 @@ def plot_bench(rows, info, dtype, outdir, data):
     if peak:
         ax.axhline(peak, color="red", ls="--", lw=1, label=f"dense bf16 peak ({peak:.0f}, datasheet)")
     ax.set_xticks(range(len(rows)), [r["shape"] for r in rows], rotation=20, ha="right", fontsize=8)
+    ax.set_xlabel("layer (batch 128; SD UNet at batch 8)")
     ax.set_ylabel("TFLOPS (higher is better)")
     ax.set_title(f"Convolution throughput per shape, {str(dtype)[6:]}, {info['device']}\n"
                  f"Triton {info['triton']}, torch {info['torch']}, cuDNN {info.get('cudnn')}")
