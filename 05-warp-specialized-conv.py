@@ -90,11 +90,6 @@ CONV_DTYPES = (torch.float16, torch.bfloat16)
 #    partial: the loader prefetches the next tile's stages during the epilogue, and the TMA store
 #    of tile t drains while tile t+1 computes (we wait for it only before reusing the buffer).
 #
-# Where the two architectures must differ, the kernel branches on the constexpr IS_BLACKWELL; the
-# loader, the tile order and the epilogue store are shared. The Hopper partition drives its MMAs
-# through common.HopperWGMMA (lesson 04's abstraction); on Blackwell the MMA warp calls tcgen05
-# directly, because there the stage is released by the hardware instead of by a wait.
-
 # 5. Tiles that are not a power of two wide. Triton's tensors (and so its shared buffers and
 #    accumulators) have power-of-two shapes, so with BLOCK_N=128 a layer with Co=320 computes
 #    three tiles of 128 columns, 384 in all: a sixth of the tensor-core work lands on columns that
@@ -104,6 +99,11 @@ CONV_DTYPES = (torch.float16, torch.bfloat16)
 #    their own shared-memory buffer, their own MMA (reading the same A tile) and their own
 #    accumulator and store. The loader fills both weight boxes into one stage (one `expect` with
 #    the sum of the bytes); the consumer issues two MMAs per k-step and waits for two.
+#
+# Where the two architectures must differ, the kernel branches on the constexpr IS_BLACKWELL; the
+# loader, the tile order and the epilogue store are shared. The Hopper partition drives its MMAs
+# through common.HopperWGMMA (lesson 04's abstraction); on Blackwell the MMA warp calls tcgen05
+# directly, because there the stage is released by the hardware instead of by a wait.
 #
 # What did not pay, measured on an H100 (2026-11-22), so you need not try it first:
 # - Split-K for layers with too few tiles (ResNet's 7x7: 196 tiles of 128x128 leave the second
