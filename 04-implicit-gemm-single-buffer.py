@@ -198,22 +198,10 @@ def aot_conv2d_tma_im2col(arch, N=2, H=16, W=16, Ci=64, Co=64, R=3, S=3, stride=
     return conv2d_tma_im2col_kernel, args, kwargs
 
 
-def run_show_ptx(verbose=True):
-    report = {}
-    for arch, prefixes in EXPECTED_PTX.items():
-        compiled = common.aot_compile_or_say_why("04-implicit-gemm-single-buffer", "aot_conv2d_tma_im2col", arch)
-        if compiled is None:
-            continue
-        counts = common.ptx_instructions(compiled["ptx"], prefixes)
-        report[arch] = counts
-        if verbose:
-            print(f"\n{arch}: PTX of conv2d_tma_im2col_kernel (BLOCK 128x64x64, 4 warps), "
-                  f"{compiled['shared']} bytes of shared memory")
-            for prefix in prefixes:
-                example = next(line.strip() for line in compiled["ptx"].splitlines() if prefix in line) \
-                    if counts[prefix] else "(none)"
-                print(f"   {counts[prefix]:3d} x {example[:110]}")
-    return report
+def run_show_ptx():
+    return common.show_ptx("04-implicit-gemm-single-buffer", "aot_conv2d_tma_im2col", EXPECTED_PTX,
+                           lambda arch, compiled: f"PTX of conv2d_tma_im2col_kernel (BLOCK 128x64x64, "
+                                                  f"4 warps), {compiled['shared']} bytes of shared memory")
 
 
 @pytest.mark.parametrize("arch", list(EXPECTED_PTX))
@@ -245,15 +233,8 @@ def test_mma_selector_rejects_other_gpus(capability):
         common.select_mma_impl(capability)
 
 
-BAD_INPUTS = [
-    (lambda x, w: (x.float(), w.float()), {}, TypeError, "dtype"),
-    (lambda x, w: (x, w.to(torch.bfloat16)), {}, TypeError, "mismatch"),
-    (lambda x, w: (x[0], w), {}, ValueError, "rank 4"),
-    (lambda x, w: (x, w[..., :4]), {}, ValueError, "channel mismatch"),
-    (lambda x, w: (x, w), {"stride": 0}, ValueError, "stride"),
+BAD_INPUTS = common.bad_conv_inputs(torch.bfloat16) + [
     (lambda x, w: (x, w), {"padding": -2}, ValueError, "padding"),
-    (lambda x, w: (x[:, :2, :2], w), {}, ValueError, "empty output"),
-    (lambda x, w: (x.transpose(1, 2), w), {}, ValueError, "contiguous NHWC"),
 ]
 
 

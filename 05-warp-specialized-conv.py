@@ -644,8 +644,7 @@ class ConvPlan:
     def constexpr_args(self, has_bias):
         """The constexpr arguments in the kernel's signature order (for the direct launch)."""
         kwargs = self.kernel_kwargs(has_bias)
-        return (kwargs["IS_BLACKWELL"], kwargs["HAS_BIAS"], kwargs["GROUP_M"], kwargs["NUM_BUFFERS"],
-                kwargs["NUM_CONSUMERS"], kwargs["BLOCK_N_TAIL"], kwargs["num_warps"])
+        return tuple(kwargs[param.name] for param in conv2d_fprop_kernel.params if param.is_constexpr)
 
     def run(self, x_nhwc, w, bias=None):
         args, out_2d = self.launch_args(x_nhwc, w, bias)
@@ -723,34 +722,30 @@ def _plan_for(geometry, dtype, config):
 # devices, hyper-parameters): a dictionary hit skips the full validation, which the first call of
 # each key has passed. What can change between calls with the same key (contiguity, alignment)
 # is still checked every time.
-_FAST_PLANS = {}     # (call key, config or None for autotuned) -> (geometry, plan)
+_FAST_PLANS = {}     # (call key, config or None for autotuned) -> ConvPlan
 
 
-def _call_key(x_nhwc, w, bias, stride, padding, dilation):
-    if not (isinstance(x_nhwc, torch.Tensor) and isinstance(w, torch.Tensor)):
+def _call_key(x_nhwc, w, bias, stride, padding, dilation, config):
+    """A hashable key of what a call can see at a glance, or None (then the slow path runs)."""
+    if not (isinstance(x_nhwc, torch.Tensor) and isinstance(w, torch.Tensor)
+            and (bias is None or isinstance(bias, torch.Tensor))):
         return None
-    bias_key = None if bias is None else (
-        (bias.shape, bias.dtype, bias.device) if isinstance(bias, torch.Tensor) else type(bias))
-    return (x_nhwc.shape, w.shape, x_nhwc.dtype, w.dtype, x_nhwc.device, w.device, bias_key,
-            stride, padding, dilation)
-
-
-def _fast_plan(key, x_nhwc, w, bias):
-    entry = _FAST_PLANS.get(key)
-    if entry is None or not (x_nhwc.is_contiguous() and w.is_contiguous()
-                             and (bias is None or bias.is_contiguous())):
-        return None                      # the slow path validates and explains
-    return entry[1]
+    key = (x_nhwc.shape, w.shape, x_nhwc.dtype, w.dtype, x_nhwc.device, w.device,
+           None if bias is None else (bias.shape, bias.dtype, bias.device),
+           stride, padding, dilation, config)
+    try:
+        hash(key)
+    except TypeError:                    # list-valued stride/padding: no fast path
+        return None
+    return key
 
 
 def _entry(x_nhwc, w, bias, stride, padding, dilation, config):
-    try:
-        key = (_call_key(x_nhwc, w, bias, stride, padding, dilation), config)
-        hash(key)
-    except TypeError:                    # list-valued stride/padding: no fast path
-        key = None
-    plan = _fast_plan(key, x_nhwc, w, bias) if key is not None and key[0] is not None else None
-    if plan is None:
+    key = _call_key(x_nhwc, w, bias, stride, padding, dilation, config)
+    plan = _FAST_PLANS.get(key) if key is not None else None
+    if plan is None or not (x_nhwc.is_contiguous() and w.is_contiguous()
+                            and (bias is None or bias.is_contiguous())):
+        # the slow path validates (and explains) everything
         geometry = _validate(x_nhwc, w, bias, stride, padding, dilation)
         if config is None:
             tuned_key = (geometry, x_nhwc.dtype, torch.cuda.current_device())
@@ -760,8 +755,8 @@ def _entry(x_nhwc, w, bias, stride, padding, dilation, config):
         else:
             chosen = KernelConfig(*config)
         plan = _plan_for(geometry, x_nhwc.dtype, chosen)
-        if key is not None and key[0] is not None:
-            _FAST_PLANS[key] = (geometry, plan)
+        if key is not None:
+            _FAST_PLANS[key] = plan
     return plan.run(x_nhwc, w, bias)
 
 
@@ -835,20 +830,11 @@ def aot_conv2d_fprop(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, p
     return conv2d_fprop_kernel, args, kwargs
 
 
-def run_show_ptx(verbose=True):
-    report = {}
-    for arch, prefixes in EXPECTED_PTX.items():
-        compiled = common.aot_compile_or_say_why("05-warp-specialized-conv", "aot_conv2d_fprop", arch)
-        if compiled is None:
-            continue
-        counts = common.ptx_instructions(compiled["ptx"], prefixes)
-        report[arch] = (counts, compiled["shared"])
-        if verbose:
-            print(f"\n{arch}: conv2d_fprop_kernel, config {FIXED_CONFIG}, {compiled['shared']} bytes "
-                  f"of shared memory, {compiled['num_warps']} warps in all")
-            for prefix in prefixes:
-                print(f"   {counts[prefix]:3d} x {prefix}")
-    return report
+def run_show_ptx():
+    return common.show_ptx("05-warp-specialized-conv", "aot_conv2d_fprop", EXPECTED_PTX,
+                           lambda arch, compiled: f"conv2d_fprop_kernel, config {FIXED_CONFIG}, "
+                                                  f"{compiled['shared']} bytes of shared memory, "
+                                                  f"{compiled['num_warps']} warps in all")
 
 
 @pytest.mark.parametrize("arch", list(EXPECTED_PTX))
@@ -941,15 +927,8 @@ def test_pruning():
     assert wasted_columns(320, 128) == 64 and wasted_columns(320, 160) == 0
 
 
-BAD_INPUTS = [
-    (lambda x, w: (x.float(), w.float()), {}, TypeError, "dtype"),
-    (lambda x, w: (x, w.to(torch.float16)), {}, TypeError, "mismatch"),
-    (lambda x, w: (x[0], w), {}, ValueError, "rank 4"),
-    (lambda x, w: (x, w[..., :4]), {}, ValueError, "channel mismatch"),
-    (lambda x, w: (x, w), {"stride": 0}, ValueError, "stride"),
+BAD_INPUTS = common.bad_conv_inputs(torch.float16) + [
     (lambda x, w: (x, w), {"dilation": (1, 0)}, ValueError, "dilation"),
-    (lambda x, w: (x[:, :2, :2], w), {}, ValueError, "empty output"),
-    (lambda x, w: (x.transpose(1, 2), w), {}, ValueError, "contiguous NHWC"),
     (lambda x, w: (x, w), {"bias": "zeros"}, TypeError, "bias"),
     (lambda x, w: (x, w), {"bias": torch.zeros(3)}, ValueError, "bias must have shape"),
 ]

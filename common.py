@@ -390,6 +390,21 @@ def cudnn_conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1):
     return lambda: torch.nn.functional.conv2d(x_nchw, w_kcrs, bias, stride, padding, dilation)
 
 
+def bad_conv_inputs(mismatched_dtype):
+    """Bad-input cases every conv entry point must refuse, as pytest parameters
+    (make_args(x, w) -> (x, w), kwargs, error type, message pattern). `mismatched_dtype` is a
+    supported dtype other than the test tensors'. Lessons add their own cases."""
+    return [
+        (lambda x, w: (x.float(), w.float()), {}, TypeError, "dtype"),
+        (lambda x, w: (x, w.to(mismatched_dtype)), {}, TypeError, "mismatch"),
+        (lambda x, w: (x[0], w), {}, ValueError, "rank 4"),
+        (lambda x, w: (x, w[..., :4]), {}, ValueError, "channel mismatch"),
+        (lambda x, w: (x, w), {"stride": 0}, ValueError, "stride"),
+        (lambda x, w: (x[:, :2, :2], w), {}, ValueError, "empty output"),
+        (lambda x, w: (x.transpose(1, 2), w), {}, ValueError, "contiguous NHWC"),
+    ]
+
+
 # Shapes used by the benchmarks of lessons 02 and 05: (label, N, H, W, Ci, Co, R, S, stride, padding)
 HEADLINE_SHAPE = ("headline 64x64 384->384 3x3", 128, 64, 64, 384, 384, 3, 3, 1, 1)
 RESNET50_3X3_SHAPES = [
@@ -571,6 +586,25 @@ def ptx_instructions(ptx: str, prefixes) -> dict:
             if stripped.startswith(prefix):
                 counts[prefix] += 1
     return counts
+
+
+def show_ptx(stem: str, builder: str, expected_ptx: dict, heading) -> dict:
+    """A lesson demo's PTX report: compile `builder`'s kernel for each arch of `expected_ptx`
+    ({arch: [instruction prefixes]}), print `heading(arch, compiled)`, then each prefix's count
+    with its first PTX line. Archs this Triton cannot target get one line saying why.
+    Returns {arch: counts}."""
+    report = {}
+    for arch, prefixes in expected_ptx.items():
+        compiled = aot_compile_or_say_why(stem, builder, arch)
+        if compiled is None:
+            continue
+        counts = report[arch] = ptx_instructions(compiled["ptx"], prefixes)
+        print(f"\n{arch}: {heading(arch, compiled)}")
+        for prefix in prefixes:
+            example = next((line.strip() for line in compiled["ptx"].splitlines() if prefix in line),
+                           "(none)")
+            print(f"   {counts[prefix]:3d} x {example[:110]}")
+    return report
 
 
 # %% A Triton building block shared by the plain-Triton lessons ---------------------------------------
