@@ -5,20 +5,21 @@ Lesson 05: a persistent, pipelined, warp-specialized convolution for Hopper and 
 What you will learn:
 - why lesson 04 leaves the tensor cores idle, and how a ring of shared-memory stages with
   ready/empty mbarriers lets TMA loads run ahead of the MMAs;
-- warp specialization: a one-warp loader partition that only issues TMA, MMA issue, and the
-  epilogue, each where the architecture wants them (and why Hopper maps them differently);
+- warp specialization: a one-warp loader that only issues TMA, then MMA issue and the epilogue,
+  each where the architecture wants them (and why Hopper maps them differently from Blackwell);
 - a persistent grid (one program per SM) walking output tiles in a grouped, L2-friendly order;
 - overlapping one tile's epilogue with the next tile's main loop (Blackwell: two accumulators in
   tensor memory; Hopper: two consumer warpgroups taking turns, "ping-pong");
 - tiles that are not a power of two wide (160 = 128 + 32 columns for Co=320), built from two MMAs;
-- host-side engineering: cached plans found at a glance, a small autotuner pruned to the device's
-  shared memory (and tensor memory), channel padding, a fused bias, and clear errors;
-- measuring it all against cuDNN: `python 05-warp-specialized-conv.py --bench`.
+- what compute-sanitizer says about such a kernel, and how to read its reports;
+- what a runtime adds around a plain launcher (conv_runtime.py), and the measured ladder against
+  cuDNN: `python 05-warp-specialized-conv.py --bench`.
 
-What changed since lesson 04: the same TMA im2col + MMA inner step, now fed by a multi-stage
-pipeline from its own warp, in a persistent kernel, with the epilogue overlapped.
-Requires: sm_90 (H100/H200) or sm_100 (B200/GB200) for GPU runs. On a CPU: validation, config
-pruning, and ahead-of-time compiles for sm_90 and sm_100 whose PTX is checked.
+Builds on: lesson 04 (TMA im2col + one MMA per k-step, `common.HopperWGMMA`/`BlackwellTcgen05`)
+and lesson 03 (the im2col descriptor). What changed since lesson 04: the same inner step, now fed
+by a multi-stage pipeline from its own warp, in a persistent kernel, with the epilogue overlapped.
+Requires: sm_90 (H100/H200) or sm_100 (B200/GB200) for GPU runs. On a CPU: input checks and
+ahead-of-time compiles for sm_90 and sm_100 whose PTX is checked.
 Note: the Blackwell path is compiled and inspected, not run: no Blackwell GPU was available to this
 series. All measured numbers in this file come from an H100 (see the bench output and JSON).
 Run:  python 05-warp-specialized-conv.py [--bench] [--quick] [--outdir out]
@@ -28,7 +29,6 @@ Tests: pytest 05-warp-specialized-conv.py
 # %%
 import functools
 import math
-import time
 from typing import NamedTuple
 
 import common  # first: on a machine without a GPU it turns on the Triton interpreter
@@ -51,84 +51,30 @@ CONV_DTYPES = (torch.float16, torch.bfloat16)
 # moment either the copy engine or the tensor cores work, never both. On an H100 (2026-11-22) it
 # ran the headline shape (N=128, 64x64, 384->384, 3x3, bf16) at 487 TFLOPS against cuDNN's 705:
 # it only got that far because several of its small programs share an SM and interleave by
-# accident. Four changes make the overlap deliberate; a fifth stops computing padding columns.
-#
-# 1. A ring of NUM_BUFFERS shared-memory stages. Stage i has two mbarriers: ready[i] (the loads
-#    into it have landed: TMA arrives on it with the byte count) and empty[i] (the MMA that read
-#    it is done: the consumer arrives). The producer waits for empty, the consumer for ready, and
-#    the loads of step k+NUM_BUFFERS-1 are in flight while step k multiplies. A counter that runs
-#    across all k-steps of all tiles gives the slot (counter % NUM_BUFFERS) and the phase
-#    ((counter // NUM_BUFFERS) & 1) each side waits for; the producer starts at the opposite
-#    phase, so its first pass over the ring finds every stage empty.
-#
-# 2. Warp specialization. Issuing TMA takes one thread; doing it from the warps that run the
-#    MMAs steals their issue slots and forces the compiler to interleave two instruction streams.
-#    `gl.warp_specialize` runs separate functions in separate warps of one program:
-#      - Blackwell: three partitions, as CUTLASS does. A 1-warp loader; a 1-warp MMA issuer (a
-#        single thread issues tcgen05, and `tcgen05_mma(..., mbarriers=[empty[slot]])` lets the
-#        hardware release the stage when the MMA finishes); and the epilogue (4 warps, the
-#        default partition), which reads the accumulator from tensor memory. With two TMEM
-#        accumulators, the MMA warp starts tile t+1 while the epilogue drains tile t.
-#      - Hopper: WGMMA must be issued by whole warpgroups (4 warps), its accumulator lives in the
-#        issuing warps' registers, and its completion cannot arrive on an mbarrier. So MMA issue
-#        and epilogue are one partition (a "consumer": 4 or 8 warps), which waits with
-#        `warpgroup_mma_wait(1)` (the previous MMA is done) and then arrives on that stage's empty
-#        barrier itself; the loader is a 1-warp worker with its registers cut to 24 so the MMA
-#        warps can keep large accumulators. There may be one consumer or two (point 4).
-#
-# 3. A persistent grid: one program per SM, each looping over output tiles
-#    tile = pid, pid + num_programs, ... No launch cost per tile, and the loader runs ahead into
-#    the next tile while the current one finishes. Tiles are numbered in groups of GROUP_M
-#    row-tiles (Triton's matmul tutorial order) so that the Co/BLOCK_N tiles sharing one strip of
-#    A run close together in time and read it from L2, not HBM.
-#
-# 4. Overlapping the epilogue. On Blackwell, the double-buffered TMEM accumulator does it. On
-#    Hopper, one warpgroup's registers hold one accumulator, so the overlap needs a second
-#    warpgroup with an accumulator of its own: the "ping-pong" schedule below, where two consumer
-#    partitions take alternate tiles and each one's epilogue runs under the other's main loop.
-#    With a single consumer (still a candidate: 256-row tiles need 8 warps), the overlap is only
-#    partial: the loader prefetches the next tile's stages during the epilogue, and the TMA store
-#    of tile t drains while tile t+1 computes (we wait for it only before reusing the buffer).
-#
-# 5. Tiles that are not a power of two wide. Triton's tensors (and so its shared buffers and
-#    accumulators) have power-of-two shapes, so with BLOCK_N=128 a layer with Co=320 computes
-#    three tiles of 128 columns, 384 in all: a sixth of the tensor-core work lands on columns that
-#    are thrown away. The hardware has no such rule: a WGMMA's N is any multiple of 8 up to 256,
-#    tcgen05's any multiple of 16, and a TMA box any size up to 256. So a tile may carry a *tail*:
-#    BLOCK_N_TAIL more columns (32 here, making 160 = 320 / 2) with their own TMA box of weights,
-#    their own shared-memory buffer, their own MMA (reading the same A tile) and their own
-#    accumulator and store. The loader fills both weight boxes into one stage (one `expect` with
-#    the sum of the bytes); the consumer issues two MMAs per k-step and waits for two.
-#
-# Where the two architectures must differ, the kernel branches on the constexpr IS_BLACKWELL; the
-# loader, the tile order and the epilogue store are shared. The Hopper partition drives its MMAs
-# through common.HopperWGMMA (lesson 04's abstraction); on Blackwell the MMA warp calls tcgen05
-# directly, because there the stage is released by the hardware instead of by a wait.
-#
-# What did not pay, measured on an H100 (2026-11-22), so you need not try it first:
-# - Split-K for layers with too few tiles (ResNet's 7x7: 196 tiles of 128x128 leave the second
-#   wave of 132 SMs half empty). Two units per tile, the first publishing an fp32 partial sum
-#   for the second to add (release/acquire on a per-tile counter): 481-501 TFLOPS against 557
-#   for plain 128x256 tiles; the partial sums' round trip through L2 sits on the critical path
-#   and costs more than the idle SMs did. (The code is in this repository's history, commit
-#   627d1da.)
-# - K steps of 32 instead of 64 with deeper rings (6 stages): 672 against 759 TFLOPS on the
-#   headline shape; twice the barrier traffic per FLOP. Only the 160-wide tile below, whose
-#   64-deep stages would not fit, keeps BLOCK_K=32.
-#
+# accident. Four changes make the overlap deliberate, and a fifth stops computing padding
+# columns. Each comes next, right before the code that does it:
+#   1. a ring of shared-memory stages, so that loads run ahead of the MMAs;
+#   2. warp specialization: a loader warp, and MMA + epilogue warps mapped per architecture;
+#   3. a persistent grid walking the tiles in a grouped order;
+#   4. the epilogue of one tile overlapped with the main loop of the next;
+#   5. tiles that are not a power of two wide, from a main MMA and a tail MMA.
+
 # %%
-# The shared pieces: tile order, loader, epilogue store
-
-
-@gluon.jit
-def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
-    """(pid_m, pid_n) of a linear tile id, GROUP_M row-tiles at a time (L2-friendly order)."""
-    tiles_per_group = GROUP_M * num_pid_n
-    first_m = (tile_id // tiles_per_group) * GROUP_M
-    rows_in_group = gl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile_id % tiles_per_group) % rows_in_group
-    pid_n = (tile_id % tiles_per_group) // rows_in_group
-    return pid_m, pid_n
+# 1. A ring of stages, and the loader that fills it
+# -------------------------------------------------
+# NUM_BUFFERS shared-memory stages, each holding one A tile (BLOCK_M pixels x BLOCK_K channels,
+# the im2col box) and one B tile (BLOCK_N filters x BLOCK_K). Stage i has two mbarriers:
+#   ready[i]  the loads into it have landed: `mbarrier.expect` announces the byte count and the
+#             TMA engine arrives with the bytes;
+#   empty[i]  the MMA that read it is done: the consumer arrives.
+# The producer waits for empty, the consumer for ready, and the loads of step k + NUM_BUFFERS - 1
+# are in flight while step k multiplies. One counter runs across all k-steps of all tiles and
+# gives the slot (counter % NUM_BUFFERS) and the phase ((counter // NUM_BUFFERS) & 1) each side
+# waits for. A fresh barrier counts as "phase 1 complete", so the producer starts at the opposite
+# phase and its first pass over the ring finds every stage empty.
+#
+# The loader is the producer. It runs in a partition of its own, one warp (section 2), so it
+# needs nothing but the descriptors, the ring and the tile order (section 3).
 
 
 @gluon.jit
@@ -172,6 +118,26 @@ def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, 
             counter += 1
 
 
+# %%
+# 2. Warp specialization: who issues what, per architecture
+# ---------------------------------------------------------
+# Issuing TMA takes one thread; doing it from the warps that run the MMAs steals their issue
+# slots and forces the compiler to interleave two instruction streams. `gl.warp_specialize` runs
+# separate functions in separate warps of one program. The two architectures want different
+# splits:
+# - Hopper: WGMMA must be issued by whole warpgroups (4 warps), its accumulator lives in the
+#   issuing warps' registers, and its completion cannot arrive on an mbarrier. So MMA issue and
+#   epilogue are one partition (a "consumer": 4 or 8 warps), which waits with
+#   `warpgroup_mma_wait` until the previous step's MMA is done and then arrives on that stage's
+#   empty barrier itself. The loader is a 1-warp worker whose registers are cut to 24
+#   (`setmaxnreg`), so the MMA warps can keep large accumulators.
+# - Blackwell: three partitions, as CUTLASS does. A 1-warp loader; a 1-warp MMA issuer (one
+#   thread issues tcgen05, and `tcgen05_commit(empty[slot])` lets the hardware release the stage
+#   when the MMAs finish); and the epilogue (4 warps, the default partition), which reads the
+#   accumulator from tensor memory.
+# The epilogue store is shared: + bias, cast, and an asynchronous TMA store.
+
+
 @gluon.jit
 def store_output_tile(acc, c_smem, out_desc, bias_ptr, Co, m0, co0, HAS_BIAS: gl.constexpr,
                       STORES_IN_FLIGHT: gl.constexpr = 0):
@@ -192,28 +158,10 @@ def store_output_tile(acc, c_smem, out_desc, bias_ptr, Co, m0, co0, HAS_BIAS: gl
 
 
 # %%
-# Hopper: MMA issue and epilogue in one partition, and two of them taking turns (ping-pong)
-#
-# One consumer warpgroup holds one accumulator in its registers, so while it converts and stores
-# tile t, nobody issues MMAs. The fix CUTLASS calls "ping-pong": two consumer partitions, each
-# with its own accumulator and its own epilogue staging buffer, take alternate tiles of the
-# program (consumer 0 the 1st, 3rd, ... tile, consumer 1 the 2nd, 4th, ...). The loader does not
-# change: it fills the ring tile after tile, and each consumer skips the other's k-steps in its
-# counter. While consumer 0 runs its epilogue, consumer 1 runs its main loop, and vice versa.
-#
-# One rule needs a barrier of its own. A consumer that waits for a stage's `ready` barrier must be
-# at most one fill ahead of it: mbarrier waits compare only the parity of the phase, so a consumer
-# that ran two fills ahead would see an old phase with the right parity and read a stage that holds
-# the other consumer's data. So the consumers pass a turn: consumer c starts its main loop only
-# after the other one has issued every MMA of the tile before (arrive on turn[c] after the loop,
-# wait for turn[c] before it). This also keeps their main loops in order, which is the point: the
-# tensor cores serve one tile at a time, and each epilogue hides under the other consumer's loop.
-#
-# Measured on an H100: ping-pong with 128x128 tiles reached 585-595 TFLOPS on the headline shape,
-# no faster than one 4-warp consumer with the same tile (590-605). The winner there is a single
-# 8-warp consumer with 256x128 tiles (700-760): per FLOP it moves a quarter fewer bytes through
-# L2 and shared memory, and that matters more than the hidden epilogue (a 256x128 ping-pong would
-# need 256 accumulator registers per thread). The autotuner keeps both and picks per shape.
+# The Hopper consumer. Read it first with NUM_CONSUMERS=1 and no tail: wait for a stage, issue
+# its MMA, wait until only this step's MMA is in flight, release the previous stage, and after
+# the last k-step release the last stage and store the tile. The `turn` barrier (section 4) and
+# the `mma_tail` lines (section 5) come later.
 
 
 @gluon.jit
@@ -274,7 +222,11 @@ def hopper_mma_epilogue_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, tur
 
 
 # %%
-# Blackwell: a one-warp MMA issuer and the epilogue, joined by a double-buffered TMEM accumulator
+# Blackwell: a one-warp MMA issuer and the epilogue, joined by a double-buffered accumulator in
+# tensor memory (TMEM). The MMA warp waits until the epilogue has read accumulator `buf`
+# (acc_empty), runs the tile's k-steps into it, and commits acc_ready[buf] once every MMA of the
+# tile has finished; the epilogue waits for acc_ready, loads the accumulator into registers and
+# arrives on acc_empty so the MMA warp can reuse it while the store is still going on.
 
 
 @gluon.jit
@@ -332,7 +284,70 @@ def blackwell_epilogue_partition(acc_tmem, acc_tail_tmem, acc_ready, acc_empty, 
 
 
 # %%
-# The kernel: allocate the ring and barriers, then split into partitions
+# 3. A persistent grid and a grouped tile order
+# ---------------------------------------------
+# One program per SM, each looping over output tiles tile = pid, pid + num_programs, ... (every
+# partition above walks this same sequence). No launch cost per tile, and the loader runs ahead
+# into the next tile while the current one finishes. Tiles are numbered in groups of GROUP_M
+# row-tiles (the order of Triton's matmul tutorial), so the Co/BLOCK_N tiles that share one strip
+# of A run close together in time and read it from L2, not HBM.
+
+
+@gluon.jit
+def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    """(pid_m, pid_n) of a linear tile id, GROUP_M row-tiles at a time (L2-friendly order)."""
+    tiles_per_group = GROUP_M * num_pid_n
+    first_m = (tile_id // tiles_per_group) * GROUP_M
+    rows_in_group = gl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile_id % tiles_per_group) % rows_in_group
+    pid_n = (tile_id % tiles_per_group) // rows_in_group
+    return pid_m, pid_n
+
+
+# %%
+# 4. Overlapping the epilogue
+# ---------------------------
+# On Blackwell the double-buffered TMEM accumulator does it: the MMA warp starts tile t+1 in
+# the other buffer while the epilogue drains tile t.
+#
+# On Hopper one warpgroup's registers hold one accumulator, so while it converts and stores tile
+# t, nobody issues MMAs. CUTLASS's answer is "ping-pong": two consumer partitions, each with its
+# own accumulator and staging buffer, take alternate tiles of the program (consumer 0 the 1st,
+# 3rd, ... tile; consumer 1 the 2nd, 4th, ...). The loader does not change: it fills the ring tile
+# after tile, and each consumer skips the other's k-steps in its counter.
+#
+# One rule needs a barrier of its own. A consumer waiting for a stage's `ready` barrier must be at
+# most one fill ahead of it: mbarrier waits compare only the parity of the phase, so a consumer
+# two fills ahead would see an old phase with the right parity and read a stage that holds the
+# other consumer's data. So the consumers pass a turn: consumer c starts its main loop only after
+# the other one has issued every MMA of the tile before (arrive on turn[c] after the loop, wait
+# for turn[c] before it). This also keeps the main loops in order, which is the point: the tensor
+# cores serve one tile at a time, and each epilogue hides under the other consumer's loop.
+#
+# With a single consumer (still a candidate: 256-row tiles need 8 warps) the overlap is partial:
+# the loader prefetches the next tile's stages during the epilogue, and the TMA store of tile t
+# drains while tile t+1 computes (we wait for it only before reusing the staging buffer).
+# Measured on an H100: ping-pong with 128x128 tiles reached 585-595 TFLOPS on the headline shape,
+# no faster than one 4-warp consumer with the same tile (590-605). The winner there is a single
+# 8-warp consumer with 256x128 tiles (700-760): per FLOP it moves a quarter fewer bytes through
+# L2 and shared memory, and that matters more than the hidden epilogue.
+#
+# 5. Tiles that are not a power of two wide
+# -----------------------------------------
+# Triton's tensors (so its shared buffers and accumulators) have power-of-two shapes, so with
+# BLOCK_N=128 a layer with Co=320 computes three tiles of 128 columns, 384 in all: a sixth of the
+# tensor-core work lands on columns that are thrown away. The hardware has no such rule: a
+# WGMMA's N is any multiple of 8 up to 256, tcgen05's any multiple of 16, a TMA box any size up to
+# 256. So a tile may carry a *tail*: BLOCK_N_TAIL more columns (32 here, making 160 = 320 / 2)
+# with their own TMA box of weights, shared buffer, MMA (reading the same A tile), accumulator and
+# store. The loader fills both weight boxes into one stage (one `expect` with the sum of the
+# bytes); the consumer issues two MMAs per k-step and waits for both. On an H100 this took SD
+# UNet's 320-channel layer from 530 to 642 TFLOPS.
+#
+# The kernel
+# ----------
+# Allocate the ring, the barriers and (Blackwell) the TMEM accumulators, then split into the
+# partitions. Where the architectures differ it branches on the constexpr IS_BLACKWELL.
 
 
 @gluon.jit
@@ -430,32 +445,12 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
 
 
 # %%
-# The host side: plans, configs, and the autotuner
-# ------------------------------------------------
-# A ResNet layer runs in ~50 us, so the Python around the launch matters. Everything that depends
-# only on the problem's shape (geometry, descriptor settings, shared layouts, grid, the chosen
-# config) is computed once and cached in a `ConvPlan`; a call then looks the plan up by what it
-# sees at a glance (shapes, dtypes, devices), checks what can differ between calls (contiguity,
-# alignment), puts its pointers into copies of three descriptors, and launches the compiled
-# kernel directly. Measured on the H100 host: ~30-35 us per call, of which ~17 us is Triton's
-# launcher (it encodes each TMA descriptor into a tensor map on every launch: ~8 us per
-# descriptor, which is why a tile without a tail passes None, not a dummy, for the tail's two);
-# cuDNN's call measured ~21 us.
-#
-# A config is a `KernelConfig`: tile sizes, ring depth, warps per consumer, programs per SM and
-# consumers per program. Before anything is compiled, candidates are pruned to what fits: shared
-# memory (NUM_BUFFERS stages of A and B tiles plus one epilogue staging tile per consumer, against
-# the device's per-program limit, and times the programs per SM against the SM's 228 KB), tensor
-# memory on Blackwell (two fp32 accumulators of BLOCK_N columns, at most 512), registers on Hopper
-# (a 128x256 fp32 accumulator needs 8 warps) and tiles not much wider than Co.
-#
-# Two ways to hide Hopper's epilogue are offered, and the autotuner picks per shape:
-# - ping-pong (consumers=2): two 4-warp consumers in one program, described above, each with up
-#   to 240 registers per thread;
-# - two programs per SM: while one program converts and stores its tile, the other's MMAs keep
-#   the tensor cores busy. Each program gets half the shared memory and at most 128 registers per
-#   thread at launch (`maxnreg=128`; setmaxnreg then moves the loader's registers to the MMA
-#   warps): no room for a 128x128 accumulator, so it suits small tiles.
+# Configs
+# -------
+# A config fixes what the kernel is compiled for: the tile (BLOCK_M x BLOCK_N x BLOCK_K, plus an
+# optional tail), the ring depth, the warps of each MMA/epilogue partition, the programs per SM
+# and the consumers per program. Some combinations are not implemented, and get a ValueError
+# rather than a compile error or a hang.
 
 
 class KernelConfig(NamedTuple):
@@ -466,7 +461,7 @@ class KernelConfig(NamedTuple):
     num_warps: int          # warps of each MMA/epilogue partition
     programs_per_sm: int = 1
     consumers: int = 1      # 2: Hopper ping-pong
-    block_n_tail: int = 0   # extra output columns per tile, in a second MMA (see below)
+    block_n_tail: int = 0   # extra output columns per tile, in a second MMA
 
     @property
     def tile_n(self):
@@ -480,228 +475,96 @@ class KernelConfig(NamedTuple):
                 f"{self.num_warps} warps" + "".join(f", {e}" for e in extras))
 
 
-HOPPER_CANDIDATES = [
-    KernelConfig(128, 128, 64, 4, 4),
-    KernelConfig(128, 256, 64, 3, 8),
-    KernelConfig(256, 128, 64, 3, 8),
-    KernelConfig(128, 128, 64, 6, 8),
-    KernelConfig(128, 64, 64, 6, 4),
-    KernelConfig(256, 64, 64, 4, 8),
-    KernelConfig(128, 128, 64, 4, 4, consumers=2),
-    KernelConfig(128, 128, 64, 5, 4, consumers=2),
-    KernelConfig(128, 64, 64, 6, 4, consumers=2),
-    KernelConfig(64, 128, 64, 6, 4, consumers=2),
-    KernelConfig(128, 64, 64, 4, 4, programs_per_sm=2),
-    KernelConfig(64, 128, 64, 4, 4, programs_per_sm=2),
-    # 160- and 96-wide tiles (Co = 320, 640, 96, 192, ...): a 32-column tail beside the main MMA
-    KernelConfig(256, 128, 32, 5, 8, block_n_tail=32),
-    KernelConfig(128, 128, 64, 5, 4, block_n_tail=32),
-    KernelConfig(128, 128, 64, 4, 4, consumers=2, block_n_tail=32),
-    KernelConfig(128, 64, 64, 6, 4, block_n_tail=32),
-]
-BLACKWELL_CANDIDATES = [
-    KernelConfig(128, 128, 64, 4, 4),
-    KernelConfig(128, 256, 64, 3, 4),
-    KernelConfig(128, 64, 64, 6, 4),
-    KernelConfig(128, 128, 64, 4, 4, block_n_tail=32),
-]
-FIXED_CONFIG = KernelConfig(128, 128, 64, 4, 4)   # the tests' config: valid on both architectures
+FIXED_CONFIG = KernelConfig(128, 128, 64, 4, 4)   # valid on both architectures; the tests' default
 PINGPONG_CONFIG = KernelConfig(128, 128, 64, 4, 4, consumers=2)   # Hopper only
-SMEM_LIMIT_BYTES = {"sm_90": 232448, "sm_100": 232448}   # per program (opt-in maximum)
-SMEM_PER_SM_BYTES = 233472                               # 228 KB per SM, 1 KB of it reserved per program
 
 
-def shared_memory_bytes(config, element_size=2):
-    c = KernelConfig(*config)
-    ring = c.num_buffers * (c.block_m + c.tile_n) * c.block_k * element_size
-    staging = c.consumers * c.block_m * c.tile_n * element_size
-    return ring + staging + 2 * c.num_buffers * 8 + 64
-
-
-def wasted_columns(Co, tile_n):
-    """Output columns computed past Co, summed over the row of tiles."""
-    return triton.cdiv(Co, tile_n) * tile_n - Co
-
-
-def prune_configs(candidates, geometry, arch, smem_limit=None):
-    """Keep the configs that fit the device and suit the shape (no compilation needed)."""
-    smem_limit = smem_limit or SMEM_LIMIT_BYTES[arch]
-    kept = []
-    for config in map(lambda c: KernelConfig(*c), candidates):
-        smem = shared_memory_bytes(config)
-        if smem > smem_limit or config.programs_per_sm * (smem + 1024) > SMEM_PER_SM_BYTES:
-            continue
-        if arch == "sm_100" and (2 * config.tile_n > 512 or config.programs_per_sm > 1
-                                 or config.consumers > 1):     # TMEM columns; ping-pong is Hopper's
-            continue
-        acc_registers = config.block_m * config.tile_n // (32 * config.num_warps)  # fp32 per thread
-        if arch == "sm_90" and acc_registers > 160:
-            continue
-        if config.consumers > 1 and (config.num_warps != 4 or config.programs_per_sm > 1):
-            continue                            # 2 consumer warpgroups + the loader's fill the RF
-        if config.programs_per_sm > 1 and (config.num_warps != 4 or acc_registers > 64):
-            continue                            # 2 x (4 + loader) warps at 128 registers fill the RF
-        if config.tile_n > max(64, triton.next_power_of_2(geometry.Co)):  # mostly-empty tiles
-            continue
-        if config.block_n_tail and (wasted_columns(geometry.Co, config.tile_n)
-                                    >= wasted_columns(geometry.Co, config.block_n)):
-            continue                            # a tail only where it saves work
-        kept.append(config)
-    return kept
-
-
-def adapt_block_k(config, Ci_padded):
-    """Small channel counts (a padded Ci of 8 or 16) get a smaller K block: fewer zeros multiplied."""
-    config = KernelConfig(*config)
-    if Ci_padded < config.block_k:
-        config = config._replace(block_k=max(16, triton.next_power_of_2(Ci_padded)))
-    return config
-
-
-def _check_config(config, arch):
-    """Combinations the kernel does not implement get a ValueError, not a compile error or a hang."""
+def check_config(config, arch):
+    """Combinations the kernel does not implement get a ValueError naming the config."""
     if config.consumers > 2 or (config.consumers > 1 and arch != "sm_90"):
         raise ValueError(f"config {config}: consumers={config.consumers}; ping-pong (2 consumers) "
                          f"is a Hopper schedule, elsewhere consumers must be 1")
     if config.programs_per_sm > 1 and arch != "sm_90":
         raise ValueError(f"config {config}: programs_per_sm > 1 is offered on Hopper only")
+    if arch == "sm_100" and config.block_m not in (64, 128):
+        raise ValueError(f"config {config}: on Blackwell block_m must be 64 or 128 (a TMEM "
+                         f"accumulator has 128 lanes; 256-row tiles need two CTAs)")
+    if arch == "sm_100" and 2 * config.tile_n > 512:
+        raise ValueError(f"config {config}: two fp32 accumulators of {config.tile_n} columns "
+                         f"exceed the 512 columns of tensor memory")
 
 
-class ConvPlan:
-    """Everything about one (shape, dtype, config) that does not depend on the tensors' pointers."""
-
-    def __init__(self, geometry, dtype, config, arch, num_sms):
-        self.geometry = geometry
-        self.arch = arch
-        lanes = 16 // torch.empty(0, dtype=dtype).element_size()
-        self.Ci_padded = -(-geometry.Ci // lanes) * lanes
-        padded = common.conv_geometry((geometry.N, geometry.H, geometry.W, self.Ci_padded),
-                                      (geometry.Co, geometry.R, geometry.S, self.Ci_padded),
-                                      geometry.stride, geometry.padding, geometry.dilation)
-        self.settings = common.conv_im2col_settings(padded)
-        self.config = adapt_block_k(config, self.Ci_padded)
-        _check_config(self.config, arch)
-        BLOCK_M, BLOCK_N, BLOCK_K = self.blocks = self.config[:3]
-        self.num_buffers, self.num_warps = self.config.num_buffers, self.config.num_warps
-        per_sm = self.config.programs_per_sm
-        self.Co_alloc = -(-geometry.Co // lanes) * lanes
-        self.num_pid_m = triton.cdiv(geometry.M, BLOCK_M)
-        self.tail = self.config.block_n_tail
-        self.num_pid_n = triton.cdiv(geometry.Co, self.config.tile_n)
-        self.grid = (min(per_sm * num_sms, self.num_pid_m * self.num_pid_n), 1, 1)
-        self.launch_options = dict(num_warps=self.num_warps, **({"maxnreg": 128} if per_sm > 1 else {}))
-        self.channel_blocks = triton.cdiv(self.Ci_padded, BLOCK_K)
-        self.k_steps = geometry.R * geometry.S * self.channel_blocks
-        self.layouts = common.conv_tma_layouts(dtype, BLOCK_M, BLOCK_N, BLOCK_K)
-        # the tail's weight box [tail, BLOCK_K] and output box [BLOCK_M, tail]
-        self.tail_layouts = (common.conv_tma_layouts(dtype, BLOCK_M, self.tail, BLOCK_K)[1:]
-                             if self.tail else None)
-        g = geometry
-        self.scalar_args = (g.Co, self.num_pid_m, self.num_pid_n, g.out_h, g.out_w, *g.stride,
-                            *g.padding, *g.dilation, self.Ci_padded, g.S, self.k_steps,
-                            self.channel_blocks)
-        self.needs_channel_padding = self.Ci_padded != g.Ci
-        self.descriptor_templates = None
-        self.compiled = {}
-
-    def launch_args(self, x_nhwc, w, bias):
-        """(args, output buffer) for this plan and these tensors: the kernel's run-time arguments."""
-        if self.needs_channel_padding:
-            x_nhwc, w, _ = common.pad_channels_for_tma(x_nhwc, w)
-        out_2d = torch.empty(self.geometry.M, self.Co_alloc, device=x_nhwc.device, dtype=x_nhwc.dtype)
-        w_2d = w.view(w.shape[0], -1)
-        if self.descriptor_templates is None:
-            # First call: build (and let Triton validate) the descriptors.
-            descriptors = common.conv_tma_descriptors(x_nhwc, w, out_2d, self.settings, *self.blocks,
-                                                      layouts=self.layouts)
-            if self.tail:
-                from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-                BLOCK_M, _, BLOCK_K = self.blocks
-                descriptors += (TensorDescriptor.from_tensor(w_2d, [self.tail, BLOCK_K], self.tail_layouts[0]),
-                                TensorDescriptor.from_tensor(out_2d, [BLOCK_M, self.tail], self.tail_layouts[1]))
-            self.descriptor_templates = descriptors
-        else:
-            # Later calls: same shapes, strides, boxes and layouts; only the base pointers change.
-            # Re-validating all of that costs ~30 us of Python per call, so copy the validated
-            # templates and swap the tensors in (checking the one property that can differ).
-            tensors = (x_nhwc, w_2d, out_2d, w_2d, out_2d)
-            descriptors = tuple(_with_base(template, tensor)
-                                for template, tensor in zip(self.descriptor_templates, tensors))
-        # Without a tail, the tail descriptors are None: a constexpr to the kernel, which never
-        # touches them, and nothing for the launcher to encode (each descriptor is a tensor map
-        # the launcher builds on every call).
-        in_desc, w_desc, out_desc, w_tail_desc, out_tail_desc = descriptors + (None, None) * (not self.tail)
-        args = (in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc,
-                bias if bias is not None else out_2d, *self.scalar_args)
-        return args, out_2d
-
-    def kernel_kwargs(self, has_bias):
-        """The constexprs and launch options of the kernel, by name."""
-        return dict(IS_BLACKWELL=self.arch == "sm_100", HAS_BIAS=has_bias, GROUP_M=8,
-                    NUM_BUFFERS=self.num_buffers, NUM_CONSUMERS=self.config.consumers,
-                    BLOCK_N_TAIL=self.tail, **self.launch_options)
-
-    def constexpr_args(self, has_bias):
-        """The constexpr arguments in the kernel's signature order (for the direct launch)."""
-        kwargs = self.kernel_kwargs(has_bias)
-        return tuple(kwargs[param.name] for param in conv2d_fprop_kernel.params if param.is_constexpr)
-
-    def run(self, x_nhwc, w, bias=None):
-        args, out_2d = self.launch_args(x_nhwc, w, bias)
-        # The specialization Triton compiled for: bias or not, and whether its pointer is
-        # 16-byte aligned (Triton specializes pointer alignment). Everything else is fixed by the plan.
-        has_bias = bias is not None
-        variant = (has_bias, not has_bias or bias.data_ptr() % 16 == 0)
-        compiled = self.compiled.get(variant)
-        if compiled is None:
-            # First launch of this variant: the generic path (binds, specializes, compiles).
-            launched = conv2d_fprop_kernel[self.grid](*args, **self.kernel_kwargs(has_bias))
-            self.compiled[variant] = (launched, self.constexpr_args(has_bias))
-        else:
-            # Later launches: straight to the compiled kernel. Triton's generic launcher re-derives
-            # the specialization of all ~25 arguments on every call, which costs tens of
-            # microseconds of Python -- as much as a whole ResNet layer. The plan already knows the
-            # answer, so it hands the arguments (constexprs included, in signature order) to the
-            # compiled kernel's launcher.
-            kernel, constexprs = compiled
-            kernel[self.grid](*args, *constexprs)
-        g = self.geometry
-        out = out_2d.view(g.N, g.out_h, g.out_w, self.Co_alloc)
-        return out if self.Co_alloc == g.Co else out[..., :g.Co].contiguous()
+def adapt_block_k(config, Ci_padded):
+    """Small channel counts (a padded Ci of 8 or 16) get a smaller K block: fewer zeros multiplied."""
+    if Ci_padded < config.block_k:
+        config = config._replace(block_k=max(16, triton.next_power_of_2(Ci_padded)))
+    return config
 
 
-def _with_base(template, tensor):
-    """A copy of a validated descriptor that points at `tensor` (same shape, strides and dtype)."""
-    if tensor.data_ptr() % 16:
-        raise ValueError(f"TMA needs 16-byte aligned tensors; this one starts at address "
-                         f"{tensor.data_ptr():#x} (a view into another tensor?); pass .clone()")
-    descriptor = object.__new__(type(template))    # copy.copy, without its ~3 us of generality
-    descriptor.__dict__.update(template.__dict__)
-    descriptor.base = tensor
-    return descriptor
+# %%
+# The plain launcher
+# ------------------
+# Everything a launch needs, built from scratch on every call: pad the channels to 16 bytes if
+# needed (lesson 04), the TMA descriptors (the tail's two only when there is a tail), the grid
+# (one program per SM, or fewer when there are fewer tiles), the run-time scalars and the
+# constexprs. `conv2d_fprop_launch` is the whole kernel behind one call; the runtime at the end of
+# the lesson makes the same launch cheaper on the host.
 
 
-_PLANS = {}          # (key, config) -> ConvPlan
-_BEST_CONFIG = {}    # key -> config chosen by the autotuner
+class ConvLaunch(NamedTuple):
+    grid: tuple
+    args: tuple          # the kernel's run-time arguments, in signature order
+    out_2d: torch.Tensor  # [M, Co rounded up to 16 bytes], written by the kernel
+    geometry: common.ConvGeometry
+
+    def result(self):
+        """The output as NHWC [N, out_h, out_w, Co]."""
+        g, Co_alloc = self.geometry, self.out_2d.shape[1]
+        out = self.out_2d.view(g.N, g.out_h, g.out_w, Co_alloc)
+        return out if Co_alloc == g.Co else out[..., :g.Co].contiguous()
 
 
-@functools.lru_cache(maxsize=None)
-def _device_facts_of(device_index):
-    cap = common.require_tma_mma_gpu("conv2d_fprop")
-    arch = "sm_90" if cap == (9, 0) else "sm_100"
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    smem = getattr(props, "shared_memory_per_block_optin", SMEM_LIMIT_BYTES[arch])
-    return arch, props.multi_processor_count, smem
+def kernel_constexprs(config, arch, has_bias):
+    """The kernel's constexprs and launch options, by name."""
+    return dict(IS_BLACKWELL=arch == "sm_100", HAS_BIAS=has_bias, GROUP_M=8,
+                NUM_BUFFERS=config.num_buffers, NUM_CONSUMERS=config.consumers,
+                BLOCK_N_TAIL=config.block_n_tail, num_warps=config.num_warps,
+                **({"maxnreg": 128} if config.programs_per_sm > 1 else {}))
 
 
-def _device_facts():
-    """(arch, SM count, shared-memory limit) of the current GPU, looked up once per device."""
-    if not common.HAS_CUDA:
-        common.require_tma_mma_gpu("conv2d_fprop")
-    return _device_facts_of(torch.cuda.current_device())
+def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms):
+    """A ConvLaunch for these tensors (CPU tensors work too: the ahead-of-time compile uses them)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    config = KernelConfig(*config)
+    check_config(config, arch)
+    x_nhwc, w, Ci_padded = common.pad_channels_for_tma(x_nhwc, w)
+    config = adapt_block_k(config, Ci_padded)
+    BLOCK_M, BLOCK_N, BLOCK_K = config[:3]
+    g = geometry
+    settings = common.conv_im2col_settings(
+        common.conv_geometry(x_nhwc.shape, w.shape, g.stride, g.padding, g.dilation))
+    lanes = 16 // x_nhwc.element_size()
+    out_2d = torch.empty(g.M, -(-g.Co // lanes) * lanes, device=x_nhwc.device, dtype=x_nhwc.dtype)
+    in_desc, w_desc, out_desc = common.conv_tma_descriptors(x_nhwc, w, out_2d, settings,
+                                                            BLOCK_M, BLOCK_N, BLOCK_K)
+    w_tail_desc = out_tail_desc = None    # a constexpr None: nothing for the launcher to encode
+    if config.block_n_tail:
+        tail = config.block_n_tail
+        w_layout, out_layout = common.conv_tma_layouts(x_nhwc.dtype, BLOCK_M, tail, BLOCK_K)[1:]
+        w_tail_desc = TensorDescriptor.from_tensor(w.view(g.Co, -1), [tail, BLOCK_K], w_layout)
+        out_tail_desc = TensorDescriptor.from_tensor(out_2d, [BLOCK_M, tail], out_layout)
+    num_pid_m, num_pid_n = triton.cdiv(g.M, BLOCK_M), triton.cdiv(g.Co, config.tile_n)
+    channel_blocks = triton.cdiv(Ci_padded, BLOCK_K)
+    args = (in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc,
+            bias if bias is not None else out_2d, g.Co, num_pid_m, num_pid_n, g.out_h, g.out_w,
+            *g.stride, *g.padding, *g.dilation, Ci_padded, g.S, g.R * g.S * channel_blocks,
+            channel_blocks)
+    grid = (min(config.programs_per_sm * num_sms, num_pid_m * num_pid_n), 1, 1)
+    return ConvLaunch(grid, args, out_2d, geometry)
 
 
-def _validate(x_nhwc, w, bias, stride, padding, dilation):
+def check_inputs(x_nhwc, w, bias, stride, padding, dilation):
+    """Validate a call (dtype, layout, shapes, hyper-parameters, bias); return its geometry."""
     geometry = common.check_conv_inputs(x_nhwc, w, stride, padding, dilation, dtypes=CONV_DTYPES,
                                         bias=bias, need_cuda=True)
     if bias is not None and not bias.is_contiguous():
@@ -709,249 +572,38 @@ def _validate(x_nhwc, w, bias, stride, padding, dilation):
     return geometry
 
 
-def _plan_for(geometry, dtype, config):
-    arch, num_sms, _ = _device_facts()
-    key = (geometry, dtype, config, torch.cuda.current_device())
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = ConvPlan(geometry, dtype, config, arch, num_sms)
-    return plan
+def device_arch_and_sms(what):
+    """("sm_90" or "sm_100", SM count) of the current GPU, or a clear error naming `what`."""
+    capability = common.require_tma_mma_gpu(what)
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return ("sm_90" if capability == (9, 0) else "sm_100"), props.multi_processor_count
 
 
-# The entry points look their plan up by what a call can see at a glance (shapes, dtypes,
-# devices, hyper-parameters): a dictionary hit skips the full validation, which the first call of
-# each key has passed. What can change between calls with the same key (contiguity, alignment)
-# is still checked every time.
-_FAST_PLANS = {}     # (call key, config or None for autotuned) -> ConvPlan
-
-
-def _call_key(x_nhwc, w, bias, stride, padding, dilation, config):
-    """A hashable key of what a call can see at a glance, or None (then the slow path runs)."""
-    if not (isinstance(x_nhwc, torch.Tensor) and isinstance(w, torch.Tensor)
-            and (bias is None or isinstance(bias, torch.Tensor))):
-        return None
-    key = (x_nhwc.shape, w.shape, x_nhwc.dtype, w.dtype, x_nhwc.device, w.device,
-           None if bias is None else (bias.shape, bias.dtype, bias.device),
-           stride, padding, dilation, config)
-    try:
-        hash(key)
-    except TypeError:                    # list-valued stride/padding: no fast path
-        return None
-    return key
-
-
-def _entry(x_nhwc, w, bias, stride, padding, dilation, config):
-    key = _call_key(x_nhwc, w, bias, stride, padding, dilation, config)
-    plan = _FAST_PLANS.get(key) if key is not None else None
-    if plan is None or not (x_nhwc.is_contiguous() and w.is_contiguous()
-                            and (bias is None or bias.is_contiguous())):
-        # the slow path validates (and explains) everything
-        geometry = _validate(x_nhwc, w, bias, stride, padding, dilation)
-        if config is None:
-            tuned_key = (geometry, x_nhwc.dtype, torch.cuda.current_device())
-            chosen = _BEST_CONFIG.get(tuned_key)
-            if chosen is None:
-                chosen = _BEST_CONFIG[tuned_key] = autotune(geometry, x_nhwc, w, bias)
-        else:
-            chosen = KernelConfig(*config)
-        plan = _plan_for(geometry, x_nhwc.dtype, chosen)
-        if key is not None:
-            _FAST_PLANS[key] = plan
-    return plan.run(x_nhwc, w, bias)
-
-
-def conv2d_fprop_fixed(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG):
-    """The warp-specialized conv with one given config (the tests use this: no autotuning)."""
-    return _entry(x_nhwc, w, bias, stride, padding, dilation, tuple(config))
-
-
-def conv2d_fprop(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1):
-    """Autotuned warp-specialized convolution. x_nhwc [N, H, W, Ci], w [Co, R, S, Ci] (fp16/bf16,
-    CUDA, contiguous), optional bias [Co] fused in the epilogue; returns NHWC in x's dtype.
-
-    The first call for a shape times every pruned config on the real tensors and remembers the
-    fastest; later calls reuse the cached plan. The key is the whole geometry (N, H, W, Ci, Co, R,
-    S, stride, padding, dilation) and dtype: shapes that want different tiles never share one."""
-    return _entry(x_nhwc, w, bias, stride, padding, dilation, None)
-
-
-def autotune(geometry, x_nhwc, w, bias, verbose=False):
-    arch, _, smem = _device_facts()
-    candidates = prune_configs(HOPPER_CANDIDATES if arch == "sm_90" else BLACKWELL_CANDIDATES,
-                               geometry, arch, smem)
-    if not candidates:
-        raise RuntimeError(f"no kernel config fits {geometry.describe()} on this GPU")
-    timings, errors = {}, []
-    for config in candidates:
-        plan = _plan_for(geometry, x_nhwc.dtype, config)
-        try:
-            plan.run(x_nhwc, w, bias)   # compile before timing
-            # Timed as the benchmark times (do_bench: L2 flushed before each call, as a layer in a
-            # network finds its weights: evicted since the last pass). The host time per call
-            # (~35 us) hides behind do_bench's cache flush, so this ranks the kernels.
-            timings[config] = triton.testing.do_bench(lambda: plan.run(x_nhwc, w, bias), warmup=5, rep=20)
-        except Exception as error:  # a config the compiler or the launch refuses: skip it
-            errors.append(f"{config}: {type(error).__name__}: {error}")
-            if verbose:
-                print(f"   config {config} skipped: {type(error).__name__}: {str(error)[:100]}")
-    if not timings:
-        raise RuntimeError(f"every kernel config failed for {geometry.describe()}; first error: "
-                           f"{errors[0] if errors else '?'}")
-    best = min(timings, key=timings.get)
-    if verbose:
-        for config, ms in sorted(timings.items(), key=lambda item: item[1]):
-            print(f"   {str(config):<28} {geometry.flops / ms / 1e9:7.1f} TFLOPS"
-                  + ("   <- chosen" if config == best else ""))
-    return best
+def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG):
+    """The warp-specialized conv, launched plainly. x_nhwc [N, H, W, Ci], w [Co, R, S, Ci] (fp16 or
+    bf16, CUDA, contiguous), optional fp32-or-same-dtype bias [Co] fused in the epilogue; returns
+    NHWC [N, out_h, out_w, Co] in x's dtype."""
+    geometry = check_inputs(x_nhwc, w, bias, stride, padding, dilation)
+    arch, num_sms = device_arch_and_sms("conv2d_fprop_launch")
+    launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms)
+    conv2d_fprop_kernel[launch.grid](*launch.args, **kernel_constexprs(KernelConfig(*config), arch,
+                                                                       bias is not None))
+    return launch.result()
 
 
 # %%
-# What the compiler produced (no GPU needed)
-# ------------------------------------------
-# Compiled ahead of time, the PTX shows the partitions' work: the im2col bulk copies (loader),
-# `wgmma.mma_async` (Hopper) or `tcgen05.mma` (Blackwell), `setmaxnreg` (the loader's registers
-# handed to the MMA warps) and the TMA store.
-
-EXPECTED_PTX = {
-    "sm_90": ["cp.async.bulk.tensor.4d.shared::cta.global.im2col", "wgmma.mma_async", "setmaxnreg",
-              "cp.async.bulk.tensor.2d.global.shared::cta"],
-    "sm_100": ["cp.async.bulk.tensor.4d.shared::cta.global.im2col", "tcgen05.mma", "setmaxnreg",
-               "cp.async.bulk.tensor.2d.global.shared::cta", "tcgen05.ld"],
-}
-
-
-def aot_conv2d_fprop(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, padding=1,
-                     config=FIXED_CONFIG, bias=False):
-    x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16, device_name="cpu")
-    geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
-    plan = ConvPlan(geometry, torch.bfloat16, KernelConfig(*config), arch, num_sms=132)
-    args, _ = plan.launch_args(x_nhwc, w, torch.zeros(Co, dtype=torch.float32) if bias else None)
-    kwargs = plan.kernel_kwargs(has_bias=bias)
-    return conv2d_fprop_kernel, args, kwargs
-
-
-def run_show_ptx():
-    return common.show_ptx("05-warp-specialized-conv", "aot_conv2d_fprop", EXPECTED_PTX,
-                           lambda arch, compiled: f"conv2d_fprop_kernel, config {FIXED_CONFIG}, "
-                                                  f"{compiled['shared']} bytes of shared memory, "
-                                                  f"{compiled['num_warps']} warps in all")
-
-
-@pytest.mark.parametrize("arch", list(EXPECTED_PTX))
-def test_kernel_compiles_with_expected_instructions(arch):
-    compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch)
-    counts = common.ptx_instructions(compiled["ptx"], EXPECTED_PTX[arch])
-    missing = [prefix for prefix, count in counts.items() if count == 0]
-    assert not missing, f"{arch}: PTX lacks {missing}"
-    # The pruning model of shared memory must not under-estimate what the compiler allocates.
-    assert compiled["shared"] <= shared_memory_bytes(FIXED_CONFIG) + 1024
-
-
-@pytest.mark.parametrize("arch, config, mma_shapes", [
-    ("sm_90", KernelConfig(256, 128, 32, 5, 8, block_n_tail=32), ["m64n128k16", "m64n32k16"]),
-    ("sm_90", KernelConfig(128, 128, 64, 4, 4, consumers=2, block_n_tail=32), ["m64n128k16", "m64n32k16"]),
-    ("sm_100", KernelConfig(128, 128, 64, 4, 4, block_n_tail=32), []),
-], ids=["sm_90", "sm_90-ping-pong", "sm_100"])
-def test_tail_build_issues_a_second_mma(arch, config, mma_shapes):
-    tail = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch,
-                                      config=list(config), Co=320)
-    plain = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch,
-                                       config=list(config._replace(block_n_tail=0)), Co=320)
-    mma = "wgmma.mma_async" if arch == "sm_90" else "tcgen05.mma"
-    count = lambda ptx: common.ptx_instructions(ptx, [mma])[mma]  # noqa: E731
-    assert count(tail["ptx"]) == 2 * count(plain["ptx"])        # main + tail MMA per k-step
-    for shape in mma_shapes:
-        assert f"{mma}.sync.aligned.{shape}" in tail["ptx"]
-    # two weight loads per stage (main box + tail box), two stores per tile
-    loads = "cp.async.bulk.tensor.2d.shared::cta.global"
-    stores = "cp.async.bulk.tensor.2d.global.shared::cta"
-    counts = common.ptx_instructions(tail["ptx"], [loads, stores])
-    assert counts == {k: 2 * v for k, v in common.ptx_instructions(plain["ptx"], [loads, stores]).items()}
-    assert tail["shared"] <= shared_memory_bytes(config) + 1024
-
-
-def test_unsupported_config_combinations_are_refused():
-    geometry = common.conv_geometry((1, 8, 8, 64), (64, 3, 3, 64), 1, 1)
-    for config, arch in [(PINGPONG_CONFIG, "sm_100"), (KernelConfig(128, 128, 64, 4, 4, consumers=3), "sm_90"),
-                         (KernelConfig(128, 64, 64, 4, 4, programs_per_sm=2), "sm_100")]:
-        with pytest.raises(ValueError, match="config"):
-            ConvPlan(geometry, torch.bfloat16, config, arch, num_sms=132)
-
-
-def test_pingpong_build_has_two_consumer_warpgroups():
-    compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
-                                          config=list(PINGPONG_CONFIG))
-    ptx = compiled["ptx"]
-    assert ".reqntid 384" in ptx                          # 2 consumer warpgroups + the loader's
-    # registers: 240 for each consumer warpgroup, 24 for the loader
-    assert "setmaxnreg.inc.sync.aligned.u32 \t240" in ptx and "setmaxnreg.dec.sync.aligned.u32 \t24" in ptx
-    # each consumer issues its own WGMMAs: twice the MMA code of a single consumer
-    single = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90")
-    count = lambda p: common.ptx_instructions(p, ["wgmma.mma_async"])["wgmma.mma_async"]  # noqa: E731
-    assert count(ptx) == 2 * count(single["ptx"])
-    assert compiled["shared"] <= shared_memory_bytes(PINGPONG_CONFIG) + 1024
-
-
-@pytest.mark.parametrize("config", HOPPER_CANDIDATES, ids=str)
-def test_every_hopper_candidate_compiles_within_budget(config):
-    Co = 320 if config.block_n_tail else 256
-    geometry = common.conv_geometry((2, 16, 16, 64), (Co, 3, 3, 64), 1, 1)
-    if config not in prune_configs([config], geometry, "sm_90"):
-        pytest.skip("pruned for this shape")
-    compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
-                                          Co=Co, config=list(config), bias=True)
-    assert compiled["shared"] <= SMEM_LIMIT_BYTES["sm_90"]
-    assert config.programs_per_sm * (compiled["shared"] + 1024) <= SMEM_PER_SM_BYTES
-    assert compiled["shared"] <= shared_memory_bytes(config) + 1024    # the pruning model holds
-    if config.programs_per_sm > 1:
-        assert ".maxnreg 128" in compiled["ptx"]
-    assert common.ptx_instructions(compiled["ptx"], ["wgmma.mma_async"])["wgmma.mma_async"] > 0
-
-
-def test_pruning():
-    geometry = common.conv_geometry((128, 56, 56, 64), (64, 3, 3, 64), 1, 1)
-    kept = prune_configs(HOPPER_CANDIDATES, geometry, "sm_90")
-    assert kept and all(config[1] <= 64 for config in kept)          # Co=64: no 128-wide tiles
-    assert all(shared_memory_bytes(c) <= SMEM_LIMIT_BYTES["sm_90"] for c in kept)
-    assert prune_configs([(128, 256, 64, 4, 8, 1)], common.conv_geometry((1, 8, 8, 64), (256, 1, 1, 64)),
-                         "sm_90") == []                                 # 4 stages of 128x256: too much smem
-    assert prune_configs([(128, 256, 64, 3, 4, 1)], common.conv_geometry((1, 8, 8, 64), (256, 1, 1, 64)),
-                         "sm_90") == []                                 # 128x256 fp32 acc on 4 warps
-    assert adapt_block_k(FIXED_CONFIG, 8)[2] == 16
-    assert prune_configs([(128, 64, 64, 4, 8, 2)], geometry, "sm_90") == []  # 2 x 8+ warps: no registers
-    # tails only where they cut the wasted columns: Co=320 keeps the 160-wide tiles, Co=384 does not
-    tails = [c for c in HOPPER_CANDIDATES if c.block_n_tail]
-    sd = common.conv_geometry((8, 64, 64, 320), (320, 3, 3, 320), 1, 1)
-    assert {c.tile_n for c in prune_configs(tails, sd, "sm_90")} == {160}
-    assert prune_configs(tails, common.conv_geometry((8, 64, 64, 384), (384, 3, 3, 384), 1, 1), "sm_90") == []
-    assert wasted_columns(320, 128) == 64 and wasted_columns(320, 160) == 0
-
-
-BAD_INPUTS = common.bad_conv_inputs(torch.float16) + [
-    (lambda x, w: (x, w), {"dilation": (1, 0)}, ValueError, "dilation"),
-    (lambda x, w: (x, w), {"bias": "zeros"}, TypeError, "bias"),
-    (lambda x, w: (x, w), {"bias": torch.zeros(3)}, ValueError, "bias must have shape"),
-]
-
-
-@pytest.mark.parametrize("entry", ["conv2d_fprop", "conv2d_fprop_fixed"])
-@pytest.mark.parametrize("make_args, kwargs, error, message", BAD_INPUTS)
-def test_rejects_bad_input(entry, make_args, kwargs, error, message):
-    x_nhwc, w = common.random_conv_inputs(1, 8, 8, 8, 16, 3, 3, torch.bfloat16)
-    if "bias" in kwargs and isinstance(kwargs["bias"], torch.Tensor):
-        kwargs = dict(kwargs, bias=kwargs["bias"].to(x_nhwc.device))
-    with pytest.raises(error, match=message):
-        globals()[entry](*make_args(x_nhwc, w), **kwargs)
-
-
-# %%
-# Correctness on the GPU
-# ----------------------
+# Checks against torch (GPU)
+# --------------------------
 # The upstream Blackwell grid (N in {1, 128}, 64x64 images, Ci=Co in {384, 416}, 3x3/4x4/5x5
-# filters, stride 1-2, padding 0-1) with the fixed config, then the awkward cases, then the
-# autotuned entry point. Tolerances: common.assert_close_to_reference.
+# filters, stride 1-2, padding 0-1) through the plain launcher, then awkward cases (Ci=3, dilation,
+# Co not a multiple of the tile, odd sizes, fp16), ping-pong and tail tiles. The reference is
+# torch's conv2d in fp32; tolerances are explained in common.assert_close_to_reference.
 
 needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
+needs_hopper = pytest.mark.skipif(
+    not (common.has_tma_mma_gpu() and common.is_hopper()),
+    reason=common.GLUON_SKIP_REASON if not common.has_tma_mma_gpu() else
+    "the ping-pong schedule is Hopper's (sm_90); this GPU is not a Hopper")
 
 
 def run_conv(entry, N, H, W, Ci, Co, R, S, stride, padding, dilation=1, dtype=torch.bfloat16,
@@ -967,37 +619,24 @@ def run_conv(entry, N, H, W, Ci, Co, R, S, stride, padding, dilation=1, dtype=to
 @pytest.mark.parametrize("stride", [1, 2])
 @pytest.mark.parametrize("padding", [0, 1])
 def test_fixed_config_grid(N, Ci_Co, R, stride, padding):
-    run_conv(conv2d_fprop_fixed, N, 64, 64, Ci_Co, Ci_Co, R, R, stride, padding)
+    run_conv(conv2d_fprop_launch, N, 64, 64, Ci_Co, Ci_Co, R, R, stride, padding)
 
 
-@needs_gpu
-@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias", [
+AWKWARD_CASES = [
+    (16, 32, 32, 5, 96, 3, 3, 1, 1, 1, torch.bfloat16, False),         # Ci=5 padded to 8
     (1, 1, 8, 96, 128, 1, 2, (1, 2), 0, 1, torch.bfloat16, False),     # asymmetric stride
-    (16, 32, 32, 5, 96, 3, 3, 1, 1, 1, torch.bfloat16, False),         # Ci=5, padded to 8
-    (4, 64, 64, 3, 64, 7, 7, 2, 3, 1, torch.bfloat16, False),          # ResNet stem
+    (4, 56, 56, 3, 64, 7, 7, 2, 3, 1, torch.float16, True),            # ResNet stem
     (2, 32, 32, 64, 64, 3, 3, 1, 2, 2, torch.bfloat16, False),         # dilation 2
     (2, 32, 32, 128, 200, 3, 3, 1, 1, 1, torch.bfloat16, True),        # bias, Co not a multiple of 8*16
     (8, 30, 26, 256, 128, 3, 3, 1, 1, 1, torch.float16, True),         # fp16, non-square
     (3, 17, 23, 40, 48, 3, 5, (2, 1), (1, 2), 1, torch.float16, False),  # odd sizes
-])
-def test_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias):
-    run_conv(conv2d_fprop_fixed, N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias)
+]
 
 
 @needs_gpu
-@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding", [
-    (32, 28, 28, 128, 128, 3, 3, 1, 1),
-    (32, 56, 56, 256, 64, 1, 1, 1, 0),
-    (8, 16, 16, 320, 320, 3, 3, 2, 1),
-])
-def test_autotuned_entry_point(N, H, W, Ci, Co, R, S, stride, padding):
-    run_conv(conv2d_fprop, N, H, W, Ci, Co, R, S, stride, padding, with_bias=True)
-
-
-needs_hopper = pytest.mark.skipif(
-    not (common.has_tma_mma_gpu() and common.is_hopper()),
-    reason=common.GLUON_SKIP_REASON if not common.has_tma_mma_gpu() else
-    "the ping-pong schedule is Hopper's (sm_90); this GPU is not a Hopper")
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias", AWKWARD_CASES)
+def test_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias):
+    run_conv(conv2d_fprop_launch, N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias)
 
 
 @needs_hopper
@@ -1011,15 +650,31 @@ needs_hopper = pytest.mark.skipif(
     (3, 17, 23, 40, 48, 3, 5, (2, 1), (1, 2), torch.float16, False),  # fewer tiles than programs
 ])
 def test_pingpong_consumers(config, N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias):
-    run_conv(functools.partial(conv2d_fprop_fixed, config=config), N, H, W, Ci, Co, R, S, stride,
+    run_conv(functools.partial(conv2d_fprop_launch, config=config), N, H, W, Ci, Co, R, S, stride,
              padding, 1, dtype, with_bias)
 
 
-TAIL_CONFIGS = [c for c in dict.fromkeys(HOPPER_CANDIDATES + BLACKWELL_CANDIDATES) if c.block_n_tail]
+def tail_configs_for_this_machine():
+    """The tail configs of the autotuner's candidates that this GPU's architecture implements
+    (all of them on a machine without a GPU, where the tests skip)."""
+    configs = [KernelConfig(256, 128, 32, 5, 8, block_n_tail=32), KernelConfig(128, 128, 64, 5, 4, block_n_tail=32),
+               KernelConfig(128, 128, 64, 4, 4, consumers=2, block_n_tail=32),
+               KernelConfig(128, 64, 64, 6, 4, block_n_tail=32)]
+    if not common.has_tma_mma_gpu():
+        return configs
+    arch = "sm_90" if common.is_hopper() else "sm_100"
+    kept = []
+    for config in configs:
+        try:
+            check_config(config, arch)
+            kept.append(config)
+        except ValueError:
+            pass
+    return kept
 
 
 @needs_gpu
-@pytest.mark.parametrize("config", TAIL_CONFIGS, ids=str)
+@pytest.mark.parametrize("config", tail_configs_for_this_machine(), ids=str)
 @pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias", [
     (8, 32, 32, 320, 320, 3, 3, 1, 1, torch.bfloat16, True),      # SD-like: two 160-wide tiles
     (16, 20, 20, 128, 300, 3, 3, 1, 1, torch.float16, False),     # the last tail partly past Co
@@ -1027,52 +682,277 @@ TAIL_CONFIGS = [c for c in dict.fromkeys(HOPPER_CANDIDATES + BLACKWELL_CANDIDATE
     (128, 14, 14, 256, 96, 1, 1, 1, 0, torch.bfloat16, False),    # 1x1, Co = 64 + 32
 ])
 def test_tail_tiles(config, N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias):
-    arch_candidates = HOPPER_CANDIDATES if common.is_hopper() else BLACKWELL_CANDIDATES
-    if config not in arch_candidates:
-        pytest.skip(f"{config} is not a candidate on this architecture")
-    run_conv(functools.partial(conv2d_fprop_fixed, config=config), N, H, W, Ci, Co, R, S, stride,
+    run_conv(functools.partial(conv2d_fprop_launch, config=config), N, H, W, Ci, Co, R, S, stride,
              padding, 1, dtype, with_bias)
 
 
-@needs_gpu
-def test_fast_path_still_checks_each_call():
-    # A call with a cached plan skips the full validation; what a same-shaped tensor can still get
-    # wrong (layout, alignment) must be caught on every call.
-    x_nhwc, w = common.random_conv_inputs(2, 12, 12, 64, 96, 3, 3, torch.bfloat16)
-    conv2d_fprop_fixed(x_nhwc, w, padding=1)
-    not_contiguous = x_nhwc.transpose(1, 2).contiguous().transpose(1, 2)
-    with pytest.raises(ValueError, match="contiguous NHWC"):
-        conv2d_fprop_fixed(not_contiguous, w, padding=1)
-    storage = torch.empty(x_nhwc.numel() + 1, dtype=x_nhwc.dtype, device=x_nhwc.device)
-    misaligned = storage[1:].view(x_nhwc.shape)       # contiguous, same shape, 2 bytes off
-    with pytest.raises(ValueError, match="16-byte aligned"):
-        conv2d_fprop_fixed(misaligned, w, padding=1)
-    # list-valued hyper-parameters are unhashable: they take the slow path and still work
-    run_conv(conv2d_fprop_fixed, 2, 12, 12, 64, 96, 3, 3, [1, 1], [1, 1])
+BAD_INPUTS = common.bad_conv_inputs(torch.float16) + [
+    (lambda x, w: (x, w), {"dilation": (1, 0)}, ValueError, "dilation"),
+    (lambda x, w: (x, w), {"bias": "zeros"}, TypeError, "bias"),
+    (lambda x, w: (x, w), {"bias": torch.zeros(3)}, ValueError, "bias must have shape"),
+]
 
 
-@needs_gpu
-def test_direct_launch_path_on_new_data():
-    # The second call of a plan skips Triton's generic launcher: it must see the new tensors.
-    for seed in (1, 2, 3):
-        run_conv(conv2d_fprop_fixed, 2, 12, 12, 64, 96, 3, 3, 1, 1, with_bias=seed != 2, seed=seed)
-
-
-@needs_gpu
-def test_every_hopper_candidate_is_correct():
-    if not common.is_hopper():
-        pytest.skip("Hopper candidates")
-    for config in HOPPER_CANDIDATES:
-        run_conv(functools.partial(conv2d_fprop_fixed, config=config), 4, 20, 20, 136, 200, 3, 3, 1, 1,
-                 with_bias=True)
+@pytest.mark.parametrize("entry", ["conv2d_fprop_launch", "conv2d_fprop", "conv2d_fprop_fixed"])
+@pytest.mark.parametrize("make_args, kwargs, error, message", BAD_INPUTS)
+def test_rejects_bad_input(entry, make_args, kwargs, error, message):
+    x_nhwc, w = common.random_conv_inputs(1, 8, 8, 8, 16, 3, 3, torch.bfloat16)
+    if "bias" in kwargs and isinstance(kwargs["bias"], torch.Tensor):
+        kwargs = dict(kwargs, bias=kwargs["bias"].to(x_nhwc.device))
+    with pytest.raises(error, match=message):
+        globals()[entry](*make_args(x_nhwc, w), **kwargs)
 
 
 # %%
-# Benchmark (GPU): the series' ladder, next to cuDNN
-# --------------------------------------------------
-# One run measures, per shape, lesson 02's implicit GEMM, lesson 04, this lesson (autotuned) and
-# cuDNN, all in bf16, all timed by common.bench_tflops (do_bench: median, L2 flushed, launch
-# overhead included). Lesson 05 and cuDNN are timed in alternating rounds (medians reported).
+# What the compiler produced (no GPU needed)
+# ------------------------------------------
+# Compiled ahead of time, the PTX shows each partition's work: the im2col bulk copies (loader),
+# `wgmma.mma_async` (Hopper) or `tcgen05.mma` (Blackwell), `setmaxnreg` (the loader's registers
+# handed to the MMA warps) and the TMA store. The Blackwell build is checked against what a
+# line-by-line review of its synchronization expects (RESULTS.md, "The Blackwell path"), since no
+# Blackwell GPU has run it.
+
+EXPECTED_PTX = {
+    "sm_90": ["cp.async.bulk.tensor.4d.shared::cta.global.im2col", "wgmma.mma_async", "setmaxnreg",
+              "cp.async.bulk.tensor.2d.global.shared::cta"],
+    "sm_100": ["cp.async.bulk.tensor.4d.shared::cta.global.im2col", "tcgen05.mma", "setmaxnreg",
+               "cp.async.bulk.tensor.2d.global.shared::cta", "tcgen05.ld"],
+}
+
+
+def aot_conv2d_fprop(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, padding=1,
+                     config=FIXED_CONFIG, bias=False):
+    """(kernel, args, kwargs) on CPU tensors, for common.aot_compile."""
+    x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16, device_name="cpu")
+    geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
+    bias_tensor = torch.zeros(Co, dtype=torch.float32) if bias else None
+    launch = prepare_launch(x_nhwc, w, bias_tensor, geometry, config, arch, num_sms=132)
+    return conv2d_fprop_kernel, launch.args, kernel_constexprs(KernelConfig(*config), arch, bias)
+
+
+def run_show_ptx():
+    return common.show_ptx("05-warp-specialized-conv", "aot_conv2d_fprop", EXPECTED_PTX,
+                           lambda arch, compiled: f"conv2d_fprop_kernel, config {FIXED_CONFIG}, "
+                                                  f"{compiled['shared']} bytes of shared memory, "
+                                                  f"{compiled['num_warps']} warps in all")
+
+
+@pytest.mark.parametrize("arch", list(EXPECTED_PTX))
+def test_kernel_compiles_with_expected_instructions(arch):
+    compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch)
+    counts = common.ptx_instructions(compiled["ptx"], EXPECTED_PTX[arch])
+    missing = [prefix for prefix, count in counts.items() if count == 0]
+    assert not missing, f"{arch}: PTX lacks {missing}"
+    # The runtime's shared-memory model (it prunes configs with it) must not under-estimate.
+    import conv_runtime
+    assert compiled["shared"] <= conv_runtime.shared_memory_bytes(FIXED_CONFIG) + 1024
+
+
+@pytest.mark.parametrize("arch, config, mma_shapes", [
+    ("sm_90", KernelConfig(256, 128, 32, 5, 8, block_n_tail=32), ["m64n128k16", "m64n32k16"]),
+    ("sm_90", KernelConfig(128, 128, 64, 4, 4, consumers=2, block_n_tail=32), ["m64n128k16", "m64n32k16"]),
+    ("sm_100", KernelConfig(128, 128, 64, 4, 4, block_n_tail=32), []),
+], ids=["sm_90", "sm_90-ping-pong", "sm_100"])
+def test_tail_build_issues_a_second_mma(arch, config, mma_shapes):
+    import conv_runtime
+    tail = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch,
+                                      config=list(config), Co=320)
+    plain = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch,
+                                       config=list(config._replace(block_n_tail=0)), Co=320)
+    mma = "wgmma.mma_async" if arch == "sm_90" else "tcgen05.mma"
+    count = lambda ptx: common.ptx_instructions(ptx, [mma])[mma]  # noqa: E731
+    assert count(tail["ptx"]) == 2 * count(plain["ptx"])        # main + tail MMA per k-step
+    for shape in mma_shapes:
+        assert f"{mma}.sync.aligned.{shape}" in tail["ptx"]
+    # two weight loads per stage (main box + tail box), two stores per tile
+    loads = "cp.async.bulk.tensor.2d.shared::cta.global"
+    stores = "cp.async.bulk.tensor.2d.global.shared::cta"
+    counts = common.ptx_instructions(tail["ptx"], [loads, stores])
+    assert counts == {k: 2 * v for k, v in common.ptx_instructions(plain["ptx"], [loads, stores]).items()}
+    assert tail["shared"] <= conv_runtime.shared_memory_bytes(config) + 1024
+
+
+@pytest.mark.parametrize("config, tmem_columns", [
+    (FIXED_CONFIG, 256),                                        # 2 accumulators x 128 columns
+    (KernelConfig(128, 128, 64, 4, 4, block_n_tail=32), 512),   # 2 x (128 + 32) = 320, allocated as 512
+    (KernelConfig(128, 256, 64, 3, 4), 512),                    # 2 x 256: the whole tensor memory
+    (KernelConfig(128, 64, 64, 6, 4), 128),
+], ids=str)
+def test_blackwell_build_synchronizes_as_reviewed(config, tmem_columns):
+    """What the review of the Blackwell path (RESULTS.md) expects, checked in the sm_100 PTX."""
+    Co = 320 if config.block_n_tail else config.block_n
+    compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_100",
+                                          config=list(config), Co=Co)
+    ptx = compiled["ptx"]
+    counts = common.ptx_instructions(ptx, ["tcgen05.alloc", "tcgen05.commit", "tcgen05.mma",
+                                           "mbarrier.init", "mbarrier.arrive.expect_tx",
+                                           "mbarrier.arrive", "fence.proxy.async",
+                                           "cp.async.bulk.tensor.2d.global.shared::cta"])
+    # one TMEM allocation, a power of two of at least 2 * tile_n columns and at most 512
+    assert counts["tcgen05.alloc"] == 1 and compiled["tmem_size"] == tmem_columns
+    assert f"tcgen05.alloc.cta_group::1.sync.aligned.shared::cta.b32 [%r" in ptx and f"], {tmem_columns};" in ptx
+    # the MMA warp commits twice: once per k-step (releases the stage, after both MMAs of a tail
+    # tile) and once per tile (hands the accumulator to the epilogue); no other tcgen05.commit
+    assert counts["tcgen05.commit"] == 2
+    # BLOCK_K=64 in k16 instructions: 4 tcgen05.mma per accumulator per k-step
+    assert counts["tcgen05.mma"] == 4 * (2 if config.block_n_tail else 1)
+    # barriers: ready + empty per stage, acc_ready + acc_empty per accumulator (no ping-pong turns)
+    assert counts["mbarrier.init"] == 2 * config.num_buffers + 2 * 2
+    # arrivals by software: the loader's expect (its arrival) and the epilogue's acc_empty arrive
+    assert counts["mbarrier.arrive.expect_tx"] == 1 and counts["mbarrier.arrive"] == 2
+    # each TMA store is preceded by a fence of the generic-proxy writes to its staging buffer
+    stores = counts["cp.async.bulk.tensor.2d.global.shared::cta"]
+    assert stores == (2 if config.block_n_tail else 1) and counts["fence.proxy.async"] == stores
+
+
+def test_unsupported_config_combinations_are_refused():
+    for config, arch in [(PINGPONG_CONFIG, "sm_100"), (KernelConfig(128, 128, 64, 4, 4, consumers=3), "sm_90"),
+                         (KernelConfig(128, 64, 64, 4, 4, programs_per_sm=2), "sm_100"),
+                         (KernelConfig(256, 128, 64, 3, 8), "sm_100"),
+                         (KernelConfig(128, 256, 64, 3, 4, block_n_tail=32), "sm_100")]:
+        with pytest.raises(ValueError, match="config"):
+            check_config(config, arch)
+
+
+def test_pingpong_build_has_two_consumer_warpgroups():
+    import conv_runtime
+    compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
+                                          config=list(PINGPONG_CONFIG))
+    ptx = compiled["ptx"]
+    assert ".reqntid 384" in ptx                          # 2 consumer warpgroups + the loader's
+    # registers: 240 for each consumer warpgroup, 24 for the loader
+    assert "setmaxnreg.inc.sync.aligned.u32 \t240" in ptx and "setmaxnreg.dec.sync.aligned.u32 \t24" in ptx
+    # each consumer issues its own WGMMAs: twice the MMA code of a single consumer
+    single = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90")
+    count = lambda p: common.ptx_instructions(p, ["wgmma.mma_async"])["wgmma.mma_async"]  # noqa: E731
+    assert count(ptx) == 2 * count(single["ptx"])
+    assert compiled["shared"] <= conv_runtime.shared_memory_bytes(PINGPONG_CONFIG) + 1024
+
+
+# %%
+# What compute-sanitizer says
+# ---------------------------
+# Random shapes cannot show that a warp-specialized kernel has no race; the CUDA toolkit's
+# compute-sanitizer checks a run as it happens. `python scripts/sanitize.py` runs its four tools
+# (memcheck, racecheck, synccheck, initcheck) over lessons 04 and 05 on small shapes, for every
+# Hopper candidate config, on two programs so that every program walks several tiles. Measured on
+# an H100 (2026-11-22): synccheck reports nothing. The other three report things that are not
+# bugs of this kernel, and each is worth knowing if you write your own:
+# - racecheck reports a read-after-write "hazard" in every lesson 05 config, between two
+#   instructions that are not ours: `gl.warp_specialize` starts its worker warps by having the
+#   default warpgroup write each worker warp's partition number into a word of shared memory, then
+#   meeting all warps at a block-wide named barrier (`barrier.sync 1`); the workers read their
+#   byte after that barrier, and at the end the default warpgroup writes "exit" the same way. The
+#   barrier orders every write before every read (PTX ISA, barrier: memory accesses requested by
+#   the participating threads before the barrier are performed relative to all of them). The
+#   report appears once the default warpgroup also syncs its own 128 threads with
+#   `bar.sync 0, 128`, as ours does around its mbarrier arrives: scripts/racecheck_probe.cu
+#   models the protocol in 60 lines of CUDA, and racecheck calls it clean without that line and
+#   "hazardous" with it. A Gluon kernel that only warp-specializes is clean too. So the report is
+#   the tool losing track of barrier 1, and the script lists it as explained only where both
+#   accesses are that dispatch code (identified in the SASS), never elsewhere.
+# - memcheck reports one CUDA API error per process: Triton's loader first asks the driver for
+#   "oversized" shared memory, is refused (CUDA_ERROR_INVALID_VALUE from cuFuncSetAttribute), and
+#   falls back to the classic attribute. Lesson 04's kernel needs less than 48 KB and never asks.
+# - initcheck reports the whole output as uninitialized when it is copied to the host: the kernel
+#   writes it with TMA stores, which initcheck does not count as writes. Every element was
+#   compared with torch's result first, so it was written.
+# Racecheck is also blind to what matters most here: TMA and the tensor cores read and write
+# shared memory through the async proxy, which it does not track. The ordering between those
+# accesses and ours (fence_async_shared before a TMA store, waits on ready/empty barriers before
+# an MMA or a refill) is the review's job, and the tests' (RESULTS.md, "Sanitizers").
+
+
+
+# %%
+# The runtime: the same kernel, cheaper to call
+# ---------------------------------------------
+# `conv2d_fprop_launch` builds everything on every call, and the host time adds up: on an H100
+# host a call of it costs several times the 30-60 us a ResNet-50 layer runs on the GPU.
+# conv_runtime.py (read its docstring) keeps what depends only on the shape in a plan, reuses
+# validated descriptors, launches the compiled kernel directly, and picks a config per shape with
+# a small autotuner pruned to what fits the device. The lesson's two entry points go through it:
+# `conv2d_fprop_fixed` with one given config, `conv2d_fprop` autotuned. `measure_runtime` prints
+# what the runtime saves on this machine.
+
+
+def conv2d_fprop_fixed(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG):
+    """The warp-specialized conv with one given config, through the runtime (no autotuning)."""
+    import conv_runtime   # it wraps this lesson's kernel, so it is imported on first use
+    return conv_runtime.conv2d(x_nhwc, w, bias, stride, padding, dilation, config=tuple(config))
+
+
+def conv2d_fprop(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1):
+    """Autotuned warp-specialized convolution. x_nhwc [N, H, W, Ci], w [Co, R, S, Ci] (fp16/bf16,
+    CUDA, contiguous), optional bias [Co] fused in the epilogue; returns NHWC in x's dtype.
+
+    The first call for a shape times every pruned config on the real tensors and remembers the
+    fastest; later calls reuse the cached plan. The key is the whole geometry (N, H, W, Ci, Co, R,
+    S, stride, padding, dilation) and dtype: shapes that want different tiles never share one."""
+    import conv_runtime
+    return conv_runtime.conv2d(x_nhwc, w, bias, stride, padding, dilation, config=None)
+
+
+def measure_runtime(x_nhwc, w, stride, padding, config):
+    """Host us per call: the plain launcher vs the runtime, and Triton's launcher vs a direct call."""
+    import conv_runtime
+    geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
+    plan = conv_runtime.plan_for(geometry, x_nhwc.dtype, config)
+    launches = conv_runtime.compare_launch_paths(plan, x_nhwc, w)
+    return {
+        "plain_launcher_us": conv_runtime.host_us_per_call(
+            lambda: conv2d_fprop_launch(x_nhwc, w, None, stride, padding, config=config), calls=50),
+        "runtime_us": conv_runtime.host_us_per_call(
+            lambda: conv2d_fprop_fixed(x_nhwc, w, None, stride, padding, config=config)),
+        "generic_launch_us": launches["generic"], "direct_launch_us": launches["direct"],
+    }
+
+
+def run_runtime_demo():
+    x_nhwc, w = common.random_conv_inputs(32, 28, 28, 128, 128, 3, 3, torch.bfloat16)
+    run_conv(conv2d_fprop, 8, 28, 28, 128, 128, 3, 3, 1, 1, with_bias=True)
+    us = measure_runtime(x_nhwc, w, 1, 1, FIXED_CONFIG)
+    print(f"\nhost time per call on this machine (N=32, 28x28, 128->128, 3x3): plain launcher "
+          f"{us['plain_launcher_us']:.0f} us, runtime {us['runtime_us']:.0f} us; of which the launch: "
+          f"Triton's launcher {us['generic_launch_us']:.0f} us, direct call {us['direct_launch_us']:.0f} us")
+
+
+@needs_gpu
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding", [
+    (32, 28, 28, 128, 128, 3, 3, 1, 1),
+    (32, 56, 56, 256, 64, 1, 1, 1, 0),
+    (8, 16, 16, 320, 320, 3, 3, 2, 1),
+])
+def test_autotuned_entry_point(N, H, W, Ci, Co, R, S, stride, padding):
+    run_conv(conv2d_fprop, N, H, W, Ci, Co, R, S, stride, padding, with_bias=True)
+
+
+@needs_gpu
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias", AWKWARD_CASES)
+def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias):
+    run_conv(conv2d_fprop_fixed, N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias)
+
+
+# %%
+# What did not pay
+# ----------------
+# Measured on an H100 (2026-11-22), so you need not try them first:
+# - Split-K for layers with too few tiles (ResNet's 7x7: 196 tiles of 128x128 leave the second
+#   wave of 132 SMs half empty). Two units per tile, the first publishing an fp32 partial sum for
+#   the second to add (release/acquire on a per-tile counter): 481-501 TFLOPS against 557 for
+#   plain 128x256 tiles; the partial sums' round trip through L2 sits on the critical path and
+#   costs more than the idle SMs did. (The code is in this repository's history, commit 627d1da.)
+# - K steps of 32 instead of 64 with deeper rings (6 stages): 672 against 759 TFLOPS on the
+#   headline shape; twice the barrier traffic per FLOP. Only the 160-wide tile, whose 64-deep
+#   stages would not fit, keeps BLOCK_K=32.
+# - Ping-pong on its own (section 4): no faster than one consumer with the same tile.
+#
+# %%
+# The measured ladder (GPU): the series next to cuDNN
+# ----------------------------------------------------
+# One run measures, per shape, lesson 02's implicit GEMM, lesson 04, this lesson (autotuned,
+# through the runtime) and cuDNN, all in bf16, all timed by common.bench_tflops (do_bench: median,
+# L2 flushed, launch overhead included). Lesson 05 and cuDNN are timed in alternating rounds.
 
 BENCH_SHAPES = [
     common.HEADLINE_SHAPE,
@@ -1090,39 +970,8 @@ def dense_peak(device_name):
     return next((peak for name, peak in DENSE_PEAK_TFLOPS.items() if name in device_name), None)
 
 
-def measure_host_overhead(x_nhwc, w, stride, padding, calls=200):
-    """Host time per call of conv2d_fprop, in us: Python + launch, without waiting for the GPU."""
-    conv2d_fprop(x_nhwc, w, None, stride, padding)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        conv2d_fprop(x_nhwc, w, None, stride, padding)
-    host_us = (time.perf_counter() - start) / calls * 1e6
-    torch.cuda.synchronize()
-    return host_us
-
-
-def compare_launch_paths(x_nhwc, w, stride, padding, calls=200):
-    """Host us per launch through Triton's generic launcher vs the plan's direct call (same args)."""
-    geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
-    plan = _plan_for(geometry, x_nhwc.dtype, _BEST_CONFIG[(geometry, x_nhwc.dtype, torch.cuda.current_device())])
-    args, _ = plan.launch_args(x_nhwc, w, None)
-    kwargs = plan.kernel_kwargs(has_bias=False)
-    compiled, constexprs = plan.compiled[(False, True)]
-    timings = {}
-    for name, launch in (("generic", lambda: conv2d_fprop_kernel[plan.grid](*args, **kwargs)),
-                         ("direct", lambda: compiled[plan.grid](*args, *constexprs))):
-        launch()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            launch()
-        timings[name] = (time.perf_counter() - start) / calls * 1e6
-        torch.cuda.synchronize()
-    return timings
-
-
 def run_bench(outdir, quick=False, dtype=torch.bfloat16):
+    import conv_runtime
     lesson02 = common.load_lesson("02-im2col-explicit")
     lesson04 = common.load_lesson("04-implicit-gemm-single-buffer")
     shapes = BENCH_SHAPES[:3] if quick else BENCH_SHAPES
@@ -1131,8 +980,7 @@ def run_bench(outdir, quick=False, dtype=torch.bfloat16):
         x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, dtype)
         geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
         print(f"\n{label}: {geometry.describe()}; autotuning lesson 05:")
-        _BEST_CONFIG[(geometry, dtype, torch.cuda.current_device())] = autotune(
-            geometry, x_nhwc, w, None, verbose=True)
+        config = conv_runtime.tuned_config(geometry, x_nhwc, w, None, verbose=True)
         # Correct before timed: the benchmarked output matches the reference.
         expected = common.reference_conv2d_nhwc(x_nhwc, w, None, stride, padding)
         common.assert_close_to_reference(conv2d_fprop(x_nhwc, w, None, stride, padding), expected,
@@ -1143,8 +991,7 @@ def run_bench(outdir, quick=False, dtype=torch.bfloat16):
             "05 warp-specialized": lambda: conv2d_fprop(x_nhwc, w, None, stride, padding),
             "cuDNN": common.cudnn_conv2d(x_nhwc, w, None, stride, padding),
         }
-        row = {"shape": label, "geometry": geometry.describe(), "flops": geometry.flops,
-               "config_05": _BEST_CONFIG[(geometry, dtype, torch.cuda.current_device())]}
+        row = {"shape": label, "geometry": geometry.describe(), "flops": geometry.flops, "config_05": config}
         for name in ("02 implicit GEMM", "04 single-buffer"):
             row[name] = common.bench_tflops(runs[name], geometry.flops)
         # Lesson 05 and cuDNN alternate, BENCH_ROUNDS times each, and the medians are reported:
@@ -1161,12 +1008,10 @@ def run_bench(outdir, quick=False, dtype=torch.bfloat16):
         for name in ("05 warp-specialized", "cuDNN"):
             row[name + " graph"] = common.bench_tflops(runs[name], geometry.flops, cuda_graph=True)
         row["ratio_05_cudnn"] = row["05 warp-specialized"]["tflops"] / row["cuDNN"]["tflops"]
-        row["host_us_05"] = measure_host_overhead(x_nhwc, w, stride, padding)
+        row["host_us_05"] = conv_runtime.host_us_per_call(lambda: conv2d_fprop(x_nhwc, w, None, stride, padding))
         if not rows:
-            row["launch_us"] = compare_launch_paths(x_nhwc, w, stride, padding)
-            print(f"   host time of the launch alone: generic Triton launcher "
-                  f"{row['launch_us']['generic']:.1f} us, direct call {row['launch_us']['direct']:.1f} us; "
-                  f"whole conv2d_fprop call {row['host_us_05']:.1f} us")
+            row["runtime_us"] = measure_runtime(x_nhwc, w, stride, padding, config)
+            print("   host us per call: " + ", ".join(f"{k} {v:.1f}" for k, v in row["runtime_us"].items()))
         rows.append(row)
         del x_nhwc, w, expected
         torch.cuda.empty_cache()
@@ -1239,9 +1084,9 @@ if __name__ == "__main__":
     outdir = common.output_dir(args.outdir)
     run_show_ptx()
     if common.has_tma_mma_gpu():
-        run_conv(conv2d_fprop_fixed, 4, 32, 32, 384, 384, 3, 3, 1, 1)
-        run_conv(conv2d_fprop, 8, 28, 28, 128, 128, 3, 3, 1, 1, with_bias=True)
-        print(f"\nconv2d_fprop matches torch.nn.functional.conv2d on {common.gpu_name()}")
+        run_conv(conv2d_fprop_launch, 4, 32, 32, 384, 384, 3, 3, 1, 1)
+        print(f"\nconv2d_fprop_launch matches torch.nn.functional.conv2d on {common.gpu_name()}")
+        run_runtime_demo()
         if args.bench:
             run_bench(outdir, quick=args.quick)
     else:

@@ -1,0 +1,314 @@
+"""The host runtime of lesson 05's convolution: what turns a correct kernel into a fast call.
+
+Lesson 05 ends its kernel with a plain launcher, `conv2d_fprop_launch`: check the inputs, build
+three to five TMA descriptors, compute the grid, launch through Triton's generic launcher. That
+is all a kernel needs to run, and it costs 150-250 us of host time per call, as much as a whole
+ResNet-50 layer (measured on an H100 host, 2026-11-22). This module adds, for the same kernel:
+
+- Plans (`ConvPlan`): everything that depends only on the problem's shape (geometry, TMA im2col
+  settings, shared layouts, grid, the kernel's constexprs) is computed once per (shape, dtype,
+  config, device). Building the shared layouts alone costs ~10 us each.
+- Descriptor templates: the first call's descriptors are validated by Triton; later calls copy
+  them and swap in the new tensors (`_with_base`), checking the one property that can differ
+  (16-byte alignment). Re-validating costs ~30 us of Python per call.
+- A fast host path: a call looks its plan up by what it can see at a glance (shapes, dtypes,
+  devices, hyper-parameters); a dictionary hit skips the full validation that the first call of
+  that key passed, while contiguity and alignment are still checked on every call.
+- A direct launch: after the first launch of a plan, the compiled kernel is called with all its
+  arguments in signature order, skipping Triton's generic launcher, which re-derives the
+  specialization of ~25 arguments per call (tens of microseconds). Without a tail, the tail's two
+  descriptors are None: Triton's launcher encodes each descriptor into a tensor map on every
+  launch, ~8 us each (a bare launch measured 33.6 us with 5 descriptors, 17.3 us with 3).
+  Together: ~30-35 us per call on an H100 host; cuDNN's call measured ~21 us.
+- Config pruning (`prune_configs`): candidates that cannot fit the device (shared memory per
+  program and per SM, tensor memory on Blackwell, accumulator registers on Hopper) or do not suit
+  the shape (tiles much wider than Co, tails that save nothing) are dropped before anything is
+  compiled.
+- An autotuner (`autotune`): the first call of a shape times each pruned candidate the way the
+  benchmark does (do_bench, L2 flushed) and keeps the fastest for that shape.
+
+`measure_host_overhead` and `compare_launch_paths` measure what the runtime adds; lesson 05's last
+sections print both. The kernel, its configs and the plain launcher live in lesson 05; this module
+imports them from there (`common.load_lesson`), so it always wraps the lesson's kernel.
+"""
+import functools
+import time
+
+import common  # first: on a machine without a GPU it turns on the Triton interpreter
+
+import torch
+import triton
+
+
+def _lesson():
+    return common.load_lesson("05-warp-specialized-conv")
+
+
+# %% Candidate configs and pruning ------------------------------------------------------------------
+
+def _candidates():
+    KernelConfig = _lesson().KernelConfig
+    hopper = [
+        KernelConfig(128, 128, 64, 4, 4),
+        KernelConfig(128, 256, 64, 3, 8),
+        KernelConfig(256, 128, 64, 3, 8),
+        KernelConfig(128, 128, 64, 6, 8),
+        KernelConfig(128, 64, 64, 6, 4),
+        KernelConfig(256, 64, 64, 4, 8),
+        KernelConfig(128, 128, 64, 4, 4, consumers=2),
+        KernelConfig(128, 128, 64, 5, 4, consumers=2),
+        KernelConfig(128, 64, 64, 6, 4, consumers=2),
+        KernelConfig(64, 128, 64, 6, 4, consumers=2),
+        KernelConfig(128, 64, 64, 4, 4, programs_per_sm=2),
+        KernelConfig(64, 128, 64, 4, 4, programs_per_sm=2),
+        # 160- and 96-wide tiles (Co = 320, 640, 96, 192, ...): a 32-column tail beside the main MMA
+        KernelConfig(256, 128, 32, 5, 8, block_n_tail=32),
+        KernelConfig(128, 128, 64, 5, 4, block_n_tail=32),
+        KernelConfig(128, 128, 64, 4, 4, consumers=2, block_n_tail=32),
+        KernelConfig(128, 64, 64, 6, 4, block_n_tail=32),
+    ]
+    blackwell = [
+        KernelConfig(128, 128, 64, 4, 4),
+        KernelConfig(128, 256, 64, 3, 4),
+        KernelConfig(128, 64, 64, 6, 4),
+        KernelConfig(128, 128, 64, 4, 4, block_n_tail=32),
+    ]
+    return hopper, blackwell
+
+
+HOPPER_CANDIDATES, BLACKWELL_CANDIDATES = _candidates()
+CANDIDATES = {"sm_90": HOPPER_CANDIDATES, "sm_100": BLACKWELL_CANDIDATES}
+SMEM_LIMIT_BYTES = {"sm_90": 232448, "sm_100": 232448}   # per program (opt-in maximum)
+SMEM_PER_SM_BYTES = 233472                               # 228 KB per SM, 1 KB of it reserved per program
+
+
+def shared_memory_bytes(config, element_size=2):
+    """Shared memory a config needs: the ring's A and B stages, one staging tile per consumer, barriers."""
+    c = _lesson().KernelConfig(*config)
+    ring = c.num_buffers * (c.block_m + c.tile_n) * c.block_k * element_size
+    staging = c.consumers * c.block_m * c.tile_n * element_size
+    return ring + staging + 2 * c.num_buffers * 8 + 64
+
+
+def wasted_columns(Co, tile_n):
+    """Output columns computed past Co, summed over the row of tiles."""
+    return triton.cdiv(Co, tile_n) * tile_n - Co
+
+
+def prune_configs(candidates, geometry, arch, smem_limit=None):
+    """Keep the configs that fit the device and suit the shape (no compilation needed)."""
+    KernelConfig = _lesson().KernelConfig
+    smem_limit = smem_limit or SMEM_LIMIT_BYTES[arch]
+    kept = []
+    for config in map(lambda c: KernelConfig(*c), candidates):
+        smem = shared_memory_bytes(config)
+        if smem > smem_limit or config.programs_per_sm * (smem + 1024) > SMEM_PER_SM_BYTES:
+            continue
+        if arch == "sm_100" and (2 * config.tile_n > 512 or config.programs_per_sm > 1
+                                 or config.consumers > 1):     # TMEM columns; ping-pong is Hopper's
+            continue
+        acc_registers = config.block_m * config.tile_n // (32 * config.num_warps)  # fp32 per thread
+        if arch == "sm_90" and acc_registers > 160:
+            continue
+        if config.consumers > 1 and (config.num_warps != 4 or config.programs_per_sm > 1):
+            continue                            # 2 consumer warpgroups + the loader's fill the RF
+        if config.programs_per_sm > 1 and (config.num_warps != 4 or acc_registers > 64):
+            continue                            # 2 x (4 + loader) warps at 128 registers fill the RF
+        if config.tile_n > max(64, triton.next_power_of_2(geometry.Co)):  # mostly-empty tiles
+            continue
+        if config.block_n_tail and (wasted_columns(geometry.Co, config.tile_n)
+                                    >= wasted_columns(geometry.Co, config.block_n)):
+            continue                            # a tail only where it saves work
+        kept.append(config)
+    return kept
+
+
+# %% Plans: shape-only work done once, descriptor templates, the direct launch --------------------
+
+class ConvPlan:
+    """Everything about one (shape, dtype, config, device) that does not depend on the tensors."""
+
+    def __init__(self, geometry, dtype, config, arch, num_sms):
+        lesson = _lesson()
+        self.geometry, self.dtype, self.arch, self.num_sms = geometry, dtype, arch, num_sms
+        self.config = lesson.KernelConfig(*config)
+        lesson.check_config(self.config, arch)
+        self.template = None      # the first call's ConvLaunch: validated descriptors, grid, constexprs
+        self.compiled = {}        # (has bias, bias 16-byte aligned) -> (compiled kernel, constexprs)
+
+    def launch_for(self, x_nhwc, w, bias):
+        """The lesson's ConvLaunch for these tensors; after the first call, built from templates."""
+        lesson = _lesson()
+        if self.template is None:
+            self.template = lesson.prepare_launch(x_nhwc, w, bias, self.geometry, self.config,
+                                                  self.arch, self.num_sms)
+            return self.template
+        # Same shapes, strides, boxes and layouts: only the base pointers change. Copy the
+        # validated descriptors and swap the tensors in.
+        x_nhwc, w, _ = common.pad_channels_for_tma(x_nhwc, w)
+        template = self.template
+        out_2d = torch.empty(template.out_2d.shape, device=x_nhwc.device, dtype=x_nhwc.dtype)
+        w_2d = w.view(w.shape[0], -1)
+        tensors = (x_nhwc, w_2d, w_2d, out_2d, out_2d)     # in, w, w_tail, out, out_tail
+        descriptors = tuple(None if desc is None else _with_base(desc, tensor)
+                            for desc, tensor in zip(template.args[:5], tensors))
+        args = descriptors + (bias if bias is not None else out_2d,) + template.args[6:]
+        return template._replace(args=args, out_2d=out_2d)
+
+    def run(self, x_nhwc, w, bias=None):
+        lesson = _lesson()
+        launch = self.launch_for(x_nhwc, w, bias)
+        # The specialization Triton compiled for: bias or not, and whether its pointer is 16-byte
+        # aligned (Triton specializes pointer alignment). Everything else is fixed by the plan.
+        has_bias = bias is not None
+        variant = (has_bias, not has_bias or bias.data_ptr() % 16 == 0)
+        compiled = self.compiled.get(variant)
+        kwargs = lesson.kernel_constexprs(self.config, self.arch, has_bias)
+        if compiled is None:
+            # First launch of this variant: the generic path (binds, specializes, compiles).
+            kernel = lesson.conv2d_fprop_kernel[launch.grid](*launch.args, **kwargs)
+            constexprs = tuple(kwargs[p.name] for p in lesson.conv2d_fprop_kernel.params if p.is_constexpr)
+            self.compiled[variant] = (kernel, constexprs)
+        else:
+            # Later launches: straight to the compiled kernel, constexprs included, in signature order.
+            kernel, constexprs = compiled
+            kernel[launch.grid](*launch.args, *constexprs)
+        return launch.result()
+
+
+def _with_base(template, tensor):
+    """A copy of a validated descriptor that points at `tensor` (same shape, strides and dtype)."""
+    if tensor.data_ptr() % 16:
+        raise ValueError(f"TMA needs 16-byte aligned tensors; this one starts at address "
+                         f"{tensor.data_ptr():#x} (a view into another tensor?); pass .clone()")
+    descriptor = object.__new__(type(template))    # copy.copy, without its ~3 us of generality
+    descriptor.__dict__.update(template.__dict__)
+    descriptor.base = tensor
+    return descriptor
+
+
+# %% The entry point: fast path, plan cache, autotuning ------------------------------------------
+
+_PLANS = {}          # (geometry, dtype, config, device) -> ConvPlan
+_BEST_CONFIG = {}    # (geometry, dtype, device) -> config chosen by the autotuner
+_FAST_PLANS = {}     # call key -> ConvPlan
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts_of(device_index):
+    arch, num_sms = _lesson().device_arch_and_sms("conv2d_fprop")
+    props = torch.cuda.get_device_properties(device_index)
+    smem = getattr(props, "shared_memory_per_block_optin", SMEM_LIMIT_BYTES[arch])
+    return arch, num_sms, smem
+
+
+def device_facts():
+    """(arch, SM count, shared-memory limit) of the current GPU, looked up once per device."""
+    if not common.HAS_CUDA:
+        common.require_tma_mma_gpu("conv2d_fprop")
+    return _device_facts_of(torch.cuda.current_device())
+
+
+def plan_for(geometry, dtype, config):
+    arch, num_sms, _ = device_facts()
+    key = (geometry, dtype, config, torch.cuda.current_device())
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = ConvPlan(geometry, dtype, config, arch, num_sms)
+    return plan
+
+
+def _call_key(x_nhwc, w, bias, stride, padding, dilation, config):
+    """A hashable key of what a call can see at a glance, or None (then the slow path runs)."""
+    if not (isinstance(x_nhwc, torch.Tensor) and isinstance(w, torch.Tensor)
+            and (bias is None or isinstance(bias, torch.Tensor))):
+        return None
+    key = (x_nhwc.shape, w.shape, x_nhwc.dtype, w.dtype, x_nhwc.device, w.device,
+           None if bias is None else (bias.shape, bias.dtype, bias.device),
+           stride, padding, dilation, config)
+    try:
+        hash(key)
+    except TypeError:                    # list-valued stride/padding: no fast path
+        return None
+    return key
+
+
+def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None):
+    """Lesson 05's convolution through the runtime. `config=None` autotunes the shape on its first
+    call; a KernelConfig (or its tuple) uses that config. Same arguments and result as the plain
+    launcher `conv2d_fprop_launch`."""
+    key = _call_key(x_nhwc, w, bias, stride, padding, dilation, config)
+    plan = _FAST_PLANS.get(key) if key is not None else None
+    if plan is None or not (x_nhwc.is_contiguous() and w.is_contiguous()
+                            and (bias is None or bias.is_contiguous())):
+        # the slow path validates (and explains) everything
+        geometry = _lesson().check_inputs(x_nhwc, w, bias, stride, padding, dilation)
+        plan = plan_for(geometry, x_nhwc.dtype, tuned_config(geometry, x_nhwc, w, bias)
+                        if config is None else _lesson().KernelConfig(*config))
+        if key is not None:
+            _FAST_PLANS[key] = plan
+    return plan.run(x_nhwc, w, bias)
+
+
+def tuned_config(geometry, x_nhwc, w, bias, verbose=False, retune=False):
+    """The autotuner's choice for this shape and dtype, tuning on first use (or when `retune`)."""
+    key = (geometry, x_nhwc.dtype, torch.cuda.current_device())
+    if retune or key not in _BEST_CONFIG:
+        _BEST_CONFIG[key] = autotune(geometry, x_nhwc, w, bias, verbose)
+    return _BEST_CONFIG[key]
+
+
+def autotune(geometry, x_nhwc, w, bias, verbose=False):
+    arch, _, smem = device_facts()
+    candidates = prune_configs(CANDIDATES[arch], geometry, arch, smem)
+    if not candidates:
+        raise RuntimeError(f"no kernel config fits {geometry.describe()} on this GPU")
+    timings, errors = {}, []
+    for config in candidates:
+        plan = plan_for(geometry, x_nhwc.dtype, config)
+        try:
+            plan.run(x_nhwc, w, bias)   # compile before timing
+            # Timed as the benchmark times (do_bench: L2 flushed before each call, as a layer in a
+            # network finds its weights: evicted since the last pass). The host time per call
+            # (~35 us) hides behind do_bench's cache flush, so this ranks the kernels.
+            timings[config] = triton.testing.do_bench(lambda: plan.run(x_nhwc, w, bias), warmup=5, rep=20)
+        except Exception as error:  # a config the compiler or the launch refuses: skip it
+            errors.append(f"{config}: {type(error).__name__}: {error}")
+            if verbose:
+                print(f"   config {config} skipped: {type(error).__name__}: {str(error)[:100]}")
+    if not timings:
+        raise RuntimeError(f"every kernel config failed for {geometry.describe()}; first error: "
+                           f"{errors[0] if errors else '?'}")
+    best = min(timings, key=timings.get)
+    if verbose:
+        for config, ms in sorted(timings.items(), key=lambda item: item[1]):
+            print(f"   {str(config):<28} {geometry.flops / ms / 1e9:7.1f} TFLOPS"
+                  + ("   <- chosen" if config == best else ""))
+    return best
+
+
+# %% What the runtime adds, measured ---------------------------------------------------------------
+
+def host_us_per_call(call, calls=200):
+    """Host time of one call in us: Python + launch, without waiting for the GPU."""
+    call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    host_us = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return host_us
+
+
+def compare_launch_paths(plan, x_nhwc, w, calls=200):
+    """Host us per launch of one plan: Triton's generic launcher vs the plan's direct call."""
+    lesson = _lesson()
+    plan.run(x_nhwc, w)
+    launch = plan.launch_for(x_nhwc, w, None)
+    kwargs = lesson.kernel_constexprs(plan.config, plan.arch, has_bias=False)
+    compiled, constexprs = plan.compiled[(False, True)]
+    return {
+        "generic": host_us_per_call(lambda: lesson.conv2d_fprop_kernel[launch.grid](*launch.args, **kwargs), calls),
+        "direct": host_us_per_call(lambda: compiled[launch.grid](*launch.args, *constexprs), calls),
+    }

@@ -1,0 +1,96 @@
+"""Tests of conv_runtime.py, the host runtime around lesson 05's kernel: config pruning (CPU), the
+candidates' builds against the pruning model (CPU, ahead of time), and on a GPU the paths that
+must not change results: the cached fast path, the direct launch, every Hopper candidate."""
+import functools
+
+import common
+
+import pytest
+import torch
+
+lesson05 = common.load_lesson("05-warp-specialized-conv")
+import conv_runtime  # noqa: E402  (after the lesson: the runtime wraps its kernel)
+
+KernelConfig = lesson05.KernelConfig
+needs_gpu = lesson05.needs_gpu
+
+
+def test_pruning():
+    geometry = common.conv_geometry((128, 56, 56, 64), (64, 3, 3, 64), 1, 1)
+    kept = conv_runtime.prune_configs(conv_runtime.HOPPER_CANDIDATES, geometry, "sm_90")
+    assert kept and all(config[1] <= 64 for config in kept)          # Co=64: no 128-wide tiles
+    assert all(conv_runtime.shared_memory_bytes(c) <= conv_runtime.SMEM_LIMIT_BYTES["sm_90"] for c in kept)
+    small = common.conv_geometry((1, 8, 8, 64), (256, 1, 1, 64))
+    assert conv_runtime.prune_configs([(128, 256, 64, 4, 8, 1)], small, "sm_90") == []  # too much smem
+    assert conv_runtime.prune_configs([(128, 256, 64, 3, 4, 1)], small, "sm_90") == []  # acc on 4 warps
+    assert lesson05.adapt_block_k(lesson05.FIXED_CONFIG, 8)[2] == 16
+    assert conv_runtime.prune_configs([(128, 64, 64, 4, 8, 2)], geometry, "sm_90") == []  # no registers
+    # tails only where they cut the wasted columns: Co=320 keeps the 160-wide tiles, Co=384 does not
+    tails = [c for c in conv_runtime.HOPPER_CANDIDATES if c.block_n_tail]
+    sd = common.conv_geometry((8, 64, 64, 320), (320, 3, 3, 320), 1, 1)
+    assert {c.tile_n for c in conv_runtime.prune_configs(tails, sd, "sm_90")} == {160}
+    wide = common.conv_geometry((8, 64, 64, 384), (384, 3, 3, 384), 1, 1)
+    assert conv_runtime.prune_configs(tails, wide, "sm_90") == []
+    assert conv_runtime.wasted_columns(320, 128) == 64 and conv_runtime.wasted_columns(320, 160) == 0
+
+
+def test_every_blackwell_candidate_is_a_valid_config():
+    for config in conv_runtime.BLACKWELL_CANDIDATES:
+        lesson05.check_config(config, "sm_100")
+    geometry = common.conv_geometry((8, 32, 32, 256), (256, 3, 3, 256), 1, 1)
+    assert conv_runtime.prune_configs(conv_runtime.BLACKWELL_CANDIDATES, geometry, "sm_100")
+
+
+def _shape_that_keeps(config):
+    """A small layer for which pruning keeps `config` (tails need a Co they save columns on)."""
+    for Co in (320, 96, 256, 128, 64):
+        geometry = common.conv_geometry((2, 16, 16, 64), (Co, 3, 3, 64), 1, 1)
+        if conv_runtime.prune_configs([config], geometry, "sm_90"):
+            return Co
+    raise AssertionError(f"{config} is pruned for every test shape")
+
+
+@pytest.mark.parametrize("config", conv_runtime.HOPPER_CANDIDATES, ids=str)
+def test_every_hopper_candidate_compiles_within_budget(config):
+    Co = _shape_that_keeps(config)
+    compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
+                                          Co=Co, config=list(config), bias=True)
+    assert compiled["shared"] <= conv_runtime.SMEM_LIMIT_BYTES["sm_90"]
+    assert config.programs_per_sm * (compiled["shared"] + 1024) <= conv_runtime.SMEM_PER_SM_BYTES
+    assert compiled["shared"] <= conv_runtime.shared_memory_bytes(config) + 1024   # the model holds
+    if config.programs_per_sm > 1:
+        assert ".maxnreg 128" in compiled["ptx"]
+    assert common.ptx_instructions(compiled["ptx"], ["wgmma.mma_async"])["wgmma.mma_async"] > 0
+
+
+@needs_gpu
+def test_fast_path_still_checks_each_call():
+    # A call with a cached plan skips the full validation; what a same-shaped tensor can still get
+    # wrong (layout, alignment) must be caught on every call.
+    x_nhwc, w = common.random_conv_inputs(2, 12, 12, 64, 96, 3, 3, torch.bfloat16)
+    lesson05.conv2d_fprop_fixed(x_nhwc, w, padding=1)
+    not_contiguous = x_nhwc.transpose(1, 2).contiguous().transpose(1, 2)
+    with pytest.raises(ValueError, match="contiguous NHWC"):
+        lesson05.conv2d_fprop_fixed(not_contiguous, w, padding=1)
+    storage = torch.empty(x_nhwc.numel() + 1, dtype=x_nhwc.dtype, device=x_nhwc.device)
+    misaligned = storage[1:].view(x_nhwc.shape)       # contiguous, same shape, 2 bytes off
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        lesson05.conv2d_fprop_fixed(misaligned, w, padding=1)
+    # list-valued hyper-parameters are unhashable: they take the slow path and still work
+    lesson05.run_conv(lesson05.conv2d_fprop_fixed, 2, 12, 12, 64, 96, 3, 3, [1, 1], [1, 1])
+
+
+@needs_gpu
+def test_direct_launch_path_on_new_data():
+    # The second call of a plan skips Triton's generic launcher: it must see the new tensors.
+    for seed in (1, 2, 3):
+        lesson05.run_conv(lesson05.conv2d_fprop_fixed, 2, 12, 12, 64, 96, 3, 3, 1, 1,
+                          with_bias=seed != 2, seed=seed)
+
+
+@needs_gpu
+@pytest.mark.skipif(not common.is_hopper(), reason="the Hopper candidates need a Hopper (sm_90) GPU")
+def test_every_hopper_candidate_is_correct():
+    for config in conv_runtime.HOPPER_CANDIDATES:
+        lesson05.run_conv(functools.partial(lesson05.conv2d_fprop_fixed, config=config),
+                          4, 20, 20, 136, 200, 3, 3, 1, 1, with_bias=True)
