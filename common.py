@@ -462,21 +462,30 @@ def lesson_args(description: str, argv=None):
 # %% Loading lessons -------------------------------------------------------------------------------
 
 
+_LESSONS = {}   # stem -> module
+
+
 def load_lesson(stem: str):
     """Import a numbered lesson (e.g. "02-im2col-explicit") as a module, once per process.
 
     Lesson files start with digits and hold dashes, so `import` cannot name them. Importing a lesson
     has no side effects beyond defining its kernels and functions."""
+    if stem in _LESSONS:
+        return _LESSONS[stem]
     path = REPO_ROOT / f"{stem}.py"
     if not path.exists():
         raise FileNotFoundError(f"no lesson file {path}")
+    # Already imported (as __main__, or by pytest under its own name)? Use that module: a second
+    # copy would have kernels of its own. (Comparing paths over sys.modules takes ~40 ms.)
     for module in list(sys.modules.values()):
         if getattr(module, "__file__", None) and Path(module.__file__).resolve() == path:
+            _LESSONS[stem] = module
             return module
     module_name = "lesson_" + stem.replace("-", "_")
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
+    _LESSONS[stem] = module
     spec.loader.exec_module(module)
     return module
 
@@ -541,8 +550,10 @@ def _aot_cached(stem, builder, arch, params_json):
         if line.startswith("AOT-JSON:"):
             return json.loads(line[len("AOT-JSON:"):])
     if "Cannot find ptxas" in proc.stderr:
-        raise AotToolMissing(f"this Triton install has no ptxas for {arch} (the device's slimmed "
-                             f"Triton drops the Blackwell assembler); the CPU runs check {arch}")
+        raise AotToolMissing(f"this Triton install has no assembler for {arch} (ptxas"
+                             f"{'-blackwell' if arch == 'sm_100' else ''} is missing from "
+                             f"triton/backends/nvidia/bin), so {arch} builds cannot be checked here; "
+                             f"a complete `pip install triton` has it")
     raise RuntimeError(f"ahead-of-time compile of {stem}.{builder} for {arch} failed "
                        f"(exit {proc.returncode}):\n{proc.stderr[-4000:]}")
 

@@ -1,7 +1,7 @@
 """Run NVIDIA compute-sanitizer's four tools over lessons 04 and 05 on small shapes.
 
     python scripts/sanitize.py                 # every tool x every case, one summary line each
-    python scripts/sanitize.py --tools racecheck --cases "05 ping-pong"   # a subset
+    python scripts/sanitize.py --tools racecheck --only "05 128x128x64 4 stages 4 warps"   # a subset
     python scripts/sanitize.py --case NAME     # run one case once, unsanitized (what each tool wraps)
 
 Needs a Hopper GPU and the CUDA toolkit's `compute-sanitizer` (on PATH, in $CUDA_HOME/bin or in
@@ -287,7 +287,7 @@ def judge(tool, case, log, cache_dir):
 
 
 def run_one(sanitizer, tool, case, cache_dir, logdir):
-    command = [sanitizer, "--tool", tool, "--print-limit", "10000", sys.executable, __file__,
+    command = [sanitizer, "--tool", tool, "--print-limit", "1000000", sys.executable, __file__,
                "--case", case]
     if tool == "racecheck":
         command[3:3] = ["--racecheck-report", "analysis"]
@@ -307,7 +307,8 @@ def run_one(sanitizer, tool, case, cache_dir, logdir):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--case", help="run one case once, without a sanitizer")
-    parser.add_argument("--cases", help="comma-separated case names (default: all)")
+    parser.add_argument("--only", action="append", metavar="CASE",
+                        help="run only this case (repeatable; default: every case)")
     parser.add_argument("--tools", default=",".join(TOOLS))
     parser.add_argument("--jobs", type=int, default=8, help="sanitized processes at a time")
     parser.add_argument("--logdir", default=None, help="where each run's full log goes")
@@ -318,7 +319,10 @@ def main():
     if not (common.has_tma_mma_gpu() and common.is_hopper()):
         raise SystemExit(f"the sanitizer runs need a Hopper GPU: {common.GLUON_SKIP_REASON}")
     sanitizer = find_sanitizer()
-    cases = args.cases.split(",") if args.cases else all_case_names()
+    cases = args.only or all_case_names()
+    unknown = sorted(set(cases) - set(all_case_names()))
+    if unknown:
+        raise SystemExit(f"unknown case(s) {unknown}; the cases are: {all_case_names()}")
     tools = args.tools.split(",")
     logdir = Path(args.logdir or common.output_dir(announce=False) / "sanitizer")
     logdir.mkdir(parents=True, exist_ok=True)
