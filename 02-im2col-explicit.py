@@ -413,6 +413,14 @@ def bench_implicit_vs_cudnn(outdir, quick=False, dtype=torch.bfloat16):
     info = common.versions()
     print(f"\nimplicit GEMM vs cuDNN, {str(dtype)[6:]}, {info['device']}, triton {info['triton']}, "
           f"torch {info['torch']}, cuDNN {info.get('cudnn')}")
+    plot_implicit_vs_cudnn(rows, info, str(dtype), outdir, {"rows": rows, "dtype": str(dtype), **info})
+    return rows
+
+
+def plot_implicit_vs_cudnn(rows, info, dtype, outdir, data=None, recorded=None):
+    """Print the table and draw the bars; `recorded` (common.recorded_results' info) marks a
+    recorded run: titled so and saved as *_recorded."""
+    dtype = dtype.replace("torch.", "")
     print(f"  {'shape':<30} {'implicit':>9} {'cuDNN':>9} {'ratio':>6}   (TFLOPS)")
     for row in rows:
         print(f"  {row['shape']:<30} {row['implicit_gemm_tflops']:9.1f} {row['cudnn_tflops']:9.1f} "
@@ -422,13 +430,26 @@ def bench_implicit_vs_cudnn(outdir, quick=False, dtype=torch.bfloat16):
     ax.bar([x - 0.2 for x in xs], [r["implicit_gemm_tflops"] for r in rows], 0.4, label="implicit GEMM (Triton, lesson 02)")
     ax.bar([x + 0.2 for x in xs], [r["cudnn_tflops"] for r in rows], 0.4, label="cuDNN (channels_last)")
     ax.set_xticks(list(xs), [r["shape"] for r in rows], rotation=15, ha="right")
+    ax.set_xlabel("layer (batch 128)")
     ax.set_ylabel("TFLOPS (higher is better)")
-    ax.set_title(f"Lesson 02 implicit GEMM vs cuDNN, batch 128, {str(dtype)[6:]}\n"
-                 f"{info['device']}, Triton {info['triton']}")
+    mark = f"RECORDED {recorded['date']} (not measured on this machine): " if recorded else ""
+    ax.set_title(f"{mark}Lesson 02 implicit GEMM vs cuDNN, batch 128, {dtype}\n"
+                 f"{info['device']}, Triton {info['triton']}, torch {info['torch']}")
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
-    common.save_figure(fig, outdir, "02_implicit_gemm_vs_cudnn", {"rows": rows, "dtype": str(dtype), **info})
-    return rows
+    common.save_figure(fig, outdir, "02_implicit_gemm_vs_cudnn" + ("_recorded" if recorded else ""), data)
+
+
+def show_recorded_bench(outdir):
+    """Without a GPU: the latest recorded run of the benchmark above, printed and drawn."""
+    recorded = common.recorded_results("02_implicit_gemm_vs_cudnn")
+    if recorded is None:
+        print("[skip] no recorded GPU results under results/")
+        return None
+    data, info = recorded
+    print(f"\nimplicit GEMM vs cuDNN as measured on a GPU (RECORDED, not measured here; {info['label']}):")
+    plot_implicit_vs_cudnn(data["rows"], info, data["dtype"], outdir, recorded=info)
+    return data
 
 
 # %%
@@ -441,11 +462,9 @@ if __name__ == "__main__":
         run_conv_case(conv2d_implicit_gemm, case, torch.bfloat16)
     print("explicit im2col + GEMM and implicit GEMM match torch.nn.functional.conv2d")
     run_materialization_cost(outdir, bench=args.bench)
-    if args.bench or (common.HAS_CUDA and not args.quick):
-        if common.HAS_CUDA:
-            bench_implicit_vs_cudnn(outdir, quick=args.quick)
-        else:
-            print("[skip] benchmark: needs a CUDA GPU (this machine has none)")
+    if common.HAS_CUDA and (args.bench or not args.quick):
+        bench_implicit_vs_cudnn(outdir, quick=args.quick)
     elif not common.HAS_CUDA:
         print("[skip] GPU timings and the cuDNN comparison: no CUDA GPU on this machine")
+        show_recorded_bench(outdir)
     print("lesson 02: all checks passed")

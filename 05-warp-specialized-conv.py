@@ -712,11 +712,48 @@ def test_rejects_bad_input(entry, make_args, kwargs, error, message):
 # line-by-line review of its synchronization expects (RESULTS.md, "The Blackwell path"), since no
 # Blackwell GPU has run it.
 
-EXPECTED_PTX = {
-    "sm_90": ["cp.async.bulk.tensor.4d.shared::cta.global.im2col", "wgmma.mma_async", "setmaxnreg",
-              "cp.async.bulk.tensor.2d.global.shared::cta"],
-    "sm_100": ["cp.async.bulk.tensor.4d.shared::cta.global.im2col", "tcgen05.mma", "setmaxnreg",
-               "cp.async.bulk.tensor.2d.global.shared::cta", "tcgen05.ld"],
+IM2COL_LOAD = "cp.async.bulk.tensor.4d.shared::cta.global.im2col"
+WEIGHT_LOAD = "cp.async.bulk.tensor.2d.shared::cta.global"
+TMA_STORE = "cp.async.bulk.tensor.2d.global.shared::cta"
+REGISTERS_GIVEN_BACK = (
+    "setmaxnreg moves registers between warpgroups at run time. It acts on whole warpgroups, so the "
+    "worker warps are padded to one (the extra warps idle). A worker warpgroup lowers its limit to "
+    "24 on entering its partition, one site per partition in Triton's dispatch code")
+REGISTERS_TAKEN = ("The other side of the hand-over: the MMA/epilogue warpgroup raises its limit to "
+                   "256 once the workers have given theirs back, and workers raise theirs again when "
+                   "they leave a partition. Each site retries until the registers are free; the count "
+                   "is of sites in the program, not of executions.")
+TAUGHT_PTX = {
+    "sm_90": [
+        (IM2COL_LOAD, "The A tile, in the loader partition's loop: one per k-step, the whole 128-pixel "
+                      "x 64-channel box; the two 16-bit values at the end are the tap's offsets."),
+        (WEIGHT_LOAD, "The B tile, 128 filters x 64 channels, into the same ring stage."),
+        ("wgmma.mma_async", "The consumer's MMAs: m64n128k16, so a 128 x 128 tile with BLOCK_K=64 "
+                            "takes 2 row blocks x 4 K steps = 8 per k-step."),
+        ("setmaxnreg.dec", REGISTERS_GIVEN_BACK + ": here the one worker partition, the loader."),
+        ("setmaxnreg.inc", REGISTERS_TAKEN),
+        (TMA_STORE, "The epilogue's TMA store of the 128 x 128 tile from its staging buffer."),
+    ],
+    "sm_100": [
+        (IM2COL_LOAD, "The A tile, in the loader partition's loop, as on sm_90."),
+        (WEIGHT_LOAD, "The B tile, as on sm_90."),
+        ("tcgen05.mma", "The MMA warp's MMAs: one thread issues 128 x 128 x 16 into tensor memory; "
+                        "BLOCK_K=64 takes 4 per k-step."),
+        ("tcgen05.commit", "Two: once per k-step (the stage's empty barrier: the hardware arrives when "
+                           "the MMAs that read it are done) and once per tile (the accumulator is "
+                           "ready for the epilogue)."),
+        ("tcgen05.ld", "The epilogue reads the 128 x 128 fp32 accumulator from tensor memory into "
+                       "registers."),
+        ("setmaxnreg.dec", REGISTERS_GIVEN_BACK + ": here two worker partitions (loader and MMA "
+                           "issuer), one site more than on sm_90."),
+        ("setmaxnreg.inc", REGISTERS_TAKEN),
+        (TMA_STORE, "The epilogue's TMA store, as on sm_90."),
+    ],
+}
+EXPECTED_PTX = {arch: [prefix for prefix, _ in rows] for arch, rows in TAUGHT_PTX.items()}
+PARTITION_WARPS = {
+    "sm_90": "4 MMA/epilogue warps + the 1-warp loader, padded to a warpgroup",
+    "sm_100": "4 epilogue warps + the 1-warp MMA issuer + the 1-warp loader, padded to a warpgroup",
 }
 
 
@@ -731,10 +768,10 @@ def aot_conv2d_fprop(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, p
 
 
 def run_show_ptx():
-    return common.show_ptx("05-warp-specialized-conv", "aot_conv2d_fprop", EXPECTED_PTX,
-                           lambda arch, compiled: f"conv2d_fprop_kernel, config {FIXED_CONFIG}, "
-                                                  f"{compiled['shared']} bytes of shared memory, "
-                                                  f"{compiled['num_warps']} warps in all")
+    return common.show_ptx("05-warp-specialized-conv", "aot_conv2d_fprop", TAUGHT_PTX,
+                           lambda arch, compiled: f"conv2d_fprop_kernel, config {FIXED_CONFIG}: "
+                                                  f"{compiled['num_warps']} warps in all = "
+                                                  f"{PARTITION_WARPS[arch]}")
 
 
 @pytest.mark.parametrize("arch", list(EXPECTED_PTX))
@@ -1018,7 +1055,7 @@ def run_bench(outdir, quick=False, dtype=torch.bfloat16):
     info = common.versions()
     print(f"\nTFLOPS, {str(dtype)[6:]}, {info['device']}, torch {info['torch']}, triton {info['triton']}, "
           f"cuDNN {info.get('cudnn')}")
-    names = ["02 implicit GEMM", "04 single-buffer", "05 warp-specialized", "cuDNN"]
+    names = BENCH_SERIES
     print("  end to end (do_bench: L2 flushed, launch overhead included); 'graph' columns: kernels "
           "alone (CUDA graph replay)")
     print(f"  {'shape':<30}" + "".join(f"{n.split()[0]:>7}" for n in names)
@@ -1042,12 +1079,36 @@ def run_bench(outdir, quick=False, dtype=torch.bfloat16):
     return rows, geomean
 
 
-def plot_bench(rows, info, dtype, outdir, data):
-    names = ["02 implicit GEMM", "04 single-buffer", "05 warp-specialized", "cuDNN"]
+def show_recorded_bench(outdir):
+    """Without a GPU: the latest recorded benchmark, printed and drawn, marked as recorded."""
+    recorded = common.recorded_results("05_tflops_per_shape")
+    if recorded is None:
+        print("[skip] no recorded GPU results under results/")
+        return None
+    data, info = recorded
+    print(f"\nThe ladder as measured on a GPU (RECORDED, not measured here; {info['label']}):")
+    print(f"  {'shape':<30}{'02':>7}{'04':>7}{'05':>7}{'cuDNN':>7}  05/cuDNN  05 config")
+    for row in data["rows"]:
+        print(f"  {row['shape']:<30}" + "".join(f"{row[n]['tflops']:7.1f}" for n in BENCH_SERIES)
+              + f"  {row['ratio_05_cudnn']:7.2f}x  {KernelConfig(*row['config_05'])}")
+    print(f"  geometric mean of 05/cuDNN over the 3x3 shapes: {data['geomean_3x3_ratio']:.3f}x")
+    plot_bench(data["rows"], info, data["dtype"], outdir, None, recorded=info)
+    return data
+
+
+BENCH_SERIES = ["02 implicit GEMM", "04 single-buffer", "05 warp-specialized", "cuDNN"]
+
+
+def plot_bench(rows, info, dtype, outdir, data, recorded=None):
+    """The per-shape bars and the ladder of the headline shape. `recorded` (the info of
+    common.recorded_results) marks plots drawn from a recorded run: titled so, saved as *_recorded."""
     colors = ["#999999", "#d08040", "#2060c0", "#40a040"]
+    mark = f"RECORDED {recorded['date']} (not measured on this machine): " if recorded else ""
+    suffix = "_recorded" if recorded else ""
+    dtype = str(dtype).replace("torch.", "")
     fig, ax = common.new_figure(figsize=(12, 5))
     width = 0.2
-    for i, name in enumerate(names):
+    for i, name in enumerate(BENCH_SERIES):
         xs = [j + (i - 1.5) * width for j in range(len(rows))]
         ax.bar(xs, [r[name]["tflops"] for r in rows], width, label=name, color=colors[i])
     peak = dense_peak(info["device"])
@@ -1056,15 +1117,15 @@ def plot_bench(rows, info, dtype, outdir, data):
     ax.set_xticks(range(len(rows)), [r["shape"] for r in rows], rotation=20, ha="right", fontsize=8)
     ax.set_xlabel("layer (batch 128; SD UNet at batch 8)")
     ax.set_ylabel("TFLOPS (higher is better)")
-    ax.set_title(f"Convolution throughput per shape, {str(dtype)[6:]}, {info['device']}\n"
+    ax.set_title(f"{mark}Convolution throughput per shape, {dtype}, {info['device']}\n"
                  f"Triton {info['triton']}, torch {info['torch']}, cuDNN {info.get('cudnn')}")
     ax.legend(fontsize=8, loc="upper right")
     ax.grid(axis="y", alpha=0.3)
-    common.save_figure(fig, outdir, "05_tflops_per_shape", data)
+    common.save_figure(fig, outdir, "05_tflops_per_shape" + suffix, data)
 
     headline = rows[0]
     fig, ax = common.new_figure(figsize=(7, 4.5))
-    values = [headline[n]["tflops"] for n in names]
+    values = [headline[n]["tflops"] for n in BENCH_SERIES]
     bars = ax.bar(["lesson 02\nimplicit GEMM", "lesson 04\nTMA + MMA", "lesson 05\nwarp-specialized",
                    "cuDNN"], values, color=colors)
     for bar, value in zip(bars, values):
@@ -1073,9 +1134,10 @@ def plot_bench(rows, info, dtype, outdir, data):
         ax.axhline(peak, color="red", ls="--", lw=1, label=f"dense bf16 peak ({peak:.0f})")
         ax.legend(fontsize=8)
     ax.set_ylabel("TFLOPS (higher is better)")
-    ax.set_title(f"The ladder of the series on {headline['geometry']}\n{str(dtype)[6:]}, {info['device']}",
+    ax.set_title(f"{mark}\nThe ladder of the series on {headline['geometry']}\n{dtype}, {info['device']}"
+                 if recorded else f"The ladder of the series on {headline['geometry']}\n{dtype}, {info['device']}",
                  fontsize=9)
-    common.save_figure(fig, outdir, "05_ladder")
+    common.save_figure(fig, outdir, "05_ladder" + suffix)
 
 
 # %%
@@ -1089,6 +1151,10 @@ if __name__ == "__main__":
         run_runtime_demo()
         if args.bench:
             run_bench(outdir, quick=args.quick)
+        print("lesson 05: all checks passed")
     else:
-        print(f"\n[skip] GPU runs and the benchmark: {common.GLUON_SKIP_REASON}")
-    print("lesson 05: all checks passed")
+        show_recorded_bench(outdir)
+        print("\n" + common.cpu_closing_line(
+            "05", "input validation, config rules, and the sm_90 and sm_100 builds of the kernel "
+            "(the instructions above)", "running the kernel and the runtime, comparing them with "
+            "torch, the benchmark, the sanitizers (scripts/sanitize.py)"))

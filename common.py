@@ -36,8 +36,11 @@ import importlib.util
 import json
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -233,8 +236,13 @@ def _conv_geometry(x_shape, w_shape, stride, padding, dilation) -> ConvGeometry:
     N, H, W, Ci = (int(v) for v in x_shape)
     Co, R, S, Ci_w = (int(v) for v in w_shape)
     if Ci != Ci_w:
+        hint = ""
+        if R == Ci:   # the shapes fit PyTorch's own [Co, Ci, R, S] weight layout
+            hint = (f"; w looks like PyTorch's [Co, Ci, R, S] layout (Co={Co}, Ci={R}, R={S}, "
+                    f"S={Ci_w}): w.permute(0, 2, 3, 1).contiguous() gives [Co, R, S, Ci] = "
+                    f"[{Co}, {S}, {Ci_w}, {R}]")
         raise ValueError(f"channel mismatch: x_nhwc has Ci={Ci} channels but w [Co, R, S, Ci] "
-                         f"has Ci={Ci_w}")
+                         f"has Ci={Ci_w}{hint}")
     for name, value in (("N", N), ("H", H), ("W", W), ("Ci", Ci), ("Co", Co), ("R", R), ("S", S)):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {name}={value} "
@@ -251,6 +259,16 @@ def _conv_geometry(x_shape, w_shape, stride, padding, dilation) -> ConvGeometry:
             f"({dilation[0] * (R - 1) + 1}x{dilation[1] * (S - 1) + 1}) must fit in the padded "
             f"input ({H + 2 * padding[0]}x{W + 2 * padding[1]})")
     return ConvGeometry(N, H, W, Ci, Co, R, S, stride, padding, dilation, out_h, out_w)
+
+
+def has_output(x_shape, w_shape, stride=1, padding=0, dilation=1) -> bool:
+    """Does this convolution produce at least one output pixel? (For building test grids that
+    only hold shapes a convolution accepts.)"""
+    try:
+        conv_geometry(x_shape, w_shape, stride, padding, dilation)
+        return True
+    except ValueError:
+        return False
 
 
 def check_conv_inputs(x_nhwc, w, stride=1, padding=0, dilation=1, *, dtypes, bias=None,
@@ -456,6 +474,8 @@ def lesson_args(description: str, argv=None):
     parser.add_argument("--bench", action="store_true", help="run the GPU benchmark (needs a GPU)")
     parser.add_argument("--outdir", default=None, help="folder for plots and data (default ./out)")
     parser.add_argument("--quick", action="store_true", help="fewer shapes, for a fast look")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print everything (e.g. lesson 03's pixel-by-pixel listings)")
     return parser.parse_args(argv)
 
 
@@ -531,7 +551,23 @@ def _aot_child(stem: str, builder: str, arch: str, params_json: str) -> None:
     meta = compiled.metadata
     print("AOT-JSON:" + json.dumps({"ptx": compiled.asm["ptx"], "shared": meta.shared,
                                     "tmem_size": getattr(meta, "tmem_size", 0),
-                                    "num_warps": meta.num_warps}))
+                                    "num_warps": meta.num_warps,
+                                    "registers": cubin_registers(compiled.asm.get("cubin"))}))
+
+
+def cubin_registers(cubin: bytes):
+    """Registers per thread of a compiled kernel, read from its cubin with cuobjdump (shipped with
+    Triton); None where no cuobjdump is at hand."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    tool = str(tool) if tool.exists() else shutil.which("cuobjdump")
+    if not cubin or not tool:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        usage = subprocess.run([tool, "-res-usage", file.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+)", usage)
+    return int(found.group(1)) if found else None
 
 
 class AotToolMissing(RuntimeError):
@@ -599,23 +635,78 @@ def ptx_instructions(ptx: str, prefixes) -> dict:
     return counts
 
 
-def show_ptx(stem: str, builder: str, expected_ptx: dict, heading) -> dict:
-    """A lesson demo's PTX report: compile `builder`'s kernel for each arch of `expected_ptx`
-    ({arch: [instruction prefixes]}), print `heading(arch, compiled)`, then each prefix's count
-    with its first PTX line. Archs this Triton cannot target get one line saying why.
-    Returns {arch: counts}."""
+def show_ptx(stem: str, builder: str, taught: dict, heading) -> dict:
+    """A lesson demo's PTX report, for readers without a GPU: what the compiler made of the kernel.
+
+    `taught` is {arch: [(instruction prefix, why it is there and why that many), ...]}. For each
+    arch, compile `builder`'s kernel (ahead of time), print `heading(arch, compiled)`, its
+    resources (shared memory, registers per thread, tensor memory), then per taught instruction
+    its count in the program text, one whole instruction as the PTX has it, and the explanation.
+    Archs this Triton cannot target get one line saying why. Returns {arch: counts}."""
+    import textwrap
     report = {}
-    for arch, prefixes in expected_ptx.items():
+    for arch, rows in taught.items():
         compiled = aot_compile_or_say_why(stem, builder, arch)
         if compiled is None:
             continue
-        counts = report[arch] = ptx_instructions(compiled["ptx"], prefixes)
+        counts = report[arch] = ptx_instructions(compiled["ptx"], [prefix for prefix, _ in rows])
         print(f"\n{arch}: {heading(arch, compiled)}")
-        for prefix in prefixes:
-            example = next((line.strip() for line in compiled["ptx"].splitlines() if prefix in line),
-                           "(none)")
-            print(f"   {counts[prefix]:3d} x {example[:110]}")
+        resources = [f"{compiled['shared']} bytes of shared memory"]
+        if compiled.get("registers"):
+            resources.append(f"{compiled['registers']} registers per thread")
+        if arch == "sm_100":
+            resources.append(f"{compiled.get('tmem_size', 0)} columns of tensor memory")
+        print("   resources: " + ", ".join(resources))
+        for prefix, why in rows:
+            example = first_ptx_instruction(compiled["ptx"], prefix)
+            print(f"   {counts[prefix]} x {prefix}")
+            print(f"      {example}")          # one whole instruction, as the PTX has it
+            for chunk in textwrap.wrap(why, 92):
+                print(f"      | {chunk}")
     return report
+
+
+def first_ptx_instruction(ptx: str, prefix: str) -> str:
+    """The first instruction that contains `prefix`, whole: PTX may spread one instruction over
+    several lines (a wgmma's register list), and it ends at the semicolon."""
+    lines = ptx.splitlines()
+    for i, line in enumerate(lines):
+        if prefix in line and not line.strip().startswith("//"):
+            parts = [line.strip()]
+            while not parts[-1].endswith(";") and i + len(parts) < len(lines):
+                parts.append(lines[i + len(parts)].strip())
+            return " ".join(parts)
+    return "(none)"
+
+
+def cpu_closing_line(lesson: str, checked: str, needs_gpu: str) -> str:
+    """The last line of a lesson run without a suitable GPU: what was checked, what was not."""
+    return (f"lesson {lesson}, on this machine ({gpu_name()}): checked {checked}; "
+            f"needs a Hopper or Blackwell GPU: {needs_gpu}")
+
+
+# %% Recorded GPU results ---------------------------------------------------------------------------
+# Readers without a GPU (and the series' web pages) see what a GPU run printed and drew, from the
+# JSON files that the benchmarks write and the repository keeps under results/<device>-<date>/.
+
+RESULTS_DIR = REPO_ROOT / "results"
+
+
+def recorded_results(name: str):
+    """The newest recorded `name`.json under results/ as (data, info), or None.
+
+    info has "device", "torch", "triton", "cudnn" (from the file, where recorded), "date" and
+    "folder" (from the folder name, <device>-<YYYY-MM-DD>), and "label": one line for titles."""
+    found = sorted(RESULTS_DIR.glob(f"*-*/{name}.json"), key=lambda path: path.parent.name[-10:])
+    if not found:
+        return None
+    path = found[-1]
+    data = json.loads(path.read_text())
+    info = {key: data.get(key) for key in ("device", "torch", "triton", "cudnn")}
+    info.update(date=path.parent.name[-10:], folder=str(path.parent.relative_to(REPO_ROOT)))
+    info["label"] = (f"recorded {info['date']} on {info['device']}, torch {info['torch']}, "
+                     f"Triton {info['triton']}, cuDNN {info['cudnn']} ({info['folder']})")
+    return data, info
 
 
 # %% A Triton building block shared by the plain-Triton lessons ---------------------------------------

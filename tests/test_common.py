@@ -114,3 +114,13 @@ def test_environment_detection_is_consistent():
         assert not common.is_hopper() and not common.is_blackwell()
         with pytest.raises(RuntimeError, match="no CUDA GPU"):
             common.require_tma_mma_gpu("this test")
+
+
+def test_a_pytorch_layout_weight_gets_the_permute_that_fixes_it():
+    # [Co, Ci, R, S] = [8, 16, 3, 3] where [Co, R, S, Ci] is expected: the error names the permute
+    with pytest.raises(ValueError, match=r"permute\(0, 2, 3, 1\).*\[8, 3, 3, 16\]"):
+        common.conv_geometry((2, 10, 10, 16), (8, 16, 3, 3))
+    # shapes that cannot be [Co, Ci, R, S] of this input get the plain mismatch error, no hint
+    with pytest.raises(ValueError, match="channel mismatch") as error:
+        common.conv_geometry((2, 10, 10, 16), (8, 3, 3, 4))
+    assert "permute" not in str(error.value)

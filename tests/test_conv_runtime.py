@@ -88,8 +88,7 @@ def test_direct_launch_path_on_new_data():
                           with_bias=seed != 2, seed=seed)
 
 
-@needs_gpu
-@pytest.mark.skipif(not common.is_hopper(), reason="the Hopper candidates need a Hopper (sm_90) GPU")
+@lesson05.needs_hopper
 def test_every_hopper_candidate_is_correct():
     for config in conv_runtime.HOPPER_CANDIDATES:
         lesson05.run_conv(functools.partial(lesson05.conv2d_fprop_fixed, config=config),
