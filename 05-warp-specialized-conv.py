@@ -923,9 +923,10 @@ def conv2d_fprop(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1):
     """Autotuned warp-specialized convolution. x_nhwc [N, H, W, Ci], w [Co, R, S, Ci] (fp16/bf16,
     CUDA, contiguous), optional bias [Co] fused in the epilogue; returns NHWC in x's dtype.
 
-    The first call for a shape times every pruned config on the real tensors and remembers the
-    fastest; later calls reuse the cached plan. The key is the whole geometry (N, H, W, Ci, Co, R,
-    S, stride, padding, dilation) and dtype: shapes that want different tiles never share one."""
+    The first call for a shape times the pruned configs on the real tensors and remembers the
+    fastest, in this process and in the runtime's tuning file (conv_runtime.tuning_cache_path()),
+    so later processes skip the timing. The key is the whole geometry (N, H, W, Ci, Co, R, S,
+    stride, padding, dilation), the dtype, the GPU model and the Triton version."""
     import conv_runtime
     return conv_runtime.conv2d(x_nhwc, w, bias, stride, padding, dilation, config=None)
 
@@ -1017,7 +1018,7 @@ def run_bench(outdir, quick=False, dtype=torch.bfloat16):
         x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, dtype)
         geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
         print(f"\n{label}: {geometry.describe()}; autotuning lesson 05:")
-        config = conv_runtime.tuned_config(geometry, x_nhwc, w, None, verbose=True)
+        config = conv_runtime.tuned_config(geometry, x_nhwc, w, None, verbose=True, retune=True)
         # Correct before timed: the benchmarked output matches the reference.
         expected = common.reference_conv2d_nhwc(x_nhwc, w, None, stride, padding)
         common.assert_close_to_reference(conv2d_fprop(x_nhwc, w, None, stride, padding), expected,

@@ -10,7 +10,7 @@ import importlib.metadata as md, sys
 def ver(name):
     return tuple(int(p) for p in md.version(name).split("+")[0].split(".")[:2])
 ok = ver("triton") >= (3, 8) and ver("torch") >= (2, 9)
-for name in ("pytest", "matplotlib", "numpy"):
+for name in ("pytest", "matplotlib", "numpy", "torchvision"):
     md.version(name)
 sys.exit(0 if ok else 1)
 PY
@@ -30,7 +30,9 @@ else
     # No NVIDIA driver: take the CPU build of torch (much smaller than the CUDA build).
     "$PY" -m pip install -q "torch==2.13.0" || "$PY" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
   fi
-  "$PY" -m pip install -q -r "$_root/requirements.txt"
+  # Keep the torch just installed: an unpinned torchvision would otherwise pull a newer torch.
+  _torch=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
+  "$PY" -m pip install -q -r "$_root/requirements.txt" ${_torch:+-c <(echo "torch==$_torch")}
 fi
 export PY
 export MPLBACKEND=Agg PYTHONUNBUFFERED=1
