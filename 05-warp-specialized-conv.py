@@ -827,7 +827,7 @@ def test_blackwell_build_synchronizes_as_reviewed(config, tmem_columns):
                                            "cp.async.bulk.tensor.2d.global.shared::cta"])
     # one TMEM allocation, a power of two of at least 2 * tile_n columns and at most 512
     assert counts["tcgen05.alloc"] == 1 and compiled["tmem_size"] == tmem_columns
-    assert f"tcgen05.alloc.cta_group::1.sync.aligned.shared::cta.b32 [%r" in ptx and f"], {tmem_columns};" in ptx
+    assert "tcgen05.alloc.cta_group::1.sync.aligned.shared::cta.b32 [%r" in ptx and f"], {tmem_columns};" in ptx
     # the MMA warp commits twice: once per k-step (releases the stage, after both MMAs of a tail
     # tile) and once per tile (hands the accumulator to the epilogue); no other tcgen05.commit
     assert counts["tcgen05.commit"] == 2

@@ -108,7 +108,6 @@ def run_case(name):
         out = lesson04.conv2d_tma_im2col(x_cpu.cuda(), w_cpu.cuda(), shape["stride"], shape["padding"])
         bias_cpu = None
     else:
-        lesson05 = _lesson("05-warp-specialized-conv")
         _, config, Co, with_bias = next(case for case in lesson05_cases() if case[0] == name)
         shape = dict(SHAPE, Co=Co)
         x_cpu, w_cpu = common.random_conv_inputs(*[shape[k] for k in "N H W Ci Co R S".split()],
