@@ -20,6 +20,7 @@
   (conv_runtime.tuning_cache_path(): ~/.cache/conv_tutorial/tuning.json, or
   $CONV_TUTORIAL_TUNING_CACHE).
 """
+import functools
 import warnings
 from typing import List, Optional
 
@@ -49,10 +50,17 @@ def unsupported_reason(input, weight, groups):
         return f"dtype {input.dtype}/{weight.dtype} (the kernel takes float16 or bfloat16, both the same)"
     if input.device.type != "cuda":
         return f"tensors on {input.device} (the kernel runs on a CUDA GPU)"
-    if not common.has_tma_mma_gpu():
-        return (f"GPU {common.gpu_name()} of capability {common.capability()} (the kernel needs "
-                f"Hopper sm_90 or data-centre Blackwell sm_100)")
-    return None
+    return _gpu_reason(input.device.index if input.device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_reason(device_index):
+    """Why this GPU cannot run the kernel, or None (asked once per device: it is on every call's path)."""
+    capability = torch.cuda.get_device_capability(device_index)
+    if capability == (9, 0) or capability[0] == 10:
+        return None
+    return (f"GPU {torch.cuda.get_device_name(device_index)} of capability {capability} (the kernel "
+            f"needs Hopper sm_90 or data-centre Blackwell sm_100)")
 
 
 def nhwc_view(t):
@@ -153,9 +161,15 @@ class TutorialConv2d(torch.nn.Module):
                                          requires_grad=conv.weight.requires_grad)
         self.bias = None if conv.bias is None else torch.nn.Parameter(conv.bias.detach(),
                                                                       requires_grad=conv.bias.requires_grad)
+        # the operator's arguments, resolved once (a forward call is on the critical path)
+        pads = resolve_padding(self.padding, self.weight.shape, tuple(self.stride), tuple(self.dilation))
+        self._op_args = None if pads is None else (list(self.stride), list(pads), list(self.dilation),
+                                                   self.groups)
 
     def forward(self, x):
-        return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+        if self._op_args is None:          # "same" that needs asymmetric padding: the general path
+            return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+        return conv2d_op(x, self.weight, self.bias, *self._op_args)
 
     def extra_repr(self):
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "

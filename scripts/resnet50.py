@@ -45,6 +45,30 @@ def first_call_child():
     print(f"FIRST-CALL-SECONDS {time.perf_counter() - start:.3f}")
 
 
+def profile_host_path(calls=300):
+    """Where a conv call's host time goes (cProfile of the module call on a small layer)."""
+    import cProfile
+    import pstats
+    import conv_torch
+    conv = conv_torch.TutorialConv2d(torch.nn.Conv2d(256, 64, 1, bias=False)).cuda().bfloat16()
+    x = torch.randn(32, 256, 14, 14, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        conv(x)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            conv(x)
+        print(f"host us per call: {(time.perf_counter() - start) / calls * 1e6:.1f}")
+        torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(calls):
+            conv(x)
+        profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(18)
+
+
 def first_call_latencies():
     """Seconds to the first result of FIRST_CALL_LAYER in fresh processes, cold Triton cache each."""
     results = {}
@@ -75,10 +99,13 @@ def main():
     parser.add_argument("--tune", action="store_true", help="autotune every conv layer first")
     parser.add_argument("--outdir", default=None)
     parser.add_argument("--first-call", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true", help="profile the host path of one conv call")
     args = parser.parse_args()
     if args.first_call:
         return first_call_child()
     common.require_tma_mma_gpu("scripts/resnet50.py")
+    if args.profile:
+        return profile_host_path()
     import torchvision
     import conv_runtime
     import conv_torch
@@ -126,25 +153,34 @@ def main():
         xi = torch.randn(shape, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
         flops = 2 * shape[0] * w_shape[0] * w_shape[1] * w_shape[2] * w_shape[3] * \
             ((shape[2] + 2 * padding[0] - w_shape[2]) // stride[0] + 1) * ((shape[3] + 2 * padding[1] - w_shape[3]) // stride[1] + 1)
+        cudnn_call = lambda: torch.nn.functional.conv2d(xi, module.weight, module.bias, stride, padding)  # noqa: E731
         with torch.no_grad():
             ours_ms = triton.testing.do_bench(lambda: module(xi))
-            cudnn_ms = triton.testing.do_bench(
-                lambda: torch.nn.functional.conv2d(xi, module.weight, module.bias, stride, padding))
+            cudnn_ms = triton.testing.do_bench(cudnn_call)
+            # kernels alone (CUDA graph replay): what a host-free schedule would see
+            ours_graph_ms = triton.testing.do_bench_cudagraph(lambda: module(xi))
+            cudnn_graph_ms = triton.testing.do_bench_cudagraph(cudnn_call)
         label = f"{shape[2]}x{shape[3]} {w_shape[1]}->{w_shape[0]} {w_shape[2]}x{w_shape[3]}" + \
             (f" s{stride[0]}" if stride[0] > 1 else "")
         layer_rows.append({"layer": label, "count": count, "ours_ms": ours_ms, "cudnn_ms": cudnn_ms,
+                           "ours_graph_ms": ours_graph_ms, "cudnn_graph_ms": cudnn_graph_ms,
                            "ours_tflops": flops / ours_ms / 1e9, "cudnn_tflops": flops / cudnn_ms / 1e9,
                            "ratio": cudnn_ms / ours_ms})
 
     rows = []
     variants = {"eager-cudnn": cudnn_model, "ours": ours_model,
-                "compile-cudnn": torch.compile(cudnn_model), "ours-compile": torch.compile(ours_model)}
+                "compile-cudnn": torch.compile(cudnn_model), "ours-compile": torch.compile(ours_model),
+                # the same, with torch.compile's CUDA graphs: no host time per layer
+                "compile-cudnn-cudagraphs": torch.compile(cudnn_model, mode="reduce-overhead"),
+                "ours-compile-cudagraphs": torch.compile(ours_model, mode="reduce-overhead")}
     for name, model in variants.items():
         with torch.no_grad():
             start = time.perf_counter()
             out = model(x)                   # compiles (torch.compile variants) before timing
             torch.cuda.synchronize()
             first = time.perf_counter() - start
+            for _ in range(3):               # CUDA-graph variants record on their first calls
+                out = model(x).clone()
             ms = triton.testing.do_bench(lambda: model(x), warmup=50, rep=500)
         max_err, mean_err = relative_errors(out, reference)
         rows.append({"variant": name, "batch": args.batch, "img_s": args.batch / ms * 1e3, "ms": ms,
@@ -157,11 +193,17 @@ def main():
     print(f"\n   conv layers alone, summed over the forward pass: ours {total_ours:.2f} ms, cuDNN "
           f"{total_cudnn:.2f} ms ({total_cudnn / total_ours:.2f}x); ours is {100 * total_ours / forward_ms:.0f}% "
           f"of our eager forward ({forward_ms:.2f} ms)")
-    print(f"   {'layer':<26} {'count':>5} {'ours ms':>8} {'cuDNN ms':>8} {'cuDNN/ours':>10} {'share':>6}")
+    graph_ours = sum(r["ours_graph_ms"] * r["count"] for r in layer_rows)
+    graph_cudnn = sum(r["cudnn_graph_ms"] * r["count"] for r in layer_rows)
+    print(f"   kernels alone (CUDA graph replay), summed: ours {graph_ours:.2f} ms, cuDNN {graph_cudnn:.2f} ms "
+          f"({graph_cudnn / graph_ours:.2f}x)")
+    print(f"   {'layer':<26} {'count':>5} {'ours ms':>8} {'cuDNN ms':>8} {'cuDNN/ours':>10} {'share':>6}"
+          f"   graph: {'ours ms':>8} {'cuDNN ms':>8} {'cuDNN/ours':>10}")
     for r in sorted(layer_rows, key=lambda r: -r["ours_ms"] * r["count"]):
         r["share_of_forward"] = r["ours_ms"] * r["count"] / forward_ms
         print(f"   {r['layer']:<26} {r['count']:5d} {r['ours_ms']:8.3f} {r['cudnn_ms']:8.3f} "
-              f"{r['ratio']:10.2f} {100 * r['share_of_forward']:5.1f}%")
+              f"{r['ratio']:10.2f} {100 * r['share_of_forward']:5.1f}%          {r['ours_graph_ms']:8.3f} "
+              f"{r['cudnn_graph_ms']:8.3f} {r['cudnn_graph_ms'] / r['ours_graph_ms']:10.2f}")
     print("\nfirst call of a new layer (1x1, 14x14, 1024->256, batch 128):")
     latencies = first_call_latencies()
     info = common.versions()
@@ -172,10 +214,11 @@ def main():
 
 
 def plot(data, outdir):
-    fig, (left, right) = common.new_figure(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [1, 2]})
+    fig, (left, right) = common.new_figure(1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [1, 2]})
     names = [r["variant"] for r in data["rows"]]
-    bars = left.bar(names, [r["img_s"] for r in data["rows"]],
-                    color=["#40a040", "#80c080", "#2060c0", "#6090e0"][:len(names)])
+    bars = left.bar(range(len(names)), [r["img_s"] for r in data["rows"]],
+                    color=["#2060c0" if name.startswith("ours") else "#40a040" for name in names])
+    left.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
     for bar, row in zip(bars, data["rows"]):
         left.text(bar.get_x() + bar.get_width() / 2, row["img_s"], f"{row['img_s']:.0f}", ha="center", va="bottom")
     left.set_ylabel("images per second (higher is better)")
@@ -183,8 +226,14 @@ def plot(data, outdir):
     left.set_title(f"ResNet-50, batch {data['batch']}, bf16, {data['device']}", fontsize=10)
     layers = sorted(data["layers"], key=lambda r: -r["ours_ms"] * r["count"])
     xs = range(len(layers))
-    right.bar([x - 0.2 for x in xs], [r["ours_ms"] * r["count"] for r in layers], 0.4, label="lesson 05 (ours)")
-    right.bar([x + 0.2 for x in xs], [r["cudnn_ms"] * r["count"] for r in layers], 0.4, label="cuDNN")
+    right.bar([x - 0.3 for x in xs], [r["ours_ms"] * r["count"] for r in layers], 0.2, color="#2060c0",
+              label="ours, one call (do_bench)")
+    right.bar([x - 0.1 for x in xs], [r["cudnn_ms"] * r["count"] for r in layers], 0.2, color="#40a040",
+              label="cuDNN, one call")
+    right.bar([x + 0.1 for x in xs], [r["ours_graph_ms"] * r["count"] for r in layers], 0.2, color="#90b0e8",
+              label="ours, kernel alone (CUDA graph)")
+    right.bar([x + 0.3 for x in xs], [r["cudnn_graph_ms"] * r["count"] for r in layers], 0.2, color="#a0d0a0",
+              label="cuDNN, kernel alone")
     right.set_xticks(list(xs), [f"{r['layer']} (x{r['count']})" for r in layers], rotation=60, ha="right", fontsize=7)
     right.set_ylabel("ms per forward pass (layer time x count)")
     right.set_xlabel("conv layer (input HxW, Ci->Co, filter, stride)")
