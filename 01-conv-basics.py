@@ -3,6 +3,7 @@ Lesson 01: the sliding window, and a first Triton convolution
 =============================================================
 
 What you will learn:
+
 - what a 2-D convolution computes, on a 3x3 input and a 2x2 filter you can check by hand;
 - the general formula with batch, channels, stride, padding and dilation, and the output size;
 - a scalar-filter Triton kernel: one program owns a tile of the output, walks the filter taps, and
@@ -12,8 +13,10 @@ What you will learn:
   it in code and plot it, which motivates lesson 02 (convolution as a matrix product).
 
 Builds on: nothing; this is the first lesson. `common.py` holds the shared helpers.
+
 Requires: any CUDA GPU for the GPU run; on a CPU the same kernels run in the Triton interpreter
 (TRITON_INTERPRET=1, set automatically by common.py).
+
 Run:  python 01-conv-basics.py [--outdir out]      Tests:  pytest 01-conv-basics.py
 """
 

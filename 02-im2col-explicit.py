@@ -1,8 +1,9 @@
 """
 Lesson 02: convolution as a matrix product (im2col), explicit and implicit
-========================================================================
+==========================================================================
 
 What you will learn:
+
 - how im2col turns a convolution into one GEMM: rows are output pixels, columns are (r, s, ci);
 - an explicit im2col in Triton (the A matrix built in memory) followed by a `tl.dot` GEMM;
 - what materialising A costs: R*S copies of the input, in bytes and in time;
@@ -12,8 +13,10 @@ What you will learn:
 
 What changed since lesson 01: NHWC activations and [Co, R, S, Ci] weights (the layout lessons 03-05
 use), and tensor cores through `tl.dot` instead of scalar multiply-adds.
+
 Requires: any CUDA GPU for the GPU run and the benchmark; on a CPU the kernels run in the Triton
 interpreter (set automatically by common.py).
+
 Run:  python 02-im2col-explicit.py [--bench] [--outdir out]      Tests:  pytest 02-im2col-explicit.py
 """
 

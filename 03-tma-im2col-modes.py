@@ -3,6 +3,7 @@ Lesson 03: Hopper's TMA im2col mode, pixel by pixel
 ===================================================
 
 What you will learn:
+
 - why the per-tap address arithmetic of lesson 02 belongs in hardware, and what TMA im2col does;
 - the descriptor: block shape [pixels, channels], the pixel-box corners, element strides, the
   padding fill, and how a load walks its access window row by row and wraps into the next image;
@@ -14,9 +15,11 @@ What you will learn:
 
 What changed since lesson 02: the A tile of the implicit GEMM is no longer gathered by our own
 address arithmetic; one TMA instruction per (tap, channel block) brings it in.
+
 Requires: sm_90 (Hopper) or sm_100 (Blackwell) for the hardware parts. On a CPU the reference model
 runs every example and draws every plot, and the Gluon kernel is compiled ahead of time for sm_90
 and sm_100 to show the im2col copy instruction; the hardware runs are skipped with a reason.
+
 Run:  python 03-tma-im2col-modes.py [--outdir out]      Tests:  pytest 03-tma-im2col-modes.py
 """
 

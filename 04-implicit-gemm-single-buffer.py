@@ -3,6 +3,7 @@ Lesson 04: a tensor-core convolution with TMA im2col, single-buffered
 =====================================================================
 
 What you will learn:
+
 - the implicit-GEMM loop of lesson 02 rewritten around two asynchronous engines: TMA (im2col for
   the activations, a tiled load for the weights) and the tensor cores (WGMMA or tcgen05);
 - mbarriers: how a kernel learns that a TMA load has landed;
@@ -15,10 +16,14 @@ What you will learn:
 What changed since lesson 03: the im2col loads now feed an MMA instead of a print-out; and since
 lesson 02, address generation and tensor-core issue moved out of our registers into hardware.
 This kernel is deliberately simple (one buffer, everything in order); lesson 05 makes it fast.
+
 Requires: sm_90 (H100/H200) or sm_100 (B200/GB200) for the GPU runs. On a CPU: input validation,
 the MMA selector, and ahead-of-time compiles for sm_90 and sm_100 whose PTX is shown and checked.
+
 Note: the Blackwell path is compiled and inspected here, not run: no Blackwell GPU was available.
+
 Run:  python 04-implicit-gemm-single-buffer.py [--bench] [--outdir out]
+
 Tests: pytest 04-implicit-gemm-single-buffer.py
 """
 

@@ -1,8 +1,9 @@
 """
 Lesson 05: a persistent, pipelined, warp-specialized convolution for Hopper and Blackwell
-=======================================================================================
+=========================================================================================
 
 What you will learn:
+
 - why lesson 04 leaves the tensor cores idle, and how a ring of shared-memory stages with
   ready/empty mbarriers lets TMA loads run ahead of the MMAs;
 - warp specialization: a one-warp loader that only issues TMA, then MMA issue and the epilogue,
@@ -18,11 +19,15 @@ What you will learn:
 Builds on: lesson 04 (TMA im2col + one MMA per k-step, `common.HopperWGMMA`/`BlackwellTcgen05`)
 and lesson 03 (the im2col descriptor). What changed since lesson 04: the same inner step, now fed
 by a multi-stage pipeline from its own warp, in a persistent kernel, with the epilogue overlapped.
+
 Requires: sm_90 (H100/H200) or sm_100 (B200/GB200) for GPU runs. On a CPU: input checks and
 ahead-of-time compiles for sm_90 and sm_100 whose PTX is checked.
+
 Note: the Blackwell path is compiled and inspected, not run: no Blackwell GPU was available to this
 series. All measured numbers in this file come from an H100 (see the bench output and JSON).
+
 Run:  python 05-warp-specialized-conv.py [--bench] [--quick] [--outdir out]
+
 Tests: pytest 05-warp-specialized-conv.py
 """
 

@@ -460,7 +460,8 @@ def save_figure(fig, outdir, name: str, data=None) -> Path:
     outdir.mkdir(parents=True, exist_ok=True)
     path = outdir / f"{name}.png"
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    if os.environ.get("CONV_TUTORIAL_KEEP_FIGURES") != "1":   # the site's builder collects open figures
+        plt.close(fig)
     if data is not None:
         (outdir / f"{name}.json").write_text(json.dumps(data, indent=2, default=str))
     print(f"[plot] {path}")

@@ -1,0 +1,54 @@
+"""Sphinx configuration of the series' site: sphinx-gallery runs the five lessons (as they run
+on a machine without a GPU) and turns each into a page; RESULTS.md becomes a page through MyST."""
+import os
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent
+ROOT = DOCS.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("CONV_TUTORIAL_KEEP_FIGURES", "1")    # figures stay open for the scraper
+os.environ.setdefault("CONV_TUTORIAL_OUT", str(ROOT / "docs" / "_build" / "out"))
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+import common  # noqa: E402  (on a machine without a GPU it turns on the Triton interpreter)
+
+project = "GPU convolution, from Triton to warp-specialized Hopper/Blackwell kernels"
+author = "the series' authors"
+extensions = ["sphinx_gallery.gen_gallery", "myst_parser"]
+source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
+exclude_patterns = ["_build", "_generated", "lessons_src", "requirements.txt", "lessons_header.rst"]
+html_theme = "furo"
+html_title = "GPU convolution tutorial"
+myst_heading_anchors = 3
+suppress_warnings = ["myst.header"]
+
+sphinx_gallery_conf = {
+    "examples_dirs": [str(DOCS / "lessons_src")],     # copies of the lessons, made by build_docs.sh
+    "gallery_dirs": [str(DOCS / "lessons")],
+    "filename_pattern": r"/\d\d-",                     # run every lesson
+    "within_subsection_order": "FileNameSortKey",
+    "download_all_examples": False,
+    "remove_config_comments": True,
+    "abort_on_example_error": True,
+    "show_memory": False,
+    "image_scrapers": ("matplotlib",),
+}
+
+
+def _recorded_ladder():
+    """The index's picture: the recorded ladder, with where and when it was measured."""
+    recorded = common.recorded_results("05_tflops_per_shape")
+    generated = DOCS / "_generated"
+    generated.mkdir(exist_ok=True)
+    if recorded is None:
+        text = "(no recorded GPU results in this checkout)\n"
+    else:
+        _, info = recorded
+        image = Path("..") / info["folder"] / "05_ladder.png"
+        text = (f".. figure:: {image.as_posix()}\n   :width: 560px\n\n"
+                f"   RECORDED, not measured while building this page: {info['label']}.\n")
+    (generated / "recorded_ladder.rst").write_text(text)
+
+
+_recorded_ladder()
