@@ -915,7 +915,9 @@ def test_pingpong_build_has_two_consumer_warpgroups():
 # validated descriptors, launches the compiled kernel directly, and picks a config per shape with
 # a small autotuner pruned to what fits the device. The lesson's two entry points go through it:
 # `conv2d_fprop_fixed` with one given config, `conv2d_fprop` autotuned. `measure_runtime` prints
-# what the runtime saves on this machine.
+# what the runtime saves on this machine. To use the kernel in a PyTorch model (NCHW tensors in
+# channels_last memory, nn.Conv2d, torch.compile, CUDA graphs), see conv_torch.py and
+# scripts/resnet50.py.
 
 
 def conv2d_fprop_fixed(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG):

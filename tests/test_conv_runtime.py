@@ -93,3 +93,50 @@ def test_every_hopper_candidate_is_correct():
     for config in conv_runtime.HOPPER_CANDIDATES:
         lesson05.run_conv(functools.partial(lesson05.conv2d_fprop_fixed, config=config),
                           4, 20, 20, 136, 200, 3, 3, 1, 1, with_bias=True)
+
+
+def test_autotune_keeps_the_fastest_and_later_processes_reuse_it(monkeypatch, tmp_path, capsys):
+    # The tuner's logic and its tuning file, without a GPU: plans and timings are stand-ins whose
+    # "kernel time" is a table, so the choice is known in advance.
+    geometry = common.conv_geometry((128, 14, 14, 1024), (256, 1, 1, 1024), 1, 0)
+    candidates = conv_runtime.prune_configs(conv_runtime.HOPPER_CANDIDATES, geometry, "sm_90")
+    fastest = candidates[len(candidates) // 2]
+    kernel_ms = {c: (0.05 if c == fastest else 0.08 + 0.001 * i) for i, c in enumerate(candidates)}
+
+    class TimedPlan:
+        last = None
+
+        def __init__(self, config):
+            self.config = config
+
+        def run(self, *args):
+            TimedPlan.last = self.config
+
+    def do_bench(fn, **kwargs):
+        fn()
+        return kernel_ms[TimedPlan.last]
+
+    monkeypatch.setenv("CONV_TUTORIAL_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    monkeypatch.setattr(conv_runtime, "_TUNING_FILE", None)
+    monkeypatch.setattr(conv_runtime, "_BEST_CONFIG", {})
+    monkeypatch.setattr(conv_runtime, "device_facts", lambda: ("sm_90", 132, 232448))
+    monkeypatch.setattr(conv_runtime, "plan_for", lambda g, d, c: TimedPlan(c))
+    monkeypatch.setattr(conv_runtime.triton.testing, "do_bench", do_bench)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "a test GPU")
+    x = torch.empty(0, dtype=torch.bfloat16)
+    assert conv_runtime.tuned_config(geometry, x, x, None, verbose=True) == fastest
+    assert "<- chosen" in capsys.readouterr().out
+    saved = conv_runtime.tuning_cache_path().read_text()
+    assert str(list(fastest)).replace(" ", "") in saved.replace(" ", "").replace("\n", "")
+    # A later process: nothing in memory, the file on disk; no timing may happen.
+    monkeypatch.setattr(conv_runtime, "_TUNING_FILE", None)
+    monkeypatch.setattr(conv_runtime, "_BEST_CONFIG", {})
+    monkeypatch.setattr(conv_runtime.triton.testing, "do_bench", lambda *a, **k: pytest.fail("timed again"))
+    assert conv_runtime.known_or_heuristic_config(geometry, torch.bfloat16) == fastest
+    assert conv_runtime.tuned_config(geometry, x, x, None) == fastest
+    # Without a tuning file the heuristic answers at once, with a config that fits the device.
+    monkeypatch.setenv("CONV_TUTORIAL_TUNING_CACHE", str(tmp_path / "elsewhere.json"))
+    monkeypatch.setattr(conv_runtime, "_TUNING_FILE", None)
+    monkeypatch.setattr(conv_runtime, "_BEST_CONFIG", {})
+    assert conv_runtime.known_or_heuristic_config(geometry, torch.bfloat16) in candidates
