@@ -445,12 +445,10 @@ def plot_implicit_vs_cudnn(rows, info, dtype, outdir, data=None, recorded=None):
 
 def show_recorded_bench(outdir):
     """Without a GPU: the latest recorded run of the benchmark above, printed and drawn."""
-    recorded = common.recorded_results("02_implicit_gemm_vs_cudnn")
+    recorded = common.announce_recorded("02_implicit_gemm_vs_cudnn", "Implicit GEMM vs cuDNN")
     if recorded is None:
-        print("[skip] no recorded GPU results under results/")
         return None
     data, info = recorded
-    print(f"\nimplicit GEMM vs cuDNN as measured on a GPU (RECORDED, not measured here; {info['label']}):")
     plot_implicit_vs_cudnn(data["rows"], info, data["dtype"], outdir, recorded=info)
     return data
 

@@ -360,14 +360,12 @@ def plot_headline(ours_tflops, cudnn_tflops, title, outdir, name, data=None):
 def show_recorded_headline(outdir):
     """Without a GPU: the headline numbers of the latest recorded run (lesson 04 and cuDNN were
     timed in the same run of lesson 05's benchmark), printed and drawn, marked as recorded."""
-    recorded = common.recorded_results("05_tflops_per_shape")
+    recorded = common.announce_recorded("05_tflops_per_shape", "The headline layer")
     if recorded is None:
-        print("[skip] no recorded GPU results under results/")
         return None
     data, info = recorded
     row = data["rows"][0]
-    print(f"\nRecorded, not measured here: {row['shape']} ({row['geometry']}), {data['dtype'][6:]}; "
-          f"{info['label']}")
+    print(f"  {row['shape']} ({row['geometry']}), {data['dtype'][6:]}")
     plot_headline(row["04 single-buffer"]["tflops"], row["cuDNN"]["tflops"],
                   f"RECORDED: {row['geometry']}, {data['dtype'][6:]}\n{info['device']}, {info['date']}, "
                   f"torch {info['torch']}, Triton {info['triton']}", outdir, "04_single_buffer_vs_cudnn_recorded")

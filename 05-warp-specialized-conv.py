@@ -1089,12 +1089,10 @@ def run_bench(outdir, quick=False, dtype=torch.bfloat16):
 
 def show_recorded_bench(outdir):
     """Without a GPU: the latest recorded benchmark, printed and drawn, marked as recorded."""
-    recorded = common.recorded_results("05_tflops_per_shape")
+    recorded = common.announce_recorded("05_tflops_per_shape", "The ladder")
     if recorded is None:
-        print("[skip] no recorded GPU results under results/")
         return None
     data, info = recorded
-    print(f"\nThe ladder as measured on a GPU (RECORDED, not measured here; {info['label']}):")
     print(f"  {'shape':<30}{'02':>7}{'04':>7}{'05':>7}{'cuDNN':>7}  05/cuDNN  05 config")
     for row in data["rows"]:
         print(f"  {row['shape']:<30}" + "".join(f"{row[n]['tflops']:7.1f}" for n in BENCH_SERIES)

@@ -710,6 +710,18 @@ def recorded_results(name: str):
     return data, info
 
 
+def announce_recorded(name: str, what: str):
+    """For a lesson run where a step needs a GPU: recorded_results(name), announced with one line
+    that says what it is, that it was not measured here, and where and when it was; None (and one
+    line saying so) when the repository holds no such record."""
+    recorded = recorded_results(name)
+    if recorded is None:
+        print(f"[skip] {what}: needs a GPU, and no recorded results are under results/")
+        return None
+    print(f"\n{what} as measured on a GPU (RECORDED, not measured here; {recorded[1]['label']}):")
+    return recorded
+
+
 # %% A Triton building block shared by the plain-Triton lessons ---------------------------------------
 
 @triton.jit
