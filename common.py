@@ -104,9 +104,15 @@ def is_blackwell() -> bool:
     return cap is not None and cap[0] == 10
 
 
+def is_tma_mma_capability(cap) -> bool:
+    """Does a GPU of compute capability `cap` run the Gluon lessons: Hopper (9, 0) or
+    data-centre Blackwell (10, x)?"""
+    return cap is not None and (tuple(cap) == (9, 0) or cap[0] == 10)
+
+
 def has_tma_mma_gpu() -> bool:
     """A GPU the Gluon lessons (03-05) run on: Hopper or data-centre Blackwell."""
-    return is_hopper() or is_blackwell()
+    return is_tma_mma_capability(capability())
 
 
 def gpu_name() -> str:
@@ -507,7 +513,11 @@ def load_lesson(stem: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     _LESSONS[stem] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:          # a lesson that failed to import is not kept half-made
+        del _LESSONS[stem], sys.modules[module_name]
+        raise
     return module
 
 

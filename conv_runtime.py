@@ -291,26 +291,28 @@ def heuristic_config(geometry, arch, num_sms, smem_limit=None):
 def known_or_heuristic_config(geometry, dtype):
     """The tuned choice for this shape if one is known (this process or the tuning file), else
     the heuristic's. Never times anything."""
+    remembered = _remembered_config(geometry, dtype)
+    if remembered is not None:
+        return remembered
+    arch, num_sms, smem = device_facts()
+    return heuristic_config(geometry, arch, num_sms, smem)
+
+
+def _remembered_config(geometry, dtype):
+    """The tuned choice for this shape from this process or, failing that, the tuning file; None."""
     key = (geometry, dtype, torch.cuda.current_device())
     if key not in _BEST_CONFIG:
         saved = _load_tuning_file().get(_tuning_file_key(geometry, dtype))
         if saved is not None:
             _BEST_CONFIG[key] = _lesson().KernelConfig(*saved["config"])
-    if key in _BEST_CONFIG:
-        return _BEST_CONFIG[key]
-    arch, num_sms, smem = device_facts()
-    return heuristic_config(geometry, arch, num_sms, smem)
+    return _BEST_CONFIG.get(key)
 
 
 def tuned_config(geometry, x_nhwc, w, bias, verbose=False, retune=False):
     """The autotuner's choice for this shape and dtype: from this process, the tuning file, or
     (first time, or `retune`) timed now and saved to the tuning file."""
     key = (geometry, x_nhwc.dtype, torch.cuda.current_device())
-    if not retune and key not in _BEST_CONFIG:
-        saved = _load_tuning_file().get(_tuning_file_key(geometry, x_nhwc.dtype))
-        if saved is not None:
-            _BEST_CONFIG[key] = _lesson().KernelConfig(*saved["config"])
-    if retune or key not in _BEST_CONFIG:
+    if retune or _remembered_config(geometry, x_nhwc.dtype) is None:
         best, tflops = autotune(geometry, x_nhwc, w, bias, verbose)
         _BEST_CONFIG[key] = best
         _save_tuning(geometry, x_nhwc.dtype, best, tflops)

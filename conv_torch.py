@@ -57,7 +57,7 @@ def unsupported_reason(input, weight, groups):
 def _gpu_reason(device_index):
     """Why this GPU cannot run the kernel, or None (asked once per device: it is on every call's path)."""
     capability = torch.cuda.get_device_capability(device_index)
-    if capability == (9, 0) or capability[0] == 10:
+    if common.is_tma_mma_capability(capability):
         return None
     return (f"GPU {torch.cuda.get_device_name(device_index)} of capability {capability} (the kernel "
             f"needs Hopper sm_90 or data-centre Blackwell sm_100)")
