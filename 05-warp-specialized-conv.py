@@ -144,18 +144,36 @@ def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, 
 
 
 @gluon.jit
-def store_output_tile(acc, c_smem, out_desc, bias_ptr, Co, m0, co0, HAS_BIAS: gl.constexpr,
-                      STORES_IN_FLIGHT: gl.constexpr = 0):
-    """Epilogue: + bias[co] (fp32), cast, and an asynchronous TMA store of the tile.
+def store_output_tile(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, M, Co, m0, co0,
+                      HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
+                      ACTIVATION: gl.constexpr, STORES_IN_FLIGHT: gl.constexpr = 0):
+    """Epilogue: y = act(acc * scale[co] + bias[co] + residual[m, co]) in fp32, each part only
+    if its constexpr asks for it; cast, and an asynchronous TMA store of the tile.
 
     The store is not waited for here: it drains while the next tile computes. Before writing the
     staging buffer again we wait for the previous store from it to have read it (stores finish in
     order; STORES_IN_FLIGHT newer ones, from other buffers, may stay in flight)."""
+    BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
+    cols = co0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+    if HAS_RESIDUAL:
+        # the residual tile, read in the accumulator's own layout: no shuffle through shared memory
+        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
+        offsets = gl.expand_dims(rows.to(gl.int64) * Co, 1) + gl.expand_dims(cols, 0)
+        inside = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < Co, 0)
+        residual = gl.load(residual_ptr + offsets, mask=inside, other=0.0)
+    if HAS_SCALE:
+        scale = gl.load(scale_ptr + cols, mask=cols < Co, other=0.0)
+        acc = acc * gl.expand_dims(scale.to(gl.float32), 0)
     if HAS_BIAS:
-        cols = co0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
         bias = gl.load(bias_ptr + cols, mask=cols < Co, other=0.0)
         acc = acc + gl.expand_dims(bias.to(gl.float32), 0)
+    if HAS_RESIDUAL:
+        acc = acc + residual.to(gl.float32)
+    if ACTIVATION == 1:      # ReLU
+        acc = gl.maximum(acc, 0.0)
+    if ACTIVATION == 2:      # SiLU: x * sigmoid(x)
+        acc = acc / (1.0 + gl.exp(-acc))
     tma.store_wait(pendings=STORES_IN_FLIGHT)
     c_smem.store(acc.to(out_desc.dtype))
     fence_async_shared()
@@ -171,9 +189,12 @@ def store_output_tile(acc, c_smem, out_desc, bias_ptr, Co, m0, co0, HAS_BIAS: gl
 
 @gluon.jit
 def hopper_mma_epilogue_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, turn, c_smem, c_tail_smem,
-                                  out_desc, out_tail_desc, bias_ptr, Co, num_pid_m, num_pid_n, k_steps,
+                                  out_desc, out_tail_desc, bias_ptr, scale_ptr, residual_ptr, M, Co,
+                                  num_pid_m, num_pid_n, k_steps,
                                   GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-                                  HAS_BIAS: gl.constexpr, TILE_N: gl.constexpr,
+                                  HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
+                                  HAS_RESIDUAL: gl.constexpr, ACTIVATION: gl.constexpr,
+                                  TILE_N: gl.constexpr,
                                   CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                                   num_warps: gl.constexpr):
     gl.static_assert(NUM_CONSUMERS <= 2, "one consumer, or two taking turns")
@@ -215,12 +236,13 @@ def hopper_mma_epilogue_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, tur
             mma_tail = mma_tail.wait_num_outstanding(0)
         mbarrier.arrive(empty.index((counter + NUM_BUFFERS - 1) % NUM_BUFFERS))
         acc, mma = mma.take_result()
-        store_output_tile(acc, c_smem, out_desc, bias_ptr, Co, pid_m * BLOCK_M,
-                          pid_n * TILE_N, HAS_BIAS)
+        store_output_tile(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, M, Co,
+                          pid_m * BLOCK_M, pid_n * TILE_N, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION)
         if HAS_TAIL:
             acc_tail, mma_tail = mma_tail.take_result()
-            store_output_tile(acc_tail, c_tail_smem, out_tail_desc, bias_ptr, Co, pid_m * BLOCK_M,
-                              pid_n * TILE_N + BLOCK_N, HAS_BIAS, STORES_IN_FLIGHT=1)
+            store_output_tile(acc_tail, c_tail_smem, out_tail_desc, bias_ptr, scale_ptr, residual_ptr,
+                              M, Co, pid_m * BLOCK_M, pid_n * TILE_N + BLOCK_N, HAS_BIAS, HAS_SCALE,
+                              HAS_RESIDUAL, ACTIVATION, STORES_IN_FLIGHT=1)
         counter += (NUM_CONSUMERS - 1) * k_steps      # skip the other consumer's tile
         local_tile += 1
     tma.store_wait(pendings=0)
@@ -264,9 +286,10 @@ def blackwell_mma_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, acc_tmem,
 
 @gluon.jit
 def blackwell_epilogue_partition(acc_tmem, acc_tail_tmem, acc_ready, acc_empty, c_smem, c_tail_smem,
-                                 out_desc, out_tail_desc, bias_ptr, Co, num_pid_m, num_pid_n,
-                                 GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr, NUM_ACC: gl.constexpr,
-                                 TILE_N: gl.constexpr):
+                                 out_desc, out_tail_desc, bias_ptr, scale_ptr, residual_ptr, M, Co,
+                                 num_pid_m, num_pid_n, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
+                                 HAS_SCALE: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
+                                 ACTIVATION: gl.constexpr, NUM_ACC: gl.constexpr, TILE_N: gl.constexpr):
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
     BLOCK_N_TAIL: gl.constexpr = TILE_N - BLOCK_N
@@ -280,10 +303,12 @@ def blackwell_epilogue_partition(acc_tmem, acc_tail_tmem, acc_ready, acc_empty, 
             acc_tail = acc_tail_tmem.index(buf).load()
         mbarrier.arrive(acc_empty.index(buf))      # the MMA warp may reuse it now
         co0 = pid_n * TILE_N
-        store_output_tile(acc, c_smem, out_desc, bias_ptr, Co, pid_m * BLOCK_M, co0, HAS_BIAS)
+        store_output_tile(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, M, Co,
+                          pid_m * BLOCK_M, co0, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION)
         if BLOCK_N_TAIL > 0:
-            store_output_tile(acc_tail, c_tail_smem, out_tail_desc, bias_ptr, Co, pid_m * BLOCK_M,
-                              co0 + BLOCK_N, HAS_BIAS, STORES_IN_FLIGHT=1)
+            store_output_tile(acc_tail, c_tail_smem, out_tail_desc, bias_ptr, scale_ptr, residual_ptr,
+                              M, Co, pid_m * BLOCK_M, co0 + BLOCK_N, HAS_BIAS, HAS_SCALE,
+                              HAS_RESIDUAL, ACTIVATION, STORES_IN_FLIGHT=1)
         tile_count += 1
     tma.store_wait(pendings=0)
 
@@ -356,10 +381,11 @@ def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, bias_ptr, Co,
-                        num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w,
-                        dil_h, dil_w, Ci, S, k_steps, channel_blocks,
-                        IS_BLACKWELL: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
+def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, bias_ptr, scale_ptr,
+                        residual_ptr, M, Co, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w,
+                        pad_h, pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks,
+                        IS_BLACKWELL: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
+                        HAS_RESIDUAL: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr,
                         NUM_BUFFERS: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                         BLOCK_N_TAIL: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = in_desc.dtype
@@ -402,8 +428,9 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
         gl.warp_specialize([
             (blackwell_epilogue_partition, (acc_tmem, acc_tail_tmem, acc_ready, acc_empty,
                                             c_smem.index(0), c_tail_smem.index(0), out_desc,
-                                            out_tail_desc, bias_ptr, Co, num_pid_m, num_pid_n,
-                                            GROUP_M, HAS_BIAS, NUM_ACC, TILE_N)),
+                                            out_tail_desc, bias_ptr, scale_ptr, residual_ptr, M, Co,
+                                            num_pid_m, num_pid_n, GROUP_M, HAS_BIAS, HAS_SCALE,
+                                            HAS_RESIDUAL, ACTIVATION, NUM_ACC, TILE_N)),
             (blackwell_mma_partition, (a_bufs, b_bufs, b_tail_bufs, ready, empty, acc_tmem,
                                        acc_tail_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n,
                                        k_steps, NUM_BUFFERS, NUM_ACC, TILE_N)),
@@ -420,8 +447,9 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
             gl.warp_specialize([
                 (hopper_mma_epilogue_partition, (a_bufs, b_bufs, b_tail_bufs, ready, empty, turn,
                                                  c_smem.index(0), c_tail_smem.index(0), out_desc,
-                                                 out_tail_desc, bias_ptr, Co, num_pid_m, num_pid_n,
-                                                 k_steps, GROUP_M, NUM_BUFFERS, HAS_BIAS, TILE_N,
+                                                 out_tail_desc, bias_ptr, scale_ptr, residual_ptr, M,
+                                                 Co, num_pid_m, num_pid_n, k_steps, GROUP_M, NUM_BUFFERS,
+                                                 HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION, TILE_N,
                                                  0, 1, num_warps)),
                 (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, ready, empty,
                                     num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w,
@@ -434,13 +462,15 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
             gl.warp_specialize([
                 (hopper_mma_epilogue_partition, (a_bufs, b_bufs, b_tail_bufs, ready, empty, turn,
                                                  c_smem.index(0), c_tail_smem.index(0), out_desc,
-                                                 out_tail_desc, bias_ptr, Co, num_pid_m, num_pid_n,
-                                                 k_steps, GROUP_M, NUM_BUFFERS, HAS_BIAS, TILE_N,
+                                                 out_tail_desc, bias_ptr, scale_ptr, residual_ptr, M,
+                                                 Co, num_pid_m, num_pid_n, k_steps, GROUP_M, NUM_BUFFERS,
+                                                 HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION, TILE_N,
                                                  0, 2, num_warps)),
                 (hopper_mma_epilogue_partition, (a_bufs, b_bufs, b_tail_bufs, ready, empty, turn,
                                                  c_smem.index(1), c_tail_smem.index(1), out_desc,
-                                                 out_tail_desc, bias_ptr, Co, num_pid_m, num_pid_n,
-                                                 k_steps, GROUP_M, NUM_BUFFERS, HAS_BIAS, TILE_N,
+                                                 out_tail_desc, bias_ptr, scale_ptr, residual_ptr, M,
+                                                 Co, num_pid_m, num_pid_n, k_steps, GROUP_M, NUM_BUFFERS,
+                                                 HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION, TILE_N,
                                                  1, 2, num_warps)),
                 (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, ready, empty,
                                     num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w,
@@ -529,15 +559,27 @@ class ConvLaunch(NamedTuple):
         return out if Co_alloc == g.Co else out[..., :g.Co].contiguous()
 
 
-def kernel_constexprs(config, arch, has_bias):
+class Epilogue(NamedTuple):
+    """What the epilogue applies to each tile: act(acc * scale + bias + residual), per part."""
+    bias: bool = False          # + bias[co]: a conv bias, or a folded BatchNorm's shift
+    scale: bool = False         # * scale[co]: a folded BatchNorm's gamma / sqrt(var + eps)
+    residual: bool = False      # + residual[n, y, x, co]: a ResNet block's skip connection
+    activation: str = "none"    # "none", "relu" or "silu"
+
+
+ACTIVATIONS = {"none": 0, "relu": 1, "silu": 2}
+
+
+def kernel_constexprs(config, arch, epilogue=Epilogue()):
     """The kernel's constexprs and launch options, by name."""
-    return dict(IS_BLACKWELL=arch == "sm_100", HAS_BIAS=has_bias, GROUP_M=8,
+    return dict(IS_BLACKWELL=arch == "sm_100", HAS_BIAS=epilogue.bias, HAS_SCALE=epilogue.scale,
+                HAS_RESIDUAL=epilogue.residual, ACTIVATION=ACTIVATIONS[epilogue.activation], GROUP_M=8,
                 NUM_BUFFERS=config.num_buffers, NUM_CONSUMERS=config.consumers,
                 BLOCK_N_TAIL=config.block_n_tail, num_warps=config.num_warps,
                 **({"maxnreg": 128} if config.programs_per_sm > 1 else {}))
 
 
-def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms):
+def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None, residual=None):
     """A ConvLaunch for these tensors (CPU tensors work too: the ahead-of-time compile uses them)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     config = KernelConfig(*config)
@@ -560,20 +602,42 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms):
         out_tail_desc = TensorDescriptor.from_tensor(out_2d, [BLOCK_M, tail], out_layout)
     num_pid_m, num_pid_n = triton.cdiv(g.M, BLOCK_M), triton.cdiv(g.Co, config.tile_n)
     channel_blocks = triton.cdiv(Ci_padded, BLOCK_K)
+    # absent epilogue tensors: any pointer will do, the constexprs compile their loads away
     args = (in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc,
-            bias if bias is not None else out_2d, g.Co, num_pid_m, num_pid_n, g.out_h, g.out_w,
+            *(t if t is not None else out_2d for t in (bias, scale, residual)),
+            g.M, g.Co, num_pid_m, num_pid_n, g.out_h, g.out_w,
             *g.stride, *g.padding, *g.dilation, Ci_padded, g.S, g.R * g.S * channel_blocks,
             channel_blocks)
     grid = (min(config.programs_per_sm * num_sms, num_pid_m * num_pid_n), 1, 1)
     return ConvLaunch(grid, args, out_2d, geometry)
 
 
-def check_inputs(x_nhwc, w, bias, stride, padding, dilation):
-    """Validate a call (dtype, layout, shapes, hyper-parameters, bias); return its geometry."""
+def check_inputs(x_nhwc, w, bias, stride, padding, dilation, scale=None, residual=None,
+                 activation="none"):
+    """Validate a call (dtype, layout, shapes, hyper-parameters, epilogue); return its geometry."""
     geometry = common.check_conv_inputs(x_nhwc, w, stride, padding, dilation, dtypes=CONV_DTYPES,
                                         bias=bias, need_cuda=True)
     if bias is not None and not bias.is_contiguous():
         raise ValueError("bias must be contiguous")
+    if scale is not None:
+        if not isinstance(scale, torch.Tensor):
+            raise TypeError(f"scale must be a torch.Tensor or None, got {type(scale).__name__}")
+        if tuple(scale.shape) != (geometry.Co,) or not scale.is_floating_point() or not scale.is_contiguous():
+            raise ValueError(f"scale must be a contiguous floating-point tensor of shape ({geometry.Co},) "
+                             f"(one factor per output channel), got {scale.dtype} {tuple(scale.shape)}")
+        if scale.device != x_nhwc.device:
+            raise ValueError(f"scale is on {scale.device}, x_nhwc on {x_nhwc.device}")
+    if residual is not None:
+        expected = (geometry.N, geometry.out_h, geometry.out_w, geometry.Co)
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(f"residual must be a torch.Tensor or None, got {type(residual).__name__}")
+        if tuple(residual.shape) != expected or residual.dtype != x_nhwc.dtype:
+            raise ValueError(f"residual must have the output's NHWC shape {expected} and dtype "
+                             f"{x_nhwc.dtype}, got {tuple(residual.shape)} {residual.dtype}")
+        if not residual.is_contiguous() or residual.device != x_nhwc.device:
+            raise ValueError(f"residual must be a contiguous NHWC tensor on {x_nhwc.device}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     return geometry
 
 
@@ -584,15 +648,18 @@ def device_arch_and_sms(what):
     return ("sm_90" if capability == (9, 0) else "sm_100"), props.multi_processor_count
 
 
-def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG):
+def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG,
+                        scale=None, residual=None, activation="none"):
     """The warp-specialized conv, launched plainly. x_nhwc [N, H, W, Ci], w [Co, R, S, Ci] (fp16 or
-    bf16, CUDA, contiguous), optional fp32-or-same-dtype bias [Co] fused in the epilogue; returns
-    NHWC [N, out_h, out_w, Co] in x's dtype."""
-    geometry = check_inputs(x_nhwc, w, bias, stride, padding, dilation)
+    bf16, CUDA, contiguous); returns NHWC [N, out_h, out_w, Co] in x's dtype. The epilogue
+    computes act(conv * scale + bias + residual) in fp32 before the cast: optional bias and scale
+    [Co] (fp32 or x's dtype), residual of the output's shape and dtype, activation "none", "relu"
+    or "silu"."""
+    geometry = check_inputs(x_nhwc, w, bias, stride, padding, dilation, scale, residual, activation)
     arch, num_sms = device_arch_and_sms("conv2d_fprop_launch")
-    launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms)
-    conv2d_fprop_kernel[launch.grid](*launch.args, **kernel_constexprs(KernelConfig(*config), arch,
-                                                                       bias is not None))
+    launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale, residual)
+    epilogue = Epilogue(bias is not None, scale is not None, residual is not None, activation)
+    conv2d_fprop_kernel[launch.grid](*launch.args, **kernel_constexprs(KernelConfig(*config), arch, epilogue))
     return launch.result()
 
 
@@ -763,13 +830,17 @@ PARTITION_WARPS = {
 
 
 def aot_conv2d_fprop(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, padding=1,
-                     config=FIXED_CONFIG, bias=False):
-    """(kernel, args, kwargs) on CPU tensors, for common.aot_compile."""
+                     config=FIXED_CONFIG, epilogue=Epilogue()):
+    """(kernel, args, kwargs) on CPU tensors, for common.aot_compile (`epilogue` as a list too)."""
+    epilogue = Epilogue(*epilogue)
     x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16, device_name="cpu")
     geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
-    bias_tensor = torch.zeros(Co, dtype=torch.float32) if bias else None
-    launch = prepare_launch(x_nhwc, w, bias_tensor, geometry, config, arch, num_sms=132)
-    return conv2d_fprop_kernel, launch.args, kernel_constexprs(KernelConfig(*config), arch, bias)
+    per_channel = torch.zeros(Co, dtype=torch.float32)
+    residual = torch.zeros(geometry.N, geometry.out_h, geometry.out_w, Co, dtype=torch.bfloat16)
+    launch = prepare_launch(x_nhwc, w, per_channel if epilogue.bias else None, geometry, config, arch,
+                            132, per_channel if epilogue.scale else None,
+                            residual if epilogue.residual else None)
+    return conv2d_fprop_kernel, launch.args, kernel_constexprs(KernelConfig(*config), arch, epilogue)
 
 
 def run_show_ptx():
@@ -845,6 +916,27 @@ def test_blackwell_build_synchronizes_as_reviewed(config, tmem_columns):
     # each TMA store is preceded by a fence of the generic-proxy writes to its staging buffer
     stores = counts["cp.async.bulk.tensor.2d.global.shared::cta"]
     assert stores == (2 if config.block_n_tail else 1) and counts["fence.proxy.async"] == stores
+
+
+@pytest.mark.parametrize("arch, config", [
+    ("sm_90", FIXED_CONFIG), ("sm_90", KernelConfig(128, 128, 64, 4, 4, consumers=2, block_n_tail=32)),
+    ("sm_90", KernelConfig(256, 128, 32, 5, 8, block_n_tail=32)),
+    ("sm_100", KernelConfig(128, 128, 64, 4, 4, block_n_tail=32)),
+], ids=["sm_90", "sm_90-ping-pong-tail", "sm_90-256-tail", "sm_100-tail"])
+def test_fused_epilogue_compiles_only_what_is_asked(arch, config):
+    """The plain build reads nothing with plain loads (TMA does all its reading); each epilogue
+    part adds its own instructions, in every schedule: the residual's and scale's loads, the
+    ReLU's max, the SiLU's exponential."""
+    build = lambda *epilogue: common.aot_compile_or_skip(  # noqa: E731
+        "05-warp-specialized-conv", "aot_conv2d_fprop", arch, config=list(config), Co=320,
+        epilogue=list(epilogue))["ptx"]
+    count = lambda ptx, what: common.ptx_instructions(ptx, [what])[what]  # noqa: E731
+    plain, relu = build(), build(False, False, False, "relu")
+    fused, silu = build(True, True, True, "relu"), build(False, False, False, "silu")
+    assert count(plain, "ld.global") == 0 and count(plain, "max.f32") == 0
+    assert count(relu, "ld.global") == 0 and count(relu, "max.f32") > 0
+    assert count(fused, "ld.global") > 0 and count(fused, "max.f32") > 0
+    assert count(silu, "ex2.approx") > 0 and count(plain, "ex2.approx") == 0
 
 
 def test_unsupported_config_combinations_are_refused():

@@ -147,12 +147,12 @@ class ConvPlan:
         self.template = None      # the first call's ConvLaunch: validated descriptors, grid, constexprs
         self.compiled = {}        # (has bias, bias 16-byte aligned) -> (compiled kernel, constexprs)
 
-    def launch_for(self, x_nhwc, w, bias):
+    def launch_for(self, x_nhwc, w, bias, scale=None, residual=None):
         """The lesson's ConvLaunch for these tensors; after the first call, built from templates."""
         lesson = _lesson()
         if self.template is None:
             self.template = lesson.prepare_launch(x_nhwc, w, bias, self.geometry, self.config,
-                                                  self.arch, self.num_sms)
+                                                  self.arch, self.num_sms, scale, residual)
             return self.template
         # Same shapes, strides, boxes and layouts: only the base pointers change. Copy the
         # validated descriptors and swap the tensors in.
@@ -163,20 +163,22 @@ class ConvPlan:
         tensors = (x_nhwc, w_2d, w_2d, out_2d, out_2d)     # in, w, w_tail, out, out_tail
         descriptors = tuple(None if desc is None else _with_base(desc, tensor)
                             for desc, tensor in zip(template.args[:5], tensors))
-        args = descriptors + (bias if bias is not None else out_2d,) + template.args[6:]
-        return template._replace(args=args, out_2d=out_2d)
+        pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual))
+        return template._replace(args=descriptors + pointers + template.args[8:], out_2d=out_2d)
 
-    def run(self, x_nhwc, w, bias=None):
+    def run(self, x_nhwc, w, bias=None, scale=None, residual=None, activation="none"):
         lesson = _lesson()
-        launch = self.launch_for(x_nhwc, w, bias)
-        # The specialization Triton compiled for: bias or not, and whether its pointer is 16-byte
-        # aligned (Triton specializes pointer alignment). Everything else is fixed by the plan.
-        has_bias = bias is not None
-        variant = (has_bias, not has_bias or bias.data_ptr() % 16 == 0)
+        launch = self.launch_for(x_nhwc, w, bias, scale, residual)
+        # The specialization Triton compiled for: the epilogue, and whether each of its pointers
+        # is 16-byte aligned (Triton specializes pointer alignment) and of which dtype. Everything
+        # else is fixed by the plan.
+        variant = (activation,) + tuple(None if t is None else (t.dtype, t.data_ptr() % 16 == 0)
+                                        for t in (bias, scale, residual))
         compiled = self.compiled.get(variant)
         if compiled is None:
             # First launch of this variant: the generic path (binds, specializes, compiles).
-            kwargs = lesson.kernel_constexprs(self.config, self.arch, has_bias)
+            epilogue = lesson.Epilogue(bias is not None, scale is not None, residual is not None, activation)
+            kwargs = lesson.kernel_constexprs(self.config, self.arch, epilogue)
             kernel = lesson.conv2d_fprop_kernel[launch.grid](*launch.args, **kwargs)
             constexprs = tuple(kwargs[p.name] for p in lesson.conv2d_fprop_kernel.params if p.is_constexpr)
             self.compiled[variant] = (kernel, constexprs)
@@ -202,7 +204,7 @@ def _with_base(template, tensor):
 
 _PLANS = {}          # (geometry, dtype, config, device) -> ConvPlan
 _BEST_CONFIG = {}    # (geometry, dtype, device) -> config chosen by the autotuner
-_FAST_PLANS = {}     # call key -> ConvPlan
+_FAST_PLANS = {}     # call key -> (ConvPlan, FoldedConv or None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -229,14 +231,14 @@ def plan_for(geometry, dtype, config):
     return plan
 
 
-def _call_key(x_nhwc, w, bias, stride, padding, dilation, config):
+def _call_key(x_nhwc, w, bias, stride, padding, dilation, config, scale, residual, activation):
     """A hashable key of what a call can see at a glance, or None (then the slow path runs)."""
     if not (isinstance(x_nhwc, torch.Tensor) and isinstance(w, torch.Tensor)
-            and (bias is None or isinstance(bias, torch.Tensor))):
+            and all(t is None or isinstance(t, torch.Tensor) for t in (bias, scale, residual))):
         return None
     key = (x_nhwc.shape, w.shape, x_nhwc.dtype, w.dtype, x_nhwc.device, w.device,
-           None if bias is None else (bias.shape, bias.dtype, bias.device),
-           stride, padding, dilation, config)
+           *(None if t is None else (t.shape, t.dtype, t.device) for t in (bias, scale, residual)),
+           stride, padding, dilation, config, activation)
     try:
         hash(key)
     except TypeError:                    # list-valued stride/padding: no fast path
@@ -244,25 +246,85 @@ def _call_key(x_nhwc, w, bias, stride, padding, dilation, config):
     return key
 
 
-def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, tune=True):
+def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, tune=True,
+           scale=None, residual=None, activation="none"):
     """Lesson 05's convolution through the runtime. Same arguments and result as the plain
-    launcher `conv2d_fprop_launch`. `config`: a KernelConfig (or its tuple) to use that config;
-    None to choose one per shape: a tuned choice (this process's, or the tuning file's) if there
-    is one, else autotune now when `tune`, else the heuristic (no timing)."""
-    key = _call_key(x_nhwc, w, bias, stride, padding, dilation, config if config is not None else tune)
-    plan = _FAST_PLANS.get(key) if key is not None else None
-    if plan is None or not (x_nhwc.is_contiguous() and w.is_contiguous()
-                            and (bias is None or bias.is_contiguous())):
+    launcher `conv2d_fprop_launch` (epilogue included: act(conv * scale + bias + residual)).
+    `config`: a KernelConfig (or its tuple) to use that config; None to choose one per shape: a
+    tuned choice (this process's, or the tuning file's) if there is one, else autotune now when
+    `tune`, else the heuristic (no timing). Channel counts so small that one tap's channels fill
+    a fraction of a K step (a network's RGB stem) take the folded path (`FoldedConv`)."""
+    key = _call_key(x_nhwc, w, bias, stride, padding, dilation, config if config is not None else tune,
+                    scale, residual, activation)
+    entry = _FAST_PLANS.get(key) if key is not None else None
+    if entry is None or not (x_nhwc.is_contiguous() and w.is_contiguous()
+                             and all(t is None or t.is_contiguous() for t in (bias, scale, residual))):
         # the slow path validates (and explains) everything
-        geometry = _lesson().check_inputs(x_nhwc, w, bias, stride, padding, dilation)
+        geometry = _lesson().check_inputs(x_nhwc, w, bias, stride, padding, dilation, scale, residual,
+                                          activation)
+        fold = folded_geometry(geometry) if config is None else None
+        run_geometry = fold.geometry if fold is not None else geometry
         if config is not None:
             chosen = _lesson().KernelConfig(*config)
+        elif tune:
+            folded_x, folded_w = fold.apply(x_nhwc, w) if fold is not None else (x_nhwc, w)
+            chosen = tuned_config(run_geometry, folded_x, folded_w, bias)
         else:
-            chosen = tuned_config(geometry, x_nhwc, w, bias) if tune else known_or_heuristic_config(geometry, x_nhwc.dtype)
-        plan = plan_for(geometry, x_nhwc.dtype, chosen)
+            chosen = known_or_heuristic_config(run_geometry, x_nhwc.dtype)
+        entry = (plan_for(run_geometry, x_nhwc.dtype, chosen), fold)
         if key is not None:
-            _FAST_PLANS[key] = plan
-    return plan.run(x_nhwc, w, bias)
+            _FAST_PLANS[key] = entry
+    plan, fold = entry
+    if fold is not None:
+        x_nhwc, w = fold.apply(x_nhwc, w)
+    return plan.run(x_nhwc, w, bias, scale, residual, activation)
+
+
+# %% Small channel counts: fold the filter's columns into the channels ---------------------------
+# A stem layer (Ci=3, 7x7, stride 2) gives the kernel 49 taps of 3 channels, padded to 8 for TMA
+# and to 16 for the MMA: 49 k-steps that are 81% zeros, each a 128-pixel x 32-byte TMA box. Here
+# the S columns of the filter are folded into the channels instead: x_fold[n, h, ox, s*Ci + c] =
+# x[n, h, ox*stride_w + s*dil_w - pad_w, c] (zero outside), a copy of S*Ci/stride_w times the input's
+# size, and the conv becomes R x 1 with stride (stride_h, 1) over S*Ci channels: 7 k-steps of
+# 21 channels (padded to 24, a 32-deep K step) for the stem. Only the rows of the filter remain
+# as taps, read through the same im2col TMA as every other layer.
+
+FOLD_MAX_CHANNELS = 8       # a padded Ci of 8 or less: one tap fills at most half of a 16-deep K step
+
+
+class FoldedConv:
+    """The R x 1 convolution over folded channels that computes a small-Ci convolution."""
+
+    def __init__(self, geometry):
+        g = self.original = geometry
+        self.channels = g.S * g.Ci
+        self.channels_padded = -(-self.channels // 8) * 8       # 16-byte pixels for TMA
+        self.geometry = common.conv_geometry(
+            (g.N, g.H, g.out_w, self.channels_padded), (g.Co, g.R, 1, self.channels_padded),
+            (g.stride[0], 1), (g.padding[0], 0), (g.dilation[0], 1))
+
+    def apply(self, x_nhwc, w):
+        """(x_fold [N, H, out_w, channels_padded], w_fold [Co, R, 1, channels_padded])."""
+        g = self.original
+        pad_w, (stride_w, dil_w) = g.padding[1], (g.stride[1], g.dilation[1])
+        padded = torch.nn.functional.pad(x_nhwc, (0, 0, pad_w, pad_w))      # zero columns left/right
+        # [N, H, out_w, S, Ci] as a strided view of the padded input, then one copy
+        windows = padded.as_strided(
+            (g.N, g.H, g.out_w, g.S, g.Ci),
+            (padded.stride(0), padded.stride(1), stride_w * g.Ci, dil_w * g.Ci, 1))
+        x_fold = x_nhwc.new_empty(g.N, g.H, g.out_w, self.channels_padded)
+        x_fold[..., :self.channels].copy_(windows.reshape(g.N, g.H, g.out_w, self.channels))
+        x_fold[..., self.channels:].zero_()
+        w_fold = w.new_zeros(g.Co, g.R, 1, self.channels_padded)
+        w_fold[..., :self.channels] = w.reshape(g.Co, g.R, 1, self.channels)
+        return x_fold, w_fold
+
+
+def folded_geometry(geometry):
+    """A FoldedConv for a convolution whose channels are too few for a K step, else None."""
+    if geometry.Ci > FOLD_MAX_CHANNELS or geometry.S == 1 or geometry.S * geometry.Ci > 256:
+        return None
+    return FoldedConv(geometry)
 
 
 # %% Choosing a config: the heuristic, the autotuner, and the tuning file ----------------------
@@ -432,8 +494,8 @@ def compare_launch_paths(plan, x_nhwc, w, calls=200):
     lesson = _lesson()
     plan.run(x_nhwc, w)
     launch = plan.launch_for(x_nhwc, w, None)
-    kwargs = lesson.kernel_constexprs(plan.config, plan.arch, has_bias=False)
-    compiled, constexprs = plan.compiled[(False, True)]
+    kwargs = lesson.kernel_constexprs(plan.config, plan.arch)
+    compiled, constexprs = plan.compiled[("none", None, None, None)]
     return {
         "generic": host_us_per_call(lambda: lesson.conv2d_fprop_kernel[launch.grid](*launch.args, **kwargs), calls),
         "direct": host_us_per_call(lambda: compiled[launch.grid](*launch.args, *constexprs), calls),

@@ -21,6 +21,7 @@
   $CONV_TUTORIAL_TUNING_CACHE).
 """
 import functools
+import operator
 import warnings
 from typing import List, Optional
 
@@ -69,42 +70,106 @@ def nhwc_view(t):
     return view if view.is_contiguous() else view.contiguous()
 
 
-@torch.library.custom_op("conv_tutorial::conv2d", mutates_args=())
-def conv2d_op(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-              stride: List[int], padding: List[int], dilation: List[int], groups: int) -> torch.Tensor:
-    reason = unsupported_reason(input, weight, groups)
-    if reason is not None:
-        _fall_back(reason)
-        out = torch.nn.functional.conv2d(input, weight, bias, stride, padding, dilation, groups)
-        return out.contiguous(memory_format=torch.channels_last)
-    out_nhwc = conv_runtime.conv2d(nhwc_view(input), nhwc_view(weight), bias, tuple(stride),
-                                   tuple(padding), tuple(dilation), config=None,
-                                   tune=conv_runtime.autotune_enabled())
-    return out_nhwc.permute(0, 3, 1, 2)          # NCHW shape, channels_last memory
+def reference_epilogue(conv_out, bias, scale, residual, activation):
+    """act(conv_out * scale + bias + residual) in torch, per output channel (NCHW)."""
+    out = conv_out if scale is None else conv_out * scale.to(conv_out.dtype).view(1, -1, 1, 1)
+    if bias is not None:
+        out = out + bias.to(conv_out.dtype).view(1, -1, 1, 1)
+    if residual is not None:
+        out = out + residual
+    if activation == "relu":
+        out = torch.relu(out)
+    elif activation == "silu":
+        out = torch.nn.functional.silu(out)
+    return out
 
 
-@conv2d_op.register_fake
-def _(input, weight, bias, stride, padding, dilation, groups):
+def _check_epilogue_args(input, weight, scale, residual, activation, out_shape):
+    if activation not in ("none", "relu", "silu"):
+        raise ValueError(f"activation must be 'none', 'relu' or 'silu', got {activation!r}")
+    if scale is not None and tuple(scale.shape) != (weight.shape[0],):
+        raise ValueError(f"scale must have shape ({weight.shape[0]},) (one per output channel), "
+                         f"got {tuple(scale.shape)}")
+    if residual is not None and (tuple(residual.shape) != tuple(out_shape) or residual.dtype != input.dtype):
+        raise ValueError(f"residual must have the output's shape {tuple(out_shape)} and dtype "
+                         f"{input.dtype}, got {tuple(residual.shape)} {residual.dtype}")
+
+
+def _out_shape(input, weight, stride, padding, dilation):
     N, _, H, W = input.shape
     Co, _, R, S = weight.shape
     out_h = (H + 2 * padding[0] - dilation[0] * (R - 1) - 1) // stride[0] + 1
     out_w = (W + 2 * padding[1] - dilation[1] * (S - 1) - 1) // stride[1] + 1
-    return input.new_empty((N, Co, out_h, out_w)).contiguous(memory_format=torch.channels_last)
+    return (N, Co, out_h, out_w)
+
+
+@torch.library.custom_op("conv_tutorial::conv2d", mutates_args=())
+def conv2d_op(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+              stride: List[int], padding: List[int], dilation: List[int], groups: int,
+              scale: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
+              activation: str = "none") -> torch.Tensor:
+    """conv2d(input, weight, bias) followed by the fused epilogue act(. * scale + residual): per
+    output channel, out = act(conv * scale + bias + residual) computed in fp32 on the tile."""
+    _check_epilogue_args(input, weight, scale, residual, activation,
+                         _out_shape(input, weight, stride, padding, dilation))
+    reason = unsupported_reason(input, weight, groups)
+    if reason is not None:
+        _fall_back(reason)
+        conv_out = torch.nn.functional.conv2d(input, weight, None, stride, padding, dilation, groups)
+        out = reference_epilogue(conv_out, bias, scale, residual, activation)
+        return out.contiguous(memory_format=torch.channels_last)
+    out_nhwc = conv_runtime.conv2d(nhwc_view(input), nhwc_view(weight), bias, tuple(stride),
+                                   tuple(padding), tuple(dilation), config=None,
+                                   tune=conv_runtime.autotune_enabled(), scale=scale,
+                                   residual=None if residual is None else nhwc_view(residual),
+                                   activation=activation)
+    return out_nhwc.permute(0, 3, 1, 2)          # NCHW shape, channels_last memory
+
+
+@conv2d_op.register_fake
+def _(input, weight, bias, stride, padding, dilation, groups, scale=None, residual=None, activation="none"):
+    out_shape = _out_shape(input, weight, stride, padding, dilation)
+    _check_epilogue_args(input, weight, scale, residual, activation, out_shape)
+    return input.new_empty(out_shape).contiguous(memory_format=torch.channels_last)
 
 
 def _setup_backward(ctx, inputs, output):
-    input, weight, bias, stride, padding, dilation, groups = inputs
-    ctx.save_for_backward(input, weight)
-    ctx.conv_args = (stride, padding, dilation, groups, bias is not None)
+    input, weight, bias, stride, padding, dilation, groups, scale, residual, activation = inputs
+    ctx.save_for_backward(input, weight, bias, scale, residual, output)
+    ctx.conv_args = (stride, padding, dilation, groups)
+    ctx.activation = activation
+
+
+def _wide(t):
+    """fp16/bf16 widened to fp32 for sums and the SiLU derivative; fp32/fp64 as they are."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def _backward(ctx, grad_output):
-    input, weight = ctx.saved_tensors
-    stride, padding, dilation, groups, has_bias = ctx.conv_args
-    grad_input, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
-        grad_output, input, weight, [weight.shape[0]] if has_bias else None, stride, padding, dilation,
-        False, [0, 0], groups, [ctx.needs_input_grad[0], ctx.needs_input_grad[1], has_bias])
-    return grad_input, grad_weight, grad_bias if has_bias else None, None, None, None, None
+    """Gradients of out = act(conv(input, weight) * scale + bias + residual): torch's convolution
+    backward for the conv, the chain rule by hand for the epilogue."""
+    input, weight, bias, scale, residual, output = ctx.saved_tensors
+    stride, padding, dilation, groups = ctx.conv_args
+    needs = ctx.needs_input_grad
+    conv_out = None
+    if ctx.activation == "silu" or (scale is not None and needs[7]):     # recompute what is needed
+        conv_out = torch.nn.functional.conv2d(input, weight, None, stride, padding, dilation, groups)
+    grad = grad_output
+    if ctx.activation == "relu":
+        grad = grad * (output > 0)
+    elif ctx.activation == "silu":
+        pre = reference_epilogue(conv_out, bias, scale, residual, "none")
+        sigmoid = torch.sigmoid(_wide(pre))
+        grad = (_wide(grad) * sigmoid * (1 + _wide(pre) * (1 - sigmoid))).to(grad_output.dtype)
+    grad_conv = grad if scale is None else grad * scale.to(grad.dtype).view(1, -1, 1, 1)
+    grad_input, grad_weight, _ = torch.ops.aten.convolution_backward(
+        grad_conv, input, weight, None, stride, padding, dilation, False, [0, 0], groups,
+        [needs[0], needs[1], False])
+    grad_bias = _wide(grad).sum((0, 2, 3)).to(bias.dtype) if bias is not None and needs[2] else None
+    grad_scale = ((_wide(grad) * _wide(conv_out)).sum((0, 2, 3)).to(scale.dtype)
+                  if scale is not None and needs[7] else None)
+    grad_residual = grad if residual is not None and needs[8] else None
+    return grad_input, grad_weight, grad_bias, None, None, None, None, grad_scale, grad_residual, None
 
 
 conv2d_op.register_autograd(_backward, setup_context=_setup_backward)
@@ -190,3 +255,161 @@ def convert_conv2d(model: torch.nn.Module) -> torch.nn.Module:
         else:
             convert_conv2d(child)
     return model
+
+
+# %% Fusing conv -> BatchNorm -> (+ residual) -> activation into one call ---------------------------
+# In eval mode a BatchNorm is an affine map per channel: bn(z) = z * g + (beta - mean * g) with
+# g = gamma / sqrt(var + eps). After a conv it folds into the conv: weights w * g (per output
+# channel) and a shift (b - mean) * g + beta. What follows it in a ResNet block, the residual add
+# and the ReLU, the kernel's epilogue applies while the tile is still in registers, so the
+# activation tensor is written once instead of being read and written again by each of them.
+
+ACTIVATION_MODULES = {torch.nn.ReLU: "relu", torch.nn.SiLU: "silu"}
+ACTIVATION_FUNCTIONS = {torch.relu: "relu", torch.nn.functional.relu: "relu",
+                        torch.nn.functional.silu: "silu"}
+ACTIVATION_METHODS = {"relu": "relu", "relu_": "relu"}
+ADD_FUNCTIONS = (operator.add, operator.iadd, torch.add)
+
+
+def fold_batchnorm(weight, bias, bn):
+    """(weight, shift) of conv -> bn in eval mode, computed in fp32; the weight is returned in its
+    own dtype, the shift in fp32."""
+    g = bn.weight.detach().float() if bn.affine else torch.ones_like(bn.running_var, dtype=torch.float32)
+    beta = bn.bias.detach().float() if bn.affine else torch.zeros_like(g)
+    g = g / torch.sqrt(bn.running_var.float() + bn.eps)
+    conv_bias = bias.detach().float() if bias is not None else torch.zeros_like(g)
+    folded_weight = (weight.detach().float() * g.view(-1, 1, 1, 1)).to(weight.dtype)
+    return folded_weight, (conv_bias - bn.running_mean.float()) * g + beta
+
+
+class FusedConv2d(torch.nn.Module):
+    """One operator call for conv [-> BatchNorm (folded)] [-> + residual] [-> ReLU or SiLU].
+
+    forward(x) or forward(x, residual); x and residual NCHW-shaped (channels_last memory avoids
+    copies). The weight keeps nn.Conv2d's [Co, Ci, R, S] shape in channels_last memory; `bias` is
+    the fp32 shift (the conv's bias with the BatchNorm folded in)."""
+
+    def __init__(self, conv: torch.nn.Conv2d, bn: Optional[torch.nn.BatchNorm2d] = None,
+                 activation: str = "none", takes_residual: bool = False):
+        super().__init__()
+        if conv.padding_mode != "zeros":
+            raise ValueError(f"padding_mode={conv.padding_mode!r}: the kernel pads with zeros only")
+        if activation not in ("none", "relu", "silu"):
+            raise ValueError(f"activation must be 'none', 'relu' or 'silu', got {activation!r}")
+        weight, bias = conv.weight, conv.bias
+        if bn is not None:
+            if bn.training or bn.running_mean is None:
+                raise ValueError("only an eval-mode BatchNorm with running statistics can be folded")
+            weight, bias = fold_batchnorm(weight, bias, bn)
+        self.weight = torch.nn.Parameter(weight.detach().contiguous(memory_format=torch.channels_last),
+                                         requires_grad=conv.weight.requires_grad)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.activation, self.takes_residual, self.folded_batchnorm = activation, takes_residual, bn is not None
+        self.conv_repr = f"{conv.in_channels}, {conv.out_channels}, kernel_size={conv.kernel_size}, " \
+                         f"stride={conv.stride}"
+        pads = resolve_padding(conv.padding, self.weight.shape, tuple(conv.stride), tuple(conv.dilation))
+        if pads is None:
+            raise ValueError(f"padding={conv.padding!r} needs asymmetric padding, which the kernel does not do")
+        self._op_args = (list(conv.stride), list(pads), list(conv.dilation), conv.groups)
+
+    def forward(self, x, residual=None):
+        if (residual is not None) != self.takes_residual:
+            raise ValueError(f"this FusedConv2d {'takes' if self.takes_residual else 'takes no'} residual")
+        return conv2d_op(x, self.weight, self.bias, *self._op_args, residual=residual,
+                         activation=self.activation)
+
+    def extra_repr(self):
+        parts = ["BatchNorm folded"] * self.folded_batchnorm + ["+ residual"] * self.takes_residual \
+            + ([self.activation] if self.activation != "none" else [])
+        return self.conv_repr + "".join(f", {p}" for p in parts)
+
+
+def _single_user(node):
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _activation_of(node, modules):
+    """'relu' or 'silu' if this fx node applies that activation to its one input, else None."""
+    if node.op == "call_module":
+        return ACTIVATION_MODULES.get(type(modules[node.target]))
+    if node.op == "call_function" and node.target in ACTIVATION_FUNCTIONS and len(node.args) == 1:
+        return ACTIVATION_FUNCTIONS[node.target]
+    if node.op == "call_method" and node.target in ACTIVATION_METHODS and len(node.args) == 1:
+        return ACTIVATION_METHODS[node.target]
+    return None
+
+
+def _residual_of(add, value, shapes):
+    """The other operand of `add` if it is a plain sum of two same-shape tensors, else None."""
+    if add.op != "call_function" or add.target not in ADD_FUNCTIONS or add.kwargs or len(add.args) != 2:
+        return None
+    other = add.args[1] if add.args[0] is value else add.args[0]
+    if not isinstance(other, torch.fx.Node) or other is value:
+        return None
+    if shapes is None or shapes.get(other) != shapes.get(value):   # shapes unknown or broadcasting
+        return None
+    return other
+
+
+def fuse_conv_bn_act(model: torch.nn.Module, example_input: Optional[torch.Tensor] = None
+                     ) -> torch.fx.GraphModule:
+    """A torch.fx pass over any traceable model: every nn.Conv2d becomes a FusedConv2d that also
+    does what follows it, matched on the graph (not on class names of blocks):
+      conv -> BatchNorm2d (eval)  -> folded into the weights and shift
+           -> + residual          -> fused when `example_input` is given, so that the shapes of
+                                     both operands are known to match (no broadcasting)
+           -> ReLU / SiLU         -> the epilogue's activation
+    Each intermediate value must have no other user. BatchNorms in training mode are left alone.
+    Returns a new GraphModule; `model` is not changed."""
+    graph_module = torch.fx.symbolic_trace(model)
+    modules = dict(graph_module.named_modules())
+    shapes = None
+    if example_input is not None:
+        from torch.fx.passes.shape_prop import ShapeProp
+        ShapeProp(graph_module).propagate(example_input)
+        shapes = {n: (tuple(n.meta["tensor_meta"].shape), n.meta["tensor_meta"].dtype)
+                  for n in graph_module.graph.nodes if hasattr(n.meta.get("tensor_meta"), "shape")}
+    graph, removed, count = graph_module.graph, set(), 0
+    for conv_node in list(graph.nodes):
+        if conv_node in removed or conv_node.op != "call_module" \
+                or not isinstance(modules[conv_node.target], torch.nn.Conv2d) \
+                or modules[conv_node.target].padding_mode != "zeros":
+            continue
+        conv = modules[conv_node.target]
+        chain, bn, residual, activation = [conv_node], None, None, "none"
+        nxt = _single_user(chain[-1])
+        if nxt is not None and nxt.op == "call_module" and isinstance(modules[nxt.target], torch.nn.BatchNorm2d) \
+                and not modules[nxt.target].training and modules[nxt.target].running_mean is not None:
+            bn = modules[nxt.target]
+            chain.append(nxt)
+            nxt = _single_user(nxt)
+        if nxt is not None and (other := _residual_of(nxt, chain[-1], shapes)) is not None:
+            residual = other
+            chain.append(nxt)
+            nxt = _single_user(nxt)
+        if nxt is not None and (act := _activation_of(nxt, modules)) is not None:
+            activation = act
+            chain.append(nxt)
+        try:
+            fused = FusedConv2d(conv, bn, activation, residual is not None)
+        except ValueError as error:
+            warnings.warn(f"{conv_node.target}: {error}; left as it is")
+            continue
+        name = f"fused_{conv_node.target.replace('.', '_')}"
+        graph_module.add_submodule(name, fused)
+        modules[name] = fused
+        with graph.inserting_after(chain[-1]):
+            new_node = graph.call_module(name, (conv_node.args[0],) + ((residual,) if residual is not None else ()))
+        chain[-1].replace_all_uses_with(new_node)
+        if shapes is not None:
+            shapes[new_node] = shapes.get(chain[-1])
+        for node in reversed(chain):
+            graph.erase_node(node)
+            removed.add(node)
+        count += 1
+    graph.lint()
+    graph_module.delete_all_unused_submodules()
+    graph_module.recompile()
+    graph_module.fused_convs = count
+    return graph_module

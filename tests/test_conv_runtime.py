@@ -54,7 +54,8 @@ def _shape_that_keeps(config):
 def test_every_hopper_candidate_compiles_within_budget(config):
     Co = _shape_that_keeps(config)
     compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
-                                          Co=Co, config=list(config), bias=True)
+                                          Co=Co, config=list(config),
+                                          epilogue=[True, True, True, "relu"])   # the fullest epilogue
     assert compiled["shared"] <= conv_runtime.SMEM_LIMIT_BYTES["sm_90"]
     assert config.programs_per_sm * (compiled["shared"] + 1024) <= conv_runtime.SMEM_PER_SM_BYTES
     assert compiled["shared"] <= conv_runtime.shared_memory_bytes(config) + 1024   # the model holds
@@ -140,3 +141,33 @@ def test_autotune_keeps_the_fastest_and_later_processes_reuse_it(monkeypatch, tm
     monkeypatch.setattr(conv_runtime, "_TUNING_FILE", None)
     monkeypatch.setattr(conv_runtime, "_BEST_CONFIG", {})
     assert conv_runtime.known_or_heuristic_config(geometry, torch.bfloat16) in candidates
+
+
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", [
+    (2, 32, 30, 3, 64, 7, 7, 2, 3, 1),          # a ResNet stem: 21 folded channels, padded to 24
+    (1, 17, 23, 4, 24, 3, 5, (2, 1), (1, 2), 1),
+    (3, 12, 11, 1, 8, 3, 3, 1, 2, 2),            # dilation 2 along W: the copy is a gather
+])
+def test_folding_filter_columns_into_channels_keeps_the_convolution(N, H, W, Ci, Co, R, S, stride,
+                                                                     padding, dilation):
+    """The folded R x 1 conv over S*Ci channels equals the original, computed by torch on the CPU."""
+    torch.manual_seed(0)
+    x_nhwc, w = torch.randn(N, H, W, Ci), torch.randn(Co, R, S, Ci)
+    geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding, dilation)
+    fold = conv_runtime.folded_geometry(geometry)
+    assert fold is not None and fold.geometry.S == 1 and fold.geometry.Ci % 8 == 0
+    assert (fold.geometry.out_h, fold.geometry.out_w, fold.geometry.M) == (geometry.out_h, geometry.out_w, geometry.M)
+    x_fold, w_fold = fold.apply(x_nhwc, w)
+    assert x_fold.shape == (N, H, geometry.out_w, fold.geometry.Ci) and w_fold.shape == (Co, R, 1, fold.geometry.Ci)
+    g = fold.geometry
+    folded = torch.nn.functional.conv2d(x_fold.permute(0, 3, 1, 2), w_fold.permute(0, 3, 1, 2), None,
+                                        g.stride, g.padding, g.dilation)
+    torch.testing.assert_close(folded.permute(0, 2, 3, 1),
+                               common.reference_conv2d_nhwc(x_nhwc, w, None, stride, padding, dilation),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_only_small_channel_counts_are_folded():
+    wide = common.conv_geometry((2, 16, 16, 64), (64, 3, 3, 64), 1, 1)
+    one_by_one = common.conv_geometry((2, 16, 16, 3), (64, 1, 1, 3), 1, 0)
+    assert conv_runtime.folded_geometry(wide) is None and conv_runtime.folded_geometry(one_by_one) is None
