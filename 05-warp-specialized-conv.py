@@ -1240,18 +1240,22 @@ def plot_bench(rows, info, dtype, outdir, data, recorded=None):
 
 # %%
 if __name__ == "__main__":
-    args = common.lesson_args("Lesson 05: warp-specialized persistent conv")
+    args = common.lesson_args("Lesson 05: warp-specialized persistent conv", suites=["shapes", "networks"])
     outdir = common.output_dir(args.outdir)
     run_show_ptx()
+    import network_suite   # every distinct layer of ResNet-50 and the SD UNet (network_suite.py)
     if common.has_tma_mma_gpu():
         run_conv(conv2d_fprop_launch, 4, 32, 32, 384, 384, 3, 3, 1, 1)
         print(f"\nconv2d_fprop_launch matches torch.nn.functional.conv2d on {common.gpu_name()}")
         run_runtime_demo()
-        if args.bench:
+        if args.bench and args.suite == "networks":
+            network_suite.run_network_suite(outdir, quick=args.quick, tune=args.tune)
+        elif args.bench:
             run_bench(outdir, quick=args.quick)
         print("lesson 05: all checks passed")
     else:
         show_recorded_bench(outdir)
+        network_suite.show_recorded_suite(outdir)
         print("\n" + common.cpu_closing_line(
             "05", "input validation, config rules, and the sm_90 and sm_100 builds of the kernel "
             "(the instructions above)", "running the kernel and the runtime, comparing them with "

@@ -469,15 +469,28 @@ def save_figure(fig, outdir, name: str, data=None) -> Path:
     if os.environ.get("CONV_TUTORIAL_KEEP_FIGURES") != "1":   # the site's builder collects open figures
         plt.close(fig)
     if data is not None:
-        (outdir / f"{name}.json").write_text(json.dumps(data, indent=2, default=str))
+        save_json(outdir, name, data)
     print(f"[plot] {path}")
     return path
 
 
-def lesson_args(description: str, argv=None):
-    """The small command line every lesson shares: --bench, --outdir, --quick."""
+def save_json(outdir, name: str, data) -> Path:
+    """Write `data` as outdir/name.json (what recorded_results reads back from results/)."""
+    path = Path(outdir) / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2, default=str))
+    return path
+
+
+def lesson_args(description: str, argv=None, suites=None):
+    """The small command line every lesson shares: --bench, --outdir, --quick (and, for a lesson
+    with several benchmark suites, --suite and --tune)."""
     import argparse
     parser = argparse.ArgumentParser(description=description)
+    if suites:
+        parser.add_argument("--suite", choices=suites, default=suites[0],
+                            help="which benchmark --bench runs (default %(default)s)")
+        parser.add_argument("--tune", action="store_true",
+                            help="autotune every layer of the suite first (default: the heuristic)")
     parser.add_argument("--bench", action="store_true", help="run the GPU benchmark (needs a GPU)")
     parser.add_argument("--outdir", default=None, help="folder for plots and data (default ./out)")
     parser.add_argument("--quick", action="store_true", help="fewer shapes, for a fast look")

@@ -1,15 +1,24 @@
 """ResNet-50 end to end with lesson 05's convolution, next to the same model on cuDNN.
 
-    python scripts/resnet50.py [--batch 128] [--tune] [--outdir out]
+    python scripts/resnet50.py [--batch 128 1] [--tune] [--outdir out] [--first-call-latency]
 
-torchvision's ResNet-50 (random weights, eval mode, bf16, channels_last). Every nn.Conv2d is
-converted with conv_torch.convert_conv2d (the operator torch.ops.conv_tutorial.conv2d); the rest
-of the model is PyTorch's. Measured side by side in one run, each with triton.testing.do_bench
-(median): eager and torch.compile, on cuDNN and on ours; the logits' error against an fp32 eager
-run of the same model and input (max |error| / max |reference| and mean |error| / mean
-|reference|); the time of each distinct conv layer alone, ours and cuDNN's, and its share of the
-forward pass; and the first call of a new layer in a fresh process with a cold Triton cache:
-with the heuristic config, with autotuning, and with a tuning file from an earlier process.
+torchvision's ResNet-50 (random weights, eval mode, bf16, channels_last). Variants, each measured
+with triton.testing.do_bench (median) in one run, per batch size:
+  eager-cudnn          the model as PyTorch runs it (cuDNN convs, separate BatchNorm/ReLU/add)
+  compile-cudnn        torch.compile (default mode) of that model: Inductor fuses BatchNorm, add
+                       and ReLU into its own kernels around the cuDNN calls
+  ours                 every nn.Conv2d through torch.ops.conv_tutorial.conv2d (convert_conv2d)
+  ours-fused           conv_torch.fuse_conv_bn_act: BatchNorm folded into the weights, and the
+                       residual add and ReLU done in the conv's epilogue: one op call per conv
+  ours-fused-compile   torch.compile (default mode) of ours-fused
+and, since with 53 convs the host time of a call matters (batch 1 above all), the same two
+compiled models with mode="reduce-overhead" (CUDA graphs): compile-cudnn-cudagraphs and
+ours-fused-compile-cudagraphs. For each: images/s and the logits' error against an fp32 eager run
+of the same model and input (max |error| / max |reference| and mean |error| / mean |reference|).
+Per layer (batch 128): every distinct fused conv of ours-fused timed alone, next to cuDNN's conv
+alone and to cuDNN's conv followed by what the fused op also does (BatchNorm, add, ReLU in eager).
+`--first-call-latency` adds the first call of a new layer in a fresh process with a cold Triton
+cache: with the heuristic config, with autotuning, and with a tuning file from an earlier process.
 Configs: the heuristic (what a user gets by default), or `--tune` to autotune every layer first.
 Writes resnet50.json and resnet50.png into the output folder. Needs a Hopper or Blackwell GPU.
 """
@@ -93,87 +102,51 @@ def relative_errors(out, reference):
     return (error.max() / reference.abs().max()).item(), (error.mean() / reference.abs().mean()).item()
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--tune", action="store_true", help="autotune every conv layer first")
-    parser.add_argument("--outdir", default=None)
-    parser.add_argument("--first-call", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--profile", action="store_true", help="profile the host path of one conv call")
-    args = parser.parse_args()
-    if args.first_call:
-        return first_call_child()
-    common.require_tma_mma_gpu("scripts/resnet50.py")
-    if args.profile:
-        return profile_host_path()
+def build_models(batch):
+    """The fp32 reference, the bf16 cuDNN model, ours (converted) and ours fused, same weights."""
     import torchvision
-    import conv_runtime
     import conv_torch
-    outdir = common.output_dir(args.outdir)
-    torch.backends.cudnn.benchmark = True
     torch.manual_seed(0)
     fp32 = torchvision.models.resnet50(weights=None).eval().cuda()
-    x32 = torch.randn(args.batch, 3, 224, 224, device="cuda")
+    # BatchNorm statistics as a trained model has them (fresh ones are 0 and 1: folding would be
+    # a no-op and the test of it weak)
+    for bn in (m for m in fp32.modules() if isinstance(m, torch.nn.BatchNorm2d)):
+        bn.running_mean.uniform_(-0.2, 0.2)
+        bn.running_var.uniform_(0.5, 2.0)
+        bn.weight.data.uniform_(0.5, 1.5)
+        bn.bias.data.uniform_(-0.2, 0.2)
+    x32 = torch.randn(batch, 3, 224, 224, device="cuda")
     with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
         torch.backends.cuda.matmul.allow_tf32 = False
         reference = fp32(x32).float()
-    cudnn_model = torchvision.models.resnet50(weights=None).eval()
+    bf16 = dict(dtype=torch.bfloat16, memory_format=torch.channels_last)
+    copy = lambda: torchvision.models.resnet50(weights=None).eval().cuda().to(**bf16)  # noqa: E731
+    cudnn_model, ours_model = copy(), copy()
     cudnn_model.load_state_dict(fp32.state_dict())
-    cudnn_model = cudnn_model.cuda().to(torch.bfloat16).to(memory_format=torch.channels_last)
-    ours_model = torchvision.models.resnet50(weights=None).eval()
     ours_model.load_state_dict(fp32.state_dict())
-    ours_model = conv_torch.convert_conv2d(ours_model).cuda().to(torch.bfloat16).to(memory_format=torch.channels_last)
+    conv_torch.convert_conv2d(ours_model)
     x = x32.to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
-    convs = [m for m in ours_model.modules() if isinstance(m, conv_torch.TutorialConv2d)]
-    conv_runtime.set_autotune(args.tune)
-    print(f"ResNet-50, batch {args.batch}, bf16, channels_last, {common.gpu_name()}; {len(convs)} convs "
-          f"converted; configs: {'autotuned' if args.tune else 'heuristic (no tuning)'}")
+    # folded from the fp32 model (the arithmetic in fp32), then cast: as a user would deploy it
+    fused_model = conv_torch.fuse_conv_bn_act(fp32, example_input=x32[:1]).to(**bf16)
+    return reference, cudnn_model, ours_model, fused_model, x
 
-    # Per layer: record each conv's input shape once, then time each distinct layer alone.
-    shapes = []
-    hooks = [m.register_forward_hook(lambda m, inp, out: shapes.append((m, tuple(inp[0].shape)))) for m in convs]
+
+def check_no_fallback(model, x):
+    """Run once (compiles what it needs); a fallback would be a cuDNN call measured as ours."""
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         start = time.perf_counter()
-        ours_model(x)
+        model(x)
         torch.cuda.synchronize()
-        warm_seconds = time.perf_counter() - start
     fallbacks = [str(w.message) for w in caught if "conv_tutorial::conv2d" in str(w.message)]
-    if fallbacks:                      # a fallback would be a cuDNN call measured as ours: stop
+    if fallbacks:
         raise RuntimeError(f"some convs fell back to cuDNN: {fallbacks}")
-    for hook in hooks:
-        hook.remove()
-    print(f"   first forward (compiles the kernels it needs): {warm_seconds:.1f} s")
-    layers = {}
-    for module, shape in shapes:
-        key = (shape, tuple(module.weight.shape), module.stride, module.padding)
-        layers.setdefault(key, [module, 0])[1] += 1
-    layer_rows = []
-    for (shape, w_shape, stride, padding), (module, count) in layers.items():
-        xi = torch.randn(shape, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
-        flops = 2 * shape[0] * w_shape[0] * w_shape[1] * w_shape[2] * w_shape[3] * \
-            ((shape[2] + 2 * padding[0] - w_shape[2]) // stride[0] + 1) * ((shape[3] + 2 * padding[1] - w_shape[3]) // stride[1] + 1)
-        cudnn_call = lambda: torch.nn.functional.conv2d(xi, module.weight, module.bias, stride, padding)  # noqa: E731
-        with torch.no_grad():
-            ours_ms = triton.testing.do_bench(lambda: module(xi))
-            cudnn_ms = triton.testing.do_bench(cudnn_call)
-            # kernels alone (CUDA graph replay): what a host-free schedule would see
-            ours_graph_ms = triton.testing.do_bench_cudagraph(lambda: module(xi))
-            cudnn_graph_ms = triton.testing.do_bench_cudagraph(cudnn_call)
-        label = f"{shape[2]}x{shape[3]} {w_shape[1]}->{w_shape[0]} {w_shape[2]}x{w_shape[3]}" + \
-            (f" s{stride[0]}" if stride[0] > 1 else "")
-        layer_rows.append({"layer": label, "count": count, "ours_ms": ours_ms, "cudnn_ms": cudnn_ms,
-                           "ours_graph_ms": ours_graph_ms, "cudnn_graph_ms": cudnn_graph_ms,
-                           "ours_tflops": flops / ours_ms / 1e9, "cudnn_tflops": flops / cudnn_ms / 1e9,
-                           "ratio": cudnn_ms / ours_ms})
+    return time.perf_counter() - start
 
+
+def time_variants(models, x, reference, batch):
     rows = []
-    variants = {"eager-cudnn": cudnn_model, "ours": ours_model,
-                "compile-cudnn": torch.compile(cudnn_model), "ours-compile": torch.compile(ours_model),
-                # the same, with torch.compile's CUDA graphs: no host time per layer
-                "compile-cudnn-cudagraphs": torch.compile(cudnn_model, mode="reduce-overhead"),
-                "ours-compile-cudagraphs": torch.compile(ours_model, mode="reduce-overhead")}
-    for name, model in variants.items():
+    for name, model in models.items():
         with torch.no_grad():
             start = time.perf_counter()
             out = model(x)                   # compiles (torch.compile variants) before timing
@@ -181,66 +154,150 @@ def main():
             first = time.perf_counter() - start
             for _ in range(3):               # CUDA-graph variants record on their first calls
                 out = model(x).clone()
-            ms = triton.testing.do_bench(lambda: model(x), warmup=50, rep=500)
+            ms = triton.testing.do_bench(lambda: model(x), warmup=50, rep=500 if batch > 8 else 200)
         max_err, mean_err = relative_errors(out, reference)
-        rows.append({"variant": name, "batch": args.batch, "img_s": args.batch / ms * 1e3, "ms": ms,
+        rows.append({"variant": name, "batch": batch, "img_s": batch / ms * 1e3, "ms": ms,
                      "first_call_s": first, "logits_max_rel_err": max_err, "logits_mean_rel_err": mean_err})
-        print(f"   {name:<14} {rows[-1]['img_s']:8.0f} images/s  ({ms:.2f} ms per batch; first call "
+        print(f"   {name:<30} {rows[-1]['img_s']:8.0f} images/s  ({ms:.3f} ms per batch; first call "
               f"{first:.1f} s)  logits vs fp32: max {max_err:.2e}, mean {mean_err:.2e}")
-    forward_ms = next(r["ms"] for r in rows if r["variant"] == "ours")
-    total_ours = sum(r["ours_ms"] * r["count"] for r in layer_rows)
-    total_cudnn = sum(r["cudnn_ms"] * r["count"] for r in layer_rows)
-    print(f"\n   conv layers alone, summed over the forward pass: ours {total_ours:.2f} ms, cuDNN "
-          f"{total_cudnn:.2f} ms ({total_cudnn / total_ours:.2f}x); ours is {100 * total_ours / forward_ms:.0f}% "
-          f"of our eager forward ({forward_ms:.2f} ms)")
-    graph_ours = sum(r["ours_graph_ms"] * r["count"] for r in layer_rows)
-    graph_cudnn = sum(r["cudnn_graph_ms"] * r["count"] for r in layer_rows)
-    print(f"   kernels alone (CUDA graph replay), summed: ours {graph_ours:.2f} ms, cuDNN {graph_cudnn:.2f} ms "
-          f"({graph_cudnn / graph_ours:.2f}x)")
-    print(f"   {'layer':<26} {'count':>5} {'ours ms':>8} {'cuDNN ms':>8} {'cuDNN/ours':>10} {'share':>6}"
-          f"   graph: {'ours ms':>8} {'cuDNN ms':>8} {'cuDNN/ours':>10}")
-    for r in sorted(layer_rows, key=lambda r: -r["ours_ms"] * r["count"]):
-        r["share_of_forward"] = r["ours_ms"] * r["count"] / forward_ms
-        print(f"   {r['layer']:<26} {r['count']:5d} {r['ours_ms']:8.3f} {r['cudnn_ms']:8.3f} "
-              f"{r['ratio']:10.2f} {100 * r['share_of_forward']:5.1f}%          {r['ours_graph_ms']:8.3f} "
-              f"{r['cudnn_graph_ms']:8.3f} {r['cudnn_graph_ms'] / r['ours_graph_ms']:10.2f}")
-    print("\nfirst call of a new layer (1x1, 14x14, 1024->256, batch 128):")
-    latencies = first_call_latencies()
+    return rows
+
+
+def fused_layer_table(fused_model, x):
+    """Every distinct fused conv alone, next to cuDNN doing the same work unfused (eager)."""
+    import conv_torch
+    calls = []
+    hooks = [m.register_forward_hook(lambda m, inp, out: calls.append((m, inp)))
+             for m in fused_model.modules() if isinstance(m, conv_torch.FusedConv2d)]
+    with torch.no_grad():
+        fused_model(x)
+    for hook in hooks:
+        hook.remove()
+    layers = {}
+    for module, inputs in calls:
+        key = (tuple(inputs[0].shape), tuple(module.weight.shape), tuple(module._op_args[0]),
+               module.takes_residual, module.activation)
+        layers.setdefault(key, [module, inputs, 0])[2] += 1
+    rows = []
+    for (shape, w_shape, stride, residual, activation), (module, inputs, count) in layers.items():
+        stride_, padding, dilation, groups = module._op_args
+        xi = inputs[0]
+        res = inputs[1] if residual else None
+        shift = module.bias.to(torch.bfloat16)
+        out_elems = 0
+
+        def cudnn_unfused():
+            y = torch.nn.functional.conv2d(xi, module.weight, None, stride_, padding, dilation)
+            y = y + shift.view(1, -1, 1, 1)      # what the BatchNorm does once folded
+            if res is not None:
+                y = y + res
+            return torch.relu(y) if activation == "relu" else y
+        cudnn_conv = lambda: torch.nn.functional.conv2d(xi, module.weight, None, stride_, padding, dilation)  # noqa: E731
+        with torch.no_grad():
+            out = module(*inputs)
+            out_elems = out.numel()
+            ours_ms = triton.testing.do_bench(lambda: module(*inputs))
+            conv_ms = triton.testing.do_bench(cudnn_conv)
+            unfused_ms = triton.testing.do_bench(cudnn_unfused)
+            ours_graph_ms = triton.testing.do_bench_cudagraph(lambda: module(*inputs))
+            conv_graph_ms = triton.testing.do_bench_cudagraph(cudnn_conv)
+        flops = 2 * out_elems * w_shape[1] * w_shape[2] * w_shape[3]
+        label = (f"{shape[2]}x{shape[3]} {w_shape[1]}->{w_shape[0]} {w_shape[2]}x{w_shape[3]}"
+                 + (f" s{stride[0]}" if stride[0] > 1 else "") + (" +res" if residual else "")
+                 + (f" {activation}" if activation != "none" else ""))
+        rows.append({"layer": label, "count": count, "ours_fused_ms": ours_ms, "cudnn_conv_ms": conv_ms,
+                     "cudnn_conv_epilogue_eager_ms": unfused_ms, "ours_fused_graph_ms": ours_graph_ms,
+                     "cudnn_conv_graph_ms": conv_graph_ms, "ours_tflops": flops / ours_ms / 1e9,
+                     "cudnn_tflops": flops / conv_ms / 1e9})
+    print("\n   fused model, each distinct fused conv alone (do_bench; graph = kernels alone):")
+    print(f"   {'layer':<36} {'count':>5} {'ours fused':>10} {'cuDNN conv':>10} {'cuDNN+epi':>10}"
+          f" {'ours graph':>10} {'cuDNN graph':>11}  (ms)")
+    for r in sorted(rows, key=lambda r: -r["ours_fused_ms"] * r["count"]):
+        print(f"   {r['layer']:<36} {r['count']:5d} {r['ours_fused_ms']:10.3f} {r['cudnn_conv_ms']:10.3f}"
+              f" {r['cudnn_conv_epilogue_eager_ms']:10.3f} {r['ours_fused_graph_ms']:10.3f}"
+              f" {r['cudnn_conv_graph_ms']:11.3f}")
+    totals = {k: sum(r[k] * r["count"] for r in rows) for k in
+              ("ours_fused_ms", "cudnn_conv_ms", "cudnn_conv_epilogue_eager_ms", "ours_fused_graph_ms",
+               "cudnn_conv_graph_ms")}
+    print("   summed over the forward pass: " + ", ".join(f"{k} {v:.2f}" for k, v in totals.items()))
+    return rows, totals
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[128, 1])
+    parser.add_argument("--tune", action="store_true", help="autotune every conv layer first")
+    parser.add_argument("--outdir", default=None)
+    parser.add_argument("--first-call", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--first-call-latency", action="store_true",
+                        help="also time a new layer's first call in fresh processes (~30 s)")
+    parser.add_argument("--profile", action="store_true", help="profile the host path of one conv call")
+    args = parser.parse_args()
+    if args.first_call:
+        return first_call_child()
+    common.require_tma_mma_gpu("scripts/resnet50.py")
+    if args.profile:
+        return profile_host_path()
+    import conv_runtime
+    outdir = common.output_dir(args.outdir)
+    torch.backends.cudnn.benchmark = True
+    conv_runtime.set_autotune(args.tune)
+    rows, layers, totals = [], [], None
+    for batch in args.batch:
+        reference, cudnn_model, ours_model, fused_model, x = build_models(batch)
+        print(f"\nResNet-50, batch {batch}, bf16, channels_last, {common.gpu_name()}; configs: "
+              f"{'autotuned' if args.tune else 'heuristic (no tuning)'}; "
+              f"{fused_model.fused_convs} convs fused")
+        for model in (ours_model, fused_model):
+            print(f"   first forward of {'ours-fused' if model is fused_model else 'ours'} "
+                  f"(compiles what it needs): {check_no_fallback(model, x):.1f} s")
+        models = {"eager-cudnn": cudnn_model, "compile-cudnn": torch.compile(cudnn_model),
+                  "ours": ours_model, "ours-fused": fused_model,
+                  "ours-fused-compile": torch.compile(fused_model),
+                  "compile-cudnn-cudagraphs": torch.compile(cudnn_model, mode="reduce-overhead"),
+                  "ours-fused-compile-cudagraphs": torch.compile(fused_model, mode="reduce-overhead")}
+        rows += time_variants(models, x, reference, batch)
+        if batch == max(args.batch):
+            layers, totals = fused_layer_table(fused_model, x)
+        del models, cudnn_model, ours_model, fused_model, x
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
     info = common.versions()
-    data = {**info, "batch": args.batch, "configs": "autotuned" if args.tune else "heuristic",
-            "rows": rows, "layers": layer_rows, "first_call_latency_s": latencies}
+    data = {**info, "configs": "autotuned" if args.tune else "heuristic", "rows": rows,
+            "fused_layers": layers, "fused_layer_totals_ms": totals}
+    for batch in args.batch:
+        by = {r["variant"]: r for r in rows if r["batch"] == batch}
+        best = max(("ours-fused", "ours-fused-compile", "ours-fused-compile-cudagraphs"), key=lambda v: by[v]["img_s"])
+        print(f"\nbatch {batch}: best of ours fused = {best} {by[best]['img_s']:.0f} images/s = "
+              f"{by[best]['img_s'] / by['compile-cudnn']['img_s']:.2f}x compile-cudnn, "
+              f"{by[best]['img_s'] / by['compile-cudnn-cudagraphs']['img_s']:.2f}x compile-cudnn-cudagraphs; "
+              f"logits max error {by[best]['logits_max_rel_err']:.2e} against eager-cudnn's "
+              f"{by['eager-cudnn']['logits_max_rel_err']:.2e}")
+    if args.first_call_latency:
+        print("\nfirst call of a new layer (1x1, 14x14, 1024->256, batch 128):")
+        data["first_call_latency_s"] = first_call_latencies()
     plot(data, outdir)
     return data
 
 
 def plot(data, outdir):
-    fig, (left, right) = common.new_figure(1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [1, 2]})
-    names = [r["variant"] for r in data["rows"]]
-    bars = left.bar(range(len(names)), [r["img_s"] for r in data["rows"]],
-                    color=["#2060c0" if name.startswith("ours") else "#40a040" for name in names])
-    left.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
-    for bar, row in zip(bars, data["rows"]):
-        left.text(bar.get_x() + bar.get_width() / 2, row["img_s"], f"{row['img_s']:.0f}", ha="center", va="bottom")
-    left.set_ylabel("images per second (higher is better)")
-    left.set_xlabel("model variant")
-    left.set_title(f"ResNet-50, batch {data['batch']}, bf16, {data['device']}", fontsize=10)
-    layers = sorted(data["layers"], key=lambda r: -r["ours_ms"] * r["count"])
-    xs = range(len(layers))
-    right.bar([x - 0.3 for x in xs], [r["ours_ms"] * r["count"] for r in layers], 0.2, color="#2060c0",
-              label="ours, one call (do_bench)")
-    right.bar([x - 0.1 for x in xs], [r["cudnn_ms"] * r["count"] for r in layers], 0.2, color="#40a040",
-              label="cuDNN, one call")
-    right.bar([x + 0.1 for x in xs], [r["ours_graph_ms"] * r["count"] for r in layers], 0.2, color="#90b0e8",
-              label="ours, kernel alone (CUDA graph)")
-    right.bar([x + 0.3 for x in xs], [r["cudnn_graph_ms"] * r["count"] for r in layers], 0.2, color="#a0d0a0",
-              label="cuDNN, kernel alone")
-    right.set_xticks(list(xs), [f"{r['layer']} (x{r['count']})" for r in layers], rotation=60, ha="right", fontsize=7)
-    right.set_ylabel("ms per forward pass (layer time x count)")
-    right.set_xlabel("conv layer (input HxW, Ci->Co, filter, stride)")
-    right.set_title(f"Each distinct conv layer timed alone; configs: {data['configs']}\n"
-                    f"torch {data['torch']}, Triton {data['triton']}, cuDNN {data['cudnn']}", fontsize=10)
-    right.legend()
-    right.grid(axis="y", alpha=0.3)
+    batches = sorted({r["batch"] for r in data["rows"]}, reverse=True)
+    fig, axes = common.new_figure(1, len(batches), figsize=(7 * len(batches), 5.5), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        rows = [r for r in data["rows"] if r["batch"] == batch]
+        names = [r["variant"] for r in rows]
+        bars = ax.bar(range(len(rows)), [r["img_s"] for r in rows],
+                      color=["#2060c0" if name.startswith("ours") else "#40a040" for name in names])
+        for bar, row in zip(bars, rows):
+            ax.text(bar.get_x() + bar.get_width() / 2, row["img_s"], f"{row['img_s']:.0f}",
+                    ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("images per second (higher is better)")
+        ax.set_xlabel("model variant (green: cuDNN convs; blue: lesson 05's)")
+        ax.set_title(f"ResNet-50 inference, batch {batch}, bf16", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"{data['device']}, torch {data['torch']}, Triton {data['triton']}, cuDNN {data['cudnn']}; "
+                 f"configs: {data['configs']}", fontsize=9)
     common.save_figure(fig, outdir, "resnet50", data)
 
 
