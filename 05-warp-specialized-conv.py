@@ -1249,7 +1249,7 @@ if __name__ == "__main__":
         print(f"\nconv2d_fprop_launch matches torch.nn.functional.conv2d on {common.gpu_name()}")
         run_runtime_demo()
         if args.bench and args.suite == "networks":
-            network_suite.run_network_suite(outdir, quick=args.quick, tune=args.tune)
+            network_suite.run_network_suite(outdir, quick=args.quick, tune=not args.heuristic)
         elif args.bench:
             run_bench(outdir, quick=args.quick)
         print("lesson 05: all checks passed")

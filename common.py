@@ -489,8 +489,9 @@ def lesson_args(description: str, argv=None, suites=None):
     if suites:
         parser.add_argument("--suite", choices=suites, default=suites[0],
                             help="which benchmark --bench runs (default %(default)s)")
-        parser.add_argument("--tune", action="store_true",
-                            help="autotune every layer of the suite first (default: the heuristic)")
+        parser.add_argument("--heuristic", action="store_true",
+                            help="take the runtime's heuristic config per layer instead of "
+                                 "autotuning each layer first (the default, as for the shapes)")
     parser.add_argument("--bench", action="store_true", help="run the GPU benchmark (needs a GPU)")
     parser.add_argument("--outdir", default=None, help="folder for plots and data (default ./out)")
     parser.add_argument("--quick", action="store_true", help="fewer shapes, for a fast look")

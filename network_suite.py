@@ -13,8 +13,9 @@ nobody tuned for. The suite is
   together they are well under 1% of the UNet's conv FLOPs.)
 Each layer is checked against torch, then timed as lesson 05's benchmark times: do_bench (median,
 L2 flushed before each call, host time included), bf16, ours and cuDNN (channels_last) in
-alternating rounds of the same run. Ours is what the PyTorch operator runs: the runtime's config
-for the shape (the heuristic, or with --tune the autotuner's), small-Ci layers folded.
+alternating rounds of the same run. Ours is the runtime's call: like the shapes benchmark, each
+layer autotuned first (with --heuristic: the heuristic's config, what the PyTorch operator uses
+without a tuning file), small-Ci layers folded.
 
 Writes network_suite.json (device, versions, one record per layer: layer, ours_tflops,
 cudnn_tflops, ratio, ...) and two plots: the ratio per layer, sorted, and a roofline (arithmetic
@@ -90,7 +91,7 @@ def geometric_mean(values):
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-def run_network_suite(outdir, quick=False, tune=False, dtype=torch.bfloat16):
+def run_network_suite(outdir, quick=False, tune=True, dtype=torch.bfloat16):
     import conv_runtime
     conv_runtime.set_autotune(tune)
     records = []
@@ -100,13 +101,17 @@ def run_network_suite(outdir, quick=False, tune=False, dtype=torch.bfloat16):
         geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
         ours = lambda: conv_runtime.conv2d(x_nhwc, w, None, stride, padding, tune=tune)  # noqa: E731
         cudnn = common.cudnn_conv2d(x_nhwc, w, None, stride, padding)
+        fold = conv_runtime.folded_geometry(geometry)
+        run_geometry = fold.geometry if fold is not None else geometry
+        if tune:
+            print(f"\n{label}: {geometry.describe()}{' (folded)' if fold else ''}; autotuning:")
+            config = conv_runtime.tuned_config(run_geometry, *(fold.apply(x_nhwc, w) if fold else (x_nhwc, w)),
+                                               None, verbose=True, retune=True)
+        else:
+            config = conv_runtime.known_or_heuristic_config(run_geometry, dtype)
         expected = common.reference_conv2d_nhwc(x_nhwc, w, None, stride, padding)
         common.assert_close_to_reference(ours(), expected, dtype=dtype, K=geometry.K)
         del expected
-        fold = conv_runtime.folded_geometry(geometry)
-        run_geometry = fold.geometry if fold is not None else geometry
-        config = (conv_runtime.tuned_config(run_geometry, *(fold.apply(x_nhwc, w) if fold else (x_nhwc, w)), None)
-                  if tune else conv_runtime.known_or_heuristic_config(run_geometry, dtype))
         rounds = {"ours": [], "cudnn": []}
         for _ in range(ROUNDS):                    # alternating: both see the same clock drift
             rounds["ours"].append(common.bench_tflops(ours, geometry.flops)["tflops"])

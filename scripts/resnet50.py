@@ -242,11 +242,13 @@ def main():
     outdir = common.output_dir(args.outdir)
     torch.backends.cudnn.benchmark = True
     conv_runtime.set_autotune(args.tune)
+    tuned = len(conv_runtime._load_tuning_file())
+    configs = ("autotuned" if args.tune else f"tuning file {conv_runtime.tuning_cache_path()} ({tuned} "
+               f"shapes), else the heuristic" if tuned else "heuristic (no tuning file)")
     rows, layers, totals = [], [], None
     for batch in args.batch:
         reference, cudnn_model, ours_model, fused_model, x = build_models(batch)
-        print(f"\nResNet-50, batch {batch}, bf16, channels_last, {common.gpu_name()}; configs: "
-              f"{'autotuned' if args.tune else 'heuristic (no tuning)'}; "
+        print(f"\nResNet-50, batch {batch}, bf16, channels_last, {common.gpu_name()}; configs: {configs}; "
               f"{fused_model.fused_convs} convs fused")
         for model in (ours_model, fused_model):
             print(f"   first forward of {'ours-fused' if model is fused_model else 'ours'} "
@@ -263,7 +265,7 @@ def main():
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     info = common.versions()
-    data = {**info, "configs": "autotuned" if args.tune else "heuristic", "rows": rows,
+    data = {**info, "configs": configs, "rows": rows,
             "fused_layers": layers, "fused_layer_totals_ms": totals}
     for batch in args.batch:
         by = {r["variant"]: r for r in rows if r["batch"] == batch}

@@ -298,6 +298,9 @@ def test_fused_network_on_the_gpu_matches_the_original():
 
 @needs_gpu
 def test_fused_operator_gradients_on_the_gpu():
+    """Gradients of act(conv + bias + residual) with ReLU against torch's autograd. Where the
+    pre-activation is near zero, bf16 rounding can put ours and torch's on different sides of the
+    ReLU, so torch's side is given our mask (a fixed 0/1 factor): the same function elsewhere."""
     torch.manual_seed(3)
     bf16 = dict(device="cuda", dtype=torch.bfloat16, requires_grad=True)
     x, w = torch.randn(4, 32, 12, 12, **bf16), torch.randn(64, 32, 3, 3, **bf16)
@@ -305,8 +308,11 @@ def test_fused_operator_gradients_on_the_gpu():
     residual = torch.randn(4, 64, 12, 12, **bf16)
     ours = torch.ops.conv_tutorial.conv2d(x, w, bias, [1, 1], [1, 1], [1, 1], 1, residual=residual,
                                           activation="relu")
-    want = epilogue_reference(x, w, bias, None, residual, "relu")
+    mask = (ours > 0).detach()
+    want = epilogue_reference(x, w, bias, None, residual, "none") * mask
     got = torch.autograd.grad(ours.float().square().sum(), (x, w, bias, residual))
     expected = torch.autograd.grad(want.float().square().sum(), (x, w, bias, residual))
-    for a, b in zip(got, expected):
-        torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-1)
+    for name, a, b in zip(("x", "w", "bias", "residual"), got, expected):
+        scale = b.float().abs().max().item()
+        torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=2e-2 * scale,
+                                   msg=lambda m: f"gradient of {name}: {m}")
