@@ -41,6 +41,7 @@ import common  # first: on a machine without a GPU it turns on the Triton interp
 import pytest
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.blackwell import (
@@ -86,7 +87,7 @@ CONV_DTYPES = (torch.float16, torch.bfloat16)
 def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, ready, empty,
                      num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
                      Ci, S, k_steps, channel_blocks, GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-                     TILE_N: gl.constexpr):
+                     TILE_N: gl.constexpr, SPLIT_K: gl.constexpr):
     """One warp: for every (tile, k-step) of this program, wait for a free stage and fill it."""
     BLOCK_M: gl.constexpr = in_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = in_desc.block_type.shape[1]
@@ -95,7 +96,9 @@ def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, 
     # bytes that land per stage: the A box, and TILE_N rows of weights (main box + tail box)
     stage_bytes: gl.constexpr = in_desc.block_type.nbytes + w_desc.block_type.nbytes * TILE_N // BLOCK_N
     counter = 0
-    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+    num_tiles = num_pid_m * num_pid_n
+    for unit in range(gl.program_id(0), num_tiles * SPLIT_K, gl.num_programs(0)):
+        tile_id, split, k_begin, k_end = work_unit(unit, num_tiles, k_steps, SPLIT_K)
         pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         m0 = pid_m * BLOCK_M
         n = m0 // (out_h * out_w)
@@ -104,7 +107,7 @@ def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, 
         start_h = oy * stride_h - pad_h
         start_w = ox * stride_w - pad_w
         co0 = pid_n * TILE_N
-        for k in range(k_steps):
+        for k in range(k_begin, k_end):
             tap = k // channel_blocks
             c0 = (k % channel_blocks) * BLOCK_K
             slot = counter % NUM_BUFFERS
@@ -180,6 +183,18 @@ def store_output_tile(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, 
     tma.async_store(out_desc, [m0, co0], c_smem)
 
 
+@gluon.jit
+def store_partial_tile(acc, partial_ptr, split, M, Co, m0, co0):
+    """Split-K (section 6): this unit's fp32 partial sum of the tile, to partial[split, m, co]."""
+    BLOCK_M: gl.constexpr = acc.type.shape[0]
+    BLOCK_N: gl.constexpr = acc.type.shape[1]
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
+    cols = co0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+    offsets = gl.expand_dims((rows + split * M).to(gl.int64) * Co, 1) + gl.expand_dims(cols, 0)
+    inside = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < Co, 0)
+    gl.store(partial_ptr + offsets, acc, mask=inside)
+
+
 # %%
 # The Hopper consumer. Read it first with NUM_CONSUMERS=1 and no tail: wait for a stage, issue
 # its MMA, wait until only this step's MMA is in flight, release the previous stage, and after
@@ -189,15 +204,16 @@ def store_output_tile(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, 
 
 @gluon.jit
 def hopper_mma_epilogue_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, turn, c_smem, c_tail_smem,
-                                  out_desc, out_tail_desc, bias_ptr, scale_ptr, residual_ptr, M, Co,
-                                  num_pid_m, num_pid_n, k_steps,
+                                  out_desc, out_tail_desc, bias_ptr, scale_ptr, residual_ptr, partial_ptr,
+                                  M, Co, num_pid_m, num_pid_n, k_steps,
                                   GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr,
                                   HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
                                   HAS_RESIDUAL: gl.constexpr, ACTIVATION: gl.constexpr,
-                                  TILE_N: gl.constexpr,
+                                  SPLIT_K: gl.constexpr, TILE_N: gl.constexpr,
                                   CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                                   num_warps: gl.constexpr):
     gl.static_assert(NUM_CONSUMERS <= 2, "one consumer, or two taking turns")
+    gl.static_assert(SPLIT_K == 1 or NUM_CONSUMERS == 1, "split-K runs with one consumer")
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
     BLOCK_N_TAIL: gl.constexpr = TILE_N - BLOCK_N
@@ -205,8 +221,10 @@ def hopper_mma_epilogue_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, tur
     MMAS_PER_STEP: gl.constexpr = 2 if HAS_TAIL else 1
     counter = CONSUMER * k_steps      # the ring position of this consumer's first k-step
     local_tile = 0
-    for tile_id in range(gl.program_id(0) + CONSUMER * gl.num_programs(0), num_pid_m * num_pid_n,
-                         NUM_CONSUMERS * gl.num_programs(0)):
+    num_tiles = num_pid_m * num_pid_n
+    for unit in range(gl.program_id(0) + CONSUMER * gl.num_programs(0), num_tiles * SPLIT_K,
+                      NUM_CONSUMERS * gl.num_programs(0)):
+        tile_id, split, k_begin, k_end = work_unit(unit, num_tiles, k_steps, SPLIT_K)
         pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         if NUM_CONSUMERS == 2:
             # my turn: the other consumer has issued the whole main loop of the tile before mine.
@@ -216,7 +234,7 @@ def hopper_mma_epilogue_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, tur
         mma = common.HopperWGMMA.initialize(out_desc.dtype, BLOCK_M, BLOCK_N, num_warps)
         if HAS_TAIL:
             mma_tail = common.HopperWGMMA.initialize(out_desc.dtype, BLOCK_M, BLOCK_N_TAIL, num_warps)
-        for k in range(k_steps):
+        for k in range(k_begin, k_end):
             slot = counter % NUM_BUFFERS
             mbarrier.wait(ready.index(slot), (counter // NUM_BUFFERS) & 1)
             # acc += A @ B^T, asynchronously (and the tail's columns: a second, narrower MMA)
@@ -227,7 +245,7 @@ def hopper_mma_epilogue_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, tur
                 mma_tail = mma_tail.wait_num_outstanding(MMAS_PER_STEP)
             # Only this step's MMAs in flight: the ones of step k-1 are done, so its stage is free.
             mma = mma.wait_num_outstanding(MMAS_PER_STEP)
-            mbarrier.arrive(empty.index((counter + NUM_BUFFERS - 1) % NUM_BUFFERS), pred=k > 0)
+            mbarrier.arrive(empty.index((counter + NUM_BUFFERS - 1) % NUM_BUFFERS), pred=k > k_begin)
             counter += 1
         if NUM_CONSUMERS == 2:
             mbarrier.arrive(turn.index(1 - CONSUMER))   # your turn: my MMAs are all issued
@@ -236,13 +254,20 @@ def hopper_mma_epilogue_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, tur
             mma_tail = mma_tail.wait_num_outstanding(0)
         mbarrier.arrive(empty.index((counter + NUM_BUFFERS - 1) % NUM_BUFFERS))
         acc, mma = mma.take_result()
-        store_output_tile(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, M, Co,
-                          pid_m * BLOCK_M, pid_n * TILE_N, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION)
+        if SPLIT_K > 1:
+            store_partial_tile(acc, partial_ptr, split, M, Co, pid_m * BLOCK_M, pid_n * TILE_N)
+        else:
+            store_output_tile(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, M, Co,
+                              pid_m * BLOCK_M, pid_n * TILE_N, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION)
         if HAS_TAIL:
             acc_tail, mma_tail = mma_tail.take_result()
-            store_output_tile(acc_tail, c_tail_smem, out_tail_desc, bias_ptr, scale_ptr, residual_ptr,
-                              M, Co, pid_m * BLOCK_M, pid_n * TILE_N + BLOCK_N, HAS_BIAS, HAS_SCALE,
-                              HAS_RESIDUAL, ACTIVATION, STORES_IN_FLIGHT=1)
+            if SPLIT_K > 1:
+                store_partial_tile(acc_tail, partial_ptr, split, M, Co, pid_m * BLOCK_M,
+                                   pid_n * TILE_N + BLOCK_N)
+            else:
+                store_output_tile(acc_tail, c_tail_smem, out_tail_desc, bias_ptr, scale_ptr, residual_ptr,
+                                  M, Co, pid_m * BLOCK_M, pid_n * TILE_N + BLOCK_N, HAS_BIAS, HAS_SCALE,
+                                  HAS_RESIDUAL, ACTIVATION, STORES_IN_FLIGHT=1)
         counter += (NUM_CONSUMERS - 1) * k_steps      # skip the other consumer's tile
         local_tile += 1
     tma.store_wait(pendings=0)
@@ -259,23 +284,26 @@ def hopper_mma_epilogue_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, tur
 @gluon.jit
 def blackwell_mma_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, acc_tmem, acc_tail_tmem,
                             acc_ready, acc_empty, num_pid_m, num_pid_n, k_steps,
-                            NUM_BUFFERS: gl.constexpr, NUM_ACC: gl.constexpr, TILE_N: gl.constexpr):
+                            NUM_BUFFERS: gl.constexpr, NUM_ACC: gl.constexpr, TILE_N: gl.constexpr,
+                            SPLIT_K: gl.constexpr):
     BLOCK_N_TAIL: gl.constexpr = TILE_N - b_bufs.shape[1]
     counter = 0
     tile_count = 0
-    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+    num_tiles = num_pid_m * num_pid_n
+    for unit in range(gl.program_id(0), num_tiles * SPLIT_K, gl.num_programs(0)):
+        tile_id, split, k_begin, k_end = work_unit(unit, num_tiles, k_steps, SPLIT_K)
         buf = tile_count % NUM_ACC
         # wait until the epilogue has read this accumulator (first pass: returns at once)
         mbarrier.wait(acc_empty.index(buf), ((tile_count // NUM_ACC) & 1) ^ 1)
-        for k in range(k_steps):
+        for k in range(k_begin, k_end):
             slot = counter % NUM_BUFFERS
             mbarrier.wait(ready.index(slot), (counter // NUM_BUFFERS) & 1)
             # acc += A @ B^T (and the tail's columns into their own accumulator)
             tcgen05_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), acc_tmem.index(buf),
-                        use_acc=k > 0)
+                        use_acc=k > k_begin)
             if BLOCK_N_TAIL > 0:
                 tcgen05_mma(a_bufs.index(slot), b_tail_bufs.index(slot).permute((1, 0)),
-                            acc_tail_tmem.index(buf), use_acc=k > 0)
+                            acc_tail_tmem.index(buf), use_acc=k > k_begin)
             # the hardware arrives on empty[slot] once these MMAs (and all earlier ones) are done
             tcgen05_commit(empty.index(slot))
             counter += 1
@@ -286,15 +314,18 @@ def blackwell_mma_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, acc_tmem,
 
 @gluon.jit
 def blackwell_epilogue_partition(acc_tmem, acc_tail_tmem, acc_ready, acc_empty, c_smem, c_tail_smem,
-                                 out_desc, out_tail_desc, bias_ptr, scale_ptr, residual_ptr, M, Co,
-                                 num_pid_m, num_pid_n, GROUP_M: gl.constexpr, HAS_BIAS: gl.constexpr,
-                                 HAS_SCALE: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
-                                 ACTIVATION: gl.constexpr, NUM_ACC: gl.constexpr, TILE_N: gl.constexpr):
+                                 out_desc, out_tail_desc, bias_ptr, scale_ptr, residual_ptr, partial_ptr,
+                                 M, Co, k_steps, num_pid_m, num_pid_n, GROUP_M: gl.constexpr,
+                                 HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
+                                 HAS_RESIDUAL: gl.constexpr, ACTIVATION: gl.constexpr,
+                                 SPLIT_K: gl.constexpr, NUM_ACC: gl.constexpr, TILE_N: gl.constexpr):
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
     BLOCK_N_TAIL: gl.constexpr = TILE_N - BLOCK_N
     tile_count = 0
-    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+    num_tiles = num_pid_m * num_pid_n
+    for unit in range(gl.program_id(0), num_tiles * SPLIT_K, gl.num_programs(0)):
+        tile_id, split, k_begin, k_end = work_unit(unit, num_tiles, k_steps, SPLIT_K)
         pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         buf = tile_count % NUM_ACC
         mbarrier.wait(acc_ready.index(buf), (tile_count // NUM_ACC) & 1)
@@ -303,12 +334,17 @@ def blackwell_epilogue_partition(acc_tmem, acc_tail_tmem, acc_ready, acc_empty, 
             acc_tail = acc_tail_tmem.index(buf).load()
         mbarrier.arrive(acc_empty.index(buf))      # the MMA warp may reuse it now
         co0 = pid_n * TILE_N
-        store_output_tile(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, M, Co,
-                          pid_m * BLOCK_M, co0, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION)
-        if BLOCK_N_TAIL > 0:
-            store_output_tile(acc_tail, c_tail_smem, out_tail_desc, bias_ptr, scale_ptr, residual_ptr,
-                              M, Co, pid_m * BLOCK_M, co0 + BLOCK_N, HAS_BIAS, HAS_SCALE,
-                              HAS_RESIDUAL, ACTIVATION, STORES_IN_FLIGHT=1)
+        if SPLIT_K > 1:
+            store_partial_tile(acc, partial_ptr, split, M, Co, pid_m * BLOCK_M, co0)
+            if BLOCK_N_TAIL > 0:
+                store_partial_tile(acc_tail, partial_ptr, split, M, Co, pid_m * BLOCK_M, co0 + BLOCK_N)
+        else:
+            store_output_tile(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, M, Co,
+                              pid_m * BLOCK_M, co0, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION)
+            if BLOCK_N_TAIL > 0:
+                store_output_tile(acc_tail, c_tail_smem, out_tail_desc, bias_ptr, scale_ptr, residual_ptr,
+                                  M, Co, pid_m * BLOCK_M, co0 + BLOCK_N, HAS_BIAS, HAS_SCALE,
+                                  HAS_RESIDUAL, ACTIVATION, STORES_IN_FLIGHT=1)
         tile_count += 1
     tma.store_wait(pendings=0)
 
@@ -332,6 +368,18 @@ def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
     pid_m = first_m + (tile_id % tiles_per_group) % rows_in_group
     pid_n = (tile_id % tiles_per_group) // rows_in_group
     return pid_m, pid_n
+
+
+@gluon.jit
+def work_unit(unit, num_tiles, k_steps, SPLIT_K: gl.constexpr):
+    """(tile_id, split, first k-step, end k-step) of a unit of work: a whole tile or, with split-K
+    (section 6), one of SPLIT_K slices of its K loop. Units of one slice come together, so tiles
+    that run side by side still share strips of A and B in L2 as above."""
+    if SPLIT_K == 1:
+        return unit, 0, 0, k_steps
+    else:
+        split = unit // num_tiles
+        return unit % num_tiles, split, split * k_steps // SPLIT_K, (split + 1) * k_steps // SPLIT_K
 
 
 # %%
@@ -374,6 +422,67 @@ def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 # bytes); the consumer issues two MMAs per k-step and waits for both. On an H100 this took SD
 # UNet's 320-channel layer from 530 to 642 TFLOPS.
 #
+# 6. Split-K for layers with too few tiles
+# ---------------------------------------
+# A layer of a UNet's 8x8 stage (batch 8: M = 512 pixels, Co = 1280) has 40 tiles of 128x128 for
+# 132 SMs, each with a K loop of 180 steps: 70% of the GPU idles while 40 SMs grind. Splitting
+# the K loop of every tile into SPLIT_K slices makes SPLIT_K times as many units of work; each
+# writes its fp32 partial sum to a workspace, partial[split, m, co], instead of storing the
+# tile, and a second, plain Triton kernel sums the slices and applies the epilogue
+# (`split_k_epilogue_kernel`, below). The price is the workspace's round trip through L2/HBM
+# (SPLIT_K x M x Co x 4 bytes, written and read) and a second launch, so the runtime offers
+# split-K only where tiles are fewer than SMs. (A serial fix-up within the kernel, each slice
+# adding into the tile of the one before, did not pay: see "What did not pay".)
+
+
+@triton.jit
+def split_k_epilogue_kernel(partial_ptr, out_ptr, bias_ptr, scale_ptr, residual_ptr, M, Co, out_stride,
+                            SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                            HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[m, co] = act(sum over splits of partial[split, m, co] * scale + bias + residual)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = (rows[:, None] < M) & (cols[None, :] < Co)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        offsets = (rows + split * M).to(tl.int64)[:, None] * Co + cols[None, :]
+        acc += tl.load(partial_ptr + offsets, mask=inside, other=0.0)
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + cols, mask=cols < Co, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + cols, mask=cols < Co, other=0.0).to(tl.float32)[None, :]
+    if HAS_RESIDUAL:
+        residual_offsets = rows.to(tl.int64)[:, None] * Co + cols[None, :]
+        acc = acc + tl.load(residual_ptr + residual_offsets, mask=inside, other=0.0).to(tl.float32)
+    if ACTIVATION == 1:
+        acc = tl.maximum(acc, 0.0)
+    if ACTIVATION == 2:
+        acc = acc / (1.0 + tl.exp(-acc))
+    out_offsets = rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
+    tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+# %%
+# 7. Fused epilogues
+# ------------------
+# In a ResNet block a conv is followed by BatchNorm, the residual add and ReLU. Run as separate
+# passes, each reads a whole activation tensor the conv has just written and writes another: on
+# ResNet-50's 56x56 stage at batch 128 the 256-channel output is 205 MB in bf16, so BatchNorm +
+# add + ReLU move at least 3 x 205 MB (read the conv's output and the residual, write the result),
+# ~0.18 ms at the H100's 3.35 TB/s, on a layer whose conv itself takes ~0.1 ms. Even
+# torch.compile, which fuses the three into one kernel, cannot fuse them into a cuDNN call.
+#
+# Our epilogue holds the tile in registers anyway. `store_output_tile` (section 2) applies, each
+# only if its constexpr asks for it so the plain kernel is unchanged: a per-channel fp32 scale,
+# the bias (or shift), the residual tile (read straight into the accumulator's register layout),
+# and ReLU or SiLU; then the one store. In eval mode BatchNorm is an affine map per channel and
+# folds into the conv's weights and shift (conv_torch.fold_batchnorm), so conv -> BatchNorm ->
+# add -> ReLU becomes one kernel that reads the residual once and writes the result once.
+# conv_torch.fuse_conv_bn_act finds these chains in any model with torch.fx;
+# scripts/resnet50.py measures what it does to a whole ResNet-50 (RESULTS.md).
+#
+# %%
 # The kernel
 # ----------
 # Allocate the ring, the barriers and (Blackwell) the TMEM accumulators, then split into the
@@ -382,10 +491,11 @@ def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 @gluon.jit
 def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, bias_ptr, scale_ptr,
-                        residual_ptr, M, Co, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w,
-                        pad_h, pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks,
+                        residual_ptr, partial_ptr, M, Co, num_pid_m, num_pid_n, out_h, out_w, stride_h,
+                        stride_w, pad_h, pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks,
                         IS_BLACKWELL: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
-                        HAS_RESIDUAL: gl.constexpr, ACTIVATION: gl.constexpr, GROUP_M: gl.constexpr,
+                        HAS_RESIDUAL: gl.constexpr, ACTIVATION: gl.constexpr, SPLIT_K: gl.constexpr,
+                        GROUP_M: gl.constexpr,
                         NUM_BUFFERS: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                         BLOCK_N_TAIL: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = in_desc.dtype
@@ -428,16 +538,16 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
         gl.warp_specialize([
             (blackwell_epilogue_partition, (acc_tmem, acc_tail_tmem, acc_ready, acc_empty,
                                             c_smem.index(0), c_tail_smem.index(0), out_desc,
-                                            out_tail_desc, bias_ptr, scale_ptr, residual_ptr, M, Co,
-                                            num_pid_m, num_pid_n, GROUP_M, HAS_BIAS, HAS_SCALE,
-                                            HAS_RESIDUAL, ACTIVATION, NUM_ACC, TILE_N)),
+                                            out_tail_desc, bias_ptr, scale_ptr, residual_ptr, partial_ptr,
+                                            M, Co, k_steps, num_pid_m, num_pid_n, GROUP_M, HAS_BIAS,
+                                            HAS_SCALE, HAS_RESIDUAL, ACTIVATION, SPLIT_K, NUM_ACC, TILE_N)),
             (blackwell_mma_partition, (a_bufs, b_bufs, b_tail_bufs, ready, empty, acc_tmem,
                                        acc_tail_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n,
-                                       k_steps, NUM_BUFFERS, NUM_ACC, TILE_N)),
+                                       k_steps, NUM_BUFFERS, NUM_ACC, TILE_N, SPLIT_K)),
             (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, ready, empty,
                                 num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w,
                                 dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
-                                TILE_N)),
+                                TILE_N, SPLIT_K)),
         ], [1, 1], [24, 24])
     else:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -447,14 +557,15 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
             gl.warp_specialize([
                 (hopper_mma_epilogue_partition, (a_bufs, b_bufs, b_tail_bufs, ready, empty, turn,
                                                  c_smem.index(0), c_tail_smem.index(0), out_desc,
-                                                 out_tail_desc, bias_ptr, scale_ptr, residual_ptr, M,
-                                                 Co, num_pid_m, num_pid_n, k_steps, GROUP_M, NUM_BUFFERS,
-                                                 HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION, TILE_N,
+                                                 out_tail_desc, bias_ptr, scale_ptr, residual_ptr,
+                                                 partial_ptr, M, Co, num_pid_m, num_pid_n, k_steps, GROUP_M,
+                                                 NUM_BUFFERS, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION,
+                                                 SPLIT_K, TILE_N,
                                                  0, 1, num_warps)),
                 (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, ready, empty,
                                     num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w,
                                     dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
-                                    TILE_N)),
+                                    TILE_N, SPLIT_K)),
             ], [1], [24])
         else:
             # ping-pong: consumer 0 is the default partition, consumer 1 a worker of as many warps.
@@ -462,20 +573,22 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
             gl.warp_specialize([
                 (hopper_mma_epilogue_partition, (a_bufs, b_bufs, b_tail_bufs, ready, empty, turn,
                                                  c_smem.index(0), c_tail_smem.index(0), out_desc,
-                                                 out_tail_desc, bias_ptr, scale_ptr, residual_ptr, M,
-                                                 Co, num_pid_m, num_pid_n, k_steps, GROUP_M, NUM_BUFFERS,
-                                                 HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION, TILE_N,
+                                                 out_tail_desc, bias_ptr, scale_ptr, residual_ptr,
+                                                 partial_ptr, M, Co, num_pid_m, num_pid_n, k_steps, GROUP_M,
+                                                 NUM_BUFFERS, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION,
+                                                 SPLIT_K, TILE_N,
                                                  0, 2, num_warps)),
                 (hopper_mma_epilogue_partition, (a_bufs, b_bufs, b_tail_bufs, ready, empty, turn,
                                                  c_smem.index(1), c_tail_smem.index(1), out_desc,
-                                                 out_tail_desc, bias_ptr, scale_ptr, residual_ptr, M,
-                                                 Co, num_pid_m, num_pid_n, k_steps, GROUP_M, NUM_BUFFERS,
-                                                 HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION, TILE_N,
+                                                 out_tail_desc, bias_ptr, scale_ptr, residual_ptr,
+                                                 partial_ptr, M, Co, num_pid_m, num_pid_n, k_steps, GROUP_M,
+                                                 NUM_BUFFERS, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION,
+                                                 SPLIT_K, TILE_N,
                                                  1, 2, num_warps)),
                 (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, ready, empty,
                                     num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w,
                                     dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
-                                    TILE_N)),
+                                    TILE_N, SPLIT_K)),
             ], [num_warps, 1], [240, 24])
 
 
@@ -497,6 +610,7 @@ class KernelConfig(NamedTuple):
     programs_per_sm: int = 1
     consumers: int = 1      # 2: Hopper ping-pong
     block_n_tail: int = 0   # extra output columns per tile, in a second MMA
+    split_k: int = 1        # slices of the K loop, summed by a second kernel (section 6)
 
     @property
     def tile_n(self):
@@ -504,7 +618,8 @@ class KernelConfig(NamedTuple):
 
     def __str__(self):
         extras = ([f"{self.programs_per_sm}/SM"] if self.programs_per_sm > 1 else []) + \
-                 (["ping-pong"] if self.consumers > 1 else [])
+                 (["ping-pong"] if self.consumers > 1 else []) + \
+                 ([f"split-K {self.split_k}"] if self.split_k > 1 else [])
         width = f"({self.block_n}+{self.block_n_tail})" if self.block_n_tail else f"{self.block_n}"
         return (f"{self.block_m}x{width}x{self.block_k} {self.num_buffers} stages "
                 f"{self.num_warps} warps" + "".join(f", {e}" for e in extras))
@@ -519,6 +634,10 @@ def check_config(config, arch):
     if config.consumers > 2 or (config.consumers > 1 and arch != "sm_90"):
         raise ValueError(f"config {config}: consumers={config.consumers}; ping-pong (2 consumers) "
                          f"is a Hopper schedule, elsewhere consumers must be 1")
+    if config.split_k > 1 and config.consumers > 1:
+        raise ValueError(f"config {config}: split-K runs with one consumer (consumers=1)")
+    if config.split_k < 1:
+        raise ValueError(f"config {config}: split_k must be >= 1")
     if config.programs_per_sm > 1 and arch != "sm_90":
         raise ValueError(f"config {config}: programs_per_sm > 1 is offered on Hopper only")
     if arch == "sm_100" and config.block_m not in (64, 128):
@@ -551,6 +670,7 @@ class ConvLaunch(NamedTuple):
     args: tuple          # the kernel's run-time arguments, in signature order
     out_2d: torch.Tensor  # [M, Co rounded up to 16 bytes], written by the kernel
     geometry: common.ConvGeometry
+    partial: torch.Tensor = None   # split-K: the fp32 workspace [split_k, M, Co]; else None
 
     def result(self):
         """The output as NHWC [N, out_h, out_w, Co]."""
@@ -573,7 +693,8 @@ ACTIVATIONS = {"none": 0, "relu": 1, "silu": 2}
 def kernel_constexprs(config, arch, epilogue=Epilogue()):
     """The kernel's constexprs and launch options, by name."""
     return dict(IS_BLACKWELL=arch == "sm_100", HAS_BIAS=epilogue.bias, HAS_SCALE=epilogue.scale,
-                HAS_RESIDUAL=epilogue.residual, ACTIVATION=ACTIVATIONS[epilogue.activation], GROUP_M=8,
+                HAS_RESIDUAL=epilogue.residual, ACTIVATION=ACTIVATIONS[epilogue.activation],
+                SPLIT_K=config.split_k, GROUP_M=8,
                 NUM_BUFFERS=config.num_buffers, NUM_CONSUMERS=config.consumers,
                 BLOCK_N_TAIL=config.block_n_tail, num_warps=config.num_warps,
                 **({"maxnreg": 128} if config.programs_per_sm > 1 else {}))
@@ -602,14 +723,29 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
         out_tail_desc = TensorDescriptor.from_tensor(out_2d, [BLOCK_M, tail], out_layout)
     num_pid_m, num_pid_n = triton.cdiv(g.M, BLOCK_M), triton.cdiv(g.Co, config.tile_n)
     channel_blocks = triton.cdiv(Ci_padded, BLOCK_K)
+    k_steps = g.R * g.S * channel_blocks
+    if config.split_k > k_steps:
+        raise ValueError(f"config {config}: split_k={config.split_k} exceeds the {k_steps} k-steps "
+                         f"of {g.describe()}")
+    partial = (torch.empty(config.split_k, g.M, g.Co, device=x_nhwc.device, dtype=torch.float32)
+               if config.split_k > 1 else None)
     # absent epilogue tensors: any pointer will do, the constexprs compile their loads away
     args = (in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc,
-            *(t if t is not None else out_2d for t in (bias, scale, residual)),
+            *(t if t is not None else out_2d for t in (bias, scale, residual, partial)),
             g.M, g.Co, num_pid_m, num_pid_n, g.out_h, g.out_w,
-            *g.stride, *g.padding, *g.dilation, Ci_padded, g.S, g.R * g.S * channel_blocks,
-            channel_blocks)
-    grid = (min(config.programs_per_sm * num_sms, num_pid_m * num_pid_n), 1, 1)
-    return ConvLaunch(grid, args, out_2d, geometry)
+            *g.stride, *g.padding, *g.dilation, Ci_padded, g.S, k_steps, channel_blocks)
+    grid = (min(config.programs_per_sm * num_sms, num_pid_m * num_pid_n * config.split_k), 1, 1)
+    return ConvLaunch(grid, args, out_2d, geometry, partial)
+
+
+def finish_split_k(launch, bias=None, scale=None, residual=None, activation="none"):
+    """Split-K's second kernel: sum the slices, apply the epilogue, write the output."""
+    g, out_2d, partial = launch.geometry, launch.out_2d, launch.partial
+    grid = (triton.cdiv(g.M, 64), triton.cdiv(g.Co, 64))
+    split_k_epilogue_kernel[grid](
+        partial, out_2d, *(t if t is not None else out_2d for t in (bias, scale, residual)), g.M, g.Co,
+        out_2d.stride(0), SPLIT_K=partial.shape[0], HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
+        HAS_RESIDUAL=residual is not None, ACTIVATION=ACTIVATIONS[activation], BLOCK_M=64, BLOCK_N=64)
 
 
 def check_inputs(x_nhwc, w, bias, stride, padding, dilation, scale=None, residual=None,
@@ -660,6 +796,8 @@ def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, c
     launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale, residual)
     epilogue = Epilogue(bias is not None, scale is not None, residual is not None, activation)
     conv2d_fprop_kernel[launch.grid](*launch.args, **kernel_constexprs(KernelConfig(*config), arch, epilogue))
+    if launch.partial is not None:
+        finish_split_k(launch, bias, scale, residual, activation)
     return launch.result()
 
 
@@ -758,10 +896,62 @@ def test_tail_tiles(config, N, H, W, Ci, Co, R, S, stride, padding, dtype, with_
              padding, 1, dtype, with_bias)
 
 
+SPLIT_K_CONFIGS = [KernelConfig(128, 128, 64, 6, 8, split_k=3), KernelConfig(128, 64, 64, 6, 4, split_k=4),
+                   KernelConfig(128, 128, 64, 5, 4, block_n_tail=32, split_k=2)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("config", SPLIT_K_CONFIGS, ids=str)
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias", [
+    (8, 8, 8, 1280, 1280, 3, 3, 1, 1, torch.bfloat16, True),       # SD's 8x8 stage: 40 tiles, 180 k-steps
+    (8, 16, 16, 640, 320, 3, 3, 2, 1, torch.bfloat16, False),      # stride 2, Co = 2 x 160
+    (2, 7, 7, 2048, 512, 1, 1, 1, 0, torch.float16, True),         # 1x1, M = 98 < one tile
+    (4, 15, 17, 64, 100, 3, 3, 2, 1, torch.bfloat16, True),        # 9 k-steps in 2-4 slices, Co tail
+])
+def test_split_k(config, N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias):
+    run_conv(functools.partial(conv2d_fprop_launch, config=config), N, H, W, Ci, Co, R, S, stride,
+             padding, 1, dtype, with_bias)
+
+
+def fused_configs_for_this_machine():
+    configs = [FIXED_CONFIG, PINGPONG_CONFIG, KernelConfig(256, 128, 32, 5, 8, block_n_tail=32),
+               KernelConfig(128, 128, 64, 5, 4, block_n_tail=32), SPLIT_K_CONFIGS[2]]
+    if common.has_tma_mma_gpu() and not common.is_hopper():
+        configs = [c for c in configs if c.consumers == 1 and c.block_m <= 128]
+    return configs
+
+
+@needs_gpu
+@pytest.mark.parametrize("config", fused_configs_for_this_machine(), ids=str)
+@pytest.mark.parametrize("epilogue", [Epilogue(True, True, True, "relu"), Epilogue(False, False, True, "none"),
+                                      Epilogue(True, False, False, "silu")], ids=str)
+def test_fused_epilogue(config, epilogue):
+    """act(conv * scale + bias + residual) in every schedule, Co = 300 (tails past Co), stride 2."""
+    N, H, W, Ci, Co, R, stride = 4, 30, 26, 96, 300, 3, 2
+    x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, R, torch.bfloat16)
+    geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, 1)
+    generator = torch.Generator().manual_seed(1)
+    bias = torch.randn(Co, generator=generator).cuda() if epilogue.bias else None
+    scale = (torch.rand(Co, generator=generator) + 0.5).cuda() if epilogue.scale else None
+    residual = (torch.randn(N, geometry.out_h, geometry.out_w, Co, generator=generator).cuda().to(torch.bfloat16)
+                if epilogue.residual else None)
+    out = conv2d_fprop_launch(x_nhwc, w, bias, stride, 1, config=config, scale=scale, residual=residual,
+                              activation=epilogue.activation)
+    expected = common.reference_conv2d_nhwc(x_nhwc, w, None, stride, 1, out_dtype=torch.float32)
+    expected = expected * (scale if scale is not None else 1) + (bias if bias is not None else 0) \
+        + (residual.float() if residual is not None else 0)
+    expected = {"none": expected, "relu": expected.relu(), "silu": torch.nn.functional.silu(expected)}[
+        epilogue.activation]
+    common.assert_close_to_reference(out, expected.to(torch.bfloat16), dtype=torch.bfloat16, K=geometry.K)
+
+
 BAD_INPUTS = common.bad_conv_inputs(torch.float16) + [
     (lambda x, w: (x, w), {"dilation": (1, 0)}, ValueError, "dilation"),
     (lambda x, w: (x, w), {"bias": "zeros"}, TypeError, "bias"),
     (lambda x, w: (x, w), {"bias": torch.zeros(3)}, ValueError, "bias must have shape"),
+    (lambda x, w: (x, w), {"scale": torch.zeros(3)}, ValueError, "scale must be"),
+    (lambda x, w: (x, w), {"residual": torch.zeros(1, 6, 6, 16)}, ValueError, "residual must have"),
+    (lambda x, w: (x, w), {"activation": "gelu"}, ValueError, "activation must be"),
 ]
 
 
@@ -769,8 +959,7 @@ BAD_INPUTS = common.bad_conv_inputs(torch.float16) + [
 @pytest.mark.parametrize("make_args, kwargs, error, message", BAD_INPUTS)
 def test_rejects_bad_input(entry, make_args, kwargs, error, message):
     x_nhwc, w = common.random_conv_inputs(1, 8, 8, 8, 16, 3, 3, torch.bfloat16)
-    if "bias" in kwargs and isinstance(kwargs["bias"], torch.Tensor):
-        kwargs = dict(kwargs, bias=kwargs["bias"].to(x_nhwc.device))
+    kwargs = {k: v.to(x_nhwc.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     with pytest.raises(error, match=message):
         globals()[entry](*make_args(x_nhwc, w), **kwargs)
 
@@ -939,6 +1128,45 @@ def test_fused_epilogue_compiles_only_what_is_asked(arch, config):
     assert count(silu, "ex2.approx") > 0 and count(plain, "ex2.approx") == 0
 
 
+@pytest.mark.parametrize("arch, config", [
+    ("sm_90", KernelConfig(128, 128, 64, 6, 8, split_k=3)),
+    ("sm_90", KernelConfig(128, 128, 64, 5, 4, block_n_tail=32, split_k=2)),
+    ("sm_100", KernelConfig(128, 128, 64, 4, 4, block_n_tail=32, split_k=2)),
+], ids=["sm_90", "sm_90-tail", "sm_100-tail"])
+def test_split_k_build_stores_partial_sums_instead_of_tiles(arch, config):
+    """With split-K the epilogue writes fp32 partial sums with plain stores (st.global.v2.f32:
+    two adjacent accumulator columns per store) and issues no TMA store; the loop is the same."""
+    build = lambda c: common.aot_compile_or_skip(  # noqa: E731
+        "05-warp-specialized-conv", "aot_conv2d_fprop", arch, config=list(c), Co=320)["ptx"]
+    split, plain = build(config), build(config._replace(split_k=1))
+    tma_store = "cp.async.bulk.tensor.2d.global.shared::cta"
+    counts = lambda ptx: common.ptx_instructions(ptx, [tma_store, "st.global", IM2COL_LOAD])  # noqa: E731
+    assert counts(plain)[tma_store] > 0 and counts(plain)["st.global"] == 0
+    assert counts(split)[tma_store] == 0 and counts(split)["st.global"] > 0
+    assert counts(split)[IM2COL_LOAD] == counts(plain)[IM2COL_LOAD]
+
+
+@pytest.mark.parametrize("split_k, epilogue", [(2, Epilogue()), (3, Epilogue(True, True, True, "relu")),
+                                               (4, Epilogue(True, False, False, "silu"))])
+def test_split_k_epilogue_kernel_against_torch(split_k, epilogue):
+    """The second kernel of split-K, on the CPU interpreter or a GPU: the slices' sum and the epilogue."""
+    M, Co = 77, 100
+    generator = torch.Generator().manual_seed(split_k)
+    rand = lambda *shape: torch.randn(*shape, generator=generator).to(common.device())  # noqa: E731
+    partial, bias, scale, residual = rand(split_k, M, Co), rand(Co), rand(Co), rand(M, Co)
+    out_2d = torch.full((M, 104), float("nan"), device=partial.device)
+    geometry = common.conv_geometry((1, 7, 11, 8), (Co, 1, 1, 8))
+    launch = ConvLaunch(None, None, out_2d, geometry, partial)
+    finish_split_k(launch, bias if epilogue.bias else None, scale if epilogue.scale else None,
+                   residual if epilogue.residual else None, epilogue.activation)
+    expected = partial.sum(0) * (scale if epilogue.scale else 1) + (bias if epilogue.bias else 0) \
+        + (residual if epilogue.residual else 0)
+    expected = {"none": expected, "relu": expected.relu(), "silu": torch.nn.functional.silu(expected)}[
+        epilogue.activation]
+    torch.testing.assert_close(out_2d[:, :Co], expected, rtol=1e-5, atol=1e-5)
+    assert out_2d[:, Co:].isnan().all()          # the row padding is not written
+
+
 def test_unsupported_config_combinations_are_refused():
     for config, arch in [(PINGPONG_CONFIG, "sm_100"), (KernelConfig(128, 128, 64, 4, 4, consumers=3), "sm_90"),
                          (KernelConfig(128, 64, 64, 4, 4, programs_per_sm=2), "sm_100"),
@@ -1012,22 +1240,25 @@ def test_pingpong_build_has_two_consumer_warpgroups():
 # scripts/resnet50.py.
 
 
-def conv2d_fprop_fixed(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG):
-    """The warp-specialized conv with one given config, through the runtime (no autotuning)."""
+def conv2d_fprop_fixed(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG,
+                       **epilogue):
+    """The warp-specialized conv with one given config, through the runtime (no autotuning);
+    `epilogue`: scale, residual, activation as for conv2d_fprop_launch."""
     import conv_runtime   # it wraps this lesson's kernel, so it is imported on first use
-    return conv_runtime.conv2d(x_nhwc, w, bias, stride, padding, dilation, config=tuple(config))
+    return conv_runtime.conv2d(x_nhwc, w, bias, stride, padding, dilation, config=tuple(config), **epilogue)
 
 
-def conv2d_fprop(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1):
+def conv2d_fprop(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, **epilogue):
     """Autotuned warp-specialized convolution. x_nhwc [N, H, W, Ci], w [Co, R, S, Ci] (fp16/bf16,
-    CUDA, contiguous), optional bias [Co] fused in the epilogue; returns NHWC in x's dtype.
+    CUDA, contiguous), optional bias [Co] and the rest of the epilogue (scale, residual,
+    activation, as for conv2d_fprop_launch); returns NHWC in x's dtype.
 
     The first call for a shape times the pruned configs on the real tensors and remembers the
     fastest, in this process and in the runtime's tuning file (conv_runtime.tuning_cache_path()),
     so later processes skip the timing. The key is the whole geometry (N, H, W, Ci, Co, R, S,
     stride, padding, dilation), the dtype, the GPU model and the Triton version."""
     import conv_runtime
-    return conv_runtime.conv2d(x_nhwc, w, bias, stride, padding, dilation, config=None)
+    return conv_runtime.conv2d(x_nhwc, w, bias, stride, padding, dilation, config=None, **epilogue)
 
 
 def measure_runtime(x_nhwc, w, stride, padding, config):

@@ -77,12 +77,21 @@ def _candidates():
         KernelConfig(128, 128, 64, 5, 4, block_n_tail=32),
         KernelConfig(128, 128, 64, 4, 4, consumers=2, block_n_tail=32),
         KernelConfig(128, 64, 64, 6, 4, block_n_tail=32),
+        # split-K, for layers with fewer tiles than SMs (lesson 05, section 6)
+        KernelConfig(128, 128, 64, 6, 8, split_k=2),
+        KernelConfig(128, 128, 64, 6, 8, split_k=3),
+        KernelConfig(128, 128, 64, 6, 8, split_k=4),
+        KernelConfig(128, 256, 64, 3, 8, split_k=2),
+        KernelConfig(128, 128, 64, 5, 4, block_n_tail=32, split_k=2),
     ]
     blackwell = [
         KernelConfig(128, 128, 64, 4, 4),
         KernelConfig(128, 256, 64, 3, 4),
         KernelConfig(128, 64, 64, 6, 4),
         KernelConfig(128, 128, 64, 4, 4, block_n_tail=32),
+        KernelConfig(128, 128, 64, 4, 4, split_k=2),
+        KernelConfig(128, 128, 64, 4, 4, split_k=4),
+        KernelConfig(128, 128, 64, 4, 4, block_n_tail=32, split_k=2),
     ]
     return hopper, blackwell
 
@@ -106,7 +115,17 @@ def wasted_columns(Co, tile_n):
     return triton.cdiv(Co, tile_n) * tile_n - Co
 
 
-def prune_configs(candidates, geometry, arch, smem_limit=None):
+def wave_efficiency(units, num_sms):
+    """The share of SM slots busy over the waves of `units` equal units of work."""
+    return units / (triton.cdiv(units, num_sms) * num_sms)
+
+
+def k_steps_of(config, geometry):
+    """The K loop's length for this config (about: small Ci gets a smaller K block)."""
+    return geometry.R * geometry.S * triton.cdiv(geometry.Ci, config.block_k)
+
+
+def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
     """Keep the configs that fit the device and suit the shape (no compilation needed)."""
     KernelConfig = _lesson().KernelConfig
     smem_limit = smem_limit or SMEM_LIMIT_BYTES[arch]
@@ -130,6 +149,10 @@ def prune_configs(candidates, geometry, arch, smem_limit=None):
         if config.block_n_tail and (wasted_columns(geometry.Co, config.tile_n)
                                     >= wasted_columns(geometry.Co, config.block_n)):
             continue                            # a tail only where it saves work
+        if config.split_k > 1:
+            tiles = triton.cdiv(geometry.M, config.block_m) * triton.cdiv(geometry.Co, config.tile_n)
+            if wave_efficiency(tiles, num_sms) >= 0.8 or k_steps_of(config, geometry) < 3 * config.split_k:
+                continue                        # split-K only where whole tiles leave SMs idle
         kept.append(config)
     return kept
 
@@ -163,8 +186,10 @@ class ConvPlan:
         tensors = (x_nhwc, w_2d, w_2d, out_2d, out_2d)     # in, w, w_tail, out, out_tail
         descriptors = tuple(None if desc is None else _with_base(desc, tensor)
                             for desc, tensor in zip(template.args[:5], tensors))
-        pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual))
-        return template._replace(args=descriptors + pointers + template.args[8:], out_2d=out_2d)
+        partial = None if template.partial is None else torch.empty_like(template.partial)
+        pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual, partial))
+        return template._replace(args=descriptors + pointers + template.args[9:], out_2d=out_2d,
+                                 partial=partial)
 
     def run(self, x_nhwc, w, bias=None, scale=None, residual=None, activation="none"):
         lesson = _lesson()
@@ -186,6 +211,8 @@ class ConvPlan:
             # Later launches: straight to the compiled kernel, constexprs included, in signature order.
             kernel, constexprs = compiled
             kernel[launch.grid](*launch.args, *constexprs)
+        if launch.partial is not None:          # split-K: the second kernel sums the slices
+            lesson.finish_split_k(launch, bias, scale, residual, activation)
         return launch.result()
 
 
@@ -329,25 +356,53 @@ def folded_geometry(geometry):
 
 # %% Choosing a config: the heuristic, the autotuner, and the tuning file ----------------------
 
+# Each Hopper config's throughput on a layer it fills (TFLOPS with every SM busy in every wave and
+# no columns or rows past the layer): the median over the 41 layers of lesson 05's network suite of
+# its measured TFLOPS divided by its share of useful work (`useful_share`). Measured on an H100,
+# 2026-11-22, from the timings of the suite's autotuned run. Checked leave-one-out (each layer's
+# config picked from the table built without it): 0.95x of that layer's fastest config, geometric
+# mean, worst 0.66x; the reuse-only score used before it managed 0.91x, worst 0.26x.
+HOPPER_CONFIG_TFLOPS = {
+    (128, 128, 64, 5, 4, 1, 1, 32): 699, (256, 128, 32, 5, 8, 1, 1, 32): 688,
+    (128, 128, 64, 4, 4, 1, 2, 32): 680, (256, 128, 64, 3, 8): 651, (128, 256, 64, 3, 8): 613,
+    (128, 128, 64, 6, 8): 564, (128, 128, 64, 5, 4, 1, 2): 558, (128, 128, 64, 4, 4, 1, 2): 520,
+    (128, 128, 64, 4, 4): 516, (64, 128, 64, 4, 4, 2): 461, (64, 128, 64, 6, 4, 1, 2): 446,
+    (256, 64, 64, 4, 8): 434, (128, 64, 64, 6, 4): 388, (128, 64, 64, 6, 4, 1, 2): 385,
+    (128, 64, 64, 4, 4, 2): 378,
+}
+
+
+def useful_share(config, geometry, num_sms):
+    """The share of the work a config does that is useful: columns past Co and rows past M are
+    wasted, and so are the SM slots idle in the last wave (of tiles, or split-K's units)."""
+    tiles_m, tiles_n = triton.cdiv(geometry.M, config.block_m), triton.cdiv(geometry.Co, config.tile_n)
+    useful = geometry.M * geometry.Co / (tiles_m * config.block_m * tiles_n * config.tile_n)
+    return useful * wave_efficiency(tiles_m * tiles_n * config.split_k, num_sms * config.programs_per_sm)
+
+
+def config_tflops(config, arch):
+    """A config's throughput on a layer it fills: measured (HOPPER_CONFIG_TFLOPS), or where there is
+    no measurement (Blackwell; new candidates) estimated from the bytes a tile moves per FLOP:
+    a BLOCK_M x TILE_N tile reads BLOCK_M + TILE_N rows per k-step for BLOCK_M * TILE_N products."""
+    key = tuple(config._replace(split_k=1))
+    while key and key[-1] in (0, 1) and len(key) > 5:     # the table's tuples omit default fields
+        key = key[:-1]
+    measured = HOPPER_CONFIG_TFLOPS.get(key) if arch == "sm_90" else None
+    if measured is None:
+        reuse = config.block_m * config.tile_n / (config.block_m + config.tile_n)
+        measured = 700 * reuse / (reuse + 30)
+    # split-K's workspace round trip and second launch: a cost that grows with the slices
+    return measured * (1.0 - 0.05 * (config.split_k - 1))
+
+
 def heuristic_config(geometry, arch, num_sms, smem_limit=None):
-    """A config from the shape alone, in microseconds: among the pruned one-consumer candidates,
-    the one that wastes least (columns past Co, rows past M, SMs idle in the last wave) and moves
-    fewest bytes per FLOP (a BLOCK_M x TILE_N tile reads BLOCK_M + TILE_N rows per k-step for
-    BLOCK_M * TILE_N products); the deeper ring breaks ties."""
-    candidates = [c for c in prune_configs(CANDIDATES[arch], geometry, arch, smem_limit)
-                  if c.consumers == 1 and c.programs_per_sm == 1] or prune_configs(
-                      CANDIDATES[arch], geometry, arch, smem_limit)
+    """A config from the shape alone, in microseconds: the pruned candidate with the highest
+    expected throughput, config_tflops x useful_share; the deeper ring breaks ties."""
+    candidates = prune_configs(CANDIDATES[arch], geometry, arch, smem_limit, num_sms)
     if not candidates:
         raise RuntimeError(f"no kernel config fits {geometry.describe()} on this GPU")
-
-    def score(c):
-        tiles_m, tiles_n = triton.cdiv(geometry.M, c.block_m), triton.cdiv(geometry.Co, c.tile_n)
-        useful = geometry.M * geometry.Co / (tiles_m * c.block_m * tiles_n * c.tile_n)
-        tiles = tiles_m * tiles_n
-        waves = tiles / (triton.cdiv(tiles, num_sms) * num_sms)
-        reuse = c.block_m * c.tile_n / (c.block_m + c.tile_n)
-        return (round(useful * waves * reuse, 1), c.num_buffers)
-    return max(candidates, key=score)
+    return max(candidates, key=lambda c: (round(config_tflops(c, arch) * useful_share(c, geometry, num_sms), 1),
+                                          c.num_buffers))
 
 
 def known_or_heuristic_config(geometry, dtype):
@@ -439,8 +494,8 @@ def autotune(geometry, x_nhwc, w, bias, verbose=False):
     A first pass times each candidate briefly; the three fastest are then timed again in three
     alternating rounds of longer runs, and the median decides. (Timing each candidate once for
     ~20 ms let clock and cache noise pick different configs in different processes.)"""
-    arch, _, smem = device_facts()
-    candidates = prune_configs(CANDIDATES[arch], geometry, arch, smem)
+    arch, num_sms, smem = device_facts()
+    candidates = prune_configs(CANDIDATES[arch], geometry, arch, smem, num_sms)
     if not candidates:
         raise RuntimeError(f"no kernel config fits {geometry.describe()} on this GPU")
     timings, errors = {}, []

@@ -44,7 +44,7 @@ def test_every_blackwell_candidate_is_a_valid_config():
 def _shape_that_keeps(config):
     """A small layer for which pruning keeps `config` (tails need a Co they save columns on)."""
     for Co in (320, 96, 256, 128, 64):
-        geometry = common.conv_geometry((2, 16, 16, 64), (Co, 3, 3, 64), 1, 1)
+        geometry = common.conv_geometry((2, 16, 16, 256), (Co, 3, 3, 256), 1, 1)
         if conv_runtime.prune_configs([config], geometry, "sm_90"):
             return Co
     raise AssertionError(f"{config} is pruned for every test shape")
@@ -54,7 +54,7 @@ def _shape_that_keeps(config):
 def test_every_hopper_candidate_compiles_within_budget(config):
     Co = _shape_that_keeps(config)
     compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
-                                          Co=Co, config=list(config),
+                                          Ci=256, Co=Co, config=list(config),
                                           epilogue=[True, True, True, "relu"])   # the fullest epilogue
     assert compiled["shared"] <= conv_runtime.SMEM_LIMIT_BYTES["sm_90"]
     assert config.programs_per_sm * (compiled["shared"] + 1024) <= conv_runtime.SMEM_PER_SM_BYTES
