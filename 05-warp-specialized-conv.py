@@ -738,14 +738,22 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     return ConvLaunch(grid, args, out_2d, geometry, partial)
 
 
-def finish_split_k(launch, bias=None, scale=None, residual=None, activation="none"):
-    """Split-K's second kernel: sum the slices, apply the epilogue, write the output."""
+def split_k_epilogue_launch(launch, bias=None, scale=None, residual=None, activation="none"):
+    """(grid, args, constexprs) of split-K's second kernel: sum the slices, apply the epilogue."""
     g, out_2d, partial = launch.geometry, launch.out_2d, launch.partial
     grid = (triton.cdiv(g.M, 64), triton.cdiv(g.Co, 64))
-    split_k_epilogue_kernel[grid](
-        partial, out_2d, *(t if t is not None else out_2d for t in (bias, scale, residual)), g.M, g.Co,
-        out_2d.stride(0), SPLIT_K=partial.shape[0], HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
-        HAS_RESIDUAL=residual is not None, ACTIVATION=ACTIVATIONS[activation], BLOCK_M=64, BLOCK_N=64)
+    args = (partial, out_2d, *(t if t is not None else out_2d for t in (bias, scale, residual)), g.M, g.Co,
+            out_2d.stride(0))
+    constexprs = dict(SPLIT_K=partial.shape[0], HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
+                      HAS_RESIDUAL=residual is not None, ACTIVATION=ACTIVATIONS[activation],
+                      BLOCK_M=64, BLOCK_N=64)
+    return grid, args, constexprs
+
+
+def finish_split_k(launch, bias=None, scale=None, residual=None, activation="none"):
+    """Split-K's second kernel, launched plainly: the output from the partial sums."""
+    grid, args, constexprs = split_k_epilogue_launch(launch, bias, scale, residual, activation)
+    split_k_epilogue_kernel[grid](*args, **constexprs)
 
 
 def check_inputs(x_nhwc, w, bias, stride, padding, dilation, scale=None, residual=None,
