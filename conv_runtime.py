@@ -518,7 +518,7 @@ def autotune(geometry, x_nhwc, w, bias, verbose=False):
             # network finds its weights: evicted since the last pass). The host time per call
             # (~35 us) hides behind do_bench's cache flush, so this ranks the kernels.
             timings[config] = triton.testing.do_bench(lambda: plan.run(x_nhwc, w, bias), warmup=5, rep=20,
-                                                      quantiles=[0.2])[0]
+                                                      quantiles=[0.2])
         except Exception as error:  # a config the compiler or the launch refuses: skip it
             errors.append(f"{config}: {type(error).__name__}: {error}")
             if verbose:
@@ -532,7 +532,7 @@ def autotune(geometry, x_nhwc, w, bias, verbose=False):
         for config in finalists:
             plan = plan_for(geometry, x_nhwc.dtype, config)
             rounds[config].append(triton.testing.do_bench(lambda: plan.run(x_nhwc, w, bias), warmup=10, rep=60,
-                                                          quantiles=[0.2])[0])
+                                                          quantiles=[0.2]))   # one quantile: a float
     medians = {config: sorted(ms)[1] for config, ms in rounds.items()}
     best = min(medians, key=medians.get)
     if verbose:
