@@ -741,7 +741,7 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
 def split_k_epilogue_launch(launch, bias=None, scale=None, residual=None, activation="none"):
     """(grid, args, constexprs) of split-K's second kernel: sum the slices, apply the epilogue."""
     g, out_2d, partial = launch.geometry, launch.out_2d, launch.partial
-    grid = (triton.cdiv(g.M, 64), triton.cdiv(g.Co, 64))
+    grid = (triton.cdiv(g.M, 64), triton.cdiv(g.Co, 64), 1)     # 3-d: the direct launch takes no less
     args = (partial, out_2d, *(t if t is not None else out_2d for t in (bias, scale, residual)), g.M, g.Co,
             out_2d.stride(0))
     constexprs = dict(SPLIT_K=partial.shape[0], HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
@@ -909,6 +909,7 @@ SPLIT_K_CONFIGS = [KernelConfig(128, 128, 64, 6, 8, split_k=3), KernelConfig(128
 
 
 @needs_gpu
+@pytest.mark.parametrize("entry", ["conv2d_fprop_launch", "conv2d_fprop_fixed"])
 @pytest.mark.parametrize("config", SPLIT_K_CONFIGS, ids=str)
 @pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias", [
     (8, 8, 8, 1280, 1280, 3, 3, 1, 1, torch.bfloat16, True),       # SD's 8x8 stage: 40 tiles, 180 k-steps
@@ -916,9 +917,12 @@ SPLIT_K_CONFIGS = [KernelConfig(128, 128, 64, 6, 8, split_k=3), KernelConfig(128
     (2, 7, 7, 2048, 512, 1, 1, 1, 0, torch.float16, True),         # 1x1, M = 98 < one tile
     (4, 15, 17, 64, 100, 3, 3, 2, 1, torch.bfloat16, True),        # 9 k-steps in 2-4 slices, Co tail
 ])
-def test_split_k(config, N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias):
-    run_conv(functools.partial(conv2d_fprop_launch, config=config), N, H, W, Ci, Co, R, S, stride,
-             padding, 1, dtype, with_bias)
+def test_split_k(entry, config, N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias):
+    """Plainly launched, and through the runtime (templates and direct launches of both kernels:
+    the second call of a plan takes the direct path)."""
+    for seed in (0, 1):
+        common.check_conv(functools.partial(globals()[entry], config=config), N, H, W, Ci, Co, R, S,
+                          stride, padding, 1, dtype=dtype, with_bias=with_bias, seed=seed)
 
 
 def fused_configs_for_this_machine():
