@@ -400,7 +400,7 @@ def config_tflops(config, arch):
         reuse = config.block_m * config.tile_n / (config.block_m + config.tile_n)
         measured = 700 * reuse / (reuse + 30)
     # split-K's workspace round trip and second launch: a cost that grows with the slices
-    return measured * (1.0 - 0.05 * (config.split_k - 1))
+    return measured * (1.0 - 0.15 * (config.split_k - 1))
 
 
 def heuristic_config(geometry, arch, num_sms, smem_limit=None):
