@@ -49,17 +49,24 @@ PROGRAMS = 2          # lesson 05 cases run on two programs: each one walks seve
 
 
 def lesson05_cases():
-    """(name, config, Co, bias) for every Hopper candidate, plus bias on three schedules."""
+    """(name, config, Co, epilogue) for every Hopper candidate (split-K included), plus the bias on
+    three schedules and the whole fused epilogue (scale, bias, residual, ReLU) on four; epilogue is
+    None, "bias" or "fused"."""
     import conv_runtime
     lesson05 = _lesson("05-warp-specialized-conv")
     cases = []
     for config in conv_runtime.HOPPER_CANDIDATES:
         Co = 320 if config.block_n_tail else 256          # tails: two 160-wide tiles
-        cases.append((f"05 {config}", config, Co, False))
+        cases.append((f"05 {config}", config, Co, None))
     for config in (lesson05.FIXED_CONFIG, lesson05.PINGPONG_CONFIG,
                    next(c for c in conv_runtime.HOPPER_CANDIDATES if c.block_n_tail)):
         Co = 320 if config.block_n_tail else 200            # 200: the last tile is partly past Co
-        cases.append((f"05 {config}, bias, Co={Co}", config, Co, True))
+        cases.append((f"05 {config}, bias, Co={Co}", config, Co, "bias"))
+    for config in (lesson05.FIXED_CONFIG, lesson05.PINGPONG_CONFIG,
+                   next(c for c in conv_runtime.HOPPER_CANDIDATES if c.block_n_tail),
+                   next(c for c in conv_runtime.HOPPER_CANDIDATES if c.split_k > 1)):
+        Co = 320 if config.block_n_tail else 200
+        cases.append((f"05 {config}, fused epilogue, Co={Co}", config, Co, "fused"))
     return cases
 
 
@@ -108,21 +115,30 @@ def run_case(name):
         out = lesson04.conv2d_tma_im2col(x_cpu.cuda(), w_cpu.cuda(), shape["stride"], shape["padding"])
         bias_cpu = None
     else:
-        _, config, Co, with_bias = next(case for case in lesson05_cases() if case[0] == name)
+        _, config, Co, epilogue = next(case for case in lesson05_cases() if case[0] == name)
         shape = dict(SHAPE, Co=Co)
         x_cpu, w_cpu = common.random_conv_inputs(*[shape[k] for k in "N H W Ci Co R S".split()],
                                                  torch.bfloat16, device_name="cpu")
-        bias_cpu = torch.randn(Co) if with_bias else None
+        bias_cpu = torch.randn(Co) if epilogue else None
+        fused = epilogue == "fused"
+        scale_cpu = torch.rand(Co) + 0.5 if fused else None
+        residual_cpu = torch.randn(shape["N"], shape["H"], shape["W"], Co).bfloat16() if fused else None
         geometry = common.conv_geometry(x_cpu.shape, w_cpu.shape, shape["stride"], shape["padding"])
         arch = "sm_90" if common.is_hopper() else "sm_100"
         import conv_runtime
         plan = conv_runtime.ConvPlan(geometry, torch.bfloat16, config, arch, num_sms=PROGRAMS // config.programs_per_sm)
         x, w = x_cpu.cuda(), w_cpu.cuda()
-        bias = bias_cpu.cuda() if with_bias else None
-        out = plan.run(x, w, bias)
-        out = plan.run(x, w, bias)     # the second call takes the direct-launch path
-    expected = common.reference_conv2d_nhwc(x_cpu.float(), w_cpu.float(), bias_cpu, shape["stride"],
-                                            shape["padding"])
+        bias = bias_cpu.cuda() if epilogue else None
+        extra = dict(scale=scale_cpu.cuda(), residual=residual_cpu.cuda(), activation="relu") if fused else {}
+        out = plan.run(x, w, bias, **extra)
+        out = plan.run(x, w, bias, **extra)     # the second call takes the direct-launch path
+    expected = common.reference_conv2d_nhwc(x_cpu.float(), w_cpu.float(), None, shape["stride"],
+                                            shape["padding"], out_dtype=torch.float32)
+    if not name.startswith("04") and fused:
+        expected = (expected * scale_cpu + bias_cpu + residual_cpu.float()).relu()
+    elif bias_cpu is not None:
+        expected = expected + bias_cpu
+    expected = expected.to(out.dtype)
     print(f"output buffer at {out.data_ptr():#x}, {out.untyped_storage().nbytes()} bytes")
     common.assert_close_to_reference(out.cpu(), expected, dtype=out.dtype, K=shape["Ci"] * 9)
     print(f"case ok: {name}")
