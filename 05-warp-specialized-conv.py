@@ -12,9 +12,13 @@ What you will learn:
 - overlapping one tile's epilogue with the next tile's main loop (Blackwell: two accumulators in
   tensor memory; Hopper: two consumer warpgroups taking turns, "ping-pong");
 - tiles that are not a power of two wide (160 = 128 + 32 columns for Co=320), built from two MMAs;
+- split-K for layers with fewer tiles than SMs, and a fused epilogue: act(conv * scale + bias +
+  residual), so a folded BatchNorm, a ResNet block's skip connection and its ReLU cost no pass of
+  their own;
 - what compute-sanitizer says about such a kernel, and how to read its reports;
 - what a runtime adds around a plain launcher (conv_runtime.py), and the measured ladder against
-  cuDNN: `python 05-warp-specialized-conv.py --bench`.
+  cuDNN: `python 05-warp-specialized-conv.py --bench`; every layer of ResNet-50 and of the Stable
+  Diffusion UNet against cuDNN: `--bench --suite networks` (network_suite.py).
 
 Builds on: lesson 04 (TMA im2col + one MMA per k-step, `common.HopperWGMMA`/`BlackwellTcgen05`)
 and lesson 03 (the im2col descriptor). What changed since lesson 04: the same inner step, now fed
@@ -26,7 +30,7 @@ ahead-of-time compiles for sm_90 and sm_100 whose PTX is checked.
 Note: the Blackwell path is compiled and inspected, not run: no Blackwell GPU was available to this
 series. All measured numbers in this file come from an H100 (see the bench output and JSON).
 
-Run:  python 05-warp-specialized-conv.py [--bench] [--quick] [--outdir out]
+Run:  python 05-warp-specialized-conv.py [--bench [--suite shapes|networks]] [--quick] [--outdir out]
 
 Tests: pytest 05-warp-specialized-conv.py
 """
@@ -63,7 +67,9 @@ CONV_DTYPES = (torch.float16, torch.bfloat16)
 #   2. warp specialization: a loader warp, and MMA + epilogue warps mapped per architecture;
 #   3. a persistent grid walking the tiles in a grouped order;
 #   4. the epilogue of one tile overlapped with the main loop of the next;
-#   5. tiles that are not a power of two wide, from a main MMA and a tail MMA.
+#   5. tiles that are not a power of two wide, from a main MMA and a tail MMA;
+#   6. split-K, for layers with fewer tiles than SMs;
+#   7. a fused epilogue: scale, bias, residual and activation on the tile before it is stored.
 
 # %%
 # 1. A ring of stages, and the loader that fills it
@@ -143,7 +149,8 @@ def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, 
 #   thread issues tcgen05, and `tcgen05_commit(empty[slot])` lets the hardware release the stage
 #   when the MMAs finish); and the epilogue (4 warps, the default partition), which reads the
 #   accumulator from tensor memory.
-# The epilogue store is shared: + bias, cast, and an asynchronous TMA store.
+# The epilogue store is shared: the fused epilogue of section 7 (bias, and whatever else the
+# constexprs ask for), a cast, and an asynchronous TMA store.
 
 
 @gluon.jit
@@ -1314,18 +1321,36 @@ def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding
 
 
 # %%
-# What did not pay
-# ----------------
-# Measured on an H100 (2026-11-22), so you need not try them first:
-# - Split-K for layers with too few tiles (ResNet's 7x7: 196 tiles of 128x128 leave the second
-#   wave of 132 SMs half empty). Two units per tile, the first publishing an fp32 partial sum for
-#   the second to add (release/acquire on a per-tile counter): 481-501 TFLOPS against 557 for
-#   plain 128x256 tiles; the partial sums' round trip through L2 sits on the critical path and
-#   costs more than the idle SMs did. (The code is in this repository's history, commit 627d1da.)
-# - K steps of 32 instead of 64 with deeper rings (6 stages): 672 against 759 TFLOPS on the
-#   headline shape; twice the barrier traffic per FLOP. Only the 160-wide tile, whose 64-deep
-#   stages would not fit, keeps BLOCK_K=32.
-# - Ping-pong on its own (section 4): no faster than one consumer with the same tile.
+# What paid, and what did not
+# ---------------------------
+# Measured on an H100 (2026-11-22) with the network suite (network_suite.py: every conv of
+# ResNet-50 at batch 128 and the 3x3 convs of the SD UNet at batch 8, each autotuned, ours and
+# cuDNN in alternating rounds of one run; RESULTS.md has the table). So you need not try them first:
+# - Paid: folding the filter's columns into the channels for small Ci (conv_runtime.FoldedConv).
+#   ResNet-50's stem (Ci=3, 7x7, stride 2) went from 0.62x cuDNN to 1.28x: 7 k-steps of 24 real
+#   channels instead of 49 of 3. The fold is three torch copies; the folded conv alone runs at
+#   97 TFLOPS, the copies take more than half of the layer's 0.71 ms, so one fused fold kernel is
+#   the next step there.
+# - Paid: split-K (section 6) where tiles are fewer than SMs: the SD UNet's 8x8 layer (40 tiles)
+#   from 320 to 411 TFLOPS with 3 slices (cuDNN: 372), its 16x16 stride-2 layer from 315 to 401.
+#   Autotuning decides per layer; 4 slices never won.
+# - Paid: the fused epilogue (section 7): in a whole ResNet-50 the convs with BatchNorm folded
+#   and residual + ReLU fused take 4.28 ms per batch of 128 (kernels alone), cuDNN's convs alone
+#   3.59 ms; the compiled cuDNN model spends another 2.47 ms per forward outside its convs,
+#   mostly in Inductor's BatchNorm/add/ReLU kernels, which the fused model does not run.
+# - Did not pay: split-K by serial fix-up within the kernel (two units per tile, the first
+#   publishing an fp32 partial sum for the second to add, release/acquire on a per-tile
+#   counter): on ResNet's 7x7 3x3 layer 481-501 TFLOPS against 557 for plain 128x256 tiles; the
+#   round trip through L2 sat on the critical path. (Repository history, commit 627d1da.)
+# - Did not pay: K steps of 32 instead of 64 with deeper rings (6 stages): 672 against 759 TFLOPS
+#   on the headline shape; twice the barrier traffic per FLOP. Only the 160-wide tile, whose
+#   64-deep stages would not fit, keeps BLOCK_K=32.
+# - Did not pay: ping-pong on its own (section 4): no faster than one consumer with the same tile.
+# - Still costs: host time. Over the suite the kernels alone (CUDA-graph replay) are at 1.04x
+#   cuDNN (geometric mean) but end to end at 0.94x: a call through the runtime spends 50-170 us
+#   of host time (Python, and Triton encoding 3-5 TMA descriptors per launch), cuDNN ~20 us, and
+#   a layer of 30-100 us cannot hide it. ResNet-50's 14x14 3x3 layer: 1.18x alone, 0.63x end to
+#   end. In a model, CUDA graphs remove it (scripts/resnet50.py).
 #
 # %%
 # The measured ladder (GPU): the series next to cuDNN

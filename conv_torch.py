@@ -4,13 +4,19 @@
     model = conv_torch.convert_conv2d(model)             # every nn.Conv2d -> TutorialConv2d
     y = model(x.to(memory_format=torch.channels_last))   # NCHW shapes, channels_last memory
 
-- `torch.ops.conv_tutorial.conv2d(input, weight, bias, stride, padding, dilation, groups)` is a
-  `torch.library.custom_op` with the arguments of `torch.nn.functional.conv2d` (padding as ints;
+    fused = conv_torch.fuse_conv_bn_act(model.eval(), example_input=x)   # a torch.fx pass:
+    # conv -> BatchNorm (folded) -> (+ residual) -> ReLU/SiLU become one call each (FusedConv2d)
+
+- `torch.ops.conv_tutorial.conv2d(input, weight, bias, stride, padding, dilation, groups,
+  scale=None, residual=None, activation="none")` is a `torch.library.custom_op` computing
+  act(conv * scale + bias + residual) per output channel in the kernel's epilogue, with the
+  arguments of `torch.nn.functional.conv2d` first (padding as ints;
   `conv2d` below also takes "same" and "valid"). It takes NCHW-shaped tensors; in channels_last
   memory their NHWC view is contiguous and nothing is copied, otherwise it copies once. It returns
   the NCHW-shaped result in channels_last memory. A fake implementation gives shapes and strides
   to `torch.compile` (fullgraph traces it) and the op runs inside CUDA graphs once warmed up.
-  Backward uses PyTorch's convolution backward, so a converted model can be fine-tuned.
+  Backward uses PyTorch's convolution backward and the epilogue's chain rule, so a converted
+  model can be fine-tuned.
 - What the kernel does not cover goes to `torch.nn.functional.conv2d`, with one warning per
   reason: groups > 1, dtypes other than fp16/bf16, CPU tensors, GPUs other than Hopper (sm_90)
   and data-centre Blackwell (sm_100), and "same" padding that would need to be asymmetric.
