@@ -243,8 +243,9 @@ def main():
     torch.backends.cudnn.benchmark = True
     conv_runtime.set_autotune(args.tune)
     tuned = len(conv_runtime._load_tuning_file())
-    configs = ("autotuned" if args.tune else f"tuning file {conv_runtime.tuning_cache_path()} ({tuned} "
-               f"shapes), else the heuristic" if tuned else "heuristic (no tuning file)")
+    configs = ("autotuned" if args.tune else f"a tuning file of {tuned} shapes, else the heuristic"
+               if tuned else "heuristic (no tuning file)")
+    print(f"tuning file: {conv_runtime.tuning_cache_path()} ({tuned} shapes)")
     rows, layers, totals = [], [], None
     for batch in args.batch:
         reference, cudnn_model, ours_model, fused_model, x = build_models(batch)
