@@ -167,8 +167,9 @@ def show_recorded_suite(outdir):
         return None
     data, info = recorded
     for r in data["records"]:
+        alone = f"kernels alone {r['graph_ratio']:5.2f}x   " if "graph_ratio" in r else ""
         print(f"  {r['layer']:<30} ours {r['ours_tflops']:6.1f}  cuDNN {r['cudnn_tflops']:6.1f} TFLOPS  "
-              f"{r['ratio']:5.2f}x   {r['config_text']}{' (folded)' if r['folded'] else ''}")
+              f"{r['ratio']:5.2f}x   {alone}{r['config_text']}{' (folded)' if r['folded'] else ''}")
     summarize(data)
     plot_network_suite(data, outdir, recorded=info)
     return data
