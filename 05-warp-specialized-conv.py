@@ -767,7 +767,7 @@ def check_inputs(x_nhwc, w, bias, stride, padding, dilation, scale=None, residua
                  activation="none"):
     """Validate a call (dtype, layout, shapes, hyper-parameters, epilogue); return its geometry."""
     geometry = common.check_conv_inputs(x_nhwc, w, stride, padding, dilation, dtypes=CONV_DTYPES,
-                                        bias=bias, need_cuda=True)
+                                        bias=bias)
     if bias is not None and not bias.is_contiguous():
         raise ValueError("bias must be contiguous")
     if scale is not None:
@@ -789,7 +789,9 @@ def check_inputs(x_nhwc, w, bias, stride, padding, dilation, scale=None, residua
             raise ValueError(f"residual must be a contiguous NHWC tensor on {x_nhwc.device}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    return geometry
+    # the device last, so that every other mistake is reported on a machine without a GPU too
+    return common.check_conv_inputs(x_nhwc, w, stride, padding, dilation, dtypes=CONV_DTYPES,
+                                    bias=bias, need_cuda=True)
 
 
 def device_arch_and_sms(what):
