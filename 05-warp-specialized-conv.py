@@ -1328,6 +1328,7 @@ def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding
 # Measured on an H100 (2026-11-22) with the network suite (network_suite.py: every conv of
 # ResNet-50 at batch 128 and the 3x3 convs of the SD UNet at batch 8, each autotuned, ours and
 # cuDNN in alternating rounds of one run; RESULTS.md has the table). So you need not try them first:
+#
 # - Paid: folding the filter's columns into the channels for small Ci (conv_runtime.FoldedConv).
 #   ResNet-50's stem (Ci=3, 7x7, stride 2) went from 0.62x cuDNN to 1.28x: 7 k-steps of 24 real
 #   channels instead of 49 of 3. The fold is three torch copies; the folded conv alone runs at
