@@ -438,8 +438,9 @@ def work_unit(unit, num_tiles, k_steps, SPLIT_K: gl.constexpr):
 # tile, and a second, plain Triton kernel sums the slices and applies the epilogue
 # (`split_k_epilogue_kernel`, below). The price is the workspace's round trip through L2/HBM
 # (SPLIT_K x M x Co x 4 bytes, written and read) and a second launch, so the runtime offers
-# split-K only where tiles are fewer than SMs. (A serial fix-up within the kernel, each slice
-# adding into the tile of the one before, did not pay: see "What did not pay".)
+# split-K only where whole tiles would leave the last wave less than 80% full, and the
+# autotuner decides. (A serial fix-up within the kernel, each slice adding into the tile of the
+# one before, did not pay: see "What paid, and what did not".)
 
 
 @triton.jit

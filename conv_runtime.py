@@ -30,7 +30,11 @@ ResNet-50 layer (measured on an H100 host, 2026-11-22). This module adds, for th
   $CONV_TUTORIAL_TUNING_CACHE or ~/.cache/conv_tutorial/tuning.json) that later processes read.
 - A heuristic (`heuristic_config`): a config from the shape alone, for callers that must not
   spend a second timing candidates on a shape's first call (the PyTorch operator of conv_torch.py,
-  unless autotuning is asked for).
+  unless autotuning is asked for): each config's throughput as measured over lesson 05's network
+  suite, times the share of useful work it does on this shape.
+- Small channel counts (`FoldedConv`): a layer whose Ci is 8 or less (an RGB stem) is run as an
+  R x 1 convolution over S*Ci folded channels, 7 k-steps instead of 49 for ResNet-50's stem.
+- Split-K's second kernel (lesson 05, section 6) is launched directly too.
 
 `measure_host_overhead` and `compare_launch_paths` measure what the runtime adds; lesson 05's last
 sections print both. The kernel, its configs and the plain launcher live in lesson 05; this module
