@@ -51,6 +51,7 @@ import common  # first: on a machine without a GPU it turns on the Triton interp
 
 import torch
 import triton
+import triton.language as tl
 
 
 @functools.lru_cache(maxsize=None)
@@ -326,9 +327,30 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
 # x[n, h, ox*stride_w + s*dil_w - pad_w, c] (zero outside), a copy of S*Ci/stride_w times the input's
 # size, and the conv becomes R x 1 with stride (stride_h, 1) over S*Ci channels: 7 k-steps of
 # 21 channels (padded to 24, a 32-deep K step) for the stem. Only the rows of the filter remain
-# as taps, read through the same im2col TMA as every other layer.
+# as taps, read through the same im2col TMA as every other layer. The fold is one small Triton
+# kernel (`fold_columns_kernel`); three torch copies doing the same took more than half the
+# stem's time.
 
 FOLD_MAX_CHANNELS = 8       # a padded Ci of 8 or less: one tap fills at most half of a 16-deep K step
+
+
+@triton.jit
+def fold_columns_kernel(x_ptr, out_ptr, rows, W, out_w, Ci, stride_w, pad_w, dil_w, channels,
+                        channels_padded, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out[row, ox, s*Ci + c] = x[row, ox*stride_w + s*dil_w - pad_w, c] (0 outside, and in the
+    padding channels), row = n*H + h: one pass that reads each input pixel from cache S/stride_w
+    times and writes the folded tensor once."""
+    pixels = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)      # (row, ox), linearized
+    folded = tl.arange(0, BLOCK_C)                                    # s*Ci + c
+    row, ox = pixels // out_w, pixels % out_w
+    s, c = folded // Ci, folded % Ci
+    ix = ox[:, None] * stride_w + s[None, :] * dil_w - pad_w
+    in_range = pixels[:, None] < rows * out_w
+    valid = in_range & (folded[None, :] < channels) & (ix >= 0) & (ix < W)
+    source = (row[:, None].to(tl.int64) * W + ix) * Ci + c[None, :]
+    values = tl.load(x_ptr + source, mask=valid, other=0.0)
+    target = pixels[:, None].to(tl.int64) * channels_padded + folded[None, :]
+    tl.store(out_ptr + target, values, mask=in_range & (folded[None, :] < channels_padded))
 
 
 class FoldedConv:
@@ -345,16 +367,13 @@ class FoldedConv:
     def apply(self, x_nhwc, w):
         """(x_fold [N, H, out_w, channels_padded], w_fold [Co, R, 1, channels_padded])."""
         g = self.original
-        pad_w, (stride_w, dil_w) = g.padding[1], (g.stride[1], g.dilation[1])
-        padded = torch.nn.functional.pad(x_nhwc, (0, 0, pad_w, pad_w))      # zero columns left/right
-        # [N, H, out_w, S, Ci] as a strided view of the padded input, then one copy
-        windows = padded.as_strided(
-            (g.N, g.H, g.out_w, g.S, g.Ci),
-            (padded.stride(0), padded.stride(1), stride_w * g.Ci, dil_w * g.Ci, 1))
         x_fold = x_nhwc.new_empty(g.N, g.H, g.out_w, self.channels_padded)
-        x_fold[..., :self.channels].copy_(windows.reshape(g.N, g.H, g.out_w, self.channels))
-        x_fold[..., self.channels:].zero_()
-        w_fold = w.new_zeros(g.Co, g.R, 1, self.channels_padded)
+        rows, block_p = g.N * g.H, 64
+        fold_columns_kernel[(triton.cdiv(rows * g.out_w, block_p),)](
+            x_nhwc, x_fold, rows, g.W, g.out_w, g.Ci, g.stride[1], g.padding[1], g.dilation[1],
+            self.channels, self.channels_padded, BLOCK_P=block_p,
+            BLOCK_C=triton.next_power_of_2(self.channels_padded))
+        w_fold = w.new_zeros(g.Co, g.R, 1, self.channels_padded)      # small: Co x R x S*Ci
         w_fold[..., :self.channels] = w.reshape(g.Co, g.R, 1, self.channels)
         return x_fold, w_fold
 
