@@ -150,9 +150,10 @@ def test_autotune_keeps_the_fastest_and_later_processes_reuse_it(monkeypatch, tm
 ])
 def test_folding_filter_columns_into_channels_keeps_the_convolution(N, H, W, Ci, Co, R, S, stride,
                                                                      padding, dilation):
-    """The folded R x 1 conv over S*Ci channels equals the original, computed by torch on the CPU."""
+    """The folded R x 1 conv over S*Ci channels (the fold: a Triton kernel, in the interpreter on a
+    CPU) equals the original; both convolutions computed by torch in fp32."""
     torch.manual_seed(0)
-    x_nhwc, w = torch.randn(N, H, W, Ci), torch.randn(Co, R, S, Ci)
+    x_nhwc, w = torch.randn(N, H, W, Ci).to(common.device()), torch.randn(Co, R, S, Ci).to(common.device())
     geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding, dilation)
     fold = conv_runtime.folded_geometry(geometry)
     assert fold is not None and fold.geometry.S == 1 and fold.geometry.Ci % 8 == 0
