@@ -161,11 +161,11 @@ def test_folding_filter_columns_into_channels_keeps_the_convolution(N, H, W, Ci,
     x_fold, w_fold = fold.apply(x_nhwc, w)
     assert x_fold.shape == (N, H, geometry.out_w, fold.geometry.Ci) and w_fold.shape == (Co, R, 1, fold.geometry.Ci)
     g = fold.geometry
-    folded = torch.nn.functional.conv2d(x_fold.permute(0, 3, 1, 2), w_fold.permute(0, 3, 1, 2), None,
-                                        g.stride, g.padding, g.dilation)
-    torch.testing.assert_close(folded.permute(0, 2, 3, 1),
-                               common.reference_conv2d_nhwc(x_nhwc, w, None, stride, padding, dilation),
-                               rtol=1e-4, atol=1e-4)
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):     # exact fp32 on a GPU too
+        folded = torch.nn.functional.conv2d(x_fold.permute(0, 3, 1, 2), w_fold.permute(0, 3, 1, 2), None,
+                                            g.stride, g.padding, g.dilation)
+        expected = common.reference_conv2d_nhwc(x_nhwc, w, None, stride, padding, dilation)
+    torch.testing.assert_close(folded.permute(0, 2, 3, 1), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_only_small_channel_counts_are_folded():
