@@ -1332,9 +1332,8 @@ def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding
 #
 # - Paid: folding the filter's columns into the channels for small Ci (conv_runtime.FoldedConv).
 #   ResNet-50's stem (Ci=3, 7x7, stride 2) went from 0.62x cuDNN to 1.28x: 7 k-steps of 24 real
-#   channels instead of 49 of 3. The fold is three torch copies; the folded conv alone runs at
-#   97 TFLOPS, the copies take more than half of the layer's 0.71 ms, so one fused fold kernel is
-#   the next step there.
+#   channels instead of 49 of 3. Done by three torch copies, the fold took more than half of the
+#   layer's 0.71 ms; as one Triton kernel (fold_columns_kernel) the stem runs at 1.75x cuDNN.
 # - Paid: split-K (section 6) where tiles are fewer than SMs: the SD UNet's 8x8 layer (40 tiles)
 #   from 320 to 411 TFLOPS with 3 slices (cuDNN: 372), its 16x16 stride-2 layer from 315 to 401.
 #   Autotuning decides per layer; 4 slices never won.
