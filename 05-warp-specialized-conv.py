@@ -790,9 +790,8 @@ def check_inputs(x_nhwc, w, bias, stride, padding, dilation, scale=None, residua
             raise ValueError(f"residual must be a contiguous NHWC tensor on {x_nhwc.device}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-    # the device last, so that every other mistake is reported on a machine without a GPU too
-    return common.check_conv_inputs(x_nhwc, w, stride, padding, dilation, dtypes=CONV_DTYPES,
-                                    bias=bias, need_cuda=True)
+    common.check_on_cuda(x_nhwc)   # last: every other mistake is reported on a CPU machine too
+    return geometry
 
 
 def device_arch_and_sms(what):

@@ -312,10 +312,16 @@ def check_conv_inputs(x_nhwc, w, stride=1, padding=0, dilation=1, *, dtypes, bia
             raise ValueError(f"bias is on {bias.device} but x_nhwc is on {x_nhwc.device}")
         if not bias.dtype.is_floating_point:
             raise TypeError(f"bias must be a floating-point tensor, got {bias.dtype}")
-    if need_cuda and x_nhwc.device.type != "cuda":
+    if need_cuda:
+        check_on_cuda(x_nhwc)
+    return geometry
+
+
+def check_on_cuda(x_nhwc):
+    """A kernel's input must be on a CUDA device; say how to get it there."""
+    if x_nhwc.device.type != "cuda":
         raise ValueError(f"x_nhwc is on {x_nhwc.device}; this kernel runs on a CUDA GPU, "
                          f"move the tensors with .cuda()")
-    return geometry
 
 
 # %% Reference convolution ------------------------------------------------------------------------

@@ -393,13 +393,15 @@ def folded_geometry(geometry):
 # 2026-11-22, from the timings of the suite's autotuned run. Checked leave-one-out (each layer's
 # config picked from the table built without it): 0.95x of that layer's fastest config, geometric
 # mean, worst 0.66x; the reuse-only score used before it managed 0.91x, worst 0.26x.
-HOPPER_CONFIG_TFLOPS = {
-    (128, 128, 64, 5, 4, 1, 1, 32): 699, (256, 128, 32, 5, 8, 1, 1, 32): 688,
-    (128, 128, 64, 4, 4, 1, 2, 32): 680, (256, 128, 64, 3, 8): 651, (128, 256, 64, 3, 8): 613,
-    (128, 128, 64, 6, 8): 564, (128, 128, 64, 5, 4, 1, 2): 558, (128, 128, 64, 4, 4, 1, 2): 520,
-    (128, 128, 64, 4, 4): 516, (64, 128, 64, 4, 4, 2): 461, (64, 128, 64, 6, 4, 1, 2): 446,
-    (256, 64, 64, 4, 8): 434, (128, 64, 64, 6, 4): 388, (128, 64, 64, 6, 4, 1, 2): 385,
-    (128, 64, 64, 4, 4, 2): 378,
+HOPPER_CONFIG_TFLOPS = {   # whole KernelConfig tuples, split_k left at 1
+    (128, 128, 64, 5, 4, 1, 1, 32, 1): 699, (256, 128, 32, 5, 8, 1, 1, 32, 1): 688,
+    (128, 128, 64, 4, 4, 1, 2, 32, 1): 680, (256, 128, 64, 3, 8, 1, 1, 0, 1): 651,
+    (128, 256, 64, 3, 8, 1, 1, 0, 1): 613, (128, 128, 64, 6, 8, 1, 1, 0, 1): 564,
+    (128, 128, 64, 5, 4, 1, 2, 0, 1): 558, (128, 128, 64, 4, 4, 1, 2, 0, 1): 520,
+    (128, 128, 64, 4, 4, 1, 1, 0, 1): 516, (64, 128, 64, 4, 4, 2, 1, 0, 1): 461,
+    (64, 128, 64, 6, 4, 1, 2, 0, 1): 446, (256, 64, 64, 4, 8, 1, 1, 0, 1): 434,
+    (128, 64, 64, 6, 4, 1, 1, 0, 1): 388, (128, 64, 64, 6, 4, 1, 2, 0, 1): 385,
+    (128, 64, 64, 4, 4, 2, 1, 0, 1): 378,
 }
 
 
@@ -415,10 +417,7 @@ def config_tflops(config, arch):
     """A config's throughput on a layer it fills: measured (HOPPER_CONFIG_TFLOPS), or where there is
     no measurement (Blackwell; new candidates) estimated from the bytes a tile moves per FLOP:
     a BLOCK_M x TILE_N tile reads BLOCK_M + TILE_N rows per k-step for BLOCK_M * TILE_N products."""
-    key = tuple(config._replace(split_k=1))
-    while key and key[-1] in (0, 1) and len(key) > 5:     # the table's tuples omit default fields
-        key = key[:-1]
-    measured = HOPPER_CONFIG_TFLOPS.get(key) if arch == "sm_90" else None
+    measured = HOPPER_CONFIG_TFLOPS.get(tuple(config._replace(split_k=1))) if arch == "sm_90" else None
     if measured is None:
         reuse = config.block_m * config.tile_n / (config.block_m + config.tile_n)
         measured = 700 * reuse / (reuse + 30)

@@ -180,19 +180,18 @@ def fused_layer_table(fused_model, x):
         layers.setdefault(key, [module, inputs, 0])[2] += 1
     rows = []
     for (shape, w_shape, stride, residual, activation), (module, inputs, count) in layers.items():
-        stride_, padding, dilation, groups = module._op_args
+        _, padding, dilation, _ = module._op_args
         xi = inputs[0]
         res = inputs[1] if residual else None
         shift = module.bias.to(torch.bfloat16)
-        out_elems = 0
 
         def cudnn_unfused():
-            y = torch.nn.functional.conv2d(xi, module.weight, None, stride_, padding, dilation)
+            y = torch.nn.functional.conv2d(xi, module.weight, None, stride, padding, dilation)
             y = y + shift.view(1, -1, 1, 1)      # what the BatchNorm does once folded
             if res is not None:
                 y = y + res
             return torch.relu(y) if activation == "relu" else y
-        cudnn_conv = lambda: torch.nn.functional.conv2d(xi, module.weight, None, stride_, padding, dilation)  # noqa: E731
+        cudnn_conv = lambda: torch.nn.functional.conv2d(xi, module.weight, None, stride, padding, dilation)  # noqa: E731
         with torch.no_grad():
             out = module(*inputs)
             out_elems = out.numel()
