@@ -40,6 +40,7 @@ ResNet-50 layer (measured on an H100 host, 2026-11-22). This module adds, for th
 sections print both. The kernel, its configs and the plain launcher live in lesson 05; this module
 imports them from there (`common.load_lesson`), so it always wraps the lesson's kernel.
 """
+import copy
 import functools
 import json
 import os
@@ -88,6 +89,7 @@ def _candidates():
         KernelConfig(128, 128, 64, 6, 8, split_k=4),
         KernelConfig(128, 256, 64, 3, 8, split_k=2),
         KernelConfig(128, 128, 64, 5, 4, block_n_tail=32, split_k=2),
+        KernelConfig(128, 128, 64, 5, 4, block_n_tail=32, split_k=4),
     ]
     blackwell = [
         KernelConfig(128, 128, 64, 4, 4),
@@ -130,6 +132,17 @@ def k_steps_of(config, geometry):
     return geometry.R * geometry.S * triton.cdiv(geometry.Ci, config.block_k)
 
 
+def _tail_pays(config, geometry, num_sms):
+    """A tile widened by a tail saves work where it computes fewer columns past Co (Co=320: 2 x 160
+    instead of 3 x 128), or fills the SMs better at no extra columns (Co=1280 on a 16x16 map:
+    16 x 8 = 128 tiles of 160 on 132 SMs instead of 160 tiles of 128, 1.2 waves)."""
+    plain = config._replace(block_n_tail=0)
+    wasted, wasted_plain = wasted_columns(geometry.Co, config.tile_n), wasted_columns(geometry.Co, plain.tile_n)
+    if wasted != wasted_plain:
+        return wasted < wasted_plain
+    return useful_share(config, geometry, num_sms) > useful_share(plain, geometry, num_sms)
+
+
 def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
     """Keep the configs that fit the device and suit the shape (no compilation needed)."""
     KernelConfig = _lesson().KernelConfig
@@ -151,9 +164,8 @@ def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
             continue                            # 2 x (4 + loader) warps at 128 registers fill the RF
         if config.tile_n > max(64, triton.next_power_of_2(geometry.Co)):  # mostly-empty tiles
             continue
-        if config.block_n_tail and (wasted_columns(geometry.Co, config.tile_n)
-                                    >= wasted_columns(geometry.Co, config.block_n)):
-            continue                            # a tail only where it saves work
+        if config.block_n_tail and not _tail_pays(config, geometry, num_sms):
+            continue                            # a tail only where it saves work or fills SMs
         if config.split_k > 1:
             tiles = triton.cdiv(geometry.M, config.block_m) * triton.cdiv(geometry.Co, config.tile_n)
             if wave_efficiency(tiles, num_sms) >= 0.8 or k_steps_of(config, geometry) < 3 * config.split_k:
@@ -164,6 +176,66 @@ def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
 
 # %% Plans: shape-only work done once, descriptor templates, the direct launch --------------------
 
+class DirectLaunch:
+    """One compiled kernel, called without Triton's generic launcher and with its TMA tensor maps
+    remembered.
+
+    Triton's launcher turns every descriptor argument into a CUtensorMap on every launch (Python
+    reads the descriptor's fields, then the driver encodes 128 bytes): ~8 us per descriptor on an
+    H100 host, 3-5 descriptors per conv launch. A plan's descriptors differ from call to call only
+    in their base address, and a network's tensors come back at the same few addresses (PyTorch's
+    caching allocator), so the encoded map is kept per (descriptor, address): a repeat costs a
+    dictionary lookup. The call passes the tensors themselves where the kernel takes descriptors;
+    a new address is encoded from the plan's validated template descriptor."""
+
+    MAX_TENSOR_MAPS = 256      # per plan and variant; then start over (a map is 128 bytes)
+
+    def __init__(self, compiled, constexprs, templates=()):
+        from triton.backends.driver import wrap_handle_tensordesc_impl
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+        compiled._init_handles()
+        self.compiled, self.constexprs = compiled, constexprs
+        driver = triton.runtime.driver.active
+        self.current_device, self.current_stream = driver.get_current_device, driver.get_current_stream
+        metas = getattr(compiled.metadata, "tensordesc_meta", None) or []
+        templates = [t for t in templates if t is not None]          # descriptors, in signature order
+        signature = list(compiled.src.signature.values())
+        self.descriptor_slots = [i for i, kind in enumerate(signature) if str(kind).startswith("tensordesc")]
+        if len(metas) != len(templates) or len(templates) != len(self.descriptor_slots):
+            raise RuntimeError(f"{compiled.name}: {len(templates)} descriptors, {len(metas)} tensor-map "
+                               f"layouts, {len(self.descriptor_slots)} descriptor parameters")
+        self.templates = templates
+        self.template_of = {id(meta): template for meta, template in zip(metas, templates)}
+        self.encode = make_tensordesc_arg
+        self.tensor_maps = {}                  # (id of the descriptor's layout, address) -> encoded
+        self.launcher = copy.copy(compiled.run)
+        self.launcher.launch = wrap_handle_tensordesc_impl(driver.utils.launch, compiled.src.signature,
+                                                           metas, self._tensor_map)
+
+    def _tensor_map(self, tensor, meta, *_):
+        key = (id(meta), tensor.data_ptr())
+        encoded = self.tensor_maps.get(key)
+        if encoded is None:                    # a new address: encode from the validated template
+            if len(self.tensor_maps) >= self.MAX_TENSOR_MAPS:
+                self.tensor_maps.clear()
+            encoded = self.tensor_maps[key] = self.encode(_with_base(self.template_of[id(meta)], tensor), meta, None)
+        return encoded
+
+    def __call__(self, grid, *args):
+        """Launch on the current stream; `args` in signature order, constexprs left out, a tensor
+        (or None) where the kernel takes a descriptor."""
+        if triton.knobs.runtime.launch_enter_hook is not None:
+            # a profiler listens to launches: Triton's own path, with real descriptors
+            args = list(args)
+            for slot, template in zip(self.descriptor_slots, self.templates):
+                args[slot] = _with_base(template, args[slot])
+            self.compiled[grid](*args, *self.constexprs)
+            return
+        stream = self.current_stream(self.current_device())
+        self.launcher(grid[0], grid[1], grid[2], stream, self.compiled.function, self.compiled.packed_metadata,
+                      None, None, None, *args, *self.constexprs)
+
+
 class ConvPlan:
     """Everything about one (shape, dtype, config, device) that does not depend on the tensors."""
 
@@ -173,7 +245,8 @@ class ConvPlan:
         self.config = lesson.KernelConfig(*config)
         lesson.check_config(self.config, arch)
         self.template = None      # the first call's ConvLaunch: validated descriptors, grid, constexprs
-        self.compiled = {}        # (has bias, bias 16-byte aligned) -> (compiled kernel, constexprs)
+        self.launches = {}        # epilogue variant -> DirectLaunch of the conv kernel
+        self.reduces = {}         # epilogue variant -> DirectLaunch of split-K's second kernel
 
     def launch_for(self, x_nhwc, w, bias, scale=None, residual=None):
         """The lesson's ConvLaunch for these tensors; after the first call, built from templates."""
@@ -198,42 +271,55 @@ class ConvPlan:
 
     def run(self, x_nhwc, w, bias=None, scale=None, residual=None, activation="none"):
         lesson = _lesson()
-        launch = self.launch_for(x_nhwc, w, bias, scale, residual)
         # The specialization Triton compiled for: the epilogue, and whether each of its pointers
         # is 16-byte aligned (Triton specializes pointer alignment) and of which dtype. Everything
         # else is fixed by the plan.
         variant = (activation,) + tuple(None if t is None else (t.dtype, t.data_ptr() % 16 == 0)
                                         for t in (bias, scale, residual))
-        compiled = self.compiled.get(variant)
-        if compiled is None:
-            # First launch of this variant: the generic path (binds, specializes, compiles).
+        direct = self.launches.get(variant)
+        if direct is None:
+            # First launch of this variant: the generic path (binds, specializes, compiles), then
+            # a DirectLaunch of the compiled kernel for the calls after it.
+            launch = self.launch_for(x_nhwc, w, bias, scale, residual)
             epilogue = lesson.Epilogue(bias is not None, scale is not None, residual is not None, activation)
             kwargs = lesson.kernel_constexprs(self.config, self.arch, epilogue)
-            kernel = lesson.conv2d_fprop_kernel[launch.grid](*launch.args, **kwargs)
+            compiled = lesson.conv2d_fprop_kernel[launch.grid](*launch.args, **kwargs)
             constexprs = tuple(kwargs[p.name] for p in lesson.conv2d_fprop_kernel.params if p.is_constexpr)
-            self.compiled[variant] = (kernel, constexprs)
+            self.launches[variant] = DirectLaunch(compiled, constexprs, self.template.args[:5])
         else:
-            # Later launches: straight to the compiled kernel, constexprs included, in signature order.
-            kernel, constexprs = compiled
-            kernel[launch.grid](*launch.args, *constexprs)
+            # Later launches: the tensors themselves where the kernel takes descriptors (their
+            # tensor maps are remembered by address), the run-time scalars from the plan.
+            x_nhwc, w, _ = common.pad_channels_for_tma(x_nhwc, w)
+            _check_tma_aligned(x_nhwc), _check_tma_aligned(w)
+            template = self.template
+            out_2d = torch.empty(template.out_2d.shape, device=x_nhwc.device, dtype=x_nhwc.dtype)
+            partial = None if template.partial is None else torch.empty_like(template.partial)
+            tail = self.config.block_n_tail > 0
+            direct(template.grid, x_nhwc, w, w if tail else None, out_2d, out_2d if tail else None,
+                   *(t if t is not None else out_2d for t in (bias, scale, residual, partial)),
+                   *template.args[9:])
+            launch = template._replace(out_2d=out_2d, partial=partial)
         if launch.partial is not None:          # split-K: the second kernel sums the slices
             grid, args, kwargs = lesson.split_k_epilogue_launch(launch, bias, scale, residual, activation)
-            reduce = self.compiled.get(("split-K epilogue",) + variant)
+            reduce = self.reduces.get(variant)
             if reduce is None:
-                kernel = lesson.split_k_epilogue_kernel[grid](*args, **kwargs)
+                compiled = lesson.split_k_epilogue_kernel[grid](*args, **kwargs)
                 constexprs = tuple(kwargs[p.name] for p in lesson.split_k_epilogue_kernel.params if p.is_constexpr)
-                self.compiled[("split-K epilogue",) + variant] = (kernel, constexprs)
+                self.reduces[variant] = DirectLaunch(compiled, constexprs)
             else:
-                kernel, constexprs = reduce
-                kernel[grid](*args, *constexprs)
+                reduce(grid, *args)
         return launch.result()
+
+
+def _check_tma_aligned(tensor):
+    if tensor.data_ptr() % 16:
+        raise ValueError(f"TMA needs 16-byte aligned tensors; this one starts at address "
+                         f"{tensor.data_ptr():#x} (a view into another tensor?); pass .clone()")
 
 
 def _with_base(template, tensor):
     """A copy of a validated descriptor that points at `tensor` (same shape, strides and dtype)."""
-    if tensor.data_ptr() % 16:
-        raise ValueError(f"TMA needs 16-byte aligned tensors; this one starts at address "
-                         f"{tensor.data_ptr():#x} (a view into another tensor?); pass .clone()")
+    _check_tma_aligned(tensor)
     descriptor = object.__new__(type(template))    # copy.copy, without its ~3 us of generality
     descriptor.__dict__.update(template.__dict__)
     descriptor.base = tensor
@@ -584,15 +670,20 @@ def host_us_per_call(call, calls=200):
 
 
 def compare_launch_paths(plan, x_nhwc, w, calls=200):
-    """Host us per launch of one plan: Triton's generic launcher vs the plan's direct call."""
+    """Host us per launch of one plan: Triton's generic launcher; the compiled kernel called
+    directly (its tensor maps encoded on every launch); the plan's DirectLaunch (maps remembered)."""
     lesson = _lesson()
     plan.run(x_nhwc, w)
     launch = plan.launch_for(x_nhwc, w, None)
     kwargs = lesson.kernel_constexprs(plan.config, plan.arch)
-    compiled, constexprs = plan.compiled[("none", None, None, None)]
+    direct = plan.launches[("none", None, None, None)]
+    tail = plan.config.block_n_tail > 0
+    raw_args = (launch.args[0].base, launch.args[1].base, launch.args[1].base if tail else None,
+                launch.out_2d, launch.out_2d if tail else None) + launch.args[5:]
     return {
         "generic": host_us_per_call(lambda: lesson.conv2d_fprop_kernel[launch.grid](*launch.args, **kwargs), calls),
-        "direct": host_us_per_call(lambda: compiled[launch.grid](*launch.args, *constexprs), calls),
+        "compiled": host_us_per_call(lambda: direct.compiled[launch.grid](*launch.args, *direct.constexprs), calls),
+        "direct": host_us_per_call(lambda: direct(launch.grid, *raw_args), calls),
     }
 
 

@@ -89,6 +89,25 @@ def test_direct_launch_path_on_new_data():
                           with_bias=seed != 2, seed=seed)
 
 
+@needs_gpu
+def test_direct_launch_remembers_tensor_maps_by_address():
+    # Later calls pass tensors, not descriptors: each (descriptor, address) is encoded once. Two
+    # inputs taking turns, and an input rewritten in place, must each give their own result.
+    x_a, w = common.random_conv_inputs(2, 12, 12, 64, 96, 3, 3, torch.bfloat16, seed=4)
+    x_b = torch.randn_like(x_a)
+    for x in (x_a, x_b, x_a, x_b):
+        common.assert_close_to_reference(lesson05.conv2d_fprop_fixed(x, w, padding=1),
+                                         common.reference_conv2d_nhwc(x, w, None, 1, 1), dtype=x.dtype, K=576)
+    geometry = common.conv_geometry(x_a.shape, w.shape, 1, 1)
+    direct = conv_runtime.plan_for(geometry, x_a.dtype, lesson05.FIXED_CONFIG).launches[("none", None, None, None)]
+    known = set(direct.tensor_maps)
+    x_a.mul_(-2)                                      # same address, new contents
+    common.assert_close_to_reference(lesson05.conv2d_fprop_fixed(x_a, w, padding=1),
+                                     common.reference_conv2d_nhwc(x_a, w, None, 1, 1), dtype=x_a.dtype, K=576)
+    inputs = {key for key in direct.tensor_maps if key[1] in (x_a.data_ptr(), w.data_ptr())}
+    assert len(inputs) == 2 and inputs <= known        # in and w descriptors: remembered, not re-encoded
+
+
 @lesson05.needs_hopper
 def test_every_hopper_candidate_is_correct():
     for config in conv_runtime.HOPPER_CANDIDATES:

@@ -1,0 +1,85 @@
+"""Host time per call of lesson 05's conv, next to cuDNN's, on this machine's GPU and CPU.
+
+A convolution of 30-100 us on the GPU is only as fast as the host can issue it: when a call
+spends longer in Python and the driver than the GPU spends on the previous work, the GPU waits.
+This script measures, for a few layers of lesson 05's network suite, the host microseconds of:
+
+- `generic`: Triton's generic launcher (binds ~25 arguments, checks the specialization, encodes
+  each TMA descriptor into a tensor map, launches);
+- `compiled`: the compiled kernel called directly, its descriptors still encoded on every launch;
+- `direct`: conv_runtime's DirectLaunch, tensor maps remembered per (descriptor, address);
+- `runtime`: a whole conv_runtime.conv2d call (plan lookup, output allocation, launch);
+- `operator`: torch.ops.conv_tutorial.conv2d on NCHW channels_last tensors (conv_torch.py);
+- `cudnn`: torch.nn.functional.conv2d on the same channels_last tensors.
+
+Each number is the wall time of 500 calls divided by 500, without waiting for the GPU (the GPU
+work of those calls is still queued when the clock stops), the median of 5 such runs.
+
+    python scripts/host_time.py [--json out/host_time.json]
+"""
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import common  # noqa: E402  (first: on a machine without a GPU it turns on the Triton interpreter)
+import torch  # noqa: E402
+
+LAYERS = [   # label, N, H, W, Ci, Co, R, S, stride, padding (from network_suite.py)
+    ("RN50 14x14 256->256 3x3", 128, 14, 14, 256, 256, 3, 3, 1, 1),
+    ("RN50 7x7 512->512 3x3", 128, 7, 7, 512, 512, 3, 3, 1, 1),
+    ("SD 64x64 320->320 3x3", 8, 64, 64, 320, 320, 3, 3, 1, 1),
+    ("SD 8x8 1280->1280 3x3", 8, 8, 8, 1280, 1280, 3, 3, 1, 1),
+]
+
+
+def median_host_us(call, calls=500, runs=5):
+    import conv_runtime
+    return statistics.median(conv_runtime.host_us_per_call(call, calls) for _ in range(runs))
+
+
+def measure(layer):
+    import conv_runtime
+    import conv_torch  # noqa: F401  (registers torch.ops.conv_tutorial.conv2d)
+    label, N, H, W, Ci, Co, R, S, stride, padding = layer
+    x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16)
+    geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
+    config = conv_runtime.known_or_heuristic_config(geometry, x_nhwc.dtype)
+    plan = conv_runtime.plan_for(geometry, x_nhwc.dtype, config)
+    row = {"layer": label, "config": str(config)}
+    if not config.split_k > 1:            # split-K runs two kernels: its launch paths differ
+        row.update(conv_runtime.compare_launch_paths(plan, x_nhwc, w, calls=500))
+    row["runtime"] = median_host_us(lambda: conv_runtime.conv2d(x_nhwc, w, None, stride, padding, config=config))
+    x_nchw, w_oihw = x_nhwc.permute(0, 3, 1, 2), w.permute(0, 3, 1, 2)   # channels_last views
+    row["operator"] = median_host_us(lambda: torch.ops.conv_tutorial.conv2d(x_nchw, w_oihw, None, [stride] * 2,
+                                                                           [padding] * 2, [1, 1], 1))
+    row["cudnn"] = median_host_us(lambda: torch.nn.functional.conv2d(x_nchw, w_oihw, None, stride, padding))
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="also write the table as JSON here")
+    args = parser.parse_args()
+    common.require_tma_mma_gpu("scripts/host_time.py")
+    info = common.versions()
+    print(f"{info['device']}, torch {info['torch']}, Triton {info['triton']}: host us per call")
+    columns = ["generic", "compiled", "direct", "runtime", "operator", "cudnn"]
+    print(f"{'layer':<26}" + "".join(f"{c:>10}" for c in columns) + "   config")
+    rows = []
+    for layer in LAYERS:
+        row = measure(layer)
+        rows.append(row)
+        print(f"{row['layer']:<26}" + "".join(f"{row[c]:10.1f}" if c in row else f"{'-':>10}" for c in columns)
+              + f"   {row['config']}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({**info, "rows": rows}, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
