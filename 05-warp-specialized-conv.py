@@ -682,9 +682,14 @@ class ConvLaunch(NamedTuple):
 
     def result(self):
         """The output as NHWC [N, out_h, out_w, Co]."""
-        g, Co_alloc = self.geometry, self.out_2d.shape[1]
-        out = self.out_2d.view(g.N, g.out_h, g.out_w, Co_alloc)
-        return out if Co_alloc == g.Co else out[..., :g.Co].contiguous()
+        return output_nhwc(self.geometry, self.out_2d)
+
+
+def output_nhwc(geometry, out_2d):
+    """The kernel's output [M, Co rounded up to 16 bytes] as NHWC [N, out_h, out_w, Co]."""
+    g, Co_alloc = geometry, out_2d.shape[1]
+    out = out_2d.view(g.N, g.out_h, g.out_w, Co_alloc)
+    return out if Co_alloc == g.Co else out[..., :g.Co].contiguous()
 
 
 class Epilogue(NamedTuple):

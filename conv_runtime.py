@@ -177,42 +177,50 @@ def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
 # %% Plans: shape-only work done once, descriptor templates, the direct launch --------------------
 
 class DirectLaunch:
-    """One compiled kernel, called without Triton's generic launcher and with its TMA tensor maps
-    remembered.
+    """One compiled kernel, called straight through the CUDA launch that Triton's launcher ends
+    in, with its TMA tensor maps remembered.
 
-    Triton's launcher turns every descriptor argument into a CUtensorMap on every launch (Python
-    reads the descriptor's fields, then the driver encodes 128 bytes): ~8 us per descriptor on an
-    H100 host, 3-5 descriptors per conv launch. A plan's descriptors differ from call to call only
-    in their base address, and a network's tensors come back at the same few addresses (PyTorch's
-    caching allocator), so the encoded map is kept per (descriptor, address): a repeat costs a
-    dictionary lookup. The call passes the tensors themselves where the kernel takes descriptors;
-    a new address is encoded from the plan's validated template descriptor."""
+    Triton's launcher, on every launch: binds and type-checks the arguments, allocates scratch
+    space if the kernel wants any, turns each descriptor into a CUtensorMap (Python reads the
+    descriptor's fields, then the driver encodes 128 bytes), and asks the driver about each
+    pointer argument. A plan knows all of that in advance except the tensors' addresses: its
+    descriptors differ from call to call only in their base address, and a network's tensors come
+    back at the same few addresses (PyTorch's caching allocator), so the encoded map is kept per
+    (descriptor, address) and a repeat costs a dictionary lookup. The call passes the tensors
+    themselves where the kernel takes descriptors (a new address is encoded from the plan's
+    validated template), and plain integers (data_ptr()) for pointers, which the caller has
+    checked. Kernels that need scratch space, and launches a profiler listens to, go through
+    Triton's path instead."""
 
     MAX_TENSOR_MAPS = 256      # per plan and variant; then start over (a map is 128 bytes)
 
     def __init__(self, compiled, constexprs, templates=()):
-        from triton.backends.driver import wrap_handle_tensordesc_impl
         from triton.backends.nvidia.driver import make_tensordesc_arg
         compiled._init_handles()
-        self.compiled, self.constexprs = compiled, constexprs
+        self.compiled, self.constexprs, self.encode = compiled, constexprs, make_tensordesc_arg
         driver = triton.runtime.driver.active
         self.current_device, self.current_stream = driver.get_current_device, driver.get_current_stream
+        launcher = compiled.run
         metas = getattr(compiled.metadata, "tensordesc_meta", None) or []
         templates = [t for t in templates if t is not None]          # descriptors, in signature order
-        signature = list(compiled.src.signature.values())
-        self.descriptor_slots = [i for i, kind in enumerate(signature) if str(kind).startswith("tensordesc")]
+        signature = [str(kind) for kind in compiled.src.signature.values()]
+        self.descriptor_slots = [i for i, kind in enumerate(signature) if kind.startswith("tensordesc")]
         if len(metas) != len(templates) or len(templates) != len(self.descriptor_slots):
             raise RuntimeError(f"{compiled.name}: {len(templates)} descriptors, {len(metas)} tensor-map "
                                f"layouts, {len(self.descriptor_slots)} descriptor parameters")
         self.templates = templates
+        self.meta_at = dict(zip(self.descriptor_slots, metas))        # argument position -> layout
         self.template_of = {id(meta): template for meta, template in zip(metas, templates)}
-        self.encode = make_tensordesc_arg
+        self.descriptors_end = max(self.descriptor_slots, default=-1) + 1
         self.tensor_maps = {}                  # (id of the descriptor's layout, address) -> encoded
-        self.launcher = copy.copy(compiled.run)
-        self.launcher.launch = wrap_handle_tensordesc_impl(driver.utils.launch, compiled.src.signature,
-                                                           metas, self._tensor_map)
+        self.lean = (launcher.global_scratch_size == 0 and launcher.profile_scratch_size == 0
+                     and not getattr(launcher, "gsan_enabled", False))
+        self.launch = driver.utils.launch
+        self.launch_head = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
+                            compiled.packed_metadata)
+        self.launch_tail = (launcher.arg_annotations, launcher.kernel_signature)
 
-    def _tensor_map(self, tensor, meta, *_):
+    def _tensor_map(self, tensor, meta):
         key = (id(meta), tensor.data_ptr())
         encoded = self.tensor_maps.get(key)
         if encoded is None:                    # a new address: encode from the validated template
@@ -222,18 +230,27 @@ class DirectLaunch:
         return encoded
 
     def __call__(self, grid, *args):
-        """Launch on the current stream; `args` in signature order, constexprs left out, a tensor
-        (or None) where the kernel takes a descriptor."""
-        if triton.knobs.runtime.launch_enter_hook is not None:
-            # a profiler listens to launches: Triton's own path, with real descriptors
+        """Launch on the current stream. `args`: the kernel's run-time arguments in signature order
+        (constexprs left out), a tensor (or None) where the kernel takes a descriptor."""
+        if not self.lean or triton.knobs.runtime.launch_enter_hook is not None:
+            # scratch space to allocate, or a profiler listening: Triton's path, real descriptors
             args = list(args)
             for slot, template in zip(self.descriptor_slots, self.templates):
                 args[slot] = _with_base(template, args[slot])
             self.compiled[grid](*args, *self.constexprs)
             return
+        expanded = []
+        for position in range(self.descriptors_end):
+            meta = self.meta_at.get(position)
+            if meta is None:
+                expanded.append(args[position])
+            else:                              # [tensor map, *shape, *strides], as Triton expands it
+                expanded += self._tensor_map(args[position], meta)
+        expanded += args[self.descriptors_end:]
+        expanded += self.constexprs
         stream = self.current_stream(self.current_device())
-        self.launcher(grid[0], grid[1], grid[2], stream, self.compiled.function, self.compiled.packed_metadata,
-                      None, None, None, *args, *self.constexprs)
+        self.launch(grid[0], grid[1], grid[2], stream, *self.launch_head, None, None, None, None, None,
+                    *self.launch_tail, expanded)
 
 
 class ConvPlan:
@@ -288,7 +305,8 @@ class ConvPlan:
             self.launches[variant] = DirectLaunch(compiled, constexprs, self.template.args[:5])
         else:
             # Later launches: the tensors themselves where the kernel takes descriptors (their
-            # tensor maps are remembered by address), the run-time scalars from the plan.
+            # tensor maps are remembered by address), addresses for the pointers, the run-time
+            # scalars from the plan.
             x_nhwc, w, _ = common.pad_channels_for_tma(x_nhwc, w)
             _check_tma_aligned(x_nhwc), _check_tma_aligned(w)
             template = self.template
@@ -296,8 +314,10 @@ class ConvPlan:
             partial = None if template.partial is None else torch.empty_like(template.partial)
             tail = self.config.block_n_tail > 0
             direct(template.grid, x_nhwc, w, w if tail else None, out_2d, out_2d if tail else None,
-                   *(t if t is not None else out_2d for t in (bias, scale, residual, partial)),
+                   *(t.data_ptr() if t is not None else out_2d.data_ptr() for t in (bias, scale, residual, partial)),
                    *template.args[9:])
+            if partial is None:
+                return lesson.output_nhwc(self.geometry, out_2d)
             launch = template._replace(out_2d=out_2d, partial=partial)
         if launch.partial is not None:          # split-K: the second kernel sums the slices
             grid, args, kwargs = lesson.split_k_epilogue_launch(launch, bias, scale, residual, activation)
@@ -307,7 +327,7 @@ class ConvPlan:
                 constexprs = tuple(kwargs[p.name] for p in lesson.split_k_epilogue_kernel.params if p.is_constexpr)
                 self.reduces[variant] = DirectLaunch(compiled, constexprs)
             else:
-                reduce(grid, *args)
+                reduce(grid, *(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
         return launch.result()
 
 

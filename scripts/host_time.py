@@ -15,7 +15,9 @@ This script measures, for a few layers of lesson 05's network suite, the host mi
 Each number is the wall time of 500 calls divided by 500, without waiting for the GPU (the GPU
 work of those calls is still queued when the clock stops), the median of 5 such runs.
 
-    python scripts/host_time.py [--json out/host_time.json]
+    python scripts/host_time.py [--json out/host_time.json] [--profile]
+
+--profile adds a cProfile of 2000 runtime calls of the first layer: where the host time goes.
 """
 import argparse
 import json
@@ -60,9 +62,28 @@ def measure(layer):
     return row
 
 
+def profile_runtime(layer, calls=2000):
+    import cProfile
+    import pstats
+    import conv_runtime
+    label, N, H, W, Ci, Co, R, S, stride, padding = layer
+    x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16)
+    conv_runtime.conv2d(x_nhwc, w, None, stride, padding, tune=False)
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        conv_runtime.conv2d(x_nhwc, w, None, stride, padding, tune=False)
+    profiler.disable()
+    torch.cuda.synchronize()
+    print(f"\ncProfile of {calls} runtime calls, {label} (times include the profiler's own cost):")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the table as JSON here")
+    parser.add_argument("--profile", action="store_true", help="cProfile the runtime's calls")
     args = parser.parse_args()
     common.require_tma_mma_gpu("scripts/host_time.py")
     info = common.versions()
@@ -75,6 +96,8 @@ def main():
         rows.append(row)
         print(f"{row['layer']:<26}" + "".join(f"{row[c]:10.1f}" if c in row else f"{'-':>10}" for c in columns)
               + f"   {row['config']}")
+    if args.profile:
+        profile_runtime(LAYERS[0])
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({**info, "rows": rows}, indent=1))
