@@ -232,7 +232,7 @@ class DirectLaunch:
     def __call__(self, grid, *args):
         """Launch on the current stream. `args`: the kernel's run-time arguments in signature order
         (constexprs left out), a tensor (or None) where the kernel takes a descriptor."""
-        if not self.lean or triton.knobs.runtime.launch_enter_hook is not None:
+        if not self.lean or _launch_hooks_set():
             # scratch space to allocate, or a profiler listening: Triton's path, real descriptors
             args = list(args)
             for slot, template in zip(self.descriptor_slots, self.templates):
@@ -329,6 +329,13 @@ class ConvPlan:
             else:
                 reduce(grid, *(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
         return launch.result()
+
+
+def _launch_hooks_set():
+    """Whether a profiler (proton, or a user) listens to Triton's launches. Triton 3.8 keeps the
+    hooks in a HookChain, which is never None; older versions, a callable or None."""
+    hook = triton.knobs.runtime.launch_enter_hook
+    return bool(hook.calls) if hasattr(hook, "calls") else hook is not None
 
 
 def _check_tma_aligned(tensor):

@@ -120,7 +120,7 @@ def run_network_suite(outdir, quick=False, tune=True, dtype=torch.bfloat16):
         # the kernels alone (CUDA-graph replay: no host time, L2 not flushed), and our host time
         graph = {name: common.bench_tflops(fn, geometry.flops, cuda_graph=True)["tflops"]
                  for name, fn in (("ours", ours), ("cudnn", cudnn))}
-        host_us = conv_runtime.host_us_per_call(ours, calls=50)
+        host_us = sorted(conv_runtime.host_us_per_call(ours, calls=100) for _ in range(5))[2]   # median
         records.append({
             "layer": label, "geometry": geometry.describe(), "flops": geometry.flops,
             "min_bytes": minimum_bytes(geometry), "ours_tflops": ours_tflops, "cudnn_tflops": cudnn_tflops,
