@@ -1,0 +1,106 @@
+"""Refit conv_runtime's heuristic from a network-suite log, and check it leave-one-out.
+
+`python 05-warp-specialized-conv.py --bench --suite networks` autotunes every layer and prints
+each candidate's TFLOPS. From those timings this script fits what `conv_runtime.heuristic_config`
+uses on Hopper:
+
+- HOPPER_CONFIG_TFLOPS: per config (split_k=1), the median over the layers of its TFLOPS divided
+  by its useful share on that layer (`conv_runtime.useful_share`);
+- SPLIT_K_WORKSPACE_BYTES_PER_S: the median bandwidth at which the split-K configs' extra time
+  (over the same tile unsplit) moves their workspace (2 x SPLIT_K x M x Co x 4 bytes).
+
+Then, for each layer, it fits both without that layer, lets the heuristic pick, and reports the
+picked config's TFLOPS over the layer's fastest: a heuristic that only remembered the suite
+would score 1.0 on every layer here and badly on new ones; this check sees only new ones.
+
+    python scripts/fit_heuristic.py results/h100-2026-11-22/network-suite.log
+"""
+import argparse
+import math
+import re
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import common  # noqa: E402
+import conv_runtime  # noqa: E402
+import network_suite  # noqa: E402
+
+NUM_SMS = 132        # the H100 SXM the suite ran on
+
+
+def parse_config(text):
+    """A KernelConfig from its str(), e.g. "128x(128+32)x64 5 stages 4 warps, ping-pong, split-K 2"."""
+    match = re.match(r"(\d+)x(?:\((\d+)\+(\d+)\)|(\d+))x(\d+) (\d+) stages (\d+) warps(.*)", text.strip())
+    block_m, block_n = int(match[1]), int(match[2] or match[4])
+    rest = match[8]
+    split_k = re.search(r"split-K (\d+)", rest)
+    return conv_runtime._lesson().KernelConfig(
+        block_m, block_n, int(match[5]), int(match[6]), int(match[7]),
+        programs_per_sm=2 if "2/SM" in rest else 1, consumers=2 if "ping-pong" in rest else 1,
+        block_n_tail=int(match[3] or 0), split_k=int(split_k[1]) if split_k else 1)
+
+
+def read_timings(log_text):
+    """[(label, geometry the kernel runs, {config: TFLOPS})] for every suite layer in the log."""
+    blocks = re.split(r"\n(?=(?:RN50|SD) [^\n]*autotuning:)", log_text)
+    layers = []
+    for label, N, H, W, Ci, Co, R, S, stride, padding in network_suite.NETWORK_SUITE:
+        block = next(b for b in blocks if b.startswith(label + ":"))
+        timings = {}
+        for line in block.splitlines()[1:]:
+            match = re.match(r"\s+(.*? warps.*?)\s+([\d.]+) TFLOPS", line)
+            if match:
+                timings[parse_config(match[1])] = float(match[2])
+        geometry = common.conv_geometry((N, H, W, Ci), (Co, R, S, Ci), stride, padding)
+        fold = conv_runtime.folded_geometry(geometry)
+        layers.append((label, fold.geometry if fold else geometry, timings))
+    return layers
+
+
+def fit(layers):
+    samples = {}
+    for _, geometry, timings in layers:
+        for config, tflops in timings.items():
+            if config.split_k == 1:
+                samples.setdefault(tuple(config), []).append(tflops / conv_runtime.useful_share(config, geometry, NUM_SMS))
+    table = {config: round(statistics.median(values)) for config, values in samples.items()}
+    bandwidths = []
+    for _, geometry, timings in layers:
+        for config, tflops in timings.items():
+            unsplit = tuple(config._replace(split_k=1))
+            if config.split_k > 1 and unsplit in table:
+                compute = geometry.flops / (table[unsplit] * 1e12 * conv_runtime.useful_share(config, geometry, NUM_SMS))
+                extra = geometry.flops / (tflops * 1e12) - compute
+                workspace = 2 * config.split_k * geometry.M * geometry.Co * 4
+                bandwidths.append(workspace / extra if extra > 0 else math.inf)
+    return table, statistics.median(bandwidths)
+
+
+def heuristic_pick(table, bandwidth, geometry):
+    conv_runtime.HOPPER_CONFIG_TFLOPS, conv_runtime.SPLIT_K_WORKSPACE_BYTES_PER_S = table, bandwidth
+    return conv_runtime.heuristic_config(geometry, "sm_90", NUM_SMS)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("log", type=Path, help="output of --bench --suite networks (autotuned)")
+    layers = read_timings(parser.parse_args().log.read_text())
+    table, bandwidth = fit(layers)
+    print("HOPPER_CONFIG_TFLOPS = {")
+    for config, tflops in sorted(table.items(), key=lambda item: -item[1]):
+        print(f"    {config}: {tflops},")
+    print(f"}}\nSPLIT_K_WORKSPACE_BYTES_PER_S = {bandwidth:.3g}\n")
+    print("leave-one-out: the heuristic's pick, fitted without the layer, against its fastest config")
+    scores = []
+    for i, (label, geometry, timings) in enumerate(layers):
+        pick = heuristic_pick(*fit(layers[:i] + layers[i + 1:]), geometry)
+        scores.append(timings[pick] / max(timings.values()))
+        print(f"  {label:<30} {str(pick):<48} {scores[-1]:.3f}")
+    print(f"geometric mean {network_suite.geometric_mean(scores):.3f}, worst {min(scores):.3f}")
+
+
+if __name__ == "__main__":
+    main()
