@@ -103,8 +103,8 @@ def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, 
     stage_bytes: gl.constexpr = in_desc.block_type.nbytes + w_desc.block_type.nbytes * TILE_N // BLOCK_N
     counter = 0
     num_tiles = num_pid_m * num_pid_n
-    for unit in range(gl.program_id(0), num_tiles * SPLIT_K, gl.num_programs(0)):
-        tile_id, split, k_begin, k_end = work_unit(unit, num_tiles, k_steps, SPLIT_K)
+    for unit in range(gl.program_id(0), num_work_units(num_tiles, SPLIT_K), gl.num_programs(0)):
+        tile_id, split, k_begin, k_end, partial = work_unit(unit, num_tiles, k_steps, SPLIT_K)
         pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         m0 = pid_m * BLOCK_M
         n = m0 // (out_h * out_w)
@@ -202,6 +202,22 @@ def store_partial_tile(acc, partial_ptr, split, M, Co, m0, co0):
     gl.store(partial_ptr + offsets, acc, mask=inside)
 
 
+@gluon.jit
+def store_unit(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, partial_ptr, partial, split, M, Co,
+               m0, co0, HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
+               ACTIVATION: gl.constexpr, SPLIT_K: gl.constexpr, STORES_IN_FLIGHT: gl.constexpr = 0):
+    """A unit's result: a whole tile through the epilogue, or a slice's partial sum (split-K)."""
+    if SPLIT_K > 1:
+        if partial:
+            store_partial_tile(acc, partial_ptr, split, M, Co, m0, co0)
+        else:
+            store_output_tile(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, M, Co, m0, co0,
+                              HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION, STORES_IN_FLIGHT)
+    else:
+        store_output_tile(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, M, Co, m0, co0,
+                          HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION, STORES_IN_FLIGHT)
+
+
 # %%
 # The Hopper consumer. Read it first with NUM_CONSUMERS=1 and no tail: wait for a stage, issue
 # its MMA, wait until only this step's MMA is in flight, release the previous stage, and after
@@ -229,9 +245,9 @@ def hopper_mma_epilogue_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, tur
     counter = CONSUMER * k_steps      # the ring position of this consumer's first k-step
     local_tile = 0
     num_tiles = num_pid_m * num_pid_n
-    for unit in range(gl.program_id(0) + CONSUMER * gl.num_programs(0), num_tiles * SPLIT_K,
+    for unit in range(gl.program_id(0) + CONSUMER * gl.num_programs(0), num_work_units(num_tiles, SPLIT_K),
                       NUM_CONSUMERS * gl.num_programs(0)):
-        tile_id, split, k_begin, k_end = work_unit(unit, num_tiles, k_steps, SPLIT_K)
+        tile_id, split, k_begin, k_end, partial = work_unit(unit, num_tiles, k_steps, SPLIT_K)
         pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         if NUM_CONSUMERS == 2:
             # my turn: the other consumer has issued the whole main loop of the tile before mine.
@@ -261,20 +277,14 @@ def hopper_mma_epilogue_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, tur
             mma_tail = mma_tail.wait_num_outstanding(0)
         mbarrier.arrive(empty.index((counter + NUM_BUFFERS - 1) % NUM_BUFFERS))
         acc, mma = mma.take_result()
-        if SPLIT_K > 1:
-            store_partial_tile(acc, partial_ptr, split, M, Co, pid_m * BLOCK_M, pid_n * TILE_N)
-        else:
-            store_output_tile(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, M, Co,
-                              pid_m * BLOCK_M, pid_n * TILE_N, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION)
+        store_unit(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, partial_ptr, partial, split,
+                   M, Co, pid_m * BLOCK_M, pid_n * TILE_N, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION,
+                   SPLIT_K)
         if HAS_TAIL:
             acc_tail, mma_tail = mma_tail.take_result()
-            if SPLIT_K > 1:
-                store_partial_tile(acc_tail, partial_ptr, split, M, Co, pid_m * BLOCK_M,
-                                   pid_n * TILE_N + BLOCK_N)
-            else:
-                store_output_tile(acc_tail, c_tail_smem, out_tail_desc, bias_ptr, scale_ptr, residual_ptr,
-                                  M, Co, pid_m * BLOCK_M, pid_n * TILE_N + BLOCK_N, HAS_BIAS, HAS_SCALE,
-                                  HAS_RESIDUAL, ACTIVATION, STORES_IN_FLIGHT=1)
+            store_unit(acc_tail, c_tail_smem, out_tail_desc, bias_ptr, scale_ptr, residual_ptr, partial_ptr,
+                       partial, split, M, Co, pid_m * BLOCK_M, pid_n * TILE_N + BLOCK_N, HAS_BIAS, HAS_SCALE,
+                       HAS_RESIDUAL, ACTIVATION, SPLIT_K, STORES_IN_FLIGHT=1)
         counter += (NUM_CONSUMERS - 1) * k_steps      # skip the other consumer's tile
         local_tile += 1
     tma.store_wait(pendings=0)
@@ -297,8 +307,8 @@ def blackwell_mma_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, acc_tmem,
     counter = 0
     tile_count = 0
     num_tiles = num_pid_m * num_pid_n
-    for unit in range(gl.program_id(0), num_tiles * SPLIT_K, gl.num_programs(0)):
-        tile_id, split, k_begin, k_end = work_unit(unit, num_tiles, k_steps, SPLIT_K)
+    for unit in range(gl.program_id(0), num_work_units(num_tiles, SPLIT_K), gl.num_programs(0)):
+        tile_id, split, k_begin, k_end, partial = work_unit(unit, num_tiles, k_steps, SPLIT_K)
         buf = tile_count % NUM_ACC
         # wait until the epilogue has read this accumulator (first pass: returns at once)
         mbarrier.wait(acc_empty.index(buf), ((tile_count // NUM_ACC) & 1) ^ 1)
@@ -331,8 +341,8 @@ def blackwell_epilogue_partition(acc_tmem, acc_tail_tmem, acc_ready, acc_empty, 
     BLOCK_N_TAIL: gl.constexpr = TILE_N - BLOCK_N
     tile_count = 0
     num_tiles = num_pid_m * num_pid_n
-    for unit in range(gl.program_id(0), num_tiles * SPLIT_K, gl.num_programs(0)):
-        tile_id, split, k_begin, k_end = work_unit(unit, num_tiles, k_steps, SPLIT_K)
+    for unit in range(gl.program_id(0), num_work_units(num_tiles, SPLIT_K), gl.num_programs(0)):
+        tile_id, split, k_begin, k_end, partial = work_unit(unit, num_tiles, k_steps, SPLIT_K)
         pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         buf = tile_count % NUM_ACC
         mbarrier.wait(acc_ready.index(buf), (tile_count // NUM_ACC) & 1)
@@ -341,17 +351,12 @@ def blackwell_epilogue_partition(acc_tmem, acc_tail_tmem, acc_ready, acc_empty, 
             acc_tail = acc_tail_tmem.index(buf).load()
         mbarrier.arrive(acc_empty.index(buf))      # the MMA warp may reuse it now
         co0 = pid_n * TILE_N
-        if SPLIT_K > 1:
-            store_partial_tile(acc, partial_ptr, split, M, Co, pid_m * BLOCK_M, co0)
-            if BLOCK_N_TAIL > 0:
-                store_partial_tile(acc_tail, partial_ptr, split, M, Co, pid_m * BLOCK_M, co0 + BLOCK_N)
-        else:
-            store_output_tile(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, M, Co,
-                              pid_m * BLOCK_M, co0, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION)
-            if BLOCK_N_TAIL > 0:
-                store_output_tile(acc_tail, c_tail_smem, out_tail_desc, bias_ptr, scale_ptr, residual_ptr,
-                                  M, Co, pid_m * BLOCK_M, co0 + BLOCK_N, HAS_BIAS, HAS_SCALE,
-                                  HAS_RESIDUAL, ACTIVATION, STORES_IN_FLIGHT=1)
+        store_unit(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, partial_ptr, partial, split,
+                   M, Co, pid_m * BLOCK_M, co0, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION, SPLIT_K)
+        if BLOCK_N_TAIL > 0:
+            store_unit(acc_tail, c_tail_smem, out_tail_desc, bias_ptr, scale_ptr, residual_ptr, partial_ptr,
+                       partial, split, M, Co, pid_m * BLOCK_M, co0 + BLOCK_N, HAS_BIAS, HAS_SCALE,
+                       HAS_RESIDUAL, ACTIVATION, SPLIT_K, STORES_IN_FLIGHT=1)
         tile_count += 1
     tma.store_wait(pendings=0)
 
@@ -379,14 +384,35 @@ def grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 @gluon.jit
 def work_unit(unit, num_tiles, k_steps, SPLIT_K: gl.constexpr):
-    """(tile_id, split, first k-step, end k-step) of a unit of work: a whole tile or, with split-K
-    (section 6), one of SPLIT_K slices of its K loop. Units of one slice come together, so tiles
-    that run side by side still share strips of A and B in L2 as above."""
+    """(tile_id, split, first k-step, end k-step, partial) of a unit of work: a whole tile, or
+    with split-K (section 6) one of SPLIT_K slices of a tile's K loop, whose fp32 partial sum
+    (partial = 1) split_k_epilogue_kernel finishes. Split-K splits only the tiles past the last
+    full wave: the first whole_tiles = num_tiles // P * P tiles (P programs) run whole, the rest in
+    slices, the slices of one part of the K loop together, so tiles that run side by side still
+    share strips of A and B in L2 as above. (Fewer tiles than programs: all of them are split.)"""
     if SPLIT_K == 1:
-        return unit, 0, 0, k_steps
+        return unit, 0, 0, k_steps, 0
     else:
-        split = unit // num_tiles
-        return unit % num_tiles, split, split * k_steps // SPLIT_K, (split + 1) * k_steps // SPLIT_K
+        whole_tiles = num_tiles // gl.num_programs(0) * gl.num_programs(0)
+        partial = (unit >= whole_tiles).to(gl.int32)
+        split_unit = gl.maximum(unit - whole_tiles, 0)
+        split_tiles = gl.maximum(num_tiles - whole_tiles, 1)
+        split = split_unit // split_tiles
+        # whole: (unit, 0, 0, k_steps); split: (a tile past whole_tiles, its slice's k-steps)
+        tile_id = unit + partial * (whole_tiles + split_unit % split_tiles - unit)
+        k_begin = partial * (split * k_steps // SPLIT_K)
+        k_end = k_steps + partial * ((split + 1) * k_steps // SPLIT_K - k_steps)
+        return tile_id, split, k_begin, k_end, partial
+
+
+@gluon.jit
+def num_work_units(num_tiles, SPLIT_K: gl.constexpr):
+    """How many units the tiles make: whole tiles, plus SPLIT_K slices of each split one."""
+    if SPLIT_K == 1:
+        return num_tiles
+    else:
+        whole_tiles = num_tiles // gl.num_programs(0) * gl.num_programs(0)
+        return whole_tiles + (num_tiles - whole_tiles) * SPLIT_K
 
 
 # %%
@@ -441,17 +467,32 @@ def work_unit(unit, num_tiles, k_steps, SPLIT_K: gl.constexpr):
 # split-K only where whole tiles would leave the last wave less than 80% full, and the
 # autotuner decides. (A serial fix-up within the kernel, each slice adding into the tile of the
 # one before, did not pay: see "What paid, and what did not".)
+#
+# A layer with more tiles than SMs has the same problem in its last wave: ResNet-50's 7x7
+# 2048->512 layer at batch 128 has 196 tiles of 128x128 for 132 SMs, two waves of which the
+# second is half empty. Splitting every tile would pay the workspace for all 196; instead only
+# the tiles past the last full wave are split (`work_unit`): 132 tiles run whole and store
+# through the epilogue as usual, the other 64 run as 2 x 64 half-tiles in what was the second
+# wave, and the second kernel finishes only those (it works out from the tile order which of
+# its elements belong to split tiles, and leaves the rest alone).
 
 
 @triton.jit
 def split_k_epilogue_kernel(partial_ptr, out_ptr, bias_ptr, scale_ptr, residual_ptr, M, Co, out_stride,
+                            tile_m, tile_n, num_pid_m, num_pid_n, whole_tiles,
                             SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                            HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
+                            HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr, GROUP_M: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[m, co] = act(sum over splits of partial[split, m, co] * scale + bias + residual)."""
+    """out[m, co] = act(sum over splits of partial[split, m, co] * scale + bias + residual), where
+    (m, co) lies in a split tile: one numbered whole_tiles or later in the conv's grouped order
+    (the inverse of grouped_tile, for the tile_m x tile_n tiles of the conv)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    inside = (rows[:, None] < M) & (cols[None, :] < Co)
+    pid_m, pid_n = rows // tile_m, cols // tile_n
+    first_m = pid_m // GROUP_M * GROUP_M
+    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
+    tile_id = (first_m * num_pid_n + pid_m - first_m)[:, None] + pid_n[None, :] * rows_in_group[:, None]
+    inside = (rows[:, None] < M) & (cols[None, :] < Co) & (tile_id >= whole_tiles)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for split in tl.static_range(SPLIT_K):
         offsets = (rows + split * M).to(tl.int64)[:, None] * Co + cols[None, :]
@@ -679,6 +720,7 @@ class ConvLaunch(NamedTuple):
     out_2d: torch.Tensor  # [M, Co rounded up to 16 bytes], written by the kernel
     geometry: common.ConvGeometry
     partial: torch.Tensor = None   # split-K: the fp32 workspace [split_k, M, Co]; else None
+    tiles: tuple = None            # split-K: (tile_m, tile_n, num_pid_m, num_pid_n, whole_tiles)
 
     def result(self):
         """The output as NHWC [N, out_h, out_w, Co]."""
@@ -701,13 +743,14 @@ class Epilogue(NamedTuple):
 
 
 ACTIVATIONS = {"none": 0, "relu": 1, "silu": 2}
+GROUP_M = 8      # row-tiles per group of the tile order (section 3)
 
 
 def kernel_constexprs(config, arch, epilogue=Epilogue()):
     """The kernel's constexprs and launch options, by name."""
     return dict(IS_BLACKWELL=arch == "sm_100", HAS_BIAS=epilogue.bias, HAS_SCALE=epilogue.scale,
                 HAS_RESIDUAL=epilogue.residual, ACTIVATION=ACTIVATIONS[epilogue.activation],
-                SPLIT_K=config.split_k, GROUP_M=8,
+                SPLIT_K=config.split_k, GROUP_M=GROUP_M,
                 NUM_BUFFERS=config.num_buffers, NUM_CONSUMERS=config.consumers,
                 BLOCK_N_TAIL=config.block_n_tail, num_warps=config.num_warps,
                 **({"maxnreg": 128} if config.programs_per_sm > 1 else {}))
@@ -747,8 +790,11 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
             *(t if t is not None else out_2d for t in (bias, scale, residual, partial)),
             g.M, g.Co, num_pid_m, num_pid_n, g.out_h, g.out_w,
             *g.stride, *g.padding, *g.dilation, Ci_padded, g.S, k_steps, channel_blocks)
-    grid = (min(config.programs_per_sm * num_sms, num_pid_m * num_pid_n * config.split_k), 1, 1)
-    return ConvLaunch(grid, args, out_2d, geometry, partial)
+    num_tiles = num_pid_m * num_pid_n
+    grid = (min(config.programs_per_sm * num_sms, num_tiles * config.split_k), 1, 1)
+    # split-K splits the tiles past the last full wave (work_unit); all of them if there is none
+    tiles = (BLOCK_M, config.tile_n, num_pid_m, num_pid_n, num_tiles // grid[0] * grid[0])
+    return ConvLaunch(grid, args, out_2d, geometry, partial, tiles if partial is not None else None)
 
 
 def split_k_epilogue_launch(launch, bias=None, scale=None, residual=None, activation="none"):
@@ -756,10 +802,10 @@ def split_k_epilogue_launch(launch, bias=None, scale=None, residual=None, activa
     g, out_2d, partial = launch.geometry, launch.out_2d, launch.partial
     grid = (triton.cdiv(g.M, 64), triton.cdiv(g.Co, 64), 1)     # 3-d: the direct launch takes no less
     args = (partial, out_2d, *(t if t is not None else out_2d for t in (bias, scale, residual)), g.M, g.Co,
-            out_2d.stride(0))
+            out_2d.stride(0), *launch.tiles)
     constexprs = dict(SPLIT_K=partial.shape[0], HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
                       HAS_RESIDUAL=residual is not None, ACTIVATION=ACTIVATIONS[activation],
-                      BLOCK_M=64, BLOCK_N=64)
+                      GROUP_M=GROUP_M, BLOCK_M=64, BLOCK_N=64)
     return grid, args, constexprs
 
 
@@ -930,6 +976,8 @@ SPLIT_K_CONFIGS = [KernelConfig(128, 128, 64, 6, 8, split_k=3), KernelConfig(128
     (8, 16, 16, 640, 320, 3, 3, 2, 1, torch.bfloat16, False),      # stride 2, Co = 2 x 160
     (2, 7, 7, 2048, 512, 1, 1, 1, 0, torch.float16, True),         # 1x1, M = 98 < one tile
     (4, 15, 17, 64, 100, 3, 3, 2, 1, torch.bfloat16, True),        # 9 k-steps in 2-4 slices, Co tail
+    (128, 7, 7, 512, 512, 1, 1, 1, 0, torch.bfloat16, True),      # 196 tiles of 128x128: the last wave split
+    (64, 9, 11, 192, 700, 3, 3, 1, 1, torch.float16, False),      # many tiles, some split, Co tail
 ])
 def test_split_k(entry, config, N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias):
     """Plainly launched, and through the runtime (templates and direct launches of both kernels:
@@ -937,6 +985,55 @@ def test_split_k(entry, config, N, H, W, Ci, Co, R, S, stride, padding, dtype, w
     for seed in (0, 1):
         common.check_conv(functools.partial(globals()[entry], config=config), N, H, W, Ci, Co, R, S,
                           stride, padding, 1, dtype=dtype, with_bias=with_bias, seed=seed)
+
+
+def tile_order(num_pid_m, num_pid_n, group_m=GROUP_M):
+    """[(pid_m, pid_n) of tile 0, 1, ...]: grouped_tile's order, written out in Python."""
+    order = []
+    for first_m in range(0, num_pid_m, group_m):
+        rows_in_group = min(num_pid_m - first_m, group_m)
+        order += [(first_m + i % rows_in_group, i // rows_in_group) for i in range(rows_in_group * num_pid_n)]
+    return order
+
+
+@pytest.mark.parametrize("M, Co, tile_m, tile_n, whole_tiles, split_k", [
+    (1000, 300, 128, 160, 9, 2),      # 8 x 2 tiles in 2 groups, the last 7 split; Co and M tails
+    (640, 256, 64, 64, 0, 3),         # every tile split (fewer tiles than programs)
+    (2048, 96, 128, 64, 30, 4),       # 16 x 2 tiles, the last 2 split
+])
+def test_split_k_epilogue_finishes_only_split_tiles(M, Co, tile_m, tile_n, whole_tiles, split_k):
+    """The second kernel sums the slices (and applies the epilogue) exactly on the tiles that
+    work_unit split, found from the tile order, and leaves the whole tiles' output alone. On a
+    CPU it runs in the interpreter."""
+    generator = torch.Generator().manual_seed(0)
+    num_pid_m, num_pid_n = triton.cdiv(M, tile_m), triton.cdiv(Co, tile_n)
+    partial = torch.randn(split_k, M, Co, generator=generator)
+    bias = torch.randn(Co, generator=generator)
+    out = torch.full((M, Co), 7.0)                     # what the conv kernel stored for whole tiles
+    geometry = common.conv_geometry((1, M, 1, 16), (Co, 1, 1, 16))          # M pixels, Co channels
+    launch = ConvLaunch((1, 1, 1), (), out.to(common.device()), geometry, partial.to(common.device()),
+                        (tile_m, tile_n, num_pid_m, num_pid_n, whole_tiles))
+    finish_split_k(launch, bias.to(common.device()), activation="relu")
+    expected = out.clone()
+    for pid_m, pid_n in tile_order(num_pid_m, num_pid_n)[whole_tiles:]:
+        rows, cols = slice(pid_m * tile_m, (pid_m + 1) * tile_m), slice(pid_n * tile_n, (pid_n + 1) * tile_n)
+        expected[rows, cols] = (partial[:, rows, cols].sum(0) + bias[cols]).relu()
+    torch.testing.assert_close(launch.out_2d.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_gpu
+def test_split_k_last_wave_with_fused_epilogue():
+    """Whole tiles store through the epilogue in the kernel, split ones in the second kernel: both
+    must apply the same act(acc * scale + bias + residual)."""
+    N, H, W, Ci, Co = 128, 7, 7, 256, 512          # 196 tiles of 128x128 on an H100's 132 SMs
+    x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, 1, 1, torch.bfloat16)
+    generator = torch.Generator().manual_seed(1)
+    bias, scale = torch.randn(Co, generator=generator).cuda(), (torch.rand(Co, generator=generator) + 0.5).cuda()
+    residual = torch.randn(N, H, W, Co, generator=generator).cuda().to(torch.bfloat16)
+    out = conv2d_fprop_launch(x_nhwc, w, bias, config=KernelConfig(128, 128, 64, 6, 8, split_k=2), scale=scale,
+                              residual=residual, activation="relu")
+    expected = common.reference_conv2d_nhwc(x_nhwc, w, out_dtype=torch.float32) * scale + bias + residual.float()
+    common.assert_close_to_reference(out, expected.relu().to(torch.bfloat16), dtype=torch.bfloat16, K=Ci)
 
 
 def fused_configs_for_this_machine():
@@ -1160,15 +1257,16 @@ def test_fused_epilogue_compiles_only_what_is_asked(arch, config):
     ("sm_100", KernelConfig(128, 128, 64, 4, 4, block_n_tail=32, split_k=2)),
 ], ids=["sm_90", "sm_90-tail", "sm_100-tail"])
 def test_split_k_build_stores_partial_sums_instead_of_tiles(arch, config):
-    """With split-K the epilogue writes fp32 partial sums with plain stores (st.global.v2.f32:
-    two adjacent accumulator columns per store) and issues no TMA store; the loop is the same."""
+    """With split-K the epilogue writes a split tile's fp32 partial sums with plain stores
+    (st.global.v2.f32: two adjacent accumulator columns per store), and a whole tile (before the
+    last wave) with the TMA store as without split-K; the loop is the same."""
     build = lambda c: common.aot_compile_or_skip(  # noqa: E731
         "05-warp-specialized-conv", "aot_conv2d_fprop", arch, config=list(c), Co=320)["ptx"]
     split, plain = build(config), build(config._replace(split_k=1))
     tma_store = "cp.async.bulk.tensor.2d.global.shared::cta"
     counts = lambda ptx: common.ptx_instructions(ptx, [tma_store, "st.global", IM2COL_LOAD])  # noqa: E731
     assert counts(plain)[tma_store] > 0 and counts(plain)["st.global"] == 0
-    assert counts(split)[tma_store] == 0 and counts(split)["st.global"] > 0
+    assert counts(split)[tma_store] == counts(plain)[tma_store] and counts(split)["st.global"] > 0
     assert counts(split)[IM2COL_LOAD] == counts(plain)[IM2COL_LOAD]
 
 
@@ -1182,7 +1280,7 @@ def test_split_k_epilogue_kernel_against_torch(split_k, epilogue):
     partial, bias, scale, residual = rand(split_k, M, Co), rand(Co), rand(Co), rand(M, Co)
     out_2d = torch.full((M, 104), float("nan"), device=partial.device)
     geometry = common.conv_geometry((1, 7, 11, 8), (Co, 1, 1, 8))
-    launch = ConvLaunch(None, None, out_2d, geometry, partial)
+    launch = ConvLaunch(None, None, out_2d, geometry, partial, (64, 64, 2, 2, 0))    # every tile split
     finish_split_k(launch, bias if epilogue.bias else None, scale if epilogue.scale else None,
                    residual if epilogue.residual else None, epilogue.activation)
     expected = partial.sum(0) * (scale if epilogue.scale else 1) + (bias if epilogue.bias else 0) \

@@ -521,12 +521,26 @@ HOPPER_CONFIG_TFLOPS = {   # whole KernelConfig tuples, split_k left at 1
 SPLIT_K_WORKSPACE_BYTES_PER_S = 3.98e12   # fitted with the table (L2 and HBM together)
 
 
+def split_tiles(config, geometry, num_sms):
+    """(programs, tiles, tiles split by split-K): as the lesson's launch and work_unit count them."""
+    tiles = triton.cdiv(geometry.M, config.block_m) * triton.cdiv(geometry.Co, config.tile_n)
+    programs = min(num_sms * config.programs_per_sm, tiles * config.split_k)
+    return programs, tiles, (tiles - tiles // programs * programs) if config.split_k > 1 else 0
+
+
 def useful_share(config, geometry, num_sms):
     """The share of the work a config does that is useful: columns past Co and rows past M are
-    wasted, and so are the SM slots idle in the last wave (of tiles, or split-K's units)."""
-    tiles_m, tiles_n = triton.cdiv(geometry.M, config.block_m), triton.cdiv(geometry.Co, config.tile_n)
-    useful = geometry.M * geometry.Co / (tiles_m * config.block_m * tiles_n * config.tile_n)
-    return useful * wave_efficiency(tiles_m * tiles_n * config.split_k, num_sms * config.programs_per_sm)
+    wasted, and so are the SM slots idle in the last wave (of tiles, or of split-K's slices)."""
+    programs, tiles, split = split_tiles(config, geometry, num_sms)
+    useful = geometry.M * geometry.Co / (tiles * config.block_m * config.tile_n)
+    # time in tile-lengths: the waves of whole tiles, then the slices' waves, 1/split_k long each
+    time = triton.cdiv(tiles - split, programs) + triton.cdiv(split * config.split_k, programs) / config.split_k
+    return useful * tiles / (num_sms * config.programs_per_sm * time)
+
+
+def split_k_workspace_bytes(config, geometry, num_sms):
+    """Bytes split-K moves through its fp32 workspace: each slice of a split tile, written and read."""
+    return 2 * config.split_k * split_tiles(config, geometry, num_sms)[2] * config.block_m * config.tile_n * 4
 
 
 def config_tflops(config, arch):
@@ -545,9 +559,7 @@ def expected_seconds(config, geometry, arch, num_sms):
     """The heuristic's model of a config's time on a layer: its FLOPs at the config's throughput
     times its useful share, plus split-K's workspace round trip."""
     seconds = geometry.flops / (config_tflops(config, arch) * 1e12 * useful_share(config, geometry, num_sms))
-    if config.split_k > 1:
-        seconds += 2 * config.split_k * geometry.M * geometry.Co * 4 / SPLIT_K_WORKSPACE_BYTES_PER_S
-    return seconds
+    return seconds + split_k_workspace_bytes(config, geometry, num_sms) / SPLIT_K_WORKSPACE_BYTES_PER_S
 
 
 def heuristic_config(geometry, arch, num_sms, smem_limit=None):

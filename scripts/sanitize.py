@@ -9,7 +9,8 @@ Needs a Hopper GPU and the CUDA toolkit's `compute-sanitizer` (on PATH, in $CUDA
 lesson 05 (one consumer, ping-pong, tail tiles, 2 programs per SM), with and without bias. Each
 lesson 05 case runs on only two programs, so that every program walks several tiles: the ring
 wraps, the barrier phases flip, ping-pong turns alternate and TMA stores overlap the next tile,
-which is where a race would live. Inputs are made and checked on the CPU (torch's reference
+which is where a race would live. Split-K cases run on 64 programs (every tile split), and one
+on 3 (whole tiles, then the last wave's tiles in slices). Inputs are made and checked on the CPU (torch's reference
 conv), so the GPU runs only the kernel under test and a few copies.
 
 What each tool checks, and how a report is judged (details in RESULTS.md, "Sanitizers"):
@@ -67,7 +68,18 @@ def lesson05_cases():
                    next(c for c in conv_runtime.HOPPER_CANDIDATES if c.split_k > 1)):
         Co = 320 if config.block_n_tail else 200
         cases.append((f"05 {config}, fused epilogue, Co={Co}", config, Co, "fused"))
+    split = next(c for c in conv_runtime.HOPPER_CANDIDATES if c.split_k > 1)
+    cases.append((f"05 {split}, fused epilogue, Co=200, last wave split", split, 200, "fused"))
     return cases
+
+
+def programs_of(name, config):
+    """Programs a case runs on. Split-K splits only the tiles past the last full wave: on 64
+    programs every tile of the 8 is split; the "last wave split" case runs 3 programs over them,
+    2 full waves of whole tiles, then the 2 tiles left in slices."""
+    if config.split_k == 1:
+        return PROGRAMS
+    return 3 if name.endswith("last wave split") else 64
 
 
 @gluon.jit
@@ -126,7 +138,8 @@ def run_case(name):
         geometry = common.conv_geometry(x_cpu.shape, w_cpu.shape, shape["stride"], shape["padding"])
         arch = "sm_90" if common.is_hopper() else "sm_100"
         import conv_runtime
-        plan = conv_runtime.ConvPlan(geometry, torch.bfloat16, config, arch, num_sms=PROGRAMS // config.programs_per_sm)
+        plan = conv_runtime.ConvPlan(geometry, torch.bfloat16, config, arch,
+                                     num_sms=programs_of(name, config) // config.programs_per_sm)
         x, w = x_cpu.cuda(), w_cpu.cuda()
         bias = bias_cpu.cuda() if epilogue else None
         extra = dict(scale=scale_cpu.cuda(), residual=residual_cpu.cuda(), activation="relu") if fused else {}
