@@ -1396,7 +1396,8 @@ def measure_runtime(x_nhwc, w, stride, padding, config):
             lambda: conv2d_fprop_launch(x_nhwc, w, None, stride, padding, config=config), calls=50),
         "runtime_us": conv_runtime.host_us_per_call(
             lambda: conv2d_fprop_fixed(x_nhwc, w, None, stride, padding, config=config)),
-        "generic_launch_us": launches["generic"], "direct_launch_us": launches["direct"],
+        "generic_launch_us": launches["generic"], "compiled_launch_us": launches["compiled"],
+        "direct_launch_us": launches["direct"],
     }
 
 
@@ -1406,7 +1407,8 @@ def run_runtime_demo():
     us = measure_runtime(x_nhwc, w, 1, 1, FIXED_CONFIG)
     print(f"\nhost time per call on this machine (N=32, 28x28, 128->128, 3x3): plain launcher "
           f"{us['plain_launcher_us']:.0f} us, runtime {us['runtime_us']:.0f} us; of which the launch: "
-          f"Triton's launcher {us['generic_launch_us']:.0f} us, direct call {us['direct_launch_us']:.0f} us")
+          f"Triton's launcher {us['generic_launch_us']:.0f} us, the compiled kernel called directly "
+          f"{us['compiled_launch_us']:.0f} us, the runtime's DirectLaunch {us['direct_launch_us']:.0f} us")
 
 
 @needs_gpu
@@ -1451,11 +1453,24 @@ def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding
 #   on the headline shape; twice the barrier traffic per FLOP. Only the 160-wide tile, whose
 #   64-deep stages would not fit, keeps BLOCK_K=32.
 # - Did not pay: ping-pong on its own (section 4): no faster than one consumer with the same tile.
-# - Still costs: host time. Over the suite the kernels alone (CUDA-graph replay) are at 1.04x
-#   cuDNN (geometric mean) but end to end at 0.94x: a call through the runtime spends 50-170 us
-#   of host time (Python, and Triton encoding 3-5 TMA descriptors per launch), cuDNN ~20 us, and
-#   a layer of 30-100 us cannot hide it. ResNet-50's 14x14 3x3 layer: 1.18x alone, 0.63x end to
-#   end. In a model, CUDA graphs remove it (scripts/resnet50.py).
+# - Paid: calling the compiled kernel through the CUDA launch itself (conv_runtime.DirectLaunch:
+#   arguments pre-expanded, pointers as addresses, each TMA tensor map encoded once per address).
+#   A call through the runtime went from a median of 71 to 33 us of host time (cuDNN's: ~20-30),
+#   and the suite from 1.007x to 1.055x cuDNN end to end: layers of 30-100 us that were ahead as
+#   kernels had been losing to the host (SD UNet's 32x32 stride-2 layer 0.71x -> 1.14x). Only
+#   memoizing the tensor maps, inside Triton's launcher, did not pay (24 us per launch against
+#   18.5 without): the driver's encoding is a small part of a descriptor's cost, the Python around
+#   it the rest. scripts/host_time.py shows the pieces.
+# - Paid: a tail where it fills SMs, not only where it saves columns. Co = 1280 on a 16x16 map is
+#   160 tiles of 128x128 for 132 SMs (1.2 waves) or 128 of 128x160 (one wave): the SD UNet's 16x16
+#   layers went from 0.74-0.87x cuDNN to 1.02-1.18x (kernels alone).
+# - Did not pay (for the layer it was for): splitting only the last wave's tiles (section 6).
+#   ResNet-50's 7x7 2048->512 layer has 196 tiles of 128x128 for 132 SMs; splitting the 64 of the
+#   second wave in two took split-K from 315 to 374 TFLOPS there, but whole tiles run at 409 and
+#   cuDNN at ~505: on a 30 us layer the workspace and the second launch cost what the half-empty
+#   wave does. It is the one layer of the suite still far behind (0.78x).
+# - Still costs: nothing host-side that a model's CUDA graph would not remove anyway; in eager
+#   PyTorch, the operator's own dispatch (torch.library.custom_op) adds ~55 us per call on top.
 #
 # %%
 # The measured ladder (GPU): the series next to cuDNN

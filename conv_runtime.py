@@ -14,24 +14,27 @@ ResNet-50 layer (measured on an H100 host, 2026-11-22). This module adds, for th
 - A fast host path: a call looks its plan up by what it can see at a glance (shapes, dtypes,
   devices, hyper-parameters); a dictionary hit skips the full validation that the first call of
   that key passed, while contiguity and alignment are still checked on every call.
-- A direct launch: after the first launch of a plan, the compiled kernel is called with all its
-  arguments in signature order, skipping Triton's generic launcher, which re-derives the
-  specialization of ~25 arguments per call (tens of microseconds). Without a tail, the tail's two
-  descriptors are None: Triton's launcher encodes each descriptor into a tensor map on every
-  launch, ~8 us each (a bare launch measured 33.6 us with 5 descriptors, 17.3 us with 3).
-  Together: ~30-35 us per call on an H100 host; cuDNN's call measured ~21 us.
+- A direct launch (`DirectLaunch`): after the first launch of a plan, which goes through
+  Triton's generic launcher (it binds and re-derives the specialization of ~25 arguments per call,
+  tens of microseconds) and compiles, the compiled kernel is called through the CUDA launch that
+  Triton's launcher ends in: arguments expanded once, pointers passed as addresses, each TMA
+  descriptor's tensor map encoded once per (descriptor, address) instead of on every launch.
+  Measured on an H100 host (scripts/host_time.py): 52 us per launch through the generic launcher,
+  31 us calling the compiled kernel, 15 us through DirectLaunch; a whole call of `conv2d` 37 us,
+  cuDNN's 23 us.
 - Config pruning (`prune_configs`): candidates that cannot fit the device (shared memory per
   program and per SM, tensor memory on Blackwell, accumulator registers on Hopper) or do not suit
-  the shape (tiles much wider than Co, tails that save nothing) are dropped before anything is
-  compiled.
+  the shape (tiles much wider than Co, tails that neither save columns nor fill SMs) are
+  dropped before anything is compiled.
 - An autotuner (`autotune`): times each pruned candidate the way the benchmark does (do_bench,
   L2 flushed), then the three fastest again in alternating rounds, and keeps the fastest for that
   shape: in this process and in a JSON tuning file (`tuning_cache_path()`:
   $CONV_TUTORIAL_TUNING_CACHE or ~/.cache/conv_tutorial/tuning.json) that later processes read.
 - A heuristic (`heuristic_config`): a config from the shape alone, for callers that must not
   spend a second timing candidates on a shape's first call (the PyTorch operator of conv_torch.py,
-  unless autotuning is asked for): each config's throughput as measured over lesson 05's network
-  suite, times the share of useful work it does on this shape.
+  unless autotuning is asked for): the config with the shortest expected time, from its
+  throughput as measured over lesson 05's network suite, the share of useful work it does on
+  this shape, and split-K's workspace traffic (scripts/fit_heuristic.py refits the numbers).
 - Small channel counts (`FoldedConv`): a layer whose Ci is 8 or less (an RGB stem) is run as an
   R x 1 convolution over S*Ci folded channels, 7 k-steps instead of 49 for ResNet-50's stem.
 - Split-K's second kernel (lesson 05, section 6) is launched directly too.
