@@ -8,7 +8,7 @@
     # conv -> BatchNorm (folded) -> (+ residual) -> ReLU/SiLU become one call each (FusedConv2d)
 
 - `torch.ops.conv_tutorial.conv2d(input, weight, bias, stride, padding, dilation, groups,
-  scale=None, residual=None, activation="none")` is a `torch.library.custom_op` computing
+  scale=None, residual=None, activation="none")` is a PyTorch operator (torch.library) computing
   act(conv * scale + bias + residual) per output channel in the kernel's epilogue, with the
   arguments of `torch.nn.functional.conv2d` first (padding as ints;
   `conv2d` below also takes "same" and "valid"). It takes NCHW-shaped tensors; in channels_last
@@ -109,11 +109,10 @@ def _out_shape(input, weight, stride, padding, dilation):
     return (N, Co, out_h, out_w)
 
 
-@torch.library.custom_op("conv_tutorial::conv2d", mutates_args=())
-def conv2d_op(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-              stride: List[int], padding: List[int], dilation: List[int], groups: int,
-              scale: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
-              activation: str = "none") -> torch.Tensor:
+def _conv2d_with_epilogue(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                          stride: List[int], padding: List[int], dilation: List[int], groups: int,
+                          scale: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
+                          activation: str = "none") -> torch.Tensor:
     """conv2d(input, weight, bias) followed by the fused epilogue act(. * scale + residual): per
     output channel, out = act(conv * scale + bias + residual) computed in fp32 on the tile."""
     if scale is not None or residual is not None or activation != "none":   # (a plain call skips this)
@@ -133,7 +132,18 @@ def conv2d_op(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return out_nhwc.permute(0, 3, 1, 2)          # NCHW shape, channels_last memory
 
 
-@conv2d_op.register_fake
+# The operator is defined with torch.library's define/impl, its schema inferred from the
+# function's annotations. (The @torch.library.custom_op decorator does the same plus checks on
+# every call, in Python, that cost more host time than the whole runtime call; see
+# scripts/host_time.py.) One implementation serves every device: it sends what the kernel cannot
+# run to torch itself.
+_LIBRARY = torch.library.Library("conv_tutorial", "DEF")
+_LIBRARY.define("conv2d" + torch.library.infer_schema(_conv2d_with_epilogue, mutates_args=()))
+_LIBRARY.impl("conv2d", _conv2d_with_epilogue, "CompositeExplicitAutograd")
+conv2d_op = torch.ops.conv_tutorial.conv2d.default
+
+
+@torch.library.register_fake("conv_tutorial::conv2d")
 def _(input, weight, bias, stride, padding, dilation, groups, scale=None, residual=None, activation="none"):
     out_shape = _out_shape(input, weight, stride, padding, dilation)
     _check_epilogue_args(input, weight, scale, residual, activation, out_shape)
@@ -179,7 +189,7 @@ def _backward(ctx, grad_output):
     return grad_input, grad_weight, grad_bias, None, None, None, None, grad_scale, grad_residual, None
 
 
-conv2d_op.register_autograd(_backward, setup_context=_setup_backward)
+torch.library.register_autograd("conv_tutorial::conv2d", _backward, setup_context=_setup_backward)
 
 
 def resolve_padding(padding, weight_shape, stride, dilation):
