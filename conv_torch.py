@@ -138,7 +138,8 @@ def _conv2d_with_epilogue(input: torch.Tensor, weight: torch.Tensor, bias: Optio
 # scripts/host_time.py.) One implementation serves every device: it sends what the kernel cannot
 # run to torch itself.
 _LIBRARY = torch.library.Library("conv_tutorial", "DEF")
-_LIBRARY.define("conv2d" + torch.library.infer_schema(_conv2d_with_epilogue, mutates_args=()))
+_LIBRARY.define("conv2d" + torch.library.infer_schema(_conv2d_with_epilogue, mutates_args=()),
+                tags=(torch.Tag.pt2_compliant_tag,))      # opcheck passes: safe for torch.compile
 _LIBRARY.impl("conv2d", _conv2d_with_epilogue, "CompositeExplicitAutograd")
 conv2d_op = torch.ops.conv_tutorial.conv2d.default
 
