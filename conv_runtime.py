@@ -207,15 +207,14 @@ class DirectLaunch:
         metas = getattr(compiled.metadata, "tensordesc_meta", None) or []
         templates = [t for t in templates if t is not None]          # descriptors, in signature order
         signature = [str(kind) for kind in compiled.src.signature.values()]
-        self.descriptor_slots = [i for i, kind in enumerate(signature) if kind.startswith("tensordesc")]
-        if len(metas) != len(templates) or len(templates) != len(self.descriptor_slots):
+        slots = [i for i, kind in enumerate(signature) if kind.startswith("tensordesc")]
+        if len(metas) != len(templates) or len(templates) != len(slots):
             raise RuntimeError(f"{compiled.name}: {len(templates)} descriptors, {len(metas)} tensor-map "
-                               f"layouts, {len(self.descriptor_slots)} descriptor parameters")
-        self.templates = templates
-        self.meta_at = dict(zip(self.descriptor_slots, metas))        # argument position -> layout
-        self.template_of = {id(meta): template for meta, template in zip(metas, templates)}
-        self.descriptors_end = max(self.descriptor_slots, default=-1) + 1
-        self.tensor_maps = {}                  # (id of the descriptor's layout, address) -> encoded
+                               f"layouts, {len(slots)} descriptor parameters")
+        # argument position -> (its tensor-map layout, its validated template descriptor)
+        self.descriptor_at = dict(zip(slots, zip(metas, templates)))
+        self.descriptors_end = max(slots, default=-1) + 1
+        self.tensor_maps = {}                  # (argument position, address) -> encoded
         self.lean = (launcher.global_scratch_size == 0 and launcher.profile_scratch_size == 0
                      and not getattr(launcher, "gsan_enabled", False))
         self.launch = driver.utils.launch
@@ -223,13 +222,21 @@ class DirectLaunch:
                             compiled.packed_metadata)
         self.launch_tail = (launcher.arg_annotations, launcher.kernel_signature)
 
-    def _tensor_map(self, tensor, meta):
-        key = (id(meta), tensor.data_ptr())
+    @classmethod
+    def first_launch(cls, kernel, grid, args, kwargs, templates=()):
+        """Launch `kernel` through Triton's generic launcher (it binds, specializes and compiles),
+        and return a DirectLaunch of the compiled kernel for the calls after it."""
+        compiled = kernel[grid](*args, **kwargs)
+        return cls(compiled, tuple(kwargs[p.name] for p in kernel.params if p.is_constexpr), templates)
+
+    def _tensor_map(self, tensor, position):
+        key = (position, tensor.data_ptr())
         encoded = self.tensor_maps.get(key)
         if encoded is None:                    # a new address: encode from the validated template
             if len(self.tensor_maps) >= self.MAX_TENSOR_MAPS:
                 self.tensor_maps.clear()
-            encoded = self.tensor_maps[key] = self.encode(_with_base(self.template_of[id(meta)], tensor), meta, None)
+            meta, template = self.descriptor_at[position]
+            encoded = self.tensor_maps[key] = self.encode(_with_base(template, tensor), meta, None)
         return encoded
 
     def __call__(self, grid, *args):
@@ -238,17 +245,16 @@ class DirectLaunch:
         if not self.lean or _launch_hooks_set():
             # scratch space to allocate, or a profiler listening: Triton's path, real descriptors
             args = list(args)
-            for slot, template in zip(self.descriptor_slots, self.templates):
-                args[slot] = _with_base(template, args[slot])
+            for position, (_, template) in self.descriptor_at.items():
+                args[position] = _with_base(template, args[position])
             self.compiled[grid](*args, *self.constexprs)
             return
         expanded = []
         for position in range(self.descriptors_end):
-            meta = self.meta_at.get(position)
-            if meta is None:
+            if position in self.descriptor_at:  # [tensor map, *shape, *strides], as Triton expands it
+                expanded += self._tensor_map(args[position], position)
+            else:
                 expanded.append(args[position])
-            else:                              # [tensor map, *shape, *strides], as Triton expands it
-                expanded += self._tensor_map(args[position], meta)
         expanded += args[self.descriptors_end:]
         expanded += self.constexprs
         stream = self.current_stream(self.current_device())
@@ -303,15 +309,15 @@ class ConvPlan:
             launch = self.launch_for(x_nhwc, w, bias, scale, residual)
             epilogue = lesson.Epilogue(bias is not None, scale is not None, residual is not None, activation)
             kwargs = lesson.kernel_constexprs(self.config, self.arch, epilogue)
-            compiled = lesson.conv2d_fprop_kernel[launch.grid](*launch.args, **kwargs)
-            constexprs = tuple(kwargs[p.name] for p in lesson.conv2d_fprop_kernel.params if p.is_constexpr)
-            self.launches[variant] = DirectLaunch(compiled, constexprs, self.template.args[:5])
+            self.launches[variant] = DirectLaunch.first_launch(lesson.conv2d_fprop_kernel, launch.grid,
+                                                               launch.args, kwargs, self.template.args[:5])
         else:
             # Later launches: the tensors themselves where the kernel takes descriptors (their
             # tensor maps are remembered by address), addresses for the pointers, the run-time
             # scalars from the plan.
             x_nhwc, w, _ = common.pad_channels_for_tma(x_nhwc, w)
-            _check_tma_aligned(x_nhwc), _check_tma_aligned(w)
+            _check_tma_aligned(x_nhwc)
+            _check_tma_aligned(w)
             template = self.template
             out_2d = torch.empty(template.out_2d.shape, device=x_nhwc.device, dtype=x_nhwc.dtype)
             partial = None if template.partial is None else torch.empty_like(template.partial)
@@ -326,9 +332,7 @@ class ConvPlan:
             grid, args, kwargs = lesson.split_k_epilogue_launch(launch, bias, scale, residual, activation)
             reduce = self.reduces.get(variant)
             if reduce is None:
-                compiled = lesson.split_k_epilogue_kernel[grid](*args, **kwargs)
-                constexprs = tuple(kwargs[p.name] for p in lesson.split_k_epilogue_kernel.params if p.is_constexpr)
-                self.reduces[variant] = DirectLaunch(compiled, constexprs)
+                self.reduces[variant] = DirectLaunch.first_launch(lesson.split_k_epilogue_kernel, grid, args, kwargs)
             else:
                 reduce(grid, *(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
         return launch.result()
