@@ -43,7 +43,6 @@ ResNet-50 layer (measured on an H100 host, 2026-11-22). This module adds, for th
 sections print both. The kernel, its configs and the plain launcher live in lesson 05; this module
 imports them from there (`common.load_lesson`), so it always wraps the lesson's kernel.
 """
-import copy
 import functools
 import json
 import os
