@@ -90,46 +90,68 @@ CONV_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @gluon.jit
-def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, ready, empty,
+def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, b_tail_bufs, ready, empty,
                      num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
                      Ci, S, k_steps, channel_blocks, GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-                     TILE_N: gl.constexpr, SPLIT_K: gl.constexpr):
+                     TILE_M: gl.constexpr, TILE_N: gl.constexpr, SPLIT_K: gl.constexpr):
     """One warp: for every (tile, k-step) of this program, wait for a free stage and fill it."""
-    BLOCK_M: gl.constexpr = in_desc.block_type.shape[0]
+    PIXEL_BOX: gl.constexpr = in_desc.block_type.shape[0]     # pixels per im2col load
+    BLOCK_M: gl.constexpr = a_bufs.shape[1]
     BLOCK_K: gl.constexpr = in_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_M_TAIL: gl.constexpr = TILE_M - BLOCK_M
     BLOCK_N_TAIL: gl.constexpr = TILE_N - BLOCK_N
-    # bytes that land per stage: the A box, and TILE_N rows of weights (main box + tail box)
-    stage_bytes: gl.constexpr = in_desc.block_type.nbytes + w_desc.block_type.nbytes * TILE_N // BLOCK_N
+    # bytes that land per stage: TILE_M pixels of A (in boxes of PIXEL_BOX) and TILE_N rows of
+    # weights (main box + tail box)
+    stage_bytes: gl.constexpr = (in_desc.block_type.nbytes * TILE_M // PIXEL_BOX
+                                 + w_desc.block_type.nbytes * TILE_N // BLOCK_N)
     counter = 0
     num_tiles = num_pid_m * num_pid_n
     for unit in range(gl.program_id(0), num_work_units(num_tiles, SPLIT_K), gl.num_programs(0)):
         tile_id, split, k_begin, k_end, partial = work_unit(unit, num_tiles, k_steps, SPLIT_K)
         pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        m0 = pid_m * BLOCK_M
-        n = m0 // (out_h * out_w)
-        oy = (m0 // out_w) % out_h
-        ox = m0 % out_w
-        start_h = oy * stride_h - pad_h
-        start_w = ox * stride_w - pad_w
+        m0 = pid_m * TILE_M
+        n, start_h, start_w = pixel_box_origin(m0, out_h, out_w, stride_h, stride_w, pad_h, pad_w)
         co0 = pid_n * TILE_N
         for k in range(k_begin, k_end):
             tap = k // channel_blocks
             c0 = (k % channel_blocks) * BLOCK_K
+            tap_offsets = [((tap // S) * dil_h).to(gl.int16), ((tap % S) * dil_w).to(gl.int16)]
             slot = counter % NUM_BUFFERS
             # wait until the MMA that last read this stage is done (first pass: returns at once)
             mbarrier.wait(empty.index(slot), ((counter // NUM_BUFFERS) & 1) ^ 1)
             mbarrier.expect(ready.index(slot), stage_bytes)
             # A = im2col_load(x, [n, oy*sh-ph, ox*sw-pw, c0], offsets=[r*dh, s*dw])
-            tma.async_load_im2col(in_desc, [n, start_h, start_w, c0],
-                                  [((tap // S) * dil_h).to(gl.int16), ((tap % S) * dil_w).to(gl.int16)],
-                                  ready.index(slot), a_bufs.index(slot))
+            if PIXEL_BOX == BLOCK_M:
+                tma.async_load_im2col(in_desc, [n, start_h, start_w, c0], tap_offsets,
+                                      ready.index(slot), a_bufs.index(slot))
+            else:
+                # a tile with a row tail (section 5) loads its pixels in boxes of the tail's height:
+                # each box starts at its own pixel, so at its own (n, y, x)
+                for box in gl.static_range(BLOCK_M // PIXEL_BOX):
+                    n_b, h_b, w_b = pixel_box_origin(m0 + box * PIXEL_BOX, out_h, out_w, stride_h, stride_w,
+                                                     pad_h, pad_w)
+                    tma.async_load_im2col(in_desc, [n_b, h_b, w_b, c0], tap_offsets, ready.index(slot),
+                                          a_bufs.index(slot).slice(box * PIXEL_BOX, PIXEL_BOX))
+            if BLOCK_M_TAIL > 0:
+                n_t, h_t, w_t = pixel_box_origin(m0 + BLOCK_M, out_h, out_w, stride_h, stride_w, pad_h, pad_w)
+                tma.async_load_im2col(in_desc, [n_t, h_t, w_t, c0], tap_offsets, ready.index(slot),
+                                      a_tail_bufs.index(slot))
             # B = load(w2d, [co0, (r*S + s)*Ci + c0]), and the tail's rows after it
             tma.async_load(w_desc, [co0, tap * Ci + c0], ready.index(slot), b_bufs.index(slot))
             if BLOCK_N_TAIL > 0:
                 tma.async_load(w_tail_desc, [co0 + BLOCK_N, tap * Ci + c0], ready.index(slot),
                                b_tail_bufs.index(slot))
             counter += 1
+
+
+@gluon.jit
+def pixel_box_origin(m, out_h, out_w, stride_h, stride_w, pad_h, pad_w):
+    """(n, y, x) in the input where the im2col box of output pixels m, m+1, ... starts (tap 0)."""
+    n = m // (out_h * out_w)
+    oy = (m // out_w) % out_h
+    ox = m % out_w
+    return n, oy * stride_h - pad_h, ox * stride_w - pad_w
 
 
 # %%
@@ -226,21 +248,25 @@ def store_unit(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, partial
 
 
 @gluon.jit
-def hopper_mma_epilogue_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, turn, c_smem, c_tail_smem,
+def hopper_mma_epilogue_partition(a_bufs, a_tail_bufs, b_bufs, b_tail_bufs, ready, empty, turn, c_smem, c_tail_smem,
                                   out_desc, out_tail_desc, bias_ptr, scale_ptr, residual_ptr, partial_ptr,
                                   M, Co, num_pid_m, num_pid_n, k_steps,
                                   GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr,
                                   HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
                                   HAS_RESIDUAL: gl.constexpr, ACTIVATION: gl.constexpr,
-                                  SPLIT_K: gl.constexpr, TILE_N: gl.constexpr,
+                                  SPLIT_K: gl.constexpr, TILE_M: gl.constexpr, TILE_N: gl.constexpr,
                                   CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                                   num_warps: gl.constexpr):
     gl.static_assert(NUM_CONSUMERS <= 2, "one consumer, or two taking turns")
     gl.static_assert(SPLIT_K == 1 or NUM_CONSUMERS == 1, "split-K runs with one consumer")
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
-    BLOCK_N_TAIL: gl.constexpr = TILE_N - BLOCK_N
-    HAS_TAIL: gl.constexpr = BLOCK_N_TAIL > 0
+    # The tail (section 5): TILE_N - BLOCK_N more columns, or TILE_M - BLOCK_M more rows. Its MMA
+    # reads a_tail x b_tail: the main A with the tail's weights, or the tail's pixels with the
+    # main weights (the kernel passes the main buffers for the side without a tail).
+    HAS_TAIL: gl.constexpr = TILE_N > BLOCK_N or TILE_M > BLOCK_M
+    TAIL_M: gl.constexpr = out_tail_desc.block_type.shape[0] if HAS_TAIL else BLOCK_M
+    TAIL_N: gl.constexpr = out_tail_desc.block_type.shape[1] if HAS_TAIL else BLOCK_N
     MMAS_PER_STEP: gl.constexpr = 2 if HAS_TAIL else 1
     counter = CONSUMER * k_steps      # the ring position of this consumer's first k-step
     local_tile = 0
@@ -256,14 +282,14 @@ def hopper_mma_epilogue_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, tur
         # acc = zeros(BLOCK_M, BLOCK_N) (+ zeros(BLOCK_M, BLOCK_N_TAIL))
         mma = common.HopperWGMMA.initialize(out_desc.dtype, BLOCK_M, BLOCK_N, num_warps)
         if HAS_TAIL:
-            mma_tail = common.HopperWGMMA.initialize(out_desc.dtype, BLOCK_M, BLOCK_N_TAIL, num_warps)
+            mma_tail = common.HopperWGMMA.initialize(out_desc.dtype, TAIL_M, TAIL_N, num_warps)
         for k in range(k_begin, k_end):
             slot = counter % NUM_BUFFERS
             mbarrier.wait(ready.index(slot), (counter // NUM_BUFFERS) & 1)
-            # acc += A @ B^T, asynchronously (and the tail's columns: a second, narrower MMA)
+            # acc += A @ B^T, asynchronously (and the tail's columns or rows: a second, smaller MMA)
             mma = mma.issue_async_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)))
             if HAS_TAIL:
-                mma_tail = mma_tail.issue_async_mma(a_bufs.index(slot),
+                mma_tail = mma_tail.issue_async_mma(a_tail_bufs.index(slot),
                                                     b_tail_bufs.index(slot).permute((1, 0)))
                 mma_tail = mma_tail.wait_num_outstanding(MMAS_PER_STEP)
             # Only this step's MMAs in flight: the ones of step k-1 are done, so its stage is free.
@@ -277,14 +303,15 @@ def hopper_mma_epilogue_partition(a_bufs, b_bufs, b_tail_bufs, ready, empty, tur
             mma_tail = mma_tail.wait_num_outstanding(0)
         mbarrier.arrive(empty.index((counter + NUM_BUFFERS - 1) % NUM_BUFFERS))
         acc, mma = mma.take_result()
+        m0, co0 = pid_m * TILE_M, pid_n * TILE_N
         store_unit(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, partial_ptr, partial, split,
-                   M, Co, pid_m * BLOCK_M, pid_n * TILE_N, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION,
-                   SPLIT_K)
+                   M, Co, m0, co0, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION, SPLIT_K)
         if HAS_TAIL:
+            # the tail's block: after the main block's columns (N tail) or below its rows (M tail)
             acc_tail, mma_tail = mma_tail.take_result()
             store_unit(acc_tail, c_tail_smem, out_tail_desc, bias_ptr, scale_ptr, residual_ptr, partial_ptr,
-                       partial, split, M, Co, pid_m * BLOCK_M, pid_n * TILE_N + BLOCK_N, HAS_BIAS, HAS_SCALE,
-                       HAS_RESIDUAL, ACTIVATION, SPLIT_K, STORES_IN_FLIGHT=1)
+                       partial, split, M, Co, m0 + TILE_M - TAIL_M, co0 + TILE_N - TAIL_N, HAS_BIAS,
+                       HAS_SCALE, HAS_RESIDUAL, ACTIVATION, SPLIT_K, STORES_IN_FLIGHT=1)
         counter += (NUM_CONSUMERS - 1) * k_steps      # skip the other consumer's tile
         local_tile += 1
     tma.store_wait(pendings=0)
@@ -546,14 +573,19 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
                         HAS_RESIDUAL: gl.constexpr, ACTIVATION: gl.constexpr, SPLIT_K: gl.constexpr,
                         GROUP_M: gl.constexpr,
                         NUM_BUFFERS: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                        BLOCK_N_TAIL: gl.constexpr, num_warps: gl.constexpr):
+                        BLOCK_M_TAIL: gl.constexpr, BLOCK_N_TAIL: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = in_desc.dtype
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
+    BLOCK_K: gl.constexpr = in_desc.block_type.shape[1]
+    TILE_M: gl.constexpr = BLOCK_M + BLOCK_M_TAIL     # output rows (pixels) per tile
     TILE_N: gl.constexpr = BLOCK_N + BLOCK_N_TAIL     # output columns per tile
+    gl.static_assert(BLOCK_M_TAIL == 0 or BLOCK_N_TAIL == 0, "a tail in M or in N, not both")
+    gl.static_assert(BLOCK_M_TAIL == 0 or not IS_BLACKWELL, "row tails are a Hopper schedule")
     # (The partitions' argument tuples are written out in each gl.warp_specialize call: a tuple
     # assigned to a variable first would turn its constexprs into run-time tensors in Triton 3.8.)
-    a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + in_desc.block_type.shape, in_desc.layout)
+    # A is BLOCK_M pixels deep even when a row tail makes the im2col box shorter (section 5)
+    a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, BLOCK_K], in_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + w_desc.block_type.shape, w_desc.layout)
     # one epilogue staging tile per consumer
     c_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + out_desc.block_type.shape, out_desc.layout)
@@ -562,9 +594,16 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
                                                 w_tail_desc.layout)
         c_tail_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + out_tail_desc.block_type.shape,
                                                 out_tail_desc.layout)
+    elif BLOCK_M_TAIL > 0:
+        a_tail_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + in_desc.block_type.shape, in_desc.layout)
+        c_tail_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + out_tail_desc.block_type.shape,
+                                                out_tail_desc.layout)
     else:   # no tail: the main buffers stand in for the unused arguments
-        b_tail_bufs = b_bufs
         c_tail_smem = c_smem
+    if BLOCK_N_TAIL == 0:
+        b_tail_bufs = b_bufs
+    if BLOCK_M_TAIL == 0:
+        a_tail_bufs = a_bufs
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_BUFFERS):
@@ -593,10 +632,10 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
             (blackwell_mma_partition, (a_bufs, b_bufs, b_tail_bufs, ready, empty, acc_tmem,
                                        acc_tail_tmem, acc_ready, acc_empty, num_pid_m, num_pid_n,
                                        k_steps, NUM_BUFFERS, NUM_ACC, TILE_N, SPLIT_K)),
-            (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, ready, empty,
-                                num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w,
+            (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, b_tail_bufs, ready,
+                                empty, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w,
                                 dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
-                                TILE_N, SPLIT_K)),
+                                TILE_M, TILE_N, SPLIT_K)),
         ], [1, 1], [24, 24])
     else:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -604,40 +643,40 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
             mbarrier.init(turn.index(i), count=1)
         if NUM_CONSUMERS == 1:
             gl.warp_specialize([
-                (hopper_mma_epilogue_partition, (a_bufs, b_bufs, b_tail_bufs, ready, empty, turn,
+                (hopper_mma_epilogue_partition, (a_bufs, a_tail_bufs, b_bufs, b_tail_bufs, ready, empty, turn,
                                                  c_smem.index(0), c_tail_smem.index(0), out_desc,
                                                  out_tail_desc, bias_ptr, scale_ptr, residual_ptr,
                                                  partial_ptr, M, Co, num_pid_m, num_pid_n, k_steps, GROUP_M,
                                                  NUM_BUFFERS, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION,
-                                                 SPLIT_K, TILE_N,
+                                                 SPLIT_K, TILE_M, TILE_N,
                                                  0, 1, num_warps)),
-                (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, ready, empty,
-                                    num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w,
-                                    dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
-                                    TILE_N, SPLIT_K)),
+                (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, b_tail_bufs,
+                                    ready, empty, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h,
+                                    pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
+                                    TILE_M, TILE_N, SPLIT_K)),
             ], [1], [24])
         else:
             # ping-pong: consumer 0 is the default partition, consumer 1 a worker of as many warps.
             # Registers: 2 consumer warpgroups at 240 + the loader's warpgroup at 24 fill the 64K.
             gl.warp_specialize([
-                (hopper_mma_epilogue_partition, (a_bufs, b_bufs, b_tail_bufs, ready, empty, turn,
+                (hopper_mma_epilogue_partition, (a_bufs, a_tail_bufs, b_bufs, b_tail_bufs, ready, empty, turn,
                                                  c_smem.index(0), c_tail_smem.index(0), out_desc,
                                                  out_tail_desc, bias_ptr, scale_ptr, residual_ptr,
                                                  partial_ptr, M, Co, num_pid_m, num_pid_n, k_steps, GROUP_M,
                                                  NUM_BUFFERS, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION,
-                                                 SPLIT_K, TILE_N,
+                                                 SPLIT_K, TILE_M, TILE_N,
                                                  0, 2, num_warps)),
-                (hopper_mma_epilogue_partition, (a_bufs, b_bufs, b_tail_bufs, ready, empty, turn,
+                (hopper_mma_epilogue_partition, (a_bufs, a_tail_bufs, b_bufs, b_tail_bufs, ready, empty, turn,
                                                  c_smem.index(1), c_tail_smem.index(1), out_desc,
                                                  out_tail_desc, bias_ptr, scale_ptr, residual_ptr,
                                                  partial_ptr, M, Co, num_pid_m, num_pid_n, k_steps, GROUP_M,
                                                  NUM_BUFFERS, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION,
-                                                 SPLIT_K, TILE_N,
+                                                 SPLIT_K, TILE_M, TILE_N,
                                                  1, 2, num_warps)),
-                (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, b_bufs, b_tail_bufs, ready, empty,
-                                    num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w,
-                                    dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
-                                    TILE_N, SPLIT_K)),
+                (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, b_tail_bufs,
+                                    ready, empty, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h,
+                                    pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
+                                    TILE_M, TILE_N, SPLIT_K)),
             ], [num_warps, 1], [240, 24])
 
 
@@ -660,6 +699,11 @@ class KernelConfig(NamedTuple):
     consumers: int = 1      # 2: Hopper ping-pong
     block_n_tail: int = 0   # extra output columns per tile, in a second MMA
     split_k: int = 1        # slices of the K loop, summed by a second kernel (section 6)
+    block_m_tail: int = 0   # extra output rows (pixels) per tile, in a second MMA (Hopper)
+
+    @property
+    def tile_m(self):
+        return self.block_m + self.block_m_tail
 
     @property
     def tile_n(self):
@@ -670,7 +714,8 @@ class KernelConfig(NamedTuple):
                  (["ping-pong"] if self.consumers > 1 else []) + \
                  ([f"split-K {self.split_k}"] if self.split_k > 1 else [])
         width = f"({self.block_n}+{self.block_n_tail})" if self.block_n_tail else f"{self.block_n}"
-        return (f"{self.block_m}x{width}x{self.block_k} {self.num_buffers} stages "
+        height = f"({self.block_m}+{self.block_m_tail})" if self.block_m_tail else f"{self.block_m}"
+        return (f"{height}x{width}x{self.block_k} {self.num_buffers} stages "
                 f"{self.num_warps} warps" + "".join(f", {e}" for e in extras))
 
 
@@ -687,6 +732,15 @@ def check_config(config, arch):
         raise ValueError(f"config {config}: split-K runs with one consumer (consumers=1)")
     if config.split_k < 1:
         raise ValueError(f"config {config}: split_k must be >= 1")
+    if config.block_m_tail:
+        if arch != "sm_90":
+            raise ValueError(f"config {config}: block_m_tail (a row tail) is a Hopper schedule; "
+                             f"on Blackwell it must be 0")
+        if config.block_n_tail:
+            raise ValueError(f"config {config}: a tail in rows or in columns, not both")
+        if config.block_m_tail not in (64, 128) or config.block_m % config.block_m_tail:
+            raise ValueError(f"config {config}: block_m_tail must be 64 or 128 (whole WGMMA row "
+                             f"blocks) and divide block_m (the pixels are loaded in boxes of its height)")
     if config.programs_per_sm > 1 and arch != "sm_90":
         raise ValueError(f"config {config}: programs_per_sm > 1 is offered on Hopper only")
     if arch == "sm_100" and config.block_m not in (64, 128):
@@ -752,7 +806,8 @@ def kernel_constexprs(config, arch, epilogue=Epilogue()):
                 HAS_RESIDUAL=epilogue.residual, ACTIVATION=ACTIVATIONS[epilogue.activation],
                 SPLIT_K=config.split_k, GROUP_M=GROUP_M,
                 NUM_BUFFERS=config.num_buffers, NUM_CONSUMERS=config.consumers,
-                BLOCK_N_TAIL=config.block_n_tail, num_warps=config.num_warps,
+                BLOCK_M_TAIL=config.block_m_tail, BLOCK_N_TAIL=config.block_n_tail,
+                num_warps=config.num_warps,
                 **({"maxnreg": 128} if config.programs_per_sm > 1 else {}))
 
 
@@ -777,7 +832,14 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
         w_layout, out_layout = common.conv_tma_layouts(x_nhwc.dtype, BLOCK_M, tail, BLOCK_K)[1:]
         w_tail_desc = TensorDescriptor.from_tensor(w.view(g.Co, -1), [tail, BLOCK_K], w_layout)
         out_tail_desc = TensorDescriptor.from_tensor(out_2d, [BLOCK_M, tail], out_layout)
-    num_pid_m, num_pid_n = triton.cdiv(g.M, BLOCK_M), triton.cdiv(g.Co, config.tile_n)
+    if config.block_m_tail:
+        # a row tail: the pixels come in boxes of the tail's height (two for the main rows, one
+        # for the tail), and the tail's rows are stored by a box of their own
+        tail = config.block_m_tail
+        in_desc = common.conv_tma_descriptors(x_nhwc, w, out_2d, settings, tail, BLOCK_N, BLOCK_K)[0]
+        out_layout = common.conv_tma_layouts(x_nhwc.dtype, tail, BLOCK_N, BLOCK_K)[2]
+        out_tail_desc = TensorDescriptor.from_tensor(out_2d, [tail, BLOCK_N], out_layout)
+    num_pid_m, num_pid_n = triton.cdiv(g.M, config.tile_m), triton.cdiv(g.Co, config.tile_n)
     channel_blocks = triton.cdiv(Ci_padded, BLOCK_K)
     k_steps = g.R * g.S * channel_blocks
     if config.split_k > k_steps:
@@ -793,7 +855,7 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     num_tiles = num_pid_m * num_pid_n
     grid = (min(config.programs_per_sm * num_sms, num_tiles * config.split_k), 1, 1)
     # split-K splits the tiles past the last full wave (work_unit); all of them if there is none
-    tiles = (BLOCK_M, config.tile_n, num_pid_m, num_pid_n, num_tiles // grid[0] * grid[0])
+    tiles = (config.tile_m, config.tile_n, num_pid_m, num_pid_n, num_tiles // grid[0] * grid[0])
     return ConvLaunch(grid, args, out_2d, geometry, partial, tiles if partial is not None else None)
 
 
@@ -937,7 +999,10 @@ def tail_configs_for_this_machine():
     (all of them on a machine without a GPU, where the tests skip)."""
     configs = [KernelConfig(256, 128, 32, 5, 8, block_n_tail=32), KernelConfig(128, 128, 64, 5, 4, block_n_tail=32),
                KernelConfig(128, 128, 64, 4, 4, consumers=2, block_n_tail=32),
-               KernelConfig(128, 64, 64, 6, 4, block_n_tail=32)]
+               KernelConfig(128, 64, 64, 6, 4, block_n_tail=32),
+               # row tails (Hopper): 192-row tiles
+               KernelConfig(128, 128, 64, 4, 4, block_m_tail=64),
+               KernelConfig(128, 128, 64, 3, 4, consumers=2, block_m_tail=64)]
     if not common.has_tma_mma_gpu():
         return configs
     arch = "sm_90" if common.is_hopper() else "sm_100"
@@ -958,6 +1023,10 @@ def tail_configs_for_this_machine():
     (16, 20, 20, 128, 300, 3, 3, 1, 1, torch.float16, False),     # the last tail partly past Co
     (4, 15, 17, 64, 100, 3, 3, 2, 1, torch.bfloat16, True),       # Co below one main block
     (128, 14, 14, 256, 96, 1, 1, 1, 0, torch.bfloat16, False),    # 1x1, Co = 64 + 32
+    (128, 7, 7, 512, 512, 1, 1, 1, 0, torch.bfloat16, True),      # M = 6272: 33 tiles of 192 rows, the last 2/3 full
+    (3, 9, 13, 96, 130, 3, 3, 1, 1, torch.float16, True),         # M = 351: the last tile's tail rows all past M
+    (2, 9, 7, 64, 64, 5, 3, (2, 1), (2, 1), torch.bfloat16, False),  # M = 70 < one main block; strides differ
+    (5, 11, 13, 72, 200, 3, 3, 2, 1, torch.bfloat16, True),       # row boxes across image boundaries, stride 2
 ])
 def test_tail_tiles(config, N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias):
     run_conv(functools.partial(conv2d_fprop_launch, config=config), N, H, W, Ci, Co, R, S, stride,
@@ -966,6 +1035,8 @@ def test_tail_tiles(config, N, H, W, Ci, Co, R, S, stride, padding, dtype, with_
 
 SPLIT_K_CONFIGS = [KernelConfig(128, 128, 64, 6, 8, split_k=3), KernelConfig(128, 64, 64, 6, 4, split_k=4),
                    KernelConfig(128, 128, 64, 5, 4, block_n_tail=32, split_k=2)]
+if common.is_hopper():          # a row tail with split-K: the slices' partial sums of 192-row tiles
+    SPLIT_K_CONFIGS.append(KernelConfig(128, 128, 64, 4, 4, split_k=2, block_m_tail=64))
 
 
 @needs_gpu
@@ -1197,6 +1268,30 @@ def test_tail_build_issues_a_second_mma(arch, config, mma_shapes):
     assert tail["shared"] <= conv_runtime.shared_memory_bytes(config) + 1024
 
 
+@pytest.mark.parametrize("config", [KernelConfig(128, 128, 64, 4, 4, block_m_tail=64),
+                                    KernelConfig(128, 128, 64, 3, 4, consumers=2, block_m_tail=64)], ids=str)
+def test_row_tail_build_loads_three_pixel_boxes(config):
+    """A 192-row tile: three 64-pixel im2col boxes per stage (two for the main rows, one for the
+    tail), one weight box shared by both MMAs, and a second MMA and store per tile."""
+    import conv_runtime
+    tail = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
+                                      config=list(config), Co=128)
+    plain = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
+                                       config=list(config._replace(block_m_tail=0)), Co=128)
+    im2col = "cp.async.bulk.tensor.4d.shared::cta.global.im2col"
+    loads, stores = "cp.async.bulk.tensor.2d.shared::cta.global", "cp.async.bulk.tensor.2d.global.shared::cta"
+    mma = "wgmma.mma_async"
+    counts = common.ptx_instructions(tail["ptx"], [im2col, loads, stores, mma])
+    plain_counts = common.ptx_instructions(plain["ptx"], [im2col, loads, stores, mma])
+    assert counts[im2col] == 3 and plain_counts[im2col] == 1
+    assert counts[loads] == plain_counts[loads]                 # the weights: one box per stage
+    assert counts[stores] == 2 * plain_counts[stores]           # main block + tail block
+    # per consumer and k-step: 2 x 4 m64n128k16 for the main 128 rows, 1 x 4 for the tail's 64
+    assert counts[mma] * 2 == plain_counts[mma] * 3
+    assert "wgmma.mma_async.sync.aligned.m64n128k16" in tail["ptx"]
+    assert tail["shared"] <= conv_runtime.shared_memory_bytes(config) + 1024
+
+
 @pytest.mark.parametrize("config, tmem_columns", [
     (FIXED_CONFIG, 256),                                        # 2 accumulators x 128 columns
     (KernelConfig(128, 128, 64, 4, 4, block_n_tail=32), 512),   # 2 x (128 + 32) = 320, allocated as 512
@@ -1295,7 +1390,10 @@ def test_unsupported_config_combinations_are_refused():
     for config, arch in [(PINGPONG_CONFIG, "sm_100"), (KernelConfig(128, 128, 64, 4, 4, consumers=3), "sm_90"),
                          (KernelConfig(128, 64, 64, 4, 4, programs_per_sm=2), "sm_100"),
                          (KernelConfig(256, 128, 64, 3, 8), "sm_100"),
-                         (KernelConfig(128, 256, 64, 3, 4, block_n_tail=32), "sm_100")]:
+                         (KernelConfig(128, 256, 64, 3, 4, block_n_tail=32), "sm_100"),
+                         (KernelConfig(128, 128, 64, 4, 4, block_m_tail=64), "sm_100"),
+                         (KernelConfig(128, 128, 64, 4, 4, block_n_tail=32, block_m_tail=64), "sm_90"),
+                         (KernelConfig(128, 128, 64, 4, 4, block_m_tail=32), "sm_90")]:
         with pytest.raises(ValueError, match="config"):
             check_config(config, arch)
 

@@ -92,6 +92,10 @@ def _candidates():
         KernelConfig(128, 256, 64, 3, 8, split_k=2),
         KernelConfig(128, 128, 64, 5, 4, block_n_tail=32, split_k=2),
         KernelConfig(128, 128, 64, 5, 4, block_n_tail=32, split_k=4),
+        # 192-row tiles: a 64-row tail below the main MMA (ResNet-50's 7x7 layers at batch 128:
+        # M = 6272 = 32.7 x 192, so Co=512 makes 33 x 4 = 132 tiles, one per SM of an H100)
+        KernelConfig(128, 128, 64, 4, 4, block_m_tail=64),
+        KernelConfig(128, 128, 64, 3, 4, consumers=2, block_m_tail=64),
     ]
     blackwell = [
         KernelConfig(128, 128, 64, 4, 4),
@@ -114,8 +118,8 @@ SMEM_PER_SM_BYTES = 233472                               # 228 KB per SM, 1 KB o
 def shared_memory_bytes(config, element_size=2):
     """Shared memory a config needs: the ring's A and B stages, one staging tile per consumer, barriers."""
     c = _lesson().KernelConfig(*config)
-    ring = c.num_buffers * (c.block_m + c.tile_n) * c.block_k * element_size
-    staging = c.consumers * c.block_m * c.tile_n * element_size
+    ring = c.num_buffers * (c.tile_m + c.tile_n) * c.block_k * element_size
+    staging = c.consumers * c.tile_m * c.tile_n * element_size
     return ring + staging + 2 * c.num_buffers * 8 + 64
 
 
@@ -157,9 +161,9 @@ def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
         if arch == "sm_100" and (2 * config.tile_n > 512 or config.programs_per_sm > 1
                                  or config.consumers > 1):     # TMEM columns; ping-pong is Hopper's
             continue
-        acc_registers = config.block_m * config.tile_n // (32 * config.num_warps)  # fp32 per thread
-        if arch == "sm_90" and acc_registers > 160:
-            continue
+        acc_registers = config.tile_m * config.tile_n // (32 * config.num_warps)  # fp32 per thread
+        if arch == "sm_90" and acc_registers > (192 if config.block_m_tail else 160):
+            continue                            # (a 192 x 128 tile on 4 warps compiles without spills)
         if config.consumers > 1 and (config.num_warps != 4 or config.programs_per_sm > 1):
             continue                            # 2 consumer warpgroups + the loader's fill the RF
         if config.programs_per_sm > 1 and (config.num_warps != 4 or acc_registers > 64):
@@ -169,7 +173,7 @@ def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
         if config.block_n_tail and not _tail_pays(config, geometry, num_sms):
             continue                            # a tail only where it saves work or fills SMs
         if config.split_k > 1:
-            tiles = triton.cdiv(geometry.M, config.block_m) * triton.cdiv(geometry.Co, config.tile_n)
+            tiles = triton.cdiv(geometry.M, config.tile_m) * triton.cdiv(geometry.Co, config.tile_n)
             if wave_efficiency(tiles, num_sms) >= 0.8 or k_steps_of(config, geometry) < 3 * config.split_k:
                 continue                        # split-K only where whole tiles leave SMs idle
         kept.append(config)
@@ -320,8 +324,9 @@ class ConvPlan:
             template = self.template
             out_2d = torch.empty(template.out_2d.shape, device=x_nhwc.device, dtype=x_nhwc.dtype)
             partial = None if template.partial is None else torch.empty_like(template.partial)
-            tail = self.config.block_n_tail > 0
-            direct(template.grid, x_nhwc, w, w if tail else None, out_2d, out_2d if tail else None,
+            # the tails' descriptors: weights for a column tail, the output for either tail
+            n_tail, tail = self.config.block_n_tail > 0, self.config.block_n_tail + self.config.block_m_tail > 0
+            direct(template.grid, x_nhwc, w, w if n_tail else None, out_2d, out_2d if tail else None,
                    *(t.data_ptr() if t is not None else out_2d.data_ptr() for t in (bias, scale, residual, partial)),
                    *template.args[9:])
             if partial is None:
@@ -515,21 +520,21 @@ def folded_geometry(geometry):
 # out (each layer's config picked from the table fitted without it): 0.967x of that layer's
 # fastest config, geometric mean, worst 0.82x.
 HOPPER_CONFIG_TFLOPS = {   # whole KernelConfig tuples, split_k left at 1
-    (128, 128, 64, 5, 4, 1, 1, 32, 1): 728, (256, 128, 32, 5, 8, 1, 1, 32, 1): 715,
-    (128, 128, 64, 4, 4, 1, 2, 32, 1): 706, (256, 128, 64, 3, 8, 1, 1, 0, 1): 661,
-    (128, 256, 64, 3, 8, 1, 1, 0, 1): 633, (128, 128, 64, 6, 8, 1, 1, 0, 1): 577,
-    (128, 128, 64, 5, 4, 1, 2, 0, 1): 557, (128, 128, 64, 4, 4, 1, 1, 0, 1): 541,
-    (128, 128, 64, 4, 4, 1, 2, 0, 1): 537, (64, 128, 64, 4, 4, 2, 1, 0, 1): 482,
-    (64, 128, 64, 6, 4, 1, 2, 0, 1): 475, (256, 64, 64, 4, 8, 1, 1, 0, 1): 440,
-    (128, 64, 64, 6, 4, 1, 2, 0, 1): 399, (128, 64, 64, 6, 4, 1, 1, 0, 1): 395,
-    (128, 64, 64, 4, 4, 2, 1, 0, 1): 388,
+    (128, 128, 64, 5, 4, 1, 1, 32, 1, 0): 728, (256, 128, 32, 5, 8, 1, 1, 32, 1, 0): 715,
+    (128, 128, 64, 4, 4, 1, 2, 32, 1, 0): 706, (256, 128, 64, 3, 8, 1, 1, 0, 1, 0): 661,
+    (128, 256, 64, 3, 8, 1, 1, 0, 1, 0): 633, (128, 128, 64, 6, 8, 1, 1, 0, 1, 0): 577,
+    (128, 128, 64, 5, 4, 1, 2, 0, 1, 0): 557, (128, 128, 64, 4, 4, 1, 1, 0, 1, 0): 541,
+    (128, 128, 64, 4, 4, 1, 2, 0, 1, 0): 537, (64, 128, 64, 4, 4, 2, 1, 0, 1, 0): 482,
+    (64, 128, 64, 6, 4, 1, 2, 0, 1, 0): 475, (256, 64, 64, 4, 8, 1, 1, 0, 1, 0): 440,
+    (128, 64, 64, 6, 4, 1, 2, 0, 1, 0): 399, (128, 64, 64, 6, 4, 1, 1, 0, 1, 0): 395,
+    (128, 64, 64, 4, 4, 2, 1, 0, 1, 0): 388,
 }
 SPLIT_K_WORKSPACE_BYTES_PER_S = 6.17e12   # fitted with the table (mostly L2: the slices meet there)
 
 
 def split_tiles(config, geometry, num_sms):
     """(programs, tiles, tiles split by split-K): as the lesson's launch and work_unit count them."""
-    tiles = triton.cdiv(geometry.M, config.block_m) * triton.cdiv(geometry.Co, config.tile_n)
+    tiles = triton.cdiv(geometry.M, config.tile_m) * triton.cdiv(geometry.Co, config.tile_n)
     programs = min(num_sms * config.programs_per_sm, tiles * config.split_k)
     return programs, tiles, (tiles - tiles // programs * programs) if config.split_k > 1 else 0
 
@@ -538,7 +543,7 @@ def useful_share(config, geometry, num_sms):
     """The share of the work a config does that is useful: columns past Co and rows past M are
     wasted, and so are the SM slots idle in the last wave (of tiles, or of split-K's slices)."""
     programs, tiles, split = split_tiles(config, geometry, num_sms)
-    useful = geometry.M * geometry.Co / (tiles * config.block_m * config.tile_n)
+    useful = geometry.M * geometry.Co / (tiles * config.tile_m * config.tile_n)
     # time in tile-lengths: the waves of whole tiles, then the slices' waves, 1/split_k long each
     time = triton.cdiv(tiles - split, programs) + triton.cdiv(split * config.split_k, programs) / config.split_k
     return useful * tiles / (num_sms * config.programs_per_sm * time)
@@ -546,7 +551,7 @@ def useful_share(config, geometry, num_sms):
 
 def split_k_workspace_bytes(config, geometry, num_sms):
     """Bytes split-K moves through its fp32 workspace: each slice of a split tile, written and read."""
-    return 2 * config.split_k * split_tiles(config, geometry, num_sms)[2] * config.block_m * config.tile_n * 4
+    return 2 * config.split_k * split_tiles(config, geometry, num_sms)[2] * config.tile_m * config.tile_n * 4
 
 
 def config_tflops(config, arch):
@@ -556,7 +561,7 @@ def config_tflops(config, arch):
     BLOCK_M * TILE_N products."""
     measured = HOPPER_CONFIG_TFLOPS.get(tuple(config._replace(split_k=1))) if arch == "sm_90" else None
     if measured is None:
-        reuse = config.block_m * config.tile_n / (config.block_m + config.tile_n)
+        reuse = config.tile_m * config.tile_n / (config.tile_m + config.tile_n)
         measured = 700 * reuse / (reuse + 30)
     return measured
 
@@ -730,9 +735,8 @@ def compare_launch_paths(plan, x_nhwc, w, calls=200):
     launch = plan.launch_for(x_nhwc, w, None)
     kwargs = lesson.kernel_constexprs(plan.config, plan.arch)
     direct = plan.launches[("none", None, None, None)]
-    tail = plan.config.block_n_tail > 0
-    raw_args = (launch.args[0].base, launch.args[1].base, launch.args[1].base if tail else None,
-                launch.out_2d, launch.out_2d if tail else None) + launch.args[5:]
+    w_tail, out_tail = (None if desc is None else desc.base for desc in (launch.args[2], launch.args[4]))
+    raw_args = (launch.args[0].base, launch.args[1].base, w_tail, launch.out_2d, out_tail) + launch.args[5:]
     return {
         "generic": host_us_per_call(lambda: lesson.conv2d_fprop_kernel[launch.grid](*launch.args, **kwargs), calls),
         "compiled": host_us_per_call(lambda: direct.compiled[launch.grid](*launch.args, *direct.constexprs), calls),

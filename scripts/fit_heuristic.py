@@ -32,15 +32,18 @@ NUM_SMS = 132        # the H100 SXM the suite ran on
 
 
 def parse_config(text):
-    """A KernelConfig from its str(), e.g. "128x(128+32)x64 5 stages 4 warps, ping-pong, split-K 2"."""
-    match = re.match(r"(\d+)x(?:\((\d+)\+(\d+)\)|(\d+))x(\d+) (\d+) stages (\d+) warps(.*)", text.strip())
-    block_m, block_n = int(match[1]), int(match[2] or match[4])
-    rest = match[8]
+    """A KernelConfig from its str(), e.g. "128x(128+32)x64 5 stages 4 warps, ping-pong, split-K 2"
+    or "(128+64)x128x64 4 stages 4 warps"."""
+    size = r"(?:\((\d+)\+(\d+)\)|(\d+))"
+    match = re.match(size + "x" + size + r"x(\d+) (\d+) stages (\d+) warps(.*)", text.strip())
+    block_m, block_n = int(match[1] or match[3]), int(match[4] or match[6])
+    rest = match[10]
     split_k = re.search(r"split-K (\d+)", rest)
     return conv_runtime._lesson().KernelConfig(
-        block_m, block_n, int(match[5]), int(match[6]), int(match[7]),
+        block_m, block_n, int(match[7]), int(match[8]), int(match[9]),
         programs_per_sm=2 if "2/SM" in rest else 1, consumers=2 if "ping-pong" in rest else 1,
-        block_n_tail=int(match[3] or 0), split_k=int(split_k[1]) if split_k else 1)
+        block_n_tail=int(match[5] or 0), split_k=int(split_k[1]) if split_k else 1,
+        block_m_tail=int(match[2] or 0))
 
 
 def read_timings(log_text):
