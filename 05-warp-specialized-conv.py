@@ -111,7 +111,14 @@ def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, 
         tile_id, split, k_begin, k_end, partial = work_unit(unit, num_tiles, k_steps, SPLIT_K)
         pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         m0 = pid_m * TILE_M
+        # where the tile's im2col boxes start: one box for BLOCK_M pixels, or with a row tail
+        # (section 5) boxes of the tail's height, each at its own pixel, so its own (n, y, x);
+        # worked out once per tile (integer divisions are slow in a loop of one warp)
         n, start_h, start_w = pixel_box_origin(m0, out_h, out_w, stride_h, stride_w, pad_h, pad_w)
+        if PIXEL_BOX < BLOCK_M:
+            n_1, h_1, w_1 = pixel_box_origin(m0 + PIXEL_BOX, out_h, out_w, stride_h, stride_w, pad_h, pad_w)
+        if BLOCK_M_TAIL > 0:
+            n_t, h_t, w_t = pixel_box_origin(m0 + BLOCK_M, out_h, out_w, stride_h, stride_w, pad_h, pad_w)
         co0 = pid_n * TILE_N
         for k in range(k_begin, k_end):
             tap = k // channel_blocks
@@ -126,15 +133,11 @@ def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, 
                 tma.async_load_im2col(in_desc, [n, start_h, start_w, c0], tap_offsets,
                                       ready.index(slot), a_bufs.index(slot))
             else:
-                # a tile with a row tail (section 5) loads its pixels in boxes of the tail's height:
-                # each box starts at its own pixel, so at its own (n, y, x)
-                for box in gl.static_range(BLOCK_M // PIXEL_BOX):
-                    n_b, h_b, w_b = pixel_box_origin(m0 + box * PIXEL_BOX, out_h, out_w, stride_h, stride_w,
-                                                     pad_h, pad_w)
-                    tma.async_load_im2col(in_desc, [n_b, h_b, w_b, c0], tap_offsets, ready.index(slot),
-                                          a_bufs.index(slot).slice(box * PIXEL_BOX, PIXEL_BOX))
+                tma.async_load_im2col(in_desc, [n, start_h, start_w, c0], tap_offsets, ready.index(slot),
+                                      a_bufs.index(slot).slice(0, PIXEL_BOX))
+                tma.async_load_im2col(in_desc, [n_1, h_1, w_1, c0], tap_offsets, ready.index(slot),
+                                      a_bufs.index(slot).slice(PIXEL_BOX, PIXEL_BOX))
             if BLOCK_M_TAIL > 0:
-                n_t, h_t, w_t = pixel_box_origin(m0 + BLOCK_M, out_h, out_w, stride_h, stride_w, pad_h, pad_w)
                 tma.async_load_im2col(in_desc, [n_t, h_t, w_t, c0], tap_offsets, ready.index(slot),
                                       a_tail_bufs.index(slot))
             # B = load(w2d, [co0, (r*S + s)*Ci + c0]), and the tail's rows after it
@@ -638,6 +641,9 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
                                 TILE_M, TILE_N, SPLIT_K)),
         ], [1, 1], [24, 24])
     else:
+        # The loader's registers: 24, or with a row tail 48 for the boxes' origins (with one
+        # consumer warpgroup the register file has room; ping-pong leaves the loader 32)
+        LOADER_REGISTERS: gl.constexpr = 48 if BLOCK_M_TAIL > 0 else 24
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
@@ -654,7 +660,7 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
                                     ready, empty, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h,
                                     pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
                                     TILE_M, TILE_N, SPLIT_K)),
-            ], [1], [24])
+            ], [1], [LOADER_REGISTERS])
         else:
             # ping-pong: consumer 0 is the default partition, consumer 1 a worker of as many warps.
             # Registers: 2 consumer warpgroups at 240 + the loader's warpgroup at 24 fill the 64K.
@@ -677,7 +683,7 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
                                     ready, empty, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h,
                                     pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
                                     TILE_M, TILE_N, SPLIT_K)),
-            ], [num_warps, 1], [240, 24])
+            ], [num_warps, 1], [240, min(LOADER_REGISTERS, 32)])
 
 
 # %%
@@ -738,9 +744,10 @@ def check_config(config, arch):
                              f"on Blackwell it must be 0")
         if config.block_n_tail:
             raise ValueError(f"config {config}: a tail in rows or in columns, not both")
-        if config.block_m_tail not in (64, 128) or config.block_m % config.block_m_tail:
+        if config.block_m_tail not in (64, 128) or config.block_m not in (config.block_m_tail, 2 * config.block_m_tail):
             raise ValueError(f"config {config}: block_m_tail must be 64 or 128 (whole WGMMA row "
-                             f"blocks) and divide block_m (the pixels are loaded in boxes of its height)")
+                             f"blocks) and block_m once or twice that (the pixels are loaded in boxes of "
+                             f"the tail's height)")
     if config.programs_per_sm > 1 and arch != "sm_90":
         raise ValueError(f"config {config}: programs_per_sm > 1 is offered on Hopper only")
     if arch == "sm_100" and config.block_m not in (64, 128):
@@ -1001,7 +1008,7 @@ def tail_configs_for_this_machine():
                KernelConfig(128, 128, 64, 4, 4, consumers=2, block_n_tail=32),
                KernelConfig(128, 64, 64, 6, 4, block_n_tail=32),
                # row tails (Hopper): 192-row tiles
-               KernelConfig(128, 128, 64, 4, 4, block_m_tail=64),
+               KernelConfig(128, 128, 64, 4, 4, block_m_tail=64), KernelConfig(128, 128, 64, 4, 8, block_m_tail=64),
                KernelConfig(128, 128, 64, 3, 4, consumers=2, block_m_tail=64)]
     if not common.has_tma_mma_gpu():
         return configs

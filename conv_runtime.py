@@ -95,6 +95,7 @@ def _candidates():
         # 192-row tiles: a 64-row tail below the main MMA (ResNet-50's 7x7 layers at batch 128:
         # M = 6272 = 32.7 x 192, so Co=512 makes 33 x 4 = 132 tiles, one per SM of an H100)
         KernelConfig(128, 128, 64, 4, 4, block_m_tail=64),
+        KernelConfig(128, 128, 64, 4, 8, block_m_tail=64),
         KernelConfig(128, 128, 64, 3, 4, consumers=2, block_m_tail=64),
     ]
     blackwell = [

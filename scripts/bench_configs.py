@@ -1,0 +1,56 @@
+"""Time chosen kernel configs on chosen network-suite layers, next to cuDNN, in alternating rounds.
+
+    python scripts/bench_configs.py "RN50 7x7 2048->512 1x1" --config 128,128,64,6,8 --config ...
+
+For a quick look at one change on a few layers before running the whole suite: each layer is
+checked against torch for every config, then timed as the suite times it (do_bench, L2 flushed,
+median of alternating rounds). Configs are KernelConfig fields, comma-separated."""
+import argparse
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import common  # noqa: E402
+import conv_runtime  # noqa: E402
+import network_suite  # noqa: E402
+
+import torch  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("layers", nargs="+", help="suite labels (network_suite.py)")
+    parser.add_argument("--config", action="append", required=True, help="KernelConfig fields, e.g. 128,128,64,6,8")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    KernelConfig = conv_runtime._lesson().KernelConfig
+    configs = [KernelConfig(*map(int, text.split(","))) for text in args.config]
+    suite = {layer[0]: layer for layer in network_suite.NETWORK_SUITE}
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {common.versions()}")
+    for label in args.layers:
+        _, N, H, W, Ci, Co, R, S, stride, padding = suite[label]
+        x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(Co, R, S, Ci, device="cuda", dtype=torch.bfloat16) / math.sqrt(R * S * Ci))
+        geometry = common.conv_geometry(x.shape, w.shape, stride, padding)
+        expected = common.reference_conv2d_nhwc(x, w, None, stride, padding)
+        calls = {"cuDNN": common.cudnn_conv2d(x, w, None, stride, padding)}
+        for config in configs:
+            call = (lambda c: lambda: conv_runtime.conv2d(x, w, None, stride, padding, config=c))(config)
+            common.assert_close_to_reference(call(), expected, dtype=torch.bfloat16, K=geometry.K)
+            calls[str(config)] = call
+        rounds = {name: [] for name in calls}
+        for _ in range(args.rounds):
+            for name, call in calls.items():
+                rounds[name].append(common.bench_tflops(call, geometry.flops)["tflops"])
+        cudnn = sorted(rounds["cuDNN"])[args.rounds // 2]
+        print(f"\n{label}: {geometry.describe()}")
+        for name, values in rounds.items():
+            median = sorted(values)[args.rounds // 2]
+            print(f"   {name:<46} {median:6.1f} TFLOPS  {median / cudnn:5.2f}x cuDNN   rounds "
+                  + " ".join(f"{v:.0f}" for v in values))
+
+
+if __name__ == "__main__":
+    main()
