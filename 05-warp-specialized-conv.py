@@ -485,6 +485,21 @@ def num_work_units(num_tiles, SPLIT_K: gl.constexpr):
 # bytes); the consumer issues two MMAs per k-step and waits for both. On an H100 this took SD
 # UNet's 320-channel layer from 530 to 642 TFLOPS.
 #
+# The same trick works in M, and there it is about waves rather than wasted work. ResNet-50's
+# 7x7 stage at batch 128 has M = 128 x 49 = 6272 pixels: 49 rows of 128-pixel tiles, so with
+# Co = 512 196 tiles for 132 SMs, two waves of which the second is half empty. With 192-pixel tiles
+# (a *row tail* of 64 under the main 128) it is 33 x 4 = 132 tiles, one wave. A row tail has its
+# own A buffer and MMA (the tail's pixels times the main weights) and its own store; the kernel
+# passes the main buffers for the side without a tail, so one tail MMA,
+# `a_tail_bufs x b_tail_bufs`, serves both kinds. The pixels come in im2col boxes of the tail's
+# height, 64: two for the main rows and one for the tail, each starting at its own output pixel,
+# so at its own (n, y, x) (`pixel_box_origin`). Work those out once per tile, not per k-step:
+# the first version computed them in the loader's K loop, and a one-warp loader doing nine
+# integer divisions per k-step became the bottleneck: on the SD UNet's 64x64 640->640 layer the
+# row tail ran at 580 TFLOPS against 733 for the best other config; with the origins worked out
+# per tile (and 48 registers for the loader instead of 24), 752 against 718 (autotuner timings).
+# Row tails are a Hopper schedule here (on Blackwell a 64-row TMEM accumulator would be next).
+#
 # 6. Split-K for layers with too few tiles
 # ---------------------------------------
 # A layer of a UNet's 8x8 stage (batch 8: M = 512 pixels, Co = 1280) has 40 tiles of 128x128 for
@@ -1573,7 +1588,19 @@ def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding
 #   ResNet-50's 7x7 2048->512 layer has 196 tiles of 128x128 for 132 SMs; splitting the 64 of the
 #   second wave in two took split-K from 315 to 374 TFLOPS there, but whole tiles run at 409 and
 #   cuDNN at ~505: on a 30 us layer the workspace and the second launch cost what the half-empty
-#   wave does. It is the one layer of the suite still far behind (0.78x).
+#   wave does. (Row tails, below, fill that wave without a workspace: 0.78x -> 0.86x.)
+# - Paid: row tails, 192-pixel tiles (section 5). Not for the reason they were built: ResNet-50's
+#   7x7 2048->512 layer fits one wave of 132 tiles with them, but it stays behind cuDNN (0.86x,
+#   from 0.78x): it is bandwidth-bound, and all configs ran within 10% of each other on it. Where
+#   they paid is the layers between memory and compute: per k-step a 192 x 128 tile reads 320
+#   rows for 24576 products, a 128 x 128 one 256 rows for 16384, so a fifth fewer bytes per FLOP
+#   through L2 and shared memory, on one 4-warp consumer. ResNet-50's 7x7 512->512 3x3 went from
+#   0.97x to 1.18x cuDNN, the 14x14 512->512 stride-2 layer from 1.01x to 1.18x, the 14x14
+#   256->256 3x3 from 0.95x to 1.02x; ResNet-50 as a whole from 1.006x to 1.032x.
+# - Paid: split-K's second launch from the plan (its grid and scalars fixed per shape, only the
+#   pointers per call): a split-K call's host time went from 75-80 to 33-38 us, and the SD UNet's
+#   8x8 and 16x16 stride-2 layers, 30-40 us on the GPU, stopped losing to their own host time
+#   (0.92x -> 1.08x and 1.04x -> 1.26x in runs a few minutes apart).
 # - Paid, for PyTorch users: defining the operator (conv_torch.py) with torch.library's
 #   define/impl instead of the @custom_op decorator, whose checks on every call cost more host
 #   time than the runtime's whole call. A fused ResNet-50 at batch 128 in eager mode went from

@@ -583,22 +583,23 @@ def _aot_child(stem: str, builder: str, arch: str, params_json: str) -> None:
     print("AOT-JSON:" + json.dumps({"ptx": compiled.asm["ptx"], "shared": meta.shared,
                                     "tmem_size": getattr(meta, "tmem_size", 0),
                                     "num_warps": meta.num_warps,
-                                    "registers": cubin_registers(compiled.asm.get("cubin"))}))
+                                    **cubin_resources(compiled.asm.get("cubin"))}))
 
 
-def cubin_registers(cubin: bytes):
-    """Registers per thread of a compiled kernel, read from its cubin with cuobjdump (shipped with
-    Triton); None where no cuobjdump is at hand."""
+def cubin_resources(cubin: bytes) -> dict:
+    """{"registers": per thread, "stack": bytes of stack frame per thread} of a compiled kernel,
+    read from its cubin with cuobjdump (shipped with Triton); None each where no cuobjdump is at
+    hand. A stack frame in a Triton kernel is where registers spill to."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     tool = str(tool) if tool.exists() else shutil.which("cuobjdump")
     if not cubin or not tool:
-        return None
+        return {"registers": None, "stack": None}
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
         file.write(cubin)
         file.flush()
         usage = subprocess.run([tool, "-res-usage", file.name], capture_output=True, text=True).stdout
-    found = re.search(r"REG:(\d+)", usage)
-    return int(found.group(1)) if found else None
+    found = {name: re.search(rf"{key}:(\d+)", usage) for name, key in (("registers", "REG"), ("stack", "STACK"))}
+    return {name: int(match.group(1)) if match else None for name, match in found.items()}
 
 
 class AotToolMissing(RuntimeError):

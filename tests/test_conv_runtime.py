@@ -64,6 +64,22 @@ def test_every_hopper_candidate_compiles_within_budget(config):
     assert common.ptx_instructions(compiled["ptx"], ["wgmma.mma_async"])["wgmma.mma_async"] > 0
 
 
+@pytest.mark.parametrize("config", [c for c in conv_runtime.HOPPER_CANDIDATES if c.block_m_tail], ids=str)
+def test_row_tail_runs_a_residual_epilogue_without_spilling(config):
+    """With a residual, the runtime runs a row-tail tile on one 8-warp consumer: the 4-warp build
+    spills registers to the stack (the tests' probe: `stack` from cuobjdump)."""
+    run = conv_runtime.fitted_to_epilogue(config, has_residual=True)
+    assert (run.tile_m, run.tile_n) == (config.tile_m, config.tile_n)
+    assert conv_runtime.fitted_to_epilogue(config, has_residual=False) == config
+    build = lambda c: common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",  # noqa: E731
+                                                 Ci=256, Co=128, config=list(c), epilogue=[True, True, True, "relu"])
+    if config.num_warps == 4 and config.consumers == 1:
+        assert build(config)["stack"] > 0              # what the swap avoids
+    compiled = build(run)
+    assert compiled["stack"] == 0
+    assert compiled["shared"] <= conv_runtime.SMEM_LIMIT_BYTES["sm_90"]
+
+
 @needs_gpu
 def test_fast_path_still_checks_each_call():
     # A call with a cached plan skips the full validation; what a same-shaped tensor can still get
