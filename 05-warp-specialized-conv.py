@@ -1591,7 +1591,8 @@ def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding
 #   wave does. (Row tails, below, fill that wave without a workspace: 0.78x -> 0.86x.)
 # - Paid: row tails, 192-pixel tiles (section 5). Not for the reason they were built: ResNet-50's
 #   7x7 2048->512 layer fits one wave of 132 tiles with them, but it stays behind cuDNN (0.86x,
-#   from 0.78x): it is bandwidth-bound, and all configs ran within 10% of each other on it. Where
+#   from 0.78x): one wave of 192-row tiles ran only 8% faster than two of 128x128 (445 against
+#   411 TFLOPS), where the idle half-wave predicts 30%; the layer is bandwidth-bound. Where
 #   they paid is the layers between memory and compute: per k-step a 192 x 128 tile reads 320
 #   rows for 24576 products, a 128 x 128 one 256 rows for 16384, so a fifth fewer bytes per FLOP
 #   through L2 and shared memory, on one 4-warp consumer. ResNet-50's 7x7 512->512 3x3 went from
@@ -1604,7 +1605,9 @@ def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding
 # - Paid, for PyTorch users: defining the operator (conv_torch.py) with torch.library's
 #   define/impl instead of the @custom_op decorator, whose checks on every call cost more host
 #   time than the runtime's whole call. A fused ResNet-50 at batch 128 in eager mode went from
-#   13108 to 28757 images/s, 1.42x torch.compile on cuDNN (RESULTS.md).
+#   13108 to 28757 images/s, 1.42x torch.compile on cuDNN (RESULTS.md; eager numbers follow the
+#   host: the final code measured 1.30x on a fast host and 0.79x on a slow one, 1.53x with CUDA
+#   graphs on both).
 #
 # %%
 # The measured ladder (GPU): the series next to cuDNN
