@@ -439,7 +439,7 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
         else:
             chosen = known_or_heuristic_config(run_geometry, x_nhwc.dtype)
         if config is None:
-            chosen = fitted_to_epilogue(chosen, residual is not None)
+            chosen = fitted_to_epilogue(chosen, run_geometry, residual is not None, *device_facts())
         entry = (plan_for(run_geometry, x_nhwc.dtype, chosen), fold)
         if key is not None:
             _FAST_PLANS[key] = entry
@@ -449,16 +449,32 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
     return plan.run(x_nhwc, w, bias, scale, residual, activation)
 
 
-def fitted_to_epilogue(config, has_residual):
+def residual_fits_in_registers(config, arch="sm_90"):
+    """Whether a config's build with a residual epilogue keeps its tile in registers (Hopper; on
+    Blackwell the accumulator lives in tensor memory). The consumer holds TILE_M x TILE_N fp32
+    accumulators spread over its threads, and the residual tile, bf16, beside them: 1.5 x the
+    accumulator registers. One 4-warp consumer may use up to 256 registers per thread, and fits
+    192 of them; 8-warp consumers and ping-pong warpgroups get 232-240, and fit 144 (tests check
+    this against the stack frame of every candidate's build)."""
+    if arch != "sm_90":
+        return True
+    accumulators = config.tile_m * config.tile_n // (32 * config.num_warps)
+    budget = 192 if (config.num_warps == 4 and config.consumers == 1) else 144
+    return accumulators * 3 // 2 <= budget
+
+
+def fitted_to_epilogue(config, geometry, has_residual, arch, num_sms, smem_limit=None):
     """The config to run a chosen (tuned or heuristic) config with, given the epilogue. Configs are
-    tuned on the plain conv; a residual tile adds registers. A row-tail tile (192 x 128) on 4-warp
-    consumers already holds 192 fp32 accumulators per thread, and with the residual beside them
-    the build spills (232 bytes of stack per thread; ResNet-50's 14x14 256->1024 1x1 + residual
-    took 0.086 instead of 0.055 ms). The same tile on one 8-warp consumer holds half as many per
-    thread and does not spill, so that build runs it."""
-    if has_residual and config.block_m_tail and config.num_warps == 4:
+    tuned on the plain conv, and a residual tile adds registers: a build that has no room for them
+    spills (ResNet-50's 14x14 256->1024 1x1 + residual: 0.086 ms with the 4-warp row tail, which
+    spills 232 bytes per thread, 0.070 ms on the same tile with 8 warps). A row tail moves to one
+    8-warp consumer, the same tile with half the registers per thread; any other config that
+    would spill gives way to the heuristic's choice among those that do not."""
+    if not has_residual or residual_fits_in_registers(config, arch):
+        return config
+    if config.block_m_tail and config.num_warps == 4:
         return config._replace(num_warps=8, consumers=1, num_buffers=4)
-    return config
+    return heuristic_config(geometry, arch, num_sms, smem_limit, has_residual=True)
 
 
 # %% Small channel counts: fold the filter's columns into the channels ---------------------------
@@ -591,10 +607,12 @@ def expected_seconds(config, geometry, arch, num_sms):
     return seconds + split_k_workspace_bytes(config, geometry, num_sms) / SPLIT_K_WORKSPACE_BYTES_PER_S
 
 
-def heuristic_config(geometry, arch, num_sms, smem_limit=None):
+def heuristic_config(geometry, arch, num_sms, smem_limit=None, has_residual=False):
     """A config from the shape alone, in microseconds: the pruned candidate with the shortest
-    expected time (`expected_seconds`); the deeper ring breaks ties."""
-    candidates = prune_configs(CANDIDATES[arch], geometry, arch, smem_limit, num_sms)
+    expected time (`expected_seconds`); the deeper ring breaks ties. With a residual epilogue,
+    only candidates whose build has room for it (`residual_fits_in_registers`)."""
+    candidates = [c for c in prune_configs(CANDIDATES[arch], geometry, arch, smem_limit, num_sms)
+                  if not has_residual or residual_fits_in_registers(c, arch)]
     if not candidates:
         raise RuntimeError(f"no kernel config fits {geometry.describe()} on this GPU")
     return min(candidates, key=lambda c: (round(expected_seconds(c, geometry, arch, num_sms) * 1e7),

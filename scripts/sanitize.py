@@ -71,8 +71,7 @@ def lesson05_cases():
     split = next(c for c in conv_runtime.HOPPER_CANDIDATES if c.split_k > 1)
     cases.append((f"05 {split}, fused epilogue, Co=200, last wave split", split, 200, "fused"))
     # a row tail with the residual runs on one 8-warp consumer (conv_runtime.fitted_to_epilogue)
-    row_tail = conv_runtime.fitted_to_epilogue(next(c for c in conv_runtime.HOPPER_CANDIDATES if c.block_m_tail),
-                                               has_residual=True)
+    row_tail = next(c for c in conv_runtime.HOPPER_CANDIDATES if c.block_m_tail and c.num_warps == 8)
     cases.append((f"05 {row_tail}, fused epilogue, Co=200", row_tail, 200, "fused"))
     return cases
 

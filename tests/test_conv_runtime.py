@@ -64,20 +64,37 @@ def test_every_hopper_candidate_compiles_within_budget(config):
     assert common.ptx_instructions(compiled["ptx"], ["wgmma.mma_async"])["wgmma.mma_async"] > 0
 
 
-@pytest.mark.parametrize("config", [c for c in conv_runtime.HOPPER_CANDIDATES if c.block_m_tail], ids=str)
-def test_row_tail_runs_a_residual_epilogue_without_spilling(config):
-    """With a residual, the runtime runs a row-tail tile on one 8-warp consumer: the 4-warp build
-    spills registers to the stack (the tests' probe: `stack` from cuobjdump)."""
-    run = conv_runtime.fitted_to_epilogue(config, has_residual=True)
-    assert (run.tile_m, run.tile_n) == (config.tile_m, config.tile_n)
-    assert conv_runtime.fitted_to_epilogue(config, has_residual=False) == config
-    build = lambda c: common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",  # noqa: E731
-                                                 Ci=256, Co=128, config=list(c), epilogue=[True, True, True, "relu"])
-    if config.num_warps == 4 and config.consumers == 1:
-        assert build(config)["stack"] > 0              # what the swap avoids
-    compiled = build(run)
-    assert compiled["stack"] == 0
-    assert compiled["shared"] <= conv_runtime.SMEM_LIMIT_BYTES["sm_90"]
+@pytest.mark.parametrize("config", conv_runtime.HOPPER_CANDIDATES, ids=str)
+def test_register_model_of_the_residual_epilogue_matches_the_builds(config):
+    """residual_fits_in_registers says which builds keep a residual tile beside their accumulators
+    without spilling: checked against each candidate's build with the whole fused epilogue (the
+    stack frame per thread, from cuobjdump: where a Triton kernel spills to)."""
+    Co = _shape_that_keeps(config)
+    compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
+                                          Ci=256, Co=Co, config=list(config), epilogue=[True, True, True, "relu"])
+    assert compiled["stack"] is not None
+    assert conv_runtime.residual_fits_in_registers(config) == (compiled["stack"] == 0), compiled["stack"]
+
+
+def test_a_residual_epilogue_runs_a_config_with_room_for_it():
+    """Configs tuned on the plain conv that would spill with a residual: a row tail moves to 8
+    warps (the same tile), anything else to the heuristic's choice among builds that fit."""
+    KernelConfig = conv_runtime._lesson().KernelConfig
+    geometry = common.conv_geometry((128, 14, 14, 256), (1024, 1, 1, 256), 1, 0)
+    facts = ("sm_90", 132, conv_runtime.SMEM_LIMIT_BYTES["sm_90"])
+    row_tail = KernelConfig(128, 128, 64, 4, 4, block_m_tail=64)
+    assert conv_runtime.fitted_to_epilogue(row_tail, geometry, False, *facts) == row_tail
+    moved = conv_runtime.fitted_to_epilogue(row_tail, geometry, True, *facts)
+    assert (moved.tile_m, moved.tile_n, moved.num_warps) == (192, 128, 8)
+    assert conv_runtime.residual_fits_in_registers(moved)
+    wide = KernelConfig(128, 256, 64, 3, 8)
+    chosen = conv_runtime.fitted_to_epilogue(wide, geometry, True, *facts)
+    assert chosen != wide and conv_runtime.residual_fits_in_registers(chosen)
+    assert chosen == conv_runtime.heuristic_config(geometry, *facts, has_residual=True)
+    fits = KernelConfig(128, 128, 64, 6, 8)
+    assert conv_runtime.fitted_to_epilogue(fits, geometry, True, *facts) == fits
+    # Blackwell keeps its accumulators in tensor memory: no swap there
+    assert conv_runtime.fitted_to_epilogue(wide, geometry, True, "sm_100", 148) == wide
 
 
 @needs_gpu
