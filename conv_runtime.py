@@ -439,7 +439,7 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
         else:
             chosen = known_or_heuristic_config(run_geometry, x_nhwc.dtype)
         if config is None:
-            chosen = fitted_to_epilogue(chosen, run_geometry, residual is not None, *device_facts())
+            chosen = fitted_to_epilogue(chosen, residual is not None, device_facts()[0])
         entry = (plan_for(run_geometry, x_nhwc.dtype, chosen), fold)
         if key is not None:
             _FAST_PLANS[key] = entry
@@ -463,18 +463,18 @@ def residual_fits_in_registers(config, arch="sm_90"):
     return accumulators * 3 // 2 <= budget
 
 
-def fitted_to_epilogue(config, geometry, has_residual, arch, num_sms, smem_limit=None):
+def fitted_to_epilogue(config, has_residual, arch="sm_90"):
     """The config to run a chosen (tuned or heuristic) config with, given the epilogue. Configs are
-    tuned on the plain conv, and a residual tile adds registers: a build that has no room for them
-    spills (ResNet-50's 14x14 256->1024 1x1 + residual: 0.086 ms with the 4-warp row tail, which
-    spills 232 bytes per thread, 0.070 ms on the same tile with 8 warps). A row tail moves to one
-    8-warp consumer, the same tile with half the registers per thread; any other config that
-    would spill gives way to the heuristic's choice among those that do not."""
-    if not has_residual or residual_fits_in_registers(config, arch):
-        return config
-    if config.block_m_tail and config.num_warps == 4:
+    tuned on the plain conv, and a residual tile adds registers. A row tail on 4-warp consumers
+    has no room for them: its build spills (232 bytes per thread; ResNet-50's 14x14 256->1024 1x1
+    + residual took 0.086 ms), so it moves to one 8-warp consumer, the same tile with half the
+    registers per thread (0.070 ms). Other builds that spill a little are kept: letting the
+    heuristic pick one with room instead measured slower (ResNet-50's 56x56 64->256 1x1 +
+    residual: 0.241 ms against 0.215 for the tuned 128x256 tile, which spills 176 bytes)."""
+    if has_residual and config.block_m_tail and config.num_warps == 4 \
+            and not residual_fits_in_registers(config, arch):
         return config._replace(num_warps=8, consumers=1, num_buffers=4)
-    return heuristic_config(geometry, arch, num_sms, smem_limit, has_residual=True)
+    return config
 
 
 # %% Small channel counts: fold the filter's columns into the channels ---------------------------
@@ -607,12 +607,10 @@ def expected_seconds(config, geometry, arch, num_sms):
     return seconds + split_k_workspace_bytes(config, geometry, num_sms) / SPLIT_K_WORKSPACE_BYTES_PER_S
 
 
-def heuristic_config(geometry, arch, num_sms, smem_limit=None, has_residual=False):
+def heuristic_config(geometry, arch, num_sms, smem_limit=None):
     """A config from the shape alone, in microseconds: the pruned candidate with the shortest
-    expected time (`expected_seconds`); the deeper ring breaks ties. With a residual epilogue,
-    only candidates whose build has room for it (`residual_fits_in_registers`)."""
-    candidates = [c for c in prune_configs(CANDIDATES[arch], geometry, arch, smem_limit, num_sms)
-                  if not has_residual or residual_fits_in_registers(c, arch)]
+    expected time (`expected_seconds`); the deeper ring breaks ties."""
+    candidates = prune_configs(CANDIDATES[arch], geometry, arch, smem_limit, num_sms)
     if not candidates:
         raise RuntimeError(f"no kernel config fits {geometry.describe()} on this GPU")
     return min(candidates, key=lambda c: (round(expected_seconds(c, geometry, arch, num_sms) * 1e7),
