@@ -251,9 +251,9 @@ def store_unit(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, partial
 
 
 @gluon.jit
-def hopper_mma_epilogue_partition(a_bufs, a_tail_bufs, b_bufs, b_tail_bufs, ready, empty, turn, c_smem, c_tail_smem,
-                                  out_desc, out_tail_desc, bias_ptr, scale_ptr, residual_ptr, partial_ptr,
-                                  M, Co, num_pid_m, num_pid_n, k_steps,
+def hopper_mma_epilogue_partition(a_bufs, a_tail_bufs, b_bufs, b_tail_bufs, ready, empty, turn, c_smem,
+                                  c_tail_smem, out_desc, out_tail_desc, bias_ptr, scale_ptr, residual_ptr,
+                                  partial_ptr, M, Co, num_pid_m, num_pid_n, k_steps,
                                   GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr,
                                   HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
                                   HAS_RESIDUAL: gl.constexpr, ACTIVATION: gl.constexpr,
@@ -485,9 +485,9 @@ def num_work_units(num_tiles, SPLIT_K: gl.constexpr):
 # bytes); the consumer issues two MMAs per k-step and waits for both. On an H100 this took SD
 # UNet's 320-channel layer from 530 to 642 TFLOPS.
 #
-# The same trick works in M, and there it is about waves and bytes rather than wasted columns. ResNet-50's
-# 7x7 stage at batch 128 has M = 128 x 49 = 6272 pixels: 49 rows of 128-pixel tiles, so with
-# Co = 512 196 tiles for 132 SMs, two waves of which the second is half empty. With 192-pixel tiles
+# The same trick works in M, and there it is about waves and bytes rather than wasted columns.
+# ResNet-50's 7x7 stage at batch 128 has M = 128 x 49 = 6272 pixels: 49 rows of 128-pixel tiles,
+# so with Co = 512 196 tiles for 132 SMs, two waves of which the second is half empty. With 192-pixel tiles
 # (a *row tail* of 64 under the main 128) it is 33 x 4 = 132 tiles, one wave. A row tail has its
 # own A buffer and MMA (the tail's pixels times the main weights) and its own store; the kernel
 # passes the main buffers for the side without a tail, so one tail MMA,
@@ -762,7 +762,8 @@ def check_config(config, arch):
                              f"on Blackwell it must be 0")
         if config.block_n_tail:
             raise ValueError(f"config {config}: a tail in rows or in columns, not both")
-        if config.block_m_tail not in (64, 128) or config.block_m not in (config.block_m_tail, 2 * config.block_m_tail):
+        tail = config.block_m_tail
+        if tail not in (64, 128) or config.block_m not in (tail, 2 * tail):
             raise ValueError(f"config {config}: block_m_tail must be 64 or 128 (whole WGMMA row "
                              f"blocks) and block_m once or twice that (the pixels are loaded in boxes of "
                              f"the tail's height)")
@@ -1048,7 +1049,7 @@ def tail_configs_for_this_machine():
     (16, 20, 20, 128, 300, 3, 3, 1, 1, torch.float16, False),     # the last tail partly past Co
     (4, 15, 17, 64, 100, 3, 3, 2, 1, torch.bfloat16, True),       # Co below one main block
     (128, 14, 14, 256, 96, 1, 1, 1, 0, torch.bfloat16, False),    # 1x1, Co = 64 + 32
-    (128, 7, 7, 512, 512, 1, 1, 1, 0, torch.bfloat16, True),      # M = 6272: 33 tiles of 192 rows, the last 2/3 full
+    (128, 7, 7, 512, 512, 1, 1, 1, 0, torch.bfloat16, True),      # M = 6272: 33 tiles of 192, the last 2/3 full
     (3, 9, 13, 96, 130, 3, 3, 1, 1, torch.float16, True),         # M = 351: the last tile's tail rows all past M
     (2, 9, 7, 64, 64, 5, 3, (2, 1), (2, 1), torch.bfloat16, False),  # M = 70 < one main block; strides differ
     (5, 11, 13, 72, 200, 3, 3, 2, 1, torch.bfloat16, True),       # row boxes across image boundaries, stride 2
