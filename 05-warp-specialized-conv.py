@@ -1318,6 +1318,33 @@ def test_row_tail_build_loads_three_pixel_boxes(config):
     assert tail["shared"] <= conv_runtime.shared_memory_bytes(config) + 1024
 
 
+@pytest.mark.parametrize("N, H, W, R, S, stride, padding", [
+    (3, 7, 7, 1, 1, 1, 0),           # ResNet-50's 7x7 stage: 192-pixel tiles span images
+    (2, 9, 13, 3, 3, (2, 1), 1),     # stride 2 in H only, padding
+    (4, 5, 6, 3, 5, 2, (1, 2)),      # small images: a 64-pixel box covers several of them
+])
+def test_row_tail_boxes_read_what_one_tall_box_would(N, H, W, R, S, stride, padding):
+    """The loader's 64-pixel boxes, each started at its own pixel_box_origin (the kernel's own
+    function, run here as plain Python), read exactly the pixels of one 192-pixel im2col box
+    started at the tile's first pixel: checked with lesson 03's model of the TMA im2col walk, for
+    every tile and tap, the last tile's rows past M included."""
+    walk = common.load_lesson("03-tma-im2col-modes").im2col_walk
+    geometry = common.conv_geometry((N, H, W, 8), (8, R, S, 8), stride, padding)
+    settings = common.conv_im2col_settings(geometry)
+    window = (settings.pixel_box_lower_corner, settings.pixel_box_upper_corner, settings.element_strides)
+    shape, g = (N, H, W, 8), geometry
+    for m0 in range(0, g.M, 192):
+        for r in range(R):
+            for s in range(S):
+                offsets = settings.tap_offsets(r, s)
+                tall = walk(shape, 192, *window, settings.start_coord(m0), offsets)
+                boxes = []
+                for box in range(3):
+                    n, y, x = pixel_box_origin.fn(m0 + 64 * box, g.out_h, g.out_w, *g.stride, *g.padding)
+                    boxes += walk(shape, 64, *window, (n, y, x, 0), offsets)
+                assert boxes == tall, (m0, r, s)
+
+
 @pytest.mark.parametrize("config, tmem_columns", [
     (FIXED_CONFIG, 256),                                        # 2 accumulators x 128 columns
     (KernelConfig(128, 128, 64, 4, 4, block_n_tail=32), 512),   # 2 x (128 + 32) = 320, allocated as 512
