@@ -1629,6 +1629,10 @@ def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding
 #   through L2 and shared memory, on one 4-warp consumer. ResNet-50's 7x7 512->512 3x3 went from
 #   0.97x to 1.18x cuDNN, the 14x14 512->512 stride-2 layer from 1.01x to 1.18x, the 14x14
 #   256->256 3x3 from 0.95x to 1.02x; ResNet-50 as a whole from 1.006x to 1.032x.
+# - Not built: thread-block clusters with TMA multicast, which would load a tile shared by two
+#   SMs once. Gluon 3.8 compiles a 2-CTA cluster and multicasts a tiled load (the weights), but
+#   not an im2col load (the pixels): it emits the CTA mask before the im2col offsets and ptxas
+#   rejects the instruction (scripts/cluster_probe.py shows both).
 # - Paid: split-K's second launch from the plan (its grid and scalars fixed per shape, only the
 #   pointers per call): a split-K call's host time went from 75-80 to 33-38 us, and the SD UNet's
 #   8x8 and 16x16 stride-2 layers, 30-40 us on the GPU, stopped losing to their own host time

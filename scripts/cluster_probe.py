@@ -1,0 +1,161 @@
+"""What Gluon (Triton 3.8) offers on Hopper for thread-block clusters with TMA multicast: compiled
+ahead of time for sm_90, no GPU needed.
+
+    python scripts/cluster_probe.py
+
+Lesson 05's bandwidth-bound layers (ResNet-50's 1x1 convs) read every A tile once per column of
+tiles and every weight tile once per row of tiles, all through L2. In a cluster of two CTAs that
+share a tile, TMA multicast loads it once and writes it into both CTAs' shared memory. Gluon
+describes a cluster as one program over `num_ctas` CTAs: a shared buffer's `cga_layout` says how
+its rows are spread over the CTAs (`[[1, 0]]`: split, each CTA holds half; `[[0, 0]]`: every CTA
+holds the whole tile), and `multicast=True` on a load of a shared tile multicasts it.
+
+Two probes, each a 2-CTA cluster:
+- `weights_probe`: each CTA loads its own 128 pixels of A (split) and the cluster shares one
+  128 x 64 weight tile (multicast), then one WGMMA per CTA: what sharing B would look like.
+- `im2col_probe`: the cluster shares one im2col box of pixels (multicast), what sharing A
+  would look like.
+The first compiles: the PTX has `.reqnctapercluster 2`, cluster barriers and a
+`cp.async.bulk.tensor...multicast::cluster` with a CTA mask. The second does not: Triton 3.8
+emits the im2col multicast with its CTA mask before the im2col offsets, where the PTX ISA puts
+the offsets first, and ptxas rejects the line ("Vector expected for argument 4"). So on sm_90
+with this Triton only tiled loads (the weights) can be multicast; the pixels, loaded through
+im2col, cannot. Lesson 05 does not use clusters (RESULTS.md, the network suite's targets).
+"""
+import contextlib
+import io
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import common  # noqa: E402  (first: on a machine without a GPU it turns on the Triton interpreter)
+
+import torch  # noqa: E402
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
+    cluster, fence_async_shared, mbarrier, tma, warpgroup_mma)
+
+CTAS = gl.constexpr(2)
+SPLIT_ROWS = gl.constexpr([[1, 0]])   # cga_layout: CTA c holds rows [c * rows / 2, (c + 1) * rows / 2)
+SHARED = gl.constexpr([[0, 0]])       # cga_layout: every CTA holds the whole tile
+
+
+@gluon.jit
+def cluster_barrier_init(bar):
+    """An mbarrier per CTA, initialised and made visible to the whole cluster before any TMA
+    (from either CTA) may arrive on it."""
+    mbarrier.init(bar, count=1)
+    mbarrier.fence_init_release_cluster()
+    cluster.barrier(relaxed=True)
+
+
+@gluon.jit
+def weights_probe(a_desc, w_desc, out_desc, num_warps: gl.constexpr):
+    PIXELS: gl.constexpr = a_desc.block_type.shape[0]      # over the cluster: 2 x 128
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [PIXELS, BLOCK_K], a_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_K], w_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout.multicta(CTAS))
+    cluster_barrier_init(bar)
+    mbarrier.expect(bar, a_desc.nbytes_per_cta + w_desc.nbytes_per_cta)
+    tma.async_load(a_desc, [gl.program_id(0) * PIXELS, 0], bar, a_smem)
+    tma.async_load(w_desc, [0, 0], bar, w_smem, multicast=True)
+    mbarrier.wait(bar, 0)
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_N, 16], cga_layout=SPLIT_ROWS)
+    acc = warpgroup_mma(a_smem, w_smem.permute((1, 0)), gl.zeros([PIXELS, BLOCK_N], gl.float32, layout))
+    out_smem = gl.allocate_shared_memory(gl.bfloat16, [PIXELS, BLOCK_N], out_desc.layout)
+    out_smem.store(acc.to(gl.bfloat16))
+    fence_async_shared()
+    tma.async_store(out_desc, [gl.program_id(0) * PIXELS, 0], out_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def im2col_probe(in_desc, out_desc, num_warps: gl.constexpr):
+    PIXELS: gl.constexpr = in_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = in_desc.block_type.shape[1]
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [PIXELS, BLOCK_K], in_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout.multicta(CTAS))
+    cluster_barrier_init(bar)
+    mbarrier.expect(bar, in_desc.nbytes_per_cta)
+    tma.async_load_im2col(in_desc, [0, -1, -1, 0], [gl.to_tensor(1).to(gl.int16), gl.to_tensor(1).to(gl.int16)],
+                          bar, a_smem, multicast=True)
+    mbarrier.wait(bar, 0)
+    tma.async_store(out_desc, [0, 0], a_smem)
+    tma.store_wait(0)
+
+
+def nvmma_layout(cga_layout):
+    return gl.NVMMASharedLayout(128, 16, rank=2, cga_layout=gl.constexpr(cga_layout).value)
+
+
+def build_weights_probe():
+    """(kernel, args, kwargs) on CPU tensors: 2 x 128 pixels x 64 channels, 128 filters."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    pixels, channels, filters = 2 * 128, 64, 128
+    a = torch.zeros(2 * pixels, channels, dtype=torch.bfloat16)
+    w = torch.zeros(filters, channels, dtype=torch.bfloat16)
+    out = torch.zeros(2 * pixels, filters, dtype=torch.bfloat16)
+    descriptors = (TensorDescriptor.from_tensor(a, [pixels, channels], nvmma_layout(SPLIT_ROWS)),
+                   TensorDescriptor.from_tensor(w, [filters, channels], nvmma_layout(SHARED)),
+                   TensorDescriptor.from_tensor(out, [pixels, filters], nvmma_layout(SPLIT_ROWS)))
+    return weights_probe, descriptors, dict(num_warps=4, num_ctas=CTAS.value)
+
+
+def build_im2col_probe():
+    """(kernel, args, kwargs): one 128-pixel x 64-channel im2col box of a 2 x 16 x 16 NHWC input."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
+    x = torch.zeros(2, 16, 16, 64, dtype=torch.bfloat16)
+    out = torch.zeros(512, 64, dtype=torch.bfloat16)
+    in_desc = TensorDescriptorIm2Col.from_tensor(x, [128, 64], nvmma_layout(SHARED), padding="zero",
+                                                 element_strides=[1, 1, 1, 1], pixel_box_lower_corner=[-1, -1],
+                                                 pixel_box_upper_corner=[-2, -2])
+    out_desc = TensorDescriptor.from_tensor(out, [128, 64], nvmma_layout(SHARED))
+    return im2col_probe, (in_desc, out_desc), dict(num_warps=4, num_ctas=CTAS.value)
+
+
+def compile_probe(build):
+    """(the probe's compiled kernel for sm_90 or the exception the compiler raised, the PTX line
+    ptxas rejected or None). On a ptxas error Triton prints a report with the whole PTX; it is
+    captured here, and only the rejected line is kept."""
+    kernel, args, kwargs = build()
+    report = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(report):
+            return common.compile_kernel_for_target(kernel, args, kwargs, "sm_90"), None
+    except Exception as error:       # ptxas rejecting the PTX arrives as triton's PTXASError
+        found = re.search(r"\.ptx, line (\d+);", str(error))
+        ptx = report.getvalue()
+        ptx = ptx[ptx.find("//\n// Generated by LLVM"):].splitlines()
+        line = ptx[int(found.group(1)) - 1].strip() if found and len(ptx) >= int(found.group(1)) else None
+        return error, line
+
+
+def main():
+    for name, build in (("weights (tiled) multicast", build_weights_probe),
+                        ("pixels (im2col) multicast", build_im2col_probe)):
+        result, rejected = compile_probe(build)
+        print(f"\n{name}, 2-CTA cluster, sm_90:")
+        if isinstance(result, Exception):
+            print(f"   does not compile: {type(result).__name__}")
+            for line in str(result).splitlines():
+                if "error" in line and "ptxas" in line:
+                    print("   " + line.split("; ", 1)[-1].strip())
+            if rejected:
+                print("   the line ptxas rejects (its CTA mask comes before the im2col offsets; the PTX ISA "
+                      f"wants the offsets first):\n   {rejected}")
+            continue
+        ptx = result.asm["ptx"]
+        for line in ptx.splitlines():
+            text = line.strip()
+            if text.startswith(".reqnctapercluster") or "multicast::cluster" in text or "barrier.cluster" in text:
+                print("   " + text[:140])
+
+
+if __name__ == "__main__":
+    main()
