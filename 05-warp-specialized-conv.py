@@ -850,8 +850,9 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
         common.conv_geometry(x_nhwc.shape, w.shape, g.stride, g.padding, g.dilation))
     lanes = 16 // x_nhwc.element_size()
     out_2d = torch.empty(g.M, -(-g.Co // lanes) * lanes, device=x_nhwc.device, dtype=x_nhwc.dtype)
-    in_desc, w_desc, out_desc = common.conv_tma_descriptors(x_nhwc, w, out_2d, settings,
-                                                            BLOCK_M, BLOCK_N, BLOCK_K)
+    # a row tail loads the pixels in boxes of the tail's height: two for the main rows, one for the tail
+    in_desc, w_desc, out_desc = common.conv_tma_descriptors(x_nhwc, w, out_2d, settings, BLOCK_M, BLOCK_N,
+                                                            BLOCK_K, pixel_box=config.block_m_tail or BLOCK_M)
     w_tail_desc = out_tail_desc = None    # a constexpr None: nothing for the launcher to encode
     if config.block_n_tail:
         tail = config.block_n_tail
@@ -859,10 +860,8 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
         w_tail_desc = TensorDescriptor.from_tensor(w.view(g.Co, -1), [tail, BLOCK_K], w_layout)
         out_tail_desc = TensorDescriptor.from_tensor(out_2d, [BLOCK_M, tail], out_layout)
     if config.block_m_tail:
-        # a row tail: the pixels come in boxes of the tail's height (two for the main rows, one
-        # for the tail), and the tail's rows are stored by a box of their own
+        # the tail's rows are stored by a box of their own
         tail = config.block_m_tail
-        in_desc = common.conv_tma_descriptors(x_nhwc, w, out_2d, settings, tail, BLOCK_N, BLOCK_K)[0]
         out_layout = common.conv_tma_layouts(x_nhwc.dtype, tail, BLOCK_N, BLOCK_K)[2]
         out_tail_desc = TensorDescriptor.from_tensor(out_2d, [tail, BLOCK_N], out_layout)
     num_pid_m, num_pid_n = triton.cdiv(g.M, config.tile_m), triton.cdiv(g.Co, config.tile_n)

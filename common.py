@@ -1040,10 +1040,11 @@ def conv_tma_layouts(dtype, BLOCK_M, BLOCK_N, BLOCK_K):
 
 
 def conv_tma_descriptors(x_nhwc, w, out_2d, settings: ConvIm2ColSettings, BLOCK_M, BLOCK_N, BLOCK_K,
-                         layouts=None):
+                         layouts=None, pixel_box=None):
     """The three TMA descriptors of a TMA-im2col convolution (lessons 04-05).
 
-    - input: im2col descriptor on x [N, H, W, Ci], box [BLOCK_M pixels, BLOCK_K channels];
+    - input: im2col descriptor on x [N, H, W, Ci], box [pixel_box (default BLOCK_M) pixels, BLOCK_K
+      channels] (lesson 05's row tails load a tile's pixels in several shorter boxes);
     - weight: tiled descriptor on w viewed as [Co, R*S*Ci], box [BLOCK_N, BLOCK_K];
     - output: tiled descriptor on out_2d [M, Co_alloc], box [BLOCK_M, BLOCK_N] (TMA clips the edges).
     All shared-memory tiles use the default NVMMA swizzle for their shape, which both TMA and the
@@ -1051,8 +1052,11 @@ def conv_tma_descriptors(x_nhwc, w, out_2d, settings: ConvIm2ColSettings, BLOCK_
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
     Co = w.shape[0]
     a_layout, b_layout, c_layout = layouts or conv_tma_layouts(x_nhwc.dtype, BLOCK_M, BLOCK_N, BLOCK_K)
+    pixel_box = pixel_box or BLOCK_M
+    if pixel_box != BLOCK_M:
+        a_layout = conv_tma_layouts(x_nhwc.dtype, pixel_box, BLOCK_N, BLOCK_K)[0]
     in_desc = TensorDescriptorIm2Col.from_tensor(
-        x_nhwc, [BLOCK_M, BLOCK_K], a_layout, padding="zero",
+        x_nhwc, [pixel_box, BLOCK_K], a_layout, padding="zero",
         element_strides=list(settings.element_strides),
         pixel_box_lower_corner=list(settings.pixel_box_lower_corner),
         pixel_box_upper_corner=list(settings.pixel_box_upper_corner))

@@ -326,10 +326,11 @@ class ConvPlan:
             template = self.template
             out_2d = torch.empty(template.out_2d.shape, device=x_nhwc.device, dtype=x_nhwc.dtype)
             partial = None if template.partial is None else torch.empty_like(template.partial)
-            # the tails' descriptors: weights for a column tail, the output for either tail
-            n_tail, tail = self.config.block_n_tail > 0, self.config.block_n_tail + self.config.block_m_tail > 0
+            # the tails' descriptors, where the plan has them (weights: a column tail; output: either)
+            w_tail, out_tail = (None if desc is None else tensor
+                                for desc, tensor in zip(template.args[2:5:2], (w, out_2d)))
             pointers = tuple(t.data_ptr() if t is not None else out_2d.data_ptr() for t in (bias, scale, residual))
-            direct(template.grid, x_nhwc, w, w if n_tail else None, out_2d, out_2d if tail else None,
+            direct(template.grid, x_nhwc, w, w_tail, out_2d, out_tail,
                    *pointers, (partial if partial is not None else out_2d).data_ptr(), *template.args[9:])
             reduce = self.reduces.get(variant) if partial is not None else None
             if reduce is not None:
@@ -471,8 +472,7 @@ def fitted_to_epilogue(config, has_residual, arch="sm_90"):
     registers per thread (0.070 ms). Other builds that spill a little are kept: letting the
     heuristic pick one with room instead measured slower (ResNet-50's 56x56 64->256 1x1 +
     residual: 0.241 ms against 0.215 for the tuned 128x256 tile, which spills 176 bytes)."""
-    if has_residual and config.block_m_tail and config.num_warps == 4 \
-            and not residual_fits_in_registers(config, arch):
+    if has_residual and config.block_m_tail and not residual_fits_in_registers(config, arch):
         return config._replace(num_warps=8, consumers=1, num_buffers=4)
     return config
 

@@ -6,7 +6,6 @@ For a quick look at one change on a few layers before running the whole suite: e
 checked against torch for every config, then timed as the suite times it (do_bench, L2 flushed,
 median of alternating rounds). Configs are KernelConfig fields, comma-separated."""
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -31,8 +30,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {common.versions()}")
     for label in args.layers:
         _, N, H, W, Ci, Co, R, S, stride, padding = suite[label]
-        x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
-        w = (torch.randn(Co, R, S, Ci, device="cuda", dtype=torch.bfloat16) / math.sqrt(R * S * Ci))
+        x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16)
         geometry = common.conv_geometry(x.shape, w.shape, stride, padding)
         expected = common.reference_conv2d_nhwc(x, w, None, stride, padding)
         calls = {"cuDNN": common.cudnn_conv2d(x, w, None, stride, padding)}
