@@ -2,6 +2,8 @@
 
     python scripts/bench_configs.py "RN50 7x7 2048->512 1x1" --config 128,128,64,6,8 --config ...
 
+Layers are named as in the network suite (network_suite.py) or lesson 05's `--bench` shapes
+("headline 64x64 384->384 3x3").
 For a quick look at one change on a few layers before running the whole suite: each layer is
 checked against torch for every config, then timed as the suite times it (do_bench, L2 flushed,
 median of alternating rounds). Configs are KernelConfig fields, comma-separated."""
@@ -20,13 +22,16 @@ import torch  # noqa: E402
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("layers", nargs="+", help="suite labels (network_suite.py)")
+    parser.add_argument("layers", nargs="+", help="suite labels (network_suite.py) or lesson 05's bench shapes")
     parser.add_argument("--config", action="append", required=True, help="KernelConfig fields, e.g. 128,128,64,6,8")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     KernelConfig = conv_runtime._lesson().KernelConfig
     configs = [KernelConfig(*map(int, text.split(","))) for text in args.config]
-    suite = {layer[0]: layer for layer in network_suite.NETWORK_SUITE}
+    suite = {layer[0]: layer for layer in network_suite.NETWORK_SUITE + conv_runtime._lesson().BENCH_SHAPES}
+    unknown = [label for label in args.layers if label not in suite]
+    if unknown:
+        raise SystemExit(f"unknown layers {unknown}; known: {sorted(suite)}")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {common.versions()}")
     for label in args.layers:
         _, N, H, W, Ci, Co, R, S, stride, padding = suite[label]
