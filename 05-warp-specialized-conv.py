@@ -243,6 +243,16 @@ def store_unit(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, partial
                           HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION, STORES_IN_FLIGHT)
 
 
+@gluon.jit
+def split_rows(acc):
+    """The top and bottom halves of a tile's rows, as two tiles. With one 4-warp consumer a
+    128-row accumulator is two 64-row WGMMA blocks held side by side in each thread's registers,
+    so the split moves no data."""
+    ROWS: gl.constexpr = acc.shape[0]
+    COLS: gl.constexpr = acc.shape[1]
+    return gl.split(acc.reshape([2, ROWS // 2, COLS]).permute((1, 2, 0)))
+
+
 # %%
 # The Hopper consumer. Read it first with NUM_CONSUMERS=1 and no tail: wait for a stage, issue
 # its MMA, wait until only this step's MMA is in flight, release the previous stage, and after
@@ -259,7 +269,7 @@ def hopper_mma_epilogue_partition(a_bufs, a_tail_bufs, b_bufs, b_tail_bufs, read
                                   HAS_RESIDUAL: gl.constexpr, ACTIVATION: gl.constexpr,
                                   SPLIT_K: gl.constexpr, TILE_M: gl.constexpr, TILE_N: gl.constexpr,
                                   CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                                  num_warps: gl.constexpr):
+                                  STORE_BY_ROW_BLOCKS: gl.constexpr, num_warps: gl.constexpr):
     gl.static_assert(NUM_CONSUMERS <= 2, "one consumer, or two taking turns")
     gl.static_assert(SPLIT_K == 1 or NUM_CONSUMERS == 1, "split-K runs with one consumer")
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
@@ -307,14 +317,25 @@ def hopper_mma_epilogue_partition(a_bufs, a_tail_bufs, b_bufs, b_tail_bufs, read
         mbarrier.arrive(empty.index((counter + NUM_BUFFERS - 1) % NUM_BUFFERS))
         acc, mma = mma.take_result()
         m0, co0 = pid_m * TILE_M, pid_n * TILE_N
-        store_unit(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, partial_ptr, partial, split,
-                   M, Co, m0, co0, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION, SPLIT_K)
+        if STORE_BY_ROW_BLOCKS:
+            # a deep ring with a row tail (section 5): one staging buffer of the tail's height, so
+            # the main block goes out in two halves of its rows through it, the tail after them
+            top, bottom = split_rows(acc)
+            store_unit(top, c_tail_smem, out_tail_desc, bias_ptr, scale_ptr, residual_ptr, partial_ptr,
+                       partial, split, M, Co, m0, co0, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION, SPLIT_K)
+            store_unit(bottom, c_tail_smem, out_tail_desc, bias_ptr, scale_ptr, residual_ptr, partial_ptr,
+                       partial, split, M, Co, m0 + BLOCK_M // 2, co0, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL,
+                       ACTIVATION, SPLIT_K)
+        else:
+            store_unit(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, partial_ptr, partial, split,
+                       M, Co, m0, co0, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION, SPLIT_K)
         if HAS_TAIL:
             # the tail's block: after the main block's columns (N tail) or below its rows (M tail)
             acc_tail, mma_tail = mma_tail.take_result()
             store_unit(acc_tail, c_tail_smem, out_tail_desc, bias_ptr, scale_ptr, residual_ptr, partial_ptr,
                        partial, split, M, Co, m0 + TILE_M - TAIL_M, co0 + TILE_N - TAIL_N, HAS_BIAS,
-                       HAS_SCALE, HAS_RESIDUAL, ACTIVATION, SPLIT_K, STORES_IN_FLIGHT=1)
+                       HAS_SCALE, HAS_RESIDUAL, ACTIVATION, SPLIT_K,
+                       STORES_IN_FLIGHT=0 if STORE_BY_ROW_BLOCKS else 1)
         counter += (NUM_CONSUMERS - 1) * k_steps      # skip the other consumer's tile
         local_tile += 1
     tma.store_wait(pendings=0)
@@ -594,7 +615,8 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
                         HAS_RESIDUAL: gl.constexpr, ACTIVATION: gl.constexpr, SPLIT_K: gl.constexpr,
                         GROUP_M: gl.constexpr,
                         NUM_BUFFERS: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                        BLOCK_M_TAIL: gl.constexpr, BLOCK_N_TAIL: gl.constexpr, num_warps: gl.constexpr):
+                        BLOCK_M_TAIL: gl.constexpr, BLOCK_N_TAIL: gl.constexpr,
+                        STORE_BY_ROW_BLOCKS: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = in_desc.dtype
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
@@ -603,13 +625,17 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
     TILE_N: gl.constexpr = BLOCK_N + BLOCK_N_TAIL     # output columns per tile
     gl.static_assert(BLOCK_M_TAIL == 0 or BLOCK_N_TAIL == 0, "a tail in M or in N, not both")
     gl.static_assert(BLOCK_M_TAIL == 0 or not IS_BLACKWELL, "row tails are a Hopper schedule")
+    gl.static_assert(not STORE_BY_ROW_BLOCKS or (BLOCK_M_TAIL * 2 == BLOCK_M and NUM_CONSUMERS == 1
+                                                and num_warps == 4),
+                     "storing by row blocks: a row tail half the main block, one 4-warp consumer")
     # (The partitions' argument tuples are written out in each gl.warp_specialize call: a tuple
     # assigned to a variable first would turn its constexprs into run-time tensors in Triton 3.8.)
     # A is BLOCK_M pixels deep even when a row tail makes the im2col box shorter (section 5)
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, BLOCK_K], in_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + w_desc.block_type.shape, w_desc.layout)
-    # one epilogue staging tile per consumer
-    c_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + out_desc.block_type.shape, out_desc.layout)
+    # one epilogue staging tile per consumer (storing by row blocks: only the tail's, below)
+    if not STORE_BY_ROW_BLOCKS:
+        c_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + out_desc.block_type.shape, out_desc.layout)
     if BLOCK_N_TAIL > 0:
         b_tail_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + w_tail_desc.block_type.shape,
                                                 w_tail_desc.layout)
@@ -619,6 +645,8 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
         a_tail_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + in_desc.block_type.shape, in_desc.layout)
         c_tail_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + out_tail_desc.block_type.shape,
                                                 out_tail_desc.layout)
+        if STORE_BY_ROW_BLOCKS:
+            c_smem = c_tail_smem       # stands in for the unused argument
     else:   # no tail: the main buffers stand in for the unused arguments
         c_tail_smem = c_smem
     if BLOCK_N_TAIL == 0:
@@ -673,7 +701,7 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
                                                  partial_ptr, M, Co, num_pid_m, num_pid_n, k_steps, GROUP_M,
                                                  NUM_BUFFERS, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION,
                                                  SPLIT_K, TILE_M, TILE_N,
-                                                 0, 1, num_warps)),
+                                                 0, 1, STORE_BY_ROW_BLOCKS, num_warps)),
                 (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, b_tail_bufs,
                                     ready, empty, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h,
                                     pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
@@ -689,14 +717,14 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
                                                  partial_ptr, M, Co, num_pid_m, num_pid_n, k_steps, GROUP_M,
                                                  NUM_BUFFERS, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION,
                                                  SPLIT_K, TILE_M, TILE_N,
-                                                 0, 2, num_warps)),
+                                                 0, 2, STORE_BY_ROW_BLOCKS, num_warps)),
                 (hopper_mma_epilogue_partition, (a_bufs, a_tail_bufs, b_bufs, b_tail_bufs, ready, empty, turn,
                                                  c_smem.index(1), c_tail_smem.index(1), out_desc,
                                                  out_tail_desc, bias_ptr, scale_ptr, residual_ptr,
                                                  partial_ptr, M, Co, num_pid_m, num_pid_n, k_steps, GROUP_M,
                                                  NUM_BUFFERS, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION,
                                                  SPLIT_K, TILE_M, TILE_N,
-                                                 1, 2, num_warps)),
+                                                 1, 2, STORE_BY_ROW_BLOCKS, num_warps)),
                 (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, b_tail_bufs,
                                     ready, empty, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h,
                                     pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
@@ -767,6 +795,11 @@ def check_config(config, arch):
             raise ValueError(f"config {config}: block_m_tail must be 64 or 128 (whole WGMMA row "
                              f"blocks) and block_m once or twice that (the pixels are loaded in boxes of "
                              f"the tail's height)")
+        if stores_by_row_blocks(config) and (config.block_m != 2 * tail or config.num_warps != 4
+                                             or config.consumers != 1):
+            raise ValueError(f"config {config}: a row tail with {config.num_buffers} stages stores its "
+                             f"tile by row blocks, which needs block_m = 2 * block_m_tail and one 4-warp "
+                             f"consumer; with other warps use at most {ROW_BLOCK_STORE_STAGES - 1} stages")
     if config.programs_per_sm > 1 and arch != "sm_90":
         raise ValueError(f"config {config}: programs_per_sm > 1 is offered on Hopper only")
     if arch == "sm_100" and config.block_m not in (64, 128):
@@ -775,6 +808,16 @@ def check_config(config, arch):
     if arch == "sm_100" and 2 * config.tile_n > 512:
         raise ValueError(f"config {config}: two fp32 accumulators of {config.tile_n} columns "
                          f"exceed the 512 columns of tensor memory")
+
+
+def stores_by_row_blocks(config):
+    """Whether the epilogue stores a tile in blocks of the row tail's height through one staging
+    buffer of that height (section 5): a row tail with a ring of five or more stages, where a
+    staging buffer of the whole tile would not fit beside the ring."""
+    return config.block_m_tail > 0 and config.num_buffers >= ROW_BLOCK_STORE_STAGES
+
+
+ROW_BLOCK_STORE_STAGES = 5
 
 
 def adapt_block_k(config, Ci_padded):
@@ -833,7 +876,7 @@ def kernel_constexprs(config, arch, epilogue=Epilogue()):
                 SPLIT_K=config.split_k, GROUP_M=GROUP_M,
                 NUM_BUFFERS=config.num_buffers, NUM_CONSUMERS=config.consumers,
                 BLOCK_M_TAIL=config.block_m_tail, BLOCK_N_TAIL=config.block_n_tail,
-                num_warps=config.num_warps,
+                STORE_BY_ROW_BLOCKS=stores_by_row_blocks(config), num_warps=config.num_warps,
                 **({"maxnreg": 128} if config.programs_per_sm > 1 else {}))
 
 
@@ -1027,7 +1070,8 @@ def tail_configs_for_this_machine():
                KernelConfig(128, 64, 64, 6, 4, block_n_tail=32),
                # row tails (Hopper): 192-row tiles
                KernelConfig(128, 128, 64, 4, 4, block_m_tail=64), KernelConfig(128, 128, 64, 4, 8, block_m_tail=64),
-               KernelConfig(128, 128, 64, 3, 4, consumers=2, block_m_tail=64)]
+               KernelConfig(128, 128, 64, 3, 4, consumers=2, block_m_tail=64),
+               KernelConfig(128, 128, 64, 5, 4, block_m_tail=64)]     # stores by row blocks
     if not common.has_tma_mma_gpu():
         return configs
     arch = "sm_90" if common.is_hopper() else "sm_100"
@@ -1061,7 +1105,8 @@ def test_tail_tiles(config, N, H, W, Ci, Co, R, S, stride, padding, dtype, with_
 SPLIT_K_CONFIGS = [KernelConfig(128, 128, 64, 6, 8, split_k=3), KernelConfig(128, 64, 64, 6, 4, split_k=4),
                    KernelConfig(128, 128, 64, 5, 4, block_n_tail=32, split_k=2)]
 if common.is_hopper():          # a row tail with split-K: the slices' partial sums of 192-row tiles
-    SPLIT_K_CONFIGS.append(KernelConfig(128, 128, 64, 4, 4, split_k=2, block_m_tail=64))
+    SPLIT_K_CONFIGS += [KernelConfig(128, 128, 64, 4, 4, split_k=2, block_m_tail=64),
+                        KernelConfig(128, 128, 64, 5, 4, split_k=2, block_m_tail=64)]   # by row blocks
 
 
 @needs_gpu
@@ -1134,9 +1179,10 @@ def test_split_k_last_wave_with_fused_epilogue():
 
 def fused_configs_for_this_machine():
     configs = [FIXED_CONFIG, PINGPONG_CONFIG, KernelConfig(256, 128, 32, 5, 8, block_n_tail=32),
-               KernelConfig(128, 128, 64, 5, 4, block_n_tail=32), SPLIT_K_CONFIGS[2]]
+               KernelConfig(128, 128, 64, 5, 4, block_n_tail=32), SPLIT_K_CONFIGS[2],
+               KernelConfig(128, 128, 64, 4, 4, block_m_tail=64), KernelConfig(128, 128, 64, 5, 4, block_m_tail=64)]
     if common.has_tma_mma_gpu() and not common.is_hopper():
-        configs = [c for c in configs if c.consumers == 1 and c.block_m <= 128]
+        configs = [c for c in configs if c.consumers == 1 and c.block_m <= 128 and not c.block_m_tail]
     return configs
 
 
@@ -1317,6 +1363,31 @@ def test_row_tail_build_loads_three_pixel_boxes(config):
     assert tail["shared"] <= conv_runtime.shared_memory_bytes(config) + 1024
 
 
+@pytest.mark.parametrize("epilogue", [Epilogue(), Epilogue(bias=True, scale=True, residual=True, activation="relu")],
+                         ids=["plain", "fused"])
+def test_deep_row_tail_build_stores_by_row_blocks(epilogue):
+    """Five stages with a row tail: the 192-row tile leaves in three 64-row TMA stores through one
+    16 KB staging buffer (instead of a 128-row and a 64-row buffer, 48 KB), so the fifth stage fits;
+    splitting the accumulator's rows moves no data through shared memory."""
+    import conv_runtime
+    config = KernelConfig(128, 128, 64, 5, 4, block_m_tail=64)
+    deep = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
+                                      config=list(config), Co=128, epilogue=list(epilogue))
+    shallow = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
+                                         config=list(config._replace(num_buffers=4)), Co=128,
+                                         epilogue=list(epilogue))
+    stores = "cp.async.bulk.tensor.2d.global.shared::cta"
+    assert stores_by_row_blocks(config) and not stores_by_row_blocks(config._replace(num_buffers=4))
+    assert common.ptx_instructions(deep["ptx"], [stores])[stores] == 3
+    assert common.ptx_instructions(shallow["ptx"], [stores])[stores] == 2
+    for generic in ("st.shared", "ld.shared"):        # no extra round trip for the split
+        assert deep["ptx"].count(generic) <= shallow["ptx"].count(generic)
+    ring = 5 * (192 + 128) * 64 * 2
+    assert ring + 64 * 128 * 2 <= deep["shared"] <= conv_runtime.shared_memory_bytes(config) + 1024
+    assert deep["shared"] <= conv_runtime.SMEM_LIMIT_BYTES["sm_90"]
+    assert ring + (192 * 128) * 2 > conv_runtime.SMEM_LIMIT_BYTES["sm_90"]   # what it avoids
+
+
 @pytest.mark.parametrize("N, H, W, R, S, stride, padding", [
     (3, 7, 7, 1, 1, 1, 0),           # ResNet-50's 7x7 stage: 192-pixel tiles span images
     (2, 9, 13, 3, 3, (2, 1), 1),     # stride 2 in H only, padding
@@ -1445,7 +1516,9 @@ def test_unsupported_config_combinations_are_refused():
                          (KernelConfig(128, 256, 64, 3, 4, block_n_tail=32), "sm_100"),
                          (KernelConfig(128, 128, 64, 4, 4, block_m_tail=64), "sm_100"),
                          (KernelConfig(128, 128, 64, 4, 4, block_n_tail=32, block_m_tail=64), "sm_90"),
-                         (KernelConfig(128, 128, 64, 4, 4, block_m_tail=32), "sm_90")]:
+                         (KernelConfig(128, 128, 64, 4, 4, block_m_tail=32), "sm_90"),
+                         (KernelConfig(128, 128, 64, 5, 8, block_m_tail=64), "sm_90"),
+                         (KernelConfig(128, 128, 64, 5, 4, consumers=2, block_m_tail=64), "sm_90")]:
         with pytest.raises(ValueError, match="config"):
             check_config(config, arch)
 

@@ -95,6 +95,7 @@ def _candidates():
         # 192-row tiles: a 64-row tail below the main MMA (ResNet-50's 7x7 layers at batch 128:
         # M = 6272 = 32.7 x 192, so Co=512 makes 33 x 4 = 132 tiles, one per SM of an H100)
         KernelConfig(128, 128, 64, 4, 4, block_m_tail=64),
+        KernelConfig(128, 128, 64, 5, 4, block_m_tail=64),   # stores by row blocks: a 5th stage fits
         KernelConfig(128, 128, 64, 4, 8, block_m_tail=64),
         KernelConfig(128, 128, 64, 3, 4, consumers=2, block_m_tail=64),
     ]
@@ -118,9 +119,11 @@ SMEM_PER_SM_BYTES = 233472                               # 228 KB per SM, 1 KB o
 
 def shared_memory_bytes(config, element_size=2):
     """Shared memory a config needs: the ring's A and B stages, one staging tile per consumer, barriers."""
-    c = _lesson().KernelConfig(*config)
+    lesson = _lesson()
+    c = lesson.KernelConfig(*config)
     ring = c.num_buffers * (c.tile_m + c.tile_n) * c.block_k * element_size
-    staging = c.consumers * c.tile_m * c.tile_n * element_size
+    staging_rows = c.block_m_tail if lesson.stores_by_row_blocks(c) else c.tile_m
+    staging = c.consumers * staging_rows * c.tile_n * element_size
     return ring + staging + 2 * c.num_buffers * 8 + 64
 
 
