@@ -524,6 +524,18 @@ def num_work_units(num_tiles, SPLIT_K: gl.constexpr):
 # compute ("What paid, and what did not"). Row tails are a Hopper schedule here (on Blackwell a
 # 64-row TMEM accumulator would be next).
 #
+# How deep the ring can be is a matter of shared memory, and the epilogue's staging buffer takes
+# its share: a 192 x 128 tile stages 48 KB on its way out, and four 40 KB stages plus that fill
+# 208 of the 227 KB. A fifth stage fits if the tile leaves in blocks of the tail's height through
+# one 16 KB buffer: the main accumulator's top 64 rows, its bottom 64 rows, then the tail, each
+# TMA store waited for before the next block overwrites the buffer (`stores_by_row_blocks`: a row
+# tail with five or more stages). With one 4-warp consumer the two halves of a 128-row
+# accumulator are its two 64-row WGMMA blocks, which each thread already holds side by side, so
+# `split_rows` is a reshape and a split that moves no data. The three stores take longer than
+# two, so the shallower ring stays a candidate. What the fifth stage buys is latency hidden on
+# layers that read their input from HBM: ResNet-50's 7x7 2048->512 1x1 layer (one wave, 32
+# k-steps per tile, its 25.7 MB input cold in L2) went from 437 to 471 TFLOPS (cuDNN: 499).
+#
 # 6. Split-K for layers with too few tiles
 # ---------------------------------------
 # A layer of a UNet's 8x8 stage (batch 8: M = 512 pixels, Co = 1280) has 40 tiles of 128x128 for
@@ -1695,12 +1707,31 @@ def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding
 # - Paid: row tails, 192-pixel tiles (section 5). Not for the reason they were built: ResNet-50's
 #   7x7 2048->512 layer fits one wave of 132 tiles with them, but it stays behind cuDNN (0.86x,
 #   from 0.78x): one wave of 192-row tiles ran only 8% faster than two of 128x128 (445 against
-#   411 TFLOPS), where the idle half-wave predicts 30%; the layer is bandwidth-bound. Where
+#   411 TFLOPS), where the idle half-wave predicts 30%; the layer waited on HBM (the next item
+#   is what reached it). Where
 #   they paid is the layers between memory and compute: per k-step a 192 x 128 tile reads 320
 #   rows for 24576 products, a 128 x 128 one 256 rows for 16384, so a fifth fewer bytes per FLOP
 #   through L2 and shared memory, on one 4-warp consumer. ResNet-50's 7x7 512->512 3x3 went from
 #   0.97x to 1.18x cuDNN, the 14x14 512->512 stride-2 layer from 1.01x to 1.18x, the 14x14
 #   256->256 3x3 from 0.95x to 1.02x; ResNet-50 as a whole from 1.006x to 1.032x.
+# - Paid: a fifth stage for row tails, by storing the tile in 64-row blocks through one 16 KB
+#   staging buffer (section 5). Nsight Compute on ResNet-50's 7x7 2048->512 1x1 layer, run the
+#   way do_bench runs it (right after a 256 MB memset): ours and cuDNN's kernel (cuBLAS's nvjet,
+#   the same 192 x 128 tiles, 132 of them, in 2-CTA clusters by its name) read the same 27.8 MB and
+#   write the same ~21 MB of evicted lines to HBM, but cuDNN's took 27.3 us against our 29.9 (warm: 24.8
+#   against 25.3). The gap was hiding HBM latency, not bytes: the row tail measured 381, 435 and
+#   471 TFLOPS with 3, 4 and 5 stages. ResNet-50's 7x7 2048->512 went from 0.86x to 0.93x cuDNN,
+#   14x14 1024->512 from 0.89x to 0.92x, 14x14 512->512 stride 2 from 1.17x to 1.24x (suite
+#   runs before and after). It costs where K is short (a third store per tile on 4 k-steps:
+#   14x14 256->1024 403 -> 372 TFLOPS), so it is one more candidate, chosen on 7 of ResNet-50's
+#   23 layers.
+# - Did not pay: 128-channel K steps (BLOCK_K=128, half the barrier round trips per FLOP). The
+#   deeper stages leave room for 3 (2 with a row tail), and every layer tried lost: 592 against
+#   693 TFLOPS on the headline shape, 361 against 443 on ResNet-50's 7x7 2048->512.
+# - Not adopted: TMA L2 promotion of 256 bytes instead of Triton's fixed 128 (a miss then also
+#   brings the next k-step's 64 channels). scripts/l2_promotion_probe.py re-encodes the tensor
+#   maps through the driver: +3% on the 4-stage row tail of 7x7 2048->512, -7% on 128x256 tiles
+#   of 14x14 1024->512, within 1-2% elsewhere. Mixed, and Triton has no option for it.
 # - Not built: thread-block clusters with TMA multicast, which would load a tile shared by two
 #   SMs once. Gluon 3.8 compiles a 2-CTA cluster and multicasts a tiled load (the weights), but
 #   not an im2col load (the pixels): it emits the CTA mask before the im2col offsets and ptxas

@@ -73,6 +73,9 @@ def lesson05_cases():
     # a row tail with the residual runs on one 8-warp consumer (conv_runtime.fitted_to_epilogue)
     row_tail = next(c for c in conv_runtime.HOPPER_CANDIDATES if c.block_m_tail and c.num_warps == 8)
     cases.append((f"05 {row_tail}, fused epilogue, Co=200", row_tail, 200, "fused"))
+    # a row tail on 5 stages stores its tile by 64-row blocks through one staging buffer
+    row_blocks = next(c for c in conv_runtime.HOPPER_CANDIDATES if lesson05.stores_by_row_blocks(c))
+    cases.append((f"05 {row_blocks}, fused epilogue, Co=200", row_blocks, 200, "fused"))
     return cases
 
 
