@@ -637,9 +637,11 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
     TILE_N: gl.constexpr = BLOCK_N + BLOCK_N_TAIL     # output columns per tile
     gl.static_assert(BLOCK_M_TAIL == 0 or BLOCK_N_TAIL == 0, "a tail in M or in N, not both")
     gl.static_assert(BLOCK_M_TAIL == 0 or not IS_BLACKWELL, "row tails are a Hopper schedule")
-    gl.static_assert(not STORE_BY_ROW_BLOCKS or (BLOCK_M_TAIL * 2 == BLOCK_M and NUM_CONSUMERS == 1
-                                                and num_warps == 4),
-                     "storing by row blocks: a row tail half the main block, one 4-warp consumer")
+    gl.static_assert(not STORE_BY_ROW_BLOCKS or (out_tail_desc.block_type.shape[0] * 2 == BLOCK_M
+                                                and NUM_CONSUMERS == 1 and BLOCK_N_TAIL == 0
+                                                and BLOCK_M // (16 * num_warps) >= 2),
+                     "storing by row blocks: blocks of half the main rows, one consumer holding "
+                     "two 64-row WGMMA blocks per warpgroup, no column tail")
     # (The partitions' argument tuples are written out in each gl.warp_specialize call: a tuple
     # assigned to a variable first would turn its constexprs into run-time tensors in Triton 3.8.)
     # A is BLOCK_M pixels deep even when a row tail makes the im2col box shorter (section 5)
@@ -659,6 +661,10 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
                                                 out_tail_desc.layout)
         if STORE_BY_ROW_BLOCKS:
             c_smem = c_tail_smem       # stands in for the unused argument
+    elif STORE_BY_ROW_BLOCKS:   # no tail, the tile stored in two halves of its rows
+        c_tail_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + out_tail_desc.block_type.shape,
+                                                out_tail_desc.layout)
+        c_smem = c_tail_smem
     else:   # no tail: the main buffers stand in for the unused arguments
         c_tail_smem = c_smem
     if BLOCK_N_TAIL == 0:
@@ -807,11 +813,15 @@ def check_config(config, arch):
             raise ValueError(f"config {config}: block_m_tail must be 64 or 128 (whole WGMMA row "
                              f"blocks) and block_m once or twice that (the pixels are loaded in boxes of "
                              f"the tail's height)")
-        if stores_by_row_blocks(config) and (config.block_m != 2 * tail or config.num_warps != 4
-                                             or config.consumers != 1):
-            raise ValueError(f"config {config}: a row tail with {config.num_buffers} stages stores its "
-                             f"tile by row blocks, which needs block_m = 2 * block_m_tail and one 4-warp "
-                             f"consumer; with other warps use at most {ROW_BLOCK_STORE_STAGES - 1} stages")
+    if stores_by_row_blocks(config):
+        # the staging buffer holds half the main rows: the row tail must be that tall, and the
+        # consumer's registers must hold the two halves apart (two 64-row WGMMA blocks per warpgroup)
+        if (config.consumers != 1 or config.block_n_tail or config.block_m // (16 * config.num_warps) < 2
+                or config.block_m_tail not in (0, config.block_m // 2) or arch != "sm_90"):
+            raise ValueError(f"config {config}: {config.num_buffers} stages leave no room for a staging "
+                             f"buffer of the whole tile, and storing it by row blocks needs Hopper, one "
+                             f"consumer of block_m / 32 warps or fewer, no column tail, and a row tail (if "
+                             f"any) of block_m / 2; use fewer stages")
     if config.programs_per_sm > 1 and arch != "sm_90":
         raise ValueError(f"config {config}: programs_per_sm > 1 is offered on Hopper only")
     if arch == "sm_100" and config.block_m not in (64, 128):
@@ -822,14 +832,17 @@ def check_config(config, arch):
                          f"exceed the 512 columns of tensor memory")
 
 
-def stores_by_row_blocks(config):
-    """Whether the epilogue stores a tile in blocks of the row tail's height through one staging
-    buffer of that height (section 5): a row tail with a ring of five or more stages, where a
-    staging buffer of the whole tile would not fit beside the ring."""
-    return config.block_m_tail > 0 and config.num_buffers >= ROW_BLOCK_STORE_STAGES
+SHARED_MEMORY_PER_PROGRAM = 232448    # bytes: the opt-in maximum of a program on an H100 or B200
 
 
-ROW_BLOCK_STORE_STAGES = 5
+def stores_by_row_blocks(config, element_size=2):
+    """Whether the epilogue stores each tile in blocks of half its main rows through one staging
+    buffer of that height (section 5): where a staging buffer of the whole tile would not fit
+    beside the ring. A row tail of 5 stages: three 64-row blocks; a 256 x 128 tile of 4 stages: two
+    of 128 rows."""
+    ring = config.num_buffers * (config.tile_m + config.tile_n) * config.block_k * element_size
+    whole_tile = config.consumers * config.tile_m * config.tile_n * element_size
+    return ring + whole_tile > SHARED_MEMORY_PER_PROGRAM
 
 
 def adapt_block_k(config, Ci_padded):
@@ -914,11 +927,12 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
         w_layout, out_layout = common.conv_tma_layouts(x_nhwc.dtype, BLOCK_M, tail, BLOCK_K)[1:]
         w_tail_desc = TensorDescriptor.from_tensor(w.view(g.Co, -1), [tail, BLOCK_K], w_layout)
         out_tail_desc = TensorDescriptor.from_tensor(out_2d, [BLOCK_M, tail], out_layout)
-    if config.block_m_tail:
-        # the tail's rows are stored by a box of their own
-        tail = config.block_m_tail
-        out_layout = common.conv_tma_layouts(x_nhwc.dtype, tail, BLOCK_N, BLOCK_K)[2]
-        out_tail_desc = TensorDescriptor.from_tensor(out_2d, [tail, BLOCK_N], out_layout)
+    if config.block_m_tail or stores_by_row_blocks(config):
+        # the tail's rows are stored by a box of their own (which, storing by row blocks, also
+        # stores the halves of the main block)
+        rows = config.block_m_tail or BLOCK_M // 2
+        out_layout = common.conv_tma_layouts(x_nhwc.dtype, rows, BLOCK_N, BLOCK_K)[2]
+        out_tail_desc = TensorDescriptor.from_tensor(out_2d, [rows, BLOCK_N], out_layout)
     num_pid_m, num_pid_n = triton.cdiv(g.M, config.tile_m), triton.cdiv(g.Co, config.tile_n)
     channel_blocks = triton.cdiv(Ci_padded, BLOCK_K)
     k_steps = g.R * g.S * channel_blocks
@@ -1075,15 +1089,16 @@ def test_pingpong_consumers(config, N, H, W, Ci, Co, R, S, stride, padding, dtyp
 
 
 def tail_configs_for_this_machine():
-    """The tail configs of the autotuner's candidates that this GPU's architecture implements
-    (all of them on a machine without a GPU, where the tests skip)."""
+    """The tail configs of the autotuner's candidates, and configs that store by row blocks, that
+    this GPU's architecture implements (all of them on a machine without a GPU, where the tests skip)."""
     configs = [KernelConfig(256, 128, 32, 5, 8, block_n_tail=32), KernelConfig(128, 128, 64, 5, 4, block_n_tail=32),
                KernelConfig(128, 128, 64, 4, 4, consumers=2, block_n_tail=32),
                KernelConfig(128, 64, 64, 6, 4, block_n_tail=32),
                # row tails (Hopper): 192-row tiles
                KernelConfig(128, 128, 64, 4, 4, block_m_tail=64), KernelConfig(128, 128, 64, 4, 8, block_m_tail=64),
                KernelConfig(128, 128, 64, 3, 4, consumers=2, block_m_tail=64),
-               KernelConfig(128, 128, 64, 5, 4, block_m_tail=64)]     # stores by row blocks
+               KernelConfig(128, 128, 64, 5, 4, block_m_tail=64),     # stores by row blocks
+               KernelConfig(256, 128, 64, 4, 8)]     # no tail, but stores by row blocks too
     if not common.has_tma_mma_gpu():
         return configs
     arch = "sm_90" if common.is_hopper() else "sm_100"
@@ -1192,7 +1207,8 @@ def test_split_k_last_wave_with_fused_epilogue():
 def fused_configs_for_this_machine():
     configs = [FIXED_CONFIG, PINGPONG_CONFIG, KernelConfig(256, 128, 32, 5, 8, block_n_tail=32),
                KernelConfig(128, 128, 64, 5, 4, block_n_tail=32), SPLIT_K_CONFIGS[2],
-               KernelConfig(128, 128, 64, 4, 4, block_m_tail=64), KernelConfig(128, 128, 64, 5, 4, block_m_tail=64)]
+               KernelConfig(128, 128, 64, 4, 4, block_m_tail=64), KernelConfig(128, 128, 64, 5, 4, block_m_tail=64),
+               KernelConfig(256, 128, 64, 4, 8)]
     if common.has_tma_mma_gpu() and not common.is_hopper():
         configs = [c for c in configs if c.consumers == 1 and c.block_m <= 128 and not c.block_m_tail]
     return configs
@@ -1377,27 +1393,29 @@ def test_row_tail_build_loads_three_pixel_boxes(config):
 
 @pytest.mark.parametrize("epilogue", [Epilogue(), Epilogue(bias=True, scale=True, residual=True, activation="relu")],
                          ids=["plain", "fused"])
-def test_deep_row_tail_build_stores_by_row_blocks(epilogue):
-    """Five stages with a row tail: the 192-row tile leaves in three 64-row TMA stores through one
-    16 KB staging buffer (instead of a 128-row and a 64-row buffer, 48 KB), so the fifth stage fits;
-    splitting the accumulator's rows moves no data through shared memory."""
+@pytest.mark.parametrize("config, blocks", [(KernelConfig(128, 128, 64, 5, 4, block_m_tail=64), 3),
+                                            (KernelConfig(256, 128, 64, 4, 8), 2)], ids=str)
+def test_deep_ring_build_stores_by_row_blocks(config, blocks, epilogue):
+    """Where a staging buffer of the whole tile does not fit beside the ring, the tile leaves in
+    blocks of half its main rows through one buffer of that height: a 192-row tile with 5 stages
+    in three 64-row TMA stores (16 KB of staging instead of 48), a 256-row tile with 4 stages in
+    two of 128 rows. Splitting the accumulator's rows moves no data through shared memory."""
     import conv_runtime
-    config = KernelConfig(128, 128, 64, 5, 4, block_m_tail=64)
+    shallow_config = config._replace(num_buffers=config.num_buffers - 1)
     deep = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
                                       config=list(config), Co=128, epilogue=list(epilogue))
     shallow = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
-                                         config=list(config._replace(num_buffers=4)), Co=128,
-                                         epilogue=list(epilogue))
+                                         config=list(shallow_config), Co=128, epilogue=list(epilogue))
     stores = "cp.async.bulk.tensor.2d.global.shared::cta"
-    assert stores_by_row_blocks(config) and not stores_by_row_blocks(config._replace(num_buffers=4))
-    assert common.ptx_instructions(deep["ptx"], [stores])[stores] == 3
-    assert common.ptx_instructions(shallow["ptx"], [stores])[stores] == 2
+    assert stores_by_row_blocks(config) and not stores_by_row_blocks(shallow_config)
+    assert common.ptx_instructions(deep["ptx"], [stores])[stores] == blocks
+    assert common.ptx_instructions(shallow["ptx"], [stores])[stores] == (2 if config.block_m_tail else 1)
     for generic in ("st.shared", "ld.shared"):        # no extra round trip for the split
         assert deep["ptx"].count(generic) <= shallow["ptx"].count(generic)
-    ring = 5 * (192 + 128) * 64 * 2
-    assert ring + 64 * 128 * 2 <= deep["shared"] <= conv_runtime.shared_memory_bytes(config) + 1024
-    assert deep["shared"] <= conv_runtime.SMEM_LIMIT_BYTES["sm_90"]
-    assert ring + (192 * 128) * 2 > conv_runtime.SMEM_LIMIT_BYTES["sm_90"]   # what it avoids
+    ring = config.num_buffers * (config.tile_m + config.tile_n) * config.block_k * 2
+    assert ring + config.block_m // 2 * config.tile_n * 2 <= deep["shared"]
+    assert deep["shared"] <= min(conv_runtime.shared_memory_bytes(config) + 1024, SHARED_MEMORY_PER_PROGRAM)
+    assert ring + config.tile_m * config.tile_n * 2 > SHARED_MEMORY_PER_PROGRAM   # what it avoids
 
 
 @pytest.mark.parametrize("N, H, W, R, S, stride, padding", [

@@ -122,7 +122,7 @@ def shared_memory_bytes(config, element_size=2):
     lesson = _lesson()
     c = lesson.KernelConfig(*config)
     ring = c.num_buffers * (c.tile_m + c.tile_n) * c.block_k * element_size
-    staging_rows = c.block_m_tail if lesson.stores_by_row_blocks(c) else c.tile_m
+    staging_rows = c.block_m // 2 if lesson.stores_by_row_blocks(c) else c.tile_m
     staging = c.consumers * staging_rows * c.tile_n * element_size
     return ring + staging + 2 * c.num_buffers * 8 + 64
 
@@ -456,15 +456,18 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
 def residual_fits_in_registers(config, arch="sm_90"):
     """Whether a config's build with a residual epilogue keeps its tile in registers (Hopper; on
     Blackwell the accumulator lives in tensor memory). The consumer holds TILE_M x TILE_N fp32
-    accumulators spread over its threads, and the residual tile, bf16, beside them: 1.5 x the
-    accumulator registers. One 4-warp consumer may use up to 256 registers per thread, and fits
-    192 of them; 8-warp consumers and ping-pong warpgroups get 232-240, and fit 144 (tests check
-    this against the stack frame of every candidate's build)."""
+    accumulators spread over its threads, and beside them the residual of the rows it stores at
+    once, bf16 (half a register per value): the whole tile, or where the tile is stored by row
+    blocks (lesson 05, section 5) half the main rows. One 4-warp consumer may use up to 256
+    registers per thread, and fits 192 of these; 8-warp consumers and ping-pong warpgroups get
+    232-240, and fit 160 (tests check this against the stack frame of every candidate's build)."""
     if arch != "sm_90":
         return True
     accumulators = config.tile_m * config.tile_n // (32 * config.num_warps)
-    budget = 192 if (config.num_warps == 4 and config.consumers == 1) else 144
-    return accumulators * 3 // 2 <= budget
+    stored_rows = config.block_m // 2 if _lesson().stores_by_row_blocks(config) else config.tile_m
+    residual = accumulators * stored_rows // (2 * config.tile_m)
+    budget = 192 if (config.num_warps == 4 and config.consumers == 1) else 160
+    return accumulators + residual <= budget
 
 
 def fitted_to_epilogue(config, has_residual, arch="sm_90"):
