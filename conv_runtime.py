@@ -155,10 +155,14 @@ def _tail_pays(config, geometry, num_sms):
 
 def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
     """Keep the configs that fit the device and suit the shape (no compilation needed)."""
-    KernelConfig = _lesson().KernelConfig
+    lesson = _lesson()
     smem_limit = smem_limit or SMEM_LIMIT_BYTES[arch]
     kept = []
-    for config in map(lambda c: KernelConfig(*c), candidates):
+    for config in map(lambda c: lesson.KernelConfig(*c), candidates):
+        try:
+            lesson.check_config(config, arch)   # e.g. a ring too deep for the whole-tile staging buffer,
+        except ValueError:                      # which only some tiles can store by row blocks instead
+            continue
         smem = shared_memory_bytes(config)
         if smem > smem_limit or config.programs_per_sm * (smem + 1024) > SMEM_PER_SM_BYTES:
             continue
