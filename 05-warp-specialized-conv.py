@@ -528,10 +528,12 @@ def num_work_units(num_tiles, SPLIT_K: gl.constexpr):
 # its share: a 192 x 128 tile stages 48 KB on its way out, and four 40 KB stages plus that fill
 # 208 of the 227 KB. A fifth stage fits if the tile leaves in blocks of the tail's height through
 # one 16 KB buffer: the main accumulator's top 64 rows, its bottom 64 rows, then the tail, each
-# TMA store waited for before the next block overwrites the buffer (`stores_by_row_blocks`: a row
-# tail with five or more stages). With one 4-warp consumer the two halves of a 128-row
-# accumulator are its two 64-row WGMMA blocks, which each thread already holds side by side, so
-# `split_rows` is a reshape and a split that moves no data. The three stores take longer than
+# TMA store waited for before the next block overwrites the buffer. `stores_by_row_blocks`
+# decides it from shared memory alone (the whole tile's buffer does not fit beside the ring), so
+# a 256 x 128 tile with four stages leaves in two 128-row halves the same way. The split needs
+# no data moved where a warpgroup holds two 64-row WGMMA blocks of the accumulator, side by side
+# in each thread's registers (one 4-warp consumer of 128 rows, or 8 warps of 256): then
+# `split_rows` is a reshape and a split; `check_config` refuses the rest. The three stores take longer than
 # two, so the shallower ring stays a candidate. What the fifth stage buys is latency hidden on
 # layers that read their input from HBM: ResNet-50's 7x7 2048->512 1x1 layer (one wave, 32
 # k-steps per tile, its 25.7 MB input cold in L2) went from 437 to 471 TFLOPS (cuDNN: 499).
@@ -1743,6 +1745,9 @@ def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding
 #   runs before and after). It costs where K is short (a third store per tile on 4 k-steps:
 #   14x14 256->1024 403 -> 372 TFLOPS), so it is one more candidate, chosen on 7 of ResNet-50's
 #   23 layers.
+# - Did not pay, on the headline: the same store for 256x128 tiles (two 128-row blocks), which
+#   makes room for a 4th stage: 693 against 730 TFLOPS with 3. It won on layers where other
+#   tiles win by more, so it is a config, not a candidate.
 # - Did not pay: 128-channel K steps (BLOCK_K=128, half the barrier round trips per FLOP). The
 #   deeper stages leave room for 3 (2 with a row tail), and every layer tried lost: 592 against
 #   693 TFLOPS on the headline shape, 361 against 443 on ResNet-50's 7x7 2048->512.
