@@ -245,9 +245,9 @@ def store_unit(acc, c_smem, out_desc, bias_ptr, scale_ptr, residual_ptr, partial
 
 @gluon.jit
 def split_rows(acc):
-    """The top and bottom halves of a tile's rows, as two tiles. With one 4-warp consumer a
-    128-row accumulator is two 64-row WGMMA blocks held side by side in each thread's registers,
-    so the split moves no data."""
+    """The top and bottom halves of a tile's rows, as two tiles. Where each warpgroup holds two
+    64-row WGMMA blocks of the accumulator (128 rows on 4 warps, 256 on 8), they sit side by side
+    in each thread's registers, so the split moves no data."""
     ROWS: gl.constexpr = acc.shape[0]
     COLS: gl.constexpr = acc.shape[1]
     return gl.split(acc.reshape([2, ROWS // 2, COLS]).permute((1, 2, 0)))
@@ -318,8 +318,8 @@ def hopper_mma_epilogue_partition(a_bufs, a_tail_bufs, b_bufs, b_tail_bufs, read
         acc, mma = mma.take_result()
         m0, co0 = pid_m * TILE_M, pid_n * TILE_N
         if STORE_BY_ROW_BLOCKS:
-            # a deep ring with a row tail (section 5): one staging buffer of the tail's height, so
-            # the main block goes out in two halves of its rows through it, the tail after them
+            # a ring too deep for a whole-tile staging buffer (section 5): the main block goes out
+            # in two halves of its rows through the tail's buffer, a row tail (if any) after them
             top, bottom = split_rows(acc)
             store_unit(top, c_tail_smem, out_tail_desc, bias_ptr, scale_ptr, residual_ptr, partial_ptr,
                        partial, split, M, Co, m0, co0, HAS_BIAS, HAS_SCALE, HAS_RESIDUAL, ACTIVATION, SPLIT_K)
@@ -649,26 +649,22 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
     # A is BLOCK_M pixels deep even when a row tail makes the im2col box shorter (section 5)
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, BLOCK_K], in_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + w_desc.block_type.shape, w_desc.layout)
-    # one epilogue staging tile per consumer (storing by row blocks: only the tail's, below)
+    # one epilogue staging tile per consumer, and one for the tail's box; storing by row blocks
+    # (section 5), the tail's box (half the main rows) is the only one
     if not STORE_BY_ROW_BLOCKS:
         c_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + out_desc.block_type.shape, out_desc.layout)
     if BLOCK_N_TAIL > 0:
         b_tail_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + w_tail_desc.block_type.shape,
                                                 w_tail_desc.layout)
-        c_tail_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + out_tail_desc.block_type.shape,
-                                                out_tail_desc.layout)
     elif BLOCK_M_TAIL > 0:
         a_tail_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + in_desc.block_type.shape, in_desc.layout)
+    if BLOCK_N_TAIL > 0 or BLOCK_M_TAIL > 0 or STORE_BY_ROW_BLOCKS:
         c_tail_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + out_tail_desc.block_type.shape,
                                                 out_tail_desc.layout)
-        if STORE_BY_ROW_BLOCKS:
-            c_smem = c_tail_smem       # stands in for the unused argument
-    elif STORE_BY_ROW_BLOCKS:   # no tail, the tile stored in two halves of its rows
-        c_tail_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + out_tail_desc.block_type.shape,
-                                                out_tail_desc.layout)
-        c_smem = c_tail_smem
     else:   # no tail: the main buffers stand in for the unused arguments
         c_tail_smem = c_smem
+    if STORE_BY_ROW_BLOCKS:
+        c_smem = c_tail_smem
     if BLOCK_N_TAIL == 0:
         b_tail_bufs = b_bufs
     if BLOCK_M_TAIL == 0:
@@ -837,14 +833,18 @@ def check_config(config, arch):
 SHARED_MEMORY_PER_PROGRAM = 232448    # bytes: the opt-in maximum of a program on an H100 or B200
 
 
+def ring_bytes(config, element_size=2):
+    """Shared memory of the ring: per stage, the A rows of a tile and the B rows, BLOCK_K deep."""
+    return config.num_buffers * (config.tile_m + config.tile_n) * config.block_k * element_size
+
+
 def stores_by_row_blocks(config, element_size=2):
     """Whether the epilogue stores each tile in blocks of half its main rows through one staging
     buffer of that height (section 5): where a staging buffer of the whole tile would not fit
     beside the ring. A row tail of 5 stages: three 64-row blocks; a 256 x 128 tile of 4 stages: two
     of 128 rows."""
-    ring = config.num_buffers * (config.tile_m + config.tile_n) * config.block_k * element_size
     whole_tile = config.consumers * config.tile_m * config.tile_n * element_size
-    return ring + whole_tile > SHARED_MEMORY_PER_PROGRAM
+    return ring_bytes(config, element_size) + whole_tile > SHARED_MEMORY_PER_PROGRAM
 
 
 def adapt_block_k(config, Ci_padded):
@@ -1414,7 +1414,7 @@ def test_deep_ring_build_stores_by_row_blocks(config, blocks, epilogue):
     assert common.ptx_instructions(shallow["ptx"], [stores])[stores] == (2 if config.block_m_tail else 1)
     for generic in ("st.shared", "ld.shared"):        # no extra round trip for the split
         assert deep["ptx"].count(generic) <= shallow["ptx"].count(generic)
-    ring = config.num_buffers * (config.tile_m + config.tile_n) * config.block_k * 2
+    ring = ring_bytes(config)
     assert ring + config.block_m // 2 * config.tile_n * 2 <= deep["shared"]
     assert deep["shared"] <= min(conv_runtime.shared_memory_bytes(config) + 1024, SHARED_MEMORY_PER_PROGRAM)
     assert ring + config.tile_m * config.tile_n * 2 > SHARED_MEMORY_PER_PROGRAM   # what it avoids

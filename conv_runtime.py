@@ -113,7 +113,7 @@ def _candidates():
 
 HOPPER_CANDIDATES, BLACKWELL_CANDIDATES = _candidates()
 CANDIDATES = {"sm_90": HOPPER_CANDIDATES, "sm_100": BLACKWELL_CANDIDATES}
-SMEM_LIMIT_BYTES = {"sm_90": 232448, "sm_100": 232448}   # per program (opt-in maximum)
+SMEM_LIMIT_BYTES = {arch: _lesson().SHARED_MEMORY_PER_PROGRAM for arch in ("sm_90", "sm_100")}
 SMEM_PER_SM_BYTES = 233472                               # 228 KB per SM, 1 KB of it reserved per program
 
 
@@ -121,7 +121,7 @@ def shared_memory_bytes(config, element_size=2):
     """Shared memory a config needs: the ring's A and B stages, one staging tile per consumer, barriers."""
     lesson = _lesson()
     c = lesson.KernelConfig(*config)
-    ring = c.num_buffers * (c.tile_m + c.tile_n) * c.block_k * element_size
+    ring = lesson.ring_bytes(c, element_size)
     staging_rows = c.block_m // 2 if lesson.stores_by_row_blocks(c) else c.tile_m
     staging = c.consumers * staging_rows * c.tile_n * element_size
     return ring + staging + 2 * c.num_buffers * 8 + 64
