@@ -93,8 +93,7 @@ CONV_DTYPES = (torch.float16, torch.bfloat16)
 def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, b_tail_bufs, ready, empty,
                      num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
                      Ci, S, k_steps, channel_blocks, GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-                     TILE_M: gl.constexpr, TILE_N: gl.constexpr, SPLIT_K: gl.constexpr,
-                     PIXELS_AS_MATRIX: gl.constexpr):
+                     TILE_M: gl.constexpr, TILE_N: gl.constexpr, SPLIT_K: gl.constexpr):
     """One warp: for every (tile, k-step) of this program, wait for a free stage and fill it."""
     PIXEL_BOX: gl.constexpr = in_desc.block_type.shape[0]     # pixels per im2col load
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
@@ -131,35 +130,22 @@ def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, 
             mbarrier.expect(ready.index(slot), stage_bytes)
             # A = im2col_load(x, [n, oy*sh-ph, ox*sw-pw, c0], offsets=[r*dh, s*dw])
             if PIXEL_BOX == BLOCK_M:
-                load_pixel_box(in_desc, m0, n, start_h, start_w, c0, tap_offsets, ready.index(slot),
-                               a_bufs.index(slot), PIXELS_AS_MATRIX)
+                tma.async_load_im2col(in_desc, [n, start_h, start_w, c0], tap_offsets,
+                                      ready.index(slot), a_bufs.index(slot))
             else:
-                load_pixel_box(in_desc, m0, n, start_h, start_w, c0, tap_offsets, ready.index(slot),
-                               a_bufs.index(slot).slice(0, PIXEL_BOX), PIXELS_AS_MATRIX)
-                load_pixel_box(in_desc, m0 + PIXEL_BOX, n_1, h_1, w_1, c0, tap_offsets, ready.index(slot),
-                               a_bufs.index(slot).slice(PIXEL_BOX, PIXEL_BOX), PIXELS_AS_MATRIX)
+                tma.async_load_im2col(in_desc, [n, start_h, start_w, c0], tap_offsets, ready.index(slot),
+                                      a_bufs.index(slot).slice(0, PIXEL_BOX))
+                tma.async_load_im2col(in_desc, [n_1, h_1, w_1, c0], tap_offsets, ready.index(slot),
+                                      a_bufs.index(slot).slice(PIXEL_BOX, PIXEL_BOX))
             if BLOCK_M_TAIL > 0:
-                load_pixel_box(in_desc, m0 + BLOCK_M, n_t, h_t, w_t, c0, tap_offsets, ready.index(slot),
-                               a_tail_bufs.index(slot), PIXELS_AS_MATRIX)
+                tma.async_load_im2col(in_desc, [n_t, h_t, w_t, c0], tap_offsets, ready.index(slot),
+                                      a_tail_bufs.index(slot))
             # B = load(w2d, [co0, (r*S + s)*Ci + c0]), and the tail's rows after it
             tma.async_load(w_desc, [co0, tap * Ci + c0], ready.index(slot), b_bufs.index(slot))
             if BLOCK_N_TAIL > 0:
                 tma.async_load(w_tail_desc, [co0 + BLOCK_N, tap * Ci + c0], ready.index(slot),
                                b_tail_bufs.index(slot))
             counter += 1
-
-
-@gluon.jit
-def load_pixel_box(in_desc, m, n, y, x, c0, tap_offsets, bar, dest, PIXELS_AS_MATRIX: gl.constexpr):
-    """Load the box of output pixels m, m+1, ... (its im2col origin (n, y, x)), channels c0 on.
-
-    A 1x1 conv of stride 1 without padding reads each output pixel's own input pixel: its im2col
-    matrix is x itself, viewed as [N*H*W, Ci], and a plain tiled load at row m reads the same box
-    (PIXELS_AS_MATRIX, which `prepare_launch` sets for such layers; "What paid" says why)."""
-    if PIXELS_AS_MATRIX:
-        tma.async_load(in_desc, [m, c0], bar, dest)
-    else:
-        tma.async_load_im2col(in_desc, [n, y, x, c0], tap_offsets, bar, dest)
 
 
 @gluon.jit
@@ -644,8 +630,7 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
                         GROUP_M: gl.constexpr,
                         NUM_BUFFERS: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                         BLOCK_M_TAIL: gl.constexpr, BLOCK_N_TAIL: gl.constexpr,
-                        STORE_BY_ROW_BLOCKS: gl.constexpr, PIXELS_AS_MATRIX: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        STORE_BY_ROW_BLOCKS: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = in_desc.dtype
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
@@ -715,7 +700,7 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
             (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, b_tail_bufs, ready,
                                 empty, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w,
                                 dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
-                                TILE_M, TILE_N, SPLIT_K, PIXELS_AS_MATRIX)),
+                                TILE_M, TILE_N, SPLIT_K)),
         ], [1, 1], [24, 24])
     else:
         # The loader's registers: 24, or with a row tail 48 for the boxes' origins (with one
@@ -736,7 +721,7 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
                 (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, b_tail_bufs,
                                     ready, empty, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h,
                                     pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
-                                    TILE_M, TILE_N, SPLIT_K, PIXELS_AS_MATRIX)),
+                                    TILE_M, TILE_N, SPLIT_K)),
             ], [1], [LOADER_REGISTERS])
         else:
             # ping-pong: consumer 0 is the default partition, consumer 1 a worker of as many warps.
@@ -759,7 +744,7 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
                 (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, b_tail_bufs,
                                     ready, empty, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h,
                                     pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
-                                    TILE_M, TILE_N, SPLIT_K, PIXELS_AS_MATRIX)),
+                                    TILE_M, TILE_N, SPLIT_K)),
             ], [num_warps, 1], [240, min(LOADER_REGISTERS, 32)])
 
 
@@ -911,22 +896,14 @@ ACTIVATIONS = {"none": 0, "relu": 1, "silu": 2}
 GROUP_M = 8      # row-tiles per group of the tile order (section 3)
 
 
-def pixels_as_matrix(geometry):
-    """Whether the layer's im2col matrix is its input viewed as [N*H*W, Ci]: a 1x1 conv of stride
-    1 without padding. The loader then reads its pixels with tiled loads (`load_pixel_box`)."""
-    g = geometry
-    return (g.R, g.S, g.stride, g.padding) == (1, 1, (1, 1), (0, 0))
-
-
-def kernel_constexprs(config, arch, epilogue=Epilogue(), geometry=None):
-    """The kernel's constexprs and launch options, by name (the geometry decides PIXELS_AS_MATRIX)."""
+def kernel_constexprs(config, arch, epilogue=Epilogue()):
+    """The kernel's constexprs and launch options, by name."""
     return dict(IS_BLACKWELL=arch == "sm_100", HAS_BIAS=epilogue.bias, HAS_SCALE=epilogue.scale,
                 HAS_RESIDUAL=epilogue.residual, ACTIVATION=ACTIVATIONS[epilogue.activation],
                 SPLIT_K=config.split_k, GROUP_M=GROUP_M,
                 NUM_BUFFERS=config.num_buffers, NUM_CONSUMERS=config.consumers,
                 BLOCK_M_TAIL=config.block_m_tail, BLOCK_N_TAIL=config.block_n_tail,
-                STORE_BY_ROW_BLOCKS=stores_by_row_blocks(config),
-                PIXELS_AS_MATRIX=geometry is not None and pixels_as_matrix(geometry), num_warps=config.num_warps,
+                STORE_BY_ROW_BLOCKS=stores_by_row_blocks(config), num_warps=config.num_warps,
                 **({"maxnreg": 128} if config.programs_per_sm > 1 else {}))
 
 
@@ -945,8 +922,7 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     out_2d = torch.empty(g.M, -(-g.Co // lanes) * lanes, device=x_nhwc.device, dtype=x_nhwc.dtype)
     # a row tail loads the pixels in boxes of the tail's height: two for the main rows, one for the tail
     in_desc, w_desc, out_desc = common.conv_tma_descriptors(x_nhwc, w, out_2d, settings, BLOCK_M, BLOCK_N,
-                                                            BLOCK_K, pixel_box=config.block_m_tail or BLOCK_M,
-                                                            pixels_as_matrix=pixels_as_matrix(g))
+                                                            BLOCK_K, pixel_box=config.block_m_tail or BLOCK_M)
     w_tail_desc = out_tail_desc = None    # a constexpr None: nothing for the launcher to encode
     if config.block_n_tail:
         tail = config.block_n_tail
@@ -1045,8 +1021,7 @@ def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, c
     arch, num_sms = device_arch_and_sms("conv2d_fprop_launch")
     launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale, residual)
     epilogue = Epilogue(bias is not None, scale is not None, residual is not None, activation)
-    conv2d_fprop_kernel[launch.grid](*launch.args, **kernel_constexprs(KernelConfig(*config), arch, epilogue,
-                                                                        geometry))
+    conv2d_fprop_kernel[launch.grid](*launch.args, **kernel_constexprs(KernelConfig(*config), arch, epilogue))
     if launch.partial is not None:
         finish_split_k(launch, bias, scale, residual, activation)
     return launch.result()
@@ -1349,7 +1324,7 @@ def aot_conv2d_fprop(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, p
     launch = prepare_launch(x_nhwc, w, per_channel if epilogue.bias else None, geometry, config, arch,
                             132, per_channel if epilogue.scale else None,
                             residual if epilogue.residual else None)
-    return conv2d_fprop_kernel, launch.args, kernel_constexprs(KernelConfig(*config), arch, epilogue, geometry)
+    return conv2d_fprop_kernel, launch.args, kernel_constexprs(KernelConfig(*config), arch, epilogue)
 
 
 def run_show_ptx():
@@ -1392,24 +1367,6 @@ def test_tail_build_issues_a_second_mma(arch, config, mma_shapes):
     counts = common.ptx_instructions(tail["ptx"], [loads, stores])
     assert counts == {k: 2 * v for k, v in common.ptx_instructions(plain["ptx"], [loads, stores]).items()}
     assert tail["shared"] <= conv_runtime.shared_memory_bytes(config) + 1024
-
-
-@pytest.mark.parametrize("arch, config", [
-    ("sm_90", FIXED_CONFIG), ("sm_90", KernelConfig(128, 128, 64, 5, 4, block_m_tail=64)),
-    ("sm_90", PINGPONG_CONFIG), ("sm_100", FIXED_CONFIG)], ids=str)
-def test_pointwise_build_reads_pixels_as_a_matrix(arch, config):
-    """A 1x1 stride-1 conv without padding loads its pixels with tiled 2-D loads, as many boxes
-    per stage as the im2col build of the same layer (1, or 3 with a row tail), and no im2col load;
-    a 1x1 conv of stride 2 keeps im2col."""
-    shape = dict(H=14, W=14, Ci=256, Co=128, R=1, S=1, padding=0, config=list(config))
-    matrix = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch, **shape)
-    strided = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch, stride=2, **shape)
-    im2col = "cp.async.bulk.tensor.4d.shared::cta.global.im2col"
-    loads = "cp.async.bulk.tensor.2d.shared::cta.global"
-    counts = common.ptx_instructions(matrix["ptx"], [im2col, loads])
-    strided_counts = common.ptx_instructions(strided["ptx"], [im2col, loads])
-    assert counts[im2col] == 0 and strided_counts[im2col] > 0
-    assert counts[loads] == strided_counts[loads] + strided_counts[im2col]
 
 
 @pytest.mark.parametrize("config", [KernelConfig(128, 128, 64, 4, 4, block_m_tail=64),

@@ -1040,13 +1040,11 @@ def conv_tma_layouts(dtype, BLOCK_M, BLOCK_N, BLOCK_K):
 
 
 def conv_tma_descriptors(x_nhwc, w, out_2d, settings: ConvIm2ColSettings, BLOCK_M, BLOCK_N, BLOCK_K,
-                         layouts=None, pixel_box=None, pixels_as_matrix=False):
+                         layouts=None, pixel_box=None):
     """The three TMA descriptors of a TMA-im2col convolution (lessons 04-05).
 
     - input: im2col descriptor on x [N, H, W, Ci], box [pixel_box (default BLOCK_M) pixels, BLOCK_K
-      channels] (lesson 05's row tails load a tile's pixels in several shorter boxes); with
-      `pixels_as_matrix` (lesson 05, a 1x1 stride-1 conv without padding), a tiled descriptor on x
-      viewed as the matrix [N*H*W, Ci], with the same box;
+      channels] (lesson 05's row tails load a tile's pixels in several shorter boxes);
     - weight: tiled descriptor on w viewed as [Co, R*S*Ci], box [BLOCK_N, BLOCK_K];
     - output: tiled descriptor on out_2d [M, Co_alloc], box [BLOCK_M, BLOCK_N] (TMA clips the edges).
     All shared-memory tiles use the default NVMMA swizzle for their shape, which both TMA and the
@@ -1057,19 +1055,11 @@ def conv_tma_descriptors(x_nhwc, w, out_2d, settings: ConvIm2ColSettings, BLOCK_
     pixel_box = pixel_box or BLOCK_M
     if pixel_box != BLOCK_M:
         a_layout = conv_tma_layouts(x_nhwc.dtype, pixel_box, BLOCK_N, BLOCK_K)[0]
-    if pixels_as_matrix:
-        g = settings.geometry
-        if (g.R, g.S, g.stride, g.padding) != (1, 1, (1, 1), (0, 0)):
-            raise ValueError(f"pixels_as_matrix needs a 1x1 conv of stride 1 without padding, got "
-                             f"{g.describe()}")
-        in_desc = TensorDescriptor.from_tensor(x_nhwc.reshape(-1, x_nhwc.shape[-1]), [pixel_box, BLOCK_K],
-                                               a_layout)
-    else:
-        in_desc = TensorDescriptorIm2Col.from_tensor(
-            x_nhwc, [pixel_box, BLOCK_K], a_layout, padding="zero",
-            element_strides=list(settings.element_strides),
-            pixel_box_lower_corner=list(settings.pixel_box_lower_corner),
-            pixel_box_upper_corner=list(settings.pixel_box_upper_corner))
+    in_desc = TensorDescriptorIm2Col.from_tensor(
+        x_nhwc, [pixel_box, BLOCK_K], a_layout, padding="zero",
+        element_strides=list(settings.element_strides),
+        pixel_box_lower_corner=list(settings.pixel_box_lower_corner),
+        pixel_box_upper_corner=list(settings.pixel_box_upper_corner))
     w_desc = TensorDescriptor.from_tensor(w.reshape(Co, -1), [BLOCK_N, BLOCK_K], b_layout)
     out_desc = TensorDescriptor.from_tensor(out_2d, [BLOCK_M, BLOCK_N], c_layout)
     return in_desc, w_desc, out_desc

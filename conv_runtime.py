@@ -299,9 +299,7 @@ class ConvPlan:
         template = self.template
         out_2d = torch.empty(template.out_2d.shape, device=x_nhwc.device, dtype=x_nhwc.dtype)
         w_2d = w.view(w.shape[0], -1)
-        # in, w, w_tail, out, out_tail (a 1x1 layer's pixels may be read as a matrix: x as 2-D)
-        x_in = x_nhwc if len(template.args[0].shape) == 4 else x_nhwc.view(-1, x_nhwc.shape[-1])
-        tensors = (x_in, w_2d, w_2d, out_2d, out_2d)
+        tensors = (x_nhwc, w_2d, w_2d, out_2d, out_2d)     # in, w, w_tail, out, out_tail
         descriptors = tuple(None if desc is None else _with_base(desc, tensor)
                             for desc, tensor in zip(template.args[:5], tensors))
         partial = None if template.partial is None else torch.empty_like(template.partial)
@@ -322,7 +320,7 @@ class ConvPlan:
             # a DirectLaunch of the compiled kernel for the calls after it.
             launch = self.launch_for(x_nhwc, w, bias, scale, residual)
             epilogue = lesson.Epilogue(bias is not None, scale is not None, residual is not None, activation)
-            kwargs = lesson.kernel_constexprs(self.config, self.arch, epilogue, self.geometry)
+            kwargs = lesson.kernel_constexprs(self.config, self.arch, epilogue)
             self.launches[variant] = DirectLaunch.first_launch(lesson.conv2d_fprop_kernel, launch.grid,
                                                                launch.args, kwargs, self.template.args[:5])
         else:
@@ -781,7 +779,7 @@ def compare_launch_paths(plan, x_nhwc, w, calls=200):
     lesson = _lesson()
     plan.run(x_nhwc, w)
     launch = plan.launch_for(x_nhwc, w, None)
-    kwargs = lesson.kernel_constexprs(plan.config, plan.arch, geometry=plan.geometry)
+    kwargs = lesson.kernel_constexprs(plan.config, plan.arch)
     direct = plan.launches[("none", None, None, None)]
     w_tail, out_tail = (None if desc is None else desc.base for desc in (launch.args[2], launch.args[4]))
     raw_args = (launch.args[0].base, launch.args[1].base, w_tail, launch.out_2d, out_tail) + launch.args[5:]

@@ -25,12 +25,8 @@ def main():
     parser.add_argument("layers", nargs="+", help="suite labels (network_suite.py) or lesson 05's bench shapes")
     parser.add_argument("--config", action="append", required=True, help="KernelConfig fields, e.g. 128,128,64,6,8")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--im2col-too", action="store_true",
-                        help="on 1x1 stride-1 layers, also time each config with its pixels read by im2col "
-                             "loads instead of as a matrix (lesson 05's pixels_as_matrix)")
     args = parser.parse_args()
-    lesson = conv_runtime._lesson()
-    KernelConfig = lesson.KernelConfig
+    KernelConfig = conv_runtime._lesson().KernelConfig
     configs = [KernelConfig(*map(int, text.split(","))) for text in args.config]
     suite = {layer[0]: layer for layer in network_suite.NETWORK_SUITE + conv_runtime._lesson().BENCH_SHAPES}
     unknown = [label for label in args.layers if label not in suite]
@@ -47,10 +43,6 @@ def main():
             call = (lambda c: lambda: conv_runtime.conv2d(x, w, None, stride, padding, config=c))(config)
             common.assert_close_to_reference(call(), expected, dtype=torch.bfloat16, K=geometry.K)
             calls[str(config)] = call
-            if args.im2col_too and lesson.pixels_as_matrix(geometry):
-                call = im2col_plan_call(lesson, geometry, config, x, w, stride, padding)
-                common.assert_close_to_reference(call(), expected, dtype=torch.bfloat16, K=geometry.K)
-                calls[f"{config}, im2col"] = call
         rounds = {name: [] for name in calls}
         for _ in range(args.rounds):
             for name, call in calls.items():
@@ -61,21 +53,6 @@ def main():
             median = sorted(values)[args.rounds // 2]
             print(f"   {name:<46} {median:6.1f} TFLOPS  {median / cudnn:5.2f}x cuDNN   rounds "
                   + " ".join(f"{v:.0f}" for v in values))
-
-
-def im2col_plan_call(lesson, geometry, config, x, w, stride, padding):
-    """A call of a plan of its own, built (first launch, compile) with the lesson's rule for
-    reading a 1x1 layer's pixels as a matrix switched off: the same kernel on im2col loads."""
-    arch, num_sms = lesson.device_arch_and_sms("bench_configs")
-    plan = conv_runtime.ConvPlan(geometry, x.dtype, config, arch, num_sms)
-    rule = lesson.pixels_as_matrix
-    lesson.pixels_as_matrix = lambda geometry: False
-    try:
-        plan.run(x, w)
-    finally:
-        lesson.pixels_as_matrix = rule
-    assert len(plan.template.args[0].shape) == 4, "the plan should read its pixels by im2col"
-    return lambda: plan.run(x, w)
 
 
 if __name__ == "__main__":
