@@ -378,7 +378,7 @@ def _with_base(template, tensor):
 # %% The entry point: fast path, plan cache, autotuning ------------------------------------------
 
 _PLANS = {}          # (geometry, dtype, config, device) -> ConvPlan
-_BEST_CONFIG = {}    # (geometry, dtype, device) -> config chosen by the autotuner
+_BEST_CONFIG = {}    # (geometry, dtype, device, epilogue tag) -> config chosen by the autotuner
 _FAST_PLANS = {}     # call key -> (ConvPlan, FoldedConv or None)
 
 
@@ -442,12 +442,13 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
         if config is not None:
             chosen = _lesson().KernelConfig(*config)
         elif tune:
+            # timed with this call's epilogue: a residual's loads and registers change the ranking
             folded_x, folded_w = fold.apply(x_nhwc, w) if fold is not None else (x_nhwc, w)
-            chosen = tuned_config(run_geometry, folded_x, folded_w, bias)
+            chosen = tuned_config(run_geometry, folded_x, folded_w, bias, scale=scale, residual=residual,
+                                  activation=activation)
         else:
-            chosen = known_or_heuristic_config(run_geometry, x_nhwc.dtype)
-        if config is None:
-            chosen = fitted_to_epilogue(chosen, residual is not None, device_facts()[0])
+            chosen = known_or_heuristic_config(run_geometry, x_nhwc.dtype,
+                                               epilogue_tag(scale, residual, activation))
         entry = (plan_for(run_geometry, x_nhwc.dtype, chosen), fold)
         if key is not None:
             _FAST_PLANS[key] = entry
@@ -475,8 +476,9 @@ def residual_fits_in_registers(config, arch="sm_90"):
 
 
 def fitted_to_epilogue(config, has_residual, arch="sm_90"):
-    """The config to run a chosen (tuned or heuristic) config with, given the epilogue. Configs are
-    tuned on the plain conv, and a residual tile adds registers. A row tail on 4-warp consumers
+    """The config to run a config chosen without the epilogue with (the heuristic's, or a plain
+    conv's tuned choice), given the epilogue; the autotuner times its candidates fitted so. A
+    residual tile adds registers. A row tail on 4-warp consumers
     has no room for them: its build spills (232 bytes per thread; ResNet-50's 14x14 256->1024 1x1
     + residual took 0.086 ms), so it moves to one 8-warp consumer, the same tile with half the
     registers per thread (0.070 ms). Other builds that spill a little are kept: letting the
@@ -629,34 +631,53 @@ def heuristic_config(geometry, arch, num_sms, smem_limit=None):
                                           -c.num_buffers))
 
 
-def known_or_heuristic_config(geometry, dtype):
-    """The tuned choice for this shape if one is known (this process or the tuning file), else
-    the heuristic's. Never times anything."""
-    remembered = _remembered_config(geometry, dtype)
+def epilogue_tag(scale=None, residual=None, activation="none"):
+    """What an epilogue adds to the conv, as the tuner keys it: "" for a plain conv (a bias alone
+    counts as plain: one add per column, nothing measurable), else e.g. "scale+residual+relu".
+    Choices are tuned per tag: with a residual the epilogue loads a tile as large as the output
+    and holds it in registers, and the fastest config can change (ResNet-50's 28x28 128->512 1x1
+    + residual: 0.147 ms with the plain conv's choice; RESULTS.md)."""
+    parts = (["scale"] if scale is not None else []) + (["residual"] if residual is not None else []) \
+        + ([activation] if activation != "none" else [])
+    return "+".join(parts)
+
+
+def known_or_heuristic_config(geometry, dtype, tag=""):
+    """The tuned choice for this shape and epilogue if one is known (this process or the tuning
+    file); else the plain conv's tuned choice, fitted to the epilogue; else the heuristic's, fitted.
+    Never times anything."""
+    remembered = _remembered_config(geometry, dtype, tag)
     if remembered is not None:
         return remembered
-    arch, num_sms, smem = device_facts()
-    return heuristic_config(geometry, arch, num_sms, smem)
+    remembered = _remembered_config(geometry, dtype) if tag else None
+    if remembered is None:
+        arch, num_sms, smem = device_facts()
+        remembered = heuristic_config(geometry, arch, num_sms, smem)
+    return fitted_to_epilogue(remembered, "residual" in tag.split("+"), device_facts()[0])
 
 
-def _remembered_config(geometry, dtype):
-    """The tuned choice for this shape from this process or, failing that, the tuning file; None."""
-    key = (geometry, dtype, torch.cuda.current_device())
+def _remembered_config(geometry, dtype, tag=""):
+    """The tuned choice for this shape and epilogue from this process or, failing that, the
+    tuning file; None."""
+    key = (geometry, dtype, torch.cuda.current_device(), tag)
     if key not in _BEST_CONFIG:
-        saved = _load_tuning_file().get(_tuning_file_key(geometry, dtype))
+        saved = _load_tuning_file().get(_tuning_file_key(geometry, dtype, tag))
         if saved is not None:
             _BEST_CONFIG[key] = _lesson().KernelConfig(*saved["config"])
     return _BEST_CONFIG.get(key)
 
 
-def tuned_config(geometry, x_nhwc, w, bias, verbose=False, retune=False):
-    """The autotuner's choice for this shape and dtype: from this process, the tuning file, or
-    (first time, or `retune`) timed now and saved to the tuning file."""
-    key = (geometry, x_nhwc.dtype, torch.cuda.current_device())
-    if retune or _remembered_config(geometry, x_nhwc.dtype) is None:
-        best, tflops = autotune(geometry, x_nhwc, w, bias, verbose)
+def tuned_config(geometry, x_nhwc, w, bias, verbose=False, retune=False, scale=None, residual=None,
+                 activation="none"):
+    """The autotuner's choice for this shape, dtype and epilogue (`epilogue_tag`): from this
+    process, the tuning file, or (first time, or `retune`) timed now, with the epilogue, and saved
+    to the tuning file."""
+    tag = epilogue_tag(scale, residual, activation)
+    key = (geometry, x_nhwc.dtype, torch.cuda.current_device(), tag)
+    if retune or _remembered_config(geometry, x_nhwc.dtype, tag) is None:
+        best, tflops = autotune(geometry, x_nhwc, w, bias, verbose, scale, residual, activation)
         _BEST_CONFIG[key] = best
-        _save_tuning(geometry, x_nhwc.dtype, best, tflops)
+        _save_tuning(geometry, x_nhwc.dtype, best, tflops, tag)
     return _BEST_CONFIG[key]
 
 
@@ -680,10 +701,11 @@ def tuning_cache_path() -> Path:
                 or Path.home() / ".cache" / "conv_tutorial" / "tuning.json")
 
 
-def _tuning_file_key(geometry, dtype):
-    """One GPU model, one Triton, one shape and dtype: a choice made elsewhere is not trusted."""
+def _tuning_file_key(geometry, dtype, tag=""):
+    """One GPU model, one Triton, one shape, dtype and epilogue: a choice made elsewhere is not
+    trusted."""
     return (f"{torch.cuda.get_device_name()} | triton {triton.__version__} | {geometry.describe()} | "
-            f"{str(dtype).replace('torch.', '')}")
+            f"{str(dtype).replace('torch.', '')}" + (f" | epilogue {tag}" if tag else ""))
 
 
 _TUNING_FILE = None    # its contents, read once per process
@@ -699,9 +721,9 @@ def _load_tuning_file():
     return _TUNING_FILE
 
 
-def _save_tuning(geometry, dtype, config, tflops):
+def _save_tuning(geometry, dtype, config, tflops, tag=""):
     entries = _load_tuning_file()
-    entries[_tuning_file_key(geometry, dtype)] = {"config": list(config), "tflops": round(tflops, 1)}
+    entries[_tuning_file_key(geometry, dtype, tag)] = {"config": list(config), "tflops": round(tflops, 1)}
     path = tuning_cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -712,8 +734,9 @@ def _save_tuning(geometry, dtype, config, tflops):
         warnings.warn(f"could not save the tuning file {path}: {error}")
 
 
-def autotune(geometry, x_nhwc, w, bias, verbose=False):
-    """Time the pruned candidates on the real tensors; return (best config, its TFLOPS).
+def autotune(geometry, x_nhwc, w, bias, verbose=False, scale=None, residual=None, activation="none"):
+    """Time the pruned candidates on the real tensors, with the call's epilogue; return (best
+    config, its TFLOPS).
 
     A first pass times each candidate briefly; the three fastest are then timed again in three
     alternating rounds of longer runs, and the median round decides. (Timing each candidate once
@@ -723,18 +746,21 @@ def autotune(geometry, x_nhwc, w, bias, verbose=False):
     add time) then made the median of a fast config look 3-5x slow, and picked a slow one."""
     arch, num_sms, smem = device_facts()
     candidates = prune_configs(CANDIDATES[arch], geometry, arch, smem, num_sms)
+    # with a residual, each candidate as the runtime would run it (row tails move to 8 warps)
+    candidates = list(dict.fromkeys(fitted_to_epilogue(c, residual is not None, arch) for c in candidates))
+    epilogue = dict(scale=scale, residual=residual, activation=activation)
+    timed = lambda plan: lambda: plan.run(x_nhwc, w, bias, **epilogue)  # noqa: E731
     if not candidates:
         raise RuntimeError(f"no kernel config fits {geometry.describe()} on this GPU")
     timings, errors = {}, []
     for config in candidates:
         plan = plan_for(geometry, x_nhwc.dtype, config)
         try:
-            plan.run(x_nhwc, w, bias)   # compile before timing
+            plan.run(x_nhwc, w, bias, **epilogue)   # compile before timing
             # Timed as the benchmark times (do_bench: L2 flushed before each call, as a layer in a
             # network finds its weights: evicted since the last pass). The host time per call
             # (~35 us) hides behind do_bench's cache flush, so this ranks the kernels.
-            timings[config] = triton.testing.do_bench(lambda: plan.run(x_nhwc, w, bias), warmup=5, rep=20,
-                                                      quantiles=[0.2])
+            timings[config] = triton.testing.do_bench(timed(plan), warmup=5, rep=20, quantiles=[0.2])
         except Exception as error:  # a config the compiler or the launch refuses: skip it
             errors.append(f"{config}: {type(error).__name__}: {error}")
             if verbose:
@@ -747,7 +773,7 @@ def autotune(geometry, x_nhwc, w, bias, verbose=False):
     for _ in range(3):
         for config in finalists:
             plan = plan_for(geometry, x_nhwc.dtype, config)
-            rounds[config].append(triton.testing.do_bench(lambda: plan.run(x_nhwc, w, bias), warmup=10, rep=60,
+            rounds[config].append(triton.testing.do_bench(timed(plan), warmup=10, rep=60,
                                                           quantiles=[0.2]))   # one quantile: a float
     medians = {config: sorted(ms)[1] for config, ms in rounds.items()}
     best = min(medians, key=medians.get)

@@ -2,6 +2,7 @@
 candidates' builds against the pruning model (CPU, ahead of time), and on a GPU the paths that
 must not change results: the cached fast path, the direct launch, every Hopper candidate."""
 import functools
+import json
 
 import common
 
@@ -163,7 +164,7 @@ def test_autotune_keeps_the_fastest_and_later_processes_reuse_it(monkeypatch, tm
         def __init__(self, config):
             self.config = config
 
-        def run(self, *args):
+        def run(self, *args, **epilogue):
             TimedPlan.last = self.config
 
     def do_bench(fn, quantiles=None, **kwargs):
@@ -194,6 +195,68 @@ def test_autotune_keeps_the_fastest_and_later_processes_reuse_it(monkeypatch, tm
     monkeypatch.setattr(conv_runtime, "_TUNING_FILE", None)
     monkeypatch.setattr(conv_runtime, "_BEST_CONFIG", {})
     assert conv_runtime.known_or_heuristic_config(geometry, torch.bfloat16) in candidates
+
+
+def test_autotune_times_with_the_epilogue_and_keeps_a_choice_per_epilogue(monkeypatch, tmp_path):
+    # The residual's loads and registers change which config is fastest: a call with a residual
+    # is tuned with it (each candidate fitted as the runtime runs it), its choice is kept under its
+    # own key beside the plain conv's, and without a tuned choice of its own the plain one is
+    # used, fitted. Stand-in plans and timings, as above.
+    geometry = common.conv_geometry((128, 14, 14, 1024), (512, 1, 1, 1024), 1, 0)
+    candidates = conv_runtime.prune_configs(conv_runtime.HOPPER_CANDIDATES, geometry, "sm_90")
+    row_tail = next(c for c in candidates if c.block_m_tail and c.num_warps == 4)
+    plain_fastest, residual_fastest = row_tail, candidates[0]
+    assert plain_fastest != residual_fastest
+    seen = []
+
+    class TimedPlan:
+        last = None
+
+        def __init__(self, config):
+            self.config = config
+
+        def run(self, x, w, bias, scale=None, residual=None, activation="none"):
+            seen.append((self.config, residual is not None, activation))
+            TimedPlan.last = (self.config, residual is not None)
+
+    def do_bench(fn, quantiles=None, **kwargs):
+        fn()
+        config, with_residual = TimedPlan.last
+        fastest = residual_fastest if with_residual else plain_fastest
+        return 0.05 if config == fastest else 0.09
+
+    monkeypatch.setenv("CONV_TUTORIAL_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    monkeypatch.setattr(conv_runtime, "_TUNING_FILE", None)
+    monkeypatch.setattr(conv_runtime, "_BEST_CONFIG", {})
+    monkeypatch.setattr(conv_runtime, "device_facts", lambda: ("sm_90", 132, 232448))
+    monkeypatch.setattr(conv_runtime, "plan_for", lambda g, d, c: TimedPlan(c))
+    monkeypatch.setattr(conv_runtime.triton.testing, "do_bench", do_bench)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "a test GPU")
+    x = torch.empty(0, dtype=torch.bfloat16)
+    assert conv_runtime.tuned_config(geometry, x, x, None) == plain_fastest
+    assert all(not with_residual for _, with_residual, _ in seen)
+    # the plain choice, fitted, is what a residual call gets before it is tuned
+    fitted = conv_runtime.fitted_to_epilogue(plain_fastest, True)
+    assert fitted != plain_fastest
+    tag = conv_runtime.epilogue_tag(scale=x, residual=x, activation="relu")
+    assert tag == "scale+residual+relu"
+    assert conv_runtime.known_or_heuristic_config(geometry, torch.bfloat16, tag) == fitted
+    seen.clear()
+    assert conv_runtime.tuned_config(geometry, x, x, None, scale=x, residual=x, activation="relu") == residual_fastest
+    assert seen and all(with_residual and activation == "relu" for _, with_residual, activation in seen)
+    assert row_tail not in {config for config, _, _ in seen}     # timed as it would run: fitted
+    assert fitted in {config for config, _, _ in seen}
+    # both choices on disk, each under its own key; a later process reads each back untimed
+    saved = json.loads(conv_runtime.tuning_cache_path().read_text())
+    assert sorted(key.endswith("| epilogue scale+residual+relu") for key in saved) == [False, True]
+    monkeypatch.setattr(conv_runtime, "_TUNING_FILE", None)
+    monkeypatch.setattr(conv_runtime, "_BEST_CONFIG", {})
+    monkeypatch.setattr(conv_runtime.triton.testing, "do_bench", lambda *a, **k: pytest.fail("timed again"))
+    assert conv_runtime.known_or_heuristic_config(geometry, torch.bfloat16, tag) == residual_fastest
+    assert conv_runtime.known_or_heuristic_config(geometry, torch.bfloat16) == plain_fastest
+    # a bias alone is a plain conv to the tuner
+    assert conv_runtime.epilogue_tag() == ""
 
 
 @pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", [
