@@ -290,9 +290,10 @@ class ConvPlan:
         """The lesson's ConvLaunch for these tensors; after the first call, built from templates."""
         lesson = _lesson()
         if self.template is None:
-            self.template = lesson.prepare_launch(x_nhwc, w, bias, self.geometry, self.config,
-                                                  self.arch, self.num_sms, scale, residual)
-            return self.template
+            launch = lesson.prepare_launch(x_nhwc, w, bias, self.geometry, self.config,
+                                           self.arch, self.num_sms, scale, residual)
+            self.template = _tensorless(launch)
+            return launch
         # Same shapes, strides, boxes and layouts: only the base pointers change. Copy the
         # validated descriptors and swap the tensors in.
         x_nhwc, w, _ = common.pad_channels_for_tma(x_nhwc, w)
@@ -302,7 +303,7 @@ class ConvPlan:
         tensors = (x_nhwc, w_2d, w_2d, out_2d, out_2d)     # in, w, w_tail, out, out_tail
         descriptors = tuple(None if desc is None else _with_base(desc, tensor)
                             for desc, tensor in zip(template.args[:5], tensors))
-        partial = None if template.partial is None else torch.empty_like(template.partial)
+        partial = _new_like(template.partial, x_nhwc.device)
         pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual, partial))
         return template._replace(args=descriptors + pointers + template.args[9:], out_2d=out_2d,
                                  partial=partial)
@@ -332,7 +333,7 @@ class ConvPlan:
             _check_tma_aligned(w)
             template = self.template
             out_2d = torch.empty(template.out_2d.shape, device=x_nhwc.device, dtype=x_nhwc.dtype)
-            partial = None if template.partial is None else torch.empty_like(template.partial)
+            partial = _new_like(template.partial, x_nhwc.device)
             # the tails' descriptors, where the plan has them (weights: a column tail; output: either)
             w_tail, out_tail = (None if desc is None else tensor
                                 for desc, tensor in zip(template.args[2:5:2], (w, out_2d)))
@@ -366,9 +367,29 @@ def _check_tma_aligned(tensor):
                          f"{tensor.data_ptr():#x} (a view into another tensor?); pass .clone()")
 
 
+def _tensorless(launch):
+    """A plan's template of a ConvLaunch: its descriptors without their tensors, its output and
+    workspace as shapes (meta tensors). A template holding the first call's tensors would keep
+    them alive as long as the plan: an activation per layer of a network, and during
+    autotuning one per candidate."""
+    descriptors = tuple(None if desc is None else _with_base(desc, None) for desc in launch.args[:5])
+    as_meta = lambda t: None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")  # noqa: E731
+    return launch._replace(args=descriptors + (None,) * 4 + launch.args[9:], out_2d=as_meta(launch.out_2d),
+                           partial=as_meta(launch.partial))
+
+
+def _new_like(template_tensor, device):
+    """A new tensor of a template's shape and dtype on `device` (None for None)."""
+    if template_tensor is None:
+        return None
+    return torch.empty(template_tensor.shape, dtype=template_tensor.dtype, device=device)
+
+
 def _with_base(template, tensor):
-    """A copy of a validated descriptor that points at `tensor` (same shape, strides and dtype)."""
-    _check_tma_aligned(tensor)
+    """A copy of a validated descriptor that points at `tensor` (same shape, strides and dtype),
+    or at nothing (None: a template)."""
+    if tensor is not None:
+        _check_tma_aligned(tensor)
     descriptor = object.__new__(type(template))    # copy.copy, without its ~3 us of generality
     descriptor.__dict__.update(template.__dict__)
     descriptor.base = tensor

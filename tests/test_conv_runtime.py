@@ -91,6 +91,52 @@ def test_a_row_tail_with_a_residual_runs_on_8_warps(config):
     assert conv_runtime.fitted_to_epilogue(wide, has_residual=True) == wide
 
 
+@pytest.mark.parametrize("config", [lesson05.FIXED_CONFIG, KernelConfig(128, 128, 64, 4, 4, block_n_tail=32),
+                                    KernelConfig(128, 128, 64, 6, 8, split_k=3)], ids=str)
+def test_a_plans_template_holds_no_tensors(config):
+    """A plan keeps the first call's launch as a template, without its tensors: else each plan
+    (every layer of a network, every candidate the autotuner tried) would keep an input and an
+    output alive. The template's descriptors still describe the same boxes."""
+    x_nhwc, w = common.random_conv_inputs(2, 8, 8, 64, 160, 3, 3, torch.bfloat16, device_name="cpu")
+    geometry = common.conv_geometry(x_nhwc.shape, w.shape, 1, 1)
+    bias = torch.zeros(160)
+    launch = lesson05.prepare_launch(x_nhwc, w, bias, geometry, config, "sm_90", 132)
+    template = conv_runtime._tensorless(launch)
+    descriptors = [d for d in template.args[:5] if d is not None]
+    assert descriptors and all(d.base is None for d in descriptors)
+    assert template.args[5:9] == (None,) * 4
+    assert template.args[9:] == launch.args[9:]
+    assert template.out_2d.is_meta and template.out_2d.shape == launch.out_2d.shape
+    assert (template.partial is None) == (config.split_k == 1)
+    if template.partial is not None:
+        assert template.partial.is_meta and template.partial.shape == launch.partial.shape
+    for original, stripped in zip(launch.args[:5], template.args[:5]):
+        if original is None:
+            assert stripped is None
+            continue
+        copy = conv_runtime._with_base(stripped, original.base)
+        assert (copy.base is original.base and list(copy.shape) == list(original.shape)
+                and list(copy.strides) == list(original.strides) and copy.block_shape == original.block_shape)
+
+
+@needs_gpu
+def test_a_plan_does_not_keep_its_first_calls_tensors():
+    import gc
+    import weakref
+    config = KernelConfig(128, 64, 64, 3, 4)        # a plan of its own, made by this test
+    gc.collect()
+    in_use = torch.cuda.memory_allocated()
+    x_nhwc, w = common.random_conv_inputs(2, 12, 12, 64, 96, 3, 3, torch.bfloat16)
+    out = conv_runtime.conv2d(x_nhwc, w, None, 1, 1, config=config)           # builds the plan
+    again = conv_runtime.conv2d(x_nhwc, w, None, 1, 1, config=config)         # the direct launch
+    torch.testing.assert_close(again, out)
+    first_input = weakref.ref(x_nhwc)
+    del x_nhwc, w, out, again
+    gc.collect()
+    assert first_input() is None
+    assert torch.cuda.memory_allocated() == in_use
+
+
 @needs_gpu
 def test_fast_path_still_checks_each_call():
     # A call with a cached plan skips the full validation; what a same-shaped tensor can still get
