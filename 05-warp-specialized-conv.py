@@ -1759,6 +1759,17 @@ def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding
 #   SMs once. Gluon 3.8 compiles a 2-CTA cluster and multicasts a tiled load (the weights), but
 #   not an im2col load (the pixels): it emits the CTA mask before the im2col offsets and ptxas
 #   rejects the instruction (scripts/cluster_probe.py shows both).
+# - Did not pay: reading a 1x1 layer's pixels with plain tiled TMA loads. A 1x1 conv of stride 1
+#   without padding has the input itself, viewed as [N*H*W, Ci], for its im2col matrix; if im2col
+#   loads were the slower TMA path, this is where ResNet-50's 1x1 layers would lose to cuBLAS's
+#   GEMMs. Tiled against im2col loads, same configs, eight 1x1 layers: within noise on every one
+#   (e.g. 14x14 1024->512 552 against 551 TFLOPS). The TMA mode is not what those layers lack; a
+#   cold L2 is (kernels alone, with the L2 warm, the suite is at 1.10x cuDNN; end to end 1.07x).
+#   (Repository history, commit 41ac7a4.)
+# - Paid, for networks: tuning each layer with its epilogue (conv_runtime.epilogue_tag). A
+#   residual tile adds loads and registers, and changes which config is fastest: in the fused
+#   ResNet-50, 28x28 128->512 + residual went from 0.147 to 0.095 ms with its own choice, and the
+#   forward with CUDA graphs from 1.52x to 1.59x torch.compile on cuDNN.
 # - Paid: split-K's second launch from the plan (its grid and scalars fixed per shape, only the
 #   pointers per call): a split-K call's host time went from 75-80 to 33-38 us, and the SD UNet's
 #   8x8 and 16x16 stride-2 layers, 30-40 us on the GPU, stopped losing to their own host time
