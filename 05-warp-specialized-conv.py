@@ -92,9 +92,8 @@ CONV_DTYPES = (torch.float16, torch.bfloat16)
 @gluon.jit
 def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, b_tail_bufs, ready, empty,
                      num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-                     Ci, S, k_steps, channel_blocks, M, H, W, x_ptr, GROUP_M: gl.constexpr,
-                     NUM_BUFFERS: gl.constexpr, TILE_M: gl.constexpr, TILE_N: gl.constexpr,
-                     SPLIT_K: gl.constexpr, PREFETCH_TILE_INPUT: gl.constexpr):
+                     Ci, S, k_steps, channel_blocks, GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                     TILE_M: gl.constexpr, TILE_N: gl.constexpr, SPLIT_K: gl.constexpr):
     """One warp: for every (tile, k-step) of this program, wait for a free stage and fill it."""
     PIXEL_BOX: gl.constexpr = in_desc.block_type.shape[0]     # pixels per im2col load
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
@@ -121,9 +120,6 @@ def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, 
         if BLOCK_M_TAIL > 0:
             n_t, h_t, w_t = pixel_box_origin(m0 + BLOCK_M, out_h, out_w, stride_h, stride_w, pad_h, pad_w)
         co0 = pid_n * TILE_N
-        if PREFETCH_TILE_INPUT:
-            prefetch_tile_input(x_ptr, m0, M, out_h, out_w, stride_h, pad_h, dil_h, H, W, Ci,
-                                k_steps // (S * channel_blocks), TILE_M)
         for k in range(k_begin, k_end):
             tap = k // channel_blocks
             c0 = (k % channel_blocks) * BLOCK_K
@@ -150,32 +146,6 @@ def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, 
                 tma.async_load(w_tail_desc, [co0 + BLOCK_N, tap * Ci + c0], ready.index(slot),
                                b_tail_bufs.index(slot))
             counter += 1
-
-
-@gluon.jit
-def prefetch_tile_input(x_ptr, m0, M, out_h, out_w, stride_h, pad_h, dil_h, H, W, Ci, R, TILE_M: gl.constexpr):
-    """Ask L2 for every input row the tile's pixels read, over all its taps and channels, at once.
-
-    The ring keeps NUM_BUFFERS k-steps of loads in flight, and from a cold L2 each is a scatter of
-    128-byte reads one pixel apart in memory. The rows a tile reads are one contiguous range of
-    NHWC memory (from its first pixel's top tap row to its last pixel's bottom one), so the loader
-    warp hands that range to the copy engine as 32 bulk L2 prefetches (one per lane; a hint, no
-    data comes back) before the tile's first load."""
-    m_last = gl.minimum(m0 + TILE_M, M) - 1
-    n_first = m0 // (out_h * out_w)
-    n_last = m_last // (out_h * out_w)
-    y_first = gl.maximum(((m0 // out_w) % out_h) * stride_h - pad_h, 0)
-    y_last = gl.minimum(((m_last // out_w) % out_h) * stride_h - pad_h + (R - 1) * dil_h, H - 1)
-    first = ((n_first * H + y_first) * W).to(gl.int64) * Ci       # elements
-    end = ((n_last * H + y_last + 1) * W).to(gl.int64) * Ci
-    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    lane = gl.arange(0, 32, layout=lanes).to(gl.int64)
-    chunk = (end - first + 255) // 256 * 8                         # elements; 16-byte multiples
-    start = first + lane * chunk
-    nbytes = (gl.minimum(chunk, gl.maximum(end - start, 0)) * 2).to(gl.int32)
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-        "=r,l,r", [x_ptr + start, nbytes], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -654,14 +624,13 @@ def split_k_epilogue_kernel(partial_ptr, out_ptr, bias_ptr, scale_ptr, residual_
 @gluon.jit
 def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, bias_ptr, scale_ptr,
                         residual_ptr, partial_ptr, M, Co, num_pid_m, num_pid_n, out_h, out_w, stride_h,
-                        stride_w, pad_h, pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks, H, W, x_ptr,
+                        stride_w, pad_h, pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks,
                         IS_BLACKWELL: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
                         HAS_RESIDUAL: gl.constexpr, ACTIVATION: gl.constexpr, SPLIT_K: gl.constexpr,
                         GROUP_M: gl.constexpr,
                         NUM_BUFFERS: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                         BLOCK_M_TAIL: gl.constexpr, BLOCK_N_TAIL: gl.constexpr,
-                        STORE_BY_ROW_BLOCKS: gl.constexpr, PREFETCH_TILE_INPUT: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        STORE_BY_ROW_BLOCKS: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = in_desc.dtype
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
@@ -730,13 +699,13 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
                                        k_steps, NUM_BUFFERS, NUM_ACC, TILE_N, SPLIT_K)),
             (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, b_tail_bufs, ready,
                                 empty, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w,
-                                dil_h, dil_w, Ci, S, k_steps, channel_blocks, M, H, W, x_ptr, GROUP_M,
-                                NUM_BUFFERS, TILE_M, TILE_N, SPLIT_K, False)),
+                                dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
+                                TILE_M, TILE_N, SPLIT_K)),
         ], [1, 1], [24, 24])
     else:
         # The loader's registers: 24, or with a row tail 48 for the boxes' origins (with one
         # consumer warpgroup the register file has room; ping-pong leaves the loader 32)
-        LOADER_REGISTERS: gl.constexpr = 48 if BLOCK_M_TAIL > 0 or PREFETCH_TILE_INPUT else 24
+        LOADER_REGISTERS: gl.constexpr = 48 if BLOCK_M_TAIL > 0 else 24
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
@@ -751,8 +720,8 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
                                                  0, 1, STORE_BY_ROW_BLOCKS, num_warps)),
                 (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, b_tail_bufs,
                                     ready, empty, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h,
-                                    pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks, M, H, W, x_ptr,
-                                    GROUP_M, NUM_BUFFERS, TILE_M, TILE_N, SPLIT_K, PREFETCH_TILE_INPUT)),
+                                    pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
+                                    TILE_M, TILE_N, SPLIT_K)),
             ], [1], [LOADER_REGISTERS])
         else:
             # ping-pong: consumer 0 is the default partition, consumer 1 a worker of as many warps.
@@ -774,8 +743,8 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
                                                  1, 2, STORE_BY_ROW_BLOCKS, num_warps)),
                 (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, b_tail_bufs,
                                     ready, empty, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h,
-                                    pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks, M, H, W, x_ptr,
-                                    GROUP_M, NUM_BUFFERS, TILE_M, TILE_N, SPLIT_K, PREFETCH_TILE_INPUT)),
+                                    pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
+                                    TILE_M, TILE_N, SPLIT_K)),
             ], [num_warps, 1], [240, min(LOADER_REGISTERS, 32)])
 
 
@@ -925,7 +894,6 @@ class Epilogue(NamedTuple):
 
 ACTIVATIONS = {"none": 0, "relu": 1, "silu": 2}
 GROUP_M = 8      # row-tiles per group of the tile order (section 3)
-PREFETCH_TILE_INPUT = True   # Hopper: the loader prefetches each tile's input rows into L2
 
 
 def kernel_constexprs(config, arch, epilogue=Epilogue()):
@@ -935,8 +903,7 @@ def kernel_constexprs(config, arch, epilogue=Epilogue()):
                 SPLIT_K=config.split_k, GROUP_M=GROUP_M,
                 NUM_BUFFERS=config.num_buffers, NUM_CONSUMERS=config.consumers,
                 BLOCK_M_TAIL=config.block_m_tail, BLOCK_N_TAIL=config.block_n_tail,
-                STORE_BY_ROW_BLOCKS=stores_by_row_blocks(config),
-                PREFETCH_TILE_INPUT=arch == "sm_90" and PREFETCH_TILE_INPUT, num_warps=config.num_warps,
+                STORE_BY_ROW_BLOCKS=stores_by_row_blocks(config), num_warps=config.num_warps,
                 **({"maxnreg": 128} if config.programs_per_sm > 1 else {}))
 
 
@@ -980,7 +947,7 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     args = (in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc,
             *(t if t is not None else out_2d for t in (bias, scale, residual, partial)),
             g.M, g.Co, num_pid_m, num_pid_n, g.out_h, g.out_w,
-            *g.stride, *g.padding, *g.dilation, Ci_padded, g.S, k_steps, channel_blocks, g.H, g.W, x_nhwc)
+            *g.stride, *g.padding, *g.dilation, Ci_padded, g.S, k_steps, channel_blocks)
     num_tiles = num_pid_m * num_pid_n
     grid = (min(config.programs_per_sm * num_sms, num_tiles * config.split_k), 1, 1)
     # split-K splits the tiles past the last full wave (work_unit); all of them if there is none

@@ -25,12 +25,8 @@ def main():
     parser.add_argument("layers", nargs="+", help="suite labels (network_suite.py) or lesson 05's bench shapes")
     parser.add_argument("--config", action="append", required=True, help="KernelConfig fields, e.g. 128,128,64,6,8")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--no-prefetch-too", action="store_true",
-                        help="also time each config without the loader's L2 prefetch of each tile's input "
-                             "(lesson 05's PREFETCH_TILE_INPUT)")
     args = parser.parse_args()
-    lesson = conv_runtime._lesson()
-    KernelConfig = lesson.KernelConfig
+    KernelConfig = conv_runtime._lesson().KernelConfig
     configs = [KernelConfig(*map(int, text.split(","))) for text in args.config]
     suite = {layer[0]: layer for layer in network_suite.NETWORK_SUITE + conv_runtime._lesson().BENCH_SHAPES}
     unknown = [label for label in args.layers if label not in suite]
@@ -47,10 +43,6 @@ def main():
             call = (lambda c: lambda: conv_runtime.conv2d(x, w, None, stride, padding, config=c))(config)
             common.assert_close_to_reference(call(), expected, dtype=torch.bfloat16, K=geometry.K)
             calls[str(config)] = call
-            if args.no_prefetch_too:
-                call = plan_call_without_prefetch(lesson, geometry, config, x, w)
-                common.assert_close_to_reference(call(), expected, dtype=torch.bfloat16, K=geometry.K)
-                calls[f"{config}, no prefetch"] = call
         rounds = {name: [] for name in calls}
         for _ in range(args.rounds):
             for name, call in calls.items():
@@ -61,19 +53,6 @@ def main():
             median = sorted(values)[args.rounds // 2]
             print(f"   {name:<46} {median:6.1f} TFLOPS  {median / cudnn:5.2f}x cuDNN   rounds "
                   + " ".join(f"{v:.0f}" for v in values))
-
-
-def plan_call_without_prefetch(lesson, geometry, config, x, w):
-    """A call of a plan of its own, compiled (on its first run) with the lesson's switch for the
-    loader's L2 prefetch turned off: the same kernel without it."""
-    arch, num_sms = lesson.device_arch_and_sms("bench_configs")
-    plan = conv_runtime.ConvPlan(geometry, x.dtype, config, arch, num_sms)
-    lesson.PREFETCH_TILE_INPUT = False
-    try:
-        plan.run(x, w)
-    finally:
-        lesson.PREFETCH_TILE_INPUT = True
-    return lambda: plan.run(x, w)
 
 
 if __name__ == "__main__":
