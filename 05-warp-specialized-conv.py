@@ -1758,7 +1758,13 @@ def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding
 # - Not built: thread-block clusters with TMA multicast, which would load a tile shared by two
 #   SMs once. Gluon 3.8 compiles a 2-CTA cluster and multicasts a tiled load (the weights), but
 #   not an im2col load (the pixels): it emits the CTA mask before the im2col offsets and ptxas
-#   rejects the instruction (scripts/cluster_probe.py shows both).
+#   rejects the instruction. A barrier across the pair is reachable from both CTAs, but only the
+#   leader waits on it, and an im2col box split over the pair gets the wrong pixels for its second
+#   half; so each CTA's own pixels could be loaded only as a matrix, in 1x1 layers
+#   (scripts/cluster_probe.py shows all four).
+# - Did not pay: the loader prefetching each tile's whole input into L2 before its first load
+#   (32 bulk prefetches, one contiguous range of NHWC rows): slower on all ten layers tried, 5-30%;
+#   asked for at once, a tile's input crowds out the loads the MMAs wait on. (Commit 5788410.)
 # - Did not pay: reading a 1x1 layer's pixels with plain tiled TMA loads. A 1x1 conv of stride 1
 #   without padding has the input itself, viewed as [N*H*W, Ci], for its im2col matrix; if im2col
 #   loads were the slower TMA path, this is where ResNet-50's 1x1 layers would lose to cuBLAS's

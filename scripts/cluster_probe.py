@@ -10,17 +10,33 @@ describes a cluster as one program over `num_ctas` CTAs: a shared buffer's `cga_
 its rows are spread over the CTAs (`[[1, 0]]`: split, each CTA holds half; `[[0, 0]]`: every CTA
 holds the whole tile), and `multicast=True` on a load of a shared tile multicasts it.
 
-Two probes, each a 2-CTA cluster:
+Four probes, each a 2-CTA cluster:
 - `weights_probe`: each CTA loads its own 128 pixels of A (split) and the cluster shares one
   128 x 64 weight tile (multicast), then one WGMMA per CTA: what sharing B would look like.
 - `im2col_probe`: the cluster shares one im2col box of pixels (multicast), what sharing A
   would look like.
-The first compiles: the PTX has `.reqnctapercluster 2`, cluster barriers and a
-`cp.async.bulk.tensor...multicast::cluster` with a CTA mask. The second does not: Triton 3.8
-emits the im2col multicast with its CTA mask before the im2col offsets, where the PTX ISA puts
-the offsets first, and ptxas rejects the line ("Vector expected for argument 4"). So on sm_90
-with this Triton only tiled loads (the weights) can be multicast; the pixels, loaded through
-im2col, cannot. Lesson 05 does not use clusters (RESULTS.md, the network suite's targets).
+- `pair_barrier_probe`: both CTAs arrive on one barrier laid out across the pair
+  (`MBarrierLayout.multicta`), then wait on it: how one CTA's consumer would tell the other
+  CTA's loader that a stage is free.
+- `im2col_split_probe`: each CTA loads its own half of a 256-pixel im2col box (split, no
+  multicast): what each CTA loading its own pixels would look like for a 3x3 layer.
+What they compile to:
+- weights: compiles. The PTX has `.reqnctapercluster 2`, cluster barriers, and a
+  `cp.async.bulk.tensor...multicast::cluster` with a CTA mask, issued by the leader CTA (rank 0).
+- im2col multicast: does not. Triton 3.8 emits its CTA mask before the im2col offsets, where the
+  PTX ISA puts the offsets first, and ptxas rejects the line ("Vector expected for argument 4").
+- pair barrier: a remote arrive exists. The barrier lives in the leader CTA only (initialised
+  there), the other CTA's arrive goes to the leader's copy (`mbarrier.arrive.shared::cluster` on
+  the leader's address), and only the leader waits: the other CTA skips the wait. The weights
+  probe's barrier is of this kind too, so there the second CTA reads its tiles without waiting
+  for them: a barrier both CTAs must wait on has to be one per CTA.
+- im2col split: compiles, with the wrong pixels. Triton offsets the second CTA's box by 128 in
+  its W coordinate, as it would a tiled box's rows; in im2col mode the pixels 128 places further
+  along the walk start elsewhere (the next image row, or the next image).
+So on sm_90 with this Triton a cluster can share weights and release stages across the pair, but
+each CTA's own pixels can only be loaded through tiled descriptors: 1x1 stride-1 layers (pixels
+as a matrix), not 3x3 ones. Lesson 05 does not use clusters (RESULTS.md, the network suite's
+targets).
 """
 import contextlib
 import io
@@ -79,6 +95,31 @@ def weights_probe(a_desc, w_desc, out_desc, num_warps: gl.constexpr):
 
 
 @gluon.jit
+def pair_barrier_probe(out_ptr, num_warps: gl.constexpr):
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout.multicta(CTAS))
+    mbarrier.init(bar, count=1)
+    mbarrier.fence_init_release_cluster()
+    cluster.barrier(relaxed=True)
+    mbarrier.arrive(bar)
+    mbarrier.wait(bar, 0)
+
+
+@gluon.jit
+def im2col_split_probe(in_desc, out_desc, num_warps: gl.constexpr):
+    PIXELS: gl.constexpr = in_desc.block_type.shape[0]      # over the cluster: 2 x 128
+    BLOCK_K: gl.constexpr = in_desc.block_type.shape[1]
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [PIXELS, BLOCK_K], in_desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout.multicta(CTAS))
+    cluster_barrier_init(bar)
+    mbarrier.expect(bar, in_desc.nbytes_per_cta)
+    tma.async_load_im2col(in_desc, [0, -1, -1, 0], [gl.to_tensor(1).to(gl.int16), gl.to_tensor(1).to(gl.int16)],
+                          bar, a_smem)
+    mbarrier.wait(bar, 0)
+    tma.async_store(out_desc, [0, 0], a_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
 def im2col_probe(in_desc, out_desc, num_warps: gl.constexpr):
     PIXELS: gl.constexpr = in_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = in_desc.block_type.shape[1]
@@ -122,6 +163,22 @@ def build_im2col_probe():
     return im2col_probe, (in_desc, out_desc), dict(num_warps=4, num_ctas=CTAS.value)
 
 
+def build_pair_barrier_probe():
+    return pair_barrier_probe, (torch.zeros(4),), dict(num_warps=4, num_ctas=CTAS.value)
+
+
+def build_im2col_split_probe():
+    """(kernel, args, kwargs): a 256-pixel x 64-channel im2col box over the pair, 128 pixels per CTA."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
+    x = torch.zeros(2, 16, 16, 64, dtype=torch.bfloat16)
+    out = torch.zeros(512, 64, dtype=torch.bfloat16)
+    in_desc = TensorDescriptorIm2Col.from_tensor(x, [256, 64], nvmma_layout(SPLIT_ROWS), padding="zero",
+                                                 element_strides=[1, 1, 1, 1], pixel_box_lower_corner=[-1, -1],
+                                                 pixel_box_upper_corner=[-2, -2])
+    out_desc = TensorDescriptor.from_tensor(out, [256, 64], nvmma_layout(SPLIT_ROWS))
+    return im2col_split_probe, (in_desc, out_desc), dict(num_warps=4, num_ctas=CTAS.value)
+
+
 def _compile_here(name):
     """Runs in the subprocess: compile one probe for sm_90 and print the outcome as JSON. On a ptxas
     error Triton prints a report with the whole PTX; it is captured, and only the rejected line kept."""
@@ -154,13 +211,17 @@ def compile_probe(name):
     raise RuntimeError(f"cluster probe {name!r} did not report (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
-PROBES = {"weights": build_weights_probe, "im2col": build_im2col_probe}
+PROBES = {"weights": build_weights_probe, "im2col": build_im2col_probe,
+          "pair_barrier": build_pair_barrier_probe, "im2col_split": build_im2col_split_probe}
 
 
 def main():
     if sys.argv[1:2] == ["--compile"]:
         return _compile_here(sys.argv[2])
-    for name, title in (("weights", "weights (tiled) multicast"), ("im2col", "pixels (im2col) multicast")):
+    titles = (("weights", "weights (tiled) multicast"), ("im2col", "pixels (im2col) multicast"),
+              ("pair_barrier", "one barrier across the pair: arrive from both, wait"),
+              ("im2col_split", "each CTA its own half of an im2col box"))
+    for name, title in titles:
         outcome = compile_probe(name)
         print(f"\n{title}, 2-CTA cluster, sm_90:")
         if outcome["error"]:
@@ -174,7 +235,10 @@ def main():
             continue
         for line in outcome["ptx"].splitlines():
             text = line.strip()
-            if text.startswith(".reqnctapercluster") or "multicast::cluster" in text or "barrier.cluster" in text:
+            if (text.startswith(".reqnctapercluster") or "multicast::cluster" in text or "barrier.cluster" in text
+                    or "mbarrier.init" in text or "mbarrier.arrive" in text or "skipWait" in text
+                    or "cluster_ctarank" in text or "cp.async.bulk.tensor" in text
+                    or (name == "im2col_split" and text.startswith(("shl.b32", "add.s32", "and.b32")))):
                 print("   " + text[:140])
 
 
