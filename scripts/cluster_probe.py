@@ -18,7 +18,7 @@ Four probes, each a 2-CTA cluster:
 - `pair_barrier_probe`: both CTAs arrive on one barrier laid out across the pair
   (`MBarrierLayout.multicta`), then wait on it: how one CTA's consumer would tell the other
   CTA's loader that a stage is free.
-- `im2col_split_probe`: each CTA loads its own half of a 256-pixel im2col box (split, no
+- `im2col_probe` again, split: each CTA loads its own half of a 256-pixel im2col box (split, no
   multicast): what each CTA loading its own pixels would look like for a 3x3 layer.
 What they compile to:
 - weights: compiles. The PTX has `.reqnctapercluster 2`, cluster barriers, and a
@@ -64,8 +64,9 @@ SHARED = gl.constexpr([[0, 0]])       # cga_layout: every CTA holds the whole ti
 
 @gluon.jit
 def cluster_barrier_init(bar):
-    """An mbarrier per CTA, initialised and made visible to the whole cluster before any TMA
-    (from either CTA) may arrive on it."""
+    """The probes' barrier, laid out over the pair (it lives in the leader CTA: see
+    `pair_barrier_probe`), initialised and made visible to the whole cluster before any TMA (from
+    either CTA) may arrive on it."""
     mbarrier.init(bar, count=1)
     mbarrier.fence_init_release_cluster()
     cluster.barrier(relaxed=True)
@@ -105,22 +106,9 @@ def pair_barrier_probe(out_ptr, num_warps: gl.constexpr):
 
 
 @gluon.jit
-def im2col_split_probe(in_desc, out_desc, num_warps: gl.constexpr):
-    PIXELS: gl.constexpr = in_desc.block_type.shape[0]      # over the cluster: 2 x 128
-    BLOCK_K: gl.constexpr = in_desc.block_type.shape[1]
-    a_smem = gl.allocate_shared_memory(gl.bfloat16, [PIXELS, BLOCK_K], in_desc.layout)
-    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout.multicta(CTAS))
-    cluster_barrier_init(bar)
-    mbarrier.expect(bar, in_desc.nbytes_per_cta)
-    tma.async_load_im2col(in_desc, [0, -1, -1, 0], [gl.to_tensor(1).to(gl.int16), gl.to_tensor(1).to(gl.int16)],
-                          bar, a_smem)
-    mbarrier.wait(bar, 0)
-    tma.async_store(out_desc, [0, 0], a_smem)
-    tma.store_wait(0)
-
-
-@gluon.jit
-def im2col_probe(in_desc, out_desc, num_warps: gl.constexpr):
+def im2col_probe(in_desc, out_desc, MULTICAST: gl.constexpr, num_warps: gl.constexpr):
+    """One im2col box: shared by the pair and multicast (`im2col_probe`), or split over it, each
+    CTA loading its own half (the "im2col_split" probe): the descriptor's layout says which."""
     PIXELS: gl.constexpr = in_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = in_desc.block_type.shape[1]
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [PIXELS, BLOCK_K], in_desc.layout)
@@ -128,7 +116,7 @@ def im2col_probe(in_desc, out_desc, num_warps: gl.constexpr):
     cluster_barrier_init(bar)
     mbarrier.expect(bar, in_desc.nbytes_per_cta)
     tma.async_load_im2col(in_desc, [0, -1, -1, 0], [gl.to_tensor(1).to(gl.int16), gl.to_tensor(1).to(gl.int16)],
-                          bar, a_smem, multicast=True)
+                          bar, a_smem, multicast=MULTICAST)
     mbarrier.wait(bar, 0)
     tma.async_store(out_desc, [0, 0], a_smem)
     tma.store_wait(0)
@@ -151,16 +139,21 @@ def build_weights_probe():
     return weights_probe, descriptors, dict(num_warps=4, num_ctas=CTAS.value)
 
 
-def build_im2col_probe():
-    """(kernel, args, kwargs): one 128-pixel x 64-channel im2col box of a 2 x 16 x 16 NHWC input."""
+def im2col_box_descriptors(pixels, cga_layout):
+    """An im2col box of `pixels` x 64 channels of a 2 x 16 x 16 NHWC input (3x3 window, padding 1),
+    and a tiled output of the same box, both laid out over the pair as `cga_layout` says."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
     x = torch.zeros(2, 16, 16, 64, dtype=torch.bfloat16)
     out = torch.zeros(512, 64, dtype=torch.bfloat16)
-    in_desc = TensorDescriptorIm2Col.from_tensor(x, [128, 64], nvmma_layout(SHARED), padding="zero",
+    in_desc = TensorDescriptorIm2Col.from_tensor(x, [pixels, 64], nvmma_layout(cga_layout), padding="zero",
                                                  element_strides=[1, 1, 1, 1], pixel_box_lower_corner=[-1, -1],
                                                  pixel_box_upper_corner=[-2, -2])
-    out_desc = TensorDescriptor.from_tensor(out, [128, 64], nvmma_layout(SHARED))
-    return im2col_probe, (in_desc, out_desc), dict(num_warps=4, num_ctas=CTAS.value)
+    return in_desc, TensorDescriptor.from_tensor(out, [pixels, 64], nvmma_layout(cga_layout))
+
+
+def build_im2col_probe():
+    """(kernel, args, kwargs): one 128-pixel im2col box, shared by the pair."""
+    return im2col_probe, im2col_box_descriptors(128, SHARED), dict(MULTICAST=True, num_warps=4, num_ctas=CTAS.value)
 
 
 def build_pair_barrier_probe():
@@ -168,15 +161,9 @@ def build_pair_barrier_probe():
 
 
 def build_im2col_split_probe():
-    """(kernel, args, kwargs): a 256-pixel x 64-channel im2col box over the pair, 128 pixels per CTA."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
-    x = torch.zeros(2, 16, 16, 64, dtype=torch.bfloat16)
-    out = torch.zeros(512, 64, dtype=torch.bfloat16)
-    in_desc = TensorDescriptorIm2Col.from_tensor(x, [256, 64], nvmma_layout(SPLIT_ROWS), padding="zero",
-                                                 element_strides=[1, 1, 1, 1], pixel_box_lower_corner=[-1, -1],
-                                                 pixel_box_upper_corner=[-2, -2])
-    out_desc = TensorDescriptor.from_tensor(out, [256, 64], nvmma_layout(SPLIT_ROWS))
-    return im2col_split_probe, (in_desc, out_desc), dict(num_warps=4, num_ctas=CTAS.value)
+    """(kernel, args, kwargs): a 256-pixel im2col box over the pair, 128 pixels per CTA."""
+    return im2col_probe, im2col_box_descriptors(256, SPLIT_ROWS), dict(MULTICAST=False, num_warps=4,
+                                                                        num_ctas=CTAS.value)
 
 
 def _compile_here(name):

@@ -196,6 +196,19 @@ def test_every_hopper_candidate_is_correct():
                           4, 20, 20, 136, 200, 3, 3, 1, 1, with_bias=True)
 
 
+def _stand_in_tuner(monkeypatch, tmp_path, plan_class, do_bench):
+    """The autotuner without a GPU: a tuning file in tmp_path, an sm_90 device of 132 SMs, plans
+    of `plan_class`, timings from `do_bench`."""
+    monkeypatch.setenv("CONV_TUTORIAL_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    monkeypatch.setattr(conv_runtime, "_TUNING_FILE", None)
+    monkeypatch.setattr(conv_runtime, "_BEST_CONFIG", {})
+    monkeypatch.setattr(conv_runtime, "device_facts", lambda: ("sm_90", 132, 232448))
+    monkeypatch.setattr(conv_runtime, "plan_for", lambda g, d, c: plan_class(c))
+    monkeypatch.setattr(conv_runtime.triton.testing, "do_bench", do_bench)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "a test GPU")
+
+
 def test_autotune_keeps_the_fastest_and_later_processes_reuse_it(monkeypatch, tmp_path, capsys):
     # The tuner's logic and its tuning file, without a GPU: plans and timings are stand-ins whose
     # "kernel time" is a table, so the choice is known in advance.
@@ -217,14 +230,7 @@ def test_autotune_keeps_the_fastest_and_later_processes_reuse_it(monkeypatch, tm
         fn()
         return kernel_ms[TimedPlan.last]      # do_bench returns a float for one quantile too
 
-    monkeypatch.setenv("CONV_TUTORIAL_TUNING_CACHE", str(tmp_path / "tuning.json"))
-    monkeypatch.setattr(conv_runtime, "_TUNING_FILE", None)
-    monkeypatch.setattr(conv_runtime, "_BEST_CONFIG", {})
-    monkeypatch.setattr(conv_runtime, "device_facts", lambda: ("sm_90", 132, 232448))
-    monkeypatch.setattr(conv_runtime, "plan_for", lambda g, d, c: TimedPlan(c))
-    monkeypatch.setattr(conv_runtime.triton.testing, "do_bench", do_bench)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "a test GPU")
+    _stand_in_tuner(monkeypatch, tmp_path, TimedPlan, do_bench)
     x = torch.empty(0, dtype=torch.bfloat16)
     assert conv_runtime.tuned_config(geometry, x, x, None, verbose=True) == fastest
     assert "<- chosen" in capsys.readouterr().out
@@ -271,14 +277,7 @@ def test_autotune_times_with_the_epilogue_and_keeps_a_choice_per_epilogue(monkey
         fastest = residual_fastest if with_residual else plain_fastest
         return 0.05 if config == fastest else 0.09
 
-    monkeypatch.setenv("CONV_TUTORIAL_TUNING_CACHE", str(tmp_path / "tuning.json"))
-    monkeypatch.setattr(conv_runtime, "_TUNING_FILE", None)
-    monkeypatch.setattr(conv_runtime, "_BEST_CONFIG", {})
-    monkeypatch.setattr(conv_runtime, "device_facts", lambda: ("sm_90", 132, 232448))
-    monkeypatch.setattr(conv_runtime, "plan_for", lambda g, d, c: TimedPlan(c))
-    monkeypatch.setattr(conv_runtime.triton.testing, "do_bench", do_bench)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "a test GPU")
+    _stand_in_tuner(monkeypatch, tmp_path, TimedPlan, do_bench)
     x = torch.empty(0, dtype=torch.bfloat16)
     assert conv_runtime.tuned_config(geometry, x, x, None) == plain_fastest
     assert all(not with_residual for _, with_residual, _ in seen)
