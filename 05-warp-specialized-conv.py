@@ -1632,10 +1632,12 @@ def conv2d_fprop(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, **epilog
     CUDA, contiguous), optional bias [Co] and the rest of the epilogue (scale, residual,
     activation, as for conv2d_fprop_launch); returns NHWC in x's dtype.
 
-    The first call for a shape times the pruned configs on the real tensors and remembers the
-    fastest, in this process and in the runtime's tuning file (conv_runtime.tuning_cache_path()),
-    so later processes skip the timing. The key is the whole geometry (N, H, W, Ci, Co, R, S,
-    stride, padding, dilation), the dtype, the GPU model and the Triton version."""
+    The first call for a shape times the pruned configs on the real tensors, with the call's
+    epilogue, and remembers the fastest, in this process and in the runtime's tuning file
+    (conv_runtime.tuning_cache_path()), so later processes skip the timing. The key is the whole
+    geometry (N, H, W, Ci, Co, R, S, stride, padding, dilation), the dtype, the epilogue
+    (conv_runtime.epilogue_tag: a residual changes which config is fastest), the GPU model and the
+    Triton version."""
     import conv_runtime
     return conv_runtime.conv2d(x_nhwc, w, bias, stride, padding, dilation, config=None, **epilogue)
 

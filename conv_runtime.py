@@ -10,7 +10,9 @@ ResNet-50 layer (measured on an H100 host, 2026-11-22). This module adds, for th
   config, device). Building the shared layouts alone costs ~10 us each.
 - Descriptor templates: the first call's descriptors are validated by Triton; later calls copy
   them and swap in the new tensors (`_with_base`), checking the one property that can differ
-  (16-byte alignment). Re-validating costs ~30 us of Python per call.
+  (16-byte alignment). Re-validating costs ~30 us of Python per call. The plan keeps the
+  templates without their tensors (`_tensorless`): it must not keep a call's input and output
+  alive.
 - A fast host path: a call looks its plan up by what it can see at a glance (shapes, dtypes,
   devices, hyper-parameters); a dictionary hit skips the full validation that the first call of
   that key passed, while contiguity and alignment are still checked on every call.
@@ -27,9 +29,10 @@ ResNet-50 layer (measured on an H100 host, 2026-11-22). This module adds, for th
   the shape (tiles much wider than Co, tails that neither save columns nor fill SMs) are
   dropped before anything is compiled.
 - An autotuner (`autotune`): times each pruned candidate the way the benchmark does (do_bench,
-  L2 flushed), then the three fastest again in alternating rounds, and keeps the fastest for that
-  shape: in this process and in a JSON tuning file (`tuning_cache_path()`:
-  $CONV_TUTORIAL_TUNING_CACHE or ~/.cache/conv_tutorial/tuning.json) that later processes read.
+  L2 flushed), with the call's epilogue, then the three fastest again in alternating rounds, and
+  keeps the fastest for that shape and epilogue (`epilogue_tag`): in this process and in a JSON
+  tuning file (`tuning_cache_path()`: $CONV_TUTORIAL_TUNING_CACHE or
+  ~/.cache/conv_tutorial/tuning.json) that later processes read.
 - A heuristic (`heuristic_config`): a config from the shape alone, for callers that must not
   spend a second timing candidates on a shape's first call (the PyTorch operator of conv_torch.py,
   unless autotuning is asked for): the config with the shortest expected time, from its
