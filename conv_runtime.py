@@ -500,14 +500,14 @@ def residual_fits_in_registers(config, arch="sm_90"):
 
 
 def fitted_to_epilogue(config, has_residual, arch="sm_90"):
-    """The config to run a config chosen without the epilogue with (the heuristic's, or a plain
-    conv's tuned choice), given the epilogue; the autotuner times its candidates fitted so. A
-    residual tile adds registers. A row tail on 4-warp consumers
-    has no room for them: its build spills (232 bytes per thread; ResNet-50's 14x14 256->1024 1x1
-    + residual took 0.086 ms), so it moves to one 8-warp consumer, the same tile with half the
-    registers per thread (0.070 ms). Other builds that spill a little are kept: letting the
-    heuristic pick one with room instead measured slower (ResNet-50's 56x56 64->256 1x1 +
-    residual: 0.241 ms against 0.215 for the tuned 128x256 tile, which spills 176 bytes)."""
+    """How to run, given the epilogue, a config chosen without it (the heuristic's, or a plain
+    conv's tuned choice); the autotuner times its candidates this way too when the call has a
+    residual. A residual tile adds registers, and a row tail on 4-warp consumers has no room for
+    them: its build spills (232 bytes per thread; ResNet-50's 14x14 256->1024 1x1 + residual took
+    0.086 ms), so it moves to one 8-warp consumer, the same tile with half the registers per
+    thread (0.070 ms). Other builds that spill a little are kept: letting the heuristic pick one
+    with room instead measured slower (ResNet-50's 56x56 64->256 1x1 + residual: 0.241 ms against
+    0.215 for the tuned 128x256 tile, which spills 176 bytes)."""
     if has_residual and config.block_m_tail and not residual_fits_in_registers(config, arch):
         return config._replace(num_warps=8, consumers=1, num_buffers=4)
     return config
