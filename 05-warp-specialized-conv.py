@@ -1848,13 +1848,8 @@ def run_bench(outdir, quick=False, dtype=torch.bfloat16):
         # Lesson 05 and cuDNN alternate, BENCH_ROUNDS times each, and the medians are reported:
         # clocks and cuDNN's own timings drift by several percent within minutes, and alternating
         # exposes both to the same drift. Every round is kept in the JSON.
-        rounds = {"05 warp-specialized": [], "cuDNN": []}
-        for _ in range(BENCH_ROUNDS):
-            for name in rounds:
-                rounds[name].append(common.bench_tflops(runs[name], geometry.flops))
-        for name, results in rounds.items():
-            row[name] = dict(sorted(results, key=lambda r: r["tflops"])[len(results) // 2],
-                             rounds=[r["tflops"] for r in results])
+        row.update(common.bench_in_rounds({name: runs[name] for name in ("05 warp-specialized", "cuDNN")},
+                                          geometry.flops, BENCH_ROUNDS))
         # Kernel time alone, launch overhead removed (CUDA graph replay), for 05 and cuDNN.
         for name in ("05 warp-specialized", "cuDNN"):
             row[name + " graph"] = common.bench_tflops(runs[name], geometry.flops, cuda_graph=True)

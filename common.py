@@ -406,6 +406,23 @@ def bench_tflops(fn, flops: int, warmup_ms: int = 25, rep_ms: int = 100, cuda_gr
             "tflops_p80": to_tflops(ms_p20), "tflops_p20": to_tflops(ms_p80)}
 
 
+def bench_in_rounds(calls: dict, flops: int, rounds: int) -> dict:
+    """Time each of `calls` (name -> function) with bench_tflops in `rounds` alternating rounds:
+    every function once per round, in the dict's order.
+
+    Clocks (under the power limit) and cuDNN's own timings drift by several percent within
+    minutes; alternating exposes every function to the same drift, where timing one after the
+    other would hand the drift to whichever ran last. Returns name -> the median round's
+    bench_tflops result, with `rounds`: every round's TFLOPS, in order."""
+    results = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            results[name].append(bench_tflops(fn, flops))
+    return {name: dict(sorted(timed, key=lambda r: r["tflops"])[len(timed) // 2],
+                       rounds=[r["tflops"] for r in timed])
+            for name, timed in results.items()}
+
+
 def cudnn_conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1):
     """Return a closure running cuDNN on the same data, in channels_last memory format.
 

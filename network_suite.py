@@ -112,11 +112,8 @@ def run_network_suite(outdir, quick=False, tune=True, dtype=torch.bfloat16):
         expected = common.reference_conv2d_nhwc(x_nhwc, w, None, stride, padding)
         common.assert_close_to_reference(ours(), expected, dtype=dtype, K=geometry.K)
         del expected
-        rounds = {"ours": [], "cudnn": []}
-        for _ in range(ROUNDS):                    # alternating: both see the same clock drift
-            rounds["ours"].append(common.bench_tflops(ours, geometry.flops)["tflops"])
-            rounds["cudnn"].append(common.bench_tflops(cudnn, geometry.flops)["tflops"])
-        ours_tflops, cudnn_tflops = (sorted(rounds[k])[ROUNDS // 2] for k in ("ours", "cudnn"))
+        timed = common.bench_in_rounds({"ours": ours, "cudnn": cudnn}, geometry.flops, ROUNDS)
+        ours_tflops, cudnn_tflops = (timed[k]["tflops"] for k in ("ours", "cudnn"))
         # the kernels alone (CUDA-graph replay: no host time, L2 not flushed), and our host time
         graph = {name: common.bench_tflops(fn, geometry.flops, cuda_graph=True)["tflops"]
                  for name, fn in (("ours", ours), ("cudnn", cudnn))}
@@ -124,7 +121,8 @@ def run_network_suite(outdir, quick=False, tune=True, dtype=torch.bfloat16):
         records.append({
             "layer": label, "geometry": geometry.describe(), "flops": geometry.flops,
             "min_bytes": minimum_bytes(geometry), "ours_tflops": ours_tflops, "cudnn_tflops": cudnn_tflops,
-            "ratio": ours_tflops / cudnn_tflops, "ours_rounds": rounds["ours"], "cudnn_rounds": rounds["cudnn"],
+            "ratio": ours_tflops / cudnn_tflops,
+            "ours_rounds": timed["ours"]["rounds"], "cudnn_rounds": timed["cudnn"]["rounds"],
             "config": list(config), "config_text": str(config), "folded": fold is not None,
             "ours_graph_tflops": graph["ours"], "cudnn_graph_tflops": graph["cudnn"],
             "graph_ratio": graph["ours"] / graph["cudnn"], "ours_host_us": host_us,

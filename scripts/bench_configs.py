@@ -43,16 +43,11 @@ def main():
             call = (lambda c: lambda: conv_runtime.conv2d(x, w, None, stride, padding, config=c))(config)
             common.assert_close_to_reference(call(), expected, dtype=torch.bfloat16, K=geometry.K)
             calls[str(config)] = call
-        rounds = {name: [] for name in calls}
-        for _ in range(args.rounds):
-            for name, call in calls.items():
-                rounds[name].append(common.bench_tflops(call, geometry.flops)["tflops"])
-        cudnn = sorted(rounds["cuDNN"])[args.rounds // 2]
+        timed = common.bench_in_rounds(calls, geometry.flops, args.rounds)
         print(f"\n{label}: {geometry.describe()}")
-        for name, values in rounds.items():
-            median = sorted(values)[args.rounds // 2]
-            print(f"   {name:<46} {median:6.1f} TFLOPS  {median / cudnn:5.2f}x cuDNN   rounds "
-                  + " ".join(f"{v:.0f}" for v in values))
+        for name, result in timed.items():
+            print(f"   {name:<46} {result['tflops']:6.1f} TFLOPS  {result['tflops'] / timed['cuDNN']['tflops']:5.2f}x "
+                  f"cuDNN   rounds " + " ".join(f"{v:.0f}" for v in result["rounds"]))
 
 
 if __name__ == "__main__":

@@ -117,15 +117,11 @@ def main():
             call = (lambda a, b: lambda: conv_runtime.conv2d(a, b, None, stride, padding, config=config))(x_copy, w_copy)
             common.assert_close_to_reference(call(), expected, dtype=torch.bfloat16, K=geometry.K)
             calls[name] = call
-        rounds = {name: [] for name in calls}
-        for _ in range(ROUNDS):
-            for name, call in calls.items():
-                rounds[name].append(common.bench_tflops(call, geometry.flops)["tflops"])
-        median = {name: sorted(values)[ROUNDS // 2] for name, values in rounds.items()}
+        timed = common.bench_in_rounds(calls, geometry.flops, ROUNDS)
         print(f"\n{label} ({config}):")
-        for name, value in median.items():
-            print(f"   {name:<14} {value:6.1f} TFLOPS  {value / median['cuDNN']:5.3f}x cuDNN   rounds "
-                  + " ".join(f"{v:.0f}" for v in rounds[name]))
+        for name, result in timed.items():
+            print(f"   {name:<14} {result['tflops']:6.1f} TFLOPS  {result['tflops'] / timed['cuDNN']['tflops']:5.3f}x "
+                  f"cuDNN   rounds " + " ".join(f"{v:.0f}" for v in result["rounds"]))
     print(f"\n{patch.maps_checked} tensor maps re-encoded identical to Triton's")
 
 
