@@ -92,9 +92,8 @@ CONV_DTYPES = (torch.float16, torch.bfloat16)
 @gluon.jit
 def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, b_tail_bufs, ready, empty,
                      num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-                     Ci, S, k_steps, channel_blocks, M, H, W, x_ptr, GROUP_M: gl.constexpr,
-                     NUM_BUFFERS: gl.constexpr, TILE_M: gl.constexpr, TILE_N: gl.constexpr,
-                     SPLIT_K: gl.constexpr, PREFETCH_AHEAD: gl.constexpr):
+                     Ci, S, k_steps, channel_blocks, GROUP_M: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                     TILE_M: gl.constexpr, TILE_N: gl.constexpr, SPLIT_K: gl.constexpr):
     """One warp: for every (tile, k-step) of this program, wait for a free stage and fill it."""
     PIXEL_BOX: gl.constexpr = in_desc.block_type.shape[0]     # pixels per im2col load
     BLOCK_M: gl.constexpr = a_bufs.shape[1]
@@ -108,8 +107,6 @@ def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, 
                                  + w_desc.block_type.nbytes * TILE_N // BLOCK_N)
     counter = 0
     num_tiles = num_pid_m * num_pid_n
-    if PREFETCH_AHEAD > 0:
-        last_offset = (H * W).to(gl.int64) * (M // (out_h * out_w)) * Ci - BLOCK_K   # the last line's start
     for unit in range(gl.program_id(0), num_work_units(num_tiles, SPLIT_K), gl.num_programs(0)):
         tile_id, split, k_begin, k_end, partial = work_unit(unit, num_tiles, k_steps, SPLIT_K)
         pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
@@ -123,8 +120,6 @@ def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, 
         if BLOCK_M_TAIL > 0:
             n_t, h_t, w_t = pixel_box_origin(m0 + BLOCK_M, out_h, out_w, stride_h, stride_w, pad_h, pad_w)
         co0 = pid_n * TILE_N
-        if PREFETCH_AHEAD > 0:
-            row_start = input_row_starts(m0, out_h, out_w, stride_h, stride_w, pad_h, pad_w, H, W, Ci, TILE_M)
         for k in range(k_begin, k_end):
             tap = k // channel_blocks
             c0 = (k % channel_blocks) * BLOCK_K
@@ -150,44 +145,7 @@ def loader_partition(in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, 
             if BLOCK_N_TAIL > 0:
                 tma.async_load(w_tail_desc, [co0 + BLOCK_N, tap * Ci + c0], ready.index(slot),
                                b_tail_bufs.index(slot))
-            if PREFETCH_AHEAD > 0:
-                if k + PREFETCH_AHEAD < k_end:
-                    prefetch_k_step(x_ptr, row_start, k + PREFETCH_AHEAD, m0, M, channel_blocks, S, dil_h, dil_w,
-                                    W, Ci, last_offset, BLOCK_K, TILE_M)
             counter += 1
-
-
-@gluon.jit
-def input_row_starts(m0, out_h, out_w, stride_h, stride_w, pad_h, pad_w, H, W, Ci, TILE_M: gl.constexpr):
-    """Per output pixel of the tile (spread over the loader's 32 lanes), the element offset in the
-    NHWC input of its tap-0 pixel, channel 0 (may point outside the image at padded borders)."""
-    ROWS: gl.constexpr = 256 if TILE_M > 128 else TILE_M     # a power of two
-    rows: gl.constexpr = gl.BlockedLayout([ROWS // 32], [32], [1], [0])
-    m = m0 + gl.arange(0, ROWS, layout=rows)
-    n = m // (out_h * out_w)
-    y = ((m // out_w) % out_h) * stride_h - pad_h
-    x = (m % out_w) * stride_w - pad_w
-    return ((n * H + y) * W + x).to(gl.int64) * Ci
-
-
-@gluon.jit
-def prefetch_k_step(x_ptr, row_start, k, m0, M, channel_blocks, S, dil_h, dil_w, W, Ci, last_offset,
-                    BLOCK_K: gl.constexpr, TILE_M: gl.constexpr):
-    """Ask L2 for the input lines k-step k of this tile will read (one 128-byte line per output
-    pixel: BLOCK_K channels of its input pixel at the k-step's tap), PREFETCH_AHEAD k-steps before
-    the TMA load asks for them. The ring holds NUM_BUFFERS k-steps in shared memory; this makes L2
-    the next few, without shared memory. Offsets are clamped into the tensor (a padded border's
-    prefetch lands on some valid line: harmless)."""
-    ROWS: gl.constexpr = 256 if TILE_M > 128 else TILE_M     # a power of two
-    rows: gl.constexpr = gl.BlockedLayout([ROWS // 32], [32], [1], [0])
-    index = gl.arange(0, ROWS, layout=rows)
-    tap = k // channel_blocks
-    delta = (((tap // S) * dil_h) * W + (tap % S) * dil_w).to(gl.int64) * Ci + (k % channel_blocks) * BLOCK_K
-    offset = gl.minimum(gl.maximum(row_start + delta, 0), last_offset)
-    wanted = ((index < TILE_M) & (m0 + index < M)).to(gl.int32)
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-        "=r,l,r", [x_ptr + offset, wanted], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -666,14 +624,13 @@ def split_k_epilogue_kernel(partial_ptr, out_ptr, bias_ptr, scale_ptr, residual_
 @gluon.jit
 def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, bias_ptr, scale_ptr,
                         residual_ptr, partial_ptr, M, Co, num_pid_m, num_pid_n, out_h, out_w, stride_h,
-                        stride_w, pad_h, pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks, H, W, x_ptr,
+                        stride_w, pad_h, pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks,
                         IS_BLACKWELL: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_SCALE: gl.constexpr,
                         HAS_RESIDUAL: gl.constexpr, ACTIVATION: gl.constexpr, SPLIT_K: gl.constexpr,
                         GROUP_M: gl.constexpr,
                         NUM_BUFFERS: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                         BLOCK_M_TAIL: gl.constexpr, BLOCK_N_TAIL: gl.constexpr,
-                        STORE_BY_ROW_BLOCKS: gl.constexpr, PREFETCH_AHEAD: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        STORE_BY_ROW_BLOCKS: gl.constexpr, num_warps: gl.constexpr):
     dtype: gl.constexpr = in_desc.dtype
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
@@ -742,13 +699,13 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
                                        k_steps, NUM_BUFFERS, NUM_ACC, TILE_N, SPLIT_K)),
             (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, b_tail_bufs, ready,
                                 empty, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w,
-                                dil_h, dil_w, Ci, S, k_steps, channel_blocks, M, H, W, x_ptr, GROUP_M,
-                                NUM_BUFFERS, TILE_M, TILE_N, SPLIT_K, 0)),
+                                dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
+                                TILE_M, TILE_N, SPLIT_K)),
         ], [1, 1], [24, 24])
     else:
         # The loader's registers: 24, or with a row tail 48 for the boxes' origins (with one
         # consumer warpgroup the register file has room; ping-pong leaves the loader 32)
-        LOADER_REGISTERS: gl.constexpr = 88 if PREFETCH_AHEAD > 0 else (48 if BLOCK_M_TAIL > 0 else 24)
+        LOADER_REGISTERS: gl.constexpr = 48 if BLOCK_M_TAIL > 0 else 24
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
@@ -763,8 +720,8 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
                                                  0, 1, STORE_BY_ROW_BLOCKS, num_warps)),
                 (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, b_tail_bufs,
                                     ready, empty, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h,
-                                    pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks, M, H, W, x_ptr,
-                                    GROUP_M, NUM_BUFFERS, TILE_M, TILE_N, SPLIT_K, PREFETCH_AHEAD)),
+                                    pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
+                                    TILE_M, TILE_N, SPLIT_K)),
             ], [1], [LOADER_REGISTERS])
         else:
             # ping-pong: consumer 0 is the default partition, consumer 1 a worker of as many warps.
@@ -786,8 +743,8 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, b
                                                  1, 2, STORE_BY_ROW_BLOCKS, num_warps)),
                 (loader_partition, (in_desc, w_desc, w_tail_desc, a_bufs, a_tail_bufs, b_bufs, b_tail_bufs,
                                     ready, empty, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h,
-                                    pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks, M, H, W, x_ptr,
-                                    GROUP_M, NUM_BUFFERS, TILE_M, TILE_N, SPLIT_K, PREFETCH_AHEAD)),
+                                    pad_w, dil_h, dil_w, Ci, S, k_steps, channel_blocks, GROUP_M, NUM_BUFFERS,
+                                    TILE_M, TILE_N, SPLIT_K)),
             ], [num_warps, 1], [240, min(LOADER_REGISTERS, 32)])
 
 
@@ -937,7 +894,6 @@ class Epilogue(NamedTuple):
 
 ACTIVATIONS = {"none": 0, "relu": 1, "silu": 2}
 GROUP_M = 8      # row-tiles per group of the tile order (section 3)
-PREFETCH_AHEAD = 0   # Hopper, one consumer: the loader prefetches k-steps this far ahead into L2
 
 
 def kernel_constexprs(config, arch, epilogue=Epilogue()):
@@ -947,10 +903,7 @@ def kernel_constexprs(config, arch, epilogue=Epilogue()):
                 SPLIT_K=config.split_k, GROUP_M=GROUP_M,
                 NUM_BUFFERS=config.num_buffers, NUM_CONSUMERS=config.consumers,
                 BLOCK_M_TAIL=config.block_m_tail, BLOCK_N_TAIL=config.block_n_tail,
-                STORE_BY_ROW_BLOCKS=stores_by_row_blocks(config),
-                PREFETCH_AHEAD=(PREFETCH_AHEAD if arch == "sm_90" and config.consumers == 1 and config.num_warps == 4
-                                else 0),
-                num_warps=config.num_warps,
+                STORE_BY_ROW_BLOCKS=stores_by_row_blocks(config), num_warps=config.num_warps,
                 **({"maxnreg": 128} if config.programs_per_sm > 1 else {}))
 
 
@@ -994,7 +947,7 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     args = (in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc,
             *(t if t is not None else out_2d for t in (bias, scale, residual, partial)),
             g.M, g.Co, num_pid_m, num_pid_n, g.out_h, g.out_w,
-            *g.stride, *g.padding, *g.dilation, Ci_padded, g.S, k_steps, channel_blocks, g.H, g.W, x_nhwc)
+            *g.stride, *g.padding, *g.dilation, Ci_padded, g.S, k_steps, channel_blocks)
     num_tiles = num_pid_m * num_pid_n
     grid = (min(config.programs_per_sm * num_sms, num_tiles * config.split_k), 1, 1)
     # split-K splits the tiles past the last full wave (work_unit); all of them if there is none
@@ -1823,6 +1776,9 @@ def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding
 # - Did not pay: the loader prefetching each tile's whole input into L2 before its first load
 #   (32 bulk prefetches, one contiguous range of NHWC rows): slower on all ten layers tried, 5-30%;
 #   asked for at once, a tile's input crowds out the loads the MMAs wait on. (Commit 5788410.)
+#   Nor did prefetching line by line a few k-steps ahead (one line per pixel, 4 or 8 k-steps
+#   before its TMA load, so that L2 holds more stages than shared memory): 0-22% slower on seven
+#   layers; the loader warp's extra work delays the loads the MMAs wait on. (Commit 9c55641.)
 # - Did not pay: reading a 1x1 layer's pixels with plain tiled TMA loads. A 1x1 conv of stride 1
 #   without padding has the input itself, viewed as [N*H*W, Ci], for its im2col matrix; if im2col
 #   loads were the slower TMA path, this is where ResNet-50's 1x1 layers would lose to cuBLAS's

@@ -308,8 +308,7 @@ class ConvPlan:
                             for desc, tensor in zip(template.args[:5], tensors))
         partial = _new_like(template.partial, x_nhwc.device)
         pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual, partial))
-        # the run-time scalars from the plan; last, the input itself (the loader prefetches from it)
-        return template._replace(args=descriptors + pointers + template.args[9:-1] + (x_nhwc,), out_2d=out_2d,
+        return template._replace(args=descriptors + pointers + template.args[9:], out_2d=out_2d,
                                  partial=partial)
 
     def run(self, x_nhwc, w, bias=None, scale=None, residual=None, activation="none"):
@@ -343,8 +342,7 @@ class ConvPlan:
                                 for desc, tensor in zip(template.args[2:5:2], (w, out_2d)))
             pointers = tuple(t.data_ptr() if t is not None else out_2d.data_ptr() for t in (bias, scale, residual))
             direct(template.grid, x_nhwc, w, w_tail, out_2d, out_tail,
-                   *pointers, (partial if partial is not None else out_2d).data_ptr(), *template.args[9:-1],
-                   x_nhwc.data_ptr())
+                   *pointers, (partial if partial is not None else out_2d).data_ptr(), *template.args[9:])
             reduce = self.reduces.get(variant) if partial is not None else None
             if reduce is not None:
                 # split-K's second kernel: its grid and scalars are the plan's, only pointers change
@@ -373,13 +371,13 @@ def _check_tma_aligned(tensor):
 
 
 def _tensorless(launch):
-    """A plan's template of a ConvLaunch: its descriptors and the input pointer (the last argument)
-    without their tensors, its output and workspace as shapes (meta tensors). A template holding the first call's tensors would keep
+    """A plan's template of a ConvLaunch: its descriptors without their tensors, its output and
+    workspace as shapes (meta tensors). A template holding the first call's tensors would keep
     them alive as long as the plan: an activation per layer of a network, and during
     autotuning one per candidate."""
     descriptors = tuple(None if desc is None else _with_base(desc, None) for desc in launch.args[:5])
     as_meta = lambda t: None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")  # noqa: E731
-    return launch._replace(args=descriptors + (None,) * 4 + launch.args[9:-1] + (None,), out_2d=as_meta(launch.out_2d),
+    return launch._replace(args=descriptors + (None,) * 4 + launch.args[9:], out_2d=as_meta(launch.out_2d),
                            partial=as_meta(launch.partial))
 
 

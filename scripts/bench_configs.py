@@ -25,8 +25,6 @@ def main():
     parser.add_argument("layers", nargs="+", help="suite labels (network_suite.py) or lesson 05's bench shapes")
     parser.add_argument("--config", action="append", required=True, help="KernelConfig fields, e.g. 128,128,64,6,8")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--prefetch-ahead", default="", help="also time each config with the loader's L2 "
-                        "prefetch this many k-steps ahead (lesson 05's PREFETCH_AHEAD), e.g. 4,8")
     args = parser.parse_args()
     KernelConfig = conv_runtime._lesson().KernelConfig
     configs = [KernelConfig(*map(int, text.split(","))) for text in args.config]
@@ -45,27 +43,11 @@ def main():
             call = (lambda c: lambda: conv_runtime.conv2d(x, w, None, stride, padding, config=c))(config)
             common.assert_close_to_reference(call(), expected, dtype=torch.bfloat16, K=geometry.K)
             calls[str(config)] = call
-            for ahead in [int(a) for a in args.prefetch_ahead.split(",") if a]:
-                call = plan_call_with(conv_runtime._lesson(), geometry, config, x, w, ahead)
-                common.assert_close_to_reference(call(), expected, dtype=torch.bfloat16, K=geometry.K)
-                calls[f"{config}, prefetch {ahead} ahead"] = call
         timed = common.bench_in_rounds(calls, geometry.flops, args.rounds)
         print(f"\n{label}: {geometry.describe()}")
         for name, result in timed.items():
             print(f"   {name:<46} {result['tflops']:6.1f} TFLOPS  {result['tflops'] / timed['cuDNN']['tflops']:5.2f}x "
                   f"cuDNN   rounds " + " ".join(f"{v:.0f}" for v in result["rounds"]))
-
-
-def plan_call_with(lesson, geometry, config, x, w, prefetch_ahead):
-    """A call of a plan of its own, compiled (on its first run) with the lesson's PREFETCH_AHEAD."""
-    arch, num_sms = lesson.device_arch_and_sms("bench_configs")
-    plan = conv_runtime.ConvPlan(geometry, x.dtype, config, arch, num_sms)
-    saved, lesson.PREFETCH_AHEAD = lesson.PREFETCH_AHEAD, prefetch_ahead
-    try:
-        plan.run(x, w)
-    finally:
-        lesson.PREFETCH_AHEAD = saved
-    return lambda: plan.run(x, w)
 
 
 if __name__ == "__main__":
