@@ -1687,7 +1687,7 @@ def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding
 # %%
 # What paid, and what did not
 # ---------------------------
-# Measured on an H100 (2026-11-22) with the network suite (network_suite.py: every conv of
+# Measured on an H100 (2026-11-22 and 23) with the network suite (network_suite.py: every conv of
 # ResNet-50 at batch 128 and the 3x3 convs of the SD UNet at batch 8, each autotuned, ours and
 # cuDNN in alternating rounds of one run; RESULTS.md has the table). So you need not try them first:
 #
@@ -1752,7 +1752,7 @@ def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding
 #   tiles win by more, so it is a config, not a candidate. Nor does it help ResNet-50's 14x14
 #   1024->512 1x1, where cuDNN runs that very tile: 551 TFLOPS, as the row tail, against cuDNN's
 #   608. cuDNN runs it in pairs of CTAs that load their shared tile once (below).
-# - Out of reach of any schedule: more on the headline shape. Both kernels hold the H100 at its
+# - Out of reach of any schedule: much more on the headline shape. Both kernels hold the H100 at its
 #   700 W limit there, and the driver lowers the SM clock from 1980 to ~1440 MHz to stay under it
 #   (scripts/clocks_under_load.py samples nvidia-smi while each kernel runs). The dense bf16 peak
 #   is 132 SMs x 4096 FLOPs per cycle x the clock: ~779 TFLOPS at 1440 MHz. Ours ran 688 (88% of
