@@ -1752,12 +1752,13 @@ def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding
 #   tiles win by more, so it is a config, not a candidate. Nor does it help ResNet-50's 14x14
 #   1024->512 1x1, where cuDNN runs that very tile: 551 TFLOPS, as the row tail, against cuDNN's
 #   608. cuDNN runs it in pairs of CTAs that load their shared tile once (below).
-# - Out of reach of any schedule: much more on the headline shape. Both kernels hold the H100 at its
-#   700 W limit there, and the driver lowers the SM clock from 1980 to ~1440 MHz to stay under it
-#   (scripts/clocks_under_load.py samples nvidia-smi while each kernel runs). The dense bf16 peak
-#   is 132 SMs x 4096 FLOPs per cycle x the clock: ~779 TFLOPS at 1440 MHz. Ours ran 688 (88% of
-#   it), cuDNN 690 (89%). A kernel that did more per cycle would draw more and lower the clock.
-#   A memory-bound layer such as 14x14 1024->512 1x1 runs below the limit, at the full 1980 MHz.
+# - Out of reach of any schedule: much more on the headline shape. Both kernels hold the H100
+#   at its 700 W limit there, and the driver lowers the SM clock from 1980 to ~1440 MHz to stay
+#   under it (scripts/clocks_under_load.py samples nvidia-smi while each kernel runs). The dense
+#   bf16 peak is 132 SMs x 4096 FLOPs per cycle x the clock: ~779 TFLOPS at 1440 MHz. Ours ran
+#   688 (88% of it), cuDNN 690 (89%). A kernel that did more per cycle would draw more power and
+#   lower the clock. A memory-bound layer such as 14x14 1024->512 1x1 runs below the limit, at
+#   the full 1980 MHz.
 # - Did not pay: 128-channel K steps (BLOCK_K=128, half the barrier round trips per FLOP). The
 #   deeper stages leave room for 3 (2 with a row tail), and every layer tried lost: 592 against
 #   693 TFLOPS on the headline shape, 361 against 443 on ResNet-50's 7x7 2048->512.
