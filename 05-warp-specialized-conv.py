@@ -1772,8 +1772,9 @@ def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding
 #   rejects the instruction. A barrier across the pair is reachable from both CTAs, but only the
 #   leader waits on it, and an im2col box split over the pair gets the wrong pixels for its second
 #   half; so each CTA's own pixels could be loaded only as a matrix, in 1x1 layers
-#   (scripts/cluster_probe.py shows all four). A first such kernel for 1x1 layers matched torch
-#   but ran unsteadily, its best rounds within 3% of the same tile without a cluster (RESULTS.md).
+#   (scripts/cluster_probe.py shows all four). Such a kernel for 1x1 layers, pairs of row tiles
+#   sharing their weight tile (a quarter fewer bytes through L2), matched torch and ran no faster
+#   than the same tile without a cluster on any of six layers (RESULTS.md, commit ddc363e).
 # - Did not pay: the loader prefetching each tile's whole input into L2 before its first load
 #   (32 bulk prefetches, one contiguous range of NHWC rows): slower on all ten layers tried, 5-30%;
 #   asked for at once, a tile's input crowds out the loads the MMAs wait on. (Commit 5788410.)
