@@ -1775,6 +1775,9 @@ def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding
 #   (scripts/cluster_probe.py shows all four). Such a kernel for 1x1 layers, pairs of row tiles
 #   sharing their weight tile (a quarter fewer bytes through L2), matched torch and ran no faster
 #   than the same tile without a cluster on any of six layers (RESULTS.md, commit ddc363e).
+#   Pairs of column tiles sharing their pixels, as cuDNN's kernels do, took ResNet-50's 14x14
+#   1024->256 from 375 to 403 TFLOPS (cuDNN: 406), and no other of the six layers; a probe, not
+#   a second, cluster form of this kernel (commit 39deca2).
 # - Did not pay: the loader prefetching each tile's whole input into L2 before its first load
 #   (32 bulk prefetches, one contiguous range of NHWC rows): slower on all ten layers tried, 5-30%;
 #   asked for at once, a tile's input crowds out the loads the MMAs wait on. (Commit 5788410.)
