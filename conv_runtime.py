@@ -301,7 +301,7 @@ class ConvPlan:
         # validated descriptors and swap the tensors in.
         x_nhwc, w, _ = common.pad_channels_for_tma(x_nhwc, w)
         template = self.template
-        out_2d = torch.empty(template.out_2d.shape, device=x_nhwc.device, dtype=x_nhwc.dtype)
+        out_2d = _new_like(template.out_2d, x_nhwc.device)
         w_2d = w.view(w.shape[0], -1)
         tensors = (x_nhwc, w_2d, w_2d, out_2d, out_2d)     # in, w, w_tail, out, out_tail
         descriptors = tuple(None if desc is None else _with_base(desc, tensor)
@@ -335,7 +335,7 @@ class ConvPlan:
             _check_tma_aligned(x_nhwc)
             _check_tma_aligned(w)
             template = self.template
-            out_2d = torch.empty(template.out_2d.shape, device=x_nhwc.device, dtype=x_nhwc.dtype)
+            out_2d = _new_like(template.out_2d, x_nhwc.device)
             partial = _new_like(template.partial, x_nhwc.device)
             # the tails' descriptors, where the plan has them (weights: a column tail; output: either)
             w_tail, out_tail = (None if desc is None else tensor
