@@ -188,9 +188,7 @@ def conv2d_tma_im2col(x_nhwc, w, stride=1, padding=0, dilation=1, BLOCK_M=None, 
 # appears once however often it runs. Config: the default for this layer (N=2, 16x16, Ci=Co=64,
 # 3x3, fp16): BLOCK 128x64x64, 4 warps (one warpgroup: WGMMA needs whole warpgroups).
 
-IM2COL_LOAD = "cp.async.bulk.tensor.4d.shared::cta.global.im2col"
-WEIGHT_LOAD = "cp.async.bulk.tensor.2d.shared::cta.global"
-TMA_STORE = "cp.async.bulk.tensor.2d.global.shared::cta"
+IM2COL_LOAD, WEIGHT_LOAD, TMA_STORE = common.PTX_IM2COL_LOAD, common.PTX_TILED_LOAD, common.PTX_TMA_STORE
 TAUGHT_PTX = {
     "sm_90": [
         (IM2COL_LOAD, "The A tile: one TMA im2col load per k-step. 4d: the NHWC tensor; {n, h, w, c} "

@@ -324,6 +324,47 @@ def check_on_cuda(x_nhwc):
                          f"move the tensors with .cuda()")
 
 
+# %% The fused epilogue: act(conv * scale + bias + residual), per output channel ----------------------
+
+ACTIVATIONS = ("none", "relu", "silu")     # what the fused epilogue applies last: nothing, ReLU, SiLU
+
+
+def check_epilogue(Co, out_shape, dtype, device, scale=None, residual=None, activation="none"):
+    """Validate the fused epilogue's arguments of a conv with Co output channels whose output has
+    `out_shape`, `dtype` and `device` (the bias is checked with the conv's tensors)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if scale is not None:
+        if not isinstance(scale, torch.Tensor):
+            raise TypeError(f"scale must be a torch.Tensor or None, got {type(scale).__name__}")
+        if tuple(scale.shape) != (Co,) or not scale.is_floating_point() or not scale.is_contiguous():
+            raise ValueError(f"scale must have shape ({Co},) (one factor per output channel) and be a "
+                             f"contiguous floating-point tensor, got {scale.dtype} {tuple(scale.shape)}")
+        if scale.device != device:
+            raise ValueError(f"scale is on {scale.device}, the input on {device}")
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(f"residual must be a torch.Tensor or None, got {type(residual).__name__}")
+        if tuple(residual.shape) != tuple(out_shape) or residual.dtype != dtype:
+            raise ValueError(f"residual must have the output's shape {tuple(out_shape)} and dtype "
+                             f"{dtype}, got {tuple(residual.shape)} {residual.dtype}")
+        if residual.device != device:
+            raise ValueError(f"residual is on {residual.device}, the input on {device}")
+
+
+def reference_epilogue(conv_out, bias=None, scale=None, residual=None, activation="none", channel_dim=-1):
+    """act(conv_out * scale + bias + residual) in torch, per output channel (the last dimension of
+    NHWC, or `channel_dim=1` for NCHW), in conv_out's dtype."""
+    shape = [1] * conv_out.dim()
+    shape[channel_dim] = -1
+    out = conv_out if scale is None else conv_out * scale.to(conv_out.dtype).view(shape)
+    if bias is not None:
+        out = out + bias.to(conv_out.dtype).view(shape)
+    if residual is not None:
+        out = out + residual.to(conv_out.dtype)
+    return {"none": out, "relu": torch.relu(out), "silu": torch.nn.functional.silu(out)}[activation]
+
+
 # %% Reference convolution ------------------------------------------------------------------------
 
 
@@ -367,17 +408,26 @@ def assert_close_to_reference(out, expected, *, dtype, K):
 
 
 def check_conv(entry, N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1, dtype=torch.float16,
-               with_bias=False, seed=0, **kwargs):
+               with_bias=False, seed=0, scale=False, residual=False, activation="none", **kwargs):
     """Run a lesson's conv entry point on random inputs and compare it with the fp32 reference.
 
-    `entry(x_nhwc, w, stride=, padding=, dilation=[, bias=], **kwargs)` returns NHWC. Returns the output."""
+    `entry(x_nhwc, w, stride=, padding=, dilation=[, bias=][, scale=, residual=, activation=],
+    **kwargs)` returns NHWC. `with_bias`, `scale` and `residual` ask for random epilogue operands
+    (scale in [0.5, 1.5)), checked against reference_epilogue. Returns the output."""
     x_nhwc, w = random_conv_inputs(N, H, W, Ci, Co, R, S, dtype, seed=seed)
-    bias = None
-    if with_bias:
-        bias = torch.randn(Co, generator=torch.Generator().manual_seed(seed + 1)).to(x_nhwc.device)
-        kwargs = dict(kwargs, bias=bias)
-    out = entry(x_nhwc, w, stride=stride, padding=padding, dilation=dilation, **kwargs)
-    expected = reference_conv2d_nhwc(x_nhwc, w, bias, stride, padding, dilation)
+    geometry = conv_geometry(x_nhwc.shape, w.shape, stride, padding, dilation)
+    generator = torch.Generator().manual_seed(seed + 1)
+    operands = {"bias": torch.randn(Co, generator=generator) if with_bias else None,
+                "scale": torch.rand(Co, generator=generator) + 0.5 if scale else None,
+                "residual": torch.randn(geometry.N, geometry.out_h, geometry.out_w, Co,
+                                        generator=generator).to(dtype) if residual else None}
+    operands = {name: t.to(x_nhwc.device) for name, t in operands.items() if t is not None}
+    if activation != "none":
+        kwargs["activation"] = activation
+    out = entry(x_nhwc, w, stride=stride, padding=padding, dilation=dilation, **operands, **kwargs)
+    expected = reference_conv2d_nhwc(x_nhwc, w, None, stride, padding, dilation, out_dtype=torch.float32)
+    expected = reference_epilogue(expected, operands.get("bias"), operands.get("scale"),
+                                  operands.get("residual"), activation).to(dtype)
     if out.shape != expected.shape or out.dtype != dtype:
         raise AssertionError(f"got {tuple(out.shape)} {out.dtype}, expected {tuple(expected.shape)} {dtype}")
     assert_close_to_reference(out, expected, dtype=dtype, K=Ci * R * S)
@@ -669,6 +719,12 @@ def aot_compile_or_skip(stem: str, builder: str, arch: str, **params) -> dict:
         return aot_compile(stem, builder, arch, **params)
     except AotToolMissing as missing:
         pytest.skip(str(missing))
+
+
+# The TMA instructions lessons 04 and 05 teach, as their PTX lines begin
+PTX_IM2COL_LOAD = "cp.async.bulk.tensor.4d.shared::cta.global.im2col"
+PTX_TILED_LOAD = "cp.async.bulk.tensor.2d.shared::cta.global"
+PTX_TMA_STORE = "cp.async.bulk.tensor.2d.global.shared::cta"
 
 
 def ptx_instructions(ptx: str, prefixes) -> dict:
@@ -1080,3 +1136,31 @@ def conv_tma_descriptors(x_nhwc, w, out_2d, settings: ConvIm2ColSettings, BLOCK_
     w_desc = TensorDescriptor.from_tensor(w.reshape(Co, -1), [BLOCK_N, BLOCK_K], b_layout)
     out_desc = TensorDescriptor.from_tensor(out_2d, [BLOCK_M, BLOCK_N], c_layout)
     return in_desc, w_desc, out_desc
+
+
+# %% The ring counter (lesson 05) -----------------------------------------------------------------
+
+@gluon.aggregate
+class Counter:
+    """How far one side of a ring of NUM_BUFFERS stages has gone: `count` steps, across all tiles.
+    It gives the slot to use (count % NUM_BUFFERS) and the phase of that slot's barrier to wait for
+    ((count // NUM_BUFFERS) & 1). `next()` returns the advanced counter (aggregates are values)."""
+    count: Union[gl.tensor, gl.constexpr]
+    NUM_BUFFERS: gl.constexpr
+
+    @gluon.jit
+    def slot(self):
+        return self.count % self.NUM_BUFFERS
+
+    @gluon.jit
+    def phase(self):
+        return (self.count // self.NUM_BUFFERS) & 1
+
+    @gluon.jit
+    def previous_slot(self):
+        return (self.count + self.NUM_BUFFERS - 1) % self.NUM_BUFFERS
+
+    @gluon.must_use_result
+    @gluon.jit
+    def next(self, steps=1):
+        return Counter(self.count + steps, self.NUM_BUFFERS)

@@ -42,9 +42,10 @@ ResNet-50 layer (measured on an H100 host, 2026-11-22). This module adds, for th
   R x 1 convolution over S*Ci folded channels, 7 k-steps instead of 49 for ResNet-50's stem.
 - Split-K's second kernel (lesson 05, section 6) is launched directly too.
 
-`measure_host_overhead` and `compare_launch_paths` measure what the runtime adds; lesson 05's last
-sections print both. The kernel, its configs and the plain launcher live in lesson 05; this module
-imports them from there (`common.load_lesson`), so it always wraps the lesson's kernel.
+`measure_host_time` and `compare_launch_paths` measure what the runtime adds; lesson 05 prints
+both. The kernel and its plain launcher live in lesson 05 (`conv_runtime.lesson05` is that module),
+its configs in conv_config.py; this module wraps them and imports nothing that builds on it (the
+PyTorch operator, conv_torch.py, imports this module, never the other way).
 """
 import functools
 import json
@@ -55,77 +56,76 @@ from pathlib import Path
 
 import common  # first: on a machine without a GPU it turns on the Triton interpreter
 
+import conv_config
+
 import torch
 import triton
 import triton.language as tl
 
+from conv_config import SHARED_MEMORY_PER_PROGRAM, KernelConfig, check_config, stores_by_row_blocks, tile_counts
 
-@functools.lru_cache(maxsize=None)
-def _lesson():
-    """Lesson 05's module (looked up once: common.load_lesson scans sys.modules, ~0.3 ms)."""
-    return common.load_lesson("05-warp-specialized-conv")
+lesson05 = common.load_lesson("05-warp-specialized-conv")     # the kernel and its plain launcher
 
 
 # %% Candidate configs and pruning ------------------------------------------------------------------
 
 def _candidates():
-    KernelConfig = _lesson().KernelConfig
+    C = KernelConfig
     hopper = [
-        KernelConfig(128, 128, 64, 4, 4),
-        KernelConfig(128, 256, 64, 3, 8),
-        KernelConfig(256, 128, 64, 3, 8),
-        KernelConfig(128, 128, 64, 6, 8),
-        KernelConfig(128, 64, 64, 6, 4),
-        KernelConfig(256, 64, 64, 4, 8),
-        KernelConfig(128, 128, 64, 4, 4, consumers=2),
-        KernelConfig(128, 128, 64, 5, 4, consumers=2),
-        KernelConfig(128, 64, 64, 6, 4, consumers=2),
-        KernelConfig(64, 128, 64, 6, 4, consumers=2),
-        KernelConfig(128, 64, 64, 4, 4, programs_per_sm=2),
-        KernelConfig(64, 128, 64, 4, 4, programs_per_sm=2),
+        C(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4),
+        C(block_m=128, block_n=256, block_k=64, num_buffers=3, num_warps=8),
+        C(block_m=256, block_n=128, block_k=64, num_buffers=3, num_warps=8),
+        C(block_m=128, block_n=128, block_k=64, num_buffers=6, num_warps=8),
+        C(block_m=128, block_n=64, block_k=64, num_buffers=6, num_warps=4),
+        C(block_m=256, block_n=64, block_k=64, num_buffers=4, num_warps=8),
+        C(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4, consumers=2),
+        C(block_m=128, block_n=128, block_k=64, num_buffers=5, num_warps=4, consumers=2),
+        C(block_m=128, block_n=64, block_k=64, num_buffers=6, num_warps=4, consumers=2),
+        C(block_m=64, block_n=128, block_k=64, num_buffers=6, num_warps=4, consumers=2),
+        C(block_m=128, block_n=64, block_k=64, num_buffers=4, num_warps=4, programs_per_sm=2),
+        C(block_m=64, block_n=128, block_k=64, num_buffers=4, num_warps=4, programs_per_sm=2),
         # 160- and 96-wide tiles (Co = 320, 640, 96, 192, ...): a 32-column tail beside the main MMA
-        KernelConfig(256, 128, 32, 5, 8, block_n_tail=32),
-        KernelConfig(128, 128, 64, 5, 4, block_n_tail=32),
-        KernelConfig(128, 128, 64, 4, 4, consumers=2, block_n_tail=32),
-        KernelConfig(128, 64, 64, 6, 4, block_n_tail=32),
+        C(block_m=256, block_n=128, block_k=32, num_buffers=5, num_warps=8, block_n_tail=32),
+        C(block_m=128, block_n=128, block_k=64, num_buffers=5, num_warps=4, block_n_tail=32),
+        C(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4, consumers=2, block_n_tail=32),
+        C(block_m=128, block_n=64, block_k=64, num_buffers=6, num_warps=4, block_n_tail=32),
         # split-K, for layers with fewer tiles than SMs (lesson 05, section 6)
-        KernelConfig(128, 128, 64, 6, 8, split_k=2),
-        KernelConfig(128, 128, 64, 6, 8, split_k=3),
-        KernelConfig(128, 128, 64, 6, 8, split_k=4),
-        KernelConfig(128, 256, 64, 3, 8, split_k=2),
-        KernelConfig(128, 128, 64, 5, 4, block_n_tail=32, split_k=2),
-        KernelConfig(128, 128, 64, 5, 4, block_n_tail=32, split_k=4),
+        C(block_m=128, block_n=128, block_k=64, num_buffers=6, num_warps=8, split_k=2),
+        C(block_m=128, block_n=128, block_k=64, num_buffers=6, num_warps=8, split_k=3),
+        C(block_m=128, block_n=128, block_k=64, num_buffers=6, num_warps=8, split_k=4),
+        C(block_m=128, block_n=256, block_k=64, num_buffers=3, num_warps=8, split_k=2),
+        C(block_m=128, block_n=128, block_k=64, num_buffers=5, num_warps=4, block_n_tail=32, split_k=2),
+        C(block_m=128, block_n=128, block_k=64, num_buffers=5, num_warps=4, block_n_tail=32, split_k=4),
         # 192-row tiles: a 64-row tail below the main MMA (ResNet-50's 7x7 layers at batch 128:
         # M = 6272 = 32.7 x 192, so Co=512 makes 33 x 4 = 132 tiles, one per SM of an H100)
-        KernelConfig(128, 128, 64, 4, 4, block_m_tail=64),
-        KernelConfig(128, 128, 64, 5, 4, block_m_tail=64),   # stores by row blocks: a 5th stage fits
-        KernelConfig(128, 128, 64, 4, 8, block_m_tail=64),
-        KernelConfig(128, 128, 64, 3, 4, consumers=2, block_m_tail=64),
+        C(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4, block_m_tail=64),
+        C(block_m=128, block_n=128, block_k=64, num_buffers=5, num_warps=4, block_m_tail=64),   # stores by row blocks: a 5th stage fits
+        C(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=8, block_m_tail=64),
+        C(block_m=128, block_n=128, block_k=64, num_buffers=3, num_warps=4, consumers=2, block_m_tail=64),
     ]
     blackwell = [
-        KernelConfig(128, 128, 64, 4, 4),
-        KernelConfig(128, 256, 64, 3, 4),
-        KernelConfig(128, 64, 64, 6, 4),
-        KernelConfig(128, 128, 64, 4, 4, block_n_tail=32),
-        KernelConfig(128, 128, 64, 4, 4, split_k=2),
-        KernelConfig(128, 128, 64, 4, 4, split_k=4),
-        KernelConfig(128, 128, 64, 4, 4, block_n_tail=32, split_k=2),
+        C(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4),
+        C(block_m=128, block_n=256, block_k=64, num_buffers=3, num_warps=4),
+        C(block_m=128, block_n=64, block_k=64, num_buffers=6, num_warps=4),
+        C(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4, block_n_tail=32),
+        C(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4, split_k=2),
+        C(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4, split_k=4),
+        C(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4, block_n_tail=32, split_k=2),
     ]
     return hopper, blackwell
 
 
 HOPPER_CANDIDATES, BLACKWELL_CANDIDATES = _candidates()
 CANDIDATES = {"sm_90": HOPPER_CANDIDATES, "sm_100": BLACKWELL_CANDIDATES}
-SMEM_LIMIT_BYTES = {arch: _lesson().SHARED_MEMORY_PER_PROGRAM for arch in ("sm_90", "sm_100")}
+SMEM_LIMIT_BYTES = {arch: SHARED_MEMORY_PER_PROGRAM for arch in ("sm_90", "sm_100")}
 SMEM_PER_SM_BYTES = 233472                               # 228 KB per SM, 1 KB of it reserved per program
 
 
 def shared_memory_bytes(config, element_size=2):
     """Shared memory a config needs: the ring's A and B stages, one staging tile per consumer, barriers."""
-    lesson = _lesson()
-    c = lesson.KernelConfig(*config)
-    ring = lesson.ring_bytes(c, element_size)
-    staging_rows = c.block_m // 2 if lesson.stores_by_row_blocks(c) else c.tile_m
+    c = KernelConfig(*config)
+    ring = conv_config.ring_bytes(c, element_size)
+    staging_rows = c.block_m // 2 if stores_by_row_blocks(c) else c.tile_m
     staging = c.consumers * staging_rows * c.tile_n * element_size
     return ring + staging + 2 * c.num_buffers * 8 + 64
 
@@ -158,19 +158,15 @@ def _tail_pays(config, geometry, num_sms):
 
 def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
     """Keep the configs that fit the device and suit the shape (no compilation needed)."""
-    lesson = _lesson()
     smem_limit = smem_limit or SMEM_LIMIT_BYTES[arch]
     kept = []
-    for config in map(lambda c: lesson.KernelConfig(*c), candidates):
+    for config in map(lambda c: KernelConfig(*c), candidates):
         try:
-            lesson.check_config(config, arch)   # e.g. a ring too deep for the whole-tile staging buffer,
-        except ValueError:                      # which only some tiles can store by row blocks instead
+            check_config(config, arch)   # what the arch does not run (ping-pong, TMEM columns, row tails on
+        except ValueError:               # Blackwell), a ring too deep for the whole tile's staging buffer
             continue
         smem = shared_memory_bytes(config)
         if smem > smem_limit or config.programs_per_sm * (smem + 1024) > SMEM_PER_SM_BYTES:
-            continue
-        if arch == "sm_100" and (2 * config.tile_n > 512 or config.programs_per_sm > 1
-                                 or config.consumers > 1):     # TMEM columns; ping-pong is Hopper's
             continue
         acc_registers = config.tile_m * config.tile_n // (32 * config.num_warps)  # fp32 per thread
         if arch == "sm_90" and acc_registers > (192 if config.block_m_tail else 160):
@@ -280,10 +276,9 @@ class ConvPlan:
     """Everything about one (shape, dtype, config, device) that does not depend on the tensors."""
 
     def __init__(self, geometry, dtype, config, arch, num_sms):
-        lesson = _lesson()
         self.geometry, self.dtype, self.arch, self.num_sms = geometry, dtype, arch, num_sms
-        self.config = lesson.KernelConfig(*config)
-        lesson.check_config(self.config, arch)
+        self.config = KernelConfig(*config)
+        check_config(self.config, arch)
         self.template = None      # the first call's ConvLaunch: validated descriptors, grid, constexprs
         self.launches = {}        # epilogue variant -> DirectLaunch of the conv kernel
         self.reduces = {}         # epilogue variant -> DirectLaunch of split-K's second kernel
@@ -291,9 +286,8 @@ class ConvPlan:
 
     def launch_for(self, x_nhwc, w, bias, scale=None, residual=None):
         """The lesson's ConvLaunch for these tensors; after the first call, built from templates."""
-        lesson = _lesson()
         if self.template is None:
-            launch = lesson.prepare_launch(x_nhwc, w, bias, self.geometry, self.config,
+            launch = lesson05.prepare_launch(x_nhwc, w, bias, self.geometry, self.config,
                                            self.arch, self.num_sms, scale, residual)
             self.template = _tensorless(launch)
             return launch
@@ -308,11 +302,10 @@ class ConvPlan:
                             for desc, tensor in zip(template.args[:5], tensors))
         partial = _new_like(template.partial, x_nhwc.device)
         pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual, partial))
-        return template._replace(args=descriptors + pointers + template.args[9:], out_2d=out_2d,
+        return template._replace(args=descriptors + (pointers,) + template.args[6:], out_2d=out_2d,
                                  partial=partial)
 
     def run(self, x_nhwc, w, bias=None, scale=None, residual=None, activation="none"):
-        lesson = _lesson()
         # The specialization Triton compiled for: the epilogue, and whether each of its pointers
         # is 16-byte aligned (Triton specializes pointer alignment) and of which dtype. Everything
         # else is fixed by the plan.
@@ -323,9 +316,9 @@ class ConvPlan:
             # First launch of this variant: the generic path (binds, specializes, compiles), then
             # a DirectLaunch of the compiled kernel for the calls after it.
             launch = self.launch_for(x_nhwc, w, bias, scale, residual)
-            epilogue = lesson.Epilogue(bias is not None, scale is not None, residual is not None, activation)
-            kwargs = lesson.kernel_constexprs(self.config, self.arch, epilogue)
-            self.launches[variant] = DirectLaunch.first_launch(lesson.conv2d_fprop_kernel, launch.grid,
+            epilogue = lesson05.Epilogue(bias is not None, scale is not None, residual is not None, activation)
+            kwargs = lesson05.kernel_constexprs(self.config, self.arch, epilogue)
+            self.launches[variant] = DirectLaunch.first_launch(lesson05.conv2d_fprop_kernel, launch.grid,
                                                                launch.args, kwargs, self.template.args[:5])
         else:
             # Later launches: the tensors themselves where the kernel takes descriptors (their
@@ -342,17 +335,17 @@ class ConvPlan:
                                 for desc, tensor in zip(template.args[2:5:2], (w, out_2d)))
             pointers = tuple(t.data_ptr() if t is not None else out_2d.data_ptr() for t in (bias, scale, residual))
             direct(template.grid, x_nhwc, w, w_tail, out_2d, out_tail,
-                   *pointers, (partial if partial is not None else out_2d).data_ptr(), *template.args[9:])
+                   (*pointers, (partial if partial is not None else out_2d).data_ptr()), template.args[6])
             reduce = self.reduces.get(variant) if partial is not None else None
             if reduce is not None:
                 # split-K's second kernel: its grid and scalars are the plan's, only pointers change
                 reduce(self.reduce_grid, partial.data_ptr(), out_2d.data_ptr(), *pointers, *self.reduce_scalars)
             if partial is None or reduce is not None:
-                return lesson.output_nhwc(self.geometry, out_2d)
+                return lesson05.output_nhwc(self.geometry, out_2d)
             launch = template._replace(out_2d=out_2d, partial=partial)
         if launch.partial is not None:          # split-K: the second kernel sums the slices
-            grid, args, kwargs = lesson.split_k_epilogue_launch(launch, bias, scale, residual, activation)
-            self.reduces[variant] = DirectLaunch.first_launch(lesson.split_k_epilogue_kernel, grid, args, kwargs)
+            grid, args, kwargs = lesson05.split_k_epilogue_launch(launch, bias, scale, residual, activation)
+            self.reduces[variant] = DirectLaunch.first_launch(lesson05.split_k_epilogue_kernel, grid, args, kwargs)
             self.reduce_grid, self.reduce_scalars = grid, args[5:]
         return launch.result()
 
@@ -377,7 +370,7 @@ def _tensorless(launch):
     autotuning one per candidate."""
     descriptors = tuple(None if desc is None else _with_base(desc, None) for desc in launch.args[:5])
     as_meta = lambda t: None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")  # noqa: E731
-    return launch._replace(args=descriptors + (None,) * 4 + launch.args[9:], out_2d=as_meta(launch.out_2d),
+    return launch._replace(args=descriptors + (None,) + launch.args[6:], out_2d=as_meta(launch.out_2d),
                            partial=as_meta(launch.partial))
 
 
@@ -408,7 +401,7 @@ _FAST_PLANS = {}     # call key -> (ConvPlan, FoldedConv or None)
 
 @functools.lru_cache(maxsize=None)
 def _device_facts_of(device_index):
-    arch, num_sms = _lesson().device_arch_and_sms("conv2d_fprop")
+    arch, num_sms = lesson05.device_arch_and_sms("conv2d_fprop")
     props = torch.cuda.get_device_properties(device_index)
     smem = getattr(props, "shared_memory_per_block_optin", SMEM_LIMIT_BYTES[arch])
     return arch, num_sms, smem
@@ -459,12 +452,12 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
     if entry is None or not (x_nhwc.is_contiguous() and w.is_contiguous()
                              and all(t is None or t.is_contiguous() for t in (bias, scale, residual))):
         # the slow path validates (and explains) everything
-        geometry = _lesson().check_inputs(x_nhwc, w, bias, stride, padding, dilation, scale, residual,
+        geometry = lesson05.check_inputs(x_nhwc, w, bias, stride, padding, dilation, scale, residual,
                                           activation)
         fold = folded_geometry(geometry) if config is None else None
         run_geometry = fold.geometry if fold is not None else geometry
         if config is not None:
-            chosen = _lesson().KernelConfig(*config)
+            chosen = KernelConfig(*config)
         elif tune:
             # timed with this call's epilogue: a residual's loads and registers change the ranking
             folded_x, folded_w = fold.apply(x_nhwc, w) if fold is not None else (x_nhwc, w)
@@ -493,7 +486,7 @@ def residual_fits_in_registers(config, arch="sm_90"):
     if arch != "sm_90":
         return True
     accumulators = config.tile_m * config.tile_n // (32 * config.num_warps)
-    stored_rows = config.block_m // 2 if _lesson().stores_by_row_blocks(config) else config.tile_m
+    stored_rows = config.block_m // 2 if stores_by_row_blocks(config) else config.tile_m
     residual = accumulators * stored_rows // (2 * config.tile_m)
     budget = 192 if (config.num_warps == 4 and config.consumers == 1) else 160
     return accumulators + residual <= budget
@@ -589,26 +582,34 @@ def folded_geometry(geometry):
 # out (each layer's config picked from the table fitted without it): 0.957x of that layer's
 # fastest config, geometric mean; 0.973x and worst 0.85x without SD 32x32 640->640, where the
 # autotuner's one sample of the picked config stalled (336 TFLOPS; the config runs at ~680 there).
-HOPPER_CONFIG_TFLOPS = {   # whole KernelConfig tuples, split_k left at 1
-    (128, 128, 64, 5, 4, 1, 1, 32, 1, 0): 735, (256, 128, 32, 5, 8, 1, 1, 32, 1, 0): 723,
-    (128, 128, 64, 4, 4, 1, 2, 32, 1, 0): 710, (128, 256, 64, 3, 8, 1, 1, 0, 1, 0): 673,
-    (256, 128, 64, 3, 8, 1, 1, 0, 1, 0): 663, (128, 128, 64, 4, 4, 1, 1, 0, 1, 64): 621,
-    (128, 128, 64, 4, 8, 1, 1, 0, 1, 64): 607, (128, 128, 64, 3, 4, 1, 2, 0, 1, 64): 602,
-    (128, 128, 64, 5, 4, 1, 1, 0, 1, 64): 598, (128, 128, 64, 6, 8, 1, 1, 0, 1, 0): 572,
-    (128, 128, 64, 5, 4, 1, 2, 0, 1, 0): 559, (128, 128, 64, 4, 4, 1, 2, 0, 1, 0): 539,
-    (128, 128, 64, 4, 4, 1, 1, 0, 1, 0): 535, (64, 128, 64, 4, 4, 2, 1, 0, 1, 0): 479,
-    (64, 128, 64, 6, 4, 1, 2, 0, 1, 0): 470, (256, 64, 64, 4, 8, 1, 1, 0, 1, 0): 437,
-    (128, 64, 64, 6, 4, 1, 2, 0, 1, 0): 396, (128, 64, 64, 6, 4, 1, 1, 0, 1, 0): 393,
-    (128, 64, 64, 4, 4, 2, 1, 0, 1, 0): 386,
+HOPPER_CONFIG_TFLOPS = {   # split_k left at 1: split-K's cost is modelled apart
+    KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=5, num_warps=4, block_n_tail=32): 735,
+    KernelConfig(block_m=256, block_n=128, block_k=32, num_buffers=5, num_warps=8, block_n_tail=32): 723,
+    KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4, consumers=2, block_n_tail=32): 710,
+    KernelConfig(block_m=128, block_n=256, block_k=64, num_buffers=3, num_warps=8): 673,
+    KernelConfig(block_m=256, block_n=128, block_k=64, num_buffers=3, num_warps=8): 663,
+    KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4, block_m_tail=64): 621,
+    KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=8, block_m_tail=64): 607,
+    KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=3, num_warps=4, consumers=2, block_m_tail=64): 602,
+    KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=5, num_warps=4, block_m_tail=64): 598,
+    KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=6, num_warps=8): 572,
+    KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=5, num_warps=4, consumers=2): 559,
+    KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4, consumers=2): 539,
+    KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4): 535,
+    KernelConfig(block_m=64, block_n=128, block_k=64, num_buffers=4, num_warps=4, programs_per_sm=2): 479,
+    KernelConfig(block_m=64, block_n=128, block_k=64, num_buffers=6, num_warps=4, consumers=2): 470,
+    KernelConfig(block_m=256, block_n=64, block_k=64, num_buffers=4, num_warps=8): 437,
+    KernelConfig(block_m=128, block_n=64, block_k=64, num_buffers=6, num_warps=4, consumers=2): 396,
+    KernelConfig(block_m=128, block_n=64, block_k=64, num_buffers=6, num_warps=4): 393,
+    KernelConfig(block_m=128, block_n=64, block_k=64, num_buffers=4, num_warps=4, programs_per_sm=2): 386,
 }
 SPLIT_K_WORKSPACE_BYTES_PER_S = 5.74e12   # fitted with the table (mostly L2: the slices meet there)
 
 
 def split_tiles(config, geometry, num_sms):
-    """(programs, tiles, tiles split by split-K): as the lesson's launch and work_unit count them."""
-    tiles = triton.cdiv(geometry.M, config.tile_m) * triton.cdiv(geometry.Co, config.tile_n)
-    programs = min(num_sms * config.programs_per_sm, tiles * config.split_k)
-    return programs, tiles, (tiles - tiles // programs * programs) if config.split_k > 1 else 0
+    """(programs, tiles, tiles split by split-K), as the lesson's launch counts them (tile_counts)."""
+    programs, tiles, whole = tile_counts(config, geometry.M, geometry.Co, num_sms)
+    return programs, tiles, tiles - whole
 
 
 def useful_share(config, geometry, num_sms):
@@ -631,7 +632,7 @@ def config_tflops(config, arch):
     or where there is no measurement (Blackwell; new candidates) estimated from the bytes a tile
     moves per FLOP: a BLOCK_M x TILE_N tile reads BLOCK_M + TILE_N rows per k-step for
     BLOCK_M * TILE_N products."""
-    measured = HOPPER_CONFIG_TFLOPS.get(tuple(config._replace(split_k=1))) if arch == "sm_90" else None
+    measured = HOPPER_CONFIG_TFLOPS.get(config._replace(split_k=1)) if arch == "sm_90" else None
     if measured is None:
         reuse = config.tile_m * config.tile_n / (config.tile_m + config.tile_n)
         measured = 700 * reuse / (reuse + 30)
@@ -687,7 +688,7 @@ def _remembered_config(geometry, dtype, tag=""):
     if key not in _BEST_CONFIG:
         saved = _load_tuning_file().get(_tuning_file_key(geometry, dtype, tag))
         if saved is not None:
-            _BEST_CONFIG[key] = _lesson().KernelConfig(*saved["config"])
+            _BEST_CONFIG[key] = KernelConfig(*saved["config"])
     return _BEST_CONFIG.get(key)
 
 
@@ -826,18 +827,28 @@ def host_us_per_call(call, calls=200):
 def compare_launch_paths(plan, x_nhwc, w, calls=200):
     """Host us per launch of one plan: Triton's generic launcher; the compiled kernel called
     directly (its tensor maps encoded on every launch); the plan's DirectLaunch (maps remembered)."""
-    lesson = _lesson()
     plan.run(x_nhwc, w)
     launch = plan.launch_for(x_nhwc, w, None)
-    kwargs = lesson.kernel_constexprs(plan.config, plan.arch)
+    kwargs = lesson05.kernel_constexprs(plan.config, plan.arch)
     direct = plan.launches[("none", None, None, None)]
     w_tail, out_tail = (None if desc is None else desc.base for desc in (launch.args[2], launch.args[4]))
     raw_args = (launch.args[0].base, launch.args[1].base, w_tail, launch.out_2d, out_tail) + launch.args[5:]
     return {
-        "generic": host_us_per_call(lambda: lesson.conv2d_fprop_kernel[launch.grid](*launch.args, **kwargs), calls),
+        "generic": host_us_per_call(lambda: lesson05.conv2d_fprop_kernel[launch.grid](*launch.args, **kwargs), calls),
         "compiled": host_us_per_call(lambda: direct.compiled[launch.grid](*launch.args, *direct.constexprs), calls),
         "direct": host_us_per_call(lambda: direct(launch.grid, *raw_args), calls),
     }
 
 
-import conv_torch  # noqa: E402,F401  (registers torch.ops.conv_tutorial.conv2d with the runtime)
+def measure_host_time(x_nhwc, w, stride, padding, config):
+    """Host us per call: lesson 05's plain launcher against the runtime, and of the launch alone,
+    Triton's launcher, the compiled kernel called directly, and DirectLaunch."""
+    geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
+    launches = compare_launch_paths(plan_for(geometry, x_nhwc.dtype, config), x_nhwc, w)
+    return {
+        "plain_launcher_us": host_us_per_call(
+            lambda: lesson05.conv2d_fprop_launch(x_nhwc, w, None, stride, padding, config=config), calls=50),
+        "runtime_us": host_us_per_call(lambda: conv2d(x_nhwc, w, None, stride, padding, config=config)),
+        "generic_launch_us": launches["generic"], "compiled_launch_us": launches["compiled"],
+        "direct_launch_us": launches["direct"],
+    }

@@ -77,36 +77,15 @@ def nhwc_view(t):
 
 
 def reference_epilogue(conv_out, bias, scale, residual, activation):
-    """act(conv_out * scale + bias + residual) in torch, per output channel (NCHW)."""
-    out = conv_out if scale is None else conv_out * scale.to(conv_out.dtype).view(1, -1, 1, 1)
-    if bias is not None:
-        out = out + bias.to(conv_out.dtype).view(1, -1, 1, 1)
-    if residual is not None:
-        out = out + residual
-    if activation == "relu":
-        out = torch.relu(out)
-    elif activation == "silu":
-        out = torch.nn.functional.silu(out)
-    return out
-
-
-def _check_epilogue_args(input, weight, scale, residual, activation, out_shape):
-    if activation not in ("none", "relu", "silu"):
-        raise ValueError(f"activation must be 'none', 'relu' or 'silu', got {activation!r}")
-    if scale is not None and tuple(scale.shape) != (weight.shape[0],):
-        raise ValueError(f"scale must have shape ({weight.shape[0]},) (one per output channel), "
-                         f"got {tuple(scale.shape)}")
-    if residual is not None and (tuple(residual.shape) != tuple(out_shape) or residual.dtype != input.dtype):
-        raise ValueError(f"residual must have the output's shape {tuple(out_shape)} and dtype "
-                         f"{input.dtype}, got {tuple(residual.shape)} {residual.dtype}")
+    """act(conv_out * scale + bias + residual) in torch, per output channel of NCHW conv_out."""
+    return common.reference_epilogue(conv_out, bias, scale, residual, activation, channel_dim=1)
 
 
 def _out_shape(input, weight, stride, padding, dilation):
-    N, _, H, W = input.shape
-    Co, _, R, S = weight.shape
-    out_h = (H + 2 * padding[0] - dilation[0] * (R - 1) - 1) // stride[0] + 1
-    out_w = (W + 2 * padding[1] - dilation[1] * (S - 1) - 1) // stride[1] + 1
-    return (N, Co, out_h, out_w)
+    """The NCHW output shape of conv2d(input, weight) (common.conv_output_size per axis)."""
+    sizes = [common.conv_output_size(input.shape[2 + i], weight.shape[2 + i], stride[i], padding[i], dilation[i])
+             for i in range(2)]
+    return (input.shape[0], weight.shape[0], *sizes)
 
 
 def _conv2d_with_epilogue(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -116,8 +95,8 @@ def _conv2d_with_epilogue(input: torch.Tensor, weight: torch.Tensor, bias: Optio
     """conv2d(input, weight, bias) followed by the fused epilogue act(. * scale + residual): per
     output channel, out = act(conv * scale + bias + residual) computed in fp32 on the tile."""
     if scale is not None or residual is not None or activation != "none":   # (a plain call skips this)
-        _check_epilogue_args(input, weight, scale, residual, activation,
-                             _out_shape(input, weight, stride, padding, dilation))
+        common.check_epilogue(weight.shape[0], _out_shape(input, weight, stride, padding, dilation),
+                              input.dtype, input.device, scale, residual, activation)
     reason = unsupported_reason(input, weight, groups)
     if reason is not None:
         _fall_back(reason)
@@ -147,7 +126,7 @@ conv2d_op = torch.ops.conv_tutorial.conv2d.default
 @torch.library.register_fake("conv_tutorial::conv2d")
 def _(input, weight, bias, stride, padding, dilation, groups, scale=None, residual=None, activation="none"):
     out_shape = _out_shape(input, weight, stride, padding, dilation)
-    _check_epilogue_args(input, weight, scale, residual, activation, out_shape)
+    common.check_epilogue(weight.shape[0], out_shape, input.dtype, input.device, scale, residual, activation)
     return input.new_empty(out_shape).contiguous(memory_format=torch.channels_last)
 
 
@@ -312,8 +291,8 @@ class FusedConv2d(torch.nn.Module):
         super().__init__()
         if conv.padding_mode != "zeros":
             raise ValueError(f"padding_mode={conv.padding_mode!r}: the kernel pads with zeros only")
-        if activation not in ("none", "relu", "silu"):
-            raise ValueError(f"activation must be 'none', 'relu' or 'silu', got {activation!r}")
+        if activation not in common.ACTIVATIONS:
+            raise ValueError(f"activation must be one of {common.ACTIVATIONS}, got {activation!r}")
         weight, bias = conv.weight, conv.bias
         if bn is not None:
             if bn.training or bn.running_mean is None:

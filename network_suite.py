@@ -1,6 +1,13 @@
-"""Lesson 05's network suite: every distinct conv layer of two real networks, ours next to cuDNN.
+"""Lesson 05's benchmarks: the ladder of the series on its benchmark shapes, and the network suite,
+every distinct conv layer of two real networks, ours next to cuDNN.
 
-    python 05-warp-specialized-conv.py --bench --suite networks [--quick]
+    python 05-warp-specialized-conv.py --bench [--quick]                    # the ladder
+    python 05-warp-specialized-conv.py --bench --suite networks [--quick]   # the network suite
+
+The ladder (`run_ladder`) times, per shape, lesson 02's implicit GEMM, lesson 04, lesson 05
+(autotuned, through the runtime) and cuDNN, all in bf16, timed by common.bench_tflops (do_bench:
+median, L2 flushed, launch overhead included), lesson 05 and cuDNN in alternating rounds; it writes
+05_tflops_per_shape.json and two plots (per shape, and the ladder of the headline shape).
 
 The nine benchmark shapes of lesson 05 were where its configs were tuned; a network brings layers
 nobody tuned for. The suite is
@@ -26,6 +33,8 @@ import math
 import common
 
 import torch
+
+from conv_config import KernelConfig
 
 BATCH_RESNET, BATCH_UNET = 128, 8
 
@@ -216,3 +225,145 @@ def plot_network_suite(data, outdir, recorded=None):
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(alpha=0.3, which="both")
     common.save_figure(fig, outdir, "05_network_suite_roofline" + suffix)
+
+
+# %% The ladder of the series on lesson 05's benchmark shapes ----------------------------------------
+
+LADDER_SHAPES = [   # (label, N, H, W, Ci, Co, R, S, stride, padding)
+    common.HEADLINE_SHAPE,
+    *common.RESNET50_3X3_SHAPES,
+    ("RN50 56x56 128->128 3x3 s2", 128, 56, 56, 128, 128, 3, 3, 2, 1),
+    ("RN50 56x56 256->64 1x1", 128, 56, 56, 256, 64, 1, 1, 1, 0),
+    ("RN50 14x14 1024->256 1x1", 128, 14, 14, 1024, 256, 1, 1, 1, 0),
+    ("SD UNet 64x64 320->320 3x3", 8, 64, 64, 320, 320, 3, 3, 1, 1),
+]
+LADDER_SERIES = ["02 implicit GEMM", "04 single-buffer", "05 warp-specialized", "cuDNN"]
+
+
+def dense_peak(device_name):
+    return (device_peaks(device_name) or (None,))[0]
+
+
+def run_ladder(outdir, quick=False, dtype=torch.bfloat16):
+    """Lesson 05's `--bench`: per shape, lessons 02, 04 and 05 and cuDNN, printed, drawn, saved."""
+    import conv_runtime
+    conv2d_fprop = conv_runtime.lesson05.conv2d_fprop
+    lesson02 = common.load_lesson("02-im2col-explicit")
+    lesson04 = common.load_lesson("04-implicit-gemm-single-buffer")
+    shapes = LADDER_SHAPES[:3] if quick else LADDER_SHAPES
+    rows = []
+    for label, N, H, W, Ci, Co, R, S, stride, padding in shapes:
+        x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, dtype)
+        geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
+        print(f"\n{label}: {geometry.describe()}; autotuning lesson 05:")
+        config = conv_runtime.tuned_config(geometry, x_nhwc, w, None, verbose=True, retune=True)
+        # Correct before timed: the benchmarked output matches the reference.
+        expected = common.reference_conv2d_nhwc(x_nhwc, w, None, stride, padding)
+        common.assert_close_to_reference(conv2d_fprop(x_nhwc, w, None, stride, padding), expected,
+                                         dtype=dtype, K=geometry.K)
+        runs = {
+            "02 implicit GEMM": lambda: lesson02.conv2d_implicit_gemm(x_nhwc, w, stride, padding),
+            "04 single-buffer": lambda: lesson04.conv2d_tma_im2col(x_nhwc, w, stride, padding),
+            "05 warp-specialized": lambda: conv2d_fprop(x_nhwc, w, None, stride, padding),
+            "cuDNN": common.cudnn_conv2d(x_nhwc, w, None, stride, padding),
+        }
+        row = {"shape": label, "geometry": geometry.describe(), "flops": geometry.flops, "config_05": config}
+        for name in ("02 implicit GEMM", "04 single-buffer"):
+            row[name] = common.bench_tflops(runs[name], geometry.flops)
+        # Lesson 05 and cuDNN alternate, ROUNDS times each, and the medians are reported:
+        # clocks and cuDNN's own timings drift by several percent within minutes, and alternating
+        # exposes both to the same drift. Every round is kept in the JSON.
+        row.update(common.bench_in_rounds({name: runs[name] for name in ("05 warp-specialized", "cuDNN")},
+                                          geometry.flops, ROUNDS))
+        # Kernel time alone, launch overhead removed (CUDA graph replay), for 05 and cuDNN.
+        for name in ("05 warp-specialized", "cuDNN"):
+            row[name + " graph"] = common.bench_tflops(runs[name], geometry.flops, cuda_graph=True)
+        row["ratio_05_cudnn"] = row["05 warp-specialized"]["tflops"] / row["cuDNN"]["tflops"]
+        row["host_us_05"] = conv_runtime.host_us_per_call(lambda: conv2d_fprop(x_nhwc, w, None, stride, padding))
+        if not rows:
+            row["runtime_us"] = conv_runtime.measure_host_time(x_nhwc, w, stride, padding, config)
+            print("   host us per call: " + ", ".join(f"{k} {v:.1f}" for k, v in row["runtime_us"].items()))
+        rows.append(row)
+        del x_nhwc, w, expected
+        torch.cuda.empty_cache()
+    info = common.versions()
+    print(f"\nTFLOPS, {str(dtype)[6:]}, {info['device']}, torch {info['torch']}, triton {info['triton']}, "
+          f"cuDNN {info.get('cudnn')}")
+    names = LADDER_SERIES
+    print("  end to end (do_bench: L2 flushed, launch overhead included); 'graph' columns: kernels "
+          "alone (CUDA graph replay)")
+    print(f"  {'shape':<30}" + "".join(f"{n.split()[0]:>7}" for n in names)
+          + "  05/cuDNN  05 graph cuDNN graph  ratio   host us  05 us   config")
+    for row in rows:
+        graph_ratio = row["05 warp-specialized graph"]["tflops"] / row["cuDNN graph"]["tflops"]
+        row["ratio_05_cudnn_graph"] = graph_ratio
+        print(f"  {row['shape']:<30}" + "".join(f"{row[n]['tflops']:7.1f}" for n in names)
+              + f"  {row['ratio_05_cudnn']:7.2f}x {row['05 warp-specialized graph']['tflops']:8.1f}"
+              f" {row['cuDNN graph']['tflops']:11.1f} {graph_ratio:6.2f}x {row['host_us_05']:8.1f}"
+              f" {row['05 warp-specialized']['ms'] * 1e3:6.1f}   {row['config_05']}")
+    print(f"  the {ROUNDS} alternating rounds behind the 05 and cuDNN medians (TFLOPS):")
+    for row in rows:
+        print(f"  {row['shape']:<30} 05: " + " ".join(f"{t:6.1f}" for t in row["05 warp-specialized"]["rounds"])
+              + "   cuDNN: " + " ".join(f"{t:6.1f}" for t in row["cuDNN"]["rounds"]))
+    three_by_three = [r["ratio_05_cudnn"] for r in rows if "3x3" in r["shape"]]
+    geomean = math.exp(sum(math.log(r) for r in three_by_three) / len(three_by_three))
+    print(f"  geometric mean of 05/cuDNN over the {len(three_by_three)} 3x3 shapes: {geomean:.3f}x")
+    data = {"rows": rows, "geomean_3x3_ratio": geomean, "dtype": str(dtype), **info}
+    plot_ladder(rows, info, dtype, outdir, data)
+    return rows, geomean
+
+
+def show_recorded_ladder(outdir):
+    """Without a GPU: the latest recorded benchmark, printed and drawn, marked as recorded."""
+    recorded = common.announce_recorded("05_tflops_per_shape", "The ladder")
+    if recorded is None:
+        return None
+    data, info = recorded
+    print(f"  {'shape':<30}{'02':>7}{'04':>7}{'05':>7}{'cuDNN':>7}  05/cuDNN  05 config")
+    for row in data["rows"]:
+        print(f"  {row['shape']:<30}" + "".join(f"{row[n]['tflops']:7.1f}" for n in LADDER_SERIES)
+              + f"  {row['ratio_05_cudnn']:7.2f}x  {KernelConfig(*row['config_05'])}")
+    print(f"  geometric mean of 05/cuDNN over the 3x3 shapes: {data['geomean_3x3_ratio']:.3f}x")
+    plot_ladder(data["rows"], info, data["dtype"], outdir, None, recorded=info)
+    return data
+
+
+def plot_ladder(rows, info, dtype, outdir, data, recorded=None):
+    """The per-shape bars and the ladder of the headline shape. `recorded` (the info of
+    common.recorded_results) marks plots drawn from a recorded run: titled so, saved as *_recorded."""
+    colors = ["#999999", "#d08040", "#2060c0", "#40a040"]
+    mark = f"RECORDED {recorded['date']} (not measured on this machine): " if recorded else ""
+    suffix = "_recorded" if recorded else ""
+    dtype = str(dtype).replace("torch.", "")
+    fig, ax = common.new_figure(figsize=(12, 5))
+    width = 0.2
+    for i, name in enumerate(LADDER_SERIES):
+        xs = [j + (i - 1.5) * width for j in range(len(rows))]
+        ax.bar(xs, [r[name]["tflops"] for r in rows], width, label=name, color=colors[i])
+    peak = dense_peak(info["device"])
+    if peak:
+        ax.axhline(peak, color="red", ls="--", lw=1, label=f"dense bf16 peak ({peak:.0f}, datasheet)")
+    ax.set_xticks(range(len(rows)), [r["shape"] for r in rows], rotation=20, ha="right", fontsize=8)
+    ax.set_xlabel("layer (batch 128; SD UNet at batch 8)")
+    ax.set_ylabel("TFLOPS (higher is better)")
+    ax.set_title(f"{mark}Convolution throughput per shape, {dtype}, {info['device']}\n"
+                 f"Triton {info['triton']}, torch {info['torch']}, cuDNN {info.get('cudnn')}")
+    ax.legend(fontsize=8, loc="upper right")
+    ax.grid(axis="y", alpha=0.3)
+    common.save_figure(fig, outdir, "05_tflops_per_shape" + suffix, data)
+
+    headline = rows[0]
+    fig, ax = common.new_figure(figsize=(7, 4.5))
+    values = [headline[n]["tflops"] for n in LADDER_SERIES]
+    bars = ax.bar(["lesson 02\nimplicit GEMM", "lesson 04\nTMA + MMA", "lesson 05\nwarp-specialized",
+                   "cuDNN"], values, color=colors)
+    for bar, value in zip(bars, values):
+        ax.text(bar.get_x() + bar.get_width() / 2, value, f"{value:.0f}", ha="center", va="bottom")
+    if peak:
+        ax.axhline(peak, color="red", ls="--", lw=1, label=f"dense bf16 peak ({peak:.0f})")
+        ax.legend(fontsize=8)
+    ax.set_ylabel("TFLOPS (higher is better)")
+    ax.set_title(f"{mark}\nThe ladder of the series on {headline['geometry']}\n{dtype}, {info['device']}"
+                 if recorded else f"The ladder of the series on {headline['geometry']}\n{dtype}, {info['device']}",
+                 fontsize=9)
+    common.save_figure(fig, outdir, "05_ladder" + suffix)

@@ -26,9 +26,9 @@ def main():
     parser.add_argument("--config", action="append", required=True, help="KernelConfig fields, e.g. 128,128,64,6,8")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    KernelConfig = conv_runtime._lesson().KernelConfig
+    KernelConfig = conv_runtime.KernelConfig
     configs = [KernelConfig(*map(int, text.split(","))) for text in args.config]
-    suite = {layer[0]: layer for layer in network_suite.NETWORK_SUITE + conv_runtime._lesson().BENCH_SHAPES}
+    suite = {layer[0]: layer for layer in network_suite.NETWORK_SUITE + network_suite.LADDER_SHAPES}
     unknown = [label for label in args.layers if label not in suite]
     if unknown:
         raise SystemExit(f"unknown layers {unknown}; known: {sorted(suite)}")

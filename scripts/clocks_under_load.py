@@ -126,8 +126,7 @@ def main():
     parser.add_argument("--config", help="ours: KernelConfig fields, e.g. 256,128,64,3,8 (default: tuned)")
     parser.add_argument("--seconds", type=float, default=3.0, help="length of each timed block")
     args = parser.parse_args()
-    lesson = conv_runtime._lesson()
-    suite = {layer[0]: layer for layer in network_suite.NETWORK_SUITE + lesson.BENCH_SHAPES}
+    suite = {layer[0]: layer for layer in network_suite.NETWORK_SUITE + network_suite.LADDER_SHAPES}
     unknown = [label for label in args.layers if label not in suite]
     if unknown:
         raise SystemExit(f"unknown layers {unknown}; known: {sorted(suite)}")
@@ -141,7 +140,7 @@ def main():
         _, N, H, W, Ci, Co, R, S, stride, padding = suite[label]
         x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16)
         geometry = common.conv_geometry(x.shape, w.shape, stride, padding)
-        config = (lesson.KernelConfig(*map(int, args.config.split(","))) if args.config
+        config = (conv_runtime.KernelConfig(*map(int, args.config.split(","))) if args.config
                   else conv_runtime.tuned_config(geometry, x, w, None))
         expected = common.reference_conv2d_nhwc(x, w, None, stride, padding)
         ours = lambda: conv_runtime.conv2d(x, w, None, stride, padding, config=config)  # noqa: E731

@@ -39,7 +39,7 @@ def parse_config(text):
     block_m, block_n = int(match[1] or match[3]), int(match[4] or match[6])
     rest = match[10]
     split_k = re.search(r"split-K (\d+)", rest)
-    return conv_runtime._lesson().KernelConfig(
+    return conv_runtime.KernelConfig(
         block_m, block_n, int(match[7]), int(match[8]), int(match[9]),
         programs_per_sm=2 if "2/SM" in rest else 1, consumers=2 if "ping-pong" in rest else 1,
         block_n_tail=int(match[5] or 0), split_k=int(split_k[1]) if split_k else 1,

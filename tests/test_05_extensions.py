@@ -1,0 +1,300 @@
+"""Lesson 05's extensions and builds, tested: the tails of section 6 and split-K of section 7 on the
+GPU against torch, and the structure of the kernel's sm_90 and sm_100 builds (their PTX, compiled
+ahead of time, so these run on a CPU too). The lesson's own tests cover its core kernel."""
+import functools
+
+import common  # first: on a machine without a GPU it turns on the Triton interpreter
+
+import pytest
+import torch
+import triton
+
+lesson05 = common.load_lesson("05-warp-specialized-conv")
+from conv_config import KernelConfig, FIXED_CONFIG, PINGPONG_CONFIG, check_config, ring_bytes, \
+    stores_by_row_blocks, SHARED_MEMORY_PER_PROGRAM  # noqa: E402
+Epilogue, ConvLaunch, finish_split_k = lesson05.Epilogue, lesson05.ConvLaunch, lesson05.finish_split_k
+conv2d_fprop_launch, conv2d_fprop_fixed = lesson05.conv2d_fprop_launch, lesson05.conv2d_fprop_fixed
+needs_gpu, needs_hopper, FUSED_EPILOGUES = lesson05.needs_gpu, lesson05.needs_hopper, lesson05.FUSED_EPILOGUES
+IM2COL_LOAD, WEIGHT_LOAD, TMA_STORE = common.PTX_IM2COL_LOAD, common.PTX_TILED_LOAD, common.PTX_TMA_STORE
+GROUP_M = lesson05.GROUP_M.value
+ENTRIES = {"conv2d_fprop_launch": conv2d_fprop_launch, "conv2d_fprop_fixed": conv2d_fprop_fixed}
+
+
+def configs_for_this_machine(configs):
+    """The configs this GPU's architecture implements (all of them on a machine without a GPU,
+    where the GPU tests skip)."""
+    if not common.has_tma_mma_gpu():
+        return configs
+    arch = "sm_90" if common.is_hopper() else "sm_100"
+    kept = []
+    for config in configs:
+        try:
+            check_config(config, arch)
+            kept.append(config)
+        except ValueError:
+            pass
+    return kept
+
+
+def check_fused_epilogue(config, epilogue):
+    """act(conv * scale + bias + residual) with `config` against torch: Co = 300, stride 2."""
+    common.check_conv(functools.partial(conv2d_fprop_launch, config=config), 4, 30, 26, 96, 300, 3, 3, 2, 1,
+                      dtype=torch.bfloat16, with_bias=epilogue.bias, scale=epilogue.scale,
+                      residual=epilogue.residual, activation=epilogue.activation)
+
+
+@needs_gpu
+@pytest.mark.parametrize("config", configs_for_this_machine([PINGPONG_CONFIG]), ids=str)
+@pytest.mark.parametrize("epilogue", FUSED_EPILOGUES, ids=str)
+def test_pingpong_with_fused_epilogue(config, epilogue):
+    check_fused_epilogue(config, epilogue)
+
+
+def aot_ptx(arch, config=FIXED_CONFIG, **params):
+    """The PTX of one build, for the tests below (skipped where this Triton cannot target `arch`)."""
+    return common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch,
+                                      config=list(config), **params)
+
+
+def test_pingpong_build_has_two_consumer_warpgroups():
+    import conv_runtime
+    compiled = aot_ptx("sm_90", PINGPONG_CONFIG)
+    ptx = compiled["ptx"]
+    assert ".reqntid 384" in ptx                          # 2 consumer warpgroups + the loader's
+    # registers: 240 for each consumer warpgroup, 24 for the loader
+    assert "setmaxnreg.inc.sync.aligned.u32 \t240" in ptx and "setmaxnreg.dec.sync.aligned.u32 \t24" in ptx
+    # each consumer issues its own WGMMAs: twice the MMA code of a single consumer
+    count = lambda p: common.ptx_instructions(p, ["wgmma.mma_async"])["wgmma.mma_async"]  # noqa: E731
+    assert count(ptx) == 2 * count(aot_ptx("sm_90")["ptx"])
+    assert compiled["shared"] <= conv_runtime.shared_memory_bytes(PINGPONG_CONFIG) + 1024
+
+
+@pytest.mark.parametrize("arch, config", [
+    ("sm_90", FIXED_CONFIG), ("sm_90", KernelConfig(128, 128, 64, 4, 4, consumers=2, block_n_tail=32)),
+    ("sm_90", KernelConfig(256, 128, 32, 5, 8, block_n_tail=32)),
+    ("sm_100", KernelConfig(128, 128, 64, 4, 4, block_n_tail=32)),
+], ids=["sm_90", "sm_90-ping-pong-tail", "sm_90-256-tail", "sm_100-tail"])
+def test_fused_epilogue_compiles_only_what_is_asked(arch, config):
+    """The plain build reads nothing with plain loads (TMA does all its reading); each epilogue
+    part adds its own instructions, in every schedule: the residual's and scale's loads, the
+    ReLU's max, the SiLU's exponential."""
+    build = lambda *epilogue: aot_ptx(arch, config, Co=320, epilogue=list(epilogue))["ptx"]  # noqa: E731
+    count = lambda ptx, what: common.ptx_instructions(ptx, [what])[what]  # noqa: E731
+    plain, relu = build(), build(False, False, False, "relu")
+    fused, silu = build(True, True, True, "relu"), build(False, False, False, "silu")
+    assert count(plain, "ld.global") == 0 and count(plain, "max.f32") == 0
+    assert count(relu, "ld.global") == 0 and count(relu, "max.f32") > 0
+    assert count(fused, "ld.global") > 0 and count(fused, "max.f32") > 0
+    assert count(silu, "ex2.approx") > 0 and count(plain, "ex2.approx") == 0
+
+
+@pytest.mark.parametrize("config, tmem_columns", [
+    (FIXED_CONFIG, 256),                                        # 2 accumulators x 128 columns
+    (KernelConfig(128, 128, 64, 4, 4, block_n_tail=32), 512),   # 2 x (128 + 32) = 320, allocated as 512
+    (KernelConfig(128, 256, 64, 3, 4), 512),                    # 2 x 256: the whole tensor memory
+    (KernelConfig(128, 64, 64, 6, 4), 128),
+], ids=str)
+def test_blackwell_build_synchronizes_as_reviewed(config, tmem_columns):
+    """What the review of the Blackwell path (RESULTS.md) expects, checked in the sm_100 PTX."""
+    compiled = aot_ptx("sm_100", config, Co=320 if config.block_n_tail else config.block_n)
+    ptx = compiled["ptx"]
+    counts = common.ptx_instructions(ptx, ["tcgen05.alloc", "tcgen05.commit", "tcgen05.mma",
+                                           "mbarrier.init", "mbarrier.arrive.expect_tx",
+                                           "mbarrier.arrive", "fence.proxy.async", TMA_STORE])
+    # one TMEM allocation, a power of two of at least 2 * tile_n columns and at most 512
+    assert counts["tcgen05.alloc"] == 1 and compiled["tmem_size"] == tmem_columns
+    assert "tcgen05.alloc.cta_group::1.sync.aligned.shared::cta.b32 [%r" in ptx and f"], {tmem_columns};" in ptx
+    # the MMA warp commits twice: once per k-step (releases the stage, after both MMAs of a tail
+    # tile) and once per tile (hands the accumulator to the epilogue); no other tcgen05.commit
+    assert counts["tcgen05.commit"] == 2
+    # BLOCK_K=64 in k16 instructions: 4 tcgen05.mma per accumulator per k-step
+    assert counts["tcgen05.mma"] == 4 * (2 if config.block_n_tail else 1)
+    # barriers: ready + empty per stage, acc_ready + acc_empty per accumulator (no ping-pong turns)
+    assert counts["mbarrier.init"] == 2 * config.num_buffers + 2 * 2
+    # arrivals by software: the loader's expect (its arrival) and the epilogue's acc_empty arrive
+    assert counts["mbarrier.arrive.expect_tx"] == 1 and counts["mbarrier.arrive"] == 2
+    # each TMA store is preceded by a fence of the generic-proxy writes to its staging buffer
+    stores = counts[TMA_STORE]
+    assert stores == (2 if config.block_n_tail else 1) and counts["fence.proxy.async"] == stores
+
+
+TAIL_CONFIGS = [KernelConfig(256, 128, 32, 5, 8, block_n_tail=32), KernelConfig(128, 128, 64, 5, 4, block_n_tail=32),
+                KernelConfig(128, 128, 64, 4, 4, consumers=2, block_n_tail=32),
+                KernelConfig(128, 64, 64, 6, 4, block_n_tail=32),
+                # row tails (Hopper): 192-row tiles
+                KernelConfig(128, 128, 64, 4, 4, block_m_tail=64), KernelConfig(128, 128, 64, 4, 8, block_m_tail=64),
+                KernelConfig(128, 128, 64, 3, 4, consumers=2, block_m_tail=64),
+                KernelConfig(128, 128, 64, 5, 4, block_m_tail=64),     # stores by row blocks
+                KernelConfig(256, 128, 64, 4, 8)]                      # no tail, but stores by row blocks too
+
+
+@needs_gpu
+@pytest.mark.parametrize("config", configs_for_this_machine(TAIL_CONFIGS), ids=str)
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias", [
+    (8, 32, 32, 320, 320, 3, 3, 1, 1, torch.bfloat16, True),      # SD-like: two 160-wide tiles
+    (16, 20, 20, 128, 300, 3, 3, 1, 1, torch.float16, False),     # the last tail partly past Co
+    (4, 15, 17, 64, 100, 3, 3, 2, 1, torch.bfloat16, True),       # Co below one main block
+    (128, 14, 14, 256, 96, 1, 1, 1, 0, torch.bfloat16, False),    # 1x1, Co = 64 + 32
+    (128, 7, 7, 512, 512, 1, 1, 1, 0, torch.bfloat16, True),      # M = 6272: 33 tiles of 192, the last 2/3 full
+    (3, 9, 13, 96, 130, 3, 3, 1, 1, torch.float16, True),         # M = 351: the last tile's tail rows all past M
+    (2, 9, 7, 64, 64, 5, 3, (2, 1), (2, 1), torch.bfloat16, False),  # M = 70 < one main block; strides differ
+    (5, 11, 13, 72, 200, 3, 3, 2, 1, torch.bfloat16, True),       # row boxes across image boundaries, stride 2
+])
+def test_tail_tiles(config, N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias):
+    run_conv(functools.partial(conv2d_fprop_launch, config=config), N, H, W, Ci, Co, R, S, stride,
+             padding, 1, dtype, with_bias)
+
+
+@needs_gpu
+@pytest.mark.parametrize("config", configs_for_this_machine(TAIL_CONFIGS[1::2]), ids=str)
+@pytest.mark.parametrize("epilogue", FUSED_EPILOGUES, ids=str)
+def test_tail_tiles_with_fused_epilogue(config, epilogue):
+    check_fused_epilogue(config, epilogue)
+
+
+@pytest.mark.parametrize("arch, config, mma_shapes", [
+    ("sm_90", KernelConfig(256, 128, 32, 5, 8, block_n_tail=32), ["m64n128k16", "m64n32k16"]),
+    ("sm_90", KernelConfig(128, 128, 64, 4, 4, consumers=2, block_n_tail=32), ["m64n128k16", "m64n32k16"]),
+    ("sm_100", KernelConfig(128, 128, 64, 4, 4, block_n_tail=32), []),
+], ids=["sm_90", "sm_90-ping-pong", "sm_100"])
+def test_tail_build_issues_a_second_mma(arch, config, mma_shapes):
+    import conv_runtime
+    tail, plain = aot_ptx(arch, config, Co=320), aot_ptx(arch, config._replace(block_n_tail=0), Co=320)
+    mma = "wgmma.mma_async" if arch == "sm_90" else "tcgen05.mma"
+    count = lambda ptx: common.ptx_instructions(ptx, [mma])[mma]  # noqa: E731
+    assert count(tail["ptx"]) == 2 * count(plain["ptx"])        # main + tail MMA per k-step
+    for shape in mma_shapes:
+        assert f"{mma}.sync.aligned.{shape}" in tail["ptx"]
+    # two weight loads per stage (main box + tail box), two stores per tile
+    counts = common.ptx_instructions(tail["ptx"], [WEIGHT_LOAD, TMA_STORE])
+    assert counts == {k: 2 * v for k, v in common.ptx_instructions(plain["ptx"], [WEIGHT_LOAD, TMA_STORE]).items()}
+    assert tail["shared"] <= conv_runtime.shared_memory_bytes(config) + 1024
+
+
+@pytest.mark.parametrize("config", [KernelConfig(128, 128, 64, 4, 4, block_m_tail=64),
+                                    KernelConfig(128, 128, 64, 3, 4, consumers=2, block_m_tail=64)], ids=str)
+def test_row_tail_build_loads_three_pixel_boxes(config):
+    """A 192-row tile: three 64-pixel im2col boxes per stage (two for the main rows, one for the
+    tail), one weight box shared by both MMAs, and a second MMA and store per tile."""
+    import conv_runtime
+    tail = aot_ptx("sm_90", config, Co=128)
+    plain = aot_ptx("sm_90", config._replace(block_m_tail=0), Co=128)
+    what = [IM2COL_LOAD, WEIGHT_LOAD, TMA_STORE, "wgmma.mma_async"]
+    counts, plain_counts = common.ptx_instructions(tail["ptx"], what), common.ptx_instructions(plain["ptx"], what)
+    assert counts[IM2COL_LOAD] == 3 and plain_counts[IM2COL_LOAD] == 1
+    assert counts[WEIGHT_LOAD] == plain_counts[WEIGHT_LOAD]     # the weights: one box per stage
+    assert counts[TMA_STORE] == 2 * plain_counts[TMA_STORE]     # main block + tail block
+    # per consumer and k-step: 2 x 4 m64n128k16 for the main 128 rows, 1 x 4 for the tail's 64
+    assert counts["wgmma.mma_async"] * 2 == plain_counts["wgmma.mma_async"] * 3
+    assert "wgmma.mma_async.sync.aligned.m64n128k16" in tail["ptx"]
+    assert tail["shared"] <= conv_runtime.shared_memory_bytes(config) + 1024
+
+
+@pytest.mark.parametrize("epilogue", [Epilogue(), Epilogue(bias=True, scale=True, residual=True, activation="relu")],
+                         ids=["plain", "fused"])
+@pytest.mark.parametrize("config, blocks", [(KernelConfig(128, 128, 64, 5, 4, block_m_tail=64), 3),
+                                            (KernelConfig(256, 128, 64, 4, 8), 2)], ids=str)
+def test_deep_ring_build_stores_by_row_blocks(config, blocks, epilogue):
+    """Where a staging buffer of the whole tile does not fit beside the ring, the tile leaves in
+    blocks of half its main rows through one buffer of that height: a 192-row tile with 5 stages
+    in three 64-row TMA stores (16 KB of staging instead of 48), a 256-row tile with 4 stages in
+    two of 128 rows. Splitting the accumulator's rows moves no data through shared memory."""
+    import conv_runtime
+    shallow_config = config._replace(num_buffers=config.num_buffers - 1)
+    deep = aot_ptx("sm_90", config, Co=128, epilogue=list(epilogue))
+    shallow = aot_ptx("sm_90", shallow_config, Co=128, epilogue=list(epilogue))
+    assert stores_by_row_blocks(config) and not stores_by_row_blocks(shallow_config)
+    assert common.ptx_instructions(deep["ptx"], [TMA_STORE])[TMA_STORE] == blocks
+    assert common.ptx_instructions(shallow["ptx"], [TMA_STORE])[TMA_STORE] == (2 if config.block_m_tail else 1)
+    for generic in ("st.shared", "ld.shared"):        # no extra round trip for the split
+        assert deep["ptx"].count(generic) <= shallow["ptx"].count(generic)
+    ring = ring_bytes(config)
+    assert ring + config.block_m // 2 * config.tile_n * 2 <= deep["shared"]
+    assert deep["shared"] <= min(conv_runtime.shared_memory_bytes(config) + 1024, SHARED_MEMORY_PER_PROGRAM)
+    assert ring + config.tile_m * config.tile_n * 2 > SHARED_MEMORY_PER_PROGRAM   # what it avoids
+
+
+SPLIT_K_CONFIGS = [KernelConfig(128, 128, 64, 6, 8, split_k=3), KernelConfig(128, 64, 64, 6, 4, split_k=4),
+                   KernelConfig(128, 128, 64, 5, 4, block_n_tail=32, split_k=2),
+                   # a row tail with split-K: the slices' partial sums of 192-row tiles (Hopper)
+                   KernelConfig(128, 128, 64, 4, 4, split_k=2, block_m_tail=64),
+                   KernelConfig(128, 128, 64, 5, 4, split_k=2, block_m_tail=64)]   # by row blocks
+
+
+@needs_gpu
+@pytest.mark.parametrize("entry", ["conv2d_fprop_launch", "conv2d_fprop_fixed"])
+@pytest.mark.parametrize("config", configs_for_this_machine(SPLIT_K_CONFIGS), ids=str)
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias", [
+    (8, 8, 8, 1280, 1280, 3, 3, 1, 1, torch.bfloat16, True),       # SD's 8x8 stage: 40 tiles, 180 k-steps
+    (8, 16, 16, 640, 320, 3, 3, 2, 1, torch.bfloat16, False),      # stride 2, Co = 2 x 160
+    (2, 7, 7, 2048, 512, 1, 1, 1, 0, torch.float16, True),         # 1x1, M = 98 < one tile
+    (4, 15, 17, 64, 100, 3, 3, 2, 1, torch.bfloat16, True),        # 9 k-steps in 2-4 slices, Co tail
+    (128, 7, 7, 512, 512, 1, 1, 1, 0, torch.bfloat16, True),      # 196 tiles of 128x128: the last wave split
+    (64, 9, 11, 192, 700, 3, 3, 1, 1, torch.float16, False),      # many tiles, some split, Co tail
+])
+def test_split_k(entry, config, N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias):
+    """Plainly launched, and through the runtime (templates and direct launches of both kernels:
+    the second call of a plan takes the direct path)."""
+    for seed in (0, 1):
+        common.check_conv(functools.partial(ENTRIES[entry], config=config), N, H, W, Ci, Co, R, S,
+                          stride, padding, 1, dtype=dtype, with_bias=with_bias, seed=seed)
+
+
+@needs_gpu
+@pytest.mark.parametrize("epilogue", FUSED_EPILOGUES, ids=str)
+def test_split_k_last_wave_with_fused_epilogue(epilogue):
+    """Whole tiles store through the epilogue in the kernel, split ones in the second kernel: both
+    must apply the same act(acc * scale + bias + residual)."""
+    check_fused_epilogue(SPLIT_K_CONFIGS[2], epilogue)
+
+
+def tile_order(num_pid_m, num_pid_n, group_m=GROUP_M):
+    """[(pid_m, pid_n) of tile 0, 1, ...]: the grouped order, written out in plain Python as the
+    tests' independent model of grouped_tile."""
+    order = []
+    for first_m in range(0, num_pid_m, group_m):
+        rows_in_group = min(num_pid_m - first_m, group_m)
+        order += [(first_m + i % rows_in_group, i // rows_in_group) for i in range(rows_in_group * num_pid_n)]
+    return order
+
+
+@pytest.mark.parametrize("M, Co, tile_m, tile_n, whole_tiles, split_k", [
+    (1000, 300, 128, 160, 9, 2),      # 8 x 2 tiles in 2 groups, the last 7 split; Co and M tails
+    (640, 256, 64, 64, 0, 3),         # every tile split (fewer tiles than programs)
+    (2048, 96, 128, 64, 30, 4),       # 16 x 2 tiles, the last 2 split
+])
+def test_split_k_epilogue_finishes_only_split_tiles(M, Co, tile_m, tile_n, whole_tiles, split_k):
+    """The second kernel sums the slices (and applies the epilogue) exactly on the tiles that
+    work_unit split, found from the tile order, and leaves the whole tiles' output alone. On a
+    CPU it runs in the interpreter."""
+    generator = torch.Generator().manual_seed(0)
+    num_pid_m, num_pid_n = triton.cdiv(M, tile_m), triton.cdiv(Co, tile_n)
+    partial = torch.randn(split_k, M, Co, generator=generator)
+    bias = torch.randn(Co, generator=generator)
+    out = torch.full((M, Co), 7.0)                     # what the conv kernel stored for whole tiles
+    geometry = common.conv_geometry((1, M, 1, 16), (Co, 1, 1, 16))          # M pixels, Co channels
+    launch = ConvLaunch((1, 1, 1), (), out.to(common.device()), geometry, partial.to(common.device()),
+                        (tile_m, tile_n, num_pid_m, num_pid_n, whole_tiles))
+    finish_split_k(launch, bias.to(common.device()), activation="relu")
+    expected = out.clone()
+    for pid_m, pid_n in tile_order(num_pid_m, num_pid_n)[whole_tiles:]:
+        rows, cols = slice(pid_m * tile_m, (pid_m + 1) * tile_m), slice(pid_n * tile_n, (pid_n + 1) * tile_n)
+        expected[rows, cols] = (partial[:, rows, cols].sum(0) + bias[cols]).relu()
+    torch.testing.assert_close(launch.out_2d.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch, config", [
+    ("sm_90", KernelConfig(128, 128, 64, 6, 8, split_k=3)),
+    ("sm_90", KernelConfig(128, 128, 64, 5, 4, block_n_tail=32, split_k=2)),
+    ("sm_100", KernelConfig(128, 128, 64, 4, 4, block_n_tail=32, split_k=2)),
+], ids=["sm_90", "sm_90-tail", "sm_100-tail"])
+def test_split_k_build_stores_partial_sums_instead_of_tiles(arch, config):
+    """With split-K the epilogue writes a split tile's fp32 partial sums with plain stores
+    (st.global), and a whole tile (before the last wave) with the TMA store as without split-K;
+    the loop is the same."""
+    split, plain = aot_ptx(arch, config, Co=320)["ptx"], aot_ptx(arch, config._replace(split_k=1), Co=320)["ptx"]
+    counts = lambda ptx: common.ptx_instructions(ptx, [TMA_STORE, "st.global", IM2COL_LOAD])  # noqa: E731
+    assert counts(plain)[TMA_STORE] > 0 and counts(plain)["st.global"] == 0
+    assert counts(split)[TMA_STORE] == counts(plain)[TMA_STORE] and counts(split)["st.global"] > 0
+    assert counts(split)[IM2COL_LOAD] == counts(plain)[IM2COL_LOAD]
+
