@@ -141,7 +141,7 @@ TAIL_CONFIGS = [KernelConfig(256, 128, 32, 5, 8, block_n_tail=32), KernelConfig(
     (5, 11, 13, 72, 200, 3, 3, 2, 1, torch.bfloat16, True),       # row boxes across image boundaries, stride 2
 ])
 def test_tail_tiles(config, N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias):
-    run_conv(functools.partial(conv2d_fprop_launch, config=config), N, H, W, Ci, Co, R, S, stride,
+    lesson05.run_conv(functools.partial(conv2d_fprop_launch, config=config), N, H, W, Ci, Co, R, S, stride,
              padding, 1, dtype, with_bias)
 
 
