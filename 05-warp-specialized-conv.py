@@ -32,6 +32,7 @@ Tests: pytest 05-warp-specialized-conv.py
 
 # %%
 import functools
+import types
 from typing import NamedTuple
 
 import common  # first: on a machine without a GPU it turns on the Triton interpreter
@@ -100,8 +101,8 @@ Descriptor = tma.tensor_descriptor | gl.constexpr     # a TMA descriptor, or Non
 
 @gluon.aggregate
 class Ring:
-    """The stages and their barriers. The tail buffers belong to section 6; without a tail they
-    are the main buffers again, so one MMA `a_tail_bufs x b_tail_bufs` serves both kinds of tail."""
+    # The stages and their barriers. The tail buffers belong to section 6; without a tail they are the main buffers
+    # again, so one MMA `a_tail_bufs x b_tail_bufs` serves both kinds of tail.
     a_bufs: gl.shared_memory_descriptor       # [NUM_BUFFERS, BLOCK_M, BLOCK_K] pixels
     b_bufs: gl.shared_memory_descriptor       # [NUM_BUFFERS, BLOCK_N, BLOCK_K] filters
     a_tail_bufs: gl.shared_memory_descriptor  # section 6: a row tail's pixels
@@ -135,13 +136,15 @@ class Im2colWindow:
 
     @gluon.jit
     def pixel_box_origin(self, m):
-        """(n, y, x) in the input where the im2col box of output pixels m, m+1, ... starts (tap 0)."""
-        return pixel_box_origin(m, self.out_h, self.out_w, self.stride_h, self.stride_w, self.pad_h,
-                                self.pad_w)
+        # (n, y, x) in the input where the im2col box of output pixels m, m+1, ... starts (tap 0)
+        n = m // (self.out_h * self.out_w)
+        oy = (m // self.out_w) % self.out_h
+        ox = m % self.out_w
+        return n, oy * self.stride_h - self.pad_h, ox * self.stride_w - self.pad_w
 
     @gluon.jit
     def k_step(self, k, BLOCK_K: gl.constexpr):
-        """(the tap's im2col offsets [r*dil_h, s*dil_w], first channel c0, weight column) of k-step k."""
+        # (the tap's im2col offsets [r*dil_h, s*dil_w], first channel c0, weight column) of k-step k.
         tap = k // self.channel_blocks
         c0 = (k % self.channel_blocks) * BLOCK_K
         offsets = [((tap // self.S) * self.dil_h).to(gl.int16), ((tap % self.S) * self.dil_w).to(gl.int16)]
@@ -149,16 +152,8 @@ class Im2colWindow:
 
 
 @gluon.jit
-def pixel_box_origin(m, out_h, out_w, stride_h, stride_w, pad_h, pad_w):
-    n = m // (out_h * out_w)
-    oy = (m // out_w) % out_h
-    ox = m % out_w
-    return n, oy * stride_h - pad_h, ox * stride_w - pad_w
-
-
-@gluon.jit
 def loader_partition(in_desc, w_desc, w_tail_desc, ring, schedule, window):
-    """One warp: for every (tile, k-step) of this program, wait for a free stage and fill it."""
+    # One warp: for every (tile, k-step) of this program, wait for a free stage and fill it.
     PIXEL_BOX: gl.constexpr = in_desc.block_type.shape[0]     # pixels per im2col load
     BLOCK_M: gl.constexpr = ring.a_bufs.shape[1]
     BLOCK_K: gl.constexpr = in_desc.block_type.shape[1]
@@ -232,9 +227,8 @@ def loader_partition(in_desc, w_desc, w_tail_desc, ring, schedule, window):
 
 @gluon.aggregate
 class TileOutput:
-    """Where a tile goes: the output's TMA descriptors and staging buffers, and the fused
-    epilogue's operands and switches (section 5). The tail descriptor and buffer serve section 6;
-    the partial sums, section 7."""
+    # Where a tile goes: the output's TMA descriptors and staging buffers, and the fused epilogue's operands and
+    # switches (section 5). The tail descriptor and buffer serve section 6; the partial sums, section 7.
     out_desc: Descriptor
     out_tail_desc: Descriptor
     c_smem: gl.shared_memory_descriptor        # one staging buffer per consumer
@@ -254,14 +248,14 @@ class TileOutput:
 
     @gluon.jit
     def for_consumer(self, consumer: gl.constexpr):
-        """This output with consumer `consumer`'s own staging buffers."""
+        # This output with consumer `consumer`'s own staging buffers.
         return gl.aggregate_replace(self, c_smem=self.c_smem.index(consumer),
                                     c_tail_smem=self.c_tail_smem.index(consumer))
 
     @gluon.jit
     def store(self, acc, work, m0, co0, TAIL: gl.constexpr, STORES_IN_FLIGHT: gl.constexpr = 0):
-        """A unit's result at (m0, co0): through the tail's box and buffer if TAIL (section 6),
-        as an fp32 partial sum if the unit is a split-K slice (section 7), else the whole tile."""
+        # A unit's result at (m0, co0): through the tail's box and buffer if TAIL (section 6), as an fp32 partial sum
+        # if the unit is a split-K slice (section 7), else the whole tile.
         c_smem = self.c_tail_smem if TAIL else self.c_smem
         out_desc = self.out_tail_desc if TAIL else self.out_desc
         if self.SPLIT_K > 1:
@@ -275,8 +269,8 @@ class TileOutput:
 
 @gluon.jit
 def store_output_tile(acc, c_smem, out_desc, output, m0, co0, STORES_IN_FLIGHT: gl.constexpr):
-    """y = act(acc * scale[co] + bias[co] + residual[m, co]) in fp32 (section 5), each part only
-    if its switch asks for it; cast, and an asynchronous TMA store of the tile."""
+    # y = act(acc * scale[co] + bias[co] + residual[m, co]) in fp32 (section 5), each part only if its switch asks for
+    # it; cast, and an asynchronous TMA store of the tile.
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
     cols = co0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
@@ -478,7 +472,7 @@ class TileSchedule:
 
 @gluon.jit
 def grouped_tile(tile_id, num_pid_m, num_pid_n):
-    """(pid_m, pid_n) of a linear tile id, GROUP_M row-tiles at a time (L2-friendly order)."""
+    # (pid_m, pid_n) of a linear tile id, GROUP_M row-tiles at a time (L2-friendly order).
     tiles_per_group = GROUP_M * num_pid_n
     first_m = (tile_id // tiles_per_group) * GROUP_M
     rows_in_group = gl.minimum(num_pid_m - first_m, GROUP_M)
@@ -539,8 +533,8 @@ def grouped_tile(tile_id, num_pid_m, num_pid_n):
 @triton.jit
 def apply_epilogue(acc, cols, Co, scale_ptr, bias_ptr, residual, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr):
-    """act(acc * scale[cols] + bias[cols] + residual) in fp32: the scale and bias loaded here for
-    the tile's columns `cols`, the residual tile loaded by the caller in the accumulator's layout."""
+    # act(acc * scale[cols] + bias[cols] + residual) in fp32: the scale and bias loaded here for the tile's columns
+    # `cols`, the residual tile loaded by the caller in the accumulator's layout.
     if HAS_SCALE:
         scale = tl.load(scale_ptr + cols, mask=cols < Co, other=0.0)
         acc = acc * tl.expand_dims(scale.to(tl.float32), 0)
@@ -606,11 +600,7 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
         b_tail_bufs = b_bufs
     if BLOCK_M_TAIL == 0:
         a_tail_bufs = a_bufs
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_BUFFERS):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = common.allocate_barrier_pairs(NUM_BUFFERS)
     ring = Ring(a_bufs, b_bufs, a_tail_bufs, b_tail_bufs, ready, empty, NUM_BUFFERS)
     schedule = TileSchedule(num_pid_m, num_pid_n, k_steps, BLOCK_M + BLOCK_M_TAIL, BLOCK_N + BLOCK_N_TAIL,
                             CONFIG.split_k)
@@ -627,11 +617,7 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
                                                    TensorMemoryLayout([BLOCK_M, BLOCK_N_TAIL], col_stride=1))
         else:
             acc_tail_tmem = acc_tmem
-        acc_ready = gl.allocate_shared_memory(gl.int64, [NUM_ACC, 1], mbarrier.MBarrierLayout())
-        acc_empty = gl.allocate_shared_memory(gl.int64, [NUM_ACC, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_ACC):
-            mbarrier.init(acc_ready.index(i), count=1)
-            mbarrier.init(acc_empty.index(i), count=1)
+        acc_ready, acc_empty = common.allocate_barrier_pairs(NUM_ACC)
         acc = TmemAccumulators(acc_tmem, acc_tail_tmem, acc_ready, acc_empty, NUM_ACC)
         gl.warp_specialize([
             (blackwell_epilogue_partition, (schedule, acc, output.for_consumer(0))),
@@ -685,7 +671,7 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
 
 
 class Epilogue(NamedTuple):
-    """What the epilogue applies to each tile: act(acc * scale + bias + residual), per part."""
+    # What the epilogue applies to each tile: act(acc * scale + bias + residual), per part.
     bias: bool = False          # + bias[co]: a conv bias, or a folded BatchNorm's shift
     scale: bool = False         # * scale[co]: a folded BatchNorm's gamma / sqrt(var + eps)
     residual: bool = False      # + residual[n, y, x, co]: a ResNet block's skip connection
@@ -701,26 +687,26 @@ class ConvLaunch(NamedTuple):
     tiles: tuple = None            # section 7: (tile_m, tile_n, num_pid_m, num_pid_n, whole_tiles)
 
     def result(self):
-        """The output as NHWC [N, out_h, out_w, Co]."""
+        # The output as NHWC [N, out_h, out_w, Co].
         return output_nhwc(self.geometry, self.out_2d)
 
 
 def output_nhwc(geometry, out_2d):
-    """The kernel's output [M, Co rounded up to 16 bytes] as NHWC [N, out_h, out_w, Co]."""
+    # The kernel's output [M, Co rounded up to 16 bytes] as NHWC [N, out_h, out_w, Co].
     g, Co_alloc = geometry, out_2d.shape[1]
     out = out_2d.view(g.N, g.out_h, g.out_w, Co_alloc)
     return out if Co_alloc == g.Co else out[..., :g.Co].contiguous()
 
 
 def kernel_constexprs(config, arch, epilogue=Epilogue()):
-    """The kernel's constexprs and launch options, by name."""
+    # The kernel's constexprs and launch options, by name.
     config = KernelConfig(*config)
     return dict(CONFIG=config, EPILOGUE=Epilogue(*epilogue), IS_BLACKWELL=arch == "sm_100",
                 num_warps=config.num_warps, **({"maxnreg": 128} if config.programs_per_sm > 1 else {}))
 
 
 def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None, residual=None):
-    """A ConvLaunch for these tensors (CPU tensors work too: the ahead-of-time compile uses them)."""
+    # A ConvLaunch for these tensors (CPU tensors work too: the ahead-of-time compile uses them).
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     config = KernelConfig(*config)
     check_config(config, arch)
@@ -762,29 +748,6 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
                       out_2d, geometry, partial, tiles)
 
 
-def check_inputs(x_nhwc, w, bias, stride, padding, dilation, scale=None, residual=None,
-                 activation="none"):
-    """Validate a call (dtype, layout, shapes, hyper-parameters, epilogue); return its geometry."""
-    geometry = common.check_conv_inputs(x_nhwc, w, stride, padding, dilation, dtypes=CONV_DTYPES,
-                                        bias=bias)
-    if bias is not None and not bias.is_contiguous():
-        raise ValueError("bias must be contiguous")
-    g = geometry
-    common.check_epilogue(g.Co, (g.N, g.out_h, g.out_w, g.Co), x_nhwc.dtype, x_nhwc.device, scale, residual,
-                          activation)
-    if residual is not None and not residual.is_contiguous():
-        raise ValueError(f"residual must be a contiguous NHWC tensor, got strides {residual.stride()}")
-    common.check_on_cuda(x_nhwc)   # last: every other mistake is reported on a CPU machine too
-    return geometry
-
-
-def device_arch_and_sms(what):
-    """("sm_90" or "sm_100", SM count) of the current GPU, or a clear error naming `what`."""
-    capability = common.require_tma_mma_gpu(what)
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return ("sm_90" if capability == (9, 0) else "sm_100"), props.multi_processor_count
-
-
 def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG,
                         scale=None, residual=None, activation="none"):
     """The warp-specialized conv, launched plainly. x_nhwc [N, H, W, Ci], w [Co, R, S, Ci] (fp16 or
@@ -792,8 +755,9 @@ def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, c
     computes act(conv * scale + bias + residual) in fp32 before the cast: optional bias and scale
     [Co] (fp32 or x's dtype), residual of the output's shape and dtype, activation "none", "relu"
     or "silu"."""
-    geometry = check_inputs(x_nhwc, w, bias, stride, padding, dilation, scale, residual, activation)
-    arch, num_sms = device_arch_and_sms("conv2d_fprop_launch")
+    geometry = common.check_conv_call(x_nhwc, w, bias, stride, padding, dilation, dtypes=CONV_DTYPES,
+                                      scale=scale, residual=residual, activation=activation)
+    arch, num_sms = common.tma_mma_arch_and_sms("conv2d_fprop_launch")
     launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale, residual)
     epilogue = Epilogue(bias is not None, scale is not None, residual is not None, activation)
     conv2d_fprop_kernel[launch.grid](*launch.args, **kernel_constexprs(KernelConfig(*config), arch, epilogue))
@@ -803,7 +767,7 @@ def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, c
 
 
 def run_core_kernel():
-    """Part I's kernel on one layer, launched plainly and compared with torch."""
+    # Part I's kernel on one layer, launched plainly and compared with torch.
     run_conv(conv2d_fprop_launch, 4, 32, 32, 384, 384, 3, 3, 1, 1)
     print(f"\nconv2d_fprop_launch ({FIXED_CONFIG}) matches torch.nn.functional.conv2d on {common.gpu_name()}")
 
@@ -929,9 +893,8 @@ def test_unsupported_config_combinations_are_refused():
 # synchronization expects (RESULTS.md, "The Blackwell path"), since no Blackwell GPU has run it.
 
 IM2COL_LOAD, WEIGHT_LOAD, TMA_STORE = common.PTX_IM2COL_LOAD, common.PTX_TILED_LOAD, common.PTX_TMA_STORE
-REGISTERS_GIVEN_BACK = ("setmaxnreg moves registers between warpgroups at run time, whole warpgroups at a "
-                        "time, so the worker warps are padded to one. A worker warpgroup lowers its limit "
-                        "to 24 on entering its partition")
+REGISTERS_GIVEN_BACK = ("setmaxnreg moves registers between warpgroups at run time, whole warpgroups at a time, "
+                        "so the worker warps are padded to one. A worker warpgroup lowers its limit to 24")
 TAUGHT_PTX = {
     "sm_90": [
         (IM2COL_LOAD, "The A tile, in the loader partition's loop: one per k-step, the whole 128-pixel "
@@ -940,8 +903,7 @@ TAUGHT_PTX = {
         ("wgmma.mma_async", "The consumer's MMAs: m64n128k16, so a 128 x 128 tile with BLOCK_K=64 "
                             "takes 2 row blocks x 4 K steps = 8 per k-step."),
         ("setmaxnreg.dec", REGISTERS_GIVEN_BACK + ": here the one worker partition, the loader."),
-        ("setmaxnreg.inc", "The other side of the hand-over: the consumer raises its limit once the "
-                           "loader has given its registers back (sites in the program, not executions)."),
+        ("setmaxnreg.inc", "The consumer's side: it raises its limit once the loader has given its registers back."),
         (TMA_STORE, "The epilogue's TMA store of the 128 x 128 tile from its staging buffer."),
     ],
     "sm_100": [
@@ -949,9 +911,8 @@ TAUGHT_PTX = {
         (WEIGHT_LOAD, "The B tile, as on sm_90."),
         ("tcgen05.mma", "The MMA warp's MMAs: one thread issues 128 x 128 x 16 into tensor memory; "
                         "BLOCK_K=64 takes 4 per k-step."),
-        ("tcgen05.commit", "Two: once per k-step (the stage's empty barrier: the hardware arrives when "
-                           "the MMAs that read it are done) and once per tile (the accumulator is "
-                           "ready for the epilogue)."),
+        ("tcgen05.commit", "Two: once per k-step (the hardware arrives on the stage's empty barrier when the MMAs "
+                           "that read it are done) and once per tile (the accumulator is ready for the epilogue)."),
         ("tcgen05.ld", "The epilogue reads the 128 x 128 fp32 accumulator from tensor memory."),
         ("setmaxnreg.dec", REGISTERS_GIVEN_BACK + ": here two (loader and MMA issuer)."),
         ("setmaxnreg.inc", "The epilogue warpgroup's side of the hand-over, as on sm_90."),
@@ -964,33 +925,28 @@ PARTITION_WARPS = {"sm_90": "4 MMA/epilogue warps + the 1-warp loader, padded to
 
 def aot_conv2d_fprop(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, padding=1,
                      config=FIXED_CONFIG, epilogue=Epilogue()):
-    """(kernel, args, kwargs) on CPU tensors, for common.aot_compile (`epilogue` as a list too)."""
+    # (kernel, args, kwargs) on CPU tensors, for common.aot_compile (`epilogue` as a list too).
     epilogue = Epilogue(*epilogue)
     x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16, device_name="cpu")
     geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
-    per_channel = torch.zeros(Co, dtype=torch.float32)
-    residual = torch.zeros(geometry.N, geometry.out_h, geometry.out_w, Co, dtype=torch.bfloat16)
-    launch = prepare_launch(x_nhwc, w, per_channel if epilogue.bias else None, geometry, config, arch,
-                            132, per_channel if epilogue.scale else None,
-                            residual if epilogue.residual else None)
+    per_channel, residual = torch.zeros(Co), torch.zeros(*geometry.output_shape_nhwc, dtype=torch.bfloat16)
+    launch = prepare_launch(x_nhwc, w, per_channel if epilogue.bias else None, geometry, config, arch, 132,
+                            per_channel if epilogue.scale else None, residual if epilogue.residual else None)
     return conv2d_fprop_kernel, launch.args, kernel_constexprs(config, arch, epilogue)
+
+
+@pytest.mark.parametrize("arch", list(TAUGHT_PTX))
+def test_kernel_compiles_with_expected_instructions(arch):
+    compiled = common.assert_ptx_teaches("05-warp-specialized-conv", "aot_conv2d_fprop", arch, TAUGHT_PTX)
+    # The runtime's shared-memory model (it prunes configs with it) must not under-estimate.
+    import conv_runtime
+    assert compiled["shared"] <= conv_runtime.shared_memory_bytes(FIXED_CONFIG) + 1024
 
 
 def run_show_ptx():
     return common.show_ptx("05-warp-specialized-conv", "aot_conv2d_fprop", TAUGHT_PTX,
                            lambda arch, compiled: f"conv2d_fprop_kernel, config {FIXED_CONFIG}: "
                                                   f"{compiled['num_warps']} warps in all = {PARTITION_WARPS[arch]}")
-
-
-@pytest.mark.parametrize("arch", list(TAUGHT_PTX))
-def test_kernel_compiles_with_expected_instructions(arch):
-    compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch)
-    counts = common.ptx_instructions(compiled["ptx"], [prefix for prefix, _ in TAUGHT_PTX[arch]])
-    missing = [prefix for prefix, count in counts.items() if count == 0]
-    assert not missing, f"{arch}: PTX lacks {missing}"
-    # The runtime's shared-memory model (it prunes configs with it) must not under-estimate.
-    import conv_runtime
-    assert compiled["shared"] <= conv_runtime.shared_memory_bytes(FIXED_CONFIG) + 1024
 
 
 # %%
@@ -1040,8 +996,8 @@ def test_kernel_compiles_with_expected_instructions(arch):
 
 @gluon.jit
 def split_rows(acc):
-    """The top and bottom halves of a tile's rows, as two tiles (no data moves where each
-    warpgroup holds two 64-row WGMMA blocks: 128 rows on 4 warps, 256 on 8)."""
+    # The top and bottom halves of a tile's rows, as two tiles (no data moves where each warpgroup holds two 64-row
+    # WGMMA blocks: 128 rows on 4 warps, 256 on 8).
     ROWS: gl.constexpr = acc.shape[0]
     COLS: gl.constexpr = acc.shape[1]
     return gl.split(acc.reshape([2, ROWS // 2, COLS]).permute((1, 2, 0)))
@@ -1053,8 +1009,8 @@ def split_rows(acc):
     (4, 5, 6, 3, 5, 2, (1, 2)),      # small images: a 64-pixel box covers several of them
 ])
 def test_row_tail_boxes_read_what_one_tall_box_would(N, H, W, R, S, stride, padding):
-    """The loader's 64-pixel boxes, each started at its own pixel_box_origin (the kernel's own
-    function, run here as plain Python), read exactly the pixels of one 192-pixel im2col box
+    """The loader's 64-pixel boxes, each started at its own Im2colWindow.pixel_box_origin (the
+    kernel's own method, run here as plain Python), read exactly the pixels of one 192-pixel im2col box
     started at the tile's first pixel: checked with lesson 03's model of the TMA im2col walk, for
     every tile and tap, the last tile's rows past M included."""
     walk = common.load_lesson("03-tma-im2col-modes").im2col_walk
@@ -1062,6 +1018,8 @@ def test_row_tail_boxes_read_what_one_tall_box_would(N, H, W, R, S, stride, padd
     settings = common.conv_im2col_settings(geometry)
     window = (settings.pixel_box_lower_corner, settings.pixel_box_upper_corner, settings.element_strides)
     shape, g = (N, H, W, 8), geometry
+    kernel_window = types.SimpleNamespace(out_h=g.out_h, out_w=g.out_w, stride_h=g.stride[0], stride_w=g.stride[1],
+                                          pad_h=g.padding[0], pad_w=g.padding[1])
     for m0 in range(0, g.M, 192):
         for r in range(R):
             for s in range(S):
@@ -1069,7 +1027,7 @@ def test_row_tail_boxes_read_what_one_tall_box_would(N, H, W, R, S, stride, padd
                 tall = walk(shape, 192, *window, settings.start_coord(m0), offsets)
                 boxes = []
                 for box in range(3):
-                    n, y, x = pixel_box_origin.fn(m0 + 64 * box, g.out_h, g.out_w, *g.stride, *g.padding)
+                    n, y, x = Im2colWindow.pixel_box_origin.fn(kernel_window, m0 + 64 * box)
                     boxes += walk(shape, 64, *window, (n, y, x, 0), offsets)
                 assert boxes == tall, (m0, r, s)
 
@@ -1100,10 +1058,10 @@ def test_row_tail_boxes_read_what_one_tall_box_would(N, H, W, R, S, stride, padd
 
 @gluon.jit
 def work_unit(unit, num_tiles, k_steps, SPLIT_K: gl.constexpr):
-    """(tile_id, split, first k-step, end k-step, partial) of a unit of work: a whole tile, or one
-    of SPLIT_K slices of a tile's K loop (partial = 1). The first whole_tiles = num_tiles // P * P
-    tiles (P programs) run whole, the rest in slices, the slices of one part of the K loop
-    together, so tiles that run side by side still share strips of A and B in L2."""
+    # (tile_id, split, first k-step, end k-step, partial) of a unit of work: a whole tile, or one of SPLIT_K slices of
+    # a tile's K loop (partial = 1). The first whole_tiles = num_tiles // P * P tiles (P programs) run whole, the rest
+    # in slices, the slices of one part of the K loop together, so tiles that run side by side still share strips of A
+    # and B in L2.
     if SPLIT_K == 1:
         return unit, 0, 0, k_steps, 0
     else:
@@ -1121,7 +1079,7 @@ def work_unit(unit, num_tiles, k_steps, SPLIT_K: gl.constexpr):
 
 @gluon.jit
 def num_work_units(num_tiles, SPLIT_K: gl.constexpr):
-    """How many units the tiles make: whole tiles, plus SPLIT_K slices of each split one."""
+    # How many units the tiles make: whole tiles, plus SPLIT_K slices of each split one.
     if SPLIT_K == 1:
         return num_tiles
     else:
@@ -1131,7 +1089,7 @@ def num_work_units(num_tiles, SPLIT_K: gl.constexpr):
 
 @gluon.jit
 def store_partial_tile(acc, partial_ptr, split, M, Co, m0, co0):
-    """This unit's fp32 partial sum of the tile, to partial[split, m, co]."""
+    # This unit's fp32 partial sum of the tile, to partial[split, m, co].
     BLOCK_M: gl.constexpr = acc.type.shape[0]
     BLOCK_N: gl.constexpr = acc.type.shape[1]
     rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
@@ -1142,46 +1100,44 @@ def store_partial_tile(acc, partial_ptr, split, M, Co, m0, co0):
 
 
 @triton.jit
-def split_k_epilogue_kernel(partial_ptr, out_ptr, bias_ptr, scale_ptr, residual_ptr, M, Co, out_stride,
-                            tile_m, tile_n, num_pid_m, num_pid_n, whole_tiles,
-                            SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                            HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr, GROUP_M: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """out[m, co] = act(sum over splits of partial[split, m, co] * scale + bias + residual), where
-    (m, co) lies in a split tile: one numbered whole_tiles or later in the conv's grouped order
-    (the inverse of grouped_tile, for the tile_m x tile_n tiles of the conv)."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+def split_k_epilogue_kernel(partial_ptr, out_ptr, epilogue_ptrs, M, Co, out_stride, tiles, SPLIT_K: tl.constexpr,
+                            EPILOGUE: tl.constexpr, BLOCK: tl.constexpr):
+    # out[m, co] = act(sum over splits of partial[split, m, co] * scale + bias + residual), where
+    # (m, co) lies in a split tile: one numbered whole_tiles or later in the conv's grouped order
+    # (the inverse of TileSchedule's order, for the tile_m x tile_n tiles of the conv)
+    bias_ptr, scale_ptr, residual_ptr = epilogue_ptrs
+    tile_m, tile_n, num_pid_m, num_pid_n, whole_tiles = tiles
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     pid_m, pid_n = rows // tile_m, cols // tile_n
     first_m = pid_m // GROUP_M * GROUP_M
     rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
     tile_id = (first_m * num_pid_n + pid_m - first_m)[:, None] + pid_n[None, :] * rows_in_group[:, None]
     inside = (rows[:, None] < M) & (cols[None, :] < Co) & (tile_id >= whole_tiles)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     for split in tl.static_range(SPLIT_K):
         offsets = (rows + split * M).to(tl.int64)[:, None] * Co + cols[None, :]
         acc += tl.load(partial_ptr + offsets, mask=inside, other=0.0)
     residual_offsets = rows.to(tl.int64)[:, None] * Co + cols[None, :]
-    residual = tl.load(residual_ptr + residual_offsets, mask=inside, other=0.0) if HAS_RESIDUAL else 0.0
-    acc = apply_epilogue(acc, cols, Co, scale_ptr, bias_ptr, residual, HAS_SCALE, HAS_BIAS, HAS_RESIDUAL, ACTIVATION)
+    residual = tl.load(residual_ptr + residual_offsets, mask=inside, other=0.0) if EPILOGUE.residual else 0.0
+    acc = apply_epilogue(acc, cols, Co, scale_ptr, bias_ptr, residual, EPILOGUE.scale, EPILOGUE.bias,
+                         EPILOGUE.residual, EPILOGUE.activation)
     out_offsets = rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
     tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 def split_k_epilogue_launch(launch, bias=None, scale=None, residual=None, activation="none"):
-    """(grid, args, constexprs) of split-K's second kernel: sum the slices, apply the epilogue."""
+    # (grid, args, constexprs) of split-K's second kernel: sum the slices, apply the epilogue
     g, out_2d, partial = launch.geometry, launch.out_2d, launch.partial
     grid = (triton.cdiv(g.M, 64), triton.cdiv(g.Co, 64), 1)     # 3-d: the direct launch takes no less
-    args = (partial, out_2d, *(t if t is not None else out_2d for t in (bias, scale, residual)), g.M, g.Co,
-            out_2d.stride(0), *launch.tiles)
-    constexprs = dict(SPLIT_K=partial.shape[0], HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
-                      HAS_RESIDUAL=residual is not None, ACTIVATION=activation, GROUP_M=GROUP_M.value,
-                      BLOCK_M=64, BLOCK_N=64)
-    return grid, args, constexprs
+    pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual))
+    args = (partial, out_2d, pointers, g.M, g.Co, out_2d.stride(0), launch.tiles)
+    epilogue = Epilogue(bias is not None, scale is not None, residual is not None, activation)
+    return grid, args, dict(SPLIT_K=partial.shape[0], EPILOGUE=epilogue, BLOCK=64)
 
 
 def finish_split_k(launch, bias=None, scale=None, residual=None, activation="none"):
-    """Split-K's second kernel, launched plainly: the output from the partial sums."""
+    # Split-K's second kernel, launched plainly: the output from the partial sums.
     grid, args, constexprs = split_k_epilogue_launch(launch, bias, scale, residual, activation)
     split_k_epilogue_kernel[grid](*args, **constexprs)
 
@@ -1273,12 +1229,7 @@ def conv2d_fprop(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, **epilog
 def run_runtime_demo():
     import conv_runtime
     run_conv(conv2d_fprop, 8, 28, 28, 128, 128, 3, 3, 1, 1, with_bias=True)
-    x_nhwc, w = common.random_conv_inputs(32, 28, 28, 128, 128, 3, 3, torch.bfloat16)
-    us = conv_runtime.measure_host_time(x_nhwc, w, 1, 1, FIXED_CONFIG)
-    print(f"\nhost time per call on this machine (N=32, 28x28, 128->128, 3x3): plain launcher "
-          f"{us['plain_launcher_us']:.0f} us, runtime {us['runtime_us']:.0f} us; of which the launch: "
-          f"Triton's launcher {us['generic_launch_us']:.0f} us, the compiled kernel called directly "
-          f"{us['compiled_launch_us']:.0f} us, the runtime's DirectLaunch {us['direct_launch_us']:.0f} us")
+    conv_runtime.print_host_time(FIXED_CONFIG)
 
 
 @needs_gpu

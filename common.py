@@ -201,6 +201,10 @@ class ConvGeometry:
         return self.R * self.S * self.Ci
 
     @property
+    def output_shape_nhwc(self) -> tuple[int, int, int, int]:
+        return (self.N, self.out_h, self.out_w, self.Co)
+
+    @property
     def flops(self) -> int:
         return 2 * self.M * self.Co * self.K
 
@@ -315,6 +319,29 @@ def check_conv_inputs(x_nhwc, w, stride=1, padding=0, dilation=1, *, dtypes, bia
     if need_cuda:
         check_on_cuda(x_nhwc)
     return geometry
+
+
+def check_conv_call(x_nhwc, w, bias, stride, padding, dilation, *, dtypes, scale=None, residual=None,
+                    activation="none") -> ConvGeometry:
+    """Validate a call of a conv with the fused epilogue (lesson 05: its launcher, the runtime):
+    tensors, hyper-parameters and epilogue, the device last so every other mistake is reported on
+    a machine without a GPU too. Returns the geometry."""
+    geometry = check_conv_inputs(x_nhwc, w, stride, padding, dilation, dtypes=dtypes, bias=bias)
+    if bias is not None and not bias.is_contiguous():
+        raise ValueError("bias must be contiguous")
+    g = geometry
+    check_epilogue(g.Co, g.output_shape_nhwc, x_nhwc.dtype, x_nhwc.device, scale, residual, activation)
+    if residual is not None and not residual.is_contiguous():
+        raise ValueError(f"residual must be a contiguous NHWC tensor, got strides {residual.stride()}")
+    check_on_cuda(x_nhwc)
+    return geometry
+
+
+def tma_mma_arch_and_sms(what: str) -> tuple[str, int]:
+    """("sm_90" or "sm_100", SM count) of the current GPU, or a clear error naming `what`."""
+    capability = require_tma_mma_gpu(what)
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return ("sm_90" if capability == (9, 0) else "sm_100"), props.multi_processor_count
 
 
 def check_on_cuda(x_nhwc):
@@ -771,6 +798,16 @@ def show_ptx(stem: str, builder: str, taught: dict, heading) -> dict:
     return report
 
 
+def assert_ptx_teaches(stem: str, builder: str, arch: str, taught: dict) -> dict:
+    """A lesson's test that its kernel's `arch` build holds every instruction its table `taught`
+    explains (skipped where this Triton cannot target `arch`); returns the compiled build."""
+    compiled = aot_compile_or_skip(stem, builder, arch)
+    counts = ptx_instructions(compiled["ptx"], [prefix for prefix, _ in taught[arch]])
+    missing = [prefix for prefix, count in counts.items() if count == 0]
+    assert not missing, f"{arch}: PTX lacks {missing}"
+    return compiled
+
+
 def first_ptx_instruction(ptx: str, prefix: str) -> str:
     """The first instruction that contains `prefix`, whole: PTX may spread one instruction over
     several lines (a wgmma's register list), and it ends at the semicolon."""
@@ -1164,3 +1201,15 @@ class Counter:
     @gluon.jit
     def next(self, steps=1):
         return Counter(self.count + steps, self.NUM_BUFFERS)
+
+
+@gluon.jit
+def allocate_barrier_pairs(COUNT: gl.constexpr):
+    """(ready, empty): COUNT pairs of mbarriers in shared memory, each initialized for one arrival
+    (a ring's ready/empty barriers, or an accumulator hand-off's)."""
+    ready = gl.allocate_shared_memory(gl.int64, [COUNT, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [COUNT, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(COUNT):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return ready, empty

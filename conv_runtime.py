@@ -339,14 +339,14 @@ class ConvPlan:
             reduce = self.reduces.get(variant) if partial is not None else None
             if reduce is not None:
                 # split-K's second kernel: its grid and scalars are the plan's, only pointers change
-                reduce(self.reduce_grid, partial.data_ptr(), out_2d.data_ptr(), *pointers, *self.reduce_scalars)
+                reduce(self.reduce_grid, partial.data_ptr(), out_2d.data_ptr(), pointers, *self.reduce_scalars)
             if partial is None or reduce is not None:
                 return lesson05.output_nhwc(self.geometry, out_2d)
             launch = template._replace(out_2d=out_2d, partial=partial)
         if launch.partial is not None:          # split-K: the second kernel sums the slices
             grid, args, kwargs = lesson05.split_k_epilogue_launch(launch, bias, scale, residual, activation)
             self.reduces[variant] = DirectLaunch.first_launch(lesson05.split_k_epilogue_kernel, grid, args, kwargs)
-            self.reduce_grid, self.reduce_scalars = grid, args[5:]
+            self.reduce_grid, self.reduce_scalars = grid, args[3:]
         return launch.result()
 
 
@@ -401,7 +401,7 @@ _FAST_PLANS = {}     # call key -> (ConvPlan, FoldedConv or None)
 
 @functools.lru_cache(maxsize=None)
 def _device_facts_of(device_index):
-    arch, num_sms = lesson05.device_arch_and_sms("conv2d_fprop")
+    arch, num_sms = common.tma_mma_arch_and_sms("conv2d_fprop")
     props = torch.cuda.get_device_properties(device_index)
     smem = getattr(props, "shared_memory_per_block_optin", SMEM_LIMIT_BYTES[arch])
     return arch, num_sms, smem
@@ -452,8 +452,8 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
     if entry is None or not (x_nhwc.is_contiguous() and w.is_contiguous()
                              and all(t is None or t.is_contiguous() for t in (bias, scale, residual))):
         # the slow path validates (and explains) everything
-        geometry = lesson05.check_inputs(x_nhwc, w, bias, stride, padding, dilation, scale, residual,
-                                          activation)
+        geometry = common.check_conv_call(x_nhwc, w, bias, stride, padding, dilation, dtypes=lesson05.CONV_DTYPES,
+                                          scale=scale, residual=residual, activation=activation)
         fold = folded_geometry(geometry) if config is None else None
         run_geometry = fold.geometry if fold is not None else geometry
         if config is not None:
@@ -852,3 +852,13 @@ def measure_host_time(x_nhwc, w, stride, padding, config):
         "generic_launch_us": launches["generic"], "compiled_launch_us": launches["compiled"],
         "direct_launch_us": launches["direct"],
     }
+
+
+def print_host_time(config, dtype=torch.bfloat16):
+    """Lesson 05's demo of what the runtime saves: measure_host_time on one layer, printed."""
+    x_nhwc, w = common.random_conv_inputs(32, 28, 28, 128, 128, 3, 3, dtype)
+    us = measure_host_time(x_nhwc, w, 1, 1, config)
+    print(f"\nhost time per call on this machine (N=32, 28x28, 128->128, 3x3): plain launcher "
+          f"{us['plain_launcher_us']:.0f} us, runtime {us['runtime_us']:.0f} us; of which the launch: "
+          f"Triton's launcher {us['generic_launch_us']:.0f} us, the compiled kernel called directly "
+          f"{us['compiled_launch_us']:.0f} us, the runtime's DirectLaunch {us['direct_launch_us']:.0f} us")
