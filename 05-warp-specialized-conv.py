@@ -64,17 +64,21 @@ Descriptor = tma.tensor_descriptor | gl.constexpr     # a TMA descriptor, or Non
 # ran the headline shape (N=128, 64x64, 384->384, 3x3, bf16) at 487 TFLOPS against cuDNN's 705:
 # it only got that far because several of its small programs share an SM and interleave by
 # accident. Part I builds the kernel that makes the overlap deliberate, one idea per section:
-#   1. a ring of shared-memory stages, so that loads run ahead of the MMAs;
-#   2. warp specialization: a loader warp, and MMA + epilogue warps mapped per architecture;
-#   3. a persistent grid walking the tiles in a grouped order;
-#   4. the epilogue of one tile overlapped with the main loop of the next;
-#   5. a fused epilogue: scale, bias, residual and activation on the tile before it is stored.
+#
+# 1. a ring of shared-memory stages, so that loads run ahead of the MMAs;
+# 2. warp specialization: a loader warp, and MMA + epilogue warps mapped per architecture;
+# 3. a persistent grid walking the tiles in a grouped order;
+# 4. the epilogue of one tile overlapped with the main loop of the next;
+# 5. a fused epilogue: scale, bias, residual and activation on the tile before it is stored.
+#
 # Part II adds what real layers need, each with the lines it adds to the same kernel:
-#   6. tiles that are not a power of two wide or tall (a main MMA and a tail MMA);
-#   7. split-K, for layers with fewer tiles than SMs;
-#   8. the small-Ci fold, for a network's RGB stem.
-# The kernel's state travels in a few `@gluon.aggregate`s (Gluon's structs: named fields, jit
-# methods, passed by value), so each partition takes the ring, the tile schedule and what it
+#
+# 6. tiles that are not a power of two wide or tall (a main MMA and a tail MMA);
+# 7. split-K, for layers with fewer tiles than SMs;
+# 8. the small-Ci fold, for a network's RGB stem.
+#
+# The kernel's state travels in a few aggregates (`@gluon.aggregate` classes, Gluon's structs:
+# named fields, jit methods, passed by value), so each partition takes the ring, the tile schedule and what it
 # writes, and reads like the pseudocode above it.
 
 # %%
@@ -82,21 +86,24 @@ Descriptor = tma.tensor_descriptor | gl.constexpr     # a TMA descriptor, or Non
 # -------------------------------------------------
 # NUM_BUFFERS shared-memory stages, each holding one A tile (BLOCK_M pixels x BLOCK_K channels,
 # the im2col box) and one B tile (BLOCK_N filters x BLOCK_K). Stage i has two mbarriers:
-#   ready[i]  the loads into it have landed: `mbarrier.expect` announces the byte count and the
-#             TMA engine arrives with the bytes;
-#   empty[i]  the MMA that read it is done: the consumer arrives.
+#
+# - ready[i]: the loads into it have landed (`mbarrier.expect` announces the byte count and the
+#   TMA engine arrives with the bytes);
+# - empty[i]: the MMA that read it is done (the consumer arrives).
+#
 # The producer waits for empty, the consumer for ready, and the loads of step k + NUM_BUFFERS - 1
 # are in flight while step k multiplies. Each side counts the k-steps it has passed, across all
-# tiles (`common.Counter`, an aggregate of two fields): the count gives the slot (count % NUM_BUFFERS) and the phase
-# ((count // NUM_BUFFERS) & 1) to wait for. A fresh barrier counts as "phase 1 complete", so the
-# producer waits for the opposite phase and its first pass over the ring finds every stage empty.
+# tiles (`common.Counter`, an aggregate of two fields): the count gives the slot
+# (count % NUM_BUFFERS) and the phase ((count // NUM_BUFFERS) & 1) to wait for. A fresh barrier
+# counts as "phase 1 complete", so the producer waits for the opposite phase and its first pass
+# over the ring finds every stage empty. The two sides, side by side::
 #
 #     loader (1 warp)                                consumer
 #     for each tile, for k in its k-steps:           for each tile, for k in its k-steps:
 #         wait empty[slot] (phase ^ 1)                   wait ready[slot] (phase)
 #         expect ready[slot] (A + B bytes)               acc += A[slot] @ B[slot]^T
 #         A[slot] = im2col_load(x, pixel, tap, c0)       arrive empty[slot] once the MMA is done
-#         B[slot] = load(w2d, [co0, tap*Ci + c0])    store the tile (section 2)
+#         B[slot] = load(w2d, [co0, tap*Ci + c0])    after its last k-step: store the tile (section 2)
 
 
 @gluon.aggregate
@@ -208,6 +215,7 @@ def loader_partition(in_desc, w_desc, w_tail_desc, ring, schedule, window):
 # slots and forces the compiler to interleave two instruction streams. `gl.warp_specialize` runs
 # separate functions in separate warps of one program. The two architectures want different
 # splits:
+#
 # - Hopper: WGMMA must be issued by whole warpgroups (4 warps), its accumulator lives in the
 #   issuing warps' registers, and its completion cannot arrive on an mbarrier. So MMA issue and
 #   epilogue are one partition (a "consumer": 4 or 8 warps), which waits with
@@ -218,6 +226,7 @@ def loader_partition(in_desc, w_desc, w_tail_desc, ring, schedule, window):
 #   thread issues tcgen05, and `tcgen05_commit(empty[slot])` lets the hardware release the stage
 #   when the MMAs finish); and the epilogue (4 warps, the default partition), which reads the
 #   accumulator from tensor memory.
+#
 # Both end a tile the same way: `TileOutput.store` applies the fused epilogue (section 5), casts,
 # and starts an asynchronous TMA store from a staging buffer. The store is not waited for: it
 # drains while the next tile computes, and before the staging buffer is written again we wait
@@ -1180,6 +1189,7 @@ def test_split_k_epilogue_kernel_against_torch(split_k, epilogue):
 # (memcheck, racecheck, synccheck, initcheck) over lessons 04 and 05 on small shapes, for every
 # Hopper candidate config. Measured on an H100: synccheck reports nothing, and the three reports
 # of the others are not bugs of this kernel, each worth knowing if you write your own:
+#
 # - racecheck: a read-after-write "hazard" between two instructions that are not ours, in the
 #   code with which `gl.warp_specialize` starts its workers (a word of shared memory per worker,
 #   ordered by a block-wide named barrier). scripts/racecheck_probe.cu models that protocol in 60
@@ -1189,6 +1199,7 @@ def test_split_k_epilogue_kernel_against_torch(split_k, epilogue):
 #   shared memory, being refused, and falling back to the classic attribute.
 # - initcheck: the output reported uninitialized when copied to the host, because TMA stores are
 #   not counted as writes (every element was compared with torch's result first).
+#
 # Racecheck is also blind to what matters most here: TMA and the tensor cores access shared memory
 # through the async proxy, which it does not track. The ordering of those accesses is the review's
 # job, and the tests' (RESULTS.md, "Sanitizers").
@@ -1201,14 +1212,19 @@ def test_split_k_epilogue_kernel_against_torch(split_k, epilogue):
 # kernel directly, and picks a config per shape with a small autotuner pruned to what fits the
 # device. The ways in, from the lesson to a PyTorch model:
 #
-#   entry point                           for                        config
-#   conv2d_fprop_launch (this lesson)     reading the kernel          given (FIXED_CONFIG)
-#   conv2d_fprop_fixed (this lesson)      one config, fast host path  given
-#   conv2d_fprop (this lesson)            NHWC tensors, best speed    autotuned per shape
-#   conv_runtime.conv2d                   what the two above call     given, tuned or heuristic
-#   torch.ops.conv_tutorial.conv2d        PyTorch (NCHW, channels_last memory, torch.compile,
-#     and conv_torch.conv2d / modules     CUDA graphs): `import conv_torch` registers it
-#                                                                    heuristic, or tuned
+#
+# ========================================  ==============================  =========================
+# entry point                               for                             config
+# ========================================  ==============================  =========================
+# ``conv2d_fprop_launch`` (this lesson)     reading the kernel              given (``FIXED_CONFIG``)
+# ``conv2d_fprop_fixed`` (this lesson)      one config, fast host path      given
+# ``conv2d_fprop`` (this lesson)            NHWC tensors, best speed        autotuned per shape
+# ``conv_runtime.conv2d``                   what the three above call       given, tuned or heuristic
+# ``torch.ops.conv_tutorial.conv2d``        PyTorch models (NCHW tensors)   heuristic, or tuned
+# ========================================  ==============================  =========================
+#
+# The operator (registered by ``import conv_torch``) takes channels_last NCHW tensors and works
+# under torch.compile and CUDA graphs; ``conv_torch.conv2d`` and its modules call it.
 
 
 def conv2d_fprop_fixed(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG, **epilogue):
@@ -1255,23 +1271,26 @@ def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding
 # convs of the SD UNet at batch 8, ours and cuDNN in alternating rounds of one run). RESULTS.md
 # has each row's details and logs, so you need not try them first.
 #
-#   attempt                                         measured effect                         kept
-#   160-wide tiles (column tail, section 6)         SD 320-ch layer 530 -> 642 TFLOPS       yes
-#   192-row tiles (row tail, section 6)             RN50 7x7 512->512 0.97x -> 1.18x cuDNN  yes
-#   a 5th stage, stored by row blocks (section 6)   RN50 7x7 2048->512 437 -> 471 TFLOPS    yes
-#   split-K, last wave only (section 7)             SD 8x8 layer 320 -> 411 TFLOPS          yes
-#   folded stem (section 8)                         RN50 stem 0.62x -> 1.75x cuDNN          yes
-#   fused epilogue (section 5)                      ResNet-50 1.4x torch.compile            yes
-#   direct launch of the compiled kernel (runtime)  host 71 -> 33 us per call               yes
-#   tuning per epilogue (runtime)                   RN50 28x28 128->512+res 0.147 -> 0.095 ms  yes
-#   ping-pong consumers alone (section 4)           no faster than one consumer             candidate
-#   split-K by serial fix-up in the kernel          481-501 vs 557 TFLOPS                   no
-#   BLOCK_K = 32 with 6 stages                      672 vs 759 TFLOPS (headline)            no
-#   BLOCK_K = 128                                   592 vs 693 TFLOPS (headline)            no
-#   L2 prefetch (whole tile, or k-steps ahead)      5-30% slower                            no
-#   tiled loads for 1x1 layers                      within noise                            no
-#   2-CTA clusters (TMA multicast)                  +0.2% estimated; im2col multicast does  no
-#                                                   not assemble with Triton 3.8
+#
+# ==============================================  ========================================  =========
+# attempt                                         measured effect                           kept
+# ==============================================  ========================================  =========
+# 160-wide tiles (column tail, section 6)         SD 320-ch layer 530 -> 642 TFLOPS         yes
+# 192-row tiles (row tail, section 6)             RN50 7x7 512->512 0.97x -> 1.18x cuDNN    yes
+# a 5th stage, stored by row blocks (section 6)   RN50 7x7 2048->512 437 -> 471 TFLOPS      yes
+# split-K, last wave only (section 7)             SD 8x8 layer 320 -> 411 TFLOPS            yes
+# folded stem (section 8)                         RN50 stem 0.62x -> 1.75x cuDNN            yes
+# fused epilogue (section 5)                      ResNet-50 1.4x torch.compile              yes
+# direct launch of the compiled kernel (runtime)  host time 71 -> 33 us per call            yes
+# tuning per epilogue (runtime)                   RN50 28x28 128->512+res 0.147->0.095 ms   yes
+# ping-pong consumers alone (section 4)           no faster than one consumer               candidate
+# split-K by serial fix-up in the kernel          481-501 vs 557 TFLOPS                     no
+# BLOCK_K = 32 with 6 stages                      672 vs 759 TFLOPS (headline)              no
+# BLOCK_K = 128                                   592 vs 693 TFLOPS (headline)              no
+# L2 prefetch (whole tile, or k-steps ahead)      5-30% slower                              no
+# tiled loads for 1x1 layers                      within noise                              no
+# 2-CTA clusters (TMA multicast)                  +0.2% (est.); no im2col multicast in 3.8  no
+# ==============================================  ========================================  =========
 #
 # What no schedule reaches: much more on the headline shape. Both kernels hold the H100 at its
 # 700 W limit there, where the SM clock drops to ~1440 MHz and the dense bf16 peak to ~780 TFLOPS;

@@ -40,7 +40,7 @@ ResNet-50 layer (measured on an H100 host, 2026-11-22). This module adds, for th
   this shape, and split-K's workspace traffic (scripts/fit_heuristic.py refits the numbers).
 - Small channel counts (`FoldedConv`): a layer whose Ci is 8 or less (an RGB stem) is run as an
   R x 1 convolution over S*Ci folded channels, 7 k-steps instead of 49 for ResNet-50's stem.
-- Split-K's second kernel (lesson 05, section 6) is launched directly too.
+- Split-K's second kernel (lesson 05, section 7) is launched directly too.
 
 `measure_host_time` and `compare_launch_paths` measure what the runtime adds; lesson 05 prints
 both. The kernel and its plain launcher live in lesson 05 (`conv_runtime.lesson05` is that module),
@@ -89,7 +89,7 @@ def _candidates():
         C(block_m=128, block_n=128, block_k=64, num_buffers=5, num_warps=4, block_n_tail=32),
         C(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4, consumers=2, block_n_tail=32),
         C(block_m=128, block_n=64, block_k=64, num_buffers=6, num_warps=4, block_n_tail=32),
-        # split-K, for layers with fewer tiles than SMs (lesson 05, section 6)
+        # split-K, for layers with fewer tiles than SMs (lesson 05, section 7)
         C(block_m=128, block_n=128, block_k=64, num_buffers=6, num_warps=8, split_k=2),
         C(block_m=128, block_n=128, block_k=64, num_buffers=6, num_warps=8, split_k=3),
         C(block_m=128, block_n=128, block_k=64, num_buffers=6, num_warps=8, split_k=4),
@@ -99,7 +99,8 @@ def _candidates():
         # 192-row tiles: a 64-row tail below the main MMA (ResNet-50's 7x7 layers at batch 128:
         # M = 6272 = 32.7 x 192, so Co=512 makes 33 x 4 = 132 tiles, one per SM of an H100)
         C(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4, block_m_tail=64),
-        C(block_m=128, block_n=128, block_k=64, num_buffers=5, num_warps=4, block_m_tail=64),   # stores by row blocks: a 5th stage fits
+        # stores by row blocks: a 5th stage fits
+        C(block_m=128, block_n=128, block_k=64, num_buffers=5, num_warps=4, block_m_tail=64),
         C(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=8, block_m_tail=64),
         C(block_m=128, block_n=128, block_k=64, num_buffers=3, num_warps=4, consumers=2, block_m_tail=64),
     ]
@@ -480,7 +481,7 @@ def residual_fits_in_registers(config, arch="sm_90"):
     Blackwell the accumulator lives in tensor memory). The consumer holds TILE_M x TILE_N fp32
     accumulators spread over its threads, and beside them the residual of the rows it stores at
     once, bf16 (half a register per value): the whole tile, or where the tile is stored by row
-    blocks (lesson 05, section 5) half the main rows. One 4-warp consumer may use up to 256
+    blocks (lesson 05, section 6) half the main rows. One 4-warp consumer may use up to 256
     registers per thread, and fits 192 of these; 8-warp consumers and ping-pong warpgroups get
     232-240, and fit 160 (tests check this against the stack frame of every candidate's build)."""
     if arch != "sm_90":
