@@ -12,6 +12,7 @@ def ver(name):
 ok = ver("triton") >= (3, 8) and ver("torch") >= (2, 9)
 for name in ("pytest", "matplotlib", "numpy", "torchvision"):
     md.version(name)
+import torchvision  # noqa: F401  (a torchvision built for another torch fails here: "torchvision::nms does not exist")
 sys.exit(0 if ok else 1)
 PY
 }
@@ -27,8 +28,11 @@ else
   PY=$_root/.venv/bin/python
   "$PY" -m pip install -q --upgrade pip
   if ! command -v nvidia-smi >/dev/null 2>&1; then
-    # No NVIDIA driver: take the CPU build of torch (much smaller than the CUDA build).
-    "$PY" -m pip install -q "torch==2.13.0" || "$PY" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+    # No NVIDIA driver: a torch and the torchvision built for it, as one pair (a torchvision built
+    # for another torch does not import). torch 2.14.1 needs Triton 3.8, as the series does; on an
+    # Arm machine the CPU pair 2.9.1/0.24.1; elsewhere PyTorch's CPU index.
+    if [ "$(uname -m)" = x86_64 ]; then _pair="torch==2.14.1 torchvision==0.29.1"; else _pair="torch==2.9.1 torchvision==0.24.1"; fi
+    "$PY" -m pip install -q $_pair || "$PY" -m pip install -q torch torchvision --index-url https://download.pytorch.org/whl/cpu
   fi
   # Keep the torch just installed: an unpinned torchvision would otherwise pull a newer torch.
   _torch=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
