@@ -34,7 +34,7 @@ import triton.language as tl
 # The sliding window
 # ------------------
 # A convolution slides a small filter over an image. At each position the filter and the patch
-# under it are multiplied element by element and summed: one dot product per output value.
+# under it are multiplied element by element and summed: one dot product per output value::
 #
 #     input (3x3)      filter (2x2)      output (2x2)
 #     a b c            w0 w1             y0 y1
@@ -80,12 +80,12 @@ def test_sliding_window_example():
 # The general formula
 # -------------------
 # With a batch of N images, Ci input channels, Co filters, stride (sh, sw), padding (ph, pw) and
-# dilation (dh, dw), in NCHW layout:
+# dilation (dh, dw), in NCHW layout::
 #
 #     y[n, co, oy, ox] = sum over ci < Ci, r < R, s < S of
 #                        x[n, ci, oy*sh - ph + r*dh, ox*sw - pw + s*dw] * w[co, ci, r, s]
 #
-# where x reads as 0 outside the image (that is what padding means), and
+# where x reads as 0 outside the image (that is what padding means). The output size::
 #
 #     out_h = floor((H + 2*ph - dh*(R-1) - 1) / sh) + 1      (the same for out_w)
 #
@@ -94,7 +94,7 @@ def test_sliding_window_example():
 # %%
 # A first Triton kernel: one scalar filter, one output tile per program
 # ----------------------------------------------------------------------
-# Pseudocode, for one single-channel image and one filter, stride 1, no padding:
+# Pseudocode, for one single-channel image and one filter, stride 1, no padding::
 #
 #     for each output tile T (BLOCK_H x BLOCK_W), in parallel:   # one Triton program
 #         acc = zeros(BLOCK_H, BLOCK_W)                          # fp32
@@ -166,7 +166,7 @@ def test_scalar_filter(H, W, R, S, dtype):
 
 # %%
 # Growing the kernel: stride, padding, dilation, channels and a batch
-# ------------------------------------------------------------------
+# -------------------------------------------------------------------
 # Three changes turn the toy into a real (if slow) convolution, in NCHW layout:
 #
 # 1. Stride and dilation change *where* a tap reads: output pixel (oy, ox) and tap (r, s) read
@@ -175,7 +175,9 @@ def test_scalar_filter(H, W, R, S, dtype):
 # 2. Padding means those rows and columns may fall outside the image. Rather than padding the
 #    tensor in memory, the load's mask is false there and `other=0.0` supplies the zero.
 # 3. Channels: output channel co sums over every input channel ci. The grid gets two more axes,
-#    one program per (tile, co, n), and the tap loop gains an outer loop over ci:
+#    one program per (tile, co, n), and the tap loop gains an outer loop over ci.
+#
+# The kernel, as pseudocode::
 #
 #     for each (output tile T, co, n), in parallel:
 #         acc = zeros(BLOCK_H, BLOCK_W)
@@ -367,4 +369,11 @@ if __name__ == "__main__":
     run_direct_conv()
     run_direct_conv(N=2, Ci=3, H=20, W=17, Co=5, R=5, S=5, stride=2, padding=2, dtype=torch.float16)
     run_load_count(outdir)
-    print("lesson 01: all checks passed")
+    if args.bench:
+        print("\n--bench: lesson 01 has no benchmark (a scalar sliding window is for reading, not for "
+              "speed); lesson 02's --bench times its implicit GEMM against cuDNN")
+    if common.interpreter_mode():
+        print("\nlesson 01, on this machine (no GPU): all checks passed, every kernel in the Triton interpreter; "
+              "on a CUDA GPU the same kernels run compiled")
+    else:
+        print(f"\nlesson 01: all checks passed on {common.gpu_name()}")

@@ -39,7 +39,7 @@ INTERPRETED = tl.constexpr(common.interpreter_mode())
 # --------------
 # Lesson 01's sum over (ci, r, s) is a dot product between the flattened window under an output
 # pixel and the flattened filter. Write every window as a row and every filter as a column and the
-# whole convolution is one matrix product:
+# whole convolution is one matrix product::
 #
 #     A[m, k] = x[n, oy*sh - ph + r*dh, ox*sw - pw + s*dw, ci]    m = (n, oy, ox), k = (r, s, ci)
 #     B[k, co] = w[co, r, s, ci]                                   (the weight, viewed as [Co, K])
@@ -243,7 +243,7 @@ def time_im2col_vs_direct(N=16, H=56, W=56, Ci=64, Co=64, R=3, S=3, dtype=torch.
 # the im2col kernel shows how to compute any tile's addresses. So the GEMM's K loop builds the
 # addresses itself. Ordering K as (r, s, ci-block) keeps the arithmetic small: the pixel a row
 # reads depends only on (r, s), and within a tap the channels are contiguous in NHWC, so the tile
-# is BLOCK_M rows of BLOCK_K consecutive elements: coalesced loads.
+# is BLOCK_M rows of BLOCK_K consecutive elements: coalesced loads. As pseudocode::
 #
 #     for each output tile (rows m, columns co), in parallel:
 #         (n, oy, ox) = decode(m)                      # once per program
@@ -438,19 +438,26 @@ def plot_implicit_vs_cudnn(rows, info, dtype, outdir, data=None, recorded=None):
     mark = f"RECORDED {recorded['date']} (not measured on this machine): " if recorded else ""
     ax.set_title(f"{mark}Lesson 02 implicit GEMM vs cuDNN, batch 128, {dtype}\n"
                  f"{info['device']}, Triton {info['triton']}, torch {info['torch']}")
-    ax.legend()
+    ax.set_ylim(0, 1.3 * max(max(r["implicit_gemm_tflops"], r["cudnn_tflops"]) for r in rows))
+    ax.legend(loc="upper right", ncol=2)        # in the headroom above the bars
     ax.grid(axis="y", alpha=0.3)
     common.save_figure(fig, outdir, "02_implicit_gemm_vs_cudnn" + ("_recorded" if recorded else ""), data)
 
 
 def show_recorded_bench(outdir):
-    """Without a GPU: the latest recorded run of the benchmark above, printed and drawn."""
-    recorded = common.announce_recorded("02_implicit_gemm_vs_cudnn", "Implicit GEMM vs cuDNN")
+    """Without a GPU: these layers' implicit GEMM and cuDNN figures from the latest recorded run of
+    lesson 05's ladder (which times lesson 02's kernel too), printed and drawn: one recorded
+    source for every lesson's figures."""
+    recorded = common.announce_recorded("05_tflops_per_shape", "Implicit GEMM vs cuDNN")
     if recorded is None:
         return None
     data, info = recorded
-    plot_implicit_vs_cudnn(data["rows"], info, data["dtype"], outdir, recorded=info)
-    return data
+    labels = [shape[0] for shape in [common.HEADLINE_SHAPE] + common.RESNET50_3X3_SHAPES]
+    rows = [{"shape": r["shape"], "implicit_gemm_tflops": r["02 implicit GEMM"]["tflops"],
+             "cudnn_tflops": r["cuDNN"]["tflops"], "ratio": r["02 implicit GEMM"]["tflops"] / r["cuDNN"]["tflops"]}
+            for r in data["rows"] if r["shape"] in labels]
+    plot_implicit_vs_cudnn(rows, info, data["dtype"], outdir, recorded=info)
+    return rows
 
 
 # %%
@@ -468,4 +475,9 @@ if __name__ == "__main__":
     elif not common.HAS_CUDA:
         print("[skip] GPU timings and the cuDNN comparison: no CUDA GPU on this machine")
         show_recorded_bench(outdir)
-    print("lesson 02: all checks passed")
+    if common.HAS_CUDA:
+        print(f"\nlesson 02: all checks passed on {common.gpu_name()}")
+    else:
+        print("\n" + common.cpu_closing_line(
+            "02", "the im2col, GEMM and implicit-GEMM kernels against torch, in the Triton interpreter",
+            "timings and the cuDNN comparison", gpu="a CUDA GPU"))

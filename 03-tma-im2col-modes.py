@@ -4,7 +4,11 @@ Lesson 03: Hopper's TMA im2col mode, pixel by pixel
 
 What you will learn:
 
-- why the per-tap address arithmetic of lesson 02 belongs in hardware, and what TMA im2col does;
+- why the per-tap address arithmetic of lesson 02 belongs in hardware, and what TMA im2col does
+  (TMA, the Tensor Memory Accelerator, is the copy engine of NVIDIA's Hopper GPUs, compute
+  capability 9.0 or "sm_90", and data-centre Blackwell GPUs, "sm_100");
+- Gluon, Triton's lower-level dialect (`triton.experimental.gluon`), where a kernel names the
+  hardware's instructions, layouts and shared-memory buffers itself: the TMA loads need it;
 - the descriptor: block shape [pixels, channels], the pixel-box corners, element strides, the
   padding fill, and how a load walks its access window row by row and wraps into the next image;
 - five worked examples (basic, padded, offset, multi-batch, padded multi-batch), each printed
@@ -35,6 +39,14 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
+
+# %%
+# The lesson runs section by section: each `if __name__ == "__main__"` cell below runs the demo of
+# the section above it (importing the lesson runs nothing).
+if __name__ == "__main__":
+    args = common.lesson_args("Lesson 03: TMA im2col mode")
+    outdir = common.output_dir(args.outdir)
+
 
 # %%
 # Why a copy engine mode for convolution
@@ -294,6 +306,17 @@ def test_example_hardware(name):
 
 
 # %%
+if __name__ == "__main__":
+    where = ("on this GPU's copy engine" if common.has_tma_mma_gpu() else
+             "on the reference model (hardware loads need a Hopper or Blackwell GPU; the GPU tests "
+             "check that the hardware agrees with the model)")
+    print(f"\nFive TMA im2col loads of a 16-pixel x 32-channel box, {where}. The input is NHWC "
+          f"[N, 4, 4, 32]; pixel (n, h, w) holds n*16 + h*4 + w + 1, so each loaded value names its "
+          f"source; '.' is padding (zero). --verbose lists every pixel's source.")
+    for name in EXAMPLE_ORDER:
+        run_example(name, verbose="listing" if args.verbose else True)
+
+# %%
 # Pictures of the access windows
 # ------------------------------
 # Each picture shows the image(s) of the example with their pixel values, the access window
@@ -310,7 +333,8 @@ def draw_access(axes, x_shape, positions, lower, upper, offsets, values=None, ma
     N, H, W, _ = x_shape
     win_top, win_left = lower[0] + offsets[0], lower[1] + offsets[1]
     win_bottom, win_right = H - 1 + upper[0] + offsets[0], W - 1 + upper[1] + offsets[1]
-    top, left = min(0, win_top), min(0, win_left)
+    shifted = tuple(offsets) != (0, 0)      # then also draw where the window was before the offsets
+    top, left = min(0, win_top, lower[0] if shifted else 0), min(0, win_left, lower[1] if shifted else 0)
     bottom, right = max(H - 1, win_bottom), max(W - 1, win_right)
     for n, ax in enumerate(axes):
         for h, w in itertools.product(range(top, bottom + 1), range(left, right + 1)):
@@ -328,6 +352,15 @@ def draw_access(axes, x_shape, positions, lower, upper, offsets, values=None, ma
         ax.add_patch(patches.Rectangle((win_left - 0.5, win_top - 0.5), win_right - win_left + 1,
                                        win_bottom - win_top + 1, fill=False, edgecolor="red", lw=2,
                                        ls="--"))
+        if shifted:     # the window the corners alone give, and the offsets' shift to the red one
+            base_top, base_left = lower[0], lower[1]
+            ax.add_patch(patches.Rectangle((base_left - 0.5, base_top - 0.5), win_right - win_left + 1,
+                                           win_bottom - win_top + 1, fill=False, edgecolor="#888888",
+                                           lw=1.5, ls=":"))
+            ax.annotate("", xy=(win_left - 0.45, win_top - 0.45), xytext=(base_left - 0.45, base_top - 0.45),
+                        arrowprops=dict(arrowstyle="->", color="#444444", lw=1.5))
+            ax.text(base_left - 0.45, base_top - 0.55, f"window before offsets {list(offsets)}",
+                    fontsize=7, color="#444444", va="bottom")
         for order, (pn, ph, pw) in enumerate(positions):
             if pn != n:
                 continue
@@ -361,8 +394,9 @@ def plot_example(name, outdir):
     width = 50 * spec["N"] + 10
     title = [f"TMA im2col example '{name}': corners {spec['lower']}/{spec['upper']}, "
              f"coord {spec['coord']}, offsets {spec['offsets']}", EXAMPLE_NOTES[name],
-             "red dashed = access window, hatched = padding (filled with 0), "
-             "circles = loaded pixels in load order"]
+             "red dashed = access window" + (", grey dotted = the window before the offsets shift it"
+                                             if tuple(spec["offsets"]) != (0, 0) else "")
+             + ", hatched = padding (filled with 0), circles = loaded pixels in load order"]
     fig.suptitle("\n".join(textwrap.fill(line, width) for line in title), fontsize=9)
     return common.save_figure(fig, outdir, "03_example_" + name.replace(" ", "_").replace("-", "_"),
                               {"example": name, **{k: v for k, v in spec.items()},
@@ -376,12 +410,17 @@ def test_plots_are_written(tmp_path):
 
 
 # %%
+if __name__ == "__main__":
+    for name in EXAMPLE_ORDER:
+        plot_example(name, outdir)
+
+# %%
 # From the descriptor to a convolution
 # ------------------------------------
 # Lesson 02's A matrix has one row per output pixel m = (n, oy, ox) and one column per
 # k = (r, s, ci). Its rows m0 .. m0+BLOCK_M-1, restricted to tap (r, s), are the input pixels
 # (n, oy*sh - ph + r*dh, ox*sw - pw + s*dw) for consecutive output pixels. One descriptor gives
-# all of them (common.conv_im2col_settings does this arithmetic):
+# all of them (common.conv_im2col_settings does this arithmetic)::
 #
 #     element_strides        = [1, sh, sw, 1]             consecutive outputs are a stride apart
 #     pixel_box_lower_corner = [-ph, -pw]                 the window starts in the padding
@@ -475,6 +514,11 @@ def plot_conv_k_loop(outdir, H=5, W=6, R=3, S=3, padding=1, block_pixels=16):
 
 
 # %%
+if __name__ == "__main__":
+    run_conv_mapping()
+    plot_conv_k_loop(outdir)
+
+# %%
 # Settings the copy engine rejects
 # --------------------------------
 # The model checks what the hardware (and Triton's host descriptor) would refuse, with errors
@@ -553,6 +597,10 @@ def test_kernel_compiles_to_im2col_copy(arch):
 
 
 # %%
+if __name__ == "__main__":
+    run_show_ptx()
+
+# %%
 # Hardware versus model, at random (GPU only)
 # -------------------------------------------
 # The five examples check a handful of settings. The differential test draws hundreds of random
@@ -619,22 +667,11 @@ def test_hardware_matches_model_on_random_settings():
 
 # %%
 if __name__ == "__main__":
-    args = common.lesson_args("Lesson 03: TMA im2col mode")
-    outdir = common.output_dir(args.outdir)
-    where = ("on this GPU's copy engine" if common.has_tma_mma_gpu() else
-             "on the reference model (hardware loads need a Hopper or Blackwell GPU; the GPU tests "
-             "check that the hardware agrees with the model)")
-    print(f"\nFive TMA im2col loads of a 16-pixel x 32-channel box, {where}. The input is NHWC "
-          f"[N, 4, 4, 32]; pixel (n, h, w) holds n*16 + h*4 + w + 1, so each loaded value names its "
-          f"source; '.' is padding (zero). --verbose lists every pixel's source.")
-    for name in EXAMPLE_ORDER:
-        run_example(name, verbose="listing" if args.verbose else True)
-    for name in EXAMPLE_ORDER:
-        plot_example(name, outdir)
-    run_conv_mapping()
-    plot_conv_k_loop(outdir)
-    run_show_ptx()
     if common.has_tma_mma_gpu():
         mismatches = run_differential()
         assert not mismatches
-    print("lesson 03: all checks passed")
+        print(f"\nlesson 03: all checks passed on {common.gpu_name()}")
+    else:
+        print("\n" + common.cpu_closing_line(
+            "03", "the five examples and the conv mapping on the reference model, and the kernel's "
+            "sm_90 and sm_100 builds", "the copy engine's own loads and the hardware-vs-model test"))

@@ -5,7 +5,9 @@ Lesson 04: a tensor-core convolution with TMA im2col, single-buffered
 What you will learn:
 
 - the implicit-GEMM loop of lesson 02 rewritten around two asynchronous engines: TMA (im2col for
-  the activations, a tiled load for the weights) and the tensor cores (WGMMA or tcgen05);
+  the activations, a tiled load for the weights) and the tensor cores, through Hopper's
+  warpgroup MMA instruction (WGMMA, issued by 4 warps, accumulating in registers) or Blackwell's
+  (tcgen05, issued by one thread, accumulating in tensor memory);
 - mbarriers: how a kernel learns that a TMA load has landed;
 - the MMA abstraction of common.py: one kernel source for Hopper and Blackwell;
 - the host side: descriptors from lesson 03's conv mapping, channel padding for TMA alignment,
@@ -43,7 +45,7 @@ CONV_DTYPES = (torch.float16, torch.bfloat16)
 # The algorithm
 # -------------
 # The GEMM view of lesson 02: M = N*out_h*out_w output pixels, N_GEMM = Co, K = R*S*Ci. One
-# program computes one [BLOCK_M, BLOCK_N] tile of the output:
+# program computes one [BLOCK_M, BLOCK_N] tile of the output::
 #
 #     (n, oy, ox) = decode(m0 = pid_m * BLOCK_M)
 #     acc = zeros(BLOCK_M, BLOCK_N)                          # fp32, in registers or TMEM
@@ -361,7 +363,8 @@ def show_recorded_headline(outdir):
     row = data["rows"][0]
     print(f"  {row['shape']} ({row['geometry']}), {data['dtype'][6:]}")
     plot_headline(row["04 single-buffer"]["tflops"], row["cuDNN"]["tflops"],
-                  f"RECORDED: {row['geometry']}, {data['dtype'][6:]}\n{info['device']}, {info['date']}, "
+                  f"RECORDED {info['date']} (not measured on this machine): {row['geometry']}, "
+                  f"{data['dtype'][6:]}\n{info['device']}, "
                   f"torch {info['torch']}, Triton {info['triton']}", outdir, "04_single_buffer_vs_cudnn_recorded")
     return row
 

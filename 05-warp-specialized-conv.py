@@ -57,6 +57,14 @@ Int = gl.tensor | gl.constexpr
 Descriptor = tma.tensor_descriptor | gl.constexpr     # a TMA descriptor, or None where unused
 
 # %%
+# The lesson runs section by section: each `if __name__ == "__main__"` cell runs the demo of the
+# section above it (importing the lesson runs nothing); the GPU parts run where a Hopper or
+# Blackwell GPU is present.
+if __name__ == "__main__":
+    args = common.lesson_args("Lesson 05: warp-specialized persistent conv", suites=["shapes", "networks"])
+    outdir, on_gpu = common.output_dir(args.outdir), common.has_tma_mma_gpu()
+
+# %%
 # What is wrong with lesson 04
 # ----------------------------
 # Lesson 04's loop is: wait for the MMA, load A and B, wait for the load, issue the MMA. At any
@@ -782,6 +790,10 @@ def run_core_kernel():
 
 
 # %%
+if __name__ == "__main__" and on_gpu:
+    run_core_kernel()
+
+# %%
 # Checks against torch (GPU)
 # --------------------------
 # The upstream Blackwell grid (N in {1, 128}, 64x64 images, Ci=Co in {384, 416}, 3x3/4x4/5x5
@@ -902,12 +914,10 @@ def test_unsupported_config_combinations_are_refused():
 # synchronization expects (RESULTS.md, "The Blackwell path"), since no Blackwell GPU has run it.
 
 IM2COL_LOAD, WEIGHT_LOAD, TMA_STORE = common.PTX_IM2COL_LOAD, common.PTX_TILED_LOAD, common.PTX_TMA_STORE
-REGISTERS_GIVEN_BACK = ("setmaxnreg moves registers between warpgroups at run time, whole warpgroups at a time, "
-                        "so the worker warps are padded to one. A worker warpgroup lowers its limit to 24")
+REGISTERS_GIVEN_BACK = "setmaxnreg moves registers between whole warpgroups: a worker lowers its limit to 24"
 TAUGHT_PTX = {
     "sm_90": [
-        (IM2COL_LOAD, "The A tile, in the loader partition's loop: one per k-step, the whole 128-pixel "
-                      "x 64-channel box; the two 16-bit values at the end are the tap's offsets."),
+        (IM2COL_LOAD, "The A tile, one per k-step, the whole 128 x 64 box; the last two values: the tap's offsets."),
         (WEIGHT_LOAD, "The B tile, 128 filters x 64 channels, into the same ring stage."),
         ("wgmma.mma_async", "The consumer's MMAs: m64n128k16, so a 128 x 128 tile with BLOCK_K=64 "
                             "takes 2 row blocks x 4 K steps = 8 per k-step."),
@@ -918,8 +928,7 @@ TAUGHT_PTX = {
     "sm_100": [
         (IM2COL_LOAD, "The A tile, in the loader partition's loop, as on sm_90."),
         (WEIGHT_LOAD, "The B tile, as on sm_90."),
-        ("tcgen05.mma", "The MMA warp's MMAs: one thread issues 128 x 128 x 16 into tensor memory; "
-                        "BLOCK_K=64 takes 4 per k-step."),
+        ("tcgen05.mma", "One thread issues 128 x 128 x 16 into tensor memory; BLOCK_K=64 takes 4 per k-step."),
         ("tcgen05.commit", "Two: once per k-step (the hardware arrives on the stage's empty barrier when the MMAs "
                            "that read it are done) and once per tile (the accumulator is ready for the epilogue)."),
         ("tcgen05.ld", "The epilogue reads the 128 x 128 fp32 accumulator from tensor memory."),
@@ -957,6 +966,10 @@ def run_show_ptx():
                            lambda arch, compiled: f"conv2d_fprop_kernel, config {FIXED_CONFIG}: "
                                                   f"{compiled['num_warps']} warps in all = {PARTITION_WARPS[arch]}")
 
+
+# %%
+if __name__ == "__main__":
+    run_show_ptx()
 
 # %%
 # Part II: what real layers need
@@ -1265,6 +1278,10 @@ def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding
 
 
 # %%
+if __name__ == "__main__" and on_gpu:
+    run_runtime_demo()
+
+# %%
 # What paid, and what did not
 # ---------------------------
 # Measured on an H100 with the network suite (every conv of ResNet-50 at batch 128 and the 3x3
@@ -1306,22 +1323,15 @@ def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding
 
 # %%
 if __name__ == "__main__":
-    args = common.lesson_args("Lesson 05: warp-specialized persistent conv", suites=["shapes", "networks"])
-    outdir = common.output_dir(args.outdir)
-    run_show_ptx()
     import network_suite   # the benchmarks: the ladder of shapes, every layer of two networks
-    if common.has_tma_mma_gpu():
-        run_core_kernel()
-        run_runtime_demo()
-        if args.bench and args.suite == "networks":
-            network_suite.run_network_suite(outdir, quick=args.quick, tune=not args.heuristic)
-        elif args.bench:
-            network_suite.run_ladder(outdir, quick=args.quick)
-        print("lesson 05: all checks passed")
-    else:
-        network_suite.show_recorded_ladder(outdir)
-        network_suite.show_recorded_suite(outdir)
-        print("\n" + common.cpu_closing_line(
-            "05", "input validation, config rules, and the sm_90 and sm_100 builds of the kernel "
-            "(the instructions above)", "running the kernel and the runtime, comparing them with "
-            "torch, the benchmark, the sanitizers (scripts/sanitize.py)"))
+    if on_gpu and args.bench and args.suite == "networks":
+        network_suite.run_network_suite(outdir, quick=args.quick, tune=not args.heuristic)
+    elif on_gpu and args.bench:
+        network_suite.run_ladder(outdir, quick=args.quick)
+    elif not on_gpu:
+        network_suite.show_recorded_ladder(outdir, quick=args.quick)
+        network_suite.show_recorded_suite(outdir, quick=args.quick)
+    print(f"\nlesson 05: all checks passed on {common.gpu_name()}" if on_gpu else "\n" + common.cpu_closing_line(
+        "05", "input validation, config rules, and the sm_90 and sm_100 builds of the kernel (the "
+        "instructions above)", "running the kernel and the runtime, comparing them with torch, the "
+        "benchmark, the sanitizers (scripts/sanitize.py)"))

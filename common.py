@@ -821,10 +821,10 @@ def first_ptx_instruction(ptx: str, prefix: str) -> str:
     return "(none)"
 
 
-def cpu_closing_line(lesson: str, checked: str, needs_gpu: str) -> str:
+def cpu_closing_line(lesson: str, checked: str, needs_gpu: str, gpu: str = "a Hopper or Blackwell GPU") -> str:
     """The last line of a lesson run without a suitable GPU: what was checked, what was not."""
     return (f"lesson {lesson}, on this machine ({gpu_name()}): checked {checked}; "
-            f"needs a Hopper or Blackwell GPU: {needs_gpu}")
+            f"needs {gpu}: {needs_gpu}")
 
 
 # %% Recorded GPU results ---------------------------------------------------------------------------

@@ -167,13 +167,17 @@ def summarize(data):
               f"lowest {min(graph):.2f}x")
 
 
-def show_recorded_suite(outdir):
-    """Without a GPU: the latest recorded suite, printed and drawn, marked as recorded."""
+def show_recorded_suite(outdir, quick=False):
+    """Without a GPU: the latest recorded suite, printed (with `quick`, only the quick suite's
+    layers) and drawn, marked as recorded."""
     recorded = common.announce_recorded("network_suite", "The network suite")
     if recorded is None:
         return None
     data, info = recorded
+    quick_labels = {layer[0] for layer in QUICK_SUITE}
     for r in data["records"]:
+        if quick and r["layer"] not in quick_labels:
+            continue
         alone = f"kernels alone {r['graph_ratio']:5.2f}x   " if "graph_ratio" in r else ""
         print(f"  {r['layer']:<30} ours {r['ours_tflops']:6.1f}  cuDNN {r['cudnn_tflops']:6.1f} TFLOPS  "
               f"{r['ratio']:5.2f}x   {alone}{r['config_text']}{' (folded)' if r['folded'] else ''}")
@@ -207,21 +211,38 @@ def plot_network_suite(data, outdir, recorded=None):
 
     fig, ax = common.new_figure(figsize=(8, 5.5))
     intensity = [r["flops"] / r["min_bytes"] for r in data["records"]]
+    for x, r in zip(intensity, data["records"]):     # each layer's pair: ours and cuDNN, joined
+        ax.plot([x, x], [r["ours_tflops"], r["cudnn_tflops"]], color="#888888", lw=0.8, zorder=1)
     ax.scatter(intensity, [r["cudnn_tflops"] for r in data["records"]], marker="s", s=22,
-               color="#40a040", label="cuDNN")
+               color="#40a040", label="cuDNN", zorder=2)
     ax.scatter(intensity, [r["ours_tflops"] for r in data["records"]], marker="o", s=22,
-               color="#2060c0", label="ours (lesson 05)")
+               color="#2060c0", label="ours (lesson 05)", zorder=3)
+    # name the layers a reader looks for: the two ends, and every layer where ours trails cuDNN
+    ends = sorted(range(len(intensity)), key=intensity.__getitem__)
+    named = {ends[0], ends[-1]}
+    named |= {i for i, r in enumerate(data["records"]) if r["ratio"] < 0.97}
+    named |= {i for i, r in enumerate(data["records"]) if "stem" in r["layer"]}
+    offsets = [(-70, 30), (10, -30), (-80, -40), (20, 40), (-60, 55), (25, -55), (35, 15), (-90, 10)]
+    for k, i in enumerate(sorted(named, key=intensity.__getitem__)):
+        r = data["records"][i]
+        ax.annotate(f"{r['layer']} ({r['ratio']:.2f}x)", (intensity[i], min(r["ours_tflops"], r["cudnn_tflops"])),
+                    textcoords="offset points", xytext=offsets[k % len(offsets)], fontsize=6, color="#444444",
+                    arrowprops=dict(arrowstyle="-", color="#aaaaaa", lw=0.6))
     peaks = device_peaks(data["device"])
     if peaks:
         compute, bandwidth = peaks
         xs = [min(intensity) / 2, compute / bandwidth, max(intensity) * 2]
         ax.plot(xs, [min(x * bandwidth, compute) for x in xs], color="red", lw=1,
                 label=f"roofline: {compute:.0f} TFLOPS dense bf16, {bandwidth} TB/s HBM (datasheet)")
+        limited = next((v for k, v in POWER_LIMITED_PEAK_TFLOPS.items() if k in data["device"]), None)
+        if limited:
+            ax.axhline(limited, color="red", ls=":", lw=1, label=f"peak at the 700 W limit (~1440 MHz): {limited:.0f}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP per byte of input + weights + output)")
     ax.set_ylabel("TFLOPS (do_bench median)")
-    ax.set_title(f"{mark}Network suite on the roofline, bf16\n{versions}", fontsize=9)
+    ax.set_title(f"{mark}Network suite on the roofline, bf16 (a grey line joins each layer's pair; "
+                 f"named: the ends and the layers where ours trails)\n{versions}", fontsize=8)
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(alpha=0.3, which="both")
     common.save_figure(fig, outdir, "05_network_suite_roofline" + suffix)
@@ -240,8 +261,23 @@ LADDER_SHAPES = [   # (label, N, H, W, Ci, Co, R, S, stride, padding)
 LADDER_SERIES = ["02 implicit GEMM", "04 single-buffer", "05 warp-specialized", "cuDNN"]
 
 
+# The dense bf16 peak the H100 can hold at its 700 W board limit on a compute-bound conv: the SM
+# clock falls to ~1440 MHz there (scripts/clocks_under_load.py), so 132 SMs x 4096 FLOP/cycle x
+# 1.44 GHz. Measured on an H100 SXM; other boards differ.
+POWER_LIMITED_PEAK_TFLOPS = {"H100": 779.0}
+
+
 def dense_peak(device_name):
     return (device_peaks(device_name) or (None,))[0]
+
+
+def draw_peaks(ax, device_name, horizontal=True):
+    """The data sheet's dense bf16 peak and, where measured, the peak at the board's power limit."""
+    for peak, style, label in ((dense_peak(device_name), "--", "dense bf16 peak, data sheet"),
+                               (next((v for k, v in POWER_LIMITED_PEAK_TFLOPS.items() if k in device_name), None),
+                                ":", "peak at the 700 W limit (~1440 MHz, measured)")):
+        if peak:
+            ax.axhline(peak, color="red", ls=style, lw=1, label=f"{label}: {peak:.0f}")
 
 
 def run_ladder(outdir, quick=False, dtype=torch.bfloat16):
@@ -313,14 +349,14 @@ def run_ladder(outdir, quick=False, dtype=torch.bfloat16):
     return rows, geomean
 
 
-def show_recorded_ladder(outdir):
+def show_recorded_ladder(outdir, quick=False):
     """Without a GPU: the latest recorded benchmark, printed and drawn, marked as recorded."""
     recorded = common.announce_recorded("05_tflops_per_shape", "The ladder")
     if recorded is None:
         return None
     data, info = recorded
     print(f"  {'shape':<30}{'02':>7}{'04':>7}{'05':>7}{'cuDNN':>7}  05/cuDNN  05 config")
-    for row in data["rows"]:
+    for row in data["rows"][:3] if quick else data["rows"]:
         print(f"  {row['shape']:<30}" + "".join(f"{row[n]['tflops']:7.1f}" for n in LADDER_SERIES)
               + f"  {row['ratio_05_cudnn']:7.2f}x  {KernelConfig(*row['config_05'])}")
     print(f"  geometric mean of 05/cuDNN over the 3x3 shapes: {data['geomean_3x3_ratio']:.3f}x")
@@ -340,9 +376,9 @@ def plot_ladder(rows, info, dtype, outdir, data, recorded=None):
     for i, name in enumerate(LADDER_SERIES):
         xs = [j + (i - 1.5) * width for j in range(len(rows))]
         ax.bar(xs, [r[name]["tflops"] for r in rows], width, label=name, color=colors[i])
-    peak = dense_peak(info["device"])
-    if peak:
-        ax.axhline(peak, color="red", ls="--", lw=1, label=f"dense bf16 peak ({peak:.0f}, datasheet)")
+    draw_peaks(ax, info["device"])
+    tallest = max([dense_peak(info["device"]) or 0] + [r[n]["tflops"] for r in rows for n in LADDER_SERIES])
+    ax.set_ylim(0, 1.25 * tallest)
     ax.set_xticks(range(len(rows)), [r["shape"] for r in rows], rotation=20, ha="right", fontsize=8)
     ax.set_xlabel("layer (batch 128; SD UNet at batch 8)")
     ax.set_ylabel("TFLOPS (higher is better)")
@@ -359,9 +395,9 @@ def plot_ladder(rows, info, dtype, outdir, data, recorded=None):
                    "cuDNN"], values, color=colors)
     for bar, value in zip(bars, values):
         ax.text(bar.get_x() + bar.get_width() / 2, value, f"{value:.0f}", ha="center", va="bottom")
-    if peak:
-        ax.axhline(peak, color="red", ls="--", lw=1, label=f"dense bf16 peak ({peak:.0f})")
-        ax.legend(fontsize=8)
+    draw_peaks(ax, info["device"])
+    ax.set_ylim(0, 1.25 * max([dense_peak(info["device"]) or 0] + values))
+    ax.legend(fontsize=8, loc="upper left")
     ax.set_ylabel("TFLOPS (higher is better)")
     ax.set_title(f"{mark}\nThe ladder of the series on {headline['geometry']}\n{dtype}, {info['device']}"
                  if recorded else f"The ladder of the series on {headline['geometry']}\n{dtype}, {info['device']}",

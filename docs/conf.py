@@ -22,6 +22,7 @@ html_theme = "furo"
 html_title = "GPU convolution tutorial"
 myst_heading_anchors = 3
 suppress_warnings = ["myst.header"]
+smartquotes = False          # "--bench" must stay two hyphens: readers copy the commands
 
 sphinx_gallery_conf = {
     "examples_dirs": [str(DOCS / "lessons_src")],     # copies of the lessons, made by build_docs.sh
@@ -33,6 +34,7 @@ sphinx_gallery_conf = {
     "abort_on_example_error": True,
     "show_memory": False,
     "image_scrapers": ("matplotlib",),
+    "write_computation_times": False,                 # no timing file in the source tree
 }
 
 

@@ -117,10 +117,17 @@ def main():
     site = args.site
     pages, problems = check(site)
     content = [p for p in pages if p.parent.name in ("", "lessons", site.name) and not p.name.startswith(("genindex", "search", "sg_"))]
-    problems += screenshots(site, content, args.screenshots or site.parent / "site-screenshots")
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser:
+        problems += screenshots(site, content, args.screenshots or site.parent / "site-screenshots")
     for problem in problems:
         print("PROBLEM:", problem)
-    print(f"{len(pages)} pages checked, {len(content)} screenshots: {len(problems)} problems")
+    if browser:
+        print(f"{len(pages)} pages checked, {len(content)} screenshots: {len(problems)} problems")
+    else:
+        print(f"{len(pages)} pages checked (images and links), {len(problems)} problems; no screenshots: "
+              f"headless Chromium is not installed (Debian: sudo apt-get install chromium)")
+        problems.append("no Chromium")
     return 1 if problems else 0
 
 
