@@ -1,6 +1,7 @@
 """Sphinx configuration of the series' site: sphinx-gallery runs the five lessons (as they run
 on a machine without a GPU) and turns each into a page; RESULTS.md becomes a page through MyST."""
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -38,6 +39,7 @@ sphinx_gallery_conf = {
 }
 
 
+
 def _recorded_ladder():
     """The index's picture: the recorded ladder, with where and when it was measured."""
     recorded = common.recorded_results("05_tflops_per_shape")
@@ -53,4 +55,17 @@ def _recorded_ladder():
     (generated / "recorded_ladder.rst").write_text(text)
 
 
+def _results_pages():
+    """RESULTS.md and the lab notebook as pages of the site (written here, not kept in docs/):
+    their paths rewritten from the repository's root (and results/) to docs/, so that images
+    resolve and RESULTS' link to the notebook points at the notebook's page."""
+    results = (ROOT / "RESULTS.md").read_text()
+    results = results.replace("](results/notebook.md)", "](notebook.md)").replace("](results/", "](../results/")
+    (DOCS / "results.md").write_text(results)
+    notebook = (ROOT / "results" / "notebook.md").read_text()
+    notebook = re.sub(r"\]\((h100-[^)]*)\)", r"](../results/\1)", notebook)
+    (DOCS / "notebook.md").write_text(notebook)
+
+
 _recorded_ladder()
+_results_pages()
