@@ -498,6 +498,37 @@ def grouped_tile(tile_id, num_pid_m, num_pid_n):
     return pid_m, pid_n
 
 
+@gluon.jit
+def work_unit(unit, num_tiles, k_steps, SPLIT_K: gl.constexpr):
+    # (tile_id, split, first k-step, end k-step, partial) of a unit of work: a whole tile, or one of SPLIT_K slices of
+    # a tile's K loop (partial = 1). The first whole_tiles = num_tiles // P * P tiles (P programs) run whole, the rest
+    # in slices, the slices of one part of the K loop together, so tiles that run side by side still share strips of A
+    # and B in L2.
+    if SPLIT_K == 1:
+        return unit, 0, 0, k_steps, 0
+    else:
+        whole_tiles = num_tiles // gl.num_programs(0) * gl.num_programs(0)
+        partial = (unit >= whole_tiles).to(gl.int32)
+        split_unit = gl.maximum(unit - whole_tiles, 0)
+        split_tiles = gl.maximum(num_tiles - whole_tiles, 1)
+        split = split_unit // split_tiles
+        # whole: (unit, 0, 0, k_steps); split: (a tile past whole_tiles, its slice's k-steps)
+        tile_id = unit + partial * (whole_tiles + split_unit % split_tiles - unit)
+        k_begin = partial * (split * k_steps // SPLIT_K)
+        k_end = k_steps + partial * ((split + 1) * k_steps // SPLIT_K - k_steps)
+        return tile_id, split, k_begin, k_end, partial
+
+
+@gluon.jit
+def num_work_units(num_tiles, SPLIT_K: gl.constexpr):
+    # How many units the tiles make: whole tiles, plus SPLIT_K slices of each split one.
+    if SPLIT_K == 1:
+        return num_tiles
+    else:
+        whole_tiles = num_tiles // gl.num_programs(0) * gl.num_programs(0)
+        return whole_tiles + (num_tiles - whole_tiles) * SPLIT_K
+
+
 # %%
 # 4. Overlapping the epilogue
 # ---------------------------
@@ -785,7 +816,7 @@ def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, c
 
 def run_core_kernel():
     # Part I's kernel on one layer, launched plainly and compared with torch.
-    run_conv(conv2d_fprop_launch, 4, 32, 32, 384, 384, 3, 3, 1, 1)
+    common.check_conv(conv2d_fprop_launch, 4, 32, 32, 384, 384, 3, 3, 1, 1, dtype=torch.bfloat16)
     print(f"\nconv2d_fprop_launch ({FIXED_CONFIG}) matches torch.nn.functional.conv2d on {common.gpu_name()}")
 
 
@@ -1057,8 +1088,8 @@ def test_row_tail_boxes_read_what_one_tall_box_would(N, H, W, R, S, stride, padd
 # %%
 # 7. Split-K for layers with too few tiles
 # ----------------------------------------
-# Lines it adds: `work_unit` and `num_work_units` behind `TileSchedule`, `store_partial_tile`
-# behind `TileOutput.store`, and a second, plain Triton kernel.
+# Lines it adds: the split branch of `work_unit` and `num_work_units` (section 3, where the tile
+# order lives), `store_partial_tile` behind `TileOutput.store`, and a second, plain Triton kernel.
 #
 # A layer of a UNet's 8x8 stage (batch 8: M = 512 pixels, Co = 1280) has 40 tiles of 128x128 for
 # 132 SMs, each with a K loop of 180 steps: 70% of the GPU idles while 40 SMs grind. Splitting
@@ -1076,37 +1107,6 @@ def test_row_tail_boxes_read_what_one_tall_box_would(N, H, W, R, S, stride, padd
 # (`work_unit`): 132 tiles run whole and store through the epilogue as usual, the other 64 run as
 # 2 x 64 half-tiles in what was the second wave, and the second kernel finishes only those (it
 # works out from the tile order which of its elements belong to split tiles).
-
-
-@gluon.jit
-def work_unit(unit, num_tiles, k_steps, SPLIT_K: gl.constexpr):
-    # (tile_id, split, first k-step, end k-step, partial) of a unit of work: a whole tile, or one of SPLIT_K slices of
-    # a tile's K loop (partial = 1). The first whole_tiles = num_tiles // P * P tiles (P programs) run whole, the rest
-    # in slices, the slices of one part of the K loop together, so tiles that run side by side still share strips of A
-    # and B in L2.
-    if SPLIT_K == 1:
-        return unit, 0, 0, k_steps, 0
-    else:
-        whole_tiles = num_tiles // gl.num_programs(0) * gl.num_programs(0)
-        partial = (unit >= whole_tiles).to(gl.int32)
-        split_unit = gl.maximum(unit - whole_tiles, 0)
-        split_tiles = gl.maximum(num_tiles - whole_tiles, 1)
-        split = split_unit // split_tiles
-        # whole: (unit, 0, 0, k_steps); split: (a tile past whole_tiles, its slice's k-steps)
-        tile_id = unit + partial * (whole_tiles + split_unit % split_tiles - unit)
-        k_begin = partial * (split * k_steps // SPLIT_K)
-        k_end = k_steps + partial * ((split + 1) * k_steps // SPLIT_K - k_steps)
-        return tile_id, split, k_begin, k_end, partial
-
-
-@gluon.jit
-def num_work_units(num_tiles, SPLIT_K: gl.constexpr):
-    # How many units the tiles make: whole tiles, plus SPLIT_K slices of each split one.
-    if SPLIT_K == 1:
-        return num_tiles
-    else:
-        whole_tiles = num_tiles // gl.num_programs(0) * gl.num_programs(0)
-        return whole_tiles + (num_tiles - whole_tiles) * SPLIT_K
 
 
 @gluon.jit
