@@ -21,8 +21,6 @@ Run:  python 02-im2col-explicit.py [--bench] [--outdir out]      Tests:  pytest 
 """
 
 # %%
-import itertools
-
 import common  # first: on a machine without a GPU it turns on the Triton interpreter
 
 import pytest
