@@ -56,13 +56,12 @@ from pathlib import Path
 
 import common  # first: on a machine without a GPU it turns on the Triton interpreter
 
-import conv_config
-
 import torch
 import triton
 import triton.language as tl
 
-from conv_config import SHARED_MEMORY_PER_PROGRAM, KernelConfig, check_config, stores_by_row_blocks, tile_counts
+from conv_config import (SHARED_MEMORY_PER_PROGRAM, KernelConfig, check_config, ring_bytes, stores_by_row_blocks,
+                         tile_counts)
 
 lesson05 = common.load_lesson("05-warp-specialized-conv")     # the kernel and its plain launcher
 
@@ -125,7 +124,7 @@ SMEM_PER_SM_BYTES = 233472                               # 228 KB per SM, 1 KB o
 def shared_memory_bytes(config, element_size=2):
     """Shared memory a config needs: the ring's A and B stages, one staging tile per consumer, barriers."""
     c = KernelConfig(*config)
-    ring = conv_config.ring_bytes(c, element_size)
+    ring = ring_bytes(c, element_size)
     staging_rows = c.block_m // 2 if stores_by_row_blocks(c) else c.tile_m
     staging = c.consumers * staging_rows * c.tile_n * element_size
     return ring + staging + 2 * c.num_buffers * 8 + 64
