@@ -9,7 +9,7 @@ _satisfies() {
 import importlib.metadata as md, sys
 def ver(name):
     return tuple(int(p) for p in md.version(name).split("+")[0].split(".")[:2])
-ok = ver("triton") >= (3, 8) and ver("torch") >= (2, 9)
+ok = ver("triton") == (3, 9) and ver("torch") >= (2, 9)
 for name in ("pytest", "matplotlib", "numpy", "torchvision"):
     md.version(name)
 import torchvision  # noqa: F401  (a torchvision built for another torch fails here: "torchvision::nms does not exist")
@@ -27,16 +27,23 @@ else
   python3 -m venv "$_root/.venv"
   PY=$_root/.venv/bin/python
   "$PY" -m pip install -q --upgrade pip
-  if ! command -v nvidia-smi >/dev/null 2>&1; then
-    # No NVIDIA driver: a torch and the torchvision built for it, as one pair (a torchvision built
-    # for another torch does not import). torch 2.14.1 needs Triton 3.8, as the series does; on an
-    # Arm machine the CPU pair 2.9.1/0.24.1; elsewhere PyTorch's CPU index.
-    if [ "$(uname -m)" = x86_64 ]; then _pair="torch==2.14.1 torchvision==0.29.1"; else _pair="torch==2.9.1 torchvision==0.24.1"; fi
-    "$PY" -m pip install -q $_pair || "$PY" -m pip install -q torch torchvision --index-url https://download.pytorch.org/whl/cpu
+  # torch and the torchvision built for it, as one pair (a torchvision built for another torch does
+  # not import). No NVIDIA driver: on x86_64 the pair 2.14.1/0.29.1, on Arm the CPU pair 2.9.1/0.24.1,
+  # elsewhere PyTorch's CPU index; with a GPU, PyPI's newest pair.
+  if command -v nvidia-smi >/dev/null 2>&1; then _pair="torch torchvision"
+  elif [ "$(uname -m)" = x86_64 ]; then _pair="torch==2.14.1 torchvision==0.29.1"
+  else _pair="torch==2.9.1 torchvision==0.24.1"; fi
+  "$PY" -m pip install -q $_pair || "$PY" -m pip install -q torch torchvision --index-url https://download.pytorch.org/whl/cpu
+  # Then the Triton the series is written for, over the one torch pinned for its own compiler
+  # (Inductor): no torch with a torchvision is built on Triton 3.9 yet, and torch.compile of the
+  # series' models runs on 3.9 (RESULTS.md). pip would warn that the pins differ: expected, so kept quiet.
+  if ! _out=$("$PY" -m pip install -q --no-deps "$(grep -E '^triton' "$_root/requirements.txt")" 2>&1); then
+    echo "$_out" >&2; exit 1
   fi
-  # Keep the torch just installed: an unpinned torchvision would otherwise pull a newer torch.
-  _torch=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
-  "$PY" -m pip install -q -r "$_root/requirements.txt" ${_torch:+-c <(echo "torch==$_torch")}
+  # The rest, keeping the torch just installed (an unpinned torchvision would pull a newer one).
+  _torch=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
+  "$PY" -m pip install -q -r <(grep -vE '^(triton|torch)' "$_root/requirements.txt") -c <(echo "torch==$_torch")
+  _satisfies "$PY" || { echo "[setup] $_root/.venv does not satisfy requirements.txt after installing it" >&2; exit 1; }
 fi
 export PY
 export MPLBACKEND=Agg PYTHONUNBUFFERED=1

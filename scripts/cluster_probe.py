@@ -1,42 +1,36 @@
-"""What Gluon (Triton 3.8) offers on Hopper for thread-block clusters with TMA multicast: compiled
-ahead of time for sm_90, no GPU needed.
+"""What Gluon (Triton 3.9) offers on Hopper for thread-block clusters with TMA multicast: compiled
+ahead of time for sm_90 (no GPU needed), and run and checked against torch where a Hopper GPU is.
 
-    python scripts/cluster_probe.py
+    python scripts/cluster_probe.py          # compile the four probes for sm_90, show their PTX
+    python scripts/cluster_probe.py --run    # and run the runnable ones on this GPU
 
-Lesson 05's bandwidth-bound layers (ResNet-50's 1x1 convs) read every A tile once per column of
-tiles and every weight tile once per row of tiles, all through L2. In a cluster of two CTAs that
-share a tile, TMA multicast loads it once and writes it into both CTAs' shared memory. Gluon
-describes a cluster as one program over `num_ctas` CTAs: a shared buffer's `cga_layout` says how
-its rows are spread over the CTAs (`[[1, 0]]`: split, each CTA holds half; `[[0, 0]]`: every CTA
-holds the whole tile), and `multicast=True` on a load of a shared tile multicasts it.
+Lesson 05's bandwidth-bound layers read every A tile once per column of tiles and every weight
+tile once per row of tiles, all through L2. In a cluster of two CTAs that share a tile, TMA
+multicast loads it once and writes it into both CTAs' shared memory. Gluon describes a cluster as
+one program over `num_ctas` CTAs: a shared buffer's `cga_layout` says how its rows are spread
+over the CTAs (`[[1, 0]]`: split, each CTA holds half; `[[0, 0]]`: every CTA holds the whole
+tile), and `multicast=True` on a load of a shared tile multicasts it. In Triton 3.9 a barrier is
+one per CTA (`mbarrier.allocate_mbarrier()`), Triton itself fences its initialisation and syncs
+the cluster before the first multicast reaches it, and ends the kernel with a cluster barrier.
 
 Four probes, each a 2-CTA cluster:
-- `weights_probe`: each CTA loads its own 128 pixels of A (split) and the cluster shares one
-  128 x 64 weight tile (multicast), then one WGMMA per CTA: what sharing B would look like.
-- `im2col_probe`: the cluster shares one im2col box of pixels (multicast), what sharing A
-  would look like.
-- `pair_barrier_probe`: both CTAs arrive on one barrier laid out across the pair
-  (`MBarrierLayout.multicta`), then wait on it: how one CTA's consumer would tell the other
-  CTA's loader that a stage is free.
-- `im2col_probe` again, split: each CTA loads its own half of a 256-pixel im2col box (split, no
-  multicast): what each CTA loading its own pixels would look like for a 3x3 layer.
-What they compile to:
-- weights: compiles. The PTX has `.reqnctapercluster 2`, cluster barriers, and a
-  `cp.async.bulk.tensor...multicast::cluster` with a CTA mask, issued by the leader CTA (rank 0).
-- im2col multicast: does not. Triton 3.8 emits its CTA mask before the im2col offsets, where the
-  PTX ISA puts the offsets first, and ptxas rejects the line ("Vector expected for argument 4").
-- pair barrier: a remote arrive exists. The barrier lives in the leader CTA only (initialised
-  there), the other CTA's arrive goes to the leader's copy (`mbarrier.arrive.shared::cluster` on
-  the leader's address), and only the leader waits: the other CTA skips the wait. The weights
-  probe's barrier is of this kind too, so there the second CTA reads its tiles without waiting
-  for them: a barrier both CTAs must wait on has to be one per CTA.
-- im2col split: compiles, with the wrong pixels. Triton offsets the second CTA's box by 128 in
-  its W coordinate, as it would a tiled box's rows; in im2col mode the pixels 128 places further
-  along the walk start elsewhere (the next image row, or the next image).
-So on sm_90 with this Triton a cluster can share weights and release stages across the pair, but
-each CTA's own pixels can only be loaded through tiled descriptors: 1x1 stride-1 layers (pixels
-as a matrix), not 3x3 ones. Lesson 05 does not use clusters (RESULTS.md, the network suite's
-targets).
+- `weights`: each CTA loads its own 128 pixels of A (split) and the pair shares one 128 x 64
+  weight tile (multicast), then one WGMMA per CTA: what sharing B looks like.
+- `im2col`: the pair shares one 128-pixel im2col box (multicast): what sharing A looks like, for
+  3x3 layers too. Run at two filter taps (the centre, and a corner that reads the zero padding).
+- `pair_barrier`: both CTAs arrive on the leader CTA's barrier (`arrive(from_cta=0)`), the leader
+  waits: how one CTA's consumer tells the other CTA's loader that a stage is free.
+- `im2col_split`: each CTA loads its own half of a 256-pixel im2col box (split, no multicast).
+What they compile to with Triton 3.9 (3.8 in brackets):
+- weights: one `cp.async.bulk.tensor...multicast::cluster` with a CTA mask, issued by rank 0,
+  each CTA waiting on its own barrier (3.8: one barrier, in the leader only).
+- im2col multicast: assembles: the offsets come before the CTA mask, as the PTX ISA wants
+  (3.8 emitted the mask first, and ptxas rejected the line: "Vector expected for argument 4").
+- pair barrier: a remote arrive on the leader's copy (`mbarrier.arrive.shared::cluster`).
+- im2col split: still the wrong pixels: Triton offsets the second CTA's box by 128 in its W
+  coordinate, as it would a tiled box's rows; in im2col mode the pixels 128 places further along
+  the walk start elsewhere (the next image row, or the next image). A CTA's own pixels must come
+  from its own box.
 """
 import contextlib
 import io
@@ -63,13 +57,19 @@ SHARED = gl.constexpr([[0, 0]])       # cga_layout: every CTA holds the whole ti
 
 
 @gluon.jit
-def cluster_barrier_init(bar):
-    """The probes' barrier, laid out over the pair (it lives in the leader CTA: see
-    `pair_barrier_probe`), initialised and made visible to the whole cluster before any TMA (from
-    either CTA) may arrive on it."""
-    mbarrier.init(bar, count=1)
-    mbarrier.fence_init_release_cluster()
-    cluster.barrier(relaxed=True)
+def per_cta_barrier(count: gl.constexpr = 1):
+    """One barrier in each CTA of the pair. Triton fences its initialisation for the cluster and
+    syncs the pair before a multicast load may reach it."""
+    bar = mbarrier.allocate_mbarrier()
+    mbarrier.init(bar, count=count)
+    return bar
+
+
+@gluon.jit
+def cluster_rank(like):
+    """This CTA's rank in its cluster, as a tensor shaped like `like` (Gluon has no builtin for it)."""
+    return gl.inline_asm_elementwise("mov.u32 $0, %cluster_ctarank;", "=r,r", [like], dtype=gl.int32,
+                                     is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -79,8 +79,7 @@ def weights_probe(a_desc, w_desc, out_desc, num_warps: gl.constexpr):
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [PIXELS, BLOCK_K], a_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_K], w_desc.layout)
-    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout.multicta(CTAS))
-    cluster_barrier_init(bar)
+    bar = per_cta_barrier()
     mbarrier.expect(bar, a_desc.nbytes_per_cta + w_desc.nbytes_per_cta)
     tma.async_load(a_desc, [gl.program_id(0) * PIXELS, 0], bar, a_smem)
     tma.async_load(w_desc, [0, 0], bar, w_smem, multicast=True)
@@ -97,79 +96,113 @@ def weights_probe(a_desc, w_desc, out_desc, num_warps: gl.constexpr):
 
 @gluon.jit
 def pair_barrier_probe(out_ptr, num_warps: gl.constexpr):
-    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout.multicta(CTAS))
-    mbarrier.init(bar, count=1)
-    mbarrier.fence_init_release_cluster()
-    cluster.barrier(relaxed=True)
-    mbarrier.arrive(bar)
-    mbarrier.wait(bar, 0)
+    """Both CTAs arrive on the leader's barrier (count 2); the leader waits, then writes 1."""
+    bar = per_cta_barrier(count=2)
+    cluster.barrier()
+    mbarrier.arrive(bar, from_cta=0)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0], cga_layout=[[0]])
+    lanes = gl.arange(0, 32 * num_warps, layout)
+    leader = cluster_rank(lanes) == 0
+    mbarrier.wait(bar, 0, pred=gl.max(leader.to(gl.int32), 0) > 0)
+    gl.store(out_ptr + lanes, gl.full_like(lanes, 1).to(gl.float32), mask=leader & (lanes == 0))
 
 
 @gluon.jit
-def im2col_probe(in_desc, out_desc, MULTICAST: gl.constexpr, num_warps: gl.constexpr):
-    """One im2col box: shared by the pair and multicast (`im2col_probe`), or split over it, each
-    CTA loading its own half (the "im2col_split" probe): the descriptor's layout says which."""
+def im2col_probe(in_desc, out_ptr, tap_r, tap_s, MULTICAST: gl.constexpr, num_warps: gl.constexpr):
+    """One im2col box at filter tap (tap_r, tap_s) of a 3x3 window: shared by the pair and
+    multicast, each CTA then writing its copy to its own half of `out` (the "im2col" probe), or
+    split over the pair, each CTA loading and writing its own half ("im2col_split")."""
     PIXELS: gl.constexpr = in_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = in_desc.block_type.shape[1]
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [PIXELS, BLOCK_K], in_desc.layout)
-    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout.multicta(CTAS))
-    cluster_barrier_init(bar)
+    bar = per_cta_barrier()
     mbarrier.expect(bar, in_desc.nbytes_per_cta)
-    tma.async_load_im2col(in_desc, [0, -1, -1, 0], [gl.to_tensor(1).to(gl.int16), gl.to_tensor(1).to(gl.int16)],
+    tma.async_load_im2col(in_desc, [0, -1, -1, 0], [gl.to_tensor(tap_r).to(gl.int16), gl.to_tensor(tap_s).to(gl.int16)],
                           bar, a_smem, multicast=MULTICAST)
     mbarrier.wait(bar, 0)
-    tma.async_store(out_desc, [0, 0], a_smem)
-    tma.store_wait(0)
+    CGA: gl.constexpr = SHARED if MULTICAST else SPLIT_ROWS
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0], cga_layout=CGA)
+    rows = gl.arange(0, PIXELS, gl.SliceLayout(1, layout))[:, None]
+    offsets = rows * BLOCK_K + gl.arange(0, BLOCK_K, gl.SliceLayout(0, layout))[None, :]
+    if MULTICAST:
+        offsets += cluster_rank(offsets) * (PIXELS * BLOCK_K)
+    gl.store(out_ptr + offsets, a_smem.load(layout))
 
 
 def nvmma_layout(cga_layout):
     return gl.NVMMASharedLayout(128, 16, rank=2, cga_layout=gl.constexpr(cga_layout).value)
 
 
-def build_weights_probe():
-    """(kernel, args, kwargs) on CPU tensors: 2 x 128 pixels x 64 channels, 128 filters."""
+def build_weights_probe(device="cpu"):
+    """(kernel, args, kwargs, check): 2 x 128 pixels x 64 channels, 128 filters; `check` compares
+    what a run wrote with torch (A @ W^T)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     pixels, channels, filters = 2 * 128, 64, 128
-    a = torch.zeros(2 * pixels, channels, dtype=torch.bfloat16)
-    w = torch.zeros(filters, channels, dtype=torch.bfloat16)
-    out = torch.zeros(2 * pixels, filters, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(pixels, channels, generator=generator).to(device, torch.bfloat16)
+    w = torch.randn(filters, channels, generator=generator).to(device, torch.bfloat16)
+    out = torch.zeros(pixels, filters, dtype=torch.bfloat16, device=device)
     descriptors = (TensorDescriptor.from_tensor(a, [pixels, channels], nvmma_layout(SPLIT_ROWS)),
                    TensorDescriptor.from_tensor(w, [filters, channels], nvmma_layout(SHARED)),
                    TensorDescriptor.from_tensor(out, [pixels, filters], nvmma_layout(SPLIT_ROWS)))
-    return weights_probe, descriptors, dict(num_warps=4, num_ctas=CTAS.value)
+
+    def check():
+        expected = (a.float() @ w.float().T).to(torch.bfloat16)
+        return [f"CTA {cta}: {close_rows(out[128 * cta:128 * (cta + 1)], expected[128 * cta:128 * (cta + 1)])}"
+                for cta in range(2)]
+    return weights_probe, descriptors, dict(num_warps=4, num_ctas=CTAS.value), check
 
 
-def im2col_box_descriptors(pixels, cga_layout):
-    """An im2col box of `pixels` x 64 channels of a 2 x 16 x 16 NHWC input (3x3 window, padding 1),
-    and a tiled output of the same box, both laid out over the pair as `cga_layout` says."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
-    x = torch.zeros(2, 16, 16, 64, dtype=torch.bfloat16)
-    out = torch.zeros(512, 64, dtype=torch.bfloat16)
-    in_desc = TensorDescriptorIm2Col.from_tensor(x, [pixels, 64], nvmma_layout(cga_layout), padding="zero",
-                                                 element_strides=[1, 1, 1, 1], pixel_box_lower_corner=[-1, -1],
-                                                 pixel_box_upper_corner=[-2, -2])
-    return in_desc, TensorDescriptor.from_tensor(out, [pixels, 64], nvmma_layout(cga_layout))
+def close_rows(got, expected):
+    """"128 of 128 rows match torch" (bf16 tolerance), as a run reports it."""
+    good = torch.isclose(got.float(), expected.float(), rtol=2e-2, atol=2e-2).all(dim=1)
+    return f"{int(good.sum())} of {len(good)} rows match torch"
 
 
-def build_im2col_probe():
-    """(kernel, args, kwargs): one 128-pixel im2col box, shared by the pair."""
-    return im2col_probe, im2col_box_descriptors(128, SHARED), dict(MULTICAST=True, num_warps=4, num_ctas=CTAS.value)
+def expected_im2col_box(x, pixels, tap):
+    """The box's rows by torch: output pixel p = (h, w) of image 0 reads x[0, h + r - 1, w + s - 1]
+    (zero outside the image) for the 3x3 window's tap (r, s), padding 1."""
+    padded = torch.nn.functional.pad(x[0].float(), (0, 0, 1, 1, 1, 1))          # H and W padded by 1
+    r, s = tap
+    window = padded[r:r + x.shape[1], s:s + x.shape[2]].reshape(-1, x.shape[3])
+    return window[:pixels]
 
 
-def build_pair_barrier_probe():
-    return pair_barrier_probe, (torch.zeros(4),), dict(num_warps=4, num_ctas=CTAS.value)
+def build_im2col_probe(device="cpu", pixels=128, multicast=True, tap=(1, 1)):
+    """(kernel, args, kwargs, check): one im2col box of `pixels` x 64 channels of a 2 x 16 x 16 NHWC
+    input (3x3 window, padding 1), at filter tap `tap`: shared by the pair (multicast), or split
+    over it (each CTA half of the box)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptorIm2Col
+    x = torch.randn(2, 16, 16, 64, generator=torch.Generator().manual_seed(0)).to(device, torch.bfloat16)
+    out = torch.zeros(256, 64, dtype=torch.bfloat16, device=device)
+    in_desc = TensorDescriptorIm2Col.from_tensor(
+        x, [pixels, 64], nvmma_layout(SHARED if multicast else SPLIT_ROWS), padding="zero",
+        element_strides=[1, 1, 1, 1], pixel_box_lower_corner=[-1, -1], pixel_box_upper_corner=[-2, -2])
+
+    def check():
+        expected = expected_im2col_box(x, pixels, tap)
+        if multicast:           # each CTA wrote its copy of the whole box to its half of `out`
+            return [f"CTA {cta}'s copy: {close_rows(out[128 * cta:128 * (cta + 1)], expected)}" for cta in range(2)]
+        return [f"CTA {cta}'s half: {close_rows(out[128 * cta:128 * (cta + 1)], expected[128 * cta:128 * (cta + 1)])}"
+                for cta in range(2)]
+    return im2col_probe, (in_desc, out, *tap), dict(MULTICAST=multicast, num_warps=4, num_ctas=CTAS.value), check
 
 
-def build_im2col_split_probe():
-    """(kernel, args, kwargs): a 256-pixel im2col box over the pair, 128 pixels per CTA."""
-    return im2col_probe, im2col_box_descriptors(256, SPLIT_ROWS), dict(MULTICAST=False, num_warps=4,
-                                                                        num_ctas=CTAS.value)
+def build_pair_barrier_probe(device="cpu"):
+    out = torch.zeros(4, device=device)
+    return pair_barrier_probe, (out,), dict(num_warps=4, num_ctas=CTAS.value), \
+        lambda: [f"the leader saw both arrivals: {bool(out[0] == 1)}"]
+
+
+def build_im2col_split_probe(device="cpu"):
+    """A 256-pixel im2col box over the pair, 128 pixels per CTA."""
+    return build_im2col_probe(device, pixels=256, multicast=False)
 
 
 def _compile_here(name):
     """Runs in the subprocess: compile one probe for sm_90 and print the outcome as JSON. On a ptxas
     error Triton prints a report with the whole PTX; it is captured, and only the rejected line kept."""
-    kernel, args, kwargs = PROBES[name]()
+    kernel, args, kwargs, _ = PROBES[name]()
     outcome = {"ptx": None, "error": None, "rejected": None}
     report = io.StringIO()
     try:
@@ -198,6 +231,27 @@ def compile_probe(name):
     raise RuntimeError(f"cluster probe {name!r} did not report (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
+def run_probe(name, **options):
+    """Runs one probe on this GPU (one cluster of two CTAs) and returns its check's lines."""
+    kernel, args, kwargs, check = PROBES[name]("cuda", **options)
+    kernel[(1,)](*args, **kwargs)
+    torch.cuda.synchronize()
+    return check()
+
+
+def run_probes():
+    common.require_tma_mma_gpu("the cluster probes")
+    runs = (("weights", {}, "weights multicast, then one WGMMA per CTA"),
+            ("im2col", dict(tap=(1, 1)), "pixels (im2col) multicast, the window's centre tap"),
+            ("im2col", dict(tap=(0, 0)), "pixels (im2col) multicast, the corner tap (reads the zero padding)"),
+            ("pair_barrier", {}, "both CTAs arrive on the leader's barrier"),
+            ("im2col_split", {}, "each CTA its own half of a 256-pixel im2col box"))
+    for name, options, title in runs:
+        print(f"{title}:")
+        for line in run_probe(name, **options):
+            print("   " + line)
+
+
 PROBES = {"weights": build_weights_probe, "im2col": build_im2col_probe,
           "pair_barrier": build_pair_barrier_probe, "im2col_split": build_im2col_split_probe}
 
@@ -208,6 +262,8 @@ def main():
     titles = (("weights", "weights (tiled) multicast"), ("im2col", "pixels (im2col) multicast"),
               ("pair_barrier", "one barrier across the pair: arrive from both, wait"),
               ("im2col_split", "each CTA its own half of an im2col box"))
+    if sys.argv[1:2] == ["--run"]:
+        return run_probes()
     for name, title in titles:
         outcome = compile_probe(name)
         print(f"\n{title}, 2-CTA cluster, sm_90:")
@@ -217,11 +273,15 @@ def main():
                 if "error" in line and "ptxas" in line:
                     print("   " + line.split("; ", 1)[-1].strip())
             if outcome["rejected"]:
-                print("   the line ptxas rejects (its CTA mask comes before the im2col offsets; the PTX ISA "
-                      f"wants the offsets first):\n   {outcome['rejected']}")
+                print(f"   the line ptxas rejects:\n   {outcome['rejected']}")
             continue
+        rank_read = False
         for line in outcome["ptx"].splitlines():
             text = line.strip()
+            if "%cluster_ctarank" in text:        # the probe's own rank reads repeat per register
+                if rank_read:
+                    continue
+                rank_read = True
             if (text.startswith(".reqnctapercluster") or "multicast::cluster" in text or "barrier.cluster" in text
                     or "mbarrier.init" in text or "mbarrier.arrive" in text or "skipWait" in text
                     or "cluster_ctarank" in text or "cp.async.bulk.tensor" in text

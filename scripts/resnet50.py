@@ -1,6 +1,6 @@
 """ResNet-50 end to end with lesson 05's convolution, next to the same model on cuDNN.
 
-    python scripts/resnet50.py [--batch 128 1] [--tune] [--outdir out] [--first-call-latency]
+    python scripts/resnet50.py [--batch 128 1] [--tune] [--freezing] [--outdir out] [--first-call-latency]
 
 torchvision's ResNet-50 (random weights, eval mode, bf16, channels_last). Variants, each measured
 with triton.testing.do_bench (median) in one run, per batch size:
@@ -13,7 +13,8 @@ with triton.testing.do_bench (median) in one run, per batch size:
   ours-fused-compile   torch.compile (default mode) of ours-fused
 and, since with 53 convs the host time of a call matters (batch 1 above all), the same two
 compiled models with mode="reduce-overhead" (CUDA graphs): compile-cudnn-cudagraphs and
-ours-fused-compile-cudagraphs. For each: images/s and the logits' error against an fp32 eager run
+ours-fused-compile-cudagraphs; `--freezing` compiles all of them with Inductor's freezing, the
+strongest torch.compile of an inference model. For each: images/s and the logits' error against an fp32 eager run
 of the same model and input (max |error| / max |reference| and mean |error| / mean |reference|).
 Per layer (batch 128): every distinct fused conv of ours-fused timed alone, next to cuDNN's conv
 alone and to cuDNN's conv followed by what the fused op also does (BatchNorm, add, ReLU in eager).
@@ -231,7 +232,13 @@ def main():
     parser.add_argument("--first-call-latency", action="store_true",
                         help="also time a new layer's first call in fresh processes (~30 s)")
     parser.add_argument("--profile", action="store_true", help="profile the host path of one conv call")
+    parser.add_argument("--freezing", action="store_true",
+                        help="compile with Inductor's freezing (weights as constants: BatchNorm folded, "
+                             "layouts fixed ahead), for both models")
     args = parser.parse_args()
+    if args.freezing:
+        import torch._inductor.config
+        torch._inductor.config.freezing = True
     if args.first_call:
         return first_call_child()
     common.require_tma_mma_gpu("scripts/resnet50.py")

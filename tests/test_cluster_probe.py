@@ -1,5 +1,6 @@
-"""scripts/cluster_probe.py: what Gluon 3.8 compiles for thread-block clusters with TMA multicast on
-sm_90 (ahead of time, no GPU). The facts RESULTS.md states about clusters come from here."""
+"""scripts/cluster_probe.py: what Gluon 3.9 compiles for thread-block clusters with TMA multicast on
+sm_90 (ahead of time, no GPU), and what the probes compute on a Hopper GPU, checked against torch.
+The facts RESULTS.md and lesson 05 state about clusters come from here."""
 import re
 import sys
 from pathlib import Path
@@ -8,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
+import common  # noqa: E402
 import cluster_probe  # noqa: E402
 
 
@@ -18,43 +20,41 @@ def _compile(name):
     return outcome
 
 
+def _multicast_loads(ptx, mode):
+    return [line.strip() for line in ptx.splitlines()
+            if "cp.async.bulk.tensor." in line and f".shared::cluster.global.{mode}" in line
+            and "multicast::cluster" in line]
+
+
 def test_weights_can_be_multicast_across_a_cluster():
     outcome = _compile("weights")
     assert outcome["error"] is None, outcome["error"]
     ptx = outcome["ptx"]
     assert ".reqnctapercluster 2" in ptx                      # a 2-CTA cluster
     assert "barrier.cluster.wait" in ptx                       # the barriers' init is made visible to both
-    loads = [line for line in ptx.splitlines() if "cp.async.bulk.tensor.2d.shared::cluster.global" in line]
-    assert sum("multicast::cluster" in line for line in loads) == 1   # the weights: one multicast load
-    assert sum("multicast::cluster" not in line for line in loads) == 1   # each CTA's own pixels
+    loads = [line for line in ptx.splitlines() if "cp.async.bulk.tensor.2d.shared::" in line]
+    assert sum("multicast::cluster" in line for line in loads) == 1            # the weights, to both CTAs
+    assert sum("2d.shared::cta.global" in line for line in loads) == 1         # each CTA's own pixels
     assert "wgmma.mma_async" in ptx
 
 
-def test_im2col_multicast_does_not_assemble_with_this_triton():
-    """Triton 3.8 puts the CTA mask before the im2col offsets; ptxas rejects the instruction. When a
-    Triton release fixes it this test fails: then the pixels can be multicast too, and RESULTS.md's
-    finding about clusters must change."""
+def test_im2col_multicast_assembles_with_the_offsets_before_the_cta_mask():
+    """Triton 3.8 put the CTA mask before the im2col offsets and ptxas rejected the instruction
+    ("Vector expected for argument 4"); 3.9 emits [mbarrier], {offsets}, mask, as the PTX ISA wants."""
     outcome = _compile("im2col")
-    assert outcome["error"] is not None, "im2col multicast now compiles: update RESULTS.md and cluster_probe.py"
-    assert "Vector expected for argument 4" in outcome["error"], outcome["error"][-2000:]
-    rejected = outcome["rejected"]
-    assert rejected is not None and "im2col" in rejected and "multicast::cluster" in rejected
-    # ... [mbarrier], mask, {offsets}: the mask first, the offsets last
-    assert re.search(r"\], %\w+, \{%\w+, %\w+\};$", rejected), rejected
+    assert outcome["error"] is None, outcome["error"][-2000:]
+    loads = _multicast_loads(outcome["ptx"], "im2col")
+    assert len(loads) == 1, loads
+    assert re.search(r"\], \{%rs\d+, %rs\d+\}, %rs\d+;$", loads[0]), loads[0]
+    # Triton fences the barriers' initialisation for the cluster before the first multicast
+    assert "fence.mbarrier_init.release.cluster" in outcome["ptx"]
 
 
-def test_a_barrier_across_the_pair_lives_in_the_leader_and_only_the_leader_waits():
-    """The remote arrive the kernel would need exists; the barrier it reaches is waited on by the
-    leader CTA alone. (When a Triton release makes every CTA wait on such a barrier, this fails:
-    then RESULTS.md and cluster_probe.py must change.)"""
+def test_a_barrier_of_the_leader_is_reached_from_the_other_cta():
+    """`arrive(from_cta=0)` arrives on the leader CTA's copy of the barrier: a remote arrive."""
     outcome = _compile("pair_barrier")
     assert outcome["error"] is None, outcome["error"]
-    ptx = outcome["ptx"]
-    assert re.search(r"@%p\d+ mbarrier\.init\.shared::cta\.b64", ptx)            # predicated: the leader
-    # the arrive goes to the leader's copy: a shared::cluster address with the CTA-rank bit cleared
-    assert re.search(r"and\.b32\s+(%r\d+), %r\d+, -16777232;", ptx)
-    assert "mbarrier.arrive.shared::cluster.b64" in ptx
-    assert re.search(r"@!%p\d+ bra\.uni skipWait;", ptx)                          # the other CTA skips the wait
+    assert "mbarrier.arrive.shared::cluster.b64" in outcome["ptx"]
 
 
 def test_a_split_im2col_box_is_offset_like_a_tiled_one():
@@ -63,12 +63,32 @@ def test_a_split_im2col_box_is_offset_like_a_tiled_one():
     outcome = _compile("im2col_split")
     assert outcome["error"] is None, outcome["error"]
     ptx = outcome["ptx"]
-    rank = re.search(r"and\.b32\s+(%r\d+), (%r\d+), 1;", ptx)
-    assert rank and re.search(rf"mov\.u32\s+{re.escape(rank.group(2))}, %cluster_ctarank;", ptx)
-    shifted = re.search(rf"shl\.b32\s+(%r\d+), {re.escape(rank.group(1))}, 7;", ptx)
-    assert shifted
-    w = re.search(rf"add\.s32\s+(%r\d+), {re.escape(shifted.group(1))}, -1;", ptx)   # rank * 128 + (w = -1)
-    assert w
-    load = re.search(r"cp\.async\.bulk\.tensor\.4d\.shared::cluster\.global\.im2col\S* \[%r\d+\], "
+    rank = re.search(r"mov\.u32\s+(%r\d+), %cluster_ctarank;", ptx)
+    shifted = rank and re.search(rf"shl\.b32\s+(%r\d+), {re.escape(rank.group(1))}, 7;", ptx)
+    masked = shifted and re.search(rf"and\.b32\s+(%r\d+), {re.escape(shifted.group(1))}, 128;", ptx)
+    w = masked and re.search(rf"add\.s32\s+(%r\d+), {re.escape(masked.group(1))}, -1;", ptx)   # rank * 128 + (w = -1)
+    assert w, "the second CTA's box is no longer moved 128 along W: update cluster_probe.py and RESULTS.md"
+    load = re.search(r"cp\.async\.bulk\.tensor\.4d\.shared::cta\.global\.im2col\S* \[%r\d+\], "
                      r"\[%rd\d+, \{(%r\d+), (%r\d+), (%r\d+), (%r\d+)\}\]", ptx)
     assert load and load.group(2) == w.group(1), load and load.groups()
+
+
+needs_hopper = pytest.mark.skipif(not common.is_hopper(), reason="runs a 2-CTA cluster on a Hopper GPU")
+
+
+@needs_hopper
+@pytest.mark.parametrize("tap", [(1, 1), (0, 0), (2, 1)])
+def test_im2col_multicast_gives_both_ctas_the_right_pixels(tap):
+    lines = cluster_probe.run_probe("im2col", tap=tap)
+    assert all("128 of 128 rows match" in line for line in lines), lines
+
+
+@needs_hopper
+def test_weights_multicast_feeds_both_ctas_wgmma():
+    lines = cluster_probe.run_probe("weights")
+    assert all("128 of 128 rows match" in line for line in lines), lines
+
+
+@needs_hopper
+def test_the_leader_waits_for_both_ctas_arrivals():
+    assert cluster_probe.run_probe("pair_barrier") == ["the leader saw both arrivals: True"]
