@@ -15,18 +15,23 @@ the cluster before the first multicast reaches it, and ends the kernel with a cl
 
 Four probes, each a 2-CTA cluster:
 - `weights`: each CTA loads its own 128 pixels of A (split) and the pair shares one 128 x 64
-  weight tile (multicast), then one WGMMA per CTA: what sharing B looks like.
-- `im2col`: the pair shares one 128-pixel im2col box (multicast): what sharing A looks like, for
-  3x3 layers too. Run at two filter taps (the centre, and a corner that reads the zero padding).
-- `pair_barrier`: both CTAs arrive on the leader CTA's barrier (`arrive(from_cta=0)`), the leader
-  waits: how one CTA's consumer tells the other CTA's loader that a stage is free.
+  weight tile (multicast), then one WGMMA per CTA: a pair of row tiles sharing B.
+- `im2col`: the pair shares one 128-pixel im2col box (multicast) and each CTA multiplies it by its
+  own 64 filters: a pair of column tiles sharing A, as cuDNN's 1x2 clusters do, for 3x3 layers
+  too. Run at two filter taps (the centre, and a corner that reads the zero padding).
+- `pair_barrier`: `arrive(from_cta=0)` on a barrier in each CTA, both waiting: where an arrive
+  can go across the pair.
 - `im2col_split`: each CTA loads its own half of a 256-pixel im2col box (split, no multicast).
-What they compile to with Triton 3.9 (3.8 in brackets):
+What they compile to with Triton 3.9, and do on an H100 (`--run`):
 - weights: one `cp.async.bulk.tensor...multicast::cluster` with a CTA mask, issued by rank 0,
-  each CTA waiting on its own barrier (3.8: one barrier, in the leader only).
-- im2col multicast: assembles: the offsets come before the CTA mask, as the PTX ISA wants
-  (3.8 emitted the mask first, and ptxas rejected the line: "Vector expected for argument 4").
-- pair barrier: a remote arrive on the leader's copy (`mbarrier.arrive.shared::cluster`).
+  each CTA waiting on its own barrier; both CTAs' products match torch.
+- im2col multicast: assembles, the offsets before the CTA mask as the PTX ISA wants (Triton 3.8
+  emitted the mask first and ptxas rejected the line: "Vector expected for argument 4"); run, see
+  RESULTS.md for what both CTAs computed.
+- pair barrier: `from_cta=0` is a broadcast: the leader alone arrives, on both CTAs' barriers.
+  Gluon 3.9 has no arrive from the second CTA on the leader's barrier (3.8's barrier laid out over
+  the pair had one, and is gone), and that is the signal a pipelined pair needs: the leader's loader
+  may refill a shared stage only when both CTAs' consumers have released it.
 - im2col split: still the wrong pixels: Triton offsets the second CTA's box by 128 in its W
   coordinate, as it would a tiled box's rows; in im2col mode the pixels 128 places further along
   the walk start elsewhere (the next image row, or the next image). A CTA's own pixels must come
@@ -53,6 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 
 CTAS = gl.constexpr(2)
 SPLIT_ROWS = gl.constexpr([[1, 0]])   # cga_layout: CTA c holds rows [c * rows / 2, (c + 1) * rows / 2)
+SPLIT_COLUMNS = gl.constexpr([[0, 1]])  # cga_layout: CTA c holds columns [c * cols / 2, (c + 1) * cols / 2)
 SHARED = gl.constexpr([[0, 0]])       # cga_layout: every CTA holds the whole tile
 
 
@@ -96,36 +102,58 @@ def weights_probe(a_desc, w_desc, out_desc, num_warps: gl.constexpr):
 
 @gluon.jit
 def pair_barrier_probe(out_ptr, num_warps: gl.constexpr):
-    """Both CTAs arrive on the leader's barrier (count 2); the leader waits, then writes 1."""
-    bar = per_cta_barrier(count=2)
+    """`arrive(from_cta=0)` on a barrier of count 1 in each CTA, then both CTAs wait on their own
+    copy and write a 1 to out[rank]: the leader's arrive reaches both CTAs (a broadcast)."""
+    bar = per_cta_barrier()
     cluster.barrier()
     mbarrier.arrive(bar, from_cta=0)
+    mbarrier.wait(bar, 0)
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0], cga_layout=[[0]])
     lanes = gl.arange(0, 32 * num_warps, layout)
-    leader = cluster_rank(lanes) == 0
-    mbarrier.wait(bar, 0, pred=gl.max(leader.to(gl.int32), 0) > 0)
-    gl.store(out_ptr + lanes, gl.full_like(lanes, 1).to(gl.float32), mask=leader & (lanes == 0))
+    gl.store(out_ptr + cluster_rank(lanes), gl.full_like(lanes, 1).to(gl.float32), mask=lanes == 0)
 
 
 @gluon.jit
-def im2col_probe(in_desc, out_ptr, tap_r, tap_s, MULTICAST: gl.constexpr, num_warps: gl.constexpr):
-    """One im2col box at filter tap (tap_r, tap_s) of a 3x3 window: shared by the pair and
-    multicast, each CTA then writing its copy to its own half of `out` (the "im2col" probe), or
-    split over the pair, each CTA loading and writing its own half ("im2col_split")."""
+def im2col_probe(in_desc, w_desc, out_desc, tap_r, tap_s, num_warps: gl.constexpr):
+    """The pair of column tiles: one im2col box of 128 pixels at filter tap (tap_r, tap_s) of a 3x3
+    window, multicast to both CTAs, times each CTA's own 64 filters (one WGMMA per CTA); each CTA
+    stores its 64 output columns. A CTA that got wrong pixels writes wrong columns."""
+    PIXELS: gl.constexpr = in_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = in_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]       # over the cluster: 2 x 64
+    a_smem = gl.allocate_shared_memory(gl.bfloat16, [PIXELS, BLOCK_K], in_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_K], w_desc.layout)
+    bar = per_cta_barrier()
+    mbarrier.expect(bar, in_desc.nbytes_per_cta + w_desc.nbytes_per_cta)
+    tma.async_load_im2col(in_desc, [0, -1, -1, 0], [gl.to_tensor(tap_r).to(gl.int16), gl.to_tensor(tap_s).to(gl.int16)],
+                          bar, a_smem, multicast=True)
+    tma.async_load(w_desc, [0, 0], bar, w_smem)
+    mbarrier.wait(bar, 0)
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_N // 2, 16], cga_layout=SPLIT_COLUMNS)
+    acc = warpgroup_mma(a_smem, w_smem.permute((1, 0)), gl.zeros([PIXELS, BLOCK_N], gl.float32, layout))
+    out_smem = gl.allocate_shared_memory(gl.bfloat16, [PIXELS, BLOCK_N], out_desc.layout)
+    out_smem.store(acc.to(gl.bfloat16))
+    fence_async_shared()
+    tma.async_store(out_desc, [0, 0], out_smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def im2col_split_probe(in_desc, out_ptr, num_warps: gl.constexpr):
+    """A 256-pixel im2col box (the window's centre tap) split over the pair, each CTA loading its
+    own half and writing it to its rows of `out`."""
     PIXELS: gl.constexpr = in_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = in_desc.block_type.shape[1]
     a_smem = gl.allocate_shared_memory(gl.bfloat16, [PIXELS, BLOCK_K], in_desc.layout)
     bar = per_cta_barrier()
     mbarrier.expect(bar, in_desc.nbytes_per_cta)
-    tma.async_load_im2col(in_desc, [0, -1, -1, 0], [gl.to_tensor(tap_r).to(gl.int16), gl.to_tensor(tap_s).to(gl.int16)],
-                          bar, a_smem, multicast=MULTICAST)
+    tma.async_load_im2col(in_desc, [0, -1, -1, 0], [gl.to_tensor(1).to(gl.int16), gl.to_tensor(1).to(gl.int16)],
+                          bar, a_smem)
     mbarrier.wait(bar, 0)
-    CGA: gl.constexpr = SHARED if MULTICAST else SPLIT_ROWS
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0], cga_layout=CGA)
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0], cga_layout=SPLIT_ROWS)
     rows = gl.arange(0, PIXELS, gl.SliceLayout(1, layout))[:, None]
     offsets = rows * BLOCK_K + gl.arange(0, BLOCK_K, gl.SliceLayout(0, layout))[None, :]
-    if MULTICAST:
-        offsets += cluster_rank(offsets) * (PIXELS * BLOCK_K)
     gl.store(out_ptr + offsets, a_smem.load(layout))
 
 
@@ -164,39 +192,53 @@ def expected_im2col_box(x, pixels, tap):
     (zero outside the image) for the 3x3 window's tap (r, s), padding 1."""
     padded = torch.nn.functional.pad(x[0].float(), (0, 0, 1, 1, 1, 1))          # H and W padded by 1
     r, s = tap
-    window = padded[r:r + x.shape[1], s:s + x.shape[2]].reshape(-1, x.shape[3])
-    return window[:pixels]
+    return padded[r:r + x.shape[1], s:s + x.shape[2]].reshape(-1, x.shape[3])[:pixels]
 
 
-def build_im2col_probe(device="cpu", pixels=128, multicast=True, tap=(1, 1)):
-    """(kernel, args, kwargs, check): one im2col box of `pixels` x 64 channels of a 2 x 16 x 16 NHWC
-    input (3x3 window, padding 1), at filter tap `tap`: shared by the pair (multicast), or split
-    over it (each CTA half of the box)."""
+def im2col_box_descriptor(x, pixels, cga_layout):
+    """An im2col box of `pixels` x 64 channels of an NHWC input for a 3x3 window, padding 1 (lesson
+    03's corners: lower -padding, upper (out - 1) * stride - padding - (size - 1) = -1)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptorIm2Col
-    x = torch.randn(2, 16, 16, 64, generator=torch.Generator().manual_seed(0)).to(device, torch.bfloat16)
-    out = torch.zeros(256, 64, dtype=torch.bfloat16, device=device)
-    in_desc = TensorDescriptorIm2Col.from_tensor(
-        x, [pixels, 64], nvmma_layout(SHARED if multicast else SPLIT_ROWS), padding="zero",
-        element_strides=[1, 1, 1, 1], pixel_box_lower_corner=[-1, -1], pixel_box_upper_corner=[-2, -2])
+    return TensorDescriptorIm2Col.from_tensor(x, [pixels, 64], nvmma_layout(cga_layout), padding="zero",
+                                              element_strides=[1, 1, 1, 1], pixel_box_lower_corner=[-1, -1],
+                                              pixel_box_upper_corner=[-1, -1])
+
+
+def build_im2col_probe(device="cpu", tap=(1, 1)):
+    """(kernel, args, kwargs, check): 128 pixels of a 2 x 16 x 16 x 64 NHWC input multicast to the
+    pair, 2 x 64 filters (each CTA its own 64); `check` compares each CTA's columns with torch."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, 16, 64, generator=generator).to(device, torch.bfloat16)
+    w = torch.randn(128, 64, generator=generator).to(device, torch.bfloat16)
+    out = torch.zeros(128, 128, dtype=torch.bfloat16, device=device)
+    args = (im2col_box_descriptor(x, 128, SHARED), TensorDescriptor.from_tensor(w, [128, 64], nvmma_layout(SPLIT_ROWS)),
+            TensorDescriptor.from_tensor(out, [128, 128], nvmma_layout(SPLIT_COLUMNS)), *tap)
 
     def check():
-        expected = expected_im2col_box(x, pixels, tap)
-        if multicast:           # each CTA wrote its copy of the whole box to its half of `out`
-            return [f"CTA {cta}'s copy: {close_rows(out[128 * cta:128 * (cta + 1)], expected)}" for cta in range(2)]
-        return [f"CTA {cta}'s half: {close_rows(out[128 * cta:128 * (cta + 1)], expected[128 * cta:128 * (cta + 1)])}"
+        expected = (expected_im2col_box(x.float(), 128, tap) @ w.float().T).to(torch.bfloat16)
+        return [f"CTA {cta}: {close_rows(out[:, 64 * cta:64 * (cta + 1)], expected[:, 64 * cta:64 * (cta + 1)])}"
                 for cta in range(2)]
-    return im2col_probe, (in_desc, out, *tap), dict(MULTICAST=multicast, num_warps=4, num_ctas=CTAS.value), check
+    return im2col_probe, args, dict(num_warps=4, num_ctas=CTAS.value), check
 
 
 def build_pair_barrier_probe(device="cpu"):
-    out = torch.zeros(4, device=device)
+    out = torch.zeros(2, device=device)
     return pair_barrier_probe, (out,), dict(num_warps=4, num_ctas=CTAS.value), \
-        lambda: [f"the leader saw both arrivals: {bool(out[0] == 1)}"]
+        lambda: [f"CTA {cta} saw the leader's arrive: {bool(out[cta] == 1)}" for cta in range(2)]
 
 
 def build_im2col_split_probe(device="cpu"):
-    """A 256-pixel im2col box over the pair, 128 pixels per CTA."""
-    return build_im2col_probe(device, pixels=256, multicast=False)
+    """(kernel, args, kwargs, check): a 256-pixel im2col box over the pair, 128 pixels per CTA."""
+    x = torch.randn(2, 16, 16, 64, generator=torch.Generator().manual_seed(0)).to(device, torch.bfloat16)
+    out = torch.zeros(256, 64, dtype=torch.bfloat16, device=device)
+
+    def check():
+        expected = expected_im2col_box(x, 256, (1, 1))
+        return [f"CTA {cta}'s half: {close_rows(out[128 * cta:128 * (cta + 1)], expected[128 * cta:128 * (cta + 1)])}"
+                for cta in range(2)]
+    return im2col_split_probe, (im2col_box_descriptor(x, 256, SPLIT_ROWS), out), \
+        dict(num_warps=4, num_ctas=CTAS.value), check
 
 
 def _compile_here(name):
@@ -231,20 +273,35 @@ def compile_probe(name):
     raise RuntimeError(f"cluster probe {name!r} did not report (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
-def run_probe(name, **options):
-    """Runs one probe on this GPU (one cluster of two CTAs) and returns its check's lines."""
+def _run_here(name, options_json):
+    """Runs in the subprocess: one probe on this GPU (one cluster of two CTAs), its check's lines as JSON."""
+    options = {key: tuple(value) if isinstance(value, list) else value for key, value in json.loads(options_json).items()}
     kernel, args, kwargs, check = PROBES[name]("cuda", **options)
     kernel[(1,)](*args, **kwargs)
     torch.cuda.synchronize()
-    return check()
+    print("PROBE-JSON:" + json.dumps(check()))
+
+
+def run_probe(name, timeout=120, **options):
+    """Runs one probe on this GPU and returns its check's lines, in a fresh process with a time
+    limit: a cluster whose barriers never complete hangs, and must not hang the caller."""
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--run-one", name, json.dumps(options)],
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [f"hung: no result after {timeout} s"]
+    for line in proc.stdout.splitlines():
+        if line.startswith("PROBE-JSON:"):
+            return json.loads(line[len("PROBE-JSON:"):])
+    return [f"failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"]
 
 
 def run_probes():
     common.require_tma_mma_gpu("the cluster probes")
     runs = (("weights", {}, "weights multicast, then one WGMMA per CTA"),
-            ("im2col", dict(tap=(1, 1)), "pixels (im2col) multicast, the window's centre tap"),
-            ("im2col", dict(tap=(0, 0)), "pixels (im2col) multicast, the corner tap (reads the zero padding)"),
-            ("pair_barrier", {}, "both CTAs arrive on the leader's barrier"),
+            ("im2col", dict(tap=(1, 1)), "pixels (im2col) multicast, each CTA its own 64 filters; the centre tap"),
+            ("im2col", dict(tap=(0, 0)), "the same at the corner tap (reads the zero padding)"),
+            ("pair_barrier", {}, "the leader's arrive(from_cta=0) on a barrier in each CTA"),
             ("im2col_split", {}, "each CTA its own half of a 256-pixel im2col box"))
     for name, options, title in runs:
         print(f"{title}:")
@@ -260,8 +317,10 @@ def main():
     if sys.argv[1:2] == ["--compile"]:
         return _compile_here(sys.argv[2])
     titles = (("weights", "weights (tiled) multicast"), ("im2col", "pixels (im2col) multicast"),
-              ("pair_barrier", "one barrier across the pair: arrive from both, wait"),
+              ("pair_barrier", "arrive(from_cta=0): the leader's arrive on both CTAs' barriers"),
               ("im2col_split", "each CTA its own half of an im2col box"))
+    if sys.argv[1:2] == ["--run-one"]:
+        return _run_here(sys.argv[2], sys.argv[3])
     if sys.argv[1:2] == ["--run"]:
         return run_probes()
     for name, title in titles:
