@@ -1,5 +1,5 @@
 """Lesson 05's benchmarks: the ladder of the series on its benchmark shapes, and the network suite,
-every distinct conv layer of two real networks, ours next to cuDNN.
+every distinct conv layer of three real networks, ours next to cuDNN.
 
     python 05-warp-specialized-conv.py --bench [--quick]                    # the ladder
     python 05-warp-specialized-conv.py --bench --suite networks [--quick]   # the network suite
@@ -18,6 +18,9 @@ nobody tuned for. The suite is
   channels at 64/32/16/8 pixels, the decoder's concatenated inputs (e.g. 960 -> 320) and the
   stride-2 downsamplers included. (Its conv_in (4 channels in) and conv_out (4 out) are left out:
   together they are well under 1% of the UNet's conv FLOPs.)
+- Inception v3 at batch 128, 299x299 input: its 43 distinct convs, read off torchvision's model:
+  channel counts that are not multiples of 64 (48, 80, 96, 160, 288), 1x7 and 7x1 filters, 5x5,
+  unpadded and stride-2 3x3 convs, the 3-channel stem.
 Each layer is checked against torch, then timed as lesson 05's benchmark times: do_bench (median,
 L2 flushed before each call, host time included), bf16, ours and cuDNN (channels_last) in
 alternating rounds of the same run. Ours is the runtime's call: like the shapes benchmark, each
@@ -28,7 +31,10 @@ Writes network_suite.json (device, versions, one record per layer: layer, ours_t
 cudnn_tflops, ratio, ...) and two plots: the ratio per layer, sorted, and a roofline (arithmetic
 intensity against TFLOPS, with the device's datasheet peaks).
 """
+import argparse
+import functools
 import math
+from pathlib import Path
 
 import common
 
@@ -77,10 +83,67 @@ def unet_3x3_layers(batch=BATCH_UNET):
             for hw, ci, co, s in shapes]
 
 
-NETWORK_SUITE = resnet50_layers() + unet_3x3_layers()
-QUICK_SUITE = [layer for layer in NETWORK_SUITE if layer[0] in (
-    "RN50 stem 224 3->64 7x7 s2", "RN50 14x14 256->256 3x3", "RN50 7x7 2048->512 1x1",
-    "SD 8x8 1280->1280 3x3")]
+def torchvision_dense_convs(model_name, prefix, batch, image_size, **model_options):
+    """(label, N, H, W, Ci, Co, R, S, stride, padding) of every distinct dense (groups = 1) conv of
+    a torchvision model, in the order its forward pass meets them: found by running the model on
+    the meta device (shapes only, no memory, no arithmetic) with a hook on each nn.Conv2d. Filters,
+    strides and paddings are (h, w) pairs where they differ; the label names the padding where it
+    is not the filter's "same" padding (Inception's 3x3 valid convs: "p0")."""
+    import torchvision
+    model = getattr(torchvision.models, model_name)(weights=None, **model_options).to("meta").eval()
+    layers = {}
+
+    def record(conv, inputs, output):
+        if conv.groups != 1:
+            return
+        _, Ci, H, W = inputs[0].shape
+        (R, S), stride, padding = conv.kernel_size, conv.stride, conv.padding
+        key = (batch, H, W, Ci, conv.out_channels, R, S, stride, padding)
+        filt = f"{R}x{S}" + (f" s{stride[0]}" if stride == (stride[0],) * 2 and stride[0] > 1 else
+                             f" s{stride[0]}x{stride[1]}" if stride != (1, 1) else "")
+        same = (R // 2, S // 2)
+        label = f"{prefix} {H}x{W} {Ci}->{conv.out_channels} {filt}" + ("" if padding == same else
+                                                                        f" p{padding[0]}" if padding[0] == padding[1]
+                                                                        else f" p{padding[0]}x{padding[1]}")
+        flat = lambda pair: pair[0] if pair[0] == pair[1] else pair  # noqa: E731
+        layers.setdefault(key, (label, batch, H, W, Ci, conv.out_channels, R, S, flat(stride), flat(padding)))
+
+    hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    with torch.no_grad():
+        model(torch.empty(1, 3, image_size, image_size, device="meta"))
+    for hook in hooks:
+        hook.remove()
+    labels = [layer[0] for layer in layers.values()]
+    assert len(set(labels)) == len(labels), "two distinct convs share a label"
+    return list(layers.values())
+
+
+BATCH_INCEPTION = 128
+
+
+def inception_v3_layers(batch=BATCH_INCEPTION):
+    """The distinct convs of torchvision's Inception v3 (299x299 input), all dense: widths of 48, 80,
+    96, 160 and 288 channels (not multiples of 64), 1x7 / 7x1 / 1x3 / 3x1 filters, 3x3 stride-2
+    and unpadded ("valid") convs."""
+    return torchvision_dense_convs("inception_v3", "IncV3", batch, 299, aux_logits=False, init_weights=False)
+
+
+FAMILIES = (("RN50", "ResNet-50 (batch 128)", "#2060c0"), ("SD", "SD UNet 3x3 (batch 8)", "#c06020"),
+            ("IncV3", f"Inception v3 (batch {BATCH_INCEPTION})", "#40a040"))
+
+
+@functools.lru_cache(maxsize=None)
+def network_suite():
+    """Every layer of the suite: ResNet-50, the SD UNet's 3x3 convs, Inception v3."""
+    return resnet50_layers() + unet_3x3_layers() + inception_v3_layers()
+
+
+QUICK_LABELS = ("RN50 stem 224 3->64 7x7 s2", "RN50 14x14 256->256 3x3", "RN50 7x7 2048->512 1x1",
+                "SD 8x8 1280->1280 3x3", "IncV3 73x73 80->192 3x3 p0", "IncV3 17x17 160->160 1x7")
+
+
+def quick_suite():
+    return [layer for layer in network_suite() if layer[0] in QUICK_LABELS]
 # datasheet peaks: dense bf16 TFLOPS and HBM TB/s (SXM parts)
 DEVICE_PEAKS = {"H100": (989.4, 3.35), "H200": (989.4, 4.8), "B200": (2250.0, 8.0)}
 ROUNDS = 3
@@ -100,11 +163,17 @@ def geometric_mean(values):
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-def run_network_suite(outdir, quick=False, tune=True, dtype=torch.bfloat16):
+def run_network_suite(outdir, quick=False, tune=True, dtype=torch.bfloat16, only=None, keep=None):
+    """Times every layer (or the quick suite's, or those whose labels start with one of `only`,
+    e.g. ("IncV3", "RN50 7x7")), writes network_suite.json and the plots. `keep`: an earlier run's
+    network_suite.json whose other records are kept, so a long suite can run in parts."""
     import conv_runtime
     conv_runtime.set_autotune(tune)
     records = []
-    for label, N, H, W, Ci, Co, R, S, stride, padding in (QUICK_SUITE if quick else NETWORK_SUITE):
+    layers = quick_suite() if quick else network_suite()
+    if only:
+        layers = [layer for layer in layers if layer[0].startswith(tuple(only))]
+    for label, N, H, W, Ci, Co, R, S, stride, padding in layers:
         x_nhwc = torch.randn(N, H, W, Ci, device="cuda", dtype=dtype)
         w = (torch.randn(Co, R, S, Ci, device="cuda", dtype=dtype) / math.sqrt(R * S * Ci)).to(dtype)
         geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
@@ -141,6 +210,12 @@ def run_network_suite(outdir, quick=False, tune=True, dtype=torch.bfloat16):
               f"host {host_us:4.0f} us   {config}{' (folded)' if fold else ''}")
         del x_nhwc, w
         torch.cuda.empty_cache()
+    if keep:
+        import json
+        ran = {r["layer"] for r in records}
+        kept = [r for r in json.loads(Path(keep).read_text())["records"] if r["layer"] not in ran]
+        order = {layer[0]: i for i, layer in enumerate(network_suite())}
+        records = sorted(records + kept, key=lambda r: order.get(r["layer"], len(order)))
     info = common.versions()
     data = {**info, "dtype": str(dtype), "configs": "autotuned" if tune else "heuristic",
             "geomean_ratio": geometric_mean([r["ratio"] for r in records]),
@@ -154,8 +229,8 @@ def summarize(data):
     records = data["records"]
     print(f"\nnetwork suite, {data['device']}, torch {data['torch']}, Triton {data['triton']}, "
           f"cuDNN {data['cudnn']}; configs: {data['configs']}")
-    for prefix, name in (("RN50", "ResNet-50 (batch 128)"), ("SD", "SD UNet 3x3 (batch 8)")):
-        ratios = [r["ratio"] for r in records if r["layer"].startswith(prefix)]
+    for prefix, name, _ in FAMILIES:
+        ratios = [r["ratio"] for r in records if r["layer"].startswith(prefix + " ")]
         if ratios:
             print(f"  {name}: geometric mean of ours/cuDNN {geometric_mean(ratios):.3f}x over "
                   f"{len(ratios)} layers, lowest {min(ratios):.2f}x")
@@ -174,7 +249,7 @@ def show_recorded_suite(outdir, quick=False):
     if recorded is None:
         return None
     data, info = recorded
-    quick_labels = {layer[0] for layer in QUICK_SUITE}
+    quick_labels = set(QUICK_LABELS)
     for r in data["records"]:
         if quick and r["layer"] not in quick_labels:
             continue
@@ -192,17 +267,19 @@ def plot_network_suite(data, outdir, recorded=None):
     versions = f"{data['device']}, torch {data['torch']}, Triton {data['triton']}, cuDNN {data['cudnn']}"
     records = sorted(data["records"], key=lambda r: r["ratio"])
     fig, ax = common.new_figure(figsize=(9, 0.22 * len(records) + 1.8))
-    colors = ["#2060c0" if r["layer"].startswith("RN50") else "#c06020" for r in records]
+    family_color = {prefix: color for prefix, _, color in FAMILIES}
+    colors = [family_color[r["layer"].split()[0]] for r in records]
     ax.barh(range(len(records)), [r["ratio"] for r in records], color=colors)
     ax.set_yticks(range(len(records)), [r["layer"] for r in records], fontsize=7)
     ax.axvline(1.0, color="black", lw=1)
     ax.axvline(data["geomean_ratio"], color="#2060c0", ls="--", lw=1,
                label=f"geometric mean {data['geomean_ratio']:.2f}x")
-    ax.plot([], [], color="#2060c0", lw=6, label="ResNet-50 layer (batch 128)")
-    ax.plot([], [], color="#c06020", lw=6, label="SD UNet 3x3 layer (batch 8)")
+    for prefix, name, color in FAMILIES:
+        if any(r["layer"].startswith(prefix + " ") for r in records):
+            ax.plot([], [], color=color, lw=6, label=f"{name} layer")
     ax.set_xlabel("ours / cuDNN throughput (same run; > 1: ours faster)")
     ax.set_ylabel("conv layer (input size, Ci->Co, filter, stride)")
-    ax.set_title(f"{mark}Lesson 05 against cuDNN on every layer of two networks, bf16\n{versions}", fontsize=9)
+    ax.set_title(f"{mark}Lesson 05 against cuDNN on every conv layer of three networks, bf16\n{versions}", fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(axis="x", alpha=0.3)
     common.save_figure(fig, outdir, "05_network_suite_ratio" + suffix)
@@ -403,3 +480,20 @@ def plot_ladder(rows, info, dtype, outdir, data, recorded=None):
                  if recorded else f"The ladder of the series on {headline['geometry']}\n{dtype}, {info['device']}",
                  fontsize=9)
     common.save_figure(fig, outdir, "05_ladder" + suffix)
+
+
+def main():
+    parser = argparse.ArgumentParser(description="The network suite, in parts: some layers now, the "
+                                                 "others' records kept from an earlier run's JSON.")
+    parser.add_argument("--only", nargs="+", metavar="PREFIX",
+                        help='the layers whose labels start with one of these ("IncV3", "RN50 7x7", ...)')
+    parser.add_argument("--keep", help="an earlier network_suite.json: its records of the other layers are kept")
+    parser.add_argument("--heuristic", action="store_true", help="the heuristic's configs instead of autotuning")
+    parser.add_argument("--outdir", default=None)
+    args = parser.parse_args()
+    common.require_tma_mma_gpu("the network suite")
+    run_network_suite(common.output_dir(args.outdir), tune=not args.heuristic, only=args.only, keep=args.keep)
+
+
+if __name__ == "__main__":
+    main()

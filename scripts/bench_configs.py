@@ -28,7 +28,7 @@ def main():
     args = parser.parse_args()
     KernelConfig = conv_runtime.KernelConfig
     configs = [KernelConfig(*map(int, text.split(","))) for text in args.config]
-    suite = {layer[0]: layer for layer in network_suite.NETWORK_SUITE + network_suite.LADDER_SHAPES}
+    suite = {layer[0]: layer for layer in network_suite.network_suite() + network_suite.LADDER_SHAPES}
     unknown = [label for label in args.layers if label not in suite]
     if unknown:
         raise SystemExit(f"unknown layers {unknown}; known: {sorted(suite)}")

@@ -126,7 +126,7 @@ def main():
     parser.add_argument("--config", help="ours: KernelConfig fields, e.g. 256,128,64,3,8 (default: tuned)")
     parser.add_argument("--seconds", type=float, default=3.0, help="length of each timed block")
     args = parser.parse_args()
-    suite = {layer[0]: layer for layer in network_suite.NETWORK_SUITE + network_suite.LADDER_SHAPES}
+    suite = {layer[0]: layer for layer in network_suite.network_suite() + network_suite.LADDER_SHAPES}
     unknown = [label for label in args.layers if label not in suite]
     if unknown:
         raise SystemExit(f"unknown layers {unknown}; known: {sorted(suite)}")

@@ -282,7 +282,7 @@ def _run_here(name, options_json):
     print("PROBE-JSON:" + json.dumps(check()))
 
 
-def run_probe(name, timeout=120, **options):
+def run_probe(name, timeout=60, **options):
     """Runs one probe on this GPU and returns its check's lines, in a fresh process with a time
     limit: a cluster whose barriers never complete hangs, and must not hang the caller."""
     try:

@@ -48,10 +48,12 @@ def parse_config(text):
 
 def read_timings(log_text):
     """[(label, geometry the kernel runs, {config: TFLOPS})] for every suite layer in the log."""
-    blocks = re.split(r"\n(?=(?:RN50|SD) [^\n]*autotuning:)", log_text)
+    blocks = re.split(r"\n(?=(?:RN50|SD|IncV3) [^\n]*autotuning:)", log_text)
     layers = []
-    for label, N, H, W, Ci, Co, R, S, stride, padding in network_suite.NETWORK_SUITE:
-        block = next(b for b in blocks if b.startswith(label + ":"))
+    for label, N, H, W, Ci, Co, R, S, stride, padding in network_suite.network_suite():
+        block = next((b for b in blocks if b.startswith(label + ":")), None)
+        if block is None:           # a log of part of the suite
+            continue
         timings = {}
         for line in block.splitlines()[1:]:
             match = re.match(r"\s+(.*? warps.*?)\s+([\d.]+) TFLOPS", line)
