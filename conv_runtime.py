@@ -96,6 +96,9 @@ def _candidates():
         C(block_m=128, block_n=128, block_k=32, num_buffers=8, num_warps=4, consumers=2),
         C(block_m=128, block_n=128, block_k=32, num_buffers=8, num_warps=4, block_n_tail=32),
         C(block_m=128, block_n=64, block_k=32, num_buffers=10, num_warps=4, block_n_tail=32),
+        # 192-wide tiles (Co = 192, 384, 576: none wasted), 8 warps for the 192 x 128 accumulator
+        C(block_m=128, block_n=128, block_k=32, num_buffers=6, num_warps=8, block_n_tail=64),
+        C(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=8, block_n_tail=64),
         # split-K, for layers with fewer tiles than SMs (lesson 05, section 7)
         C(block_m=128, block_n=128, block_k=64, num_buffers=6, num_warps=8, split_k=2),
         C(block_m=128, block_n=128, block_k=64, num_buffers=6, num_warps=8, split_k=3),

@@ -103,14 +103,15 @@ def weights_probe(a_desc, w_desc, out_desc, num_warps: gl.constexpr):
 @gluon.jit
 def pair_barrier_probe(out_ptr, num_warps: gl.constexpr):
     """`arrive(from_cta=0)` on a barrier of count 1 in each CTA, then both CTAs wait on their own
-    copy and write a 1 to out[rank]: the leader's arrive reaches both CTAs (a broadcast)."""
+    copy and write a 1 to out[rank]: a CTA that writes got the leader's arrive (one that did not
+    would wait forever, and the run would report a hang)."""
     bar = per_cta_barrier()
     cluster.barrier()
     mbarrier.arrive(bar, from_cta=0)
     mbarrier.wait(bar, 0)
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0], cga_layout=[[0]])
-    lanes = gl.arange(0, 32 * num_warps, layout)
-    gl.store(out_ptr + cluster_rank(lanes), gl.full_like(lanes, 1).to(gl.float32), mask=lanes == 0)
+    one_per_cta: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0], cga_layout=[[1]])
+    rank = gl.arange(0, 2, one_per_cta)          # CTA c holds element c: each CTA stores its own
+    gl.store(out_ptr + rank, gl.full_like(rank, 1).to(gl.float32))
 
 
 @gluon.jit

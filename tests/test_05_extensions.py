@@ -121,6 +121,8 @@ def test_blackwell_build_synchronizes_as_reviewed(config, tmem_columns):
 TAIL_CONFIGS = [KernelConfig(256, 128, 32, 5, 8, block_n_tail=32), KernelConfig(128, 128, 64, 5, 4, block_n_tail=32),
                 KernelConfig(128, 128, 64, 4, 4, consumers=2, block_n_tail=32),
                 KernelConfig(128, 64, 64, 6, 4, block_n_tail=32),
+                KernelConfig(128, 128, 32, 6, 8, block_n_tail=64),    # 192-wide tiles, 32-deep K blocks
+                KernelConfig(128, 128, 64, 4, 8, block_n_tail=64),
                 # row tails (Hopper): 192-row tiles
                 KernelConfig(128, 128, 64, 4, 4, block_m_tail=64), KernelConfig(128, 128, 64, 4, 8, block_m_tail=64),
                 KernelConfig(128, 128, 64, 3, 4, consumers=2, block_m_tail=64),
@@ -139,6 +141,8 @@ TAIL_CONFIGS = [KernelConfig(256, 128, 32, 5, 8, block_n_tail=32), KernelConfig(
     (3, 9, 13, 96, 130, 3, 3, 1, 1, torch.float16, True),         # M = 351: the last tile's tail rows all past M
     (2, 9, 7, 64, 64, 5, 3, (2, 1), (2, 1), torch.bfloat16, False),  # M = 70 < one main block; strides differ
     (5, 11, 13, 72, 200, 3, 3, 2, 1, torch.bfloat16, True),       # row boxes across image boundaries, stride 2
+    (4, 13, 11, 80, 192, 3, 3, 1, 0, torch.bfloat16, True),       # Ci = 80 (K blocks part zeros), Co = 192, unpadded
+    (2, 17, 17, 160, 192, 1, 7, 1, (0, 3), torch.float16, False),  # Inception's 1x7
 ])
 def test_tail_tiles(config, N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias):
     lesson05.run_conv(functools.partial(conv2d_fprop_launch, config=config), N, H, W, Ci, Co, R, S, stride,

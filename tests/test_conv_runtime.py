@@ -43,19 +43,21 @@ def test_every_blackwell_candidate_is_a_valid_config():
 
 
 def _shape_that_keeps(config):
-    """A small layer for which pruning keeps `config` (tails need a Co they save columns on)."""
-    for Co in (320, 96, 256, 128, 64):
-        geometry = common.conv_geometry((2, 16, 16, 256), (Co, 3, 3, 256), 1, 1)
-        if conv_runtime.prune_configs([config], geometry, "sm_90"):
-            return Co
+    """(Ci, Co) of a small layer for which pruning keeps `config` (tails need a Co they save columns
+    on, narrow K blocks a Ci they save zeros on)."""
+    for Ci in (256, 160):
+        for Co in (320, 96, 256, 192, 128, 64):
+            geometry = common.conv_geometry((2, 16, 16, Ci), (Co, 3, 3, Ci), 1, 1)
+            if conv_runtime.prune_configs([config], geometry, "sm_90"):
+                return Ci, Co
     raise AssertionError(f"{config} is pruned for every test shape")
 
 
 @pytest.mark.parametrize("config", conv_runtime.HOPPER_CANDIDATES, ids=str)
 def test_every_hopper_candidate_compiles_within_budget(config):
-    Co = _shape_that_keeps(config)
+    Ci, Co = _shape_that_keeps(config)
     compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
-                                          Ci=256, Co=Co, config=list(config),
+                                          Ci=Ci, Co=Co, config=list(config),
                                           epilogue=[True, True, True, "relu"])   # the fullest epilogue
     assert compiled["shared"] <= conv_runtime.SMEM_LIMIT_BYTES["sm_90"]
     assert config.programs_per_sm * (compiled["shared"] + 1024) <= conv_runtime.SMEM_PER_SM_BYTES
@@ -70,9 +72,9 @@ def test_register_model_of_the_residual_epilogue_matches_the_builds(config):
     """residual_fits_in_registers says which builds keep a residual tile beside their accumulators
     without spilling: checked against each candidate's build with the whole fused epilogue (the
     stack frame per thread, from cuobjdump: where a Triton kernel spills to)."""
-    Co = _shape_that_keeps(config)
+    Ci, Co = _shape_that_keeps(config)
     compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
-                                          Ci=256, Co=Co, config=list(config), epilogue=[True, True, True, "relu"])
+                                          Ci=Ci, Co=Co, config=list(config), epilogue=[True, True, True, "relu"])
     assert compiled["stack"] is not None
     assert conv_runtime.residual_fits_in_registers(config) == (compiled["stack"] == 0), compiled["stack"]
 
