@@ -1303,7 +1303,7 @@ if __name__ == "__main__" and on_gpu:
 # ping-pong consumers alone (section 4)           no faster than one consumer               candidate
 # split-K by serial fix-up in the kernel          481-501 vs 557 TFLOPS                     no
 # BLOCK_K = 32 with 6 stages                      672 vs 759 TFLOPS (headline)              no
-# BLOCK_K = 32 where Ci is not a multiple of 64   IncV3 17x17 160->160 7x1: 1.23x cuDNN     candidate
+# BLOCK_K = 32 where Ci is not a multiple of 64   IncV3 160->160 7x1: 350 vs 336 TFLOPS     candidate
 # BLOCK_K = 128                                   592 vs 693 TFLOPS (headline)              no
 # L2 prefetch (whole tile, or k-steps ahead)      5-30% slower                              no
 # tiled loads for 1x1 layers                      within noise                              no
