@@ -60,8 +60,8 @@ import torch
 import triton
 import triton.language as tl
 
-from conv_config import (SHARED_MEMORY_PER_PROGRAM, KernelConfig, check_config, ring_bytes, stores_by_row_blocks,
-                         tile_counts)
+from conv_config import (SHARED_MEMORY_PER_PROGRAM, KernelConfig, adapt_block_k, check_config, ring_bytes,
+                         stores_by_row_blocks, tile_counts)
 
 lesson05 = common.load_lesson("05-warp-specialized-conv")     # the kernel and its plain launcher
 
@@ -154,7 +154,7 @@ def wave_efficiency(units, num_sms):
 def k_share(config, geometry):
     """The share of each filter tap's K blocks that holds channels, not the zeros TMA fills in past
     Ci: Ci = 80 in 64-deep blocks is 80 / 128; in 32-deep ones 80 / 96."""
-    block_k = min(config.block_k, max(16, triton.next_power_of_2(geometry.Ci)))   # conv_config.adapt_block_k
+    block_k = adapt_block_k(config, geometry.Ci).block_k      # the K block the launch will use
     return geometry.Ci / (triton.cdiv(geometry.Ci, block_k) * block_k)
 
 

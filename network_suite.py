@@ -279,7 +279,9 @@ def plot_network_suite(data, outdir, recorded=None):
             ax.plot([], [], color=color, lw=6, label=f"{name} layer")
     ax.set_xlabel("ours / cuDNN throughput (same run; > 1: ours faster)")
     ax.set_ylabel("conv layer (input size, Ci->Co, filter, stride)")
-    ax.set_title(f"{mark}Lesson 05 against cuDNN on every conv layer of three networks, bf16\n{versions}", fontsize=9)
+    whole = {r["layer"] for r in records} >= {layer[0] for layer in network_suite()}
+    what = "every conv layer of three networks" if whole else f"{len(records)} layers of the network suite (a part)"
+    ax.set_title(f"{mark}Lesson 05 against cuDNN on {what}, bf16\n{versions}", fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(axis="x", alpha=0.3)
     common.save_figure(fig, outdir, "05_network_suite_ratio" + suffix)

@@ -26,16 +26,16 @@ What they compile to with Triton 3.9, and do on an H100 (`--run`):
 - weights: one `cp.async.bulk.tensor...multicast::cluster` with a CTA mask, issued by rank 0,
   each CTA waiting on its own barrier; both CTAs' products match torch.
 - im2col multicast: assembles, the offsets before the CTA mask as the PTX ISA wants (Triton 3.8
-  emitted the mask first and ptxas rejected the line: "Vector expected for argument 4"); run, see
-  RESULTS.md for what both CTAs computed.
+  emitted the mask first and ptxas rejected the line: "Vector expected for argument 4"); both CTAs'
+  products match torch, at the centre tap and at the corner tap.
 - pair barrier: `from_cta=0` is a broadcast: the leader alone arrives, on both CTAs' barriers.
   Gluon 3.9 has no arrive from the second CTA on the leader's barrier (3.8's barrier laid out over
   the pair had one, and is gone), and that is the signal a pipelined pair needs: the leader's loader
   may refill a shared stage only when both CTAs' consumers have released it.
 - im2col split: still the wrong pixels: Triton offsets the second CTA's box by 128 in its W
   coordinate, as it would a tiled box's rows; in im2col mode the pixels 128 places further along
-  the walk start elsewhere (the next image row, or the next image). A CTA's own pixels must come
-  from its own box.
+  the walk start elsewhere (the next image row, or the next image); run, the load faults. A CTA's
+  own pixels must come from its own box.
 """
 import contextlib
 import io
