@@ -1310,6 +1310,12 @@ if __name__ == "__main__" and on_gpu:
 # 2-CTA clusters (TMA multicast)                  im2col multicast runs in 3.9 (probe)      not built
 # ==============================================  ========================================  =========
 #
+# Clusters. A pair of CTAs sharing its pixels (or its weights) loads them once with TMA multicast:
+# on Triton 3.9 that load assembles and runs correctly (scripts/cluster_probe.py). What a pipelined
+# pair lacks is the way back: before the leader refills a shared stage, the second CTA's consumer
+# must arrive on the leader's barrier, and Gluon 3.9 on Hopper has only the leader's broadcast (the
+# both-ways arrive exists for Blackwell and later). So this kernel is not clustered.
+#
 # What no schedule reaches: much more on the headline shape. Both kernels hold the H100 at its
 # 700 W limit there, where the SM clock drops to ~1440 MHz and the dense bf16 peak to ~780 TFLOPS;
 # ours ran 88% of that, cuDNN 89% (scripts/clocks_under_load.py).

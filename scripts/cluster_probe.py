@@ -13,7 +13,7 @@ tile), and `multicast=True` on a load of a shared tile multicasts it. In Triton 
 one per CTA (`mbarrier.allocate_mbarrier()`), Triton itself fences its initialisation and syncs
 the cluster before the first multicast reaches it, and ends the kernel with a cluster barrier.
 
-Four probes, each a 2-CTA cluster:
+Five probes, each a 2-CTA cluster:
 - `weights`: each CTA loads its own 128 pixels of A (split) and the pair shares one 128 x 64
   weight tile (multicast), then one WGMMA per CTA: a pair of row tiles sharing B.
 - `im2col`: the pair shares one 128-pixel im2col box (multicast) and each CTA multiplies it by its
@@ -22,6 +22,8 @@ Four probes, each a 2-CTA cluster:
 - `pair_barrier`: `arrive(from_cta=0)` on a barrier in each CTA, both waiting: where an arrive
   can go across the pair.
 - `im2col_split`: each CTA loads its own half of a 256-pixel im2col box (split, no multicast).
+- `pair_arrive_both_ways`: every CTA arrives on both CTAs' barriers (`multicast_cta=1`, the
+  arrive Gluon 3.9 offers in its Rubin module), the signal a pipelined pair needs.
 What they compile to with Triton 3.9, and do on an H100 (`--run`):
 - weights: one `cp.async.bulk.tensor...multicast::cluster` with a CTA mask, issued by rank 0,
   each CTA waiting on its own barrier; both CTAs' products match torch.
@@ -55,6 +57,7 @@ from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     cluster, fence_async_shared, mbarrier, tma, warpgroup_mma)
+from triton.experimental.gluon.language.nvidia.rubin import mbarrier as rubin_mbarrier  # noqa: E402
 
 CTAS = gl.constexpr(2)
 SPLIT_ROWS = gl.constexpr([[1, 0]])   # cga_layout: CTA c holds rows [c * rows / 2, (c + 1) * rows / 2)
@@ -111,6 +114,19 @@ def pair_barrier_probe(out_ptr, num_warps: gl.constexpr):
     mbarrier.wait(bar, 0)
     one_per_cta: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0], cga_layout=[[1]])
     rank = gl.arange(0, 2, one_per_cta)          # CTA c holds element c: each CTA stores its own
+    gl.store(out_ptr + rank, gl.full_like(rank, 1).to(gl.float32))
+
+
+@gluon.jit
+def pair_arrive_both_ways_probe(out_ptr, num_warps: gl.constexpr):
+    """Each CTA arrives on its own barrier and on its partner's (`multicast_cta=1`), barriers of
+    count 2; both wait and write a 1 to out[rank]."""
+    bar = per_cta_barrier(count=2)
+    cluster.barrier()
+    rubin_mbarrier.arrive(bar, multicast_cta=1)
+    mbarrier.wait(bar, 0)
+    one_per_cta: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0], cga_layout=[[1]])
+    rank = gl.arange(0, 2, one_per_cta)
     gl.store(out_ptr + rank, gl.full_like(rank, 1).to(gl.float32))
 
 
@@ -229,6 +245,12 @@ def build_pair_barrier_probe(device="cpu"):
         lambda: [f"CTA {cta} saw the leader's arrive: {bool(out[cta] == 1)}" for cta in range(2)]
 
 
+def build_pair_arrive_both_ways_probe(device="cpu"):
+    out = torch.zeros(2, device=device)
+    return pair_arrive_both_ways_probe, (out,), dict(num_warps=4, num_ctas=CTAS.value), \
+        lambda: [f"CTA {cta} saw both arrives: {bool(out[cta] == 1)}" for cta in range(2)]
+
+
 def build_im2col_split_probe(device="cpu"):
     """(kernel, args, kwargs, check): a 256-pixel im2col box over the pair, 128 pixels per CTA."""
     x = torch.randn(2, 16, 16, 64, generator=torch.Generator().manual_seed(0)).to(device, torch.bfloat16)
@@ -311,7 +333,8 @@ def run_probes():
 
 
 PROBES = {"weights": build_weights_probe, "im2col": build_im2col_probe,
-          "pair_barrier": build_pair_barrier_probe, "im2col_split": build_im2col_split_probe}
+          "pair_barrier": build_pair_barrier_probe, "im2col_split": build_im2col_split_probe,
+          "pair_arrive_both_ways": build_pair_arrive_both_ways_probe}
 
 
 def main():
@@ -319,7 +342,8 @@ def main():
         return _compile_here(sys.argv[2])
     titles = (("weights", "weights (tiled) multicast"), ("im2col", "pixels (im2col) multicast"),
               ("pair_barrier", "arrive(from_cta=0): the leader's arrive on both CTAs' barriers"),
-              ("im2col_split", "each CTA its own half of an im2col box"))
+              ("im2col_split", "each CTA its own half of an im2col box"),
+              ("pair_arrive_both_ways", "every CTA's arrive on both CTAs' barriers (multicast_cta=1)"))
     if sys.argv[1:2] == ["--run-one"]:
         return _run_here(sys.argv[2], sys.argv[3])
     if sys.argv[1:2] == ["--run"]:

@@ -97,3 +97,14 @@ def test_weights_multicast_feeds_both_ctas_wgmma():
 @needs_hopper
 def test_the_leaders_arrive_reaches_both_ctas():
     assert cluster_probe.run_probe("pair_barrier") == [f"CTA {cta} saw the leader's arrive: True" for cta in (0, 1)]
+
+
+def test_no_arrive_from_the_second_cta_assembles_for_hopper():
+    """The arrive that would release a shared stage both ways (each CTA on both CTAs' barriers,
+    `multicast_cta=1`) is `mbarrier.arrive.multicast::cluster`, which ptxas takes only for
+    Blackwell and later. (When it assembles for sm_90a, a pipelined pair can be built: update
+    cluster_probe.py, RESULTS.md and lesson 05.)"""
+    outcome = _compile("pair_arrive_both_ways")
+    assert outcome["error"] is not None, "the both-ways arrive now assembles for sm_90a"
+    assert "mbarrier.arrive.multicast::cluster" in outcome["error"], outcome["error"][-2000:]
+    assert "not supported on .target 'sm_90a'" in outcome["error"], outcome["error"][-2000:]
