@@ -163,16 +163,23 @@ def geometric_mean(values):
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-def run_network_suite(outdir, quick=False, tune=True, dtype=torch.bfloat16, only=None, keep=None):
+def run_network_suite(outdir, quick=False, tune=True, dtype=torch.bfloat16, only=None, keep=None, resume=False):
     """Times every layer (or the quick suite's, or those whose labels start with one of `only`,
     e.g. ("IncV3", "RN50 7x7")), writes network_suite.json and the plots. `keep`: an earlier run's
-    network_suite.json whose other records are kept, so a long suite can run in parts."""
+    network_suite.json whose other records are kept, so a long suite can run in parts; with
+    `resume`, the layers recorded there are not run again. After each layer the records so far go
+    to network_suite.partial.json, which `keep` takes too."""
+    import json
     import conv_runtime
     conv_runtime.set_autotune(tune)
     records = []
     layers = quick_suite() if quick else network_suite()
     if only:
         layers = [layer for layer in layers if layer[0].startswith(tuple(only))]
+    if keep and resume:
+        recorded = {r["layer"] for r in json.loads(Path(keep).read_text())["records"]}
+        layers = [layer for layer in layers if layer[0] not in recorded]
+    partial = Path(outdir) / "network_suite.partial.json"
     for label, N, H, W, Ci, Co, R, S, stride, padding in layers:
         x_nhwc = torch.randn(N, H, W, Ci, device="cuda", dtype=dtype)
         w = (torch.randn(Co, R, S, Ci, device="cuda", dtype=dtype) / math.sqrt(R * S * Ci)).to(dtype)
@@ -208,10 +215,10 @@ def run_network_suite(outdir, quick=False, tune=True, dtype=torch.bfloat16, only
         print(f"  {label:<30} ours {ours_tflops:6.1f}  cuDNN {cudnn_tflops:6.1f} TFLOPS  "
               f"{records[-1]['ratio']:5.2f}x   kernels alone {records[-1]['graph_ratio']:5.2f}x   "
               f"host {host_us:4.0f} us   {config}{' (folded)' if fold else ''}")
+        partial.write_text(json.dumps({"records": records}, indent=1))
         del x_nhwc, w
         torch.cuda.empty_cache()
     if keep:
-        import json
         ran = {r["layer"] for r in records}
         kept = [r for r in json.loads(Path(keep).read_text())["records"] if r["layer"] not in ran]
         order = {layer[0]: i for i, layer in enumerate(network_suite())}
@@ -490,11 +497,13 @@ def main():
     parser.add_argument("--only", nargs="+", metavar="PREFIX",
                         help='the layers whose labels start with one of these ("IncV3", "RN50 7x7", ...)')
     parser.add_argument("--keep", help="an earlier network_suite.json: its records of the other layers are kept")
+    parser.add_argument("--resume", action="store_true", help="with --keep: only the layers it has no record of")
     parser.add_argument("--heuristic", action="store_true", help="the heuristic's configs instead of autotuning")
     parser.add_argument("--outdir", default=None)
     args = parser.parse_args()
     common.require_tma_mma_gpu("the network suite")
-    run_network_suite(common.output_dir(args.outdir), tune=not args.heuristic, only=args.only, keep=args.keep)
+    run_network_suite(common.output_dir(args.outdir), tune=not args.heuristic, only=args.only, keep=args.keep,
+                      resume=args.resume)
 
 
 if __name__ == "__main__":
