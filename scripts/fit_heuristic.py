@@ -13,7 +13,7 @@ Then, for each layer, it fits both without that layer, lets the heuristic pick, 
 picked config's TFLOPS over the layer's fastest: a heuristic that only remembered the suite
 would score 1.0 on every layer here and badly on new ones; this check sees only new ones.
 
-    python scripts/fit_heuristic.py results/h100-2026-11-22/network-suite.log
+    python scripts/fit_heuristic.py results/h100-2026-11-24-triton39/network-suite-part*.log
 """
 import argparse
 import math
@@ -89,22 +89,42 @@ def heuristic_pick(table, bandwidth, geometry):
     return conv_runtime.heuristic_config(geometry, "sm_90", NUM_SMS)
 
 
+def config_source(config):
+    """The KernelConfig as conv_runtime.py writes it: its fields that differ from the defaults."""
+    config = conv_runtime.KernelConfig(*config)
+    defaults = conv_runtime.KernelConfig._field_defaults
+    fields = [f"{name}={value}" for name, value in config._asdict().items()
+              if name not in defaults or defaults[name] != value]
+    return f"KernelConfig({', '.join(fields)})"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("log", type=Path, help="output of --bench --suite networks (autotuned)")
-    layers = read_timings(parser.parse_args().log.read_text())
+    parser.add_argument("logs", type=Path, nargs="+",
+                        help="output of --bench --suite networks (autotuned), or of network_suite.py in parts")
+    layers = read_timings("\n".join(log.read_text() for log in parser.parse_args().logs))
+    shipped = dict(conv_runtime.HOPPER_CONFIG_TFLOPS), conv_runtime.SPLIT_K_WORKSPACE_BYTES_PER_S
     table, bandwidth = fit(layers)
-    print("HOPPER_CONFIG_TFLOPS = {")
+    print("HOPPER_CONFIG_TFLOPS = {   # split_k left at 1: split-K's cost is modelled apart")
     for config, tflops in sorted(table.items(), key=lambda item: -item[1]):
-        print(f"    {config}: {tflops},")
+        print(f"    {config_source(config)}: {tflops},")
     print(f"}}\nSPLIT_K_WORKSPACE_BYTES_PER_S = {bandwidth:.3g}\n")
-    print("leave-one-out: the heuristic's pick, fitted without the layer, against its fastest config")
-    scores = []
+    print("leave-one-out: the heuristic's pick, fitted without the layer, against its fastest config;")
+    print("and the pick of the table conv_runtime.py holds now (not left out: it may have seen the layer)")
+    scores, before = [], []
     for i, (label, geometry, timings) in enumerate(layers):
         pick = heuristic_pick(*fit(layers[:i] + layers[i + 1:]), geometry)
         scores.append(timings[pick] / max(timings.values()))
-        print(f"  {label:<30} {str(pick):<48} {scores[-1]:.3f}")
+        old_pick = heuristic_pick(*shipped, geometry)
+        old = timings.get(old_pick)     # None: the old table picks a config the autotuner did not time
+        if old is not None:
+            before.append(old / max(timings.values()))
+        print(f"  {label:<30} {str(pick):<48} {scores[-1]:.3f}   now: "
+              + (f"{before[-1]:.3f}" if old is not None else f"{old_pick} (not timed)"))
     print(f"geometric mean {network_suite.geometric_mean(scores):.3f}, worst {min(scores):.3f}")
+    if before:
+        print(f"the table held now: geometric mean {network_suite.geometric_mean(before):.3f}, worst "
+              f"{min(before):.3f} over the {len(before)} layers whose pick was timed")
 
 
 if __name__ == "__main__":
