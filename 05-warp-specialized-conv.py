@@ -1284,8 +1284,8 @@ if __name__ == "__main__" and on_gpu:
 # %%
 # What paid, and what did not
 # ---------------------------
-# Measured on an H100 with the network suite (every conv of ResNet-50 at batch 128 and the 3x3
-# convs of the SD UNet at batch 8, ours and cuDNN in alternating rounds of one run). RESULTS.md
+# Measured on an H100 with the network suite (every conv of ResNet-50 and Inception v3 at batch
+# 128 and the 3x3 convs of the SD UNet at batch 8, ours and cuDNN in alternating rounds of one run). RESULTS.md
 # has each row's details and logs, so you need not try them first.
 #
 #
@@ -1303,7 +1303,8 @@ if __name__ == "__main__" and on_gpu:
 # ping-pong consumers alone (section 4)           no faster than one consumer               candidate
 # split-K by serial fix-up in the kernel          481-501 vs 557 TFLOPS                     no
 # BLOCK_K = 32 with 6 stages                      672 vs 759 TFLOPS (headline)              no
-# BLOCK_K = 32 where Ci is not a multiple of 64   IncV3 160->160 7x1: 350 vs 336 TFLOPS     candidate
+# BLOCK_K = 32 where Ci is not a multiple of 64   IncV3 160->160 7x1: 350 vs 336 TFLOPS     yes
+# 192-wide tiles (128 + a 64-column tail)         IncV3 73x73 80->192: 249 -> 339 TFLOPS    yes
 # BLOCK_K = 128                                   592 vs 693 TFLOPS (headline)              no
 # L2 prefetch (whole tile, or k-steps ahead)      5-30% slower                              no
 # tiled loads for 1x1 layers                      within noise                              no
@@ -1325,12 +1326,13 @@ if __name__ == "__main__" and on_gpu:
 # `--bench` measures, per shape, lesson 02's implicit GEMM, lesson 04, this lesson (autotuned,
 # through the runtime) and cuDNN, all in bf16, timed by common.bench_tflops (do_bench: median, L2
 # flushed, launch overhead included), this lesson and cuDNN in alternating rounds; `--bench
-# --suite networks` every layer of ResNet-50 and the SD UNet. Both live in network_suite.py.
+# --suite networks` every layer of ResNet-50, the SD UNet and Inception v3 (or, in parts,
+# `python network_suite.py --only ...`). Both live in network_suite.py.
 
 
 # %%
 if __name__ == "__main__":
-    import network_suite   # the benchmarks: the ladder of shapes, every layer of two networks
+    import network_suite   # the benchmarks: the ladder of shapes, every layer of three networks
     if on_gpu and args.bench and args.suite == "networks":
         network_suite.run_network_suite(outdir, quick=args.quick, tune=not args.heuristic)
     elif on_gpu and args.bench:
