@@ -83,7 +83,8 @@ if __name__ == "__main__":
 #
 # 6. tiles that are not a power of two wide or tall (a main MMA and a tail MMA);
 # 7. split-K, for layers with fewer tiles than SMs;
-# 8. the small-Ci fold, for a network's RGB stem.
+# 8. the small-Ci fold, for a network's RGB stem;
+# 9. fp8 operands, at twice the tensor-core rate.
 #
 # The kernel's state travels in a few aggregates (`@gluon.aggregate` classes, Gluon's structs:
 # named fields, jit methods, passed by value), so each partition takes the ring, the tile schedule and what it
@@ -335,9 +336,9 @@ def hopper_mma_epilogue_partition(ring, schedule, output, turn, CONSUMER: gl.con
             # (A fresh barrier counts as phase 1 complete: consumer 0's first wait returns at once.)
             mbarrier.wait(turn.index(CONSUMER), (local_tile & 1) ^ (1 - CONSUMER))
         # acc = zeros(BLOCK_M, BLOCK_N) (+ the tail's)
-        mma = common.HopperWGMMA.initialize(output.out_desc.dtype, BLOCK_M, BLOCK_N, gl.num_warps())
+        mma = common.HopperWGMMA.initialize(ring.a_bufs.dtype, BLOCK_M, BLOCK_N, gl.num_warps())
         if HAS_TAIL:
-            mma_tail = common.HopperWGMMA.initialize(output.out_desc.dtype, TAIL_M, TAIL_N, gl.num_warps())
+            mma_tail = common.HopperWGMMA.initialize(ring.a_bufs.dtype, TAIL_M, TAIL_N, gl.num_warps())
         for k in range(work.k_begin, work.k_end):
             slot = state.slot()
             mbarrier.wait(ring.ready.index(slot), state.phase())
@@ -631,14 +632,15 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
     # one epilogue staging tile per consumer (section 6: and one for the tail's box; storing by row
     # blocks, the tail's box of half the main rows is the only one)
     if not STORE_BY_ROW_BLOCKS:
-        c_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + out_desc.block_type.shape, out_desc.layout)
+        c_smem = gl.allocate_shared_memory(out_desc.dtype, [NUM_CONSUMERS] + out_desc.block_type.shape,
+                                           out_desc.layout)
     if BLOCK_N_TAIL > 0:
         b_tail_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + w_tail_desc.block_type.shape,
                                                 w_tail_desc.layout)
     elif BLOCK_M_TAIL > 0:
         a_tail_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + in_desc.block_type.shape, in_desc.layout)
     if BLOCK_N_TAIL > 0 or BLOCK_M_TAIL > 0 or STORE_BY_ROW_BLOCKS:
-        c_tail_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + out_tail_desc.block_type.shape,
+        c_tail_smem = gl.allocate_shared_memory(out_desc.dtype, [NUM_CONSUMERS] + out_tail_desc.block_type.shape,
                                                 out_tail_desc.layout)
     else:   # no tail: the main buffers stand in
         c_tail_smem = c_smem
@@ -753,30 +755,34 @@ def kernel_constexprs(config, arch, epilogue=Epilogue()):
                 num_warps=config.num_warps, **({"maxnreg": 128} if config.programs_per_sm > 1 else {}))
 
 
-def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None, residual=None):
+def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None, residual=None, out_dtype=None):
     # A ConvLaunch for these tensors (CPU tensors work too: the ahead-of-time compile uses them).
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     config = KernelConfig(*config)
     check_config(config, arch)
     x_nhwc, w, Ci_padded = common.pad_channels_for_tma(x_nhwc, w)
-    config = adapt_block_k(config, Ci_padded)
+    # a config's BLOCK_K counts 2-byte channels: 128 bytes of K, so fp8 takes 128 channels (section 9)
+    config = adapt_block_k(config._replace(block_k=config.block_k * 2 // x_nhwc.element_size()), Ci_padded)
+    config = config._replace(block_k=max(config.block_k, 32 // x_nhwc.element_size()))  # an MMA's K: 32 bytes
     BLOCK_M, BLOCK_N, BLOCK_K = config[:3]
     g = geometry
     settings = common.conv_im2col_settings(
         common.conv_geometry(x_nhwc.shape, w.shape, g.stride, g.padding, g.dilation))
-    lanes = 16 // x_nhwc.element_size()
-    out_2d = torch.empty(g.M, -(-g.Co // lanes) * lanes, device=x_nhwc.device, dtype=x_nhwc.dtype)
+    out_dtype = out_dtype or x_nhwc.dtype
+    lanes = 16 // out_dtype.itemsize
+    out_2d = torch.empty(g.M, -(-g.Co // lanes) * lanes, device=x_nhwc.device, dtype=out_dtype)
     # section 6: a row tail loads the pixels in boxes of the tail's height (two for the main rows)
     in_desc, w_desc, out_desc = common.conv_tma_descriptors(x_nhwc, w, out_2d, settings, BLOCK_M, BLOCK_N,
                                                             BLOCK_K, pixel_box=config.block_m_tail or BLOCK_M)
     w_tail_desc = out_tail_desc = None    # a constexpr None: nothing for the launcher to encode
     if config.block_n_tail:               # section 6: the column tail's weights and output
-        w_layout, out_layout = common.conv_tma_layouts(x_nhwc.dtype, BLOCK_M, config.block_n_tail, BLOCK_K)[1:]
+        w_layout = common.conv_tma_layouts(x_nhwc.dtype, BLOCK_M, config.block_n_tail, BLOCK_K)[1]
+        out_layout = common.conv_tma_layouts(out_dtype, BLOCK_M, config.block_n_tail, BLOCK_K)[2]
         w_tail_desc = TensorDescriptor.from_tensor(w.view(g.Co, -1), [config.block_n_tail, BLOCK_K], w_layout)
         out_tail_desc = TensorDescriptor.from_tensor(out_2d, [BLOCK_M, config.block_n_tail], out_layout)
     if config.block_m_tail or stores_by_row_blocks(config):   # section 6: a box of the tail's rows
         rows = config.block_m_tail or BLOCK_M // 2
-        out_layout = common.conv_tma_layouts(x_nhwc.dtype, rows, BLOCK_N, BLOCK_K)[2]
+        out_layout = common.conv_tma_layouts(out_dtype, rows, BLOCK_N, BLOCK_K)[2]
         out_tail_desc = TensorDescriptor.from_tensor(out_2d, [rows, BLOCK_N], out_layout)
     num_pid_m, num_pid_n = triton.cdiv(g.M, config.tile_m), triton.cdiv(g.Co, config.tile_n)
     channel_blocks = triton.cdiv(Ci_padded, BLOCK_K)
@@ -805,8 +811,13 @@ def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, c
     or "silu"."""
     geometry = common.check_conv_call(x_nhwc, w, bias, stride, padding, dilation, dtypes=CONV_DTYPES,
                                       scale=scale, residual=residual, activation=activation)
+    return launch_checked(x_nhwc, w, bias, geometry, config, scale, residual, activation, x_nhwc.dtype)
+
+
+def launch_checked(x_nhwc, w, bias, geometry, config, scale, residual, activation, out_dtype):
+    # Build and run the launch of a checked call, and split-K's second kernel if the config splits.
     arch, num_sms = common.tma_mma_arch_and_sms("conv2d_fprop_launch")
-    launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale, residual)
+    launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale, residual, out_dtype)
     epilogue = Epilogue(bias is not None, scale is not None, residual is not None, activation)
     conv2d_fprop_kernel[launch.grid](*launch.args, **kernel_constexprs(KernelConfig(*config), arch, epilogue))
     if launch.partial is not None:
@@ -1191,6 +1202,93 @@ def test_split_k_epilogue_kernel_against_torch(split_k, epilogue):
 # pixel's row of S taps into its channels, and the same kernel then runs 7 k-steps of 24 real
 # channels. Measured on an H100: ResNet-50's stem went from 0.62x cuDNN to 1.75x.
 
+
+# %%
+# 9. fp8: the same kernel at twice the tensor-core rate
+# -----------------------------------------------------
+# Hopper's WGMMA multiplies e4m3 (fp8: 4 exponent bits, 3 mantissa bits, largest value 448) at
+# twice bf16's rate, and Blackwell's tcgen05 does the same (`kind::f8f6f4`). Lines it adds to the
+# kernel: none. What changes is around it:
+#
+# - BLOCK_K counts bytes. A stage holds 128 bytes of K per row either way (the 128-byte swizzle
+#   TMA and the tensor cores share), so a config's BLOCK_K of 64 bf16 channels is 128 e4m3 ones
+#   (`prepare_launch`), and the stage's bytes, the ring and the shared memory are the same.
+# - The instruction's K is 32 bytes too: m64nNk32 for e4m3 against k16 for bf16
+#   (`common.wgmma_accumulator_layout` reads it off the operand type), so a k-step issues as many
+#   MMAs as before, each doing twice the work.
+# - Both operands K-major. fp8 WGMMA takes no transposed operand from shared memory; ours are
+#   K-major already (pixels x channels, and filters x channels read as B^T).
+# - The scales. fp8 needs them to use its range: x ~ x_q * x_scale (one per tensor, as the
+#   activations arrive) and w[co] ~ w_q[co] * w_scale[co] (one per output channel). The sum over K
+#   of x_q * w_q comes out of the MMA in fp32, and multiplying it by x_scale * w_scale[co] is the
+#   dequantization: the fused epilogue's per-channel scale (section 5) does it at no cost, with a
+#   folded BatchNorm's scale in the same vector.
+# - The output: bf16, or e4m3 again with an output scale, so that activations stay in fp8 from one
+#   conv to the next. Dividing by out_scale folds into the same scale and bias for ReLU
+#   (relu(z) / s = relu(z / s)), not for SiLU, which is refused; a residual added in e4m3 must be at
+#   the output's scale. The cast to e4m3 saturates at 448.
+
+
+def conv2d_fprop_fp8_launch(x_q, x_scale, w_q, w_scale, bias=None, stride=1, padding=0, dilation=1,
+                            config=FIXED_CONFIG, scale=None, residual=None, activation="none",
+                            out_dtype=torch.bfloat16, out_scale=None):
+    """The kernel on e4m3 operands (common.quantize_fp8 makes them): x_q [N, H, W, Ci] with x_scale
+    (fp32, shape ()), w_q [Co, R, S, Ci] with w_scale (fp32, [Co]). Returns act(conv(x, w) * scale +
+    bias + residual) in out_dtype: bf16, or e4m3 divided by out_scale (fp32, shape ())."""
+    if KernelConfig(*config).tile_n > config[1] or KernelConfig(*config).tile_m > config[0]:
+        raise ValueError(f"config {KernelConfig(*config)}: the fp8 kernel has no tail tiles (section 6) yet")
+    geometry = common.check_fp8_call(x_q, x_scale, w_q, w_scale, bias, stride, padding, dilation, scale=scale,
+                                     residual=residual, activation=activation, out_dtype=out_dtype,
+                                     out_scale=out_scale)
+    # the epilogue's per-channel scale and shift: dequantize, the layer's own scale, and / out_scale for e4m3
+    scale = (x_scale * w_scale * (scale.float() if scale is not None else 1.0)).contiguous()
+    if out_scale is not None:
+        scale, bias = scale / out_scale, (bias.float() / out_scale if bias is not None else None)
+    return launch_checked(x_q, w_q, bias, geometry, config, scale, residual, activation, out_dtype)
+
+
+# On a CPU the fp8 build shows the e4m3 instructions (`python 05-warp-specialized-conv.py --show-ptx`).
+# The counts per k-step are the bf16 build's: 128 e4m3 channels are 128 bytes, k32 per MMA.
+TAUGHT_PTX_FP8 = {
+    "sm_90": [("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3",
+               "e4m3 x e4m3 into fp32, K = 32 per instruction: 2 row blocks x 4 = 8 per k-step of 128 channels."),
+              ("cvt.rn.bf16x2.f32", "The epilogue's cast of the dequantized tile to bf16, two values at a time.")],
+    "sm_100": [("tcgen05.mma.cta_group::1.kind::f8f6f4", "One thread issues 128 x 128 x 32 in e4m3: 4 per k-step."),
+               ("cvt.rn.bf16x2.f32", "The cast to bf16, as on sm_90.")],
+}
+
+
+def aot_conv2d_fprop_fp8(arch):
+    # (kernel, args, kwargs) of the fp8 build on CPU tensors: e4m3 in, the dequantizing scale, bf16 out.
+    x_q = torch.zeros(2, 16, 16, 128, dtype=common.FP8)
+    w_q = torch.zeros(128, 3, 3, 128, dtype=common.FP8)
+    geometry = common.conv_geometry(x_q.shape, w_q.shape, 1, 1)
+    launch = prepare_launch(x_q, w_q, None, geometry, FIXED_CONFIG, arch, 132, torch.ones(128), None, torch.bfloat16)
+    return conv2d_fprop_kernel, launch.args, kernel_constexprs(FIXED_CONFIG, arch, Epilogue(scale=True))
+
+
+@pytest.mark.parametrize("arch", list(TAUGHT_PTX_FP8))
+def test_fp8_kernel_compiles_to_e4m3_mmas(arch):
+    common.assert_ptx_teaches("05-warp-specialized-conv", "aot_conv2d_fprop_fp8", arch, TAUGHT_PTX_FP8)
+
+
+def run_fp8_demo():
+    # On a GPU: a ResNet-50 3x3 layer in e4m3 against torch on the dequantized operands (network_suite.py --fp8
+    # times it); on a CPU: what the fp8 build compiles to.
+    if not on_gpu:
+        return common.show_ptx("05-warp-specialized-conv", "aot_conv2d_fprop_fp8", TAUGHT_PTX_FP8,
+                               lambda arch, compiled: "conv2d_fprop_kernel on e4m3 operands, bf16 output")
+    x, w = common.random_conv_inputs(128, 14, 14, 256, 256, 3, 3, torch.bfloat16)
+    (x_q, x_scale), (w_q, w_scale) = common.quantize_fp8(x), common.quantize_fp8(w, channel_dim=0)
+    out = conv2d_fprop_fp8_launch(x_q, x_scale, w_q, w_scale, padding=1)
+    exact = common.reference_conv2d_nhwc(x_q.float() * x_scale, w_q.float() * w_scale.view(-1, 1, 1, 1), padding=1)
+    print(f"\nfp8 on 128 x 14x14 256->256 3x3: relative error {(out.float() - exact).norm() / exact.norm():.1e} "
+          "against torch on the dequantized operands")
+
+
+# %%
+if __name__ == "__main__":
+    run_fp8_demo()
 
 # %%
 # Part III: around the kernel

@@ -405,6 +405,67 @@ def check_epilogue(Co, out_shape, dtype, device, scale=None, residual=None, acti
             raise ValueError(f"residual is on {residual.device}, the input on {device}")
 
 
+# %% fp8 (e4m3) operands: scales and their checks (lesson 05, section 9; conv_torch's operator) ---------
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0                                  # e4m3's largest finite value
+FP8_OUT_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+
+
+def quantize_fp8(t, channel_dim=None):
+    """(q, scale) with t ~ q.float() * scale: q in e4m3, scale fp32, one per tensor (shape ()) or one
+    per index of `channel_dim` (e.g. 0 for a weight's output channels), amax mapped to 448."""
+    dims = [d for d in range(t.dim()) if d != channel_dim]
+    amax = t.detach().abs().float().amax(dim=dims) if channel_dim is not None else t.detach().abs().float().amax()
+    scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    shape = [-1 if d == channel_dim else 1 for d in range(t.dim())]
+    return (t.float() / scale.view(shape)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def _check_fp8_scale(name, value, shape, device):
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be an fp32 torch.Tensor of shape {shape}, got {type(value).__name__}")
+    if value.dtype != torch.float32 or tuple(value.shape) != shape or not value.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous fp32 tensor of shape {shape}, got {value.dtype} "
+                         f"{tuple(value.shape)}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device}, the input on {device}")
+
+
+def check_fp8_call(x_q, x_scale, w_q, w_scale, bias, stride, padding, dilation, *, scale=None, residual=None,
+                   activation="none", out_dtype=torch.bfloat16, out_scale=None) -> ConvGeometry:
+    """Validate an fp8 conv: x_q and w_q in e4m3, x_scale one fp32 value (shape ()), w_scale one per
+    output channel, the output in bf16, or in e4m3 with its own out_scale; then the epilogue, whose
+    residual comes in the output's dtype (and, in e4m3, at the output's scale). Returns the geometry."""
+    for name, value in (("x_q", x_q), ("w_q", w_q)):
+        if isinstance(value, torch.Tensor) and value.dtype != FP8:
+            raise TypeError(f"{name} has dtype {value.dtype}; the fp8 conv takes torch.float8_e4m3fn "
+                            f"(common.quantize_fp8 makes it, with its scale)")
+    geometry = check_conv_inputs(x_q, w_q, stride, padding, dilation, dtypes=(FP8,), bias=bias)
+    _check_fp8_scale("x_scale", x_scale, (), x_q.device)
+    _check_fp8_scale("w_scale", w_scale, (geometry.Co,), x_q.device)
+    if out_dtype not in FP8_OUT_DTYPES:
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float8_e4m3fn, got {out_dtype}")
+    if out_dtype == FP8:
+        if out_scale is None:
+            raise ValueError("out_dtype=torch.float8_e4m3fn needs out_scale (the output's fp32 scale, shape ())")
+        _check_fp8_scale("out_scale", out_scale, (), x_q.device)
+        if activation == "silu":
+            raise ValueError("activation 'silu' with an e4m3 output is not supported: the output scale is folded "
+                             "into the epilogue's scale and bias, which holds for ReLU (relu(x)/s = relu(x/s)) "
+                             "but not for SiLU; use out_dtype=torch.bfloat16")
+    elif out_scale is not None:
+        raise ValueError("out_scale is only for out_dtype=torch.float8_e4m3fn")
+    if residual is not None and isinstance(residual, torch.Tensor) and residual.dtype != out_dtype:
+        raise ValueError(f"residual must come in the output's dtype {out_dtype} (in e4m3, at the output's scale), "
+                         f"got {residual.dtype}")
+    check_epilogue(geometry.Co, geometry.output_shape_nhwc, out_dtype, x_q.device, scale, residual, activation)
+    if residual is not None and not residual.is_contiguous():
+        raise ValueError(f"residual must be a contiguous NHWC tensor, got strides {residual.stride()}")
+    check_on_cuda(x_q)
+    return geometry
+
+
 def reference_epilogue(conv_out, bias=None, scale=None, residual=None, activation="none", channel_dim=-1):
     """act(conv_out * scale + bias + residual) in torch, per output channel (the last dimension of
     NHWC, or `channel_dim=1` for NCHW), in conv_out's dtype."""
@@ -1164,7 +1225,8 @@ def select_mma_impl(capability):
                      f"10.x (data-centre Blackwell, tcgen05)")
 
 
-GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
+GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32,
+             torch.float8_e4m3fn: gl.float8e4nv}
 
 
 def conv_tma_layouts(dtype, BLOCK_M, BLOCK_N, BLOCK_K):
@@ -1188,6 +1250,8 @@ def conv_tma_descriptors(x_nhwc, w, out_2d, settings: ConvIm2ColSettings, BLOCK_
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
     Co = w.shape[0]
     a_layout, b_layout, c_layout = layouts or conv_tma_layouts(x_nhwc.dtype, BLOCK_M, BLOCK_N, BLOCK_K)
+    if out_2d.dtype != x_nhwc.dtype:      # fp8 operands, a bf16 output (lesson 05)
+        c_layout = conv_tma_layouts(out_2d.dtype, BLOCK_M, BLOCK_N, BLOCK_K)[2]
     pixel_box = pixel_box or BLOCK_M
     if pixel_box != BLOCK_M:
         a_layout = conv_tma_layouts(x_nhwc.dtype, pixel_box, BLOCK_N, BLOCK_K)[0]

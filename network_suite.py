@@ -494,6 +494,58 @@ def plot_ladder(rows, info, dtype, outdir, data, recorded=None):
     common.save_figure(fig, outdir, "05_ladder" + suffix)
 
 
+# fp8 (lesson 05, section 9): each layer in e4m3 against our bf16 and cuDNN's bf16 -----------------------
+
+FP8_CANDIDATES = [KernelConfig(256, 128, 64, 3, 8), KernelConfig(128, 256, 64, 3, 8),
+                  KernelConfig(128, 128, 64, 6, 8), KernelConfig(128, 128, 64, 4, 4), KernelConfig(256, 64, 64, 4, 8)]
+
+
+def run_fp8_suite(outdir, only=None):
+    """Every suite layer (or those whose labels start with one of `only`) in e4m3 (x per tensor, w
+    per output channel, bf16 out) and in bf16, each with the fastest of the same FP8_CANDIDATES,
+    and cuDNN in bf16: kernels alone (CUDA-graph replay), and each output's largest error against
+    torch's fp32 conv of the unquantized operands, relative to the output's largest magnitude.
+    Writes fp8.json (its "layers") and prints the geometric means."""
+    import conv_runtime
+    lesson05 = conv_runtime.lesson05
+    arch = "sm_90" if common.is_hopper() else "sm_100"
+    candidates = [c for c in FP8_CANDIDATES if arch == "sm_90" or c.block_m == 128]
+    layers = [layer for layer in network_suite() if not only or layer[0].startswith(tuple(only))]
+    records = []
+    for label, N, H, W, Ci, Co, R, S, stride, padding in layers:
+        x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16, device_name="cuda")
+        (x_q, x_scale), (w_q, w_scale) = common.quantize_fp8(x), common.quantize_fp8(w, channel_dim=0)
+        flops = common.conv_geometry(x.shape, w.shape, stride, padding).flops
+        runs = {"fp8": lambda c: lambda: lesson05.conv2d_fprop_fp8_launch(x_q, x_scale, w_q, w_scale, None, stride,
+                                                                          padding, config=c),
+                "bf16": lambda c: lambda: lesson05.conv2d_fprop_launch(x, w, None, stride, padding, config=c)}
+        best = {}
+        for name, make in runs.items():
+            timed = [(common.bench_tflops(make(c), flops, cuda_graph=True)["tflops"], c) for c in candidates]
+            best[name] = max(timed, key=lambda t: t[0])
+        cudnn = common.bench_tflops(common.cudnn_conv2d(x, w, None, stride, padding), flops, cuda_graph=True)["tflops"]
+        exact = common.reference_conv2d_nhwc(x.float(), w.float(), None, stride, padding)
+        error = {name: ((make(best[name][1])().float() - exact).abs().max() / exact.abs().max()).item()
+                 for name, make in runs.items()}
+        records.append({"layer": label, "fp8_tflops": best["fp8"][0], "bf16_tflops": best["bf16"][0],
+                        "cudnn_bf16_tflops": cudnn, "max_rel_err": error["fp8"], "bf16_max_rel_err": error["bf16"],
+                        "fp8_config": str(best["fp8"][1]), "bf16_config": str(best["bf16"][1])})
+        r = records[-1]
+        print(f"  {label:<30} fp8 {r['fp8_tflops']:6.1f}  bf16 {r['bf16_tflops']:6.1f}  cuDNN bf16 {cudnn:6.1f} TFLOPS"
+              f"  fp8/bf16 {r['fp8_tflops'] / r['bf16_tflops']:4.2f}x  fp8/cuDNN {r['fp8_tflops'] / cudnn:4.2f}x"
+              f"  error fp8 {r['max_rel_err']:.1e} bf16 {r['bf16_max_rel_err']:.1e}", flush=True)
+        del x, w, x_q, w_q
+        torch.cuda.empty_cache()
+    info = common.versions()
+    data = {**info, "timing": "kernels alone (CUDA-graph replay), each precision the fastest of the same "
+                              "candidate configs", "layers": records}
+    print(f"\nfp8 over {len(records)} layers, {info['device']}: fp8 / our bf16 geometric mean "
+          f"{geometric_mean([r['fp8_tflops'] / r['bf16_tflops'] for r in records]):.3f}x, fp8 / cuDNN bf16 "
+          f"{geometric_mean([r['fp8_tflops'] / r['cudnn_bf16_tflops'] for r in records]):.3f}x")
+    common.save_json(outdir, "fp8", data)
+    return data
+
+
 def main():
     parser = argparse.ArgumentParser(description="The network suite, in parts: some layers now, the "
                                                  "others' records kept from an earlier run's JSON.")
@@ -503,8 +555,11 @@ def main():
     parser.add_argument("--resume", action="store_true", help="with --keep: only the layers it has no record of")
     parser.add_argument("--heuristic", action="store_true", help="the heuristic's configs instead of autotuning")
     parser.add_argument("--outdir", default=None)
+    parser.add_argument("--fp8", action="store_true", help="each layer in e4m3 against bf16 (ours and cuDNN's)")
     args = parser.parse_args()
     common.require_tma_mma_gpu("the network suite")
+    if args.fp8:
+        return run_fp8_suite(common.output_dir(args.outdir), only=args.only)
     run_network_suite(common.output_dir(args.outdir), tune=not args.heuristic, only=args.only, keep=args.keep,
                       resume=args.resume)
 

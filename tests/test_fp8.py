@@ -1,0 +1,158 @@
+"""Lesson 05, section 9: the kernel on e4m3 (fp8) operands, against torch's fp32 conv of the very
+values the kernel multiplies (the dequantized operands), on the GPU; its argument checks on any
+machine.
+
+The tolerance, derived from the formats (not fitted to the results):
+- the products of two e4m3 values are exact in fp32, but Hopper's fp8 WGMMA adds them into its
+  fp32 accumulator keeping only about 13 of its mantissa bits: each instruction's sum may be off
+  by 2^-13 of the accumulator's magnitude, which the sum of the products' magnitudes bounds
+  (sum |x| |w|, computed as conv(|x|, |w|)); 2^-12 of it, for the chain of instructions;
+- the output then rounds to bf16 (half an ulp: up to 2^-8 relative) or to e4m3 (2^-4, and
+  values below e4m3's smallest normal, 2^-6 x out_scale, to a multiple of its smallest subnormal,
+  2^-9 x out_scale).
+"""
+import random
+
+import common  # first: on a machine without a GPU it turns on the Triton interpreter
+
+import pytest
+import torch
+
+lesson05 = common.load_lesson("05-warp-specialized-conv")
+from conv_config import FIXED_CONFIG, KernelConfig  # noqa: E402
+
+needs_gpu = lesson05.needs_gpu
+FP8 = common.FP8
+ACCUMULATION = 2.0 ** -12
+ROUNDING = {torch.bfloat16: 2.0 ** -8, FP8: 2.0 ** -4}
+
+
+def quantized_layer(N, H, W, Ci, Co, R, S, seed=0, device="cuda"):
+    x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.float32, device_name=device, seed=seed)
+    (x_q, x_scale), (w_q, w_scale) = common.quantize_fp8(x), common.quantize_fp8(w, channel_dim=0)
+    return x_q, x_scale, w_q, w_scale
+
+
+def check_fp8_conv(x_q, x_scale, w_q, w_scale, stride, padding, config=FIXED_CONFIG, bias=False, scale=False,
+                   residual=False, activation="none", out_dtype=torch.bfloat16, seed=0):
+    """The fp8 conv with the asked epilogue against torch in fp32 on the dequantized operands."""
+    g = common.conv_geometry(x_q.shape, w_q.shape, stride, padding)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    def vector(): return (torch.rand(g.Co, generator=generator) + 0.5).cuda()           # noqa: E704
+    bias_t, scale_t = (vector() if bias else None), (vector() if scale else None)
+    x, w = x_q.float() * x_scale, w_q.float() * w_scale.view(-1, 1, 1, 1)
+    conv = common.reference_conv2d_nhwc(x, w, None, stride, padding)
+    magnitude = common.reference_conv2d_nhwc(x.abs(), w.abs(), None, stride, padding)   # sum |x| |w|
+    if scale_t is not None:
+        conv, magnitude = conv * scale_t, magnitude * scale_t
+    out_scale = residual_t = None
+    residual_real = torch.randn(g.output_shape_nhwc, generator=generator).cuda() if residual else None
+    if out_dtype == FP8:   # the output's scale as calibration would pick it: its amax (and an eighth more) at 448
+        amax = common.reference_epilogue(conv, bias_t, None, residual_real, activation).abs().amax()
+        out_scale = (amax * 1.125 / 448).reshape(()).float().contiguous()
+    if residual and out_dtype == FP8:      # in e4m3 at the output's scale: what an fp8 conv before it wrote
+        residual_t = (residual_real / out_scale).clamp(-448, 448).to(FP8)
+        residual_real = residual_t.float() * out_scale
+    elif residual:
+        residual_t = residual_real.to(out_dtype)
+        residual_real = residual_t.float()
+    expected = common.reference_epilogue(conv, bias_t, None, residual_real if residual else None, activation)
+    out = lesson05.conv2d_fprop_fp8_launch(x_q, x_scale, w_q, w_scale, bias_t, stride, padding, config=config,
+                                           scale=scale_t, residual=residual_t, activation=activation,
+                                           out_dtype=out_dtype, out_scale=out_scale)
+    assert out.dtype == out_dtype and out.shape == expected.shape
+    got = out.float() * (out_scale if out_scale is not None else 1.0)
+    tolerance = ACCUMULATION * magnitude + ROUNDING[out_dtype] * expected.abs()
+    if out_dtype == FP8:
+        tolerance = tolerance + 2.0 ** -9 * out_scale
+    excess = (got - expected).abs() - tolerance
+    worst = excess.flatten().argmax()
+    assert excess.max() <= 0, (f"{g.describe()}, {config}: {int((excess > 0).sum())} values off; worst got "
+                               f"{got.flatten()[worst]:.5g}, expected {expected.flatten()[worst]:.5g}")
+
+
+EPILOGUES = [dict(), dict(bias=True, activation="relu"), dict(scale=True, bias=True, residual=True, activation="relu"),
+             dict(bias=True, activation="silu"), dict(out_dtype=FP8, activation="relu"),
+             dict(out_dtype=FP8, scale=True, bias=True, residual=True, activation="relu")]
+
+
+@needs_gpu
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding", [
+    (2, 16, 16, 128, 128, 3, 3, 1, 1), (2, 15, 17, 3, 64, 7, 7, 2, 3), (2, 14, 14, 256, 300, 1, 1, 1, 0),
+    (1, 9, 13, 96, 80, 3, 3, 2, 1), (2, 8, 8, 512, 256, 3, 3, 1, 1), (2, 16, 12, 48, 192, 1, 7, 1, (0, 3))])
+@pytest.mark.parametrize("epilogue", EPILOGUES, ids=str)
+def test_fp8_conv_matches_torch_on_the_dequantized_operands(N, H, W, Ci, Co, R, S, stride, padding, epilogue):
+    check_fp8_conv(*quantized_layer(N, H, W, Ci, Co, R, S), stride, padding, **epilogue)
+
+
+@needs_gpu
+@pytest.mark.parametrize("config", [KernelConfig(128, 128, 64, 6, 8, split_k=2),
+                                    KernelConfig(256, 128, 64, 3, 8)], ids=str)
+@pytest.mark.parametrize("epilogue", EPILOGUES[2:], ids=str)
+def test_fp8_with_split_k_and_wide_tiles(config, epilogue):
+    if config.split_k > 1 and not common.is_hopper():
+        pytest.skip("split-K is measured and tested on Hopper")
+    check_fp8_conv(*quantized_layer(2, 8, 8, 512, 300, 3, 3), 1, 1, config=config, **epilogue)
+
+
+@needs_gpu
+def test_fp8_on_200_random_layers():
+    """Random layers: odd sizes, Co off the tile, stride 1 or 2, 1x1 to 7x7, every epilogue."""
+    rng = random.Random(8)
+    for case in range(200):
+        R, S = rng.choice([(1, 1), (3, 3), (5, 5), (7, 7), (1, 7), (3, 1)])
+        stride = rng.choice([1, 2])
+        H, W = rng.randint(max(R, 3), 20), rng.randint(max(S, 3), 20)
+        Ci, Co = rng.choice([3, 16, 32, 48, 64, 80, 128, 192, 256]), rng.randint(1, 40) * 8
+        layer = quantized_layer(rng.randint(1, 3), H, W, Ci, Co, R, S, seed=case)
+        check_fp8_conv(*layer, stride, (R // 2, S // 2), seed=case, **EPILOGUES[case % len(EPILOGUES)])
+
+
+def cpu_layer():
+    return quantized_layer(1, 8, 8, 64, 32, 3, 3, device="cpu")
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(x_scale=None), TypeError, "x_scale must be an fp32 torch.Tensor of shape ()"),
+    (dict(w_scale=torch.ones(16)), ValueError, "w_scale must be a contiguous fp32 tensor of shape (32,)"),
+    (dict(w_scale=torch.ones(32, dtype=torch.bfloat16)), ValueError, "w_scale must be a contiguous fp32"),
+    (dict(x_q="bf16"), TypeError, "x_q has dtype torch.bfloat16; the fp8 conv takes torch.float8_e4m3fn"),
+    (dict(out_dtype=FP8), ValueError, "needs out_scale"),
+    (dict(out_dtype=torch.float16), ValueError, "out_dtype must be torch.bfloat16 or torch.float8_e4m3fn"),
+    (dict(out_scale=torch.tensor(1.0)), ValueError, "out_scale is only for out_dtype=torch.float8_e4m3fn"),
+    (dict(out_dtype=FP8, out_scale=torch.tensor(1.0), activation="silu"), ValueError, "not for SiLU"),
+    (dict(residual="fp8"), ValueError, "residual must come in the output's dtype torch.bfloat16"),
+    (dict(out_dtype=FP8, out_scale=torch.tensor(1.0), residual="bf16"), ValueError,
+     "residual must come in the output's dtype torch.float8_e4m3fn"),
+])
+def test_fp8_call_errors_name_the_argument(change, error, message):
+    x_q, x_scale, w_q, w_scale = cpu_layer()
+    args = dict(x_q=x_q, x_scale=x_scale, w_q=w_q, w_scale=w_scale)
+    args.update(change)
+    if args["x_q"] == "bf16":
+        args["x_q"] = x_q.to(torch.bfloat16)
+    out_shape = (1, 8, 8, 32)
+    if args.get("residual") == "fp8":
+        args["residual"] = torch.zeros(out_shape, dtype=FP8)
+    elif args.get("residual") == "bf16":
+        args["residual"] = torch.zeros(out_shape, dtype=torch.bfloat16)
+    x_q, x_scale, w_q, w_scale = (args.pop(k) for k in ("x_q", "x_scale", "w_q", "w_scale"))
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        lesson05.conv2d_fprop_fp8_launch(x_q, x_scale, w_q, w_scale, None, 1, 1, **args)
+
+
+def test_quantize_fp8_maps_amax_to_448_per_tensor_and_per_channel():
+    w = torch.randn(8, 3, 3, 16) * torch.arange(1, 9).view(-1, 1, 1, 1)
+    q, scale = common.quantize_fp8(w, channel_dim=0)
+    assert q.dtype == FP8 and scale.shape == (8,)
+    assert torch.equal(q.float().abs().amax(dim=(1, 2, 3)), torch.full((8,), 448.0))
+    torch.testing.assert_close(q.float() * scale.view(-1, 1, 1, 1), w, rtol=2.0 ** -4, atol=2.0 ** -9 * scale.max())
+    q, scale = common.quantize_fp8(w)
+    assert scale.shape == () and q.float().abs().max() == 448.0
+
+
+def test_fp8_refuses_tail_tiles():
+    x_q, x_scale, w_q, w_scale = cpu_layer()
+    with pytest.raises(ValueError, match="the fp8 kernel has no tail tiles"):
+        lesson05.conv2d_fprop_fp8_launch(x_q, x_scale, w_q, w_scale, None, 1, 1,
+                                         config=KernelConfig(128, 128, 64, 5, 4, block_n_tail=32))
