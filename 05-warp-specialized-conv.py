@@ -760,6 +760,7 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     config = KernelConfig(*config)
     check_config(config, arch)
+    row_blocks = stores_by_row_blocks(config)     # the kernel's answer: for the config as given
     x_nhwc, w, Ci_padded = common.pad_channels_for_tma(x_nhwc, w)
     # a config's BLOCK_K counts 2-byte channels: 128 bytes of K, so fp8 takes 128 channels (section 9)
     config = adapt_block_k(config._replace(block_k=config.block_k * 2 // x_nhwc.element_size()), Ci_padded)
@@ -780,7 +781,7 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
         out_layout = common.conv_tma_layouts(out_dtype, BLOCK_M, config.block_n_tail, BLOCK_K)[2]
         w_tail_desc = TensorDescriptor.from_tensor(w.view(g.Co, -1), [config.block_n_tail, BLOCK_K], w_layout)
         out_tail_desc = TensorDescriptor.from_tensor(out_2d, [BLOCK_M, config.block_n_tail], out_layout)
-    if config.block_m_tail or stores_by_row_blocks(config):   # section 6: a box of the tail's rows
+    if config.block_m_tail or row_blocks:   # section 6: a box of the tail's rows
         rows = config.block_m_tail or BLOCK_M // 2
         out_layout = common.conv_tma_layouts(out_dtype, rows, BLOCK_N, BLOCK_K)[2]
         out_tail_desc = TensorDescriptor.from_tensor(out_2d, [rows, BLOCK_N], out_layout)
@@ -1235,8 +1236,6 @@ def conv2d_fprop_fp8_launch(x_q, x_scale, w_q, w_scale, bias=None, stride=1, pad
     """The kernel on e4m3 operands (common.quantize_fp8 makes them): x_q [N, H, W, Ci] with x_scale
     (fp32, shape ()), w_q [Co, R, S, Ci] with w_scale (fp32, [Co]). Returns act(conv(x, w) * scale +
     bias + residual) in out_dtype: bf16, or e4m3 divided by out_scale (fp32, shape ())."""
-    if KernelConfig(*config).tile_n > config[1] or KernelConfig(*config).tile_m > config[0]:
-        raise ValueError(f"config {KernelConfig(*config)}: the fp8 kernel has no tail tiles (section 6) yet")
     geometry = common.check_fp8_call(x_q, x_scale, w_q, w_scale, bias, stride, padding, dilation, scale=scale,
                                      residual=residual, activation=activation, out_dtype=out_dtype,
                                      out_scale=out_scale)

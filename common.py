@@ -348,15 +348,17 @@ def check_conv_inputs(x_nhwc, w, stride=1, padding=0, dilation=1, *, dtypes, bia
 
 
 def check_conv_call(x_nhwc, w, bias, stride, padding, dilation, *, dtypes, scale=None, residual=None,
-                    activation="none") -> ConvGeometry:
+                    activation="none", out_dtype=None) -> ConvGeometry:
     """Validate a call of a conv with the fused epilogue (lesson 05: its launcher, the runtime):
     tensors, hyper-parameters and epilogue, the device last so every other mistake is reported on
-    a machine without a GPU too. Returns the geometry."""
+    a machine without a GPU too. `out_dtype`: None (x's dtype), or for e4m3 operands bf16 or e4m3.
+    Returns the geometry."""
     geometry = check_conv_inputs(x_nhwc, w, stride, padding, dilation, dtypes=dtypes, bias=bias)
     if bias is not None and not bias.is_contiguous():
         raise ValueError("bias must be contiguous")
     g = geometry
-    check_epilogue(g.Co, g.output_shape_nhwc, x_nhwc.dtype, x_nhwc.device, scale, residual, activation)
+    check_epilogue(g.Co, g.output_shape_nhwc, output_dtype(x_nhwc.dtype, out_dtype), x_nhwc.device, scale,
+                   residual, activation)
     if residual is not None and not residual.is_contiguous():
         raise ValueError(f"residual must be a contiguous NHWC tensor, got strides {residual.stride()}")
     check_on_cuda(x_nhwc)
@@ -422,6 +424,19 @@ def quantize_fp8(t, channel_dim=None):
     return (t.float() / scale.view(shape)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def output_dtype(in_dtype, out_dtype=None):
+    """The output dtype of a conv on `in_dtype` operands asked for `out_dtype`: fp16/bf16 operands
+    give their own dtype; e4m3 operands give bf16 (the default) or e4m3."""
+    if in_dtype == FP8:
+        if out_dtype not in (None,) + FP8_OUT_DTYPES:
+            raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float8_e4m3fn, got {out_dtype}")
+        return out_dtype or torch.bfloat16
+    if out_dtype not in (None, in_dtype):
+        raise ValueError(f"out_dtype must be None or the input's dtype {in_dtype} for {in_dtype} operands, "
+                         f"got {out_dtype}")
+    return in_dtype
+
+
 def _check_fp8_scale(name, value, shape, device):
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be an fp32 torch.Tensor of shape {shape}, got {type(value).__name__}")
@@ -432,33 +447,41 @@ def _check_fp8_scale(name, value, shape, device):
         raise ValueError(f"{name} is on {value.device}, the input on {device}")
 
 
-def check_fp8_call(x_q, x_scale, w_q, w_scale, bias, stride, padding, dilation, *, scale=None, residual=None,
-                   activation="none", out_dtype=torch.bfloat16, out_scale=None) -> ConvGeometry:
-    """Validate an fp8 conv: x_q and w_q in e4m3, x_scale one fp32 value (shape ()), w_scale one per
-    output channel, the output in bf16, or in e4m3 with its own out_scale; then the epilogue, whose
-    residual comes in the output's dtype (and, in e4m3, at the output's scale). Returns the geometry."""
-    for name, value in (("x_q", x_q), ("w_q", w_q)):
-        if isinstance(value, torch.Tensor) and value.dtype != FP8:
-            raise TypeError(f"{name} has dtype {value.dtype}; the fp8 conv takes torch.float8_e4m3fn "
-                            f"(common.quantize_fp8 makes it, with its scale)")
-    geometry = check_conv_inputs(x_q, w_q, stride, padding, dilation, dtypes=(FP8,), bias=bias)
-    _check_fp8_scale("x_scale", x_scale, (), x_q.device)
-    _check_fp8_scale("w_scale", w_scale, (geometry.Co,), x_q.device)
+def check_fp8_scales(x_scale, w_scale, Co, device, *, residual=None, activation="none", out_dtype=torch.bfloat16,
+                     out_scale=None):
+    """The fp8 conv's own arguments: x_scale one fp32 value (shape ()), w_scale one per output
+    channel, the output in bf16 or in e4m3 with its own out_scale (ReLU or none: the scale folds
+    into the epilogue's), a residual in the output's dtype (in e4m3, at the output's scale)."""
+    _check_fp8_scale("x_scale", x_scale, (), device)
+    _check_fp8_scale("w_scale", w_scale, (Co,), device)
     if out_dtype not in FP8_OUT_DTYPES:
         raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float8_e4m3fn, got {out_dtype}")
     if out_dtype == FP8:
         if out_scale is None:
             raise ValueError("out_dtype=torch.float8_e4m3fn needs out_scale (the output's fp32 scale, shape ())")
-        _check_fp8_scale("out_scale", out_scale, (), x_q.device)
+        _check_fp8_scale("out_scale", out_scale, (), device)
         if activation == "silu":
             raise ValueError("activation 'silu' with an e4m3 output is not supported: the output scale is folded "
                              "into the epilogue's scale and bias, which holds for ReLU (relu(x)/s = relu(x/s)) "
                              "but not for SiLU; use out_dtype=torch.bfloat16")
     elif out_scale is not None:
         raise ValueError("out_scale is only for out_dtype=torch.float8_e4m3fn")
-    if residual is not None and isinstance(residual, torch.Tensor) and residual.dtype != out_dtype:
+    if isinstance(residual, torch.Tensor) and residual.dtype != out_dtype:
         raise ValueError(f"residual must come in the output's dtype {out_dtype} (in e4m3, at the output's scale), "
                          f"got {residual.dtype}")
+
+
+def check_fp8_call(x_q, x_scale, w_q, w_scale, bias, stride, padding, dilation, *, scale=None, residual=None,
+                   activation="none", out_dtype=torch.bfloat16, out_scale=None) -> ConvGeometry:
+    """Validate an fp8 conv on NHWC tensors: x_q and w_q in e4m3, their scales and the output's
+    (check_fp8_scales), then the epilogue. Returns the geometry."""
+    for name, value in (("x_q", x_q), ("w_q", w_q)):
+        if isinstance(value, torch.Tensor) and value.dtype != FP8:
+            raise TypeError(f"{name} has dtype {value.dtype}; the fp8 conv takes torch.float8_e4m3fn "
+                            f"(common.quantize_fp8 makes it, with its scale)")
+    geometry = check_conv_inputs(x_q, w_q, stride, padding, dilation, dtypes=(FP8,), bias=bias)
+    check_fp8_scales(x_scale, w_scale, geometry.Co, x_q.device, residual=residual, activation=activation,
+                     out_dtype=out_dtype, out_scale=out_scale)
     check_epilogue(geometry.Co, geometry.output_shape_nhwc, out_dtype, x_q.device, scale, residual, activation)
     if residual is not None and not residual.is_contiguous():
         raise ValueError(f"residual must be a contiguous NHWC tensor, got strides {residual.stride()}")

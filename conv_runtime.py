@@ -41,6 +41,8 @@ ResNet-50 layer (measured on an H100 host, 2026-11-22). This module adds, for th
 - Small channel counts (`FoldedConv`): a layer whose Ci is 8 or less (an RGB stem) is run as an
   R x 1 convolution over S*Ci folded channels, 7 k-steps instead of 49 for ResNet-50's stem.
 - Split-K's second kernel (lesson 05, section 7) is launched directly too.
+- e4m3 operands (lesson 05, section 9) take the same plans, with a bf16 or e4m3 output; their
+  scales arrive folded into the epilogue's (conv_torch's fp8 operator folds them).
 
 `measure_host_time` and `compare_launch_paths` measure what the runtime adds; lesson 05 prints
 both. The kernel and its plain launcher live in lesson 05 (`conv_runtime.lesson05` is that module),
@@ -64,6 +66,7 @@ from conv_config import (SHARED_MEMORY_PER_PROGRAM, KernelConfig, adapt_block_k,
                          stores_by_row_blocks, tile_counts)
 
 lesson05 = common.load_lesson("05-warp-specialized-conv")     # the kernel and its plain launcher
+RUNTIME_DTYPES = lesson05.CONV_DTYPES + (common.FP8,)         # fp16, bf16, and e4m3 (lesson 05, section 9)
 
 
 # %% Candidate configs and pruning ------------------------------------------------------------------
@@ -296,8 +299,9 @@ class DirectLaunch:
 class ConvPlan:
     """Everything about one (shape, dtype, config, device) that does not depend on the tensors."""
 
-    def __init__(self, geometry, dtype, config, arch, num_sms):
+    def __init__(self, geometry, dtype, config, arch, num_sms, out_dtype=None):
         self.geometry, self.dtype, self.arch, self.num_sms = geometry, dtype, arch, num_sms
+        self.out_dtype = out_dtype or dtype      # e4m3 operands: a bf16 or an e4m3 output
         self.config = KernelConfig(*config)
         check_config(self.config, arch)
         self.template = None      # the first call's ConvLaunch: validated descriptors, grid, constexprs
@@ -309,7 +313,7 @@ class ConvPlan:
         """The lesson's ConvLaunch for these tensors; after the first call, built from templates."""
         if self.template is None:
             launch = lesson05.prepare_launch(x_nhwc, w, bias, self.geometry, self.config,
-                                           self.arch, self.num_sms, scale, residual)
+                                           self.arch, self.num_sms, scale, residual, self.out_dtype)
             self.template = _tensorless(launch)
             return launch
         # Same shapes, strides, boxes and layouts: only the base pointers change. Copy the
@@ -435,23 +439,23 @@ def device_facts():
     return _device_facts_of(torch.cuda.current_device())
 
 
-def plan_for(geometry, dtype, config):
+def plan_for(geometry, dtype, config, out_dtype=None):
     arch, num_sms, _ = device_facts()
-    key = (geometry, dtype, config, torch.cuda.current_device())
+    key = (geometry, dtype, config, torch.cuda.current_device(), out_dtype)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = ConvPlan(geometry, dtype, config, arch, num_sms)
+        plan = _PLANS[key] = ConvPlan(geometry, dtype, config, arch, num_sms, out_dtype)
     return plan
 
 
-def _call_key(x_nhwc, w, bias, stride, padding, dilation, config, scale, residual, activation):
+def _call_key(x_nhwc, w, bias, stride, padding, dilation, config, scale, residual, activation, out_dtype):
     """A hashable key of what a call can see at a glance, or None (then the slow path runs)."""
     if not (isinstance(x_nhwc, torch.Tensor) and isinstance(w, torch.Tensor)
             and all(t is None or isinstance(t, torch.Tensor) for t in (bias, scale, residual))):
         return None
     key = (x_nhwc.shape, w.shape, x_nhwc.dtype, w.dtype, x_nhwc.device, w.device,
            *(None if t is None else (t.shape, t.dtype, t.device) for t in (bias, scale, residual)),
-           stride, padding, dilation, config, activation)
+           stride, padding, dilation, config, activation, out_dtype)
     try:
         hash(key)
     except TypeError:                    # list-valued stride/padding: no fast path
@@ -460,22 +464,24 @@ def _call_key(x_nhwc, w, bias, stride, padding, dilation, config, scale, residua
 
 
 def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, tune=True,
-           scale=None, residual=None, activation="none"):
+           scale=None, residual=None, activation="none", out_dtype=None):
     """Lesson 05's convolution through the runtime. Same arguments and result as the plain
     launcher `conv2d_fprop_launch` (epilogue included: act(conv * scale + bias + residual)).
+    e4m3 operands (lesson 05, section 9) come already scaled: `scale` carries their dequantizing
+    factors, and `out_dtype` is bf16 (None) or e4m3 (any output scale folded into scale and bias).
     `config`: a KernelConfig (or its tuple) to use that config; None to choose one per shape: a
     tuned choice (this process's, or the tuning file's) if there is one, else autotune now when
     `tune`, else the heuristic (no timing). Channel counts so small that one tap's channels fill
     a fraction of a K step (a network's RGB stem) take the folded path (`FoldedConv`)."""
     key = _call_key(x_nhwc, w, bias, stride, padding, dilation, config if config is not None else tune,
-                    scale, residual, activation)
+                    scale, residual, activation, out_dtype)
     entry = _FAST_PLANS.get(key) if key is not None else None
     if entry is None or not (x_nhwc.is_contiguous() and w.is_contiguous()
                              and all(t is None or t.is_contiguous() for t in (bias, scale, residual))):
         # the slow path validates (and explains) everything
-        geometry = common.check_conv_call(x_nhwc, w, bias, stride, padding, dilation, dtypes=lesson05.CONV_DTYPES,
-                                          scale=scale, residual=residual, activation=activation)
-        fold = folded_geometry(geometry) if config is None else None
+        geometry = common.check_conv_call(x_nhwc, w, bias, stride, padding, dilation, dtypes=RUNTIME_DTYPES,
+                                          scale=scale, residual=residual, activation=activation, out_dtype=out_dtype)
+        fold = folded_geometry(geometry) if config is None and x_nhwc.dtype != common.FP8 else None
         run_geometry = fold.geometry if fold is not None else geometry
         if config is not None:
             chosen = KernelConfig(*config)
@@ -483,11 +489,11 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
             # timed with this call's epilogue: a residual's loads and registers change the ranking
             folded_x, folded_w = fold.apply(x_nhwc, w) if fold is not None else (x_nhwc, w)
             chosen = tuned_config(run_geometry, folded_x, folded_w, bias, scale=scale, residual=residual,
-                                  activation=activation)
+                                  activation=activation, out_dtype=out_dtype)
         else:
             chosen = known_or_heuristic_config(run_geometry, x_nhwc.dtype,
                                                epilogue_tag(scale, residual, activation))
-        entry = (plan_for(run_geometry, x_nhwc.dtype, chosen), fold)
+        entry = (plan_for(run_geometry, x_nhwc.dtype, chosen, out_dtype), fold)
         if key is not None:
             _FAST_PLANS[key] = entry
     plan, fold = entry
@@ -725,14 +731,14 @@ def _remembered_config(geometry, dtype, tag=""):
 
 
 def tuned_config(geometry, x_nhwc, w, bias, verbose=False, retune=False, scale=None, residual=None,
-                 activation="none"):
+                 activation="none", out_dtype=None):
     """The autotuner's choice for this shape, dtype and epilogue (`epilogue_tag`): from this
     process, the tuning file, or (first time, or `retune`) timed now, with the epilogue, and saved
     to the tuning file."""
     tag = epilogue_tag(scale, residual, activation)
     key = (geometry, x_nhwc.dtype, torch.cuda.current_device(), tag)
     if retune or _remembered_config(geometry, x_nhwc.dtype, tag) is None:
-        best, tflops = autotune(geometry, x_nhwc, w, bias, verbose, scale, residual, activation)
+        best, tflops = autotune(geometry, x_nhwc, w, bias, verbose, scale, residual, activation, out_dtype)
         _BEST_CONFIG[key] = best
         _save_tuning(geometry, x_nhwc.dtype, best, tflops, tag)
     return _BEST_CONFIG[key]
@@ -791,7 +797,8 @@ def _save_tuning(geometry, dtype, config, tflops, tag=""):
         warnings.warn(f"could not save the tuning file {path}: {error}")
 
 
-def autotune(geometry, x_nhwc, w, bias, verbose=False, scale=None, residual=None, activation="none"):
+def autotune(geometry, x_nhwc, w, bias, verbose=False, scale=None, residual=None, activation="none",
+             out_dtype=None):
     """Time the pruned candidates on the real tensors, with the call's epilogue; return (best
     config, its TFLOPS).
 
@@ -811,7 +818,7 @@ def autotune(geometry, x_nhwc, w, bias, verbose=False, scale=None, residual=None
         raise RuntimeError(f"no kernel config fits {geometry.describe()} on this GPU")
     timings, errors = {}, []
     for config in candidates:
-        plan = plan_for(geometry, x_nhwc.dtype, config)
+        plan = plan_for(geometry, x_nhwc.dtype, config, out_dtype)
         try:
             plan.run(x_nhwc, w, bias, **epilogue)   # compile before timing
             # Timed as the benchmark times (do_bench: L2 flushed before each call, as a layer in a
@@ -829,7 +836,7 @@ def autotune(geometry, x_nhwc, w, bias, verbose=False, scale=None, residual=None
     rounds = {config: [] for config in finalists}
     for _ in range(3):
         for config in finalists:
-            plan = plan_for(geometry, x_nhwc.dtype, config)
+            plan = plan_for(geometry, x_nhwc.dtype, config, out_dtype)
             rounds[config].append(triton.testing.do_bench(timed(plan), warmup=10, rep=60,
                                                           quantiles=[0.2]))   # one quantile: a float
     medians = {config: sorted(ms)[1] for config, ms in rounds.items()}

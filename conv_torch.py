@@ -37,7 +37,7 @@ import torch
 
 import conv_runtime
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, common.FP8)
 _WARNED = set()
 
 
@@ -54,7 +54,7 @@ def unsupported_reason(input, weight, groups):
     if groups != 1:
         return f"groups={groups} (the kernel computes groups=1 only)"
     if input.dtype not in KERNEL_DTYPES or weight.dtype != input.dtype:
-        return f"dtype {input.dtype}/{weight.dtype} (the kernel takes float16 or bfloat16, both the same)"
+        return f"dtype {input.dtype}/{weight.dtype} (the kernel takes float16, bfloat16 or float8_e4m3fn, both the same)"
     if input.device.type != "cuda":
         return f"tensors on {input.device} (the kernel runs on a CUDA GPU)"
     return _gpu_reason(input.device.index if input.device.index is not None else torch.cuda.current_device())
@@ -91,23 +91,27 @@ def _out_shape(input, weight, stride, padding, dilation):
 def _conv2d_with_epilogue(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                           stride: List[int], padding: List[int], dilation: List[int], groups: int,
                           scale: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
-                          activation: str = "none") -> torch.Tensor:
+                          activation: str = "none", out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """conv2d(input, weight, bias) followed by the fused epilogue act(. * scale + residual): per
-    output channel, out = act(conv * scale + bias + residual) computed in fp32 on the tile."""
+    output channel, out = act(conv * scale + bias + residual) computed in fp32 on the tile, cast to
+    out_dtype (None: the input's; e4m3 operands: bf16 or e4m3, see conv2d_fp8)."""
+    out_dtype = common.output_dtype(input.dtype, out_dtype)
     if scale is not None or residual is not None or activation != "none":   # (a plain call skips this)
         common.check_epilogue(weight.shape[0], _out_shape(input, weight, stride, padding, dilation),
-                              input.dtype, input.device, scale, residual, activation)
+                              out_dtype, input.device, scale, residual, activation)
     reason = unsupported_reason(input, weight, groups)
     if reason is not None:
         _fall_back(reason)
-        conv_out = torch.nn.functional.conv2d(input, weight, None, stride, padding, dilation, groups)
-        out = reference_epilogue(conv_out, bias, scale, residual, activation)
-        return out.contiguous(memory_format=torch.channels_last)
+        wide = input.dtype == common.FP8          # torch has no e4m3 conv: its exact fp32 values instead
+        conv_out = torch.nn.functional.conv2d(input.float() if wide else input, weight.float() if wide else weight,
+                                              None, stride, padding, dilation, groups)
+        out = reference_epilogue(conv_out, bias, scale, None if residual is None else residual.float(), activation)
+        return out.to(out_dtype).contiguous(memory_format=torch.channels_last)
     out_nhwc = conv_runtime.conv2d(nhwc_view(input), nhwc_view(weight), bias, tuple(stride),
                                    tuple(padding), tuple(dilation), config=None,
                                    tune=conv_runtime.autotune_enabled(), scale=scale,
                                    residual=None if residual is None else nhwc_view(residual),
-                                   activation=activation)
+                                   activation=activation, out_dtype=None if out_dtype == input.dtype else out_dtype)
     return out_nhwc.permute(0, 3, 1, 2)          # NCHW shape, channels_last memory
 
 
@@ -124,14 +128,17 @@ conv2d_op = torch.ops.conv_tutorial.conv2d.default
 
 
 @torch.library.register_fake("conv_tutorial::conv2d")
-def _(input, weight, bias, stride, padding, dilation, groups, scale=None, residual=None, activation="none"):
-    out_shape = _out_shape(input, weight, stride, padding, dilation)
-    common.check_epilogue(weight.shape[0], out_shape, input.dtype, input.device, scale, residual, activation)
-    return input.new_empty(out_shape).contiguous(memory_format=torch.channels_last)
+def _(input, weight, bias, stride, padding, dilation, groups, scale=None, residual=None, activation="none",
+      out_dtype=None):
+    out_shape, out_dtype = _out_shape(input, weight, stride, padding, dilation), common.output_dtype(input.dtype, out_dtype)
+    common.check_epilogue(weight.shape[0], out_shape, out_dtype, input.device, scale, residual, activation)
+    return input.new_empty(out_shape, dtype=out_dtype).contiguous(memory_format=torch.channels_last)
 
 
 def _setup_backward(ctx, inputs, output):
-    input, weight, bias, stride, padding, dilation, groups, scale, residual, activation = inputs
+    input, weight, bias, stride, padding, dilation, groups, scale, residual, activation, out_dtype = inputs
+    if input.dtype == common.FP8:
+        raise NotImplementedError("conv_tutorial::conv2d has no backward for e4m3 operands (inference only)")
     ctx.save_for_backward(input, weight, bias, scale, residual, output)
     ctx.conv_args = (stride, padding, dilation, groups)
     ctx.activation = activation
@@ -166,7 +173,7 @@ def _backward(ctx, grad_output):
     grad_scale = ((_wide(grad) * _wide(conv_out)).sum((0, 2, 3)).to(scale.dtype)
                   if scale is not None and needs[7] else None)
     grad_residual = grad if residual is not None and needs[8] else None
-    return grad_input, grad_weight, grad_bias, None, None, None, None, grad_scale, grad_residual, None
+    return grad_input, grad_weight, grad_bias, None, None, None, None, grad_scale, grad_residual, None, None
 
 
 torch.library.register_autograd("conv_tutorial::conv2d", _backward, setup_context=_setup_backward)
@@ -205,6 +212,61 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
                    f"asymmetric padding")
         return torch.nn.functional.conv2d(input, weight, bias, stride, padding, dilation, groups)
     return conv2d_op(input, weight, bias, list(stride), list(pads), list(dilation), groups)
+
+
+# %% fp8 (e4m3) operands: lesson 05, section 9, as an operator -------------------------------------
+# The kernel op above takes e4m3 operands as they are (its `scale` then dequantizes, `out_dtype`
+# picks bf16 or e4m3). conv2d_fp8 speaks in the quantities a user has: the input's scale (one per
+# tensor), the weight's (one per output channel), the output's (for an e4m3 output), and folds
+# them into the epilogue's scale and shift. It is CompositeImplicitAutograd: torch.compile traces
+# through it, so the folding is three small torch ops that Inductor's freezing computes once.
+
+def _conv2d_fp8(input: torch.Tensor, input_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                bias: Optional[torch.Tensor], stride: List[int], padding: List[int], dilation: List[int],
+                residual: Optional[torch.Tensor] = None, activation: str = "none",
+                out_dtype: Optional[torch.dtype] = None, out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """act(conv2d(input * input_scale, weight * weight_scale) + bias + residual) in bf16 (out_dtype
+    None or bf16), or that divided by out_scale in e4m3 (out_dtype float8_e4m3fn)."""
+    for name, t in (("input", input), ("weight", weight)):
+        if t.dtype != common.FP8:
+            raise TypeError(f"{name} has dtype {t.dtype}; conv2d_fp8 takes torch.float8_e4m3fn "
+                            f"(common.quantize_fp8 makes it, with its scale)")
+    out_dtype = out_dtype or torch.bfloat16
+    common.check_fp8_scales(input_scale, weight_scale, weight.shape[0], input.device, residual=residual,
+                            activation=activation, out_dtype=out_dtype, out_scale=out_scale)
+    scale = input_scale * weight_scale
+    if out_scale is not None:             # relu(z) / s = relu(z / s): the output's scale folds in too
+        scale, bias = scale / out_scale, (None if bias is None else bias.float() / out_scale)
+    return conv2d_op(input, weight, bias, stride, padding, dilation, 1, scale, residual, activation, out_dtype)
+
+
+_LIBRARY.define("conv2d_fp8" + torch.library.infer_schema(_conv2d_fp8, mutates_args=()),
+                tags=(torch.Tag.pt2_compliant_tag,))
+_LIBRARY.impl("conv2d_fp8", _conv2d_fp8, "CompositeImplicitAutograd")
+conv2d_fp8_op = torch.ops.conv_tutorial.conv2d_fp8.default
+
+
+def conv2d_fp8(input, input_scale, weight, weight_scale, bias=None, stride=1, padding=0, dilation=1,
+               residual=None, activation="none", out_dtype=torch.bfloat16, out_scale=None):
+    """The fp8 conv with torch.nn.functional.conv2d's conventions: input [N, Ci, H, W] and weight
+    [Co, Ci, R, S] in e4m3 (channels_last memory avoids copies) with their fp32 scales, input_scale
+    of shape () and weight_scale [Co] (common.quantize_fp8(t) and quantize_fp8(w, channel_dim=0)
+    make both); the output in bf16, or in e4m3 with out_scale (shape ()); a residual comes in the
+    output's dtype (in e4m3, at out_scale)."""
+    for name, t in (("input", input), ("weight", weight)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise TypeError(f"{name} must be a 4-d torch.Tensor, got {type(t).__name__}"
+                            + (f" of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else ""))
+    for name, t in (("input_scale", input_scale), ("weight_scale", weight_scale), ("out_scale", out_scale)):
+        if not isinstance(t, torch.Tensor) and not (t is None and name == "out_scale"):
+            raise TypeError(f"{name} must be an fp32 torch.Tensor, got {type(t).__name__}: an e4m3 tensor means "
+                            f"nothing without its scale")
+    stride, dilation = common.pair(stride, "stride", 1), common.pair(dilation, "dilation", 1)
+    pads = resolve_padding(padding, weight.shape, stride, dilation)
+    if pads is None:
+        raise ValueError(f"padding={padding!r} needs asymmetric padding, which the kernel does not do")
+    return conv2d_fp8_op(input, input_scale, weight, weight_scale, bias, list(stride), list(pads), list(dilation),
+                         residual, activation, out_dtype, out_scale)
 
 
 class TutorialConv2d(torch.nn.Module):

@@ -33,6 +33,7 @@ intensity against TFLOPS, with the device's datasheet peaks).
 """
 import argparse
 import functools
+import json
 import math
 from pathlib import Path
 
@@ -500,18 +501,24 @@ FP8_CANDIDATES = [KernelConfig(256, 128, 64, 3, 8), KernelConfig(128, 256, 64, 3
                   KernelConfig(128, 128, 64, 6, 8), KernelConfig(128, 128, 64, 4, 4), KernelConfig(256, 64, 64, 4, 8)]
 
 
-def run_fp8_suite(outdir, only=None):
-    """Every suite layer (or those whose labels start with one of `only`) in e4m3 (x per tensor, w
-    per output channel, bf16 out) and in bf16, each with the fastest of the same FP8_CANDIDATES,
-    and cuDNN in bf16: kernels alone (CUDA-graph replay), and each output's largest error against
-    torch's fp32 conv of the unquantized operands, relative to the output's largest magnitude.
-    Writes fp8.json (its "layers") and prints the geometric means."""
+HEADLINE_LAYER = ("headline 64x64 384->384 3x3", 128, 64, 64, 384, 384, 3, 3, 1, 1)
+
+
+def run_fp8_suite(outdir, only=None, keep=None):
+    """The headline shape and every suite layer (or those whose labels start with one of `only`)
+    in e4m3 (x per tensor, w per output channel, bf16 out) and in bf16, each with the fastest of
+    the same FP8_CANDIDATES, and cuDNN in bf16: kernels alone (CUDA-graph replay), and each
+    output's largest error against torch's fp32 conv of the unquantized operands, relative to the
+    output's largest magnitude. Writes fp8.json (its "layers", and what `keep`, an earlier
+    fp8.json, holds of other layers and of ResNet-50) and prints the geometric means."""
     import conv_runtime
     lesson05 = conv_runtime.lesson05
     arch = "sm_90" if common.is_hopper() else "sm_100"
     candidates = [c for c in FP8_CANDIDATES if arch == "sm_90" or c.block_m == 128]
-    layers = [layer for layer in network_suite() if not only or layer[0].startswith(tuple(only))]
-    records = []
+    layers = [layer for layer in (HEADLINE_LAYER,) + tuple(network_suite())
+              if not only or layer[0].startswith(tuple(only))]
+    kept = json.loads(Path(keep).read_text()) if keep else {}
+    records = [r for r in kept.get("layers", []) if r["layer"] not in {layer[0] for layer in layers}]
     for label, N, H, W, Ci, Co, R, S, stride, padding in layers:
         x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16, device_name="cuda")
         (x_q, x_scale), (w_q, w_scale) = common.quantize_fp8(x), common.quantize_fp8(w, channel_dim=0)
@@ -537,11 +544,14 @@ def run_fp8_suite(outdir, only=None):
         del x, w, x_q, w_q
         torch.cuda.empty_cache()
     info = common.versions()
-    data = {**info, "timing": "kernels alone (CUDA-graph replay), each precision the fastest of the same "
-                              "candidate configs", "layers": records}
-    print(f"\nfp8 over {len(records)} layers, {info['device']}: fp8 / our bf16 geometric mean "
-          f"{geometric_mean([r['fp8_tflops'] / r['bf16_tflops'] for r in records]):.3f}x, fp8 / cuDNN bf16 "
-          f"{geometric_mean([r['fp8_tflops'] / r['cudnn_bf16_tflops'] for r in records]):.3f}x")
+    order = [layer[0] for layer in (HEADLINE_LAYER,) + tuple(network_suite())]
+    records.sort(key=lambda r: order.index(r["layer"]))
+    data = {**kept, **info, "timing": "kernels alone (CUDA-graph replay), each precision the fastest of the same "
+                                      "candidate configs", "layers": records}
+    suite = [r for r in records if r["layer"] != HEADLINE_LAYER[0]]
+    print(f"\nfp8 over {len(suite)} suite layers, {info['device']}: fp8 / our bf16 geometric mean "
+          f"{geometric_mean([r['fp8_tflops'] / r['bf16_tflops'] for r in suite]):.3f}x, fp8 / cuDNN bf16 "
+          f"{geometric_mean([r['fp8_tflops'] / r['cudnn_bf16_tflops'] for r in suite]):.3f}x")
     common.save_json(outdir, "fp8", data)
     return data
 
@@ -559,7 +569,7 @@ def main():
     args = parser.parse_args()
     common.require_tma_mma_gpu("the network suite")
     if args.fp8:
-        return run_fp8_suite(common.output_dir(args.outdir), only=args.only)
+        return run_fp8_suite(common.output_dir(args.outdir), only=args.only, keep=args.keep)
     run_network_suite(common.output_dir(args.outdir), tune=not args.heuristic, only=args.only, keep=args.keep,
                       resume=args.resume)
 

@@ -1,6 +1,7 @@
 """ResNet-50 end to end with lesson 05's convolution, next to the same model on cuDNN.
 
     python scripts/resnet50.py [--batch 128 1] [--tune] [--freezing] [--outdir out] [--first-call-latency]
+    python scripts/resnet50.py --fp8 [--batch 128]
 
 torchvision's ResNet-50 (random weights, eval mode, bf16, channels_last). Variants, each measured
 with triton.testing.do_bench (median) in one run, per batch size:
@@ -22,8 +23,15 @@ alone and to cuDNN's conv followed by what the fused op also does (BatchNorm, ad
 cache: with the heuristic config, with autotuning, and with a tuning file from an earlier process.
 Configs: the heuristic (what a user gets by default), or `--tune` to autotune every layer first.
 Writes resnet50.json and resnet50.png into the output folder. Needs a Hopper or Blackwell GPU.
+
+`--fp8`: the model in e4m3 (conv_fp8.quantize_fp8 of ours-fused, calibrated on four batches of
+other random images) next to ours-fused in bf16 and cuDNN, all compiled with Inductor's freezing
+and CUDA graphs; images/s and the logits' error against the fp32 model and against ours-fused
+in bf16. Written as the "resnet50" entries of fp8.json in the output folder (network_suite.py
+--fp8 writes its "layers").
 """
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -223,6 +231,45 @@ def fused_layer_table(fused_model, x):
     return rows, totals
 
 
+def fp8_comparison(batch, outdir):
+    """ResNet-50 in e4m3 against ours-fused in bf16 and cuDNN, each frozen and in CUDA graphs."""
+    import torch._inductor.config
+    import conv_fp8
+    torch._inductor.config.freezing = True
+    reference, cudnn_model, _, fused_model, x = build_models(batch)
+    generator = torch.Generator(device="cuda").manual_seed(7)
+    calibration = [torch.randn(x.shape, device="cuda", generator=generator).to(torch.bfloat16).contiguous(
+        memory_format=torch.channels_last) for _ in range(4)]
+    fp8_model = conv_fp8.quantize_fp8(fused_model, calibration)
+    print(f"\nResNet-50, batch {batch}, {common.gpu_name()}: {fp8_model.fp8_convs} convs in e4m3, "
+          f"{fp8_model.bf16_convs} in bf16; calibrated on {len(calibration)} batches of other random images")
+    check_no_fallback(fp8_model, x)
+    models = {"cudnn-freeze-cudagraphs": torch.compile(cudnn_model, mode="reduce-overhead"),
+              "ours-bf16-fused": torch.compile(fused_model, mode="reduce-overhead"),
+              "ours-fp8-fused": torch.compile(fp8_model, mode="reduce-overhead")}
+    rows = time_variants(models, x, reference, batch)
+    with torch.no_grad():
+        bf16_logits = models["ours-bf16-fused"](x).float().clone()
+        fp8_logits = models["ours-fp8-fused"](x).float().clone()
+    for row in rows:
+        row["compile"] = "torch.compile(mode='reduce-overhead'), Inductor freezing"
+    rows[-1]["logits_max_rel_err_vs_bf16"] = relative_errors(fp8_logits, bf16_logits)[0]
+    rows[-1]["top1_agreement_with_fp32"] = (fp8_logits.argmax(1) == reference.argmax(1)).float().mean().item()
+    rows[-2]["top1_agreement_with_fp32"] = (bf16_logits.argmax(1) == reference.argmax(1)).float().mean().item()
+    by = {r["variant"]: r for r in rows}
+    print(f"\nours-fp8-fused / ours-bf16-fused: {by['ours-fp8-fused']['img_s'] / by['ours-bf16-fused']['img_s']:.3f}x; "
+          f"/ cudnn-freeze-cudagraphs: {by['ours-fp8-fused']['img_s'] / by['cudnn-freeze-cudagraphs']['img_s']:.3f}x; "
+          f"fp8 logits vs bf16 model: max {rows[-1]['logits_max_rel_err_vs_bf16']:.2e}; top-1 agreement with fp32: "
+          f"fp8 {rows[-1]['top1_agreement_with_fp32']:.3f}, bf16 {rows[-2]['top1_agreement_with_fp32']:.3f}")
+    path = Path(outdir) / "fp8.json"
+    data = json.loads(path.read_text()) if path.exists() else common.versions()
+    data["resnet50"] = rows
+    data["resnet50_note"] = ("torchvision ResNet-50 with random weights and BatchNorm statistics that are not "
+                             "the identity (pretrained weights are not downloaded); inputs random images")
+    common.save_json(outdir, "fp8", data)
+    return data
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[128, 1])
@@ -232,6 +279,7 @@ def main():
     parser.add_argument("--first-call-latency", action="store_true",
                         help="also time a new layer's first call in fresh processes (~30 s)")
     parser.add_argument("--profile", action="store_true", help="profile the host path of one conv call")
+    parser.add_argument("--fp8", action="store_true", help="ResNet-50 in e4m3 against bf16 (fp8.json)")
     parser.add_argument("--freezing", action="store_true",
                         help="compile with Inductor's freezing (weights as constants: BatchNorm folded, "
                              "layouts fixed ahead), for both models")
@@ -246,6 +294,8 @@ def main():
         return profile_host_path()
     import conv_runtime
     outdir = common.output_dir(args.outdir)
+    if args.fp8:
+        return [fp8_comparison(batch, outdir) for batch in args.batch][-1]
     torch.backends.cudnn.benchmark = True
     conv_runtime.set_autotune(args.tune)
     tuned = len(conv_runtime._load_tuning_file())

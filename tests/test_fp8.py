@@ -3,10 +3,13 @@ values the kernel multiplies (the dequantized operands), on the GPU; its argumen
 machine.
 
 The tolerance, derived from the formats (not fitted to the results):
-- the products of two e4m3 values are exact in fp32, but Hopper's fp8 WGMMA adds them into its
-  fp32 accumulator keeping only about 13 of its mantissa bits: each instruction's sum may be off
-  by 2^-13 of the accumulator's magnitude, which the sum of the products' magnitudes bounds
-  (sum |x| |w|, computed as conv(|x|, |w|)); 2^-12 of it, for the chain of instructions;
+- the products of two e4m3 values are exact in fp32, but Hopper's fp8 WGMMA adds each
+  instruction's 32 products into its fp32 accumulator keeping only about 13 of its mantissa bits:
+  each of the n = K / 32 instructions of a dot product may be off by up to 2^-13 of the
+  magnitudes summed so far, which the sum of the products' magnitudes bounds (sum |x| |w|,
+  computed as conv(|x|, |w|)). Those roundings go either way and add like a random walk: sqrt(n)
+  of them, and we allow four times that (2^-11 sqrt(n) of the magnitude). A linear sum, n of them,
+  would allow a whole missing tap on deep layers; a wrong tap, channel or scale is off by far more;
 - the output then rounds to bf16 (half an ulp: up to 2^-8 relative) or to e4m3 (2^-4, and
   values below e4m3's smallest normal, 2^-6 x out_scale, to a multiple of its smallest subnormal,
   2^-9 x out_scale).
@@ -23,7 +26,7 @@ from conv_config import FIXED_CONFIG, KernelConfig  # noqa: E402
 
 needs_gpu = lesson05.needs_gpu
 FP8 = common.FP8
-ACCUMULATION = 2.0 ** -12
+ACCUMULATION = 4 * 2.0 ** -13       # per sqrt(instruction); see above
 ROUNDING = {torch.bfloat16: 2.0 ** -8, FP8: 2.0 ** -4}
 
 
@@ -62,7 +65,8 @@ def check_fp8_conv(x_q, x_scale, w_q, w_scale, stride, padding, config=FIXED_CON
                                            out_dtype=out_dtype, out_scale=out_scale)
     assert out.dtype == out_dtype and out.shape == expected.shape
     got = out.float() * (out_scale if out_scale is not None else 1.0)
-    tolerance = ACCUMULATION * magnitude + ROUNDING[out_dtype] * expected.abs()
+    instructions = -(-g.R * g.S * g.Ci // 32)         # e4m3 WGMMAs along K: 32 one-byte channels each
+    tolerance = ACCUMULATION * instructions ** 0.5 * magnitude + ROUNDING[out_dtype] * expected.abs()
     if out_dtype == FP8:
         tolerance = tolerance + 2.0 ** -9 * out_scale
     excess = (got - expected).abs() - tolerance
@@ -86,12 +90,13 @@ def test_fp8_conv_matches_torch_on_the_dequantized_operands(N, H, W, Ci, Co, R, 
 
 
 @needs_gpu
-@pytest.mark.parametrize("config", [KernelConfig(128, 128, 64, 6, 8, split_k=2),
-                                    KernelConfig(256, 128, 64, 3, 8)], ids=str)
+@pytest.mark.parametrize("config", [KernelConfig(128, 128, 64, 6, 8, split_k=2), KernelConfig(256, 128, 64, 3, 8),
+                                    KernelConfig(128, 128, 64, 4, 4, block_n_tail=64),
+                                    KernelConfig(128, 128, 64, 4, 4, block_m_tail=64)], ids=str)
 @pytest.mark.parametrize("epilogue", EPILOGUES[2:], ids=str)
-def test_fp8_with_split_k_and_wide_tiles(config, epilogue):
-    if config.split_k > 1 and not common.is_hopper():
-        pytest.skip("split-K is measured and tested on Hopper")
+def test_fp8_with_split_k_wide_tiles_and_tails(config, epilogue):
+    if (config.split_k > 1 or config.block_m_tail) and not common.is_hopper():
+        pytest.skip("split-K and row tails are Hopper schedules")
     check_fp8_conv(*quantized_layer(2, 8, 8, 512, 300, 3, 3), 1, 1, config=config, **epilogue)
 
 
@@ -149,10 +154,3 @@ def test_quantize_fp8_maps_amax_to_448_per_tensor_and_per_channel():
     torch.testing.assert_close(q.float() * scale.view(-1, 1, 1, 1), w, rtol=2.0 ** -4, atol=2.0 ** -9 * scale.max())
     q, scale = common.quantize_fp8(w)
     assert scale.shape == () and q.float().abs().max() == 448.0
-
-
-def test_fp8_refuses_tail_tiles():
-    x_q, x_scale, w_q, w_scale = cpu_layer()
-    with pytest.raises(ValueError, match="the fp8 kernel has no tail tiles"):
-        lesson05.conv2d_fprop_fp8_launch(x_q, x_scale, w_q, w_scale, None, 1, 1,
-                                         config=KernelConfig(128, 128, 64, 5, 4, block_n_tail=32))
