@@ -44,9 +44,9 @@ MIN_CHANNELS = 16      # fewer input channels: the stem, which stays bf16 (see a
 class QuantizeFp8(torch.nn.Module):
     """x -> e4m3 at a fixed per-tensor scale (from calibration): round(x / scale), saturated at 448."""
 
-    def __init__(self, scale):
+    def __init__(self, scale, device=None):
         super().__init__()
-        self.register_buffer("scale", torch.as_tensor(scale, dtype=torch.float32).reshape(()).clone())
+        self.register_buffer("scale", torch.tensor(float(scale), dtype=torch.float32, device=device))
 
     def forward(self, x):
         return (x.float() / self.scale).clamp(-common.FP8_MAX, common.FP8_MAX).to(common.FP8)
@@ -67,9 +67,9 @@ class FusedConv2dFp8(torch.nn.Module):
         self.register_buffer("weight_scale", weight_scale.contiguous())
         bias = fused.bias.detach().float() if fused.bias is not None else torch.zeros_like(weight_scale)
         self.register_buffer("bias", bias)
-        self.register_buffer("input_scale", torch.as_tensor(input_scale, dtype=torch.float32).reshape(()).clone())
-        self.register_buffer("out_scale", None if out_scale is None else
-                             torch.as_tensor(out_scale, dtype=torch.float32).reshape(()).clone())
+        scalar = lambda value: torch.tensor(float(value), dtype=torch.float32, device=weight_q.device)  # noqa: E731
+        self.register_buffer("input_scale", scalar(input_scale))
+        self.register_buffer("out_scale", None if out_scale is None else scalar(out_scale))
         self.activation, self.takes_residual, self.conv_repr = fused.activation, fused.takes_residual, fused.conv_repr
         self.out_dtype = common.FP8 if out_scale is not None else torch.bfloat16
         self._op_args = fused._op_args[:3]           # stride, padding, dilation (groups is 1)
@@ -173,7 +173,7 @@ def quantize_fp8(fused_model: torch.fx.GraphModule, calibration_batches) -> torc
             input_scale = _scale_of(max(amax[u.target][0] for u in readers))
             if source not in quantized_inputs:
                 name = f"quantize_{source.name}"
-                graph_module.add_submodule(name, QuantizeFp8(input_scale))
+                graph_module.add_submodule(name, QuantizeFp8(input_scale, module.weight.device))
                 with graph.inserting_after(source):
                     quantized_inputs[source] = graph.call_module(name, (source,))
             node.args = (quantized_inputs[source],) + node.args[1:]
