@@ -106,12 +106,14 @@ def _conv2d_with_epilogue(input: torch.Tensor, weight: torch.Tensor, bias: Optio
         conv_out = torch.nn.functional.conv2d(input.float() if wide else input, weight.float() if wide else weight,
                                               None, stride, padding, dilation, groups)
         out = reference_epilogue(conv_out, bias, scale, None if residual is None else residual.float(), activation)
+        if out_dtype == common.FP8:               # saturate, as the kernel's cast does (e4m3fn has no inf)
+            out = out.clamp(-common.FP8_MAX, common.FP8_MAX)
         return out.to(out_dtype).contiguous(memory_format=torch.channels_last)
     out_nhwc = conv_runtime.conv2d(nhwc_view(input), nhwc_view(weight), bias, tuple(stride),
                                    tuple(padding), tuple(dilation), config=None,
                                    tune=conv_runtime.autotune_enabled(), scale=scale,
                                    residual=None if residual is None else nhwc_view(residual),
-                                   activation=activation, out_dtype=None if out_dtype == input.dtype else out_dtype)
+                                   activation=activation, out_dtype=out_dtype)
     return out_nhwc.permute(0, 3, 1, 2)          # NCHW shape, channels_last memory
 
 
