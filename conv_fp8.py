@@ -21,14 +21,16 @@ its output leaves, and where scales come from:
   * the classifier: a Linear, which this pass does not touch (nor pooling): the first and last
     layers are where low precision costs the most accuracy, for the least time;
   * grouped and depthwise convs (the kernel computes groups=1), and convs kept as they were.
-- Output formats: a conv writes e4m3 when every user of its output is an e4m3 conv (as input or
-  as residual), so activations go from one conv to the next in e4m3 and nothing converts them in
-  between. A residual must arrive in the consuming conv's output format at its output scale
-  (section 9), so the convs of one residual chain (a ResNet stage's block outputs) share one
-  output scale (the largest amax of the chain) and one format: if one of them must write bf16
-  (the last block, whose output goes to the pooling), the whole chain writes bf16.
-- Where an e4m3 conv reads a bf16 tensor (after the stem's max-pool, or a bf16 chain), a
-  `QuantizeFp8` module converts it once; torch.compile fuses it into the op that made the tensor.
+- Output formats: an e4m3 conv writes e4m3, so activations go from one conv to the next in e4m3
+  and nothing converts them in between, unless a bf16 conv reads its output (converting it there
+  would be one more pass over memory). A residual must arrive in the consuming conv's output
+  format at its output scale (section 9), so the convs of one residual chain (a ResNet stage's
+  block outputs and its downsample) share one output scale (the largest amax of the chain) and
+  one format: one member that must write bf16 turns the whole chain to bf16.
+- Conversions: where an e4m3 conv reads a bf16 tensor (after the stem's max-pool) a
+  `QuantizeFp8` module converts it once; where something that is not a conv reads an e4m3 output
+  (the pooling before the classifier), a `DequantizeFp8` module. torch.compile fuses both into
+  the op next to them.
 """
 import warnings
 
@@ -53,6 +55,19 @@ class QuantizeFp8(torch.nn.Module):
 
     def extra_repr(self):
         return f"scale={self.scale.item():.3g}"
+
+
+class DequantizeFp8(torch.nn.Module):
+    """e4m3 at a per-tensor scale -> `dtype` (bf16), for what reads an e4m3 conv's output and is not
+    a conv (pooling, a concatenation, the model's output); torch.compile fuses it into that op."""
+
+    def __init__(self, scale, dtype=torch.bfloat16, device=None):
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(float(scale), dtype=torch.float32, device=device))
+        self.dtype = dtype
+
+    def forward(self, x_q):
+        return (x_q.float() * self.scale).to(self.dtype)
 
 
 class FusedConv2dFp8(torch.nn.Module):
@@ -132,15 +147,18 @@ def quantize_fp8(fused_model: torch.fx.GraphModule, calibration_batches) -> torc
     def residual_of(n):
         return n.args[1] if len(n.args) > 1 else None
 
-    # Output formats: e4m3 where every user is an e4m3 conv and every residual partner writes e4m3
-    # too; one bf16 member turns its whole residual chain to bf16, so iterate until nothing changes.
+    # Output formats: e4m3 unless a bf16 conv reads the output or a residual partner writes bf16;
+    # one bf16 member turns its whole residual chain to bf16, so iterate until nothing changes.
+    def bf16_conv(n):
+        return n.op == "call_module" and n not in fp8 and isinstance(modules[n.target], torch.nn.Conv2d) \
+            or n in conv_nodes and n not in fp8
     writes_fp8 = set(fp8)
     changed = True
     while changed:
         changed = False
         for n in list(writes_fp8):
             partners = [u for u in n.users if residual_of(u) is n] + ([residual_of(n)] if residual_of(n) else [])
-            if any(u not in fp8 for u in n.users) or any(p not in writes_fp8 for p in partners):
+            if any(bf16_conv(u) for u in n.users) or any(p not in writes_fp8 for p in partners):
                 writes_fp8.discard(n)
                 changed = True
     # Residual chains share one output scale: group the e4m3 writers along residual edges.
@@ -180,6 +198,15 @@ def quantize_fp8(fused_model: torch.fx.GraphModule, calibration_batches) -> torc
         name = f"{old.target}_fp8"
         graph_module.add_submodule(name, FusedConv2dFp8(module, input_scale, out_scale.get(old)))
         node.target = name
+        not_convs = [u for u in node.users  # (the e4m3 convs among the users still have their old names)
+                     if not (u.op == "call_module" and isinstance(modules.get(u.target), conv_torch.FusedConv2d))]
+        if old in writes_fp8 and not_convs:          # they read a bf16 copy
+            name = f"dequantize_{node.name}"
+            graph_module.add_submodule(name, DequantizeFp8(out_scale[old], module.weight.dtype, module.weight.device))
+            with graph.inserting_after(node):
+                dequantized = graph.call_module(name, (node,))
+            for user in not_convs:
+                user.replace_input_with(node, dequantized)
     graph.lint()
     graph_module.delete_all_unused_submodules()
     graph_module.recompile()
