@@ -877,18 +877,19 @@ def ptx_instructions(ptx: str, prefixes) -> dict:
     return counts
 
 
-def show_ptx(stem: str, builder: str, taught: dict, heading) -> dict:
+def show_ptx(stem: str, builder: str, taught: dict, heading, **params) -> dict:
     """A lesson demo's PTX report, for readers without a GPU: what the compiler made of the kernel.
 
     `taught` is {arch: [(instruction prefix, why it is there and why that many), ...]}. For each
     arch, compile `builder`'s kernel (ahead of time), print `heading(arch, compiled)`, its
     resources (shared memory, registers per thread, tensor memory), then per taught instruction
     its count in the program text, one whole instruction as the PTX has it, and the explanation.
-    Archs this Triton cannot target get one line saying why. Returns {arch: counts}."""
+    Archs this Triton cannot target get one line saying why. `params` go to the builder. Returns
+    {arch: counts}."""
     import textwrap
     report = {}
     for arch, rows in taught.items():
-        compiled = aot_compile_or_say_why(stem, builder, arch)
+        compiled = aot_compile_or_say_why(stem, builder, arch, **params)
         if compiled is None:
             continue
         counts = report[arch] = ptx_instructions(compiled["ptx"], [prefix for prefix, _ in rows])
@@ -908,10 +909,11 @@ def show_ptx(stem: str, builder: str, taught: dict, heading) -> dict:
     return report
 
 
-def assert_ptx_teaches(stem: str, builder: str, arch: str, taught: dict) -> dict:
-    """A lesson's test that its kernel's `arch` build holds every instruction its table `taught`
-    explains (skipped where this Triton cannot target `arch`); returns the compiled build."""
-    compiled = aot_compile_or_skip(stem, builder, arch)
+def assert_ptx_teaches(stem: str, builder: str, arch: str, taught: dict, **params) -> dict:
+    """A lesson's test that its kernel's `arch` build (`params` to the builder) holds every
+    instruction its table `taught` explains (skipped where this Triton cannot target `arch`);
+    returns the compiled build."""
+    compiled = aot_compile_or_skip(stem, builder, arch, **params)
     counts = ptx_instructions(compiled["ptx"], [prefix for prefix, _ in taught[arch]])
     missing = [prefix for prefix, count in counts.items() if count == 0]
     assert not missing, f"{arch}: PTX lacks {missing}"
