@@ -205,7 +205,7 @@ def _stand_in_tuner(monkeypatch, tmp_path, plan_class, do_bench):
     monkeypatch.setattr(conv_runtime, "_TUNING_FILE", None)
     monkeypatch.setattr(conv_runtime, "_BEST_CONFIG", {})
     monkeypatch.setattr(conv_runtime, "device_facts", lambda: ("sm_90", 132, 232448))
-    monkeypatch.setattr(conv_runtime, "plan_for", lambda g, d, c: plan_class(c))
+    monkeypatch.setattr(conv_runtime, "plan_for", lambda g, d, c, out_dtype=None: plan_class(c))
     monkeypatch.setattr(conv_runtime.triton.testing, "do_bench", do_bench)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "a test GPU")
