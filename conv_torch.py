@@ -422,6 +422,10 @@ def fuse_conv_bn_act(model: torch.nn.Module, example_input: Optional[torch.Tenso
                                      both operands are known to match (no broadcasting)
            -> ReLU / SiLU         -> the epilogue's activation
     Each intermediate value must have no other user. BatchNorms in training mode are left alone.
+    A conv the kernel cannot run (groups > 1: grouped and depthwise convs) stays as it was, with
+    its BatchNorm and activation as separate modules: the operator would send it to torch with the
+    epilogue apart, slower than what torch.compile makes of conv -> BatchNorm -> activation, so the
+    pass never makes a model slower; `kept_convs` on the result counts them (with one warning).
     Returns a new GraphModule; `model` is not changed."""
     graph_module = torch.fx.symbolic_trace(model)
     modules = dict(graph_module.named_modules())
@@ -431,11 +435,14 @@ def fuse_conv_bn_act(model: torch.nn.Module, example_input: Optional[torch.Tenso
         ShapeProp(graph_module).propagate(example_input)
         shapes = {n: (tuple(n.meta["tensor_meta"].shape), n.meta["tensor_meta"].dtype)
                   for n in graph_module.graph.nodes if hasattr(n.meta.get("tensor_meta"), "shape")}
-    graph, removed, count = graph_module.graph, set(), 0
+    graph, removed, count, kept = graph_module.graph, set(), 0, 0
     for conv_node in list(graph.nodes):
         if conv_node in removed or conv_node.op != "call_module" \
                 or not isinstance(modules[conv_node.target], torch.nn.Conv2d) \
                 or modules[conv_node.target].padding_mode != "zeros":
+            continue
+        if modules[conv_node.target].groups != 1:      # the kernel computes groups=1: left for torch
+            kept += 1
             continue
         conv = modules[conv_node.target]
         chain, bn, residual, activation = [conv_node], None, None, "none"
@@ -472,5 +479,8 @@ def fuse_conv_bn_act(model: torch.nn.Module, example_input: Optional[torch.Tenso
     graph.lint()
     graph_module.delete_all_unused_submodules()
     graph_module.recompile()
-    graph_module.fused_convs = count
+    graph_module.fused_convs, graph_module.kept_convs = count, kept
+    if kept:
+        warnings.warn(f"fuse_conv_bn_act: {kept} grouped or depthwise convs left as they were (conv, BatchNorm, "
+                      f"activation apart, for torch.compile to fuse): the kernel computes groups=1")
     return graph_module

@@ -171,6 +171,36 @@ def test_fx_pass_leaves_what_it_cannot_fuse():
         torch.testing.assert_close(quietly(fused, x), expected, rtol=1e-4, atol=1e-4)
 
 
+class DepthwiseBlock(torch.nn.Module):
+    """A MobileNet-style block: 1x1 expand, depthwise 3x3, grouped 3x3, each with BatchNorm and an activation."""
+
+    def __init__(self):
+        super().__init__()
+        self.expand, self.bn1 = torch.nn.Conv2d(8, 32, 1, bias=False), torch.nn.BatchNorm2d(32)
+        self.depthwise, self.bn2 = torch.nn.Conv2d(32, 32, 3, 2, 1, groups=32, bias=False), torch.nn.BatchNorm2d(32)
+        self.grouped, self.bn3 = torch.nn.Conv2d(32, 32, 3, 1, 1, groups=4, bias=False), torch.nn.BatchNorm2d(32)
+
+    def forward(self, x):
+        x = F.silu(self.bn1(self.expand(x)))
+        x = torch.relu(self.bn2(self.depthwise(x)))
+        return torch.relu(self.bn3(self.grouped(x)))
+
+
+def test_fx_pass_leaves_grouped_and_depthwise_convs_for_torch_compile():
+    model = DepthwiseBlock()
+    for i, bn in enumerate((model.bn1, model.bn2, model.bn3)):
+        bn.load_state_dict(random_batchnorm(32, seed=i).state_dict())
+    model, x = model.eval(), torch.randn(2, 8, 12, 10)
+    with pytest.warns(UserWarning, match="2 grouped or depthwise convs left as they were"):
+        fused = conv_torch.fuse_conv_bn_act(model, example_input=x)
+    assert (fused.fused_convs, fused.kept_convs) == (1, 2)
+    kept = [m for m in fused.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.BatchNorm2d))]
+    assert [type(m).__name__ for m in kept] == ["Conv2d", "BatchNorm2d"] * 2
+    assert [m.groups for m in kept[::2]] == [32, 4]
+    with torch.no_grad():
+        torch.testing.assert_close(quietly(fused, x), model(x), rtol=1e-4, atol=1e-4)
+
+
 def test_fused_model_traces_with_fullgraph():
     model, x = network(), torch.randn(1, 3, 32, 32)
     fused = conv_torch.fuse_conv_bn_act(model, example_input=x)
