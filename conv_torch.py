@@ -17,6 +17,11 @@
   to `torch.compile` (fullgraph traces it) and the op runs inside CUDA graphs once warmed up.
   Backward uses PyTorch's convolution backward and the epilogue's chain rule, so a converted
   model can be fine-tuned.
+- `torch.ops.conv_tutorial.conv2d_fp8(input, input_scale, weight, weight_scale, bias, stride,
+  padding, dilation, residual=None, activation="none", out_dtype=None, out_scale=None)` is the
+  same kernel on e4m3 operands (lesson 05, section 9): a per-tensor input scale, per-output-channel
+  weight scales, a bf16 output or an e4m3 one at out_scale (`conv2d_fp8` below takes
+  F.conv2d's conventions; conv_fp8.py quantizes a whole fused model).
 - What the kernel does not cover goes to `torch.nn.functional.conv2d`, with one warning per
   reason: groups > 1, dtypes other than fp16/bf16, CPU tensors, GPUs other than Hopper (sm_90)
   and data-centre Blackwell (sm_100), and "same" padding that would need to be asymmetric.
