@@ -1,0 +1,100 @@
+"""Depthwise convolution (groups = channels) in Triton: lesson 01's sliding window with a channel axis.
+
+A depthwise conv gives each channel its own R x S filter: out[n, y, x, c] = sum over (r, s) of
+x[n, y*stride + r*dil - pad, x*stride + s*dil - pad, c] * w[c, r, s]. There is no sum over
+channels, so no matrix product and nothing for tensor cores: 2 R S flops per output value against
+about 2 bytes read and 2 written (bf16; the taps' neighbours come from L1/L2). It is memory-bound,
+to be judged in GB/s against the GPU's memory bandwidth.
+
+In NHWC a pixel's channels are contiguous, so a program takes BLOCK_P output pixels x BLOCK_C
+channels: each tap loads a BLOCK_P x BLOCK_C tile of the input (coalesced along channels) and
+one BLOCK_C vector of weights, and the tile accumulates in fp32; then lesson 05's fused
+epilogue, act(acc * scale + bias + residual), and one store. This module is the kernel and its
+launcher; the PyTorch operator (conv_torch) sends depthwise calls here.
+"""
+import common  # first: on a machine without a GPU it turns on the Triton interpreter
+
+import torch
+import triton
+import triton.language as tl
+
+DEPTHWISE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def depthwise_conv2d_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, residual_ptr, out_ptr,
+                            N, H, W, C, out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
+                            R: tl.constexpr, S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                            ACTIVATION: tl.constexpr):
+    pixels = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)     # flattened (n, y, x) of the output
+    channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    pixel_ok, channel_ok = pixels < N * out_h * out_w, channels < C
+    n, y, x = pixels // (out_h * out_w), (pixels // out_w) % out_h, pixels % out_w
+    acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
+    for r in tl.static_range(R):
+        in_y = y * stride_h - pad_h + r * dil_h
+        for s in tl.static_range(S):
+            in_x = x * stride_w - pad_w + s * dil_w
+            inside = pixel_ok & (in_y >= 0) & (in_y < H) & (in_x >= 0) & (in_x < W)   # padding reads 0
+            rows = ((n * H + in_y) * W + in_x).to(tl.int64) * C
+            tile = tl.load(x_ptr + rows[:, None] + channels[None, :], mask=inside[:, None] & channel_ok[None, :],
+                           other=0.0)
+            taps = tl.load(w_ptr + channels * (R * S) + (r * S + s), mask=channel_ok, other=0.0)
+            acc += tile.to(tl.float32) * taps.to(tl.float32)[None, :]
+    # lesson 05's epilogue: act(acc * scale + bias + residual), per channel, in fp32
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + channels, mask=channel_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + channels, mask=channel_ok, other=0.0).to(tl.float32)[None, :]
+    offsets = pixels.to(tl.int64)[:, None] * C + channels[None, :]
+    mask = pixel_ok[:, None] & channel_ok[None, :]
+    if HAS_RESIDUAL:
+        acc = acc + tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if ACTIVATION == "relu":
+        acc = tl.maximum(acc, 0.0)
+    elif ACTIVATION == "silu":
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def depthwise_conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, scale=None, residual=None,
+                     activation="none", block_p=64):
+    """Depthwise conv of x_nhwc [N, H, W, C] with w [C, R, S] (or torch's [C, 1, R, S]), then
+    act(. * scale + bias + residual) per channel; returns NHWC [N, out_h, out_w, C] in x's dtype."""
+    if not isinstance(x_nhwc, torch.Tensor) or not isinstance(w, torch.Tensor):
+        raise TypeError(f"x_nhwc and w must be torch.Tensors, got {type(x_nhwc).__name__} and {type(w).__name__}")
+    if x_nhwc.dim() != 4 or not x_nhwc.is_contiguous():
+        raise ValueError(f"x_nhwc must be a contiguous [N, H, W, C] tensor, got shape {tuple(x_nhwc.shape)} "
+                         f"and strides {x_nhwc.stride()}")
+    N, H, W, C = x_nhwc.shape
+    if w.dim() == 4 and w.shape[1] == 1:
+        w = w[:, 0]
+    if w.dim() != 3 or w.shape[0] != C:
+        raise ValueError(f"w must be [C, R, S] or [C, 1, R, S] with C={C} (one filter per channel), got "
+                         f"{tuple(w.shape)}")
+    if x_nhwc.dtype not in DEPTHWISE_DTYPES or w.dtype != x_nhwc.dtype:
+        raise TypeError(f"x_nhwc and w must share one dtype of {DEPTHWISE_DTYPES}, got {x_nhwc.dtype} and {w.dtype}")
+    R, S = w.shape[1:]
+    (sh, sw), (ph, pw), (dh, dw) = (common.pair(v, name, low) for v, name, low in
+                                    ((stride, "stride", 1), (padding, "padding", 0), (dilation, "dilation", 1)))
+    out_h, out_w = common.conv_output_size(H, R, sh, ph, dh), common.conv_output_size(W, S, sw, pw, dw)
+    if out_h <= 0 or out_w <= 0:
+        raise ValueError(f"the filter {R}x{S} (dilation {(dh, dw)}) does not fit the padded input {H}x{W} "
+                         f"(padding {(ph, pw)}): output {out_h}x{out_w}")
+    out_shape = (N, out_h, out_w, C)
+    common.check_epilogue(C, out_shape, x_nhwc.dtype, x_nhwc.device, scale, residual, activation)
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (C,)):
+        raise ValueError(f"bias must be a tensor of shape ({C},), got {getattr(bias, 'shape', bias)}")
+    out = torch.empty(out_shape, device=x_nhwc.device, dtype=x_nhwc.dtype)
+    if out.numel() == 0:
+        return out
+    block_c = min(64, triton.next_power_of_2(C))
+    grid = (triton.cdiv(N * out_h * out_w, block_p), triton.cdiv(C, block_c))
+    depthwise_conv2d_kernel[grid](
+        x_nhwc, w.contiguous(), bias if bias is not None else out, scale if scale is not None else out,
+        residual.contiguous() if residual is not None else out, out,
+        N, H, W, C, out_h, out_w, sh, sw, ph, pw, dh, dw, R=R, S=S, BLOCK_P=block_p, BLOCK_C=block_c,
+        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, HAS_RESIDUAL=residual is not None,
+        ACTIVATION=activation)
+    return out
