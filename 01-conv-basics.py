@@ -302,6 +302,13 @@ def test_direct_conv_rejects_bad_input(bad_call, error, message):
 # 9 x 32 x 32 = 9216 loads for 34 x 34 = 1156 distinct pixels: each one is fetched ~8 times.
 # Caches absorb part of it, but every load is still an instruction and a register, and nothing
 # here uses tensor cores. Below we count it by listing the addresses the kernel's loads touch.
+#
+# This sliding window comes back at the end of the series. A *depthwise* convolution (groups =
+# channels: MobileNet, EfficientNet, ConvNeXt) gives each channel its own filter, so there is no
+# sum over channels and no matrix product for lessons 02-05 to hand to tensor cores: it stays this
+# kernel, with the channel axis innermost (NHWC, so that a tap loads a tile of pixels x channels
+# in one coalesced sweep) and lesson 05's fused epilogue. `conv_depthwise.py` is that kernel; it
+# is memory-bound, and judged in GB/s.
 
 
 def count_tile_loads(tile_h, tile_w, R, S, stride=1, dilation=1):

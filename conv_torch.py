@@ -40,6 +40,7 @@ import common  # first: on a machine without a GPU it turns on the Triton interp
 
 import torch
 
+import conv_depthwise
 import conv_runtime
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, common.FP8)
@@ -104,6 +105,12 @@ def _conv2d_with_epilogue(input: torch.Tensor, weight: torch.Tensor, bias: Optio
     if scale is not None or residual is not None or activation != "none":   # (a plain call skips this)
         common.check_epilogue(weight.shape[0], _out_shape(input, weight, stride, padding, dilation),
                               out_dtype, input.device, scale, residual, activation)
+    if groups > 1 and groups == input.shape[1] == weight.shape[0] and weight.shape[1] == 1 \
+            and input.is_cuda and input.dtype in (torch.float16, torch.bfloat16) and weight.dtype == input.dtype:
+        out_nhwc = conv_depthwise.depthwise_conv2d(        # depthwise: one filter per channel, in Triton
+            nhwc_view(input), weight[:, 0], bias, tuple(stride), tuple(padding), tuple(dilation), scale,
+            None if residual is None else nhwc_view(residual), activation)
+        return out_nhwc.permute(0, 3, 1, 2)
     reason = unsupported_reason(input, weight, groups)
     if reason is not None:
         _fall_back(reason)

@@ -72,3 +72,15 @@ def test_depthwise_on_100_random_layers():
         check_depthwise(rng.randint(1, 4), H, W, rng.choice([8, 24, 32, 72, 96, 144, 240, 480, 960]), R, S, stride,
                         (R // 2) * dilation, dilation, dtype=rng.choice([torch.bfloat16, torch.float16]),
                         seed=case, **epilogues[case % len(epilogues)])
+
+
+@pytest.mark.skipif(not common.HAS_CUDA, reason="needs a CUDA GPU (the operator runs depthwise convs there)")
+def test_operator_sends_depthwise_convs_to_the_kernel():
+    import conv_torch
+    x = torch.randn(4, 96, 17, 15, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(96, 1, 5, 5, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(96, device="cuda")
+    out = conv_torch.conv2d_op(x, w, bias, [2, 2], [2, 2], [1, 1], 96, activation="silu")
+    expected = torch.nn.functional.silu(torch.nn.functional.conv2d(x.float(), w.float(), bias, 2, 2, groups=96))
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(out.float(), expected, rtol=2 ** -7, atol=2 ** -7 * expected.abs().max().item())
