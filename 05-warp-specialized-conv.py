@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from conv_config import FIXED_CONFIG, PINGPONG_CONFIG, KernelConfig, check_config, stores_by_row_blocks, \
-    tile_counts, adapt_block_k
+    tile_counts, adapt_block_k, block_k_channels
 
 CONV_DTYPES = (torch.float16, torch.bfloat16)
 # A run-time integer in an aggregate: a tensor, or a constexpr where Triton specialized the
@@ -760,12 +760,9 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     config = KernelConfig(*config)
     check_config(config, arch)
-    row_blocks = stores_by_row_blocks(config)     # the kernel's answer: for the config as given
     x_nhwc, w, Ci_padded = common.pad_channels_for_tma(x_nhwc, w)
-    # a config's BLOCK_K counts 2-byte channels: 128 bytes of K, so fp8 takes 128 channels (section 9)
-    config = adapt_block_k(config._replace(block_k=config.block_k * 2 // x_nhwc.element_size()), Ci_padded)
-    config = config._replace(block_k=max(config.block_k, 32 // x_nhwc.element_size()))  # an MMA's K: 32 bytes
-    BLOCK_M, BLOCK_N, BLOCK_K = config[:3]
+    BLOCK_M, BLOCK_N = config[:2]
+    BLOCK_K = block_k_channels(config, Ci_padded, x_nhwc.element_size())   # 128 bytes: 128 e4m3 (section 9)
     g = geometry
     settings = common.conv_im2col_settings(
         common.conv_geometry(x_nhwc.shape, w.shape, g.stride, g.padding, g.dilation))
@@ -781,7 +778,7 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
         out_layout = common.conv_tma_layouts(out_dtype, BLOCK_M, config.block_n_tail, BLOCK_K)[2]
         w_tail_desc = TensorDescriptor.from_tensor(w.view(g.Co, -1), [config.block_n_tail, BLOCK_K], w_layout)
         out_tail_desc = TensorDescriptor.from_tensor(out_2d, [BLOCK_M, config.block_n_tail], out_layout)
-    if config.block_m_tail or row_blocks:   # section 6: a box of the tail's rows
+    if config.block_m_tail or stores_by_row_blocks(config):   # section 6: a box of the tail's rows
         rows = config.block_m_tail or BLOCK_M // 2
         out_layout = common.conv_tma_layouts(out_dtype, rows, BLOCK_N, BLOCK_K)[2]
         out_tail_desc = TensorDescriptor.from_tensor(out_2d, [rows, BLOCK_N], out_layout)
@@ -1250,10 +1247,7 @@ def conv2d_fprop_fp8_launch(x_q, x_scale, w_q, w_scale, bias=None, stride=1, pad
     geometry = common.check_fp8_call(x_q, x_scale, w_q, w_scale, bias, stride, padding, dilation, scale=scale,
                                      residual=residual, activation=activation, out_dtype=out_dtype,
                                      out_scale=out_scale)
-    # the epilogue's per-channel scale and shift: dequantize, the layer's own scale, and / out_scale for e4m3
-    scale = (x_scale * w_scale * (scale.float() if scale is not None else 1.0)).contiguous()
-    if out_scale is not None:
-        scale, bias = scale / out_scale, (bias.float() / out_scale if bias is not None else None)
+    scale, bias = common.fp8_epilogue(x_scale, w_scale, scale, bias, out_scale)   # dequantize in the epilogue
     return launch_checked(x_q, w_q, bias, geometry, config, scale, residual, activation, out_dtype)
 
 

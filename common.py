@@ -447,6 +447,24 @@ def _check_fp8_scale(name, value, shape, device):
         raise ValueError(f"{name} is on {value.device}, the input on {device}")
 
 
+def check_fp8_dtypes(caller, **operands):
+    """Each named operand (a tensor) must be e4m3; the error names it and what `caller` takes."""
+    for name, value in operands.items():
+        if isinstance(value, torch.Tensor) and value.dtype != FP8:
+            raise TypeError(f"{name} has dtype {value.dtype}; {caller} takes torch.float8_e4m3fn "
+                            f"(common.quantize_fp8 makes it, with its scale)")
+
+
+def fp8_epilogue(x_scale, w_scale, scale=None, bias=None, out_scale=None):
+    """(scale, bias) of the fused epilogue that dequantizes an e4m3 conv (lesson 05, section 9):
+    x_scale * w_scale[co] times the layer's own scale, and for an e4m3 output both divided by
+    out_scale (relu(z) / s = relu(z / s))."""
+    scale = x_scale * w_scale if scale is None else x_scale * w_scale * scale.float()
+    if out_scale is not None:
+        scale, bias = scale / out_scale, (bias.float() / out_scale if bias is not None else None)
+    return scale.contiguous(), bias
+
+
 def check_fp8_scales(x_scale, w_scale, Co, device, *, residual=None, activation="none", out_dtype=torch.bfloat16,
                      out_scale=None):
     """The fp8 conv's own arguments: x_scale one fp32 value (shape ()), w_scale one per output
@@ -475,10 +493,7 @@ def check_fp8_call(x_q, x_scale, w_q, w_scale, bias, stride, padding, dilation, 
                    activation="none", out_dtype=torch.bfloat16, out_scale=None) -> ConvGeometry:
     """Validate an fp8 conv on NHWC tensors: x_q and w_q in e4m3, their scales and the output's
     (check_fp8_scales), then the epilogue. Returns the geometry."""
-    for name, value in (("x_q", x_q), ("w_q", w_q)):
-        if isinstance(value, torch.Tensor) and value.dtype != FP8:
-            raise TypeError(f"{name} has dtype {value.dtype}; the fp8 conv takes torch.float8_e4m3fn "
-                            f"(common.quantize_fp8 makes it, with its scale)")
+    check_fp8_dtypes("the fp8 conv", x_q=x_q, w_q=w_q)
     geometry = check_conv_inputs(x_q, w_q, stride, padding, dilation, dtypes=(FP8,), bias=bias)
     check_fp8_scales(x_scale, w_scale, geometry.Co, x_q.device, residual=residual, activation=activation,
                      out_dtype=out_dtype, out_scale=out_scale)

@@ -105,6 +105,14 @@ def adapt_block_k(config, Ci_padded):
     return config
 
 
+def block_k_channels(config, Ci_padded, element_size):
+    """The K block in channels of the operand's dtype. A config's BLOCK_K counts 2-byte channels
+    (64 of them: 128 bytes), so 1-byte e4m3 takes twice as many (lesson 05, section 9); fewer for
+    small channel counts (adapt_block_k), never below an MMA's K of 32 bytes."""
+    block_k = adapt_block_k(config._replace(block_k=config.block_k * 2 // element_size), Ci_padded).block_k
+    return max(block_k, 32 // element_size)
+
+
 def tile_counts(config, M, Co, num_sms):
     """(programs, tiles, whole tiles) of a launch: the persistent grid, the conv's output tiles,
     and how many of them run whole (section 7 splits those past the last full wave)."""

@@ -150,8 +150,8 @@ def quantize_fp8(fused_model: torch.fx.GraphModule, calibration_batches) -> torc
     # Output formats: e4m3 unless a bf16 conv reads the output or a residual partner writes bf16;
     # one bf16 member turns its whole residual chain to bf16, so iterate until nothing changes.
     def bf16_conv(n):
-        return n.op == "call_module" and n not in fp8 and isinstance(modules[n.target], torch.nn.Conv2d) \
-            or n in conv_nodes and n not in fp8
+        return n.op == "call_module" and n not in fp8 \
+            and isinstance(modules[n.target], (torch.nn.Conv2d, conv_torch.FusedConv2d))
     writes_fp8 = set(fp8)
     changed = True
     while changed:

@@ -241,16 +241,11 @@ def _conv2d_fp8(input: torch.Tensor, input_scale: torch.Tensor, weight: torch.Te
                 out_dtype: Optional[torch.dtype] = None, out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """act(conv2d(input * input_scale, weight * weight_scale) + bias + residual) in bf16 (out_dtype
     None or bf16), or that divided by out_scale in e4m3 (out_dtype float8_e4m3fn)."""
-    for name, t in (("input", input), ("weight", weight)):
-        if t.dtype != common.FP8:
-            raise TypeError(f"{name} has dtype {t.dtype}; conv2d_fp8 takes torch.float8_e4m3fn "
-                            f"(common.quantize_fp8 makes it, with its scale)")
+    common.check_fp8_dtypes("conv2d_fp8", input=input, weight=weight)
     out_dtype = out_dtype or torch.bfloat16
     common.check_fp8_scales(input_scale, weight_scale, weight.shape[0], input.device, residual=residual,
                             activation=activation, out_dtype=out_dtype, out_scale=out_scale)
-    scale = input_scale * weight_scale
-    if out_scale is not None:             # relu(z) / s = relu(z / s): the output's scale folds in too
-        scale, bias = scale / out_scale, (None if bias is None else bias.float() / out_scale)
+    scale, bias = common.fp8_epilogue(input_scale, weight_scale, None, bias, out_scale)
     return conv2d_op(input, weight, bias, stride, padding, dilation, 1, scale, residual, activation, out_dtype)
 
 
