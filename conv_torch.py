@@ -105,8 +105,7 @@ def _conv2d_with_epilogue(input: torch.Tensor, weight: torch.Tensor, bias: Optio
     if scale is not None or residual is not None or activation != "none":   # (a plain call skips this)
         common.check_epilogue(weight.shape[0], _out_shape(input, weight, stride, padding, dilation),
                               out_dtype, input.device, scale, residual, activation)
-    if groups > 1 and groups == input.shape[1] == weight.shape[0] and weight.shape[1] == 1 \
-            and input.is_cuda and input.dtype in (torch.float16, torch.bfloat16) and weight.dtype == input.dtype:
+    if is_depthwise(groups, input.shape[1], weight.shape[0], weight.shape) and input.is_cuda and input.dtype in (torch.float16, torch.bfloat16) and weight.dtype == input.dtype:
         out_nhwc = conv_depthwise.depthwise_conv2d(        # depthwise: one filter per channel, in Triton
             nhwc_view(input), weight[:, 0], bias, tuple(stride), tuple(padding), tuple(dilation), scale,
             None if residual is None else nhwc_view(residual), activation)
@@ -420,6 +419,21 @@ def _residual_of(add, value, shapes):
     return other
 
 
+def is_depthwise(groups, in_channels, out_channels, weight_shape):
+    """One filter per channel: groups = in = out channels (conv_depthwise runs it)."""
+    return groups > 1 and groups == in_channels == out_channels and weight_shape[1] == 1
+
+
+def kernel_for(conv: torch.nn.Conv2d) -> Optional[str]:
+    """Which of our kernels runs `conv`: "implicit-gemm" (lesson 05), "depthwise" (conv_depthwise),
+    or None where neither does (grouped convs)."""
+    if conv.groups == 1:
+        return "implicit-gemm"
+    if is_depthwise(conv.groups, conv.in_channels, conv.out_channels, conv.weight.shape):
+        return "depthwise"
+    return None
+
+
 def fuse_conv_bn_act(model: torch.nn.Module, example_input: Optional[torch.Tensor] = None
                      ) -> torch.fx.GraphModule:
     """A torch.fx pass over any traceable model: every nn.Conv2d becomes a FusedConv2d that also
@@ -429,10 +443,11 @@ def fuse_conv_bn_act(model: torch.nn.Module, example_input: Optional[torch.Tenso
                                      both operands are known to match (no broadcasting)
            -> ReLU / SiLU         -> the epilogue's activation
     Each intermediate value must have no other user. BatchNorms in training mode are left alone.
-    A conv the kernel cannot run (groups > 1: grouped and depthwise convs) stays as it was, with
-    its BatchNorm and activation as separate modules: the operator would send it to torch with the
-    epilogue apart, slower than what torch.compile makes of conv -> BatchNorm -> activation, so the
-    pass never makes a model slower; `kept_convs` on the result counts them (with one warning).
+    Depthwise convs go to conv_depthwise (with the same epilogue). A conv none of our kernels runs
+    (kernel_for: grouped convs) stays as it was, with its BatchNorm and activation as separate
+    modules: the operator would send it to torch with the epilogue apart, slower than what
+    torch.compile makes of conv -> BatchNorm -> activation, so the pass never makes a model slower;
+    `kept_convs` on the result counts them (with one warning).
     Returns a new GraphModule; `model` is not changed."""
     graph_module = torch.fx.symbolic_trace(model)
     modules = dict(graph_module.named_modules())
@@ -448,7 +463,7 @@ def fuse_conv_bn_act(model: torch.nn.Module, example_input: Optional[torch.Tenso
                 or not isinstance(modules[conv_node.target], torch.nn.Conv2d) \
                 or modules[conv_node.target].padding_mode != "zeros":
             continue
-        if modules[conv_node.target].groups != 1:      # the kernel computes groups=1: left for torch
+        if kernel_for(modules[conv_node.target]) is None:   # no kernel of ours for it: left for torch
             kept += 1
             continue
         conv = modules[conv_node.target]
@@ -488,6 +503,6 @@ def fuse_conv_bn_act(model: torch.nn.Module, example_input: Optional[torch.Tenso
     graph_module.recompile()
     graph_module.fused_convs, graph_module.kept_convs = count, kept
     if kept:
-        warnings.warn(f"fuse_conv_bn_act: {kept} grouped or depthwise convs left as they were (conv, BatchNorm, "
-                      f"activation apart, for torch.compile to fuse): the kernel computes groups=1")
+        warnings.warn(f"fuse_conv_bn_act: {kept} grouped convs left as they were (conv, BatchNorm, activation "
+                      f"apart, for torch.compile to fuse): no kernel of ours runs them")
     return graph_module

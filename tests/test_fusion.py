@@ -186,17 +186,18 @@ class DepthwiseBlock(torch.nn.Module):
         return torch.relu(self.bn3(self.grouped(x)))
 
 
-def test_fx_pass_leaves_grouped_and_depthwise_convs_for_torch_compile():
+def test_fx_pass_fuses_depthwise_convs_and_leaves_grouped_ones_for_torch_compile():
     model = DepthwiseBlock()
     for i, bn in enumerate((model.bn1, model.bn2, model.bn3)):
         bn.load_state_dict(random_batchnorm(32, seed=i).state_dict())
     model, x = model.eval(), torch.randn(2, 8, 12, 10)
-    with pytest.warns(UserWarning, match="2 grouped or depthwise convs left as they were"):
+    with pytest.warns(UserWarning, match="1 grouped convs left as they were"):
         fused = conv_torch.fuse_conv_bn_act(model, example_input=x)
-    assert (fused.fused_convs, fused.kept_convs) == (1, 2)
+    assert (fused.fused_convs, fused.kept_convs) == (2, 1)
+    depthwise = [m for m in fused.modules() if isinstance(m, conv_torch.FusedConv2d)][1]
+    assert depthwise._op_args[3] == 32 and depthwise.folded_batchnorm and depthwise.activation == "relu"
     kept = [m for m in fused.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.BatchNorm2d))]
-    assert [type(m).__name__ for m in kept] == ["Conv2d", "BatchNorm2d"] * 2
-    assert [m.groups for m in kept[::2]] == [32, 4]
+    assert [type(m).__name__ for m in kept] == ["Conv2d", "BatchNorm2d"] and kept[0].groups == 4
     with torch.no_grad():
         torch.testing.assert_close(quietly(fused, x), model(x), rtol=1e-4, atol=1e-4)
 
