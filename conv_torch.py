@@ -6,6 +6,8 @@
 
     fused = conv_torch.fuse_conv_bn_act(model.eval(), example_input=x)   # a torch.fx pass:
     # conv -> BatchNorm (folded) -> (+ residual) -> ReLU/SiLU become one call each (FusedConv2d)
+    fused = conv_torch.keep_faster_convs(fused.to(torch.bfloat16, memory_format=torch.channels_last).cuda(),
+                                         x_deployed)   # measured: torch keeps the convs it runs faster
 
 - `torch.ops.conv_tutorial.conv2d(input, weight, bias, stride, padding, dilation, groups,
   scale=None, residual=None, activation="none")` is a PyTorch operator (torch.library) computing
@@ -506,3 +508,77 @@ def fuse_conv_bn_act(model: torch.nn.Module, example_input: Optional[torch.Tenso
         warnings.warn(f"fuse_conv_bn_act: {kept} grouped convs left as they were (conv, BatchNorm, activation "
                       f"apart, for torch.compile to fuse): no kernel of ours runs them")
     return graph_module
+
+
+class TorchConvEpilogue(torch.nn.Module):
+    """A FusedConv2d's work done by torch: F.conv2d (cuDNN), then shift, residual and activation in
+    fp32 as elementwise ops, which torch.compile fuses into one pass over the output. What
+    keep_faster_convs puts back where torch measures faster. Same weights, same call signature."""
+
+    def __init__(self, fused: FusedConv2d):
+        super().__init__()
+        self.weight, self.bias = fused.weight, fused.bias
+        self.activation, self.takes_residual, self._op_args = fused.activation, fused.takes_residual, fused._op_args
+        self.conv_repr = fused.conv_repr
+
+    def forward(self, x, residual=None):
+        out = torch.nn.functional.conv2d(x, self.weight, None, *self._op_args)
+        if self.bias is None and residual is None and self.activation == "none":
+            return out
+        return reference_epilogue(out.float(), self.bias, None, None if residual is None else residual.float(),
+                                  self.activation).to(out.dtype)
+
+    def extra_repr(self):
+        return self.conv_repr + f", torch, {self.activation}"
+
+
+def _graph_replay_ms(fn):
+    """A call's time replayed in a CUDA graph (kernels alone, as a captured model runs them)."""
+    import triton
+    return triton.testing.do_bench_cudagraph(fn, rep=20)
+
+
+def keep_faster_convs(fused_model: torch.fx.GraphModule, example_input: torch.Tensor, timer=None
+                      ) -> torch.fx.GraphModule:
+    """After fuse_conv_bn_act, on the model as it will run (dtype, device, the batch it will see):
+    time each FusedConv2d at its real input against torch doing the same work, F.conv2d (cuDNN)
+    plus, if there is a shift, residual or activation, one elementwise pass over the output (what
+    torch.compile makes of them); where torch is faster, put a TorchConvEpilogue in its place.
+    Small layers (SE blocks' 1x1 convs on pooled vectors, thin 1x1 convs at batch 1) are where
+    cuDNN's lighter kernels win. `timer(fn) -> ms` defaults to a CUDA-graph replay; distinct
+    layers are timed once. Changes `fused_model` in place and returns it; `torch_convs` on it
+    counts the convs given back to torch."""
+    timer = timer or _graph_replay_ms
+    calls = {}
+
+    def record(name):
+        def hook(module, args, out):      # (returns None: a forward hook's result would replace the output)
+            calls.setdefault(name, (module, args))
+        return hook
+    hooks = [module.register_forward_hook(record(name))
+             for name, module in fused_model.named_modules() if isinstance(module, FusedConv2d)]
+    try:
+        with torch.no_grad():
+            fused_model(example_input)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    decided, given_back = {}, 0
+    for name, (module, args) in calls.items():
+        key = (tuple(args[0].shape), tuple(module.weight.shape), str(module._op_args), module.activation,
+               module.takes_residual, module.bias is not None)
+        if key not in decided:
+            with torch.no_grad():
+                ours_ms = timer(lambda: module(*args))
+                conv = lambda: torch.nn.functional.conv2d(args[0], module.weight, None, *module._op_args)  # noqa: E731
+                torch_ms = timer(conv)
+                if module.bias is not None or module.takes_residual or module.activation != "none":
+                    out = conv()
+                    torch_ms += timer(lambda: torch.add(out, args[1]) if module.takes_residual else torch.relu(out))
+            decided[key] = torch_ms < ours_ms
+        if decided[key]:
+            parent, _, attribute = name.rpartition(".")
+            setattr(fused_model.get_submodule(parent), attribute, TorchConvEpilogue(module))
+            given_back += 1
+    fused_model.torch_convs = given_back
+    return fused_model

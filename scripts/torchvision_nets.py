@@ -11,11 +11,12 @@ its own process, at every batch size:
                             (torch._inductor.config.freezing = True): BatchNorm folded into cuDNN's
                             convs, what follows them fused by Inductor, CUDA graphs. The strongest
                             model a user can get without leaving PyTorch.
-  ours-fused-cudagraphs     conv_torch.fuse_conv_bn_act, then the same torch.compile with freezing:
-                            each conv the pass takes is one call of lesson 05's kernel (or, for a
-                            depthwise conv, conv_depthwise's) with BatchNorm, residual add and
-                            activation in its epilogue; Inductor does everything else, the convs
-                            the pass keeps included.
+  ours-fused-cudagraphs     conv_torch.fuse_conv_bn_act, conv_torch.keep_faster_convs at this
+                            batch, then the same torch.compile with freezing: each conv the passes
+                            take is one call of lesson 05's kernel (or, for a depthwise conv,
+                            conv_depthwise's) with BatchNorm, residual add and activation in its
+                            epilogue; Inductor does everything else, including the grouped convs
+                            and those where cuDNN measured faster.
 Images/s are do_bench medians of a whole forward pass; the logits' error is max |error| / max
 |reference| against the fp32 model run eagerly with TF32 off. Writes torchvision_nets.json
 ({"device", "torch", "triton", "rows": [{"net", "batch", "variant", "img_s", "logits_max_rel_err"}]})
@@ -86,7 +87,7 @@ BF16 = dict(dtype=torch.bfloat16, memory_format=torch.channels_last)
 
 
 def variant_model(variant, fp32, x32):
-    """The model `variant` runs (compiled lazily by its first call); for ours, also the pass's counts."""
+    """The model `variant` runs (compiled lazily by its first call); for ours, also the passes' counts."""
     import copy
     import conv_torch
     if variant == "ours-fused-cudagraphs":
@@ -94,7 +95,10 @@ def variant_model(variant, fp32, x32):
             warnings.simplefilter("ignore")        # the kept convs' warning: counted below instead
             # folded from the fp32 model (the arithmetic in fp32), then cast: as a user would deploy it
             fused = conv_torch.fuse_conv_bn_act(fp32, example_input=x32[:1]).to(**BF16)
-        info = {"fused_convs": fused.fused_convs, "kept_convs": fused.kept_convs}
+        # each fused conv timed at this batch against cuDNN + an elementwise pass: torch keeps the faster
+        fused = conv_torch.keep_faster_convs(fused, x32.to(**BF16))
+        info = {"fused_convs": fused.fused_convs - fused.torch_convs, "kept_convs": fused.kept_convs,
+                "given_back_convs": fused.torch_convs}
         return torch.compile(fused, mode="reduce-overhead", dynamic=False), info
     model = copy.deepcopy(fp32).to(**BF16)
     if variant == "cudnn-eager":
@@ -129,7 +133,8 @@ def child(net, variant, batches, json_path):
                      "logits_max_rel_err": error, "first_call_s": first_call_s, **info})
         print(f"{net:<20} batch {batch:<4} {variant:<24} {rows[-1]['img_s']:9.0f} images/s "
               f"({ms:.3f} ms; first call {first_call_s:.0f} s) logits max rel. err {error:.1e}"
-              + (f"; convs fused {info['fused_convs']}, kept for torch {info['kept_convs']}" if info else ""),
+              + (f"; convs ours {info['fused_convs']}, kept for torch {info['kept_convs']} (grouped) + "
+                 f"{info['given_back_convs']} (torch faster)" if info else ""),
               flush=True)
         del model, out
         torch._dynamo.reset()

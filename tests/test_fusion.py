@@ -202,6 +202,53 @@ def test_fx_pass_fuses_depthwise_convs_and_leaves_grouped_ones_for_torch_compile
         torch.testing.assert_close(quietly(fused, x), model(x), rtol=1e-4, atol=1e-4)
 
 
+# %% Keeping the faster of ours and torch, per conv
+
+def timer_that_favours(favoured):
+    """A stand-in for the CUDA-graph timer: runs the call once and says it took 1 ms if it ran
+    `favoured` ("ours": a FusedConv2d; "torch": anything else), 10 ms otherwise."""
+    def timer(fn):
+        ran_ours = []
+        hooks = [m.register_forward_pre_hook(lambda *args: ran_ours.append(True))
+                 for m in timer.model.modules() if isinstance(m, conv_torch.FusedConv2d)]
+        quietly(fn)
+        for hook in hooks:
+            hook.remove()
+        return 1.0 if bool(ran_ours) == (favoured == "ours") else 10.0
+    return timer
+
+
+@pytest.mark.parametrize("favoured", ["ours", "torch"])
+def test_keep_faster_convs_gives_slower_convs_back_to_torch_with_the_same_output(favoured):
+    torch.manual_seed(0)
+    model, x = network(), torch.randn(2, 3, 48, 40)
+    fused = conv_torch.fuse_conv_bn_act(model, example_input=x)
+    timer = timer_that_favours(favoured)
+    timer.model = fused
+    kept = quietly(conv_torch.keep_faster_convs, fused, x, timer=timer)
+    torch_modules = [m for m in kept.modules() if isinstance(m, conv_torch.TorchConvEpilogue)]
+    # torch's side costs a conv (+ an elementwise pass where there is an epilogue): 1 or 2 ms
+    # against ours at 10 when torch is favoured; 10 or 20 against 1 otherwise
+    assert kept.torch_convs == len(torch_modules) == (11 if favoured == "torch" else 0)
+    assert len(fused_modules(kept)) == 11 - kept.torch_convs
+    with torch.no_grad():
+        torch.testing.assert_close(quietly(kept, x), model(x), rtol=1e-4, atol=1e-4)
+
+
+@needs_gpu
+def test_keep_faster_convs_on_the_gpu_keeps_the_output():
+    torch.manual_seed(0)
+    model = network().cuda().bfloat16()
+    x = torch.randn(4, 3, 64, 64, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    fused = conv_torch.fuse_conv_bn_act(model, example_input=x)
+    with torch.no_grad():
+        before = fused(x).float()
+        kept = conv_torch.keep_faster_convs(fused, x)      # measured: which convs go back depends on the GPU
+        after = kept(x).float()
+    assert 0 <= kept.torch_convs <= 11
+    assert (after - before).abs().max() <= 2 ** -6 * before.abs().max()
+
+
 def test_fused_model_traces_with_fullgraph():
     model, x = network(), torch.randn(1, 3, 32, 32)
     fused = conv_torch.fuse_conv_bn_act(model, example_input=x)
