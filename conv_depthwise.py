@@ -103,7 +103,7 @@ def depthwise_conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, scal
     if out.numel() == 0:
         return out
     block_c = channel_block(C)
-    block_p = block_p or 2048 // block_c
+    block_p = block_p or 4096 // block_c        # 4096 values per program: the fastest of 1024-4096 measured
     grid = (triton.cdiv(N * out_h * out_w, block_p), triton.cdiv(C, block_c))
     depthwise_conv2d_kernel[grid](
         x_nhwc, w.contiguous(), bias if bias is not None else out, scale if scale is not None else out,

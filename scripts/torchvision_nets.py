@@ -17,7 +17,9 @@ its own process, at every batch size:
                             conv_depthwise's) with BatchNorm, residual add and activation in its
                             epilogue; Inductor does everything else, including the grouped convs
                             and those where cuDNN measured faster.
-Images/s are do_bench medians of a whole forward pass; the logits' error is max |error| / max
+The three processes of a network compile at the same time; each is then timed with nothing else
+on the GPU (ours first decides, alone on the GPU, which convs torch keeps). Images/s are do_bench
+medians of a whole forward pass; the logits' error is max |error| / max
 |reference| against the fp32 model run eagerly with TF32 off. Writes torchvision_nets.json
 ({"device", "torch", "triton", "rows": [{"net", "batch", "variant", "img_s", "logits_max_rel_err"}]})
 and torchvision_nets.png to the output folder; `--merge` keeps the rows of networks not measured now.
@@ -107,15 +109,20 @@ def variant_model(variant, fp32, x32):
 
 
 def child(net, variant, batches, json_path):
-    """One network in one variant, every batch size, in this (fresh) process."""
+    """One network in one variant, every batch size, in this (fresh) process, in three steps the
+    parent paces through stdin/stdout so that nothing else runs on the GPU while it is timed:
+    ours decides which convs torch keeps (keep_faster_convs times layers: DECIDED), every variant
+    compiles and records its CUDA graphs (READY; the processes of one network do this at the same
+    time), then on GO each process in turn times its forward passes."""
     import torch._inductor.config
     torch._inductor.config.freezing = True
-    fp32, rows = fp32_model(net), []
+    fp32, prepared = fp32_model(net), []
     for batch in batches:
         x32 = images(batch)
-        reference = fp32_reference(fp32, x32)
-        model, info = variant_model(variant, fp32, x32)
-        x = x32.to(**BF16)
+        prepared.append((batch, fp32_reference(fp32, x32), *variant_model(variant, fp32, x32), x32.to(**BF16)))
+    print("DECIDED", flush=True)
+    warmed = []
+    for batch, reference, model, info, x in prepared:
         with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             start = time.perf_counter()
@@ -124,22 +131,66 @@ def child(net, variant, batches, json_path):
             first_call_s = time.perf_counter() - start
             for _ in range(3):                   # CUDA graphs record on their first calls
                 out = model(x).clone()
-            ms = triton.testing.do_bench(lambda: model(x), warmup=25, rep=300 if batch >= 32 else 150)
         fallbacks = sorted({str(w.message) for w in caught if "conv_tutorial::conv2d" in str(w.message)})
         if fallbacks:                            # a conv sent to torch would be cuDNN measured as ours
             raise RuntimeError(f"{net}: convs fell back to torch: {fallbacks}")
         error = ((out.float() - reference).abs().max() / reference.abs().max()).item()
+        warmed.append((batch, model, info, x, error, first_call_s))
+    print("READY", flush=True)
+    sys.stdin.readline()                         # GO: the GPU is ours alone
+    rows = []
+    for batch, model, info, x, error, first_call_s in warmed:
+        with torch.no_grad():
+            ms = triton.testing.do_bench(lambda: model(x), warmup=25, rep=300 if batch >= 32 else 150)
         rows.append({"net": net, "batch": batch, "variant": variant, "img_s": batch / ms * 1e3, "ms": ms,
                      "logits_max_rel_err": error, "first_call_s": first_call_s, **info})
         print(f"{net:<20} batch {batch:<4} {variant:<24} {rows[-1]['img_s']:9.0f} images/s "
               f"({ms:.3f} ms; first call {first_call_s:.0f} s) logits max rel. err {error:.1e}"
               + (f"; convs ours {info['fused_convs']}, kept for torch {info['kept_convs']} (grouped) + "
-                 f"{info['given_back_convs']} (torch faster)" if info else ""),
-              flush=True)
-        del model, out
-        torch._dynamo.reset()
-        torch.cuda.empty_cache()
+                 f"{info['given_back_convs']} (torch faster)" if info else ""), flush=True)
     Path(json_path).write_text(json.dumps(rows))
+
+
+def expect(proc, word):
+    """Read the child's stdout up to the line `word` (printing what comes before); False if it died."""
+    for line in proc.stdout:
+        if line.strip() == word:
+            return True
+        print(line, end="", flush=True)
+    return False
+
+
+def measure_network(net, batches, folder):
+    """The three variants of one network: rows, failures."""
+    procs = {}
+
+    def start(variant):     # (stderr to a file: a full pipe would stall the child)
+        procs[variant] = subprocess.Popen(
+            [sys.executable, __file__, "--child", net, variant, "--json", str(Path(folder) / f"{net}-{variant}.json"),
+             "--batch", *map(str, batches)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=open(Path(folder) / f"{net}-{variant}.err", "w"), text=True)
+    start("ours-fused-cudagraphs")               # its per-layer timings run alone on the GPU
+    alive = {"ours-fused-cudagraphs": expect(procs["ours-fused-cudagraphs"], "DECIDED")}
+    for variant in VARIANTS[:2]:
+        start(variant)
+    for variant in VARIANTS:                     # all compile at once
+        alive[variant] = alive.get(variant, True) and expect(procs[variant], "READY")
+    rows, failures = [], []
+    for variant in VARIANTS:                     # then each times its passes alone
+        proc = procs[variant]
+        if alive[variant]:
+            proc.stdin.write("GO\n")
+            proc.stdin.flush()
+        out = proc.communicate(timeout=900)[0]
+        print(out, end="", flush=True)
+        err = (Path(folder) / f"{net}-{variant}.err").read_text()
+        json_path = Path(folder) / f"{net}-{variant}.json"
+        if proc.returncode != 0 or not json_path.exists():
+            print(f"{net} {variant} failed:\n{err[-2000:]}", flush=True)
+            failures.append({"net": net, "variant": variant, "error": err[-2000:]})
+        else:
+            rows += json.loads(json_path.read_text())
+    return rows, failures
 
 
 def measure_networks(nets, batches, outdir, merge):
@@ -151,20 +202,13 @@ def measure_networks(nets, batches, outdir, merge):
         data["failures"] = [f for f in kept.get("failures", []) if f["net"] not in nets]
     data["settings"] = ("torchvision models, random weights, trained-like BatchNorm statistics, eval, bf16, "
                         "channels_last, 224x224; Inductor freezing on for both compiled variants; "
-                        "torch.compile(mode='reduce-overhead', dynamic=False); do_bench median")
+                        "torch.compile(mode='reduce-overhead', dynamic=False); do_bench median, each "
+                        "process timed alone on the GPU")
     with tempfile.TemporaryDirectory() as folder:
         for net in nets:
-            for variant in VARIANTS:
-                json_path = Path(folder) / f"{net}-{variant}.json"
-                proc = subprocess.run([sys.executable, __file__, "--child", net, variant, "--json", str(json_path),
-                                       "--batch", *map(str, batches)], capture_output=True, text=True,
-                                      timeout=900)
-                print(proc.stdout, end="", flush=True)
-                if proc.returncode != 0 or not json_path.exists():
-                    print(f"{net} {variant} failed:\n{proc.stderr[-2000:]}", flush=True)
-                    data["failures"].append({"net": net, "variant": variant, "error": proc.stderr[-2000:]})
-                    continue
-                data["rows"] += json.loads(json_path.read_text())
+            rows, failures = measure_network(net, batches, folder)
+            data["rows"] += rows
+            data["failures"] += failures
     summary = ratios(data["rows"])
     data["ratios"] = summary
     common.save_json(outdir, "torchvision_nets", data)
