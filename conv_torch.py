@@ -33,6 +33,7 @@
   (conv_runtime.tuning_cache_path(): ~/.cache/conv_tutorial/tuning.json, or
   $CONV_TUTORIAL_TUNING_CACHE).
 """
+import copy
 import functools
 import operator
 import warnings
@@ -451,7 +452,7 @@ def fuse_conv_bn_act(model: torch.nn.Module, example_input: Optional[torch.Tenso
     torch.compile makes of conv -> BatchNorm -> activation, so the pass never makes a model slower;
     `kept_convs` on the result counts them (with one warning).
     Returns a new GraphModule; `model` is not changed."""
-    graph_module = torch.fx.symbolic_trace(model)
+    graph_module = torch.fx.symbolic_trace(copy.deepcopy(model))   # shares no module with `model`
     modules = dict(graph_module.named_modules())
     shapes = None
     if example_input is not None:

@@ -394,3 +394,12 @@ def test_fused_operator_gradients_on_the_gpu():
         scale = b.float().abs().max().item()
         torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=2e-2 * scale,
                                    msg=lambda m: f"gradient of {name}: {m}")
+
+
+def test_the_fused_model_shares_no_module_with_the_original():
+    """Casting or moving the result (as deployment does) must leave the original model as it was."""
+    model, x = network(), torch.randn(1, 3, 32, 32)
+    fused = conv_torch.fuse_conv_bn_act(model, example_input=x).to(torch.bfloat16)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    with torch.no_grad():
+        model(x)                                   # the fp32 model still runs on fp32 input
