@@ -209,9 +209,9 @@ def measure_networks(nets, batches, outdir, merge):
             rows, failures = measure_network(net, batches, folder)
             data["rows"] += rows
             data["failures"] += failures
-    summary = ratios(data["rows"])
-    data["ratios"] = summary
-    common.save_json(outdir, "torchvision_nets", data)
+            data["ratios"] = ratios(data["rows"])
+            common.save_json(outdir, "torchvision_nets", data)     # after each network: a long run keeps what it has
+    summary = data["ratios"] = ratios(data["rows"])
     print("\nours-fused-cudagraphs / cudnn-freeze-cudagraphs (images/s):")
     for row in summary:
         print(f"   {row['net']:<20} batch {row['batch']:<4} {row['ratio']:.3f}x   (/ cudnn-eager "
