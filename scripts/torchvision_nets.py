@@ -32,7 +32,6 @@ TFLOPS. Writes torchvision_layers.json. Needs a Hopper (or data-centre Blackwell
 """
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile

@@ -202,6 +202,14 @@ def test_fx_pass_fuses_depthwise_convs_and_leaves_grouped_ones_for_torch_compile
         torch.testing.assert_close(quietly(fused, x), model(x), rtol=1e-4, atol=1e-4)
 
 
+def fused_network_on_the_gpu():
+    """network() in bf16 on the GPU, a channels_last batch, and its fused model."""
+    torch.manual_seed(0)
+    model = network().cuda().bfloat16()
+    x = torch.randn(4, 3, 64, 64, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    return model, x, conv_torch.fuse_conv_bn_act(model, example_input=x)
+
+
 # %% Keeping the faster of ours and torch, per conv
 
 def timer_that_favours(favoured):
@@ -237,10 +245,7 @@ def test_keep_faster_convs_gives_slower_convs_back_to_torch_with_the_same_output
 
 @needs_gpu
 def test_keep_faster_convs_on_the_gpu_keeps_the_output():
-    torch.manual_seed(0)
-    model = network().cuda().bfloat16()
-    x = torch.randn(4, 3, 64, 64, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
-    fused = conv_torch.fuse_conv_bn_act(model, example_input=x)
+    model, x, fused = fused_network_on_the_gpu()
     with torch.no_grad():
         before = fused(x).float()
         kept = conv_torch.keep_faster_convs(fused, x)      # measured: which convs go back depends on the GPU
@@ -363,10 +368,7 @@ def test_random_fused_layers_match_torch(N, Ci, H, W, Co, R, stride, padding, dt
 
 @needs_gpu
 def test_fused_network_on_the_gpu_matches_the_original():
-    torch.manual_seed(0)
-    model = network().cuda().bfloat16()
-    x = torch.randn(4, 3, 64, 64, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
-    fused = conv_torch.fuse_conv_bn_act(model, example_input=x)
+    model, x, fused = fused_network_on_the_gpu()
     with torch.no_grad():
         reference = network().cuda().eval()(x.float())
         ours, theirs = fused(x).float(), model(x).float()
