@@ -1278,9 +1278,9 @@ def run_fp8_demo():
         return common.show_ptx("05-warp-specialized-conv", "aot_conv2d_fprop", TAUGHT_PTX_FP8,
                                lambda arch, compiled: "conv2d_fprop_kernel on e4m3 operands, bf16 output", **FP8_BUILD)
     x, w = common.random_conv_inputs(128, 14, 14, 256, 256, 3, 3, torch.bfloat16)
-    (x_q, x_scale), (w_q, w_scale) = common.quantize_fp8(x), common.quantize_fp8(w, channel_dim=0)
-    out = conv2d_fprop_fp8_launch(x_q, x_scale, w_q, w_scale, padding=1)
-    exact = common.reference_conv2d_nhwc(x_q.float() * x_scale, w_q.float() * w_scale.view(-1, 1, 1, 1), padding=1)
+    operands = common.quantize_conv_operands(x, w)
+    out = conv2d_fprop_fp8_launch(*operands, padding=1)
+    exact = common.reference_conv2d_nhwc(*common.dequantize_conv_operands(*operands), padding=1)
     print(f"\nfp8 on 128 x 14x14 256->256 3x3: relative error {(out.float() - exact).norm() / exact.norm():.1e} "
           "against torch on the dequantized operands")
 

@@ -424,6 +424,18 @@ def quantize_fp8(t, channel_dim=None):
     return (t.float() / scale.view(shape)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def quantize_conv_operands(x, w):
+    """(x_q, x_scale, w_q, w_scale) of a conv in e4m3: the input per tensor, the weights per output
+    channel (dim 0), as lesson 05's fp8 conv takes them."""
+    (x_q, x_scale), (w_q, w_scale) = quantize_fp8(x), quantize_fp8(w, channel_dim=0)
+    return x_q, x_scale, w_q, w_scale
+
+
+def dequantize_conv_operands(x_q, x_scale, w_q, w_scale):
+    """(x, w) in fp32: the very values an fp8 conv multiplies, for a reference conv."""
+    return x_q.float() * x_scale, w_q.float() * w_scale.view(-1, *[1] * (w_q.dim() - 1))
+
+
 def output_dtype(in_dtype, out_dtype=None):
     """The output dtype of a conv on `in_dtype` operands asked for `out_dtype`: fp16/bf16 operands
     give their own dtype; e4m3 operands give bf16 (the default) or e4m3."""

@@ -533,6 +533,26 @@ class TorchConvEpilogue(torch.nn.Module):
         return self.conv_repr + f", torch, {self.activation}"
 
 
+def module_calls(model, example_input, types):
+    """(name, module, args) of every call of a submodule of `types` in one forward pass of
+    `model` on example_input, in order (forward hooks, removed after)."""
+    calls = []
+
+    def record(name):
+        def hook(module, args, out):      # (returns None: a forward hook's result would replace the output)
+            calls.append((name, module, args))
+        return hook
+    hooks = [module.register_forward_hook(record(name))
+             for name, module in model.named_modules() if isinstance(module, types)]
+    try:
+        with torch.no_grad():
+            model(example_input)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return calls
+
+
 def _graph_replay_ms(fn):
     """A call's time replayed in a CUDA graph (kernels alone, as a captured model runs them)."""
     import triton
@@ -551,19 +571,8 @@ def keep_faster_convs(fused_model: torch.fx.GraphModule, example_input: torch.Te
     counts the convs given back to torch."""
     timer = timer or _graph_replay_ms
     calls = {}
-
-    def record(name):
-        def hook(module, args, out):      # (returns None: a forward hook's result would replace the output)
-            calls.setdefault(name, (module, args))
-        return hook
-    hooks = [module.register_forward_hook(record(name))
-             for name, module in fused_model.named_modules() if isinstance(module, FusedConv2d)]
-    try:
-        with torch.no_grad():
-            fused_model(example_input)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    for name, module, args in module_calls(fused_model, example_input, FusedConv2d):
+        calls.setdefault(name, (module, args))
     decided, given_back = {}, 0
     for name, (module, args) in calls.items():
         key = (tuple(args[0].shape), tuple(module.weight.shape), str(module._op_args), module.activation,

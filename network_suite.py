@@ -521,7 +521,7 @@ def run_fp8_suite(outdir, only=None, keep=None):
     records = [r for r in kept.get("layers", []) if r["layer"] not in {layer[0] for layer in layers}]
     for label, N, H, W, Ci, Co, R, S, stride, padding in layers:
         x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16, device_name="cuda")
-        (x_q, x_scale), (w_q, w_scale) = common.quantize_fp8(x), common.quantize_fp8(w, channel_dim=0)
+        x_q, x_scale, w_q, w_scale = common.quantize_conv_operands(x, w)
         flops = common.conv_geometry(x.shape, w.shape, stride, padding).flops
         runs = {"fp8": lambda c: lambda: lesson05.conv2d_fprop_fp8_launch(x_q, x_scale, w_q, w_scale, None, stride,
                                                                           padding, config=c),

@@ -175,15 +175,8 @@ def time_variants(models, x, reference, batch):
 def fused_layer_table(fused_model, x):
     """Every distinct fused conv alone, next to cuDNN doing the same work unfused (eager)."""
     import conv_torch
-    calls = []
-    hooks = [m.register_forward_hook(lambda m, inp, out: calls.append((m, inp)))
-             for m in fused_model.modules() if isinstance(m, conv_torch.FusedConv2d)]
-    with torch.no_grad():
-        fused_model(x)
-    for hook in hooks:
-        hook.remove()
     layers = {}
-    for module, inputs in calls:
+    for _, module, inputs in conv_torch.module_calls(fused_model, x, conv_torch.FusedConv2d):
         key = (tuple(inputs[0].shape), tuple(module.weight.shape), tuple(module._op_args[0]),
                module.takes_residual, module.activation)
         layers.setdefault(key, [module, inputs, 0])[2] += 1

@@ -52,7 +52,6 @@ NETS = {"resnet50": "ResNet", "wide_resnet50_2": "wide ResNet", "vgg16_bn": "VGG
         "mobilenet_v3_large": "MobileNet", "convnext_tiny": "ConvNeXt"}
 DENSE = ("resnet50", "wide_resnet50_2", "vgg16_bn")
 VARIANTS = ("cudnn-eager", "cudnn-freeze-cudagraphs", "ours-fused-cudagraphs")
-HBM_BYTES_PER_S = {"NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA H200": 4.8e12}
 
 
 def trained_like_batchnorm(model, seed=0):
@@ -256,19 +255,6 @@ def plot(data, outdir):
     common.save_figure(fig, outdir, "torchvision_nets")
 
 
-def conv_calls(model, x):
-    """(module, inputs) of every conv call of one forward pass: FusedConv2d and the kept nn.Conv2d."""
-    import conv_torch
-    calls = []
-    hooks = [m.register_forward_hook(lambda m, inp, out: calls.append((m, inp)))
-             for m in model.modules() if isinstance(m, (conv_torch.FusedConv2d, torch.nn.Conv2d))]
-    with torch.no_grad():
-        model(x)
-    for hook in hooks:
-        hook.remove()
-    return calls
-
-
 def layer_table(net, batch):
     """Every distinct conv of `net`'s fused model alone, ours (or torch's, if kept) next to cuDNN's."""
     import conv_torch
@@ -278,7 +264,7 @@ def layer_table(net, batch):
         warnings.simplefilter("ignore")
         fused = conv_torch.fuse_conv_bn_act(fp32, example_input=x32[:1]).to(**BF16)
     layers = {}
-    for module, inputs in conv_calls(fused, x32.to(**BF16)):
+    for _, module, inputs in conv_torch.module_calls(fused, x32.to(**BF16), (conv_torch.FusedConv2d, torch.nn.Conv2d)):
         if isinstance(module, conv_torch.FusedConv2d):
             stride, padding, dilation, groups = module._op_args
             extra = (module.takes_residual, module.activation)
@@ -311,7 +297,9 @@ def layer_table(net, batch):
 
 
 def measure_layers(nets, batches, outdir):
-    hbm = HBM_BYTES_PER_S.get(common.gpu_name())
+    import network_suite
+    peaks = network_suite.device_peaks(common.gpu_name())     # (TFLOPS, TB/s) from the datasheet
+    hbm = peaks[1] * 1e12 if peaks else None
     data = {**common.versions(), "hbm_bytes_per_s": hbm, "rows": []}
     for net in nets:
         for batch in batches:

@@ -24,12 +24,12 @@ def quantized(N, Ci, H, W, Co, R, S, seed=0):
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(N, Ci, H, W, generator=generator).to(device).contiguous(memory_format=torch.channels_last)
     w = (torch.randn(Co, Ci, R, S, generator=generator) * torch.rand(Co, 1, 1, 1, generator=generator)).to(device)
-    (x_q, x_scale), (w_q, w_scale) = common.quantize_fp8(x), common.quantize_fp8(w, channel_dim=0)
+    x_q, x_scale, w_q, w_scale = common.quantize_conv_operands(x, w)
     return x_q, x_scale, w_q.contiguous(memory_format=torch.channels_last), w_scale
 
 
 def dequantized_reference(x_q, x_scale, w_q, w_scale, bias, stride, padding, residual=None, activation="none"):
-    conv = torch.nn.functional.conv2d(x_q.float() * x_scale, w_q.float() * w_scale.view(-1, 1, 1, 1), None,
+    conv = torch.nn.functional.conv2d(*common.dequantize_conv_operands(x_q, x_scale, w_q, w_scale), None,
                                       stride, padding)
     return common.reference_epilogue(conv, bias, None, residual, activation, channel_dim=1)
 

@@ -32,8 +32,7 @@ ROUNDING = {torch.bfloat16: 2.0 ** -8, FP8: 2.0 ** -4}
 
 def quantized_layer(N, H, W, Ci, Co, R, S, seed=0, device="cuda"):
     x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.float32, device_name=device, seed=seed)
-    (x_q, x_scale), (w_q, w_scale) = common.quantize_fp8(x), common.quantize_fp8(w, channel_dim=0)
-    return x_q, x_scale, w_q, w_scale
+    return common.quantize_conv_operands(x, w)
 
 
 def check_fp8_conv(x_q, x_scale, w_q, w_scale, stride, padding, config=FIXED_CONFIG, bias=False, scale=False,
@@ -43,7 +42,7 @@ def check_fp8_conv(x_q, x_scale, w_q, w_scale, stride, padding, config=FIXED_CON
     generator = torch.Generator(device="cpu").manual_seed(seed)
     def vector(): return (torch.rand(g.Co, generator=generator) + 0.5).cuda()           # noqa: E704
     bias_t, scale_t = (vector() if bias else None), (vector() if scale else None)
-    x, w = x_q.float() * x_scale, w_q.float() * w_scale.view(-1, 1, 1, 1)
+    x, w = common.dequantize_conv_operands(x_q, x_scale, w_q, w_scale)
     conv = common.reference_conv2d_nhwc(x, w, None, stride, padding)
     magnitude = common.reference_conv2d_nhwc(x.abs(), w.abs(), None, stride, padding)   # sum |x| |w|
     if scale_t is not None:
