@@ -13,7 +13,8 @@ What you will learn:
 - a fused epilogue, act(conv * scale + bias + residual), so that a folded BatchNorm, a ResNet
   block's skip connection and its ReLU cost no pass of their own;
 - then what real layers need, one extension at a time: tiles that are not a power of two
-  (160 columns, 192 rows), split-K for layers with few tiles, and the small-Ci fold of a stem.
+  (160 columns, 192 rows), split-K for layers with few tiles, the small-Ci fold of a stem, fp8
+  operands and grouped convs.
 
 Builds on: lesson 04 (TMA im2col + one MMA per k-step, `common.HopperWGMMA`/`BlackwellTcgen05`)
 and lesson 03 (the im2col descriptor). What changed since lesson 04: the same inner step, now fed
@@ -48,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from conv_config import FIXED_CONFIG, PINGPONG_CONFIG, KernelConfig, check_config, stores_by_row_blocks, \
-    tile_counts, adapt_block_k, block_k_channels
+    tile_counts, adapt_block_k, block_k_channels, check_groups_fit
 
 CONV_DTYPES = (torch.float16, torch.bfloat16)
 # A run-time integer in an aggregate: a tensor, or a constexpr where Triton specialized the
@@ -84,7 +85,8 @@ if __name__ == "__main__":
 # 6. tiles that are not a power of two wide or tall (a main MMA and a tail MMA);
 # 7. split-K, for layers with fewer tiles than SMs;
 # 8. the small-Ci fold, for a network's RGB stem;
-# 9. fp8 operands, at twice the tensor-core rate.
+# 9. fp8 operands, at twice the tensor-core rate;
+# 10. grouped convs: a group is a slice of channels.
 #
 # The kernel's state travels in a few aggregates (`@gluon.aggregate` classes, Gluon's structs:
 # named fields, jit methods, passed by value), so each partition takes the ring, the tile schedule and what it
@@ -133,7 +135,8 @@ class Ring:
 # start. `Im2colWindow` holds the conv's geometry and answers two questions: where the im2col box
 # of output pixels m, m+1, ... starts in the input (its tap-0 corner, lesson 03), and for k-step
 # k, which tap (r, s) and which block of channels c0 it loads. The K loop runs taps outer and
-# channel blocks inner, so the weights of step k start at column tap * Ci + c0 of w2d.
+# channel blocks inner, so the weights of step k start at column tap * Ci + c0 of w2d. (A grouped
+# conv, section 10, reads only its group's Ci_group channels, from the group's first one.)
 
 
 @gluon.aggregate
@@ -146,7 +149,8 @@ class Im2colWindow:
     pad_w: Int
     dil_h: Int
     dil_w: Int
-    Ci: Int
+    Ci_group: Int          # channels per tap of a weight row: Ci (section 10: Ci / groups)
+    Co_group: Int          # section 10: output channels per group (Co when groups = 1)
     S: Int
     channel_blocks: Int
 
@@ -159,12 +163,17 @@ class Im2colWindow:
         return n, oy * self.stride_h - self.pad_h, ox * self.stride_w - self.pad_w
 
     @gluon.jit
-    def k_step(self, k, BLOCK_K: gl.constexpr):
-        # (the tap's im2col offsets [r*dil_h, s*dil_w], first channel c0, weight column) of k-step k.
+    def group_channel(self, co0):
+        # section 10: the first input channel of the group of output channels co0, co0+1, ... (0 if groups = 1)
+        return co0 // self.Co_group * self.Ci_group
+
+    @gluon.jit
+    def k_step(self, k, BLOCK_K: gl.constexpr, group_channel):
+        # (the tap's im2col offsets [r*dil_h, s*dil_w], input channel, weight column) of k-step k.
         tap = k // self.channel_blocks
         c0 = (k % self.channel_blocks) * BLOCK_K
         offsets = [((tap // self.S) * self.dil_h).to(gl.int16), ((tap % self.S) * self.dil_w).to(gl.int16)]
-        return offsets, c0, tap * self.Ci + c0
+        return offsets, group_channel + c0, tap * self.Ci_group + c0
 
 
 @gluon.jit
@@ -191,8 +200,9 @@ def loader_partition(in_desc, w_desc, w_tail_desc, ring, schedule, window):
         if schedule.TILE_M > BLOCK_M:
             n_t, h_t, w_t = window.pixel_box_origin(m0 + BLOCK_M)
         co0 = work.pid_n * schedule.TILE_N
+        group_channel = window.group_channel(co0)
         for k in range(work.k_begin, work.k_end):
-            tap_offsets, c0, w_column = window.k_step(k, BLOCK_K)
+            tap_offsets, c0, w_column = window.k_step(k, BLOCK_K, group_channel)
             slot = state.slot()
             # wait until the MMA that last read this stage is done (first pass: returns at once)
             mbarrier.wait(ring.empty.index(slot), state.phase() ^ 1)
@@ -612,8 +622,8 @@ def apply_epilogue(acc, cols, Co, scale_ptr, bias_ptr, residual, HAS_SCALE: tl.c
 @gluon.jit
 def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, epilogue_ptrs, shape,
                         CONFIG: gl.constexpr, EPILOGUE: gl.constexpr, IS_BLACKWELL: gl.constexpr):
-    (M, Co, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci, S,
-     k_steps, channel_blocks) = shape
+    (M, Co, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group,
+     S, k_steps, channel_blocks) = shape
     bias_ptr, scale_ptr, residual_ptr, partial_ptr = epilogue_ptrs
     dtype: gl.constexpr = in_desc.dtype
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
@@ -654,7 +664,8 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
     ring = Ring(a_bufs, b_bufs, a_tail_bufs, b_tail_bufs, ready, empty, NUM_BUFFERS)
     schedule = TileSchedule(num_pid_m, num_pid_n, k_steps, BLOCK_M + BLOCK_M_TAIL, BLOCK_N + BLOCK_N_TAIL,
                             CONFIG.split_k)
-    window = Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci, S, channel_blocks)
+    window = Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group, S,
+                          channel_blocks)
     output = TileOutput(out_desc, out_tail_desc, c_smem, c_tail_smem, bias_ptr, scale_ptr, residual_ptr,
                         partial_ptr, M, Co, EPILOGUE.bias, EPILOGUE.scale, EPILOGUE.residual, EPILOGUE.activation,
                         CONFIG.split_k, STORE_BY_ROW_BLOCKS)
@@ -760,12 +771,14 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     config = KernelConfig(*config)
     check_config(config, arch)
-    x_nhwc, w, Ci_padded = common.pad_channels_for_tma(x_nhwc, w)
-    BLOCK_M, BLOCK_N = config[:2]
-    BLOCK_K = block_k_channels(config, Ci_padded, x_nhwc.element_size())   # 128 bytes: 128 e4m3 (section 9)
     g = geometry
+    check_groups_fit(config, g, x_nhwc.element_size())                     # section 10
+    x_nhwc, w, Ci_padded = common.pad_channels_for_tma(x_nhwc, w)
+    Ci_group = Ci_padded // g.groups
+    BLOCK_M, BLOCK_N = config[:2]
+    BLOCK_K = block_k_channels(config, Ci_group, x_nhwc.element_size())    # 128 bytes: 128 e4m3 (section 9)
     settings = common.conv_im2col_settings(
-        common.conv_geometry(x_nhwc.shape, w.shape, g.stride, g.padding, g.dilation))
+        common.conv_geometry(x_nhwc.shape, w.shape, g.stride, g.padding, g.dilation, g.groups))
     out_dtype = out_dtype or x_nhwc.dtype
     lanes = 16 // out_dtype.itemsize
     out_2d = torch.empty(g.M, -(-g.Co // lanes) * lanes, device=x_nhwc.device, dtype=out_dtype)
@@ -783,7 +796,7 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
         out_layout = common.conv_tma_layouts(out_dtype, rows, BLOCK_N, BLOCK_K)[2]
         out_tail_desc = TensorDescriptor.from_tensor(out_2d, [rows, BLOCK_N], out_layout)
     num_pid_m, num_pid_n = triton.cdiv(g.M, config.tile_m), triton.cdiv(g.Co, config.tile_n)
-    channel_blocks = triton.cdiv(Ci_padded, BLOCK_K)
+    channel_blocks = triton.cdiv(Ci_group, BLOCK_K)
     k_steps = g.R * g.S * channel_blocks
     if config.split_k > k_steps:
         raise ValueError(f"config {config}: split_k={config.split_k} exceeds the {k_steps} k-steps "
@@ -793,7 +806,7 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     # absent epilogue tensors: any pointer will do, the constexprs compile their loads away
     pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual, partial))
     shape = (g.M, g.Co, num_pid_m, num_pid_n, g.out_h, g.out_w, *g.stride, *g.padding, *g.dilation,
-             Ci_padded, g.S, k_steps, channel_blocks)
+             Ci_group, g.Co_group, g.S, k_steps, channel_blocks)
     programs, _, whole_tiles = tile_counts(config, g.M, g.Co, num_sms)
     tiles = (config.tile_m, config.tile_n, num_pid_m, num_pid_n, whole_tiles) if partial is not None else None
     return ConvLaunch((programs, 1, 1), (in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, pointers, shape),
@@ -801,14 +814,14 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
 
 
 def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG,
-                        scale=None, residual=None, activation="none"):
+                        scale=None, residual=None, activation="none", groups=1):
     """The warp-specialized conv, launched plainly. x_nhwc [N, H, W, Ci], w [Co, R, S, Ci] (fp16 or
     bf16, CUDA, contiguous); returns NHWC [N, out_h, out_w, Co] in x's dtype. The epilogue
     computes act(conv * scale + bias + residual) in fp32 before the cast: optional bias and scale
     [Co] (fp32 or x's dtype), residual of the output's shape and dtype, activation "none", "relu"
-    or "silu"."""
+    or "silu". groups > 1 (section 10): w is [Co, R, S, Ci / groups]."""
     geometry = common.check_conv_call(x_nhwc, w, bias, stride, padding, dilation, dtypes=CONV_DTYPES,
-                                      scale=scale, residual=residual, activation=activation)
+                                      scale=scale, residual=residual, activation=activation, groups=groups)
     return launch_checked(x_nhwc, w, bias, geometry, config, scale, residual, activation, x_nhwc.dtype)
 
 
@@ -1288,6 +1301,99 @@ def run_fp8_demo():
 # %%
 if __name__ == "__main__":
     run_fp8_demo()
+
+
+# %%
+# 10. Grouped convs: a group is a slice of channels
+# -------------------------------------------------
+# Lines it adds to the kernel: two fields of `Im2colWindow`, its `group_channel`, and one line of
+# the loader. A grouped conv (ResNeXt's and RegNet's 3x3 layers) cuts the channels into `groups`
+# slices: output channel co reads only the Ci / groups input channels of its group
+# g = co // (Co / groups), and its filter holds only those (w is [Co, R, S, Ci / groups]). As a
+# GEMM it is `groups` small GEMMs side by side, each R * S * Ci / groups deep. A tile whose
+# columns lie in one group changes in one place: its im2col boxes start at the group's first
+# channel, g * Ci / groups, instead of channel 0. Its weights change in none: w viewed as
+# [Co, R * S * Ci / groups] holds the group's filters in the tile's rows, and a tap's columns are
+# Ci / groups apart. So the loader works out the group's first channel once per tile and the K
+# loop is section 1's, shorter. With groups = 1 the one group is all of Co, its first channel 0.
+#
+# A tile must not straddle groups: its columns in one group (output channels per group a multiple
+# of TILE_N), its K blocks in one group's channels (input channels per group a multiple of
+# BLOCK_K), or a box would read the next group's channels against this group's filters.
+# `conv_config.check_groups_fit` refuses other configs, and the runtime tunes among those that fit.
+#
+# ResNeXt-50's groups are narrower than any tile: 32 groups of 4, 8, 16 or 32 channels. The
+# PyTorch module (`conv_torch.FusedConv2d`) merges P neighbouring groups into one, P = 16, 8, 4, 2,
+# until a group is 64 channels wide: a merged group's filter is block-diagonal, each output
+# channel's own filter at its old group's place among the P groups' channels, zeros elsewhere.
+# Exact (the zeros multiply the other groups' channels), and P times the tensor-core work, which
+# the tensor cores have to spare in layers this thin: the bytes, not the MMAs, set their time.
+
+
+class PlainInt(int):
+    """An int whose arithmetic stays a PlainInt and which ignores `.to(dtype)`: the kernel's index
+    arithmetic, Gluon casts included, run as plain Python."""
+    def to(self, dtype):
+        return self
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__mul__", "__rmul__", "__floordiv__", "__mod__"):
+    setattr(PlainInt, _name, lambda self, other, _op=getattr(int, _name): PlainInt(_op(self, other)))
+
+
+@pytest.mark.parametrize("N, H, W, groups, Ci_group, Co_group, R, stride, padding, BLOCK_K, TILE_N", [
+    (2, 6, 5, 4, 16, 16, 3, 1, 1, 16, 16),     # 4 groups, a tile per group
+    (1, 7, 7, 2, 32, 64, 3, 2, 1, 16, 32),     # two K blocks and two tiles per group, stride 2
+    (2, 5, 6, 3, 16, 48, 1, 1, 0, 16, 16),     # 1x1, three tiles per group
+])
+def test_grouped_tiles_read_their_groups(N, H, W, groups, Ci_group, Co_group, R, stride, padding, BLOCK_K, TILE_N):
+    """The loader's own arithmetic (Im2colWindow's pixel_box_origin, group_channel and k_step, run
+    as plain Python) with lesson 03's model of TMA im2col loads, and weight boxes cut from w2d,
+    computes torch's grouped conv2d: every tile, every k-step."""
+    reference = common.load_lesson("03-tma-im2col-modes").im2col_reference
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, (N, H, W, groups * Ci_group), generator=generator).float()
+    w = torch.randint(-3, 4, (groups * Co_group, R, R, Ci_group), generator=generator).float()
+    g = common.conv_geometry(x.shape, w.shape, stride, padding, 1, groups)
+    settings = common.conv_im2col_settings(g)
+    corners = (settings.pixel_box_lower_corner, settings.pixel_box_upper_corner, settings.element_strides)
+    window = types.SimpleNamespace(out_h=g.out_h, out_w=g.out_w, stride_h=g.stride[0], stride_w=g.stride[1],
+                                   pad_h=g.padding[0], pad_w=g.padding[1], dil_h=PlainInt(1), dil_w=PlainInt(1),
+                                   Ci_group=Ci_group, Co_group=Co_group, S=R, channel_blocks=Ci_group // BLOCK_K)
+    w2d, BLOCK_M, out = w.reshape(g.Co, -1), 32, torch.zeros(g.M, g.Co)
+    for m0 in range(0, g.M, BLOCK_M):
+        n, y, x0 = Im2colWindow.pixel_box_origin.fn(window, m0)
+        for co0 in range(0, g.Co, TILE_N):
+            group_channel = Im2colWindow.group_channel.fn(window, co0)
+            for k in range(R * R * window.channel_blocks):
+                offsets, c, column = Im2colWindow.k_step.fn(window, PlainInt(k), BLOCK_K, group_channel)
+                a, _ = reference(x, BLOCK_M, BLOCK_K, *corners, [n, y, x0, c], offsets)
+                rows = min(BLOCK_M, g.M - m0)
+                out[m0:m0 + rows, co0:co0 + TILE_N] += (a @ w2d[co0:co0 + TILE_N, column:column + BLOCK_K].T)[:rows]
+    expected = common.reference_conv2d_nhwc(x, w, None, stride, padding, groups=groups)
+    torch.testing.assert_close(out.view(expected.shape), expected)
+
+
+def test_grouped_configs_that_straddle_groups_are_refused():
+    x, w = common.random_conv_inputs(1, 8, 8, 128, 128, 3, 3, torch.bfloat16, device_name="cpu")
+    w = w[..., :64].contiguous()                     # 2 groups of 64 -> 64: a 128-wide tile holds both
+    geometry = common.conv_geometry(x.shape, w.shape, 1, 1, 1, groups=2)
+    with pytest.raises(ValueError, match="a tile must stay in one group"):
+        prepare_launch(x, w, None, geometry, FIXED_CONFIG, "sm_90", 132)
+    prepare_launch(x, w, None, geometry, FIXED_CONFIG._replace(block_n=64), "sm_90", 132)   # 64 wide: fits
+
+
+@needs_gpu
+@pytest.mark.parametrize("N, H, W, groups, Ci_group, Co_group, R, stride, padding, config", [
+    (4, 14, 14, 8, 64, 64, 3, 1, 1, FIXED_CONFIG._replace(block_n=64)),
+    (3, 9, 11, 2, 128, 128, 3, 2, 1, FIXED_CONFIG),                            # stride 2, odd sizes
+    (2, 7, 7, 4, 32, 64, 3, 1, 1, FIXED_CONFIG._replace(block_n=64, block_k=32)),
+    (2, 10, 10, 4, 16, 64, 1, 1, 0, FIXED_CONFIG._replace(block_n=64)),       # 1x1, K block of 16
+    (1, 28, 28, 2, 192, 192, 3, 1, 1, FIXED_CONFIG._replace(block_n=64)),     # three tiles per group
+])
+def test_grouped_conv_matches_torch(N, H, W, groups, Ci_group, Co_group, R, stride, padding, config):
+    common.check_conv(functools.partial(conv2d_fprop_launch, config=config), N, H, W, groups * Ci_group,
+                      groups * Co_group, R, R, stride, padding, dtype=torch.bfloat16, with_bias=True, groups=groups)
 
 # %%
 # Part III: around the kernel

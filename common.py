@@ -213,6 +213,16 @@ class ConvGeometry:
     dilation: tuple[int, int]
     out_h: int
     out_w: int
+    groups: int = 1      # a grouped conv: output channel co reads input channels of group co // (Co / groups)
+
+    @property
+    def Ci_group(self) -> int:
+        """Input channels each output channel reads: Ci, or Ci / groups."""
+        return self.Ci // self.groups
+
+    @property
+    def Co_group(self) -> int:
+        return self.Co // self.groups
 
     @property
     def M(self) -> int:
@@ -224,7 +234,7 @@ class ConvGeometry:
 
     @property
     def K(self) -> int:
-        return self.R * self.S * self.Ci
+        return self.R * self.S * self.Ci_group
 
     @property
     def output_shape_nhwc(self) -> tuple[int, int, int, int]:
@@ -239,39 +249,49 @@ class ConvGeometry:
             return str(p[0]) if p[0] == p[1] else f"{p[0]}x{p[1]}"
         text = (f"N={self.N} {self.H}x{self.W} Ci={self.Ci} -> Co={self.Co}, {self.R}x{self.S}, "
                 f"stride {hw(self.stride)}, pad {hw(self.padding)}")
-        return text + (f", dil {hw(self.dilation)}" if self.dilation != (1, 1) else "")
+        return text + (f", dil {hw(self.dilation)}" if self.dilation != (1, 1) else "") \
+            + (f", {self.groups} groups" if self.groups > 1 else "")
 
 
 def _hashable(value):
     return tuple(value) if isinstance(value, list) else value
 
 
-def conv_geometry(x_shape, w_shape, stride=1, padding=0, dilation=1) -> ConvGeometry:
+def conv_geometry(x_shape, w_shape, stride=1, padding=0, dilation=1, groups=1) -> ConvGeometry:
     """Validate shapes and hyper-parameters of an NHWC x [Co,R,S,Ci] convolution; return its geometry.
+    With groups > 1 the weight is [Co, R, S, Ci / groups], as in torch.nn.functional.conv2d.
 
     Memoized: a network calls the same few shapes over and over, and this runs on every call."""
     try:
         return _conv_geometry_cached(tuple(x_shape), tuple(w_shape), _hashable(stride),
-                                     _hashable(padding), _hashable(dilation))
+                                     _hashable(padding), _hashable(dilation), groups)
     except TypeError as error:
         if "unhashable" not in str(error):
             raise
-        return _conv_geometry(x_shape, w_shape, stride, padding, dilation)
+        return _conv_geometry(x_shape, w_shape, stride, padding, dilation, groups)
 
 
 @functools.lru_cache(maxsize=1024)
-def _conv_geometry_cached(x_shape, w_shape, stride, padding, dilation):
-    return _conv_geometry(x_shape, w_shape, stride, padding, dilation)
+def _conv_geometry_cached(x_shape, w_shape, stride, padding, dilation, groups):
+    return _conv_geometry(x_shape, w_shape, stride, padding, dilation, groups)
 
 
-def _conv_geometry(x_shape, w_shape, stride, padding, dilation) -> ConvGeometry:
+def _conv_geometry(x_shape, w_shape, stride, padding, dilation, groups=1) -> ConvGeometry:
     if len(x_shape) != 4:
         raise ValueError(f"x_nhwc must have rank 4 [N, H, W, Ci], got shape {tuple(x_shape)}")
     if len(w_shape) != 4:
         raise ValueError(f"w must have rank 4 [Co, R, S, Ci], got shape {tuple(w_shape)}")
     N, H, W, Ci = (int(v) for v in x_shape)
     Co, R, S, Ci_w = (int(v) for v in w_shape)
-    if Ci != Ci_w:
+    if not isinstance(groups, int) or isinstance(groups, bool):
+        raise TypeError(f"groups must be an int, got {type(groups).__name__}")
+    if groups < 1:
+        raise ValueError(f"groups must be >= 1, got groups={groups}")
+    if groups > 1:
+        if Ci % groups or Co % groups or Ci_w * groups != Ci:
+            raise ValueError(f"groups={groups}: x_nhwc's Ci={Ci} and w's Co={Co} must be multiples of groups, "
+                             f"and w [Co, R, S, Ci/groups] must have Ci/groups={Ci // groups} channels, got {Ci_w}")
+    elif Ci != Ci_w:
         hint = ""
         if R == Ci:   # the shapes fit PyTorch's own [Co, Ci, R, S] weight layout
             hint = (f"; w looks like PyTorch's [Co, Ci, R, S] layout (Co={Co}, Ci={R}, R={S}, "
@@ -294,7 +314,7 @@ def _conv_geometry(x_shape, w_shape, stride, padding, dilation) -> ConvGeometry:
             f"filter, stride {stride}, padding {padding}, dilation {dilation}; the dilated filter "
             f"({dilation[0] * (R - 1) + 1}x{dilation[1] * (S - 1) + 1}) must fit in the padded "
             f"input ({H + 2 * padding[0]}x{W + 2 * padding[1]})")
-    return ConvGeometry(N, H, W, Ci, Co, R, S, stride, padding, dilation, out_h, out_w)
+    return ConvGeometry(N, H, W, Ci, Co, R, S, stride, padding, dilation, out_h, out_w, groups)
 
 
 def has_output(x_shape, w_shape, stride=1, padding=0, dilation=1) -> bool:
@@ -308,7 +328,7 @@ def has_output(x_shape, w_shape, stride=1, padding=0, dilation=1) -> bool:
 
 
 def check_conv_inputs(x_nhwc, w, stride=1, padding=0, dilation=1, *, dtypes, bias=None,
-                      need_cuda=False) -> ConvGeometry:
+                      need_cuda=False, groups=1) -> ConvGeometry:
     """Validate the tensors of a convolution entry point and return its geometry.
 
     `dtypes` lists the accepted dtypes. Errors name the argument, the value and what is allowed."""
@@ -321,7 +341,7 @@ def check_conv_inputs(x_nhwc, w, stride=1, padding=0, dilation=1, *, dtypes, bia
             raise TypeError(f"x_nhwc has dtype {x_nhwc.dtype}; allowed: {allowed}")
         raise TypeError(f"dtype mismatch: x_nhwc is {x_nhwc.dtype} but w is {w.dtype}; "
                         f"both must have the same dtype ({allowed})")
-    geometry = conv_geometry(x_nhwc.shape, w.shape, stride, padding, dilation)
+    geometry = conv_geometry(x_nhwc.shape, w.shape, stride, padding, dilation, groups)
     if x_nhwc.device != w.device:
         raise ValueError(f"x_nhwc is on {x_nhwc.device} but w is on {w.device}; use one device")
     if not x_nhwc.is_contiguous():
@@ -348,12 +368,12 @@ def check_conv_inputs(x_nhwc, w, stride=1, padding=0, dilation=1, *, dtypes, bia
 
 
 def check_conv_call(x_nhwc, w, bias, stride, padding, dilation, *, dtypes, scale=None, residual=None,
-                    activation="none", out_dtype=None) -> ConvGeometry:
+                    activation="none", out_dtype=None, groups=1) -> ConvGeometry:
     """Validate a call of a conv with the fused epilogue (lesson 05: its launcher, the runtime):
     tensors, hyper-parameters and epilogue, the device last so every other mistake is reported on
     a machine without a GPU too. `out_dtype`: None (x's dtype), or for e4m3 operands bf16 or e4m3.
     Returns the geometry."""
-    geometry = check_conv_inputs(x_nhwc, w, stride, padding, dilation, dtypes=dtypes, bias=bias)
+    geometry = check_conv_inputs(x_nhwc, w, stride, padding, dilation, dtypes=dtypes, bias=bias, groups=groups)
     if bias is not None and not bias.is_contiguous():
         raise ValueError("bias must be contiguous")
     g = geometry
@@ -533,10 +553,10 @@ def reference_epilogue(conv_out, bias=None, scale=None, residual=None, activatio
 
 
 def reference_conv2d_nhwc(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1,
-                          out_dtype=None):
+                          out_dtype=None, groups=1):
     """The ground truth of the series: torch.nn.functional.conv2d, computed in fp32.
 
-    Takes NHWC input and a [Co, R, S, Ci] weight, returns NHWC. The math runs in fp32 on the inputs'
+    Takes NHWC input and a [Co, R, S, Ci / groups] weight, returns NHWC. The math runs in fp32 on the inputs'
     device whatever their dtype, so fp16/bf16 kernels are compared with a more precise answer; the
     result is cast to `out_dtype` (default: the input dtype)."""
     stride, padding, dilation = (pair(stride, "stride", 1), pair(padding, "padding", 0),
@@ -546,7 +566,7 @@ def reference_conv2d_nhwc(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1,
     # cuDNN would use TF32 (10-bit mantissa) for fp32 convolutions by default: not a reference.
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
         out = torch.nn.functional.conv2d(x_nchw, w_kcrs, None if bias is None else bias.float(),
-                                         stride=stride, padding=padding, dilation=dilation)
+                                         stride=stride, padding=padding, dilation=dilation, groups=groups)
     return out.permute(0, 2, 3, 1).to(out_dtype or x_nhwc.dtype).contiguous()
 
 
@@ -572,14 +592,17 @@ def assert_close_to_reference(out, expected, *, dtype, K):
 
 
 def check_conv(entry, N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1, dtype=torch.float16,
-               with_bias=False, seed=0, scale=False, residual=False, activation="none", **kwargs):
+               with_bias=False, seed=0, scale=False, residual=False, activation="none", groups=1, **kwargs):
     """Run a lesson's conv entry point on random inputs and compare it with the fp32 reference.
 
-    `entry(x_nhwc, w, stride=, padding=, dilation=[, bias=][, scale=, residual=, activation=],
-    **kwargs)` returns NHWC. `with_bias`, `scale` and `residual` ask for random epilogue operands
-    (scale in [0.5, 1.5)), checked against reference_epilogue. Returns the output."""
+    `entry(x_nhwc, w, stride=, padding=, dilation=[, bias=][, scale=, residual=, activation=]
+    [, groups=], **kwargs)` returns NHWC. `with_bias`, `scale` and `residual` ask for random epilogue
+    operands (scale in [0.5, 1.5)), checked against reference_epilogue. Returns the output."""
     x_nhwc, w = random_conv_inputs(N, H, W, Ci, Co, R, S, dtype, seed=seed)
-    geometry = conv_geometry(x_nhwc.shape, w.shape, stride, padding, dilation)
+    if groups > 1:        # [Co, R, S, Ci / groups], at the scale of a filter that deep
+        w = (w[..., :Ci // groups].float() * math.sqrt(groups)).to(dtype).contiguous()
+        kwargs["groups"] = groups
+    geometry = conv_geometry(x_nhwc.shape, w.shape, stride, padding, dilation, groups)
     generator = torch.Generator().manual_seed(seed + 1)
     operands = {"bias": torch.randn(Co, generator=generator) if with_bias else None,
                 "scale": torch.rand(Co, generator=generator) + 0.5 if scale else None,
@@ -589,12 +612,13 @@ def check_conv(entry, N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1, dt
     if activation != "none":
         kwargs["activation"] = activation
     out = entry(x_nhwc, w, stride=stride, padding=padding, dilation=dilation, **operands, **kwargs)
-    expected = reference_conv2d_nhwc(x_nhwc, w, None, stride, padding, dilation, out_dtype=torch.float32)
+    expected = reference_conv2d_nhwc(x_nhwc, w, None, stride, padding, dilation, out_dtype=torch.float32,
+                                     groups=groups)
     expected = reference_epilogue(expected, operands.get("bias"), operands.get("scale"),
                                   operands.get("residual"), activation).to(dtype)
     if out.shape != expected.shape or out.dtype != dtype:
         raise AssertionError(f"got {tuple(out.shape)} {out.dtype}, expected {tuple(expected.shape)} {dtype}")
-    assert_close_to_reference(out, expected, dtype=dtype, K=Ci * R * S)
+    assert_close_to_reference(out, expected, dtype=dtype, K=geometry.K)
     return out
 
 

@@ -113,6 +113,21 @@ def block_k_channels(config, Ci_padded, element_size):
     return max(block_k, 32 // element_size)
 
 
+def groups_fit(config, Ci_group, Co_group, element_size=2):
+    """Whether a grouped conv's tiles stay inside one group (lesson 05, section 10): each tile's
+    columns in one group's Co_group output channels, each K block in its Ci_group input channels."""
+    return Ci_group % block_k_channels(config, Ci_group, element_size) == 0 and Co_group % config.tile_n == 0
+
+
+def check_groups_fit(config, geometry, element_size=2):
+    if geometry.groups > 1 and not groups_fit(config, geometry.Ci_group, geometry.Co_group, element_size):
+        raise ValueError(f"config {config}: {geometry.describe()} has {geometry.Ci_group} input and "
+                         f"{geometry.Co_group} output channels per group; a tile must stay in one group, so "
+                         f"they must be multiples of the K block "
+                         f"({block_k_channels(config, geometry.Ci_group, element_size)}) and of the tile's "
+                         f"{config.tile_n} columns")
+
+
 def tile_counts(config, M, Co, num_sms):
     """(programs, tiles, whole tiles) of a launch: the persistent grid, the conv's output tiles,
     and how many of them run whole (section 7 splits those past the last full wave)."""

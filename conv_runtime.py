@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from conv_config import (SHARED_MEMORY_PER_PROGRAM, KernelConfig, adapt_block_k, check_config, ring_bytes,
+from conv_config import (SHARED_MEMORY_PER_PROGRAM, KernelConfig, adapt_block_k, check_config, groups_fit, ring_bytes,
                          stores_by_row_blocks, tile_counts)
 
 lesson05 = common.load_lesson("05-warp-specialized-conv")     # the kernel and its plain launcher
@@ -157,13 +157,13 @@ def wave_efficiency(units, num_sms):
 def k_share(config, geometry):
     """The share of each filter tap's K blocks that holds channels, not the zeros TMA fills in past
     Ci: Ci = 80 in 64-deep blocks is 80 / 128; in 32-deep ones 80 / 96."""
-    block_k = adapt_block_k(config, geometry.Ci).block_k      # the K block the launch will use
-    return geometry.Ci / (triton.cdiv(geometry.Ci, block_k) * block_k)
+    block_k = adapt_block_k(config, geometry.Ci_group).block_k      # the K block the launch will use
+    return geometry.Ci_group / (triton.cdiv(geometry.Ci_group, block_k) * block_k)
 
 
 def k_steps_of(config, geometry):
     """The K loop's length for this config (about: small Ci gets a smaller K block)."""
-    return geometry.R * geometry.S * triton.cdiv(geometry.Ci, config.block_k)
+    return geometry.R * geometry.S * triton.cdiv(geometry.Ci_group, config.block_k)
 
 
 def _tail_pays(config, geometry, num_sms):
@@ -198,6 +198,8 @@ def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
             continue                            # 2 x (4 + loader) warps at 128 registers fill the RF
         if config.tile_n > max(64, triton.next_power_of_2(geometry.Co)):  # mostly-empty tiles
             continue
+        if geometry.groups > 1 and not groups_fit(config, geometry.Ci_group, geometry.Co_group):
+            continue                            # a grouped conv's tiles in one group each (lesson 05, section 10)
         if config.block_k < 64 and k_share(config, geometry) <= k_share(config._replace(block_k=64), geometry) \
                 and config.tile_m * config.tile_n < 256 * 160:
             continue                            # a narrow K block where it saves zeros (or smem: 256 x 160)
@@ -448,14 +450,14 @@ def plan_for(geometry, dtype, config, out_dtype=None):
     return plan
 
 
-def _call_key(x_nhwc, w, bias, stride, padding, dilation, config, scale, residual, activation, out_dtype):
+def _call_key(x_nhwc, w, bias, stride, padding, dilation, config, scale, residual, activation, out_dtype, groups):
     """A hashable key of what a call can see at a glance, or None (then the slow path runs)."""
     if not (isinstance(x_nhwc, torch.Tensor) and isinstance(w, torch.Tensor)
             and all(t is None or isinstance(t, torch.Tensor) for t in (bias, scale, residual))):
         return None
     key = (x_nhwc.shape, w.shape, x_nhwc.dtype, w.dtype, x_nhwc.device, w.device,
            *(None if t is None else (t.shape, t.dtype, t.device) for t in (bias, scale, residual)),
-           stride, padding, dilation, config, activation, out_dtype)
+           stride, padding, dilation, config, activation, out_dtype, groups)
     try:
         hash(key)
     except TypeError:                    # list-valued stride/padding: no fast path
@@ -464,7 +466,7 @@ def _call_key(x_nhwc, w, bias, stride, padding, dilation, config, scale, residua
 
 
 def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, tune=True,
-           scale=None, residual=None, activation="none", out_dtype=None):
+           scale=None, residual=None, activation="none", out_dtype=None, groups=1):
     """Lesson 05's convolution through the runtime. Same arguments and result as the plain
     launcher `conv2d_fprop_launch` (epilogue included: act(conv * scale + bias + residual)).
     e4m3 operands (lesson 05, section 9) come already scaled: `scale` carries their dequantizing
@@ -472,15 +474,24 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
     `config`: a KernelConfig (or its tuple) to use that config; None to choose one per shape: a
     tuned choice (this process's, or the tuning file's) if there is one, else autotune now when
     `tune`, else the heuristic (no timing). Channel counts so small that one tap's channels fill
-    a fraction of a K step (a network's RGB stem) take the folded path (`FoldedConv`)."""
+    a fraction of a K step (a network's RGB stem) take the folded path (`FoldedConv`).
+    groups > 1: w is [Co, R, S, Ci / groups], and a group's channel counts must fit a config's
+    tiles (`grouped_conv_fits`; lesson 05, section 10)."""
     key = _call_key(x_nhwc, w, bias, stride, padding, dilation, config if config is not None else tune,
-                    scale, residual, activation, out_dtype)
+                    scale, residual, activation, out_dtype, groups)
     entry = _FAST_PLANS.get(key) if key is not None else None
     if entry is None or not (x_nhwc.is_contiguous() and w.is_contiguous()
                              and all(t is None or t.is_contiguous() for t in (bias, scale, residual))):
         # the slow path validates (and explains) everything
         geometry = common.check_conv_call(x_nhwc, w, bias, stride, padding, dilation, dtypes=RUNTIME_DTYPES,
-                                          scale=scale, residual=residual, activation=activation, out_dtype=out_dtype)
+                                          scale=scale, residual=residual, activation=activation, out_dtype=out_dtype,
+                                          groups=groups)
+        if groups > 1 and (x_nhwc.dtype == common.FP8 or (config is None and not grouped_conv_fits(
+                geometry.Ci_group, geometry.Co_group))):
+            raise ValueError(f"{geometry.describe()}: the kernel runs a grouped conv in fp16 or bf16, with whole "
+                             f"tiles per group: output channels per group a multiple of a tile's width (64, 96, "
+                             f"128, ...), input channels per group of its K block (16, 32 or 64); got "
+                             f"{geometry.Ci_group} -> {geometry.Co_group} per group in {x_nhwc.dtype}")
         fold = folded_geometry(geometry) if config is None and x_nhwc.dtype != common.FP8 else None
         run_geometry = fold.geometry if fold is not None else geometry
         if config is not None:
@@ -500,6 +511,14 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
     if fold is not None:
         x_nhwc, w = fold.apply(x_nhwc, w)
     return plan.run(x_nhwc, w, bias, scale, residual, activation)
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_conv_fits(Ci_group, Co_group):
+    """Whether candidate configs of Hopper and of Blackwell run a grouped conv of these channels per
+    group (fp16/bf16), each tile inside one group (lesson 05, section 10)."""
+    return all(any(groups_fit(KernelConfig(*c), Ci_group, Co_group) for c in candidates)
+               for candidates in CANDIDATES.values())
 
 
 def residual_fits_in_registers(config, arch="sm_90"):
@@ -593,7 +612,7 @@ class FoldedConv:
 
 def folded_geometry(geometry):
     """A FoldedConv for a convolution whose channels are too few for a K step, else None."""
-    if geometry.Ci > FOLD_MAX_CHANNELS or geometry.S == 1 or geometry.S * geometry.Ci > 256:
+    if geometry.Ci > FOLD_MAX_CHANNELS or geometry.S == 1 or geometry.S * geometry.Ci > 256 or geometry.groups > 1:
         return None
     return FoldedConv(geometry)
 

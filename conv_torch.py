@@ -24,9 +24,13 @@
   same kernel on e4m3 operands (lesson 05, section 9): a per-tensor input scale, per-output-channel
   weight scales, a bf16 output or an e4m3 one at out_scale (`conv2d_fp8` below takes
   F.conv2d's conventions; conv_fp8.py quantizes a whole fused model).
+- Depthwise convs (groups = channels) run in conv_depthwise.py; other grouped convs in the same
+  kernel where a group's channels fill whole tiles (lesson 05, section 10: 64, 96, 128, ...
+  output channels per group); FusedConv2d merges small groups until they do (`group_merge`).
 - What the kernel does not cover goes to `torch.nn.functional.conv2d`, with one warning per
-  reason: groups > 1, dtypes other than fp16/bf16, CPU tensors, GPUs other than Hopper (sm_90)
-  and data-centre Blackwell (sm_100), and "same" padding that would need to be asymmetric.
+  reason: grouped convs whose groups do not fill tiles, dtypes other than fp16/bf16, CPU tensors,
+  GPUs other than Hopper (sm_90) and data-centre Blackwell (sm_100), and "same" padding that
+  would need to be asymmetric.
 - Configs: a shape seen for the first time gets a heuristic config at once (no timing on the
   critical path); `CONV_TUTORIAL_AUTOTUNE=1` (or `conv_runtime.set_autotune(True)`) times the
   candidates instead, and tuned choices are kept in a JSON file that later processes reuse
@@ -61,7 +65,11 @@ def _fall_back(reason):
 def unsupported_reason(input, weight, groups):
     """Why the tutorial kernel cannot run this call, or None if it can."""
     if groups != 1:
-        return f"groups={groups} (the kernel computes groups=1 only)"
+        if not conv_runtime.grouped_conv_fits(weight.shape[1], weight.shape[0] // groups):
+            return (f"groups={groups} of {weight.shape[1]} -> {weight.shape[0] // groups} channels (a group must "
+                    f"fill whole tiles of the kernel: lesson 05, section 10)")
+        if input.dtype == common.FP8:
+            return f"groups={groups} in float8_e4m3fn (the kernel runs grouped convs in fp16 and bf16)"
     if input.dtype not in KERNEL_DTYPES or weight.dtype != input.dtype:
         return f"dtype {input.dtype}/{weight.dtype} (the kernel takes float16, bfloat16 or float8_e4m3fn, both the same)"
     if input.device.type != "cuda":
@@ -127,7 +135,7 @@ def _conv2d_with_epilogue(input: torch.Tensor, weight: torch.Tensor, bias: Optio
                                    tuple(padding), tuple(dilation), config=None,
                                    tune=conv_runtime.autotune_enabled(), scale=scale,
                                    residual=None if residual is None else nhwc_view(residual),
-                                   activation=activation, out_dtype=out_dtype)
+                                   activation=activation, out_dtype=out_dtype, groups=groups)
     return out_nhwc.permute(0, 3, 1, 2)          # NCHW shape, channels_last memory
 
 
@@ -352,12 +360,47 @@ def fold_batchnorm(weight, bias, bn):
     return folded_weight, (conv_bias - bn.running_mean.float()) * g + beta
 
 
+MAX_GROUP_MERGE = 16    # the most groups merged into one: each does MAX_GROUP_MERGE times the MMA work
+
+
+def group_merge(groups, Ci_group, Co_group):
+    """How many neighbouring groups of a grouped conv to merge into one so that the kernel runs it:
+    the smallest divisor P of `groups` (up to MAX_GROUP_MERGE) for which P groups' channels fill
+    whole tiles on Hopper and on Blackwell (lesson 05, section 10); None if there is none."""
+    for P in range(1, min(groups, MAX_GROUP_MERGE) + 1):
+        if groups % P == 0 and conv_runtime.grouped_conv_fits(P * Ci_group, P * Co_group):
+            return P
+    return None
+
+
+def merge_groups(weight, groups, P):
+    """The weight [Co, Ci/groups, R, S] of a conv with `groups` groups, rewritten for the same conv
+    with groups / P groups: a merged group's output channel keeps its own filter at its old group's
+    place among the P groups' input channels, zeros at the other P - 1 (block diagonal). Exact: the
+    zeros multiply the other groups' channels."""
+    Co, Cg, R, S = weight.shape
+    blocks = weight.reshape(groups // P, P, Co // groups, Cg, R, S)
+    merged = weight.new_zeros(groups // P, P, Co // groups, P, Cg, R, S)
+    for p in range(P):
+        merged[:, p, :, p] = blocks[:, p]
+    return merged.reshape(Co, P * Cg, R, S)
+
+
+def split_groups(weight, groups, P):
+    """merge_groups undone: the [Co, Ci/groups, R, S] weight of the conv with `groups` groups."""
+    Co, merged_channels, R, S = weight.shape
+    merged = weight.reshape(groups // P, P, Co // groups, P, merged_channels // P, R, S)
+    return torch.stack([merged[:, p, :, p] for p in range(P)], dim=1).reshape(Co, merged_channels // P, R, S)
+
+
 class FusedConv2d(torch.nn.Module):
     """One operator call for conv [-> BatchNorm (folded)] [-> + residual] [-> ReLU or SiLU].
 
     forward(x) or forward(x, residual); x and residual NCHW-shaped (channels_last memory avoids
     copies). The weight keeps nn.Conv2d's [Co, Ci, R, S] shape in channels_last memory; `bias` is
-    the fp32 shift (the conv's bias with the BatchNorm folded in)."""
+    the fp32 shift (the conv's bias with the BatchNorm folded in). A grouped conv whose groups are
+    too small for the kernel's tiles has `group_merge` groups merged into one (`merge_groups`); its
+    weight then holds zeros that training must not move, so it takes no gradient."""
 
     def __init__(self, conv: torch.nn.Conv2d, bn: Optional[torch.nn.BatchNorm2d] = None,
                  activation: str = "none", takes_residual: bool = False):
@@ -371,16 +414,21 @@ class FusedConv2d(torch.nn.Module):
             if bn.training or bn.running_mean is None:
                 raise ValueError("only an eval-mode BatchNorm with running statistics can be folded")
             weight, bias = fold_batchnorm(weight, bias, bn)
+        groups, self.group_merge = conv.groups, 1
+        if groups > 1 and not is_depthwise(groups, conv.in_channels, conv.out_channels, weight.shape):
+            self.group_merge = group_merge(groups, weight.shape[1], weight.shape[0] // groups) or 1
+            weight = merge_groups(weight.detach(), groups, self.group_merge)
         self.weight = torch.nn.Parameter(weight.detach().contiguous(memory_format=torch.channels_last),
-                                         requires_grad=conv.weight.requires_grad)
+                                         requires_grad=conv.weight.requires_grad and self.group_merge == 1)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.activation, self.takes_residual, self.folded_batchnorm = activation, takes_residual, bn is not None
         self.conv_repr = f"{conv.in_channels}, {conv.out_channels}, kernel_size={conv.kernel_size}, " \
-                         f"stride={conv.stride}"
+                         f"stride={conv.stride}" + (f", groups={groups}" if groups > 1 else "") \
+                         + (f" (merged {self.group_merge} by {self.group_merge})" if self.group_merge > 1 else "")
         pads = resolve_padding(conv.padding, self.weight.shape, tuple(conv.stride), tuple(conv.dilation))
         if pads is None:
             raise ValueError(f"padding={conv.padding!r} needs asymmetric padding, which the kernel does not do")
-        self._op_args = (list(conv.stride), list(pads), list(conv.dilation), conv.groups)
+        self._op_args = (list(conv.stride), list(pads), list(conv.dilation), groups // self.group_merge)
 
     def forward(self, x, residual=None):
         if (residual is not None) != self.takes_residual:
@@ -428,12 +476,14 @@ def is_depthwise(groups, in_channels, out_channels, weight_shape):
 
 
 def kernel_for(conv: torch.nn.Conv2d) -> Optional[str]:
-    """Which of our kernels runs `conv`: "implicit-gemm" (lesson 05), "depthwise" (conv_depthwise),
-    or None where neither does (grouped convs)."""
+    """Which of our kernels runs `conv`: "implicit-gemm" (lesson 05; a grouped conv too where
+    `group_merge` finds groups that fill its tiles), "depthwise" (conv_depthwise), or None."""
     if conv.groups == 1:
         return "implicit-gemm"
     if is_depthwise(conv.groups, conv.in_channels, conv.out_channels, conv.weight.shape):
         return "depthwise"
+    if group_merge(conv.groups, conv.in_channels // conv.groups, conv.out_channels // conv.groups) is not None:
+        return "implicit-gemm"
     return None
 
 
@@ -446,8 +496,8 @@ def fuse_conv_bn_act(model: torch.nn.Module, example_input: Optional[torch.Tenso
                                      both operands are known to match (no broadcasting)
            -> ReLU / SiLU         -> the epilogue's activation
     Each intermediate value must have no other user. BatchNorms in training mode are left alone.
-    Depthwise convs go to conv_depthwise (with the same epilogue). A conv none of our kernels runs
-    (kernel_for: grouped convs) stays as it was, with its BatchNorm and activation as separate
+    Depthwise convs go to conv_depthwise (with the same epilogue), grouped ones to lesson 05's
+    kernel where their groups fill its tiles. A conv none of our kernels runs (kernel_for) stays as it was, with its BatchNorm and activation as separate
     modules: the operator would send it to torch with the epilogue apart, slower than what
     torch.compile makes of conv -> BatchNorm -> activation, so the pass never makes a model slower;
     `kept_convs` on the result counts them (with one warning).
@@ -507,7 +557,7 @@ def fuse_conv_bn_act(model: torch.nn.Module, example_input: Optional[torch.Tenso
     graph_module.fused_convs, graph_module.kept_convs = count, kept
     if kept:
         warnings.warn(f"fuse_conv_bn_act: {kept} grouped convs left as they were (conv, BatchNorm, activation "
-                      f"apart, for torch.compile to fuse): no kernel of ours runs them")
+                      f"apart, for torch.compile to fuse): no kernel of ours runs groups of their channels")
     return graph_module
 
 
@@ -520,6 +570,11 @@ class TorchConvEpilogue(torch.nn.Module):
         super().__init__()
         self.weight, self.bias = fused.weight, fused.bias
         self.activation, self.takes_residual, self._op_args = fused.activation, fused.takes_residual, fused._op_args
+        if fused.group_merge > 1:      # cuDNN runs the groups as they were, without the merge's zeros
+            groups = fused._op_args[3] * fused.group_merge
+            weight = split_groups(fused.weight.detach(), groups, fused.group_merge)
+            self.weight = torch.nn.Parameter(weight.contiguous(memory_format=torch.channels_last), requires_grad=False)
+            self._op_args = fused._op_args[:3] + (groups,)
         self.conv_repr = fused.conv_repr
 
     def forward(self, x, residual=None):
