@@ -487,7 +487,7 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
                                           scale=scale, residual=residual, activation=activation, out_dtype=out_dtype,
                                           groups=groups)
         if groups > 1 and (x_nhwc.dtype == common.FP8 or (config is None and not grouped_conv_fits(
-                geometry.Ci_group, geometry.Co_group))):
+                geometry.Ci_group, geometry.Co_group, device_facts()[0]))):
             raise ValueError(f"{geometry.describe()}: the kernel runs a grouped conv in fp16 or bf16, with whole "
                              f"tiles per group: output channels per group a multiple of a tile's width (64, 96, "
                              f"128, ...), input channels per group of its K block (16, 32 or 64); got "
@@ -514,11 +514,16 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
 
 
 @functools.lru_cache(maxsize=None)
-def grouped_conv_fits(Ci_group, Co_group):
-    """Whether candidate configs of Hopper and of Blackwell run a grouped conv of these channels per
-    group (fp16/bf16), each tile inside one group (lesson 05, section 10)."""
-    return all(any(groups_fit(KernelConfig(*c), Ci_group, Co_group) for c in candidates)
-               for candidates in CANDIDATES.values())
+def grouped_conv_fits(Ci_group, Co_group, arch=None):
+    """Whether candidate configs of `arch` ("sm_90", "sm_100"; None: of both) run a grouped conv of
+    these channels per group (fp16/bf16), each tile inside one group (lesson 05, section 10)."""
+    return all(any(groups_fit(KernelConfig(*c), Ci_group, Co_group) for c in CANDIDATES[a])
+               for a in ([arch] if arch else CANDIDATES))
+
+
+def current_arch():
+    """"sm_90" or "sm_100" where this machine has the kernel's GPU, else None."""
+    return device_facts()[0] if common.has_tma_mma_gpu() else None
 
 
 def residual_fits_in_registers(config, arch="sm_90"):

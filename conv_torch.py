@@ -65,7 +65,7 @@ def _fall_back(reason):
 def unsupported_reason(input, weight, groups):
     """Why the tutorial kernel cannot run this call, or None if it can."""
     if groups != 1:
-        if not conv_runtime.grouped_conv_fits(weight.shape[1], weight.shape[0] // groups):
+        if not conv_runtime.grouped_conv_fits(weight.shape[1], weight.shape[0] // groups, conv_runtime.current_arch()):
             return (f"groups={groups} of {weight.shape[1]} -> {weight.shape[0] // groups} channels (a group must "
                     f"fill whole tiles of the kernel: lesson 05, section 10)")
         if input.dtype == common.FP8:
@@ -363,12 +363,15 @@ def fold_batchnorm(weight, bias, bn):
 MAX_GROUP_MERGE = 16    # the most groups merged into one: each does MAX_GROUP_MERGE times the MMA work
 
 
-def group_merge(groups, Ci_group, Co_group):
+def group_merge(groups, Ci_group, Co_group, arch="this machine"):
     """How many neighbouring groups of a grouped conv to merge into one so that the kernel runs it:
     the smallest divisor P of `groups` (up to MAX_GROUP_MERGE) for which P groups' channels fill
-    whole tiles on Hopper and on Blackwell (lesson 05, section 10); None if there is none."""
+    whole tiles (lesson 05, section 10), or all of them (P = groups: a plain conv, any channels);
+    None if there is none. Tiles of `arch` ("sm_90", "sm_100"; None: of both; by default this
+    machine's GPU, or both where it has none)."""
+    arch = conv_runtime.current_arch() if arch == "this machine" else arch
     for P in range(1, min(groups, MAX_GROUP_MERGE) + 1):
-        if groups % P == 0 and conv_runtime.grouped_conv_fits(P * Ci_group, P * Co_group):
+        if groups % P == 0 and (P == groups or conv_runtime.grouped_conv_fits(P * Ci_group, P * Co_group, arch)):
             return P
     return None
 

@@ -172,13 +172,14 @@ def test_fx_pass_leaves_what_it_cannot_fuse():
 
 
 class DepthwiseBlock(torch.nn.Module):
-    """A MobileNet-style block: 1x1 expand, depthwise 3x3, grouped 3x3, each with BatchNorm and an activation."""
+    """A MobileNet-style block: 1x1 expand, depthwise 3x3, grouped 3x3 (32 groups of 1 -> 2 channels: too
+    narrow for the kernel's tiles, even merged), each with BatchNorm and an activation."""
 
     def __init__(self):
         super().__init__()
         self.expand, self.bn1 = torch.nn.Conv2d(8, 32, 1, bias=False), torch.nn.BatchNorm2d(32)
         self.depthwise, self.bn2 = torch.nn.Conv2d(32, 32, 3, 2, 1, groups=32, bias=False), torch.nn.BatchNorm2d(32)
-        self.grouped, self.bn3 = torch.nn.Conv2d(32, 32, 3, 1, 1, groups=4, bias=False), torch.nn.BatchNorm2d(32)
+        self.grouped, self.bn3 = torch.nn.Conv2d(32, 64, 3, 1, 1, groups=32, bias=False), torch.nn.BatchNorm2d(64)
 
     def forward(self, x):
         x = F.silu(self.bn1(self.expand(x)))
@@ -189,7 +190,7 @@ class DepthwiseBlock(torch.nn.Module):
 def test_fx_pass_fuses_depthwise_convs_and_leaves_grouped_ones_for_torch_compile():
     model = DepthwiseBlock()
     for i, bn in enumerate((model.bn1, model.bn2, model.bn3)):
-        bn.load_state_dict(random_batchnorm(32, seed=i).state_dict())
+        bn.load_state_dict(random_batchnorm(bn.num_features, seed=i).state_dict())
     model, x = model.eval(), torch.randn(2, 8, 12, 10)
     with pytest.warns(UserWarning, match="1 grouped convs left as they were"):
         fused = conv_torch.fuse_conv_bn_act(model, example_input=x)
@@ -197,7 +198,7 @@ def test_fx_pass_fuses_depthwise_convs_and_leaves_grouped_ones_for_torch_compile
     depthwise = [m for m in fused.modules() if isinstance(m, conv_torch.FusedConv2d)][1]
     assert depthwise._op_args[3] == 32 and depthwise.folded_batchnorm and depthwise.activation == "relu"
     kept = [m for m in fused.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.BatchNorm2d))]
-    assert [type(m).__name__ for m in kept] == ["Conv2d", "BatchNorm2d"] and kept[0].groups == 4
+    assert [type(m).__name__ for m in kept] == ["Conv2d", "BatchNorm2d"] and kept[0].groups == 32
     with torch.no_grad():
         torch.testing.assert_close(quietly(fused, x), model(x), rtol=1e-4, atol=1e-4)
 

@@ -44,12 +44,20 @@ def test_merged_groups_compute_the_same_conv(groups, Ci_group, Co_group, P):
     (32, 16, 16, 4),
     (32, 32, 32, 2),
     (4, 48, 48, 4),      # RegNet's groups of 48: four make 192, three tiles of 64
-    (9, 48, 48, None),   # 48, 144 or 432 channels: no tile width divides them
-    (4, 8, 8, None),     # all four groups make 32 channels: narrower than a tile
-    (64, 2, 2, None),    # 64 channels take 32 groups, more than MAX_GROUP_MERGE
+    (9, 48, 48, 9),      # 48 or 144 channels: no tile width divides them; all nine: a plain conv
+    (21, 48, 48, None),  # 48, 144 or 336 channels fill no tiles, and 21 groups are too many to merge
+    (4, 8, 8, 4),        # all four groups: a plain conv of 32 channels
+    (32, 1, 2, None),    # 64 output channels take 32 groups, more than MAX_GROUP_MERGE
 ])
 def test_group_merge_takes_the_fewest_groups_that_fill_whole_tiles(groups, Ci_group, Co_group, P):
-    assert conv_torch.group_merge(groups, Ci_group, Co_group) == P
+    assert conv_torch.group_merge(groups, Ci_group, Co_group, arch=None) == P
+
+
+def test_group_merge_asks_the_tiles_of_the_architecture():
+    """RegNet's first stage, 2 groups of 48: 96 channels fill a 96-wide tile (64 + a 32-column
+    tail) on Hopper; Blackwell has no 96-wide config, so there both groups merge into a plain conv."""
+    assert conv_torch.group_merge(4, 48, 48, arch="sm_90") == 2
+    assert conv_torch.group_merge(4, 48, 48, arch="sm_100") == 4
 
 
 class ResNeXtBlock(torch.nn.Module):
