@@ -180,7 +180,7 @@ def _tail_pays(config, geometry, num_sms):
 def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
     """Keep the configs that fit the device and suit the shape (no compilation needed)."""
     smem_limit = smem_limit or SMEM_LIMIT_BYTES[arch]
-    kept = []
+    kept, runnable = [], []     # suited to the shape; able to run it at all (a grouped conv's last resort)
     for config in map(lambda c: KernelConfig(*c), candidates):
         try:
             check_config(config, arch)   # what the arch does not run (ping-pong, TMEM columns, row tails on
@@ -196,10 +196,11 @@ def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
             continue                            # 2 consumer warpgroups + the loader's fill the RF
         if config.programs_per_sm > 1 and (config.num_warps != 4 or acc_registers > 64):
             continue                            # 2 x (4 + loader) warps at 128 registers fill the RF
-        if config.tile_n > max(64, triton.next_power_of_2(geometry.Co)):  # mostly-empty tiles
-            continue
         if geometry.groups > 1 and not groups_fit(config, geometry.Ci_group, geometry.Co_group):
             continue                            # a grouped conv's tiles in one group each (lesson 05, section 10)
+        runnable.append(config)
+        if config.tile_n > max(64, triton.next_power_of_2(geometry.Co)):  # mostly-empty tiles
+            continue
         if config.block_k < 64 and k_share(config, geometry) <= k_share(config._replace(block_k=64), geometry) \
                 and config.tile_m * config.tile_n < 256 * 160:
             continue                            # a narrow K block where it saves zeros (or smem: 256 x 160)
@@ -210,7 +211,7 @@ def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
             if wave_efficiency(tiles, num_sms) >= 0.8 or k_steps_of(config, geometry) < 3 * config.split_k:
                 continue                        # split-K only where whole tiles leave SMs idle
         kept.append(config)
-    return kept
+    return kept or runnable      # (a grouped conv may fit only configs the shape rules would drop)
 
 
 # %% Plans: shape-only work done once, descriptor templates, the direct launch --------------------

@@ -157,3 +157,23 @@ def test_fused_resnext_blocks_on_the_gpu_match_the_original(group_width):
     with torch.no_grad():
         expected, out = model.float()(x.float()), fused(x).float()
     assert (out - expected).abs().max() <= 2 ** -6 * expected.abs().max() + 1e-2
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_every_grouped_conv_the_kernel_accepts_gets_a_config_that_fits_it(arch):
+    """grouped_conv_fits (what the operator asks) and the runtime's pruning agree: wherever a
+    group's channels fit some config, the heuristic picks one that keeps each tile in one group."""
+    import conv_config
+    import conv_runtime
+    accepted = 0
+    for Ci_group, Co_group in [(16, 64), (32, 64), (64, 64), (96, 96), (48, 96), (128, 128), (192, 192), (64, 320),
+                               (48, 48), (32, 32), (256, 512)]:
+        if not conv_runtime.grouped_conv_fits(Ci_group, Co_group, arch):
+            continue
+        accepted += 1
+        for N, H, groups, stride, R in [(128, 56, 2, 2, 3), (1, 7, 8, 1, 3), (32, 14, 4, 1, 1)]:
+            g = common.conv_geometry((N, H, H, groups * Ci_group), (groups * Co_group, R, R, Ci_group), stride,
+                                     R // 2, 1, groups)
+            config = conv_runtime.heuristic_config(g, arch, 132)
+            assert conv_config.groups_fit(config, Ci_group, Co_group), (g.describe(), config)
+    assert accepted >= 6
