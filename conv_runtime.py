@@ -211,7 +211,8 @@ def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
             if wave_efficiency(tiles, num_sms) >= 0.8 or k_steps_of(config, geometry) < 3 * config.split_k:
                 continue                        # split-K only where whole tiles leave SMs idle
         kept.append(config)
-    return kept or runnable      # (a grouped conv may fit only configs the shape rules would drop)
+    # a grouped conv may fit only configs the shape rules would drop: it takes those
+    return runnable if not kept and geometry.groups > 1 else kept
 
 
 # %% Plans: shape-only work done once, descriptor templates, the direct launch --------------------
