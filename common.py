@@ -622,6 +622,18 @@ def check_conv(entry, N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1, dt
     return out
 
 
+class PlainInt(int):
+    """An int whose arithmetic stays a PlainInt and which ignores `.to(dtype)`: a Gluon kernel's
+    index arithmetic, casts included, run as plain Python (`SomeAggregate.method.fn(...)`) by the
+    tests that check it against a model (lesson 05)."""
+    def to(self, dtype):
+        return self
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__mul__", "__rmul__", "__floordiv__", "__mod__"):
+    setattr(PlainInt, _name, lambda self, other, _op=getattr(int, _name): PlainInt(_op(self, other)))
+
+
 # %% Benchmarks -------------------------------------------------------------------------------------
 
 

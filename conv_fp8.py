@@ -20,7 +20,8 @@ its output leaves, and where scales come from:
     nothing there; and it sees the raw image, whose quantization error every later layer inherits;
   * the classifier: a Linear, which this pass does not touch (nor pooling): the first and last
     layers are where low precision costs the most accuracy, for the least time;
-  * grouped and depthwise convs (the kernel computes groups=1), and convs kept as they were.
+  * grouped and depthwise convs (the kernel runs grouped convs in fp16/bf16 only; one merged into a plain
+    conv, groups=1, runs in fp8), and convs kept as they were.
 - Output formats: an e4m3 conv writes e4m3, so activations go from one conv to the next in e4m3
   and nothing converts them in between, unless a bf16 conv reads its output (converting it there
   would be one more pass over memory). A residual must arrive in the consuming conv's output
