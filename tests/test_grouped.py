@@ -17,6 +17,7 @@ needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON
 
 
 def quietly(call, *args, **kwargs):
+    """Run without the fallback warnings of a machine without the kernel."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return call(*args, **kwargs)
