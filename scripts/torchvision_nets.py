@@ -16,7 +16,7 @@ its own process, at every batch size:
                             take is one call of lesson 05's kernel (or, for a depthwise conv,
                             conv_depthwise's) with BatchNorm, residual add and activation in its
                             epilogue; Inductor does everything else, including the grouped convs
-                            and those where cuDNN measured faster.
+                            none of ours runs and those where cuDNN measured faster.
 The three processes of a network compile at the same time; each is then timed with nothing else
 on the GPU (ours first decides, alone on the GPU, which convs torch keeps). Images/s are do_bench
 medians of a whole forward pass; the logits' error is max |error| / max
@@ -265,18 +265,20 @@ def layer_table(net, batch):
         fused = conv_torch.fuse_conv_bn_act(fp32, example_input=x32[:1]).to(**BF16)
     layers = {}
     for _, module, inputs in conv_torch.module_calls(fused, x32.to(**BF16), (conv_torch.FusedConv2d, torch.nn.Conv2d)):
-        if isinstance(module, conv_torch.FusedConv2d):
-            stride, padding, dilation, groups = module._op_args
+        if isinstance(module, conv_torch.FusedConv2d):   # (the conv as torch runs it: merged groups apart)
+            stride, padding, dilation, groups = conv_torch.TorchConvEpilogue(module)._op_args
             extra = (module.takes_residual, module.activation)
         else:
             stride, padding, dilation, groups = module.stride, module.padding, module.dilation, module.groups
             extra = ("kept",)
-        key = (tuple(inputs[0].shape), tuple(module.weight.shape), tuple(stride), tuple(padding), groups, *extra)
+        key = (tuple(inputs[0].shape), (module.weight.shape[0], inputs[0].shape[1] // groups, *module.weight.shape[2:]),
+               tuple(stride), tuple(padding), groups, *extra)
         layers.setdefault(key, [module, inputs, 0])[2] += 1
     rows = []
     for (shape, w_shape, stride, padding, groups, *extra), (module, inputs, count) in layers.items():
-        weight = module.weight.detach()
-        dilation = module._op_args[2] if isinstance(module, conv_torch.FusedConv2d) else module.dilation
+        fused = isinstance(module, conv_torch.FusedConv2d)
+        weight = (conv_torch.TorchConvEpilogue(module) if fused else module).weight.detach()
+        dilation = module._op_args[2] if fused else module.dilation
         with torch.no_grad():
             out = module(*inputs)
             ours_ms = triton.testing.do_bench_cudagraph(lambda: module(*inputs))
