@@ -276,9 +276,9 @@ def layer_table(net, batch):
         layers.setdefault(key, [module, inputs, 0])[2] += 1
     rows = []
     for (shape, w_shape, stride, padding, groups, *extra), (module, inputs, count) in layers.items():
-        fused = isinstance(module, conv_torch.FusedConv2d)
-        weight = (conv_torch.TorchConvEpilogue(module) if fused else module).weight.detach()
-        dilation = module._op_args[2] if fused else module.dilation
+        ours = isinstance(module, conv_torch.FusedConv2d)
+        weight = (conv_torch.TorchConvEpilogue(module) if ours else module).weight.detach()
+        dilation = module._op_args[2] if ours else module.dilation
         with torch.no_grad():
             out = module(*inputs)
             ours_ms = triton.testing.do_bench_cudagraph(lambda: module(*inputs))
