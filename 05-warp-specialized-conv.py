@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from conv_config import FIXED_CONFIG, PINGPONG_CONFIG, KernelConfig, check_config, stores_by_row_blocks, \
-    tile_counts, adapt_block_k, block_k_channels, check_groups_fit
+    tile_counts, block_k_channels, check_groups_fit
 
 CONV_DTYPES = (torch.float16, torch.bfloat16)
 # A run-time integer in an aggregate: a tensor, or a constexpr where Triton specialized the

@@ -524,8 +524,15 @@ def grouped_conv_fits(Ci_group, Co_group, arch=None):
 
 
 def current_arch():
-    """"sm_90" or "sm_100" where this machine has the kernel's GPU, else None."""
-    return device_facts()[0] if common.has_tma_mma_gpu() else None
+    """"sm_90" or "sm_100" where this machine has the kernel's GPU, else None (once per device)."""
+    return _arch_of_device(torch.cuda.current_device() if common.HAS_CUDA else None)
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_of_device(device_index):
+    if device_index is None or not common.is_tma_mma_capability(torch.cuda.get_device_capability(device_index)):
+        return None
+    return _device_facts_of(device_index)[0]
 
 
 def residual_fits_in_registers(config, arch="sm_90"):

@@ -420,7 +420,8 @@ class FusedConv2d(torch.nn.Module):
         groups, self.group_merge = conv.groups, 1
         if groups > 1 and not is_depthwise(groups, conv.in_channels, conv.out_channels, weight.shape):
             self.group_merge = group_merge(groups, weight.shape[1], weight.shape[0] // groups) or 1
-            weight = merge_groups(weight.detach(), groups, self.group_merge)
+            if self.group_merge > 1:
+                weight = merge_groups(weight.detach(), groups, self.group_merge)
         self.weight = torch.nn.Parameter(weight.detach().contiguous(memory_format=torch.channels_last),
                                          requires_grad=conv.weight.requires_grad and self.group_merge == 1)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().clone(), requires_grad=False)

@@ -11,6 +11,7 @@ import torch
 
 lesson05 = common.load_lesson("05-warp-specialized-conv")
 import conv_runtime  # noqa: E402  (after the lesson: the runtime wraps its kernel)
+import conv_config  # noqa: E402
 
 KernelConfig = lesson05.KernelConfig
 needs_gpu = lesson05.needs_gpu
@@ -24,7 +25,7 @@ def test_pruning():
     small = common.conv_geometry((1, 8, 8, 64), (256, 1, 1, 64))
     assert conv_runtime.prune_configs([(128, 256, 64, 4, 8, 1)], small, "sm_90") == []  # too much smem
     assert conv_runtime.prune_configs([(128, 256, 64, 3, 4, 1)], small, "sm_90") == []  # acc on 4 warps
-    assert lesson05.adapt_block_k(lesson05.FIXED_CONFIG, 8)[2] == 16
+    assert conv_config.adapt_block_k(lesson05.FIXED_CONFIG, 8)[2] == 16
     assert conv_runtime.prune_configs([(128, 64, 64, 4, 8, 2)], geometry, "sm_90") == []  # no registers
     # tails only where they cut the wasted columns: Co=320 keeps the 160-wide tiles, Co=384 does not
     tails = [c for c in conv_runtime.HOPPER_CANDIDATES if c.block_n_tail]
