@@ -24,7 +24,7 @@ class KernelConfig(NamedTuple):
     programs_per_sm: int = 1
     consumers: int = 1      # 2: Hopper ping-pong (section 4)
     block_n_tail: int = 0   # section 6: extra output columns per tile, in a second MMA
-    split_k: int = 1        # section 7: slices of the K loop, summed inside the kernel
+    split_k: int = 1        # section 7: slices of the K loop, summed by a second kernel
     block_m_tail: int = 0   # section 6: extra output rows (pixels) per tile, in a second MMA (Hopper)
 
     @property

@@ -40,8 +40,7 @@ ResNet-50 layer (measured on an H100 host, 2026-11-22). This module adds, for th
   this shape, and split-K's workspace traffic (scripts/fit_heuristic.py refits the numbers).
 - Small channel counts (`FoldedConv`): a layer whose Ci is 8 or less (an RGB stem) is run as an
   R x 1 convolution over S*Ci folded channels, 7 k-steps instead of 49 for ResNet-50's stem.
-- Split-K's workspace (lesson 05, section 7) lives with the plan: zeroed once, and every launch
-  leaves it at zero for the next, so a split call is one launch like any other.
+- Split-K's second kernel (lesson 05, section 7) is launched directly too.
 - e4m3 operands (lesson 05, section 9) take the same plans, with a bf16 or e4m3 output; their
   scales arrive folded into the epilogue's (conv_torch's fp8 operator folds them).
 
@@ -107,9 +106,6 @@ def _candidates():
         C(block_m=128, block_n=128, block_k=64, num_buffers=6, num_warps=8, split_k=2),
         C(block_m=128, block_n=128, block_k=64, num_buffers=6, num_warps=8, split_k=3),
         C(block_m=128, block_n=128, block_k=64, num_buffers=6, num_warps=8, split_k=4),
-        # batch 1: a handful of tiles, each K loop in 8 or 16 slices
-        C(block_m=128, block_n=128, block_k=64, num_buffers=6, num_warps=8, split_k=8),
-        C(block_m=128, block_n=128, block_k=64, num_buffers=6, num_warps=8, split_k=16),
         C(block_m=128, block_n=256, block_k=64, num_buffers=3, num_warps=8, split_k=2),
         C(block_m=128, block_n=128, block_k=64, num_buffers=5, num_warps=4, block_n_tail=32, split_k=2),
         C(block_m=128, block_n=128, block_k=64, num_buffers=5, num_warps=4, block_n_tail=32, split_k=4),
@@ -128,7 +124,6 @@ def _candidates():
         C(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4, block_n_tail=32),
         C(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4, split_k=2),
         C(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4, split_k=4),
-        C(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4, split_k=8),
         C(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4, block_n_tail=32, split_k=2),
     ]
     return hopper, blackwell
@@ -213,7 +208,7 @@ def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
             continue                            # a tail only where it saves work or fills SMs
         if config.split_k > 1:
             tiles = triton.cdiv(geometry.M, config.tile_m) * triton.cdiv(geometry.Co, config.tile_n)
-            if wave_efficiency(tiles, num_sms) >= 0.8 or k_steps_of(config, geometry) < 2 * config.split_k:
+            if wave_efficiency(tiles, num_sms) >= 0.8 or k_steps_of(config, geometry) < 3 * config.split_k:
                 continue                        # split-K only where whole tiles leave SMs idle
         kept.append(config)
     # a grouped conv may fit only configs the shape rules would drop: it takes those
@@ -315,16 +310,15 @@ class ConvPlan:
         check_config(self.config, arch)
         self.template = None      # the first call's ConvLaunch: validated descriptors, grid, constexprs
         self.launches = {}        # epilogue variant -> DirectLaunch of the conv kernel
-        # split-K's sums and arrival counters (lesson 05, section 7): allocated zeroed with the plan's first launch
-        # and kept, since every launch leaves them at zero for the next. So one plan serves one stream at a time.
-        self.split_sums = None
+        self.reduces = {}         # epilogue variant -> DirectLaunch of split-K's second kernel
+        self.reduce_grid = self.reduce_scalars = None   # split-K's second kernel: fixed by the plan
 
     def launch_for(self, x_nhwc, w, bias, scale=None, residual=None):
         """The lesson's ConvLaunch for these tensors; after the first call, built from templates."""
         if self.template is None:
             launch = lesson05.prepare_launch(x_nhwc, w, bias, self.geometry, self.config,
                                            self.arch, self.num_sms, scale, residual, self.out_dtype)
-            self.template, self.split_sums = _tensorless(launch), launch.split_sums
+            self.template = _tensorless(launch)
             return launch
         # Same shapes, strides, boxes and layouts: only the base pointers change. Copy the
         # validated descriptors and swap the tensors in.
@@ -335,10 +329,10 @@ class ConvPlan:
         tensors = (x_nhwc, w_2d, w_2d, out_2d, out_2d)     # in, w, w_tail, out, out_tail
         descriptors = tuple(None if desc is None else _with_base(desc, tensor)
                             for desc, tensor in zip(template.args[:5], tensors))
-        pointers = tuple(t if t is not None else out_2d
-                         for t in (bias, scale, residual, *(self.split_sums or (None, None))))
+        partial = _new_like(template.partial, x_nhwc.device)
+        pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual, partial))
         return template._replace(args=descriptors + (pointers,) + template.args[6:], out_2d=out_2d,
-                                 split_sums=self.split_sums)
+                                 partial=partial)
 
     def run(self, x_nhwc, w, bias=None, scale=None, residual=None, activation="none"):
         # The specialization Triton compiled for: the epilogue, and whether each of its pointers
@@ -364,13 +358,24 @@ class ConvPlan:
             _check_tma_aligned(w)
             template = self.template
             out_2d = _new_like(template.out_2d, x_nhwc.device)
+            partial = _new_like(template.partial, x_nhwc.device)
             # the tails' descriptors, where the plan has them (weights: a column tail; output: either)
             w_tail, out_tail = (None if desc is None else tensor
                                 for desc, tensor in zip(template.args[2:5:2], (w, out_2d)))
-            pointers = tuple(t.data_ptr() if t is not None else out_2d.data_ptr()
-                             for t in (bias, scale, residual, *(self.split_sums or (None, None))))
-            direct(template.grid, x_nhwc, w, w_tail, out_2d, out_tail, pointers, template.args[6])
-            return lesson05.output_nhwc(self.geometry, out_2d)
+            pointers = tuple(t.data_ptr() if t is not None else out_2d.data_ptr() for t in (bias, scale, residual))
+            direct(template.grid, x_nhwc, w, w_tail, out_2d, out_tail,
+                   (*pointers, (partial if partial is not None else out_2d).data_ptr()), template.args[6])
+            reduce = self.reduces.get(variant) if partial is not None else None
+            if reduce is not None:
+                # split-K's second kernel: its grid and scalars are the plan's, only pointers change
+                reduce(self.reduce_grid, partial.data_ptr(), out_2d.data_ptr(), pointers, *self.reduce_scalars)
+            if partial is None or reduce is not None:
+                return lesson05.output_nhwc(self.geometry, out_2d)
+            launch = template._replace(out_2d=out_2d, partial=partial)
+        if launch.partial is not None:          # split-K: the second kernel sums the slices
+            grid, args, kwargs = lesson05.split_k_epilogue_launch(launch, bias, scale, residual, activation)
+            self.reduces[variant] = DirectLaunch.first_launch(lesson05.split_k_epilogue_kernel, grid, args, kwargs)
+            self.reduce_grid, self.reduce_scalars = grid, args[3:]
         return launch.result()
 
 
@@ -388,14 +393,14 @@ def _check_tma_aligned(tensor):
 
 
 def _tensorless(launch):
-    """A plan's template of a ConvLaunch: its descriptors without their tensors, its output as a
-    shape (a meta tensor); split-K's workspace stays with the plan itself. A template holding the
-    first call's tensors would keep them alive as long as the plan: an activation per layer of a
-    network, and during autotuning one per candidate."""
+    """A plan's template of a ConvLaunch: its descriptors without their tensors, its output and
+    workspace as shapes (meta tensors). A template holding the first call's tensors would keep
+    them alive as long as the plan: an activation per layer of a network, and during
+    autotuning one per candidate."""
     descriptors = tuple(None if desc is None else _with_base(desc, None) for desc in launch.args[:5])
     as_meta = lambda t: None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")  # noqa: E731
     return launch._replace(args=descriptors + (None,) + launch.args[6:], out_2d=as_meta(launch.out_2d),
-                           split_sums=None)
+                           partial=as_meta(launch.partial))
 
 
 def _new_like(template_tensor, device):
@@ -631,8 +636,8 @@ def folded_geometry(geometry):
 # Each Hopper config's throughput on a layer it fills (TFLOPS with every SM busy in every wave and
 # no columns, rows or channels past the layer): the median over the 84 layers of lesson 05's
 # network suite (ResNet-50, the SD UNet, Inception v3) of its measured TFLOPS divided by its share
-# of useful work (`useful_share`). Split-K adds its workspace's traffic (each slice's fp32 sum of a
-# split tile added in L2, then read and zeroed once), at the effective bandwidth fitted the same way. Measured on an H100
+# of useful work (`useful_share`). Split-K adds its workspace's round trip (SPLIT_K x M x Co fp32
+# values, written and read), at the effective bandwidth fitted the same way. Measured on an H100
 # with Triton 3.9, 2026-11-24, from the autotuner's timings in the suite's run
 # (scripts/fit_heuristic.py refits both from the suite's logs). Checked leave-one-out (each layer's
 # config picked from the table fitted without it): 0.966x of that layer's fastest config, geometric
@@ -669,10 +674,6 @@ HOPPER_CONFIG_TFLOPS = {   # split_k left at 1: split-K's cost is modelled apart
     KernelConfig(block_m=128, block_n=64, block_k=64, num_buffers=6, num_warps=4, block_n_tail=32): 320,
 }
 SPLIT_K_WORKSPACE_BYTES_PER_S = 2.05e12   # fitted with the table (mostly L2: the slices meet there)
-# What summing the slices in the kernel costs however little it moves: the adds must all land before
-# the last slice can read the sum back (measured on an H100, ResNet-50's batch-1 layers: 2 slices of
-# 7 tiles of 128x128 take 4.4-5.3 us longer than the whole tiles, 8 slices about as long).
-SPLIT_K_SECONDS = 4.5e-6
 
 
 def split_tiles(config, geometry, num_sms):
@@ -693,8 +694,8 @@ def useful_share(config, geometry, num_sms):
 
 
 def split_k_workspace_bytes(config, geometry, num_sms):
-    """Bytes split-K moves through its fp32 workspace: each slice of a split tile added, the sum read and zeroed."""
-    return (config.split_k + 2) * split_tiles(config, geometry, num_sms)[2] * config.tile_m * config.tile_n * 4
+    """Bytes split-K moves through its fp32 workspace: each slice of a split tile, written and read."""
+    return 2 * config.split_k * split_tiles(config, geometry, num_sms)[2] * config.tile_m * config.tile_n * 4
 
 
 def config_tflops(config, arch):
@@ -711,11 +712,9 @@ def config_tflops(config, arch):
 
 def expected_seconds(config, geometry, arch, num_sms):
     """The heuristic's model of a config's time on a layer: its FLOPs at the config's throughput
-    times its useful share, plus split-K's reduction: a fixed latency and its workspace traffic."""
+    times its useful share, plus split-K's workspace round trip."""
     seconds = geometry.flops / (config_tflops(config, arch) * 1e12 * useful_share(config, geometry, num_sms))
-    if config.split_k > 1 and split_tiles(config, geometry, num_sms)[2]:
-        seconds += SPLIT_K_SECONDS + split_k_workspace_bytes(config, geometry, num_sms) / SPLIT_K_WORKSPACE_BYTES_PER_S
-    return seconds
+    return seconds + split_k_workspace_bytes(config, geometry, num_sms) / SPLIT_K_WORKSPACE_BYTES_PER_S
 
 
 def heuristic_config(geometry, arch, num_sms, smem_limit=None):

@@ -52,7 +52,8 @@ def measure(layer):
     config = conv_runtime.known_or_heuristic_config(geometry, x_nhwc.dtype)
     plan = conv_runtime.plan_for(geometry, x_nhwc.dtype, config)
     row = {"layer": label, "config": str(config)}
-    row.update(conv_runtime.compare_launch_paths(plan, x_nhwc, w, calls=500))
+    if not config.split_k > 1:            # split-K runs two kernels: its launch paths differ
+        row.update(conv_runtime.compare_launch_paths(plan, x_nhwc, w, calls=500))
     row["runtime"] = median_host_us(lambda: conv_runtime.conv2d(x_nhwc, w, None, stride, padding, config=config))
     x_nchw, w_oihw = x_nhwc.permute(0, 3, 1, 2), w.permute(0, 3, 1, 2)   # channels_last views
     row["operator"] = median_host_us(lambda: torch.ops.conv_tutorial.conv2d(x_nchw, w_oihw, None, [stride] * 2,

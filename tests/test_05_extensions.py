@@ -12,7 +12,7 @@ import triton
 lesson05 = common.load_lesson("05-warp-specialized-conv")
 from conv_config import KernelConfig, FIXED_CONFIG, PINGPONG_CONFIG, check_config, ring_bytes, \
     stores_by_row_blocks, SHARED_MEMORY_PER_PROGRAM  # noqa: E402
-Epilogue = lesson05.Epilogue
+Epilogue, ConvLaunch, finish_split_k = lesson05.Epilogue, lesson05.ConvLaunch, lesson05.finish_split_k
 conv2d_fprop_launch, conv2d_fprop_fixed = lesson05.conv2d_fprop_launch, lesson05.conv2d_fprop_fixed
 needs_gpu, needs_hopper, FUSED_EPILOGUES = lesson05.needs_gpu, lesson05.needs_hopper, lesson05.FUSED_EPILOGUES
 IM2COL_LOAD, WEIGHT_LOAD, TMA_STORE = common.PTX_IM2COL_LOAD, common.PTX_TILED_LOAD, common.PTX_TMA_STORE
@@ -219,7 +219,6 @@ def test_deep_ring_build_stores_by_row_blocks(config, blocks, epilogue):
 
 
 SPLIT_K_CONFIGS = [KernelConfig(128, 128, 64, 6, 8, split_k=3), KernelConfig(128, 64, 64, 6, 4, split_k=4),
-                   KernelConfig(128, 128, 64, 6, 8, split_k=8),         # batch 1's: 8 slices meet per tile
                    KernelConfig(128, 128, 64, 5, 4, block_n_tail=32, split_k=2),
                    # a row tail with split-K: the slices' partial sums of 192-row tiles (Hopper)
                    KernelConfig(128, 128, 64, 4, 4, split_k=2, block_m_tail=64),
@@ -238,9 +237,8 @@ SPLIT_K_CONFIGS = [KernelConfig(128, 128, 64, 6, 8, split_k=3), KernelConfig(128
     (64, 9, 11, 192, 700, 3, 3, 1, 1, torch.float16, False),      # many tiles, some split, Co tail
 ])
 def test_split_k(entry, config, N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias):
-    """Plainly launched (a fresh zeroed workspace), and through the runtime, whose plan keeps its
-    workspace: the second call takes the direct path and finds the sums and counters the first
-    left at zero."""
+    """Plainly launched, and through the runtime (templates and direct launches of both kernels:
+    the second call of a plan takes the direct path)."""
     for seed in (0, 1):
         common.check_conv(functools.partial(ENTRIES[entry], config=config), N, H, W, Ci, Co, R, S,
                           stride, padding, 1, dtype=dtype, with_bias=with_bias, seed=seed)
@@ -249,59 +247,44 @@ def test_split_k(entry, config, N, H, W, Ci, Co, R, S, stride, padding, dtype, w
 @needs_gpu
 @pytest.mark.parametrize("epilogue", FUSED_EPILOGUES, ids=str)
 def test_split_k_last_wave_with_fused_epilogue(epilogue):
-    """Whole tiles store through the epilogue as they are, split ones once their last slice has
-    summed them: both must apply the same act(acc * scale + bias + residual)."""
+    """Whole tiles store through the epilogue in the kernel, split ones in the second kernel: both
+    must apply the same act(acc * scale + bias + residual)."""
     check_fused_epilogue(SPLIT_K_CONFIGS[2], epilogue)
 
 
-@needs_gpu
-@pytest.mark.parametrize("config", configs_for_this_machine([KernelConfig(128, 128, 64, 6, 8, split_k=8),
-                                                             KernelConfig(128, 128, 64, 5, 4, block_n_tail=32,
-                                                                          split_k=2)]), ids=str)
-@pytest.mark.parametrize("N, H, W, Ci, Co", [(1, 14, 14, 1024, 256), (64, 9, 11, 1024, 700)],
-                         ids=["every tile split", "last wave split"])
-def test_split_k_leaves_its_workspace_zero(config, N, H, W, Ci, Co):
-    """The runtime zeroes a plan's split-K workspace once: every launch must leave the sums and
-    arrival counters at zero, eagerly and replayed in a CUDA graph, or the next launch adds to
-    stale sums. Five launches in a row, each against torch."""
-    import conv_runtime
-    x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, 1, 1, torch.bfloat16)
-    bias = torch.randn(Co, device=x_nhwc.device)
-    expected = common.reference_conv2d_nhwc(x_nhwc, w, bias, out_dtype=torch.float32)
-    run = functools.partial(conv_runtime.conv2d, config=config, activation="relu")
-    for _ in range(2):
-        common.assert_close_to_reference(run(x_nhwc, w, bias), expected.relu(), dtype=torch.bfloat16, K=Ci)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run(x_nhwc, w, bias)
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        common.assert_close_to_reference(out, expected.relu(), dtype=torch.bfloat16, K=Ci)
-    sums, arrivals = conv_runtime.plan_for(common.conv_geometry(x_nhwc.shape, w.shape), torch.bfloat16,
-                                           config).split_sums
-    assert sums.abs().max().item() == 0 and arrivals.abs().max().item() == 0
+def tile_order(num_pid_m, num_pid_n, group_m=GROUP_M):
+    """[(pid_m, pid_n) of tile 0, 1, ...]: the grouped order, written out in plain Python as the
+    tests' independent model of grouped_tile."""
+    order = []
+    for first_m in range(0, num_pid_m, group_m):
+        rows_in_group = min(num_pid_m - first_m, group_m)
+        order += [(first_m + i % rows_in_group, i // rows_in_group) for i in range(rows_in_group * num_pid_n)]
+    return order
 
 
-@pytest.mark.parametrize("config, M, Co, split_tiles", [
-    (KernelConfig(128, 128, 64, 6, 8, split_k=8), 196, 256, 4),       # 4 tiles for 132 SMs: all split
-    (KernelConfig(128, 128, 64, 6, 8, split_k=2), 128 * 14, 128 * 14, 196 - 132),   # past the first wave
-    (KernelConfig(128, 128, 64, 6, 8, split_k=2), 128 * 12, 128 * 22, 0),      # 2 full waves: none split
-    (KernelConfig(128, 128, 64, 5, 4, block_n_tail=32, split_k=2), 1000, 300, 16),
+@pytest.mark.parametrize("M, Co, tile_m, tile_n, whole_tiles, split_k", [
+    (1000, 300, 128, 160, 9, 2),      # 8 x 2 tiles in 2 groups, the last 7 split; Co and M tails
+    (640, 256, 64, 64, 0, 3),         # every tile split (fewer tiles than programs)
+    (2048, 96, 128, 64, 30, 4),       # 16 x 2 tiles, the last 2 split
 ])
-def test_split_k_workspace_holds_the_split_tiles(config, M, Co, split_tiles):
-    """prepare_launch gives the kernel zeroed fp32 sums of the tile's shape for each tile it
-    splits, and an arrival counter for each part of one, in its 4th and 5th epilogue pointers
-    (where no tile is split, one tile's worth: the kernel is compiled for fp32 sums all the same)."""
-    x_nhwc, w = common.random_conv_inputs(1, M, 1, 1024, Co, 1, 1, torch.bfloat16, device_name="cpu")
-    geometry = common.conv_geometry(x_nhwc.shape, w.shape)
-    launch = lesson05.prepare_launch(x_nhwc, w, None, geometry, config, "sm_90", 132)
-    sums, arrivals = launch.split_sums
-    split_tiles = max(split_tiles, 1)
-    assert sums.shape == (split_tiles, config.tile_m, config.tile_n) and sums.dtype == torch.float32
-    assert arrivals.shape == (split_tiles * lesson05.ARRIVALS_PER_TILE.value,) and arrivals.dtype == torch.int32
-    assert not sums.any() and not arrivals.any()
-    assert launch.args[5][3] is sums and launch.args[5][4] is arrivals
+def test_split_k_epilogue_finishes_only_split_tiles(M, Co, tile_m, tile_n, whole_tiles, split_k):
+    """The second kernel sums the slices (and applies the epilogue) exactly on the tiles that
+    work_unit split, found from the tile order, and leaves the whole tiles' output alone. On a
+    CPU it runs in the interpreter."""
+    generator = torch.Generator().manual_seed(0)
+    num_pid_m, num_pid_n = triton.cdiv(M, tile_m), triton.cdiv(Co, tile_n)
+    partial = torch.randn(split_k, M, Co, generator=generator)
+    bias = torch.randn(Co, generator=generator)
+    out = torch.full((M, Co), 7.0)                     # what the conv kernel stored for whole tiles
+    geometry = common.conv_geometry((1, M, 1, 16), (Co, 1, 1, 16))          # M pixels, Co channels
+    launch = ConvLaunch((1, 1, 1), (), out.to(common.device()), geometry, partial.to(common.device()),
+                        (tile_m, tile_n, num_pid_m, num_pid_n, whole_tiles))
+    finish_split_k(launch, bias.to(common.device()), activation="relu")
+    expected = out.clone()
+    for pid_m, pid_n in tile_order(num_pid_m, num_pid_n)[whole_tiles:]:
+        rows, cols = slice(pid_m * tile_m, (pid_m + 1) * tile_m), slice(pid_n * tile_n, (pid_n + 1) * tile_n)
+        expected[rows, cols] = (partial[:, rows, cols].sum(0) + bias[cols]).relu()
+    torch.testing.assert_close(launch.out_2d.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch, config", [
@@ -309,21 +292,13 @@ def test_split_k_workspace_holds_the_split_tiles(config, M, Co, split_tiles):
     ("sm_90", KernelConfig(128, 128, 64, 5, 4, block_n_tail=32, split_k=2)),
     ("sm_100", KernelConfig(128, 128, 64, 4, 4, block_n_tail=32, split_k=2)),
 ], ids=["sm_90", "sm_90-tail", "sm_100-tail"])
-def test_split_k_build_sums_slices_in_the_kernel(arch, config):
-    """With split-K a slice adds its fp32 block to the tile's sum with relaxed vector atomics in L2
-    (red.global...add.f32), counts itself in with one acq_rel atomic per block (atom.global),
-    and the last slice reads the sum from L2 (ld.global.cg) and zeroes it (st.global). The tile
-    leaves through the same TMA stores as without split-K (no second copy of the epilogue), and
+def test_split_k_build_stores_partial_sums_instead_of_tiles(arch, config):
+    """With split-K the epilogue writes a split tile's fp32 partial sums with plain stores
+    (st.global), and a whole tile (before the last wave) with the TMA store as without split-K;
     the loop is the same."""
     split, plain = aot_ptx(arch, config, Co=320)["ptx"], aot_ptx(arch, config._replace(split_k=1), Co=320)["ptx"]
-    names = [TMA_STORE, "red.global.gpu.relaxed.add", "atom.global.gpu.acq_rel.add", "ld.global.cg", "st.global",
-             IM2COL_LOAD]
-    plain_counts, split_counts = common.ptx_instructions(plain, names), common.ptx_instructions(split, names)
-    blocks = plain_counts[TMA_STORE]                  # blocks a tile leaves in: main, tail or row halves
-    assert blocks > 0 and not any(plain_counts[name] for name in names[1:5])
-    assert split_counts[TMA_STORE] == blocks and split_counts[IM2COL_LOAD] == plain_counts[IM2COL_LOAD]
-    assert split_counts["atom.global.gpu.acq_rel.add"] == blocks
-    adds, reads = split_counts["red.global.gpu.relaxed.add"], split_counts["ld.global.cg"]
-    assert adds >= blocks and reads == adds and split_counts["st.global"] == reads + blocks   # + the counters
-    assert ".f32" in split.split("red.global.gpu.relaxed.add")[1].split("\n")[0]
+    counts = lambda ptx: common.ptx_instructions(ptx, [TMA_STORE, "st.global", IM2COL_LOAD])  # noqa: E731
+    assert counts(plain)[TMA_STORE] > 0 and counts(plain)["st.global"] == 0
+    assert counts(split)[TMA_STORE] == counts(plain)[TMA_STORE] and counts(split)["st.global"] > 0
+    assert counts(split)[IM2COL_LOAD] == counts(plain)[IM2COL_LOAD]
 

@@ -110,8 +110,9 @@ def test_a_plans_template_holds_no_tensors(config):
     assert template.args[5] is None                  # the epilogue's pointers
     assert template.args[6:] == launch.args[6:]     # the shape
     assert template.out_2d.is_meta and template.out_2d.shape == launch.out_2d.shape
-    assert template.split_sums is None           # split-K's workspace stays with the plan, not the template
-    assert (launch.split_sums is None) == (config.split_k == 1)
+    assert (template.partial is None) == (config.split_k == 1)
+    if template.partial is not None:
+        assert template.partial.is_meta and template.partial.shape == launch.partial.shape
     for original, stripped in zip(launch.args[:5], template.args[:5]):
         if original is None:
             assert stripped is None
