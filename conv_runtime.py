@@ -106,6 +106,8 @@ def _candidates():
         C(block_m=128, block_n=128, block_k=64, num_buffers=6, num_warps=8, split_k=2),
         C(block_m=128, block_n=128, block_k=64, num_buffers=6, num_warps=8, split_k=3),
         C(block_m=128, block_n=128, block_k=64, num_buffers=6, num_warps=8, split_k=4),
+        # 8 slices: batch 1's 7x7 layers (ResNet-50's 512->512 3x3: 4 tiles, 72 k-steps)
+        C(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4, split_k=8),
         C(block_m=128, block_n=256, block_k=64, num_buffers=3, num_warps=8, split_k=2),
         C(block_m=128, block_n=128, block_k=64, num_buffers=5, num_warps=4, block_n_tail=32, split_k=2),
         C(block_m=128, block_n=128, block_k=64, num_buffers=5, num_warps=4, block_n_tail=32, split_k=4),
@@ -674,6 +676,12 @@ HOPPER_CONFIG_TFLOPS = {   # split_k left at 1: split-K's cost is modelled apart
     KernelConfig(block_m=128, block_n=64, block_k=64, num_buffers=6, num_warps=4, block_n_tail=32): 320,
 }
 SPLIT_K_WORKSPACE_BYTES_PER_S = 2.05e12   # fitted with the table (mostly L2: the slices meet there)
+# What split-K costs however little its workspace moves: the second kernel's start behind the first.
+# Measured apart, on ResNet-50's batch-1 layers (H100, 2026-11-24: 2-8 slices of 4-7 tiles took
+# 3-4.5 us longer than their share of the unsplit time), and not part of the check above; without
+# it the heuristic split layers with a few short tiles, such as 14x14 1024->256 1x1 at batch 1
+# (9.5 us instead of 5.8 with whole 128x64 tiles).
+SPLIT_K_SECONDS = 3.5e-6
 
 
 def split_tiles(config, geometry, num_sms):
@@ -712,9 +720,12 @@ def config_tflops(config, arch):
 
 def expected_seconds(config, geometry, arch, num_sms):
     """The heuristic's model of a config's time on a layer: its FLOPs at the config's throughput
-    times its useful share, plus split-K's workspace round trip."""
+    times its useful share, plus split-K's cost: its second kernel's start and its workspace's
+    round trip."""
     seconds = geometry.flops / (config_tflops(config, arch) * 1e12 * useful_share(config, geometry, num_sms))
-    return seconds + split_k_workspace_bytes(config, geometry, num_sms) / SPLIT_K_WORKSPACE_BYTES_PER_S
+    if config.split_k > 1 and split_tiles(config, geometry, num_sms)[2]:
+        seconds += SPLIT_K_SECONDS + split_k_workspace_bytes(config, geometry, num_sms) / SPLIT_K_WORKSPACE_BYTES_PER_S
+    return seconds
 
 
 def heuristic_config(geometry, arch, num_sms, smem_limit=None):

@@ -7,7 +7,8 @@ uses on Hopper:
 - HOPPER_CONFIG_TFLOPS: per config (split_k=1), the median over the layers of its TFLOPS divided
   by its useful share on that layer (`conv_runtime.useful_share`);
 - SPLIT_K_WORKSPACE_BYTES_PER_S: the median bandwidth at which the split-K configs' extra time
-  (over the same tile unsplit) moves their workspace (`conv_runtime.split_k_workspace_bytes`).
+  (over the same tile unsplit, less the fixed `conv_runtime.SPLIT_K_SECONDS`) moves their
+  workspace (`conv_runtime.split_k_workspace_bytes`).
 
 Then, for each layer, it fits both without that layer, lets the heuristic pick, and reports the
 picked config's TFLOPS over the layer's fastest: a heuristic that only remembered the suite
@@ -78,7 +79,7 @@ def fit(layers):
             unsplit = tuple(config._replace(split_k=1))
             if config.split_k > 1 and unsplit in table:
                 compute = geometry.flops / (table[unsplit] * 1e12 * conv_runtime.useful_share(config, geometry, NUM_SMS))
-                extra = geometry.flops / (tflops * 1e12) - compute
+                extra = geometry.flops / (tflops * 1e12) - compute - conv_runtime.SPLIT_K_SECONDS
                 workspace = conv_runtime.split_k_workspace_bytes(config, geometry, NUM_SMS)
                 bandwidths.append(workspace / extra if extra > 0 else math.inf)
     return table, statistics.median(bandwidths)
