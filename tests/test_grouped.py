@@ -10,17 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-common.load_lesson("05-warp-specialized-conv")
+lesson05 = common.load_lesson("05-warp-specialized-conv")
 import conv_torch  # noqa: E402
 
-needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
-
-
-def quietly(call, *args, **kwargs):
-    """Run without the fallback warnings of a machine without the kernel."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return call(*args, **kwargs)
+needs_gpu, quietly = lesson05.needs_gpu, common.quietly
 
 
 # %% Merging groups
