@@ -29,8 +29,20 @@ import triton
 import triton.language as tl
 
 CONV_DTYPES = (torch.float16, torch.bfloat16)
-# A compile-time flag the kernels pass to common.dot_accumulate (see there why).
+# A compile-time flag the kernels pass to dot_accumulate (see there why).
 INTERPRETED = tl.constexpr(common.interpreter_mode())
+
+
+@triton.jit
+def dot_accumulate(a, b, acc, INTERPRETED: tl.constexpr):
+    """acc += a @ b with fp32 accumulation (tensor cores on a GPU).
+
+    Under the CPU interpreter of Triton 3.8, `tl.dot` misreads bf16 operands (it returns garbage of
+    size ~1e10), so there the operands are widened to fp32 first. Both are exact products summed in
+    fp32; on a GPU this branch is compiled away."""
+    if INTERPRETED:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
 
 # %%
 # im2col by hand
@@ -115,7 +127,7 @@ def gemm_abt_kernel(a_ptr, b_ptr, c_ptr, M, N_GEMM, K,
         b_t = tl.load(b_ptr + offs_n[None, :] * K + offs_k[:, None],
                       mask=(offs_n[None, :] < N_GEMM) & (offs_k[:, None] < K), other=0.0)
         # acc += A_tile @ B_tile^T
-        acc = common.dot_accumulate(a, b_t, acc, INTERPRETED)
+        acc = dot_accumulate(a, b_t, acc, INTERPRETED)
     tl.store(c_ptr + offs_m[:, None].to(tl.int64) * N_GEMM + offs_n[None, :],
              acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N_GEMM))
 
@@ -302,7 +314,7 @@ def conv2d_implicit_gemm_kernel(x_ptr, w_ptr, y_ptr, H, W, Ci, Co, out_h, out_w,
                 b_t = tl.load(w_ptr + w_base[None, :] + ci[:, None],
                               mask=col_ok[None, :] & (ci[:, None] < Ci), other=0.0)
                 # acc += A @ B^T
-                acc = common.dot_accumulate(a, b_t, acc, INTERPRETED)
+                acc = dot_accumulate(a, b_t, acc, INTERPRETED)
     # y[m, co] = acc   (y as [M, Co] is the NHWC output)
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * Co + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])

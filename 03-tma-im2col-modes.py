@@ -574,7 +574,7 @@ TMA_STORE = "cp.async.bulk.tensor.2d.global.shared::cta"
 
 def run_show_ptx(verbose=True):
     found = {}
-    for arch in common.ARCHS:
+    for arch in common.ARCH_CAPABILITY:
         compiled = common.aot_compile_or_say_why("03-tma-im2col-modes", "aot_tma_im2col_copy", arch)
         if compiled is None:
             continue
@@ -588,7 +588,7 @@ def run_show_ptx(verbose=True):
     return found
 
 
-@pytest.mark.parametrize("arch", list(common.ARCHS))
+@pytest.mark.parametrize("arch", list(common.ARCH_CAPABILITY))
 def test_kernel_compiles_to_im2col_copy(arch):
     ptx = common.aot_compile_or_skip("03-tma-im2col-modes", "aot_tma_im2col_copy", arch)["ptx"]
     counts = common.ptx_instructions(ptx, [IM2COL_COPY, TMA_STORE])

@@ -30,6 +30,8 @@ Tests: pytest 04-implicit-gemm-single-buffer.py
 """
 
 # %%
+from typing import Union
+
 import common  # first: on a machine without a GPU it turns on the Triton interpreter
 
 import pytest
@@ -37,7 +39,10 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.blackwell import (
+    TensorMemoryLayout, allocate_tensor_memory, tcgen05_commit, tcgen05_mma, tensor_memory_descriptor)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_accumulator, warpgroup_mma_wait)
 
 CONV_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -67,6 +72,154 @@ CONV_DTYPES = (torch.float16, torch.bfloat16)
 # Single-buffered means one A buffer and one B buffer: a load cannot start until the MMA that
 # reads the buffer is done, and the MMA cannot start until the load is done. TMA and tensor cores
 # take turns, each idle while the other works. Lesson 05 measures that and fixes it.
+
+
+# %%
+# The MMA step, for both architectures
+# ------------------------------------
+# The kernel below issues one asynchronous MMA per k-step and waits for it before refilling the
+# buffers it reads. Hopper and Blackwell do this with different instructions; lesson 05 reuses
+# this interface (it loads this lesson), so here it is in full.
+#
+# An asynchronous tile MMA with an fp32 accumulator, behind one interface:
+#
+#     mma = Impl.initialize(dtype, BLOCK_M, BLOCK_N, num_warps)    # zeroed accumulator
+#     mma = mma.issue_async_mma(a_smem, b_smem)                    # acc += A @ B, returns at once
+#     mma = mma.wait_num_outstanding(k)                            # until <= k MMAs are in flight
+#     acc, mma = mma.take_result()                                 # fp32 tile in registers; reset
+#
+# Gluon aggregates are immutable values, so every call returns the new state: `mma = mma.f(...)`.
+#
+# Where the two architectures differ, and why the kernel below need not care:
+# - Hopper (sm_90) WGMMA: the accumulator lives in the *registers* of the warpgroup(s) that issue
+#   the MMA (so num_warps is a multiple of 4 and BLOCK_M a multiple of 64). Completion is tracked
+#   by `warpgroup_mma_wait(k)`, which blocks until at most k issued groups are pending.
+# - Blackwell (sm_100) tcgen05: the accumulator lives in *tensor memory* (TMEM), a per-SM scratch
+#   next to the tensor cores, and a single thread can issue the MMA. Completion is signalled on an
+#   mbarrier by `tcgen05_commit`; waiting means waiting on that barrier. Reading the result is an
+#   explicit TMEM -> register load.
+# Both read A and B from shared memory in the NVMMA swizzled layout the TMA writes, both accumulate
+# in fp32, and "wait until <= k outstanding, then read" means the same thing on both. The interface
+# is shaped after WGMMA because it is the stricter of the two.
+
+
+
+@gluon.constexpr_function
+def wgmma_accumulator_layout(dtype, BLOCK_M, BLOCK_N, num_warps):
+    """Register layout of a WGMMA accumulator: warps stack along M first (16 rows per warp of a
+    64-row warpgroup instruction), the instruction's N is the widest that splits BLOCK_N, and its K
+    covers 32 bytes of the operand type (16 for fp16/bf16)."""
+    warps_per_cta = [4, 1]
+    while warps_per_cta[0] * warps_per_cta[1] < num_warps:
+        if BLOCK_M > 16 * warps_per_cta[0]:
+            warps_per_cta[0] *= 2
+        else:
+            warps_per_cta[1] *= 2
+    instr_n = min(256, BLOCK_N // warps_per_cta[1])
+    while BLOCK_N % instr_n:
+        instr_n -= 8
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps_per_cta,
+                                     instr_shape=[16, instr_n, 256 // dtype.primitive_bitwidth])
+
+
+@gluon.aggregate
+class HopperWGMMA:
+    """WGMMA: accumulator in the issuing warps' registers; completion by warpgroup_mma_wait."""
+    acc: Union[warpgroup_mma_accumulator, gl.tensor]
+    use_acc: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, acc, use_acc):
+        self.acc = acc
+        self.use_acc = use_acc
+
+    @gluon.jit
+    def initialize(dtype: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   num_warps: gl.constexpr):
+        layout: gl.constexpr = wgmma_accumulator_layout(dtype, BLOCK_M, BLOCK_N, num_warps)
+        return HopperWGMMA(gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout), gl.to_tensor(False))
+
+    @gluon.jit
+    def issue_async_mma(self, a, b):
+        # The first MMA of a tile ignores the old accumulator (use_acc=False): no zeroing needed.
+        acc = warpgroup_mma(a, b, self.acc, is_async=True, use_acc=self.use_acc)
+        return HopperWGMMA(acc, gl.to_tensor(True))
+
+    @gluon.jit
+    def wait_num_outstanding(self, num_outstanding: gl.constexpr):
+        return HopperWGMMA(warpgroup_mma_wait(num_outstanding, (self.acc,)), self.use_acc)
+
+    @gluon.jit
+    def take_result(self):
+        return self.acc, HopperWGMMA(self.acc, gl.to_tensor(False))
+
+
+@gluon.aggregate
+class BlackwellTcgen05:
+    """tcgen05: accumulator in tensor memory; completion signalled on an mbarrier by tcgen05_commit."""
+    acc_tmem: tensor_memory_descriptor
+    done: gl.shared_memory_descriptor
+    issued: gl.tensor
+    use_acc: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, acc_tmem, done, issued, use_acc):
+        self.acc_tmem = acc_tmem
+        self.done = done
+        self.issued = issued
+        self.use_acc = use_acc
+
+    @gluon.jit
+    def initialize(dtype: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   num_warps: gl.constexpr):
+        # TMEM blocks are 64 or 128 lanes tall; a 256-row tile is two 128-lane blocks.
+        tmem_layout: gl.constexpr = TensorMemoryLayout([min(BLOCK_M, 128), BLOCK_N], col_stride=1)
+        acc_tmem = allocate_tensor_memory(gl.float32, [BLOCK_M, BLOCK_N], tmem_layout)
+        done = mbarrier.allocate_mbarrier()
+        mbarrier.init(done, count=1)
+        return BlackwellTcgen05(acc_tmem, done, gl.to_tensor(0), gl.to_tensor(False))
+
+    @gluon.jit
+    def issue_async_mma(self, a, b):
+        tcgen05_mma(a, b, self.acc_tmem, use_acc=self.use_acc)
+        # The barrier completes one phase when this and every earlier MMA have finished.
+        tcgen05_commit(self.done)
+        return BlackwellTcgen05(self.acc_tmem, self.done, self.issued + 1, gl.to_tensor(True))
+
+    @gluon.jit
+    def wait_num_outstanding(self, num_outstanding: gl.constexpr):
+        # One barrier counts completions in order, so only "wait for all" (0) is expressible; that
+        # is all the single-buffered kernel needs. Before the first MMA, issued - 1 = -1 asks for
+        # the phase before the barrier's first, which has trivially completed: no wait.
+        gl.static_assert(num_outstanding == 0, "BlackwellTcgen05 waits for all issued MMAs")
+        mbarrier.wait(self.done, (self.issued - 1) & 1)
+        return self
+
+    @gluon.jit
+    def take_result(self):
+        acc = self.acc_tmem.load()   # TMEM -> registers
+        return acc, BlackwellTcgen05(self.acc_tmem, self.done, self.issued, gl.to_tensor(False))
+
+
+def select_mma_impl(capability):
+    """The MMA implementation for a GPU of `capability` (a (major, minor) tuple).
+
+    (9, 0) -> HopperWGMMA, (10, x) -> BlackwellTcgen05. Anything else has neither WGMMA nor tcgen05:
+    Ampere/Ada (8.x) have only warp-level mma.sync, and consumer Blackwell (12.x) lacks tcgen05."""
+    if not (isinstance(capability, tuple) and len(capability) == 2):
+        raise TypeError(f"capability must be a (major, minor) tuple, got {capability!r}")
+    if capability == (9, 0):
+        return HopperWGMMA
+    if capability[0] == 10:
+        return BlackwellTcgen05
+    raise ValueError(f"no tensor-core MMA implementation for compute capability "
+                     f"{capability[0]}.{capability[1]}: lessons 04-05 need 9.0 (Hopper, WGMMA) or "
+                     f"10.x (data-centre Blackwell, tcgen05)")
+
+
+# %%
+# The kernel
+# ----------
 
 
 @gluon.jit
@@ -169,7 +322,7 @@ def conv2d_tma_im2col(x_nhwc, w, stride=1, padding=0, dilation=1, BLOCK_M=None, 
     stride, padding, dilation: int or (h, w). Returns NHWC [N, out_h, out_w, Co] in x's dtype."""
     geometry = common.check_conv_inputs(x_nhwc, w, stride, padding, dilation, dtypes=CONV_DTYPES,
                                         need_cuda=True)
-    mma_impl = common.select_mma_impl(common.require_tma_mma_gpu("conv2d_tma_im2col"))
+    mma_impl = select_mma_impl(common.require_tma_mma_gpu("conv2d_tma_im2col"))
     config = default_config(geometry)
     for name, value in (("BLOCK_M", BLOCK_M), ("BLOCK_N", BLOCK_N), ("BLOCK_K", BLOCK_K),
                         ("num_warps", num_warps)):
@@ -225,7 +378,7 @@ def aot_conv2d_tma_im2col(arch, N=2, H=16, W=16, Ci=64, Co=64, R=3, S=3, stride=
     """Launch arguments on CPU tensors for common.aot_compile (the kernel itself is unchanged)."""
     x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.float16, device_name="cpu")
     geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
-    mma_impl = common.select_mma_impl(common.ARCH_CAPABILITY[arch])
+    mma_impl = select_mma_impl(common.ARCH_CAPABILITY[arch])
     _, args, kwargs, _ = prepare_launch(x_nhwc, w, geometry, mma_impl, **default_config(geometry))
     return conv2d_tma_im2col_kernel, args, kwargs
 
@@ -253,13 +406,13 @@ def test_kernel_compiles_for_padded_channels_and_dilation():
 @pytest.mark.parametrize("capability, expected", [
     ((9, 0), "HopperWGMMA"), ((10, 0), "BlackwellTcgen05"), ((10, 3), "BlackwellTcgen05")])
 def test_mma_selector(capability, expected):
-    assert common.select_mma_impl(capability).__name__ == expected
+    assert select_mma_impl(capability).__name__ == expected
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 9), (9, 1), (12, 0), (7, 5)])
 def test_mma_selector_rejects_other_gpus(capability):
     with pytest.raises(ValueError, match="9.0 \\(Hopper, WGMMA\\) or 10.x"):
-        common.select_mma_impl(capability)
+        select_mma_impl(capability)
 
 
 BAD_INPUTS = common.bad_conv_inputs(torch.bfloat16) + [

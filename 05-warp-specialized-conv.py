@@ -16,7 +16,7 @@ What you will learn:
   (160 columns, 192 rows), split-K for layers with few tiles, the small-Ci fold of a stem, fp8
   operands and grouped convs.
 
-Builds on: lesson 04 (TMA im2col + one MMA per k-step, `common.HopperWGMMA`/`BlackwellTcgen05`)
+Builds on: lesson 04 (TMA im2col + one MMA per k-step, its `HopperWGMMA`/`BlackwellTcgen05`)
 and lesson 03 (the im2col descriptor). What changed since lesson 04: the same inner step, now fed
 by a multi-stage pipeline from its own warp, in a persistent kernel, with the epilogue overlapped.
 
@@ -32,6 +32,7 @@ Tests: pytest 05-warp-specialized-conv.py
 """
 
 # %%
+import collections
 import functools
 import types
 from typing import NamedTuple
@@ -48,8 +49,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
     TensorMemoryLayout, allocate_tensor_memory, tcgen05_commit, tcgen05_mma, tensor_memory_descriptor)
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from conv_config import FIXED_CONFIG, PINGPONG_CONFIG, KernelConfig, check_config, stores_by_row_blocks, \
-    tile_counts, block_k_channels, check_groups_fit
+lesson04 = common.load_lesson("04-implicit-gemm-single-buffer")   # its MMA step, HopperWGMMA
 
 CONV_DTYPES = (torch.float16, torch.bfloat16)
 # A run-time integer in an aggregate: a tensor, or a constexpr where Triton specialized the
@@ -346,9 +346,9 @@ def hopper_mma_epilogue_partition(ring, schedule, output, turn, CONSUMER: gl.con
             # (A fresh barrier counts as phase 1 complete: consumer 0's first wait returns at once.)
             mbarrier.wait(turn.index(CONSUMER), (local_tile & 1) ^ (1 - CONSUMER))
         # acc = zeros(BLOCK_M, BLOCK_N) (+ the tail's)
-        mma = common.HopperWGMMA.initialize(ring.a_bufs.dtype, BLOCK_M, BLOCK_N, gl.num_warps())
+        mma = lesson04.HopperWGMMA.initialize(ring.a_bufs.dtype, BLOCK_M, BLOCK_N, gl.num_warps())
         if HAS_TAIL:
-            mma_tail = common.HopperWGMMA.initialize(ring.a_bufs.dtype, TAIL_M, TAIL_N, gl.num_warps())
+            mma_tail = lesson04.HopperWGMMA.initialize(ring.a_bufs.dtype, TAIL_M, TAIL_N, gl.num_warps())
         for k in range(work.k_begin, work.k_end):
             slot = state.slot()
             mbarrier.wait(ring.ready.index(slot), state.phase())
@@ -518,7 +518,7 @@ def work_unit(unit, num_tiles, k_steps, SPLIT_K: gl.constexpr):
     if SPLIT_K == 1:
         return unit, 0, 0, k_steps, 0
     else:
-        whole_tiles = num_tiles // gl.num_programs(0) * gl.num_programs(0)
+        whole_tiles = whole_tile_count(num_tiles, gl.num_programs(0), SPLIT_K)
         partial = (unit >= whole_tiles).to(gl.int32)
         split_unit = gl.maximum(unit - whole_tiles, 0)
         split_tiles = gl.maximum(num_tiles - whole_tiles, 1)
@@ -536,8 +536,17 @@ def num_work_units(num_tiles, SPLIT_K: gl.constexpr):
     if SPLIT_K == 1:
         return num_tiles
     else:
-        whole_tiles = num_tiles // gl.num_programs(0) * gl.num_programs(0)
+        whole_tiles = whole_tile_count(num_tiles, gl.num_programs(0), SPLIT_K)
         return whole_tiles + (num_tiles - whole_tiles) * SPLIT_K
+
+
+@triton.jit
+def whole_tile_count(num_tiles, programs, SPLIT_K: tl.constexpr):
+    # How many tiles run whole: with split-K, those of the full waves (the rest are split, section 7). The kernel,
+    # the host (`tile_counts`, which the second kernel and the runtime take it from) call this one function.
+    if SPLIT_K == 1:
+        return num_tiles
+    return num_tiles // programs * programs
 
 
 # %%
@@ -716,9 +725,131 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
 # not implemented, and get a ValueError rather than a compile error or a hang.
 
 
-# `conv_config.py` holds them: `KernelConfig` (its fields name the sections they belong to),
-# `check_config`, and the shared-memory arithmetic the kernel and the runtime share, such as
-# `stores_by_row_blocks` (section 6), a constexpr function the kernel calls too.
+# `KernelConfig`'s fields name the sections they belong to. Beside it, the shared-memory arithmetic
+# the kernel, its launcher and the operator share, such as `stores_by_row_blocks` (section 6), a
+# constexpr function the kernel calls too. (The operator's candidates, and what it prunes them by,
+# live in its package: conv_tutorial/configs.py.)
+
+
+class KernelConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_buffers: int        # stages in the shared-memory ring
+    num_warps: int          # warps of each MMA/epilogue partition
+    programs_per_sm: int = 1
+    consumers: int = 1      # 2: Hopper ping-pong (section 4)
+    block_n_tail: int = 0   # section 6: extra output columns per tile, in a second MMA
+    split_k: int = 1        # section 7: slices of the K loop, summed by a second kernel
+    block_m_tail: int = 0   # section 6: extra output rows (pixels) per tile, in a second MMA (Hopper)
+
+    @property
+    def tile_m(self):
+        return self.block_m + self.block_m_tail
+
+    @property
+    def tile_n(self):
+        return self.block_n + self.block_n_tail
+
+    def __str__(self):
+        extras = ([f"{self.programs_per_sm}/SM"] if self.programs_per_sm > 1 else []) + \
+                 (["ping-pong"] if self.consumers > 1 else []) + \
+                 ([f"split-K {self.split_k}"] if self.split_k > 1 else [])
+        width = f"({self.block_n}+{self.block_n_tail})" if self.block_n_tail else f"{self.block_n}"
+        height = f"({self.block_m}+{self.block_m_tail})" if self.block_m_tail else f"{self.block_m}"
+        return (f"{height}x{width}x{self.block_k} {self.num_buffers} stages "
+                f"{self.num_warps} warps" + "".join(f", {e}" for e in extras))
+
+
+FIXED_CONFIG = KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4)  # both archs
+PINGPONG_CONFIG = FIXED_CONFIG._replace(consumers=2)   # Hopper only
+
+
+def check_config(config, arch):
+    """Combinations the kernel does not implement get a ValueError naming the config."""
+    def refuse(why):
+        raise ValueError(f"config {config}: {why}")
+    if config.consumers > 2 or (config.consumers > 1 and arch != "sm_90"):
+        refuse(f"consumers={config.consumers}; ping-pong (2 consumers) is a Hopper schedule, elsewhere 1")
+    if config.programs_per_sm > 1 and arch != "sm_90":
+        refuse("programs_per_sm > 1 is offered on Hopper only")
+    if arch == "sm_100" and config.block_m not in (64, 128):
+        refuse("on Blackwell block_m must be 64 or 128 (a TMEM accumulator has 128 lanes)")
+    if arch == "sm_100" and 2 * config.tile_n > 512:
+        refuse(f"two fp32 accumulators of {config.tile_n} columns exceed the 512 columns of tensor memory")
+    if config.split_k < 1 or (config.split_k > 1 and config.consumers > 1):
+        refuse("split_k must be >= 1, and split-K runs with one consumer (section 7)")
+    if config.block_m_tail:                                                  # section 6
+        if arch != "sm_90" or config.block_n_tail:
+            refuse("a row tail (block_m_tail) is a Hopper schedule, and a tile has a tail in rows or "
+                   "in columns, not both")
+        if config.block_m_tail not in (64, 128) or config.block_m not in (config.block_m_tail, 2 * config.block_m_tail):
+            refuse("block_m_tail must be 64 or 128 (whole WGMMA row blocks) and block_m once or twice "
+                   "that (the pixels are loaded in boxes of the tail's height)")
+    if stores_by_row_blocks(config) and (
+            config.consumers != 1 or config.block_n_tail or config.block_m // (16 * config.num_warps) < 2
+            or config.block_m_tail not in (0, config.block_m // 2) or arch != "sm_90"):
+        refuse(f"{config.num_buffers} stages leave no room for a staging buffer of the whole tile, and "
+               f"storing it by row blocks (section 6) needs Hopper, one consumer of block_m / 32 warps or "
+               f"fewer, no column tail, and a row tail (if any) of block_m / 2; use fewer stages")
+
+
+SHARED_MEMORY_PER_PROGRAM = 232448    # bytes: the opt-in maximum of a program on an H100 or B200
+
+
+@gluon.constexpr_function
+def ring_bytes(config, element_size=2):
+    """Shared memory of the ring: per stage, the A rows of a tile and the B rows, BLOCK_K deep."""
+    config = KernelConfig(*config)    # (a constexpr function's argument arrives as a plain tuple)
+    return config.num_buffers * (config.tile_m + config.tile_n) * config.block_k * element_size
+
+
+@gluon.constexpr_function
+def stores_by_row_blocks(config, element_size=2):
+    """Section 6: whether the epilogue stores each tile in blocks of half its main rows through one
+    staging buffer of that height, where a staging buffer of the whole tile would not fit beside
+    the ring. (A constexpr function: the host and the kernel ask the same question.)"""
+    config = KernelConfig(*config)
+    whole_tile = config.consumers * config.tile_m * config.tile_n * element_size
+    return ring_bytes(config, element_size) + whole_tile > SHARED_MEMORY_PER_PROGRAM
+
+
+def adapt_block_k(config, Ci_padded):
+    """Small channel counts (a padded Ci of 8 or 16) get a smaller K block: fewer zeros multiplied."""
+    if Ci_padded < config.block_k:
+        config = config._replace(block_k=max(16, triton.next_power_of_2(Ci_padded)))
+    return config
+
+
+def block_k_channels(config, Ci_padded, element_size):
+    """The K block in channels of the operand's dtype. A config's BLOCK_K counts 2-byte channels
+    (64 of them: 128 bytes), so 1-byte e4m3 takes twice as many (lesson 05, section 9); fewer for
+    small channel counts (adapt_block_k), never below an MMA's K of 32 bytes."""
+    block_k = adapt_block_k(config._replace(block_k=config.block_k * 2 // element_size), Ci_padded).block_k
+    return max(block_k, 32 // element_size)
+
+
+def groups_fit(config, Ci_group, Co_group, element_size=2):
+    """Whether a grouped conv's tiles stay inside one group (lesson 05, section 10): each tile's
+    columns in one group's Co_group output channels, each K block in its Ci_group input channels."""
+    return Ci_group % block_k_channels(config, Ci_group, element_size) == 0 and Co_group % config.tile_n == 0
+
+
+def check_groups_fit(config, geometry, element_size=2):
+    if geometry.groups > 1 and not groups_fit(config, geometry.Ci_group, geometry.Co_group, element_size):
+        raise ValueError(f"config {config}: {geometry.describe()} has {geometry.Ci_group} input and "
+                         f"{geometry.Co_group} output channels per group; a tile must stay in one group, so "
+                         f"they must be multiples of the K block "
+                         f"({block_k_channels(config, geometry.Ci_group, element_size)}) and of the tile's "
+                         f"{config.tile_n} columns")
+
+
+def tile_counts(config, M, Co, num_sms):
+    """(programs, tiles, whole tiles) of a launch: the persistent grid, the conv's output tiles,
+    and how many of them run whole (section 7 splits those past the last full wave)."""
+    tiles = triton.cdiv(M, config.tile_m) * triton.cdiv(Co, config.tile_n)
+    programs = min(config.programs_per_sm * num_sms, tiles * config.split_k)
+    return programs, tiles, whole_tile_count.fn(tiles, programs, config.split_k)
 
 
 # %%
@@ -739,13 +870,31 @@ class Epilogue(NamedTuple):
     activation: str = "none"    # one of common.ACTIVATIONS: "none", "relu", "silu"
 
 
+# The conv's run-time integers, named, in the order the kernel's first line unpacks them (section 10:
+# Ci_group, the input channels per group padded to 16 bytes; channel_blocks: BLOCK_K blocks per tap).
+ConvShape = collections.namedtuple("ConvShape", "M Co num_pid_m num_pid_n out_h out_w stride_h stride_w pad_h pad_w "
+                                                "dil_h dil_w Ci_group Co_group S k_steps channel_blocks")
+
+DESCRIPTORS = ("in_desc", "w_desc", "w_tail_desc", "out_desc", "out_tail_desc")   # the kernel's first parameters
+
+
 class ConvLaunch(NamedTuple):
     grid: tuple
-    args: tuple           # the kernel's run-time arguments: 5 descriptors, the epilogue's pointers, shape
-    out_2d: torch.Tensor  # [M, Co rounded up to 16 bytes], written by the kernel
+    in_desc: object                # im2col descriptor of the input
+    w_desc: object                 # tiled descriptor of the weights [Co, R*S*Ci]
+    w_tail_desc: object            # section 6: a column tail's weights; else None
+    out_desc: object               # tiled descriptor of out_2d
+    out_tail_desc: object          # section 6: a tail's (or a row block's) output box; else None
+    pointers: tuple                # the epilogue's bias, scale, residual and (section 7) partial-sum pointers
+    shape: ConvShape
+    out_2d: torch.Tensor           # [M, Co rounded up to 16 bytes], written by the kernel
     geometry: common.ConvGeometry
     partial: torch.Tensor = None   # section 7: the fp32 workspace [split_k, M, Co]; else None
     tiles: tuple = None            # section 7: (tile_m, tile_n, num_pid_m, num_pid_n, whole_tiles)
+
+    def kernel_args(self):
+        # The kernel's run-time arguments, in its signature's order.
+        return tuple(getattr(self, name) for name in DESCRIPTORS) + (self.pointers, self.shape)
 
     def result(self):
         # The output as NHWC [N, out_h, out_w, Co].
@@ -763,7 +912,8 @@ def kernel_constexprs(config, arch, epilogue=Epilogue()):
     # The kernel's constexprs and launch options, by name.
     config = KernelConfig(*config)
     return dict(CONFIG=config, EPILOGUE=Epilogue(*epilogue), IS_BLACKWELL=arch == "sm_100",
-                num_warps=config.num_warps, **({"maxnreg": 128} if config.programs_per_sm > 1 else {}))
+                num_warps=config.num_warps, enable_fp_fusion=True,   # the epilogue's a * scale + bias as one FMA
+                **({"maxnreg": 128} if config.programs_per_sm > 1 else {}))
 
 
 def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None, residual=None, out_dtype=None):
@@ -805,11 +955,11 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
                if config.split_k > 1 else None)
     # absent epilogue tensors: any pointer will do, the constexprs compile their loads away
     pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual, partial))
-    shape = (g.M, g.Co, num_pid_m, num_pid_n, g.out_h, g.out_w, *g.stride, *g.padding, *g.dilation,
-             Ci_group, g.Co_group, g.S, k_steps, channel_blocks)
+    shape = ConvShape(g.M, g.Co, num_pid_m, num_pid_n, g.out_h, g.out_w, *g.stride, *g.padding, *g.dilation,
+                      Ci_group, g.Co_group, g.S, k_steps, channel_blocks)
     programs, _, whole_tiles = tile_counts(config, g.M, g.Co, num_sms)
     tiles = (config.tile_m, config.tile_n, num_pid_m, num_pid_n, whole_tiles) if partial is not None else None
-    return ConvLaunch((programs, 1, 1), (in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, pointers, shape),
+    return ConvLaunch((programs, 1, 1), in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, pointers, shape,
                       out_2d, geometry, partial, tiles)
 
 
@@ -830,7 +980,7 @@ def launch_checked(x_nhwc, w, bias, geometry, config, scale, residual, activatio
     arch, num_sms = common.tma_mma_arch_and_sms("conv2d_fprop_launch")
     launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale, residual, out_dtype)
     epilogue = Epilogue(bias is not None, scale is not None, residual is not None, activation)
-    conv2d_fprop_kernel[launch.grid](*launch.args, **kernel_constexprs(KernelConfig(*config), arch, epilogue))
+    conv2d_fprop_kernel[launch.grid](*launch.kernel_args(), **kernel_constexprs(KernelConfig(*config), arch, epilogue))
     if launch.partial is not None:
         finish_split_k(launch, bias, scale, residual, activation)
     return launch.result()
@@ -856,18 +1006,6 @@ if __name__ == "__main__" and on_gpu:
 # explained in common.assert_close_to_reference.
 
 needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
-needs_hopper = pytest.mark.skipif(
-    not (common.has_tma_mma_gpu() and common.is_hopper()),
-    reason=common.GLUON_SKIP_REASON if not common.has_tma_mma_gpu() else
-    "the ping-pong schedule is Hopper's (sm_90); this GPU is not a Hopper")
-
-
-def run_conv(entry, N, H, W, Ci, Co, R, S, stride, padding, dilation=1, dtype=torch.bfloat16,
-             with_bias=False, seed=0):
-    return common.check_conv(entry, N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype=dtype,
-                             with_bias=with_bias, seed=seed)
-
-
 @needs_gpu
 @pytest.mark.parametrize("N", [1, 128])
 @pytest.mark.parametrize("Ci_Co", [384, 416])
@@ -875,86 +1013,9 @@ def run_conv(entry, N, H, W, Ci, Co, R, S, stride, padding, dilation=1, dtype=to
 @pytest.mark.parametrize("stride", [1, 2])
 @pytest.mark.parametrize("padding", [0, 1])
 def test_fixed_config_grid(N, Ci_Co, R, stride, padding):
-    run_conv(conv2d_fprop_launch, N, 64, 64, Ci_Co, Ci_Co, R, R, stride, padding)
+    common.check_conv(conv2d_fprop_launch, N, 64, 64, Ci_Co, Ci_Co, R, R, stride, padding,
+                      dtype=torch.bfloat16)
 
-
-AWKWARD_CASES = [
-    (16, 32, 32, 5, 96, 3, 3, 1, 1, 1, torch.bfloat16, False),         # Ci=5 padded to 8
-    (1, 1, 8, 96, 128, 1, 2, (1, 2), 0, 1, torch.bfloat16, False),     # asymmetric stride
-    (4, 56, 56, 3, 64, 7, 7, 2, 3, 1, torch.float16, True),            # ResNet stem
-    (2, 32, 32, 64, 64, 3, 3, 1, 2, 2, torch.bfloat16, False),         # dilation 2
-    (2, 32, 32, 128, 200, 3, 3, 1, 1, 1, torch.bfloat16, True),        # bias, Co not a multiple of 8*16
-    (8, 30, 26, 256, 128, 3, 3, 1, 1, 1, torch.float16, True),         # fp16, non-square
-    (3, 17, 23, 40, 48, 3, 5, (2, 1), (1, 2), 1, torch.float16, False),  # odd sizes
-]
-
-
-@needs_gpu
-@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias", AWKWARD_CASES)
-def test_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias):
-    run_conv(conv2d_fprop_launch, N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias)
-
-
-@needs_hopper
-@pytest.mark.parametrize("config", [PINGPONG_CONFIG, KernelConfig(128, 64, 64, 6, 4, consumers=2),
-                                    KernelConfig(64, 128, 64, 6, 4, consumers=2)], ids=str)
-@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias", [
-    (128, 64, 64, 384, 384, 3, 3, 1, 1, torch.bfloat16, False),   # ~30 tiles per program: turns cycle
-    (128, 64, 64, 416, 416, 5, 5, 2, 0, torch.bfloat16, True),    # long K loop, stride 2, bias
-    (64, 32, 32, 64, 200, 1, 1, 1, 0, torch.float16, True),       # 1 k-step < ring depth; Co=200
-    (128, 14, 14, 256, 256, 3, 3, 1, 1, torch.bfloat16, False),   # a ResNet-50 layer
-    (3, 17, 23, 40, 48, 3, 5, (2, 1), (1, 2), torch.float16, False),  # fewer tiles than programs
-])
-def test_pingpong_consumers(config, N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias):
-    run_conv(functools.partial(conv2d_fprop_launch, config=config), N, H, W, Ci, Co, R, S, stride,
-             padding, 1, dtype, with_bias)
-
-
-FUSED_EPILOGUES = [Epilogue(True, True, True, "relu"), Epilogue(False, False, True, "none"),
-                   Epilogue(True, False, False, "silu")]
-
-
-@needs_gpu
-@pytest.mark.parametrize("epilogue", FUSED_EPILOGUES, ids=str)
-def test_fused_epilogue(epilogue):
-    """act(conv * scale + bias + residual) against torch: Co = 300 (a tile past Co), stride 2."""
-    common.check_conv(conv2d_fprop_launch, 4, 30, 26, 96, 300, 3, 3, 2, 1, dtype=torch.bfloat16,
-                      with_bias=epilogue.bias, scale=epilogue.scale, residual=epilogue.residual,
-                      activation=epilogue.activation)
-
-
-BAD_INPUTS = common.bad_conv_inputs(torch.float16) + [
-    (lambda x, w: (x, w), {"dilation": (1, 0)}, ValueError, "dilation"),
-    (lambda x, w: (x, w), {"bias": "zeros"}, TypeError, "bias"),
-    (lambda x, w: (x, w), {"bias": torch.zeros(3)}, ValueError, "bias must have shape"),
-    (lambda x, w: (x, w), {"scale": torch.zeros(3)}, ValueError, "scale must have shape"),
-    (lambda x, w: (x, w), {"residual": torch.zeros(1, 6, 6, 16)}, ValueError, "residual must have"),
-    (lambda x, w: (x, w), {"activation": "gelu"}, ValueError, "activation must be"),
-]
-
-
-@pytest.mark.parametrize("entry", ["conv2d_fprop_launch", "conv2d_fprop", "conv2d_fprop_fixed"])
-@pytest.mark.parametrize("make_args, kwargs, error, message", BAD_INPUTS)
-def test_rejects_bad_input(entry, make_args, kwargs, error, message):
-    x_nhwc, w = common.random_conv_inputs(1, 8, 8, 8, 16, 3, 3, torch.bfloat16)
-    kwargs = {k: v.to(x_nhwc.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    with pytest.raises(error, match=message):
-        globals()[entry](*make_args(x_nhwc, w), **kwargs)
-
-
-def test_unsupported_config_combinations_are_refused():
-    for config, arch in [(PINGPONG_CONFIG, "sm_100"), (KernelConfig(128, 128, 64, 4, 4, consumers=3), "sm_90"),
-                         (KernelConfig(128, 64, 64, 4, 4, programs_per_sm=2), "sm_100"),
-                         (KernelConfig(256, 128, 64, 3, 8), "sm_100"),
-                         (KernelConfig(128, 256, 64, 3, 4, block_n_tail=32), "sm_100"),
-                         (KernelConfig(128, 128, 64, 4, 4, block_m_tail=64), "sm_100"),
-                         (KernelConfig(128, 128, 64, 4, 4, block_n_tail=32, block_m_tail=64), "sm_90"),
-                         (KernelConfig(128, 128, 64, 4, 4, block_m_tail=32), "sm_90"),
-                         (KernelConfig(128, 128, 64, 5, 8, block_m_tail=64), "sm_90"),
-                         (KernelConfig(128, 128, 64, 5, 4, consumers=2, block_m_tail=64), "sm_90"),
-                         (KernelConfig(128, 128, 64, 4, 4, consumers=2, split_k=2), "sm_90")]:
-        with pytest.raises(ValueError, match="config"):
-            check_config(config, arch)
 
 
 # %%
@@ -1006,15 +1067,12 @@ def aot_conv2d_fprop(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, p
     launch = prepare_launch(x_nhwc, w, per_channel if epilogue.bias else None, geometry, config, arch, 132,
                             per_channel if epilogue.scale else None, residual if epilogue.residual else None,
                             torch.bfloat16)
-    return conv2d_fprop_kernel, launch.args, kernel_constexprs(config, arch, epilogue)
+    return conv2d_fprop_kernel, launch.kernel_args(), kernel_constexprs(config, arch, epilogue)
 
 
 @pytest.mark.parametrize("arch", list(TAUGHT_PTX))
 def test_kernel_compiles_with_expected_instructions(arch):
-    compiled = common.assert_ptx_teaches("05-warp-specialized-conv", "aot_conv2d_fprop", arch, TAUGHT_PTX)
-    # The runtime's shared-memory model (it prunes configs with it) must not under-estimate.
-    import conv_runtime
-    assert compiled["shared"] <= conv_runtime.shared_memory_bytes(FIXED_CONFIG) + 1024
+    common.assert_ptx_teaches("05-warp-specialized-conv", "aot_conv2d_fprop", arch, TAUGHT_PTX)
 
 
 def run_show_ptx():
@@ -1182,7 +1240,7 @@ def split_k_epilogue_launch(launch, bias=None, scale=None, residual=None, activa
     pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual))
     args = (partial, out_2d, pointers, g.M, g.Co, out_2d.stride(0), launch.tiles)
     epilogue = Epilogue(bias is not None, scale is not None, residual is not None, activation)
-    return grid, args, dict(SPLIT_K=partial.shape[0], EPILOGUE=epilogue, BLOCK=64)
+    return grid, args, dict(SPLIT_K=partial.shape[0], EPILOGUE=epilogue, BLOCK=64, enable_fp_fusion=True)
 
 
 def finish_split_k(launch, bias=None, scale=None, residual=None, activation="none"):
@@ -1202,7 +1260,8 @@ def test_split_k_epilogue_kernel_against_torch(split_k, epilogue):
     bias, scale, residual = (t if on else None for t, on in zip((bias, scale, residual), epilogue[:3]))
     out_2d = torch.full((M, 104), float("nan"), device=partial.device)
     geometry = common.conv_geometry((1, 7, 11, 8), (Co, 1, 1, 8))
-    launch = ConvLaunch(None, None, out_2d, geometry, partial, (64, 64, 2, 2, 0))    # every tile split
+    launch = ConvLaunch(None, None, None, None, None, None, None, None, out_2d, geometry, partial,
+                        (64, 64, 2, 2, 0))    # every tile split
     finish_split_k(launch, bias, scale, residual, epilogue.activation)
     expected = common.reference_epilogue(partial.sum(0), bias, scale, residual, epilogue.activation)
     torch.testing.assert_close(out_2d[:, :Co], expected, rtol=1e-5, atol=1e-5)
@@ -1230,7 +1289,7 @@ def test_split_k_epilogue_kernel_against_torch(split_k, epilogue):
 #   TMA and the tensor cores share), so a config's BLOCK_K of 64 bf16 channels is 128 e4m3 ones
 #   (`prepare_launch`), and the stage's bytes, the ring and the shared memory are the same.
 # - The instruction's K is 32 bytes too: m64nNk32 for e4m3 against k16 for bf16
-#   (`common.wgmma_accumulator_layout` reads it off the operand type), so a k-step issues as many
+#   (lesson 04's `wgmma_accumulator_layout` reads it off the operand type), so a k-step issues as many
 #   MMAs as before, each doing twice the work.
 # - Both operands K-major. fp8 WGMMA takes no transposed operand from shared memory; ours are
 #   K-major already (pixels x channels, and filters x channels read as B^T).
@@ -1322,7 +1381,7 @@ if __name__ == "__main__":
 # A tile must not straddle groups: its columns in one group (output channels per group a multiple
 # of TILE_N), its K blocks in one group's channels (input channels per group a multiple of
 # BLOCK_K), or a box would read the next group's channels against this group's filters.
-# `conv_config.check_groups_fit` refuses other configs, and the runtime tunes among those that fit.
+# `check_groups_fit` refuses other configs, and the runtime tunes among those that fit.
 #
 # ResNeXt-50's groups are narrower than any tile: 32 groups of 4, 8, 16 or 32 channels. The
 # PyTorch module (`conv_torch.FusedConv2d`) merges P neighbouring groups into one, P = 16, 8, 4, 2,
@@ -1415,69 +1474,15 @@ def test_grouped_conv_matches_torch(N, H, W, groups, Ci_group, Co_group, R, stri
 # through the async proxy, which it does not track. The ordering of those accesses is the review's
 # job, and the tests' (RESULTS.md, "Sanitizers").
 #
-# The runtime: the same kernel, cheaper to call
-# ---------------------------------------------
+# The operator: the same kernel, cheaper to call, in PyTorch
+# -----------------------------------------------------------
 # `conv2d_fprop_launch` builds everything on every call, and on an H100 host that costs several
-# times the 30-60 us a ResNet-50 layer runs on the GPU. conv_runtime.py (read its docstring) keeps
+# times the 30-60 us a ResNet-50 layer runs on the GPU. The package beside the lessons,
+# `conv_tutorial`, runs this lesson's kernel (it loads this file) behind a host runtime that keeps
 # what depends only on the shape in a plan, reuses validated descriptors, launches the compiled
-# kernel directly, and picks a config per shape with a small autotuner pruned to what fits the
-# device. The ways in, from the lesson to a PyTorch model:
-#
-#
-# ========================================  ==============================  =========================
-# entry point                               for                             config
-# ========================================  ==============================  =========================
-# ``conv2d_fprop_launch`` (this lesson)     reading the kernel              given (``FIXED_CONFIG``)
-# ``conv2d_fprop_fixed`` (this lesson)      one config, fast host path      given
-# ``conv2d_fprop`` (this lesson)            NHWC tensors, best speed        autotuned per shape
-# ``conv_runtime.conv2d``                   what the three above call       given, tuned or heuristic
-# ``torch.ops.conv_tutorial.conv2d``        PyTorch models (NCHW tensors)   heuristic, or tuned
-# ========================================  ==============================  =========================
-#
-# The operator (registered by ``import conv_torch``) takes channels_last NCHW tensors and works
-# under torch.compile and CUDA graphs; ``conv_torch.conv2d`` and its modules call it.
-
-
-def conv2d_fprop_fixed(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG, **epilogue):
-    """The warp-specialized conv with one given config, through the runtime (no autotuning);
-    `epilogue`: scale, residual, activation as for conv2d_fprop_launch."""
-    import conv_runtime   # it wraps this lesson's kernel, so it is imported on first use
-    return conv_runtime.conv2d(x_nhwc, w, bias, stride, padding, dilation, config=tuple(config), **epilogue)
-
-
-def conv2d_fprop(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, **epilogue):
-    """Autotuned warp-specialized convolution: as conv2d_fprop_launch, with the config chosen per
-    shape, dtype and epilogue by timing the candidates on the first call (remembered in this
-    process and in conv_runtime.tuning_cache_path(), so later processes skip the timing)."""
-    import conv_runtime
-    return conv_runtime.conv2d(x_nhwc, w, bias, stride, padding, dilation, config=None, **epilogue)
-
-
-def run_runtime_demo():
-    import conv_runtime
-    run_conv(conv2d_fprop, 8, 28, 28, 128, 128, 3, 3, 1, 1, with_bias=True)
-    conv_runtime.print_host_time(FIXED_CONFIG)
-
-
-@needs_gpu
-@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding", [
-    (32, 28, 28, 128, 128, 3, 3, 1, 1),
-    (32, 56, 56, 256, 64, 1, 1, 1, 0),
-    (8, 16, 16, 320, 320, 3, 3, 2, 1),
-])
-def test_autotuned_entry_point(N, H, W, Ci, Co, R, S, stride, padding):
-    run_conv(conv2d_fprop, N, H, W, Ci, Co, R, S, stride, padding, with_bias=True)
-
-
-@needs_gpu
-@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias", AWKWARD_CASES)
-def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias):
-    run_conv(conv2d_fprop_fixed, N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias)
-
-
-# %%
-if __name__ == "__main__" and on_gpu:
-    run_runtime_demo()
+# kernel directly and picks a config per shape (conv_tutorial/runtime.py and selection.py say
+# how); `torch.ops.conv_tutorial.conv2d` is that conv as a PyTorch operator, under torch.compile
+# and CUDA graphs, and `conv_tutorial.fuse_conv_bn_act` puts it into a model (README.md).
 
 # %%
 # What paid, and what did not
@@ -1522,24 +1527,24 @@ if __name__ == "__main__" and on_gpu:
 #
 # The measured ladder (GPU)
 # -------------------------
-# `--bench` measures, per shape, lesson 02's implicit GEMM, lesson 04, this lesson (autotuned,
-# through the runtime) and cuDNN, all in bf16, timed by common.bench_tflops (do_bench: median, L2
-# flushed, launch overhead included), this lesson and cuDNN in alternating rounds; `--bench
-# --suite networks` every layer of ResNet-50, the SD UNet and Inception v3 (or, in parts,
-# `python network_suite.py --only ...`). Both live in network_suite.py.
+# `python benchmarks/network_suite.py --ladder` measures, per shape, lesson 02's implicit GEMM,
+# lesson 04, this lesson's kernel (autotuned, through the operator's runtime) and cuDNN, all in
+# bf16, timed by common.bench_tflops (do_bench: median, L2 flushed, launch overhead included),
+# this lesson and cuDNN in alternating rounds; without `--ladder` every layer of ResNet-50, the
+# SD UNet and Inception v3. What it recorded on an H100:
+
+
+def show_recorded_ladder():
+    recorded = common.announce_recorded("05_tflops_per_shape", "The ladder (TFLOPS, bf16)")
+    for row in (recorded[0]["rows"] if recorded else []):
+        print(f"   {row['shape']:<30}" + "".join(f"  {name} {row[name]['tflops']:5.0f}" for name in
+                                                 ("02 implicit GEMM", "04 single-buffer", "05 warp-specialized", "cuDNN")))
 
 
 # %%
 if __name__ == "__main__":
-    import network_suite   # the benchmarks: the ladder of shapes, every layer of three networks
-    if on_gpu and args.bench and args.suite == "networks":
-        network_suite.run_network_suite(outdir, quick=args.quick, tune=not args.heuristic)
-    elif on_gpu and args.bench:
-        network_suite.run_ladder(outdir, quick=args.quick)
-    elif not on_gpu:
-        network_suite.show_recorded_ladder(outdir, quick=args.quick)
-        network_suite.show_recorded_suite(outdir, quick=args.quick)
+    show_recorded_ladder()
     print(f"\nlesson 05: all checks passed on {common.gpu_name()}" if on_gpu else "\n" + common.cpu_closing_line(
         "05", "input validation, config rules, and the sm_90 and sm_100 builds of the kernel (the "
-        "instructions above)", "running the kernel and the runtime, comparing them with torch, the "
-        "benchmark, the sanitizers (scripts/sanitize.py)"))
+        "instructions above)", "running the kernel and comparing it with torch, the benchmark "
+        "(benchmarks/network_suite.py), the sanitizers (tools/sanitize.py)"))

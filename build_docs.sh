@@ -5,7 +5,7 @@
 #   bash build_docs.sh --check    # build, then open every page in headless Chromium and check it
 set -euo pipefail
 cd "$(dirname "$0")"
-source scripts/bootstrap.sh
+source tools/bootstrap.sh
 if ! "$PY" -c 'import sphinx, sphinx_gallery, furo, myst_parser' 2>/dev/null; then
   echo "[setup] installing docs/requirements.txt (first run only)..."
   "$PY" -m pip install -q -r docs/requirements.txt
@@ -18,5 +18,5 @@ start=$SECONDS
 "$PY" -m sphinx -b html -q docs site
 echo "[docs] site built in $((SECONDS - start)) s: $PWD/site/index.html"
 if [ "${1:-}" = "--check" ]; then
-  "$PY" scripts/check_site.py site
+  "$PY" tools/check_site.py site
 fi

@@ -43,23 +43,28 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Union
 
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent
 
 # %% Environment ---------------------------------------------------------------------------------
-# Decide on the interpreter before Triton is imported: `triton.jit` reads TRITON_INTERPRET when a
-# kernel is decorated. The ahead-of-time compiler's child process sets CONV_TUTORIAL_AOT=1 to keep
-# real (compilable) kernels even though it has no GPU.
+# The lessons' process set-up, done here because it must come before Triton is imported:
+# - without a CUDA GPU, plain Triton kernels run in Triton's interpreter (`triton.jit` reads
+#   TRITON_INTERPRET when a kernel is decorated); the ahead-of-time compiler's child process sets
+#   CONV_TUTORIAL_AOT=1 to keep real, compilable kernels although it has no GPU;
+# - floating-point fusion (a * b + c as one FMA) on, as the series was measured: Triton 3.9 warns
+#   when a program leaves it to its default, which 3.10 turns off.
+# The package conv_tutorial loads this module with PROCESS_SETUP = False set beforehand: a program
+# that imports the operator keeps its environment as it was (the package asks for fusion in its
+# own launches).
+PROCESS_SETUP = globals().get("PROCESS_SETUP", True)
 HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA and os.environ.get("CONV_TUTORIAL_AOT") != "1":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-# Triton 3.9 warns when a program leaves floating-point fusion (a * b + c as one FMA) to its default,
-# which 3.10 will turn off. The series was written and measured with fusion on (the epilogue's
-# scale and bias): say so, which also keeps the warning out of every lesson's output.
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+if PROCESS_SETUP:
+    if not HAS_CUDA and os.environ.get("CONV_TUTORIAL_AOT") != "1":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 import triton  # noqa: E402  (must come after the interpreter decision above)
 import triton.language as tl  # noqa: E402
@@ -79,30 +84,30 @@ TRITON_VERSION = _version_tuple(triton.__version__)
 if TRITON_VERSION[:2] != TRITON_SERIES:
     _wanted = f"{TRITON_SERIES[0]}.{TRITON_SERIES[1]}"
     _why = (f"this series is written for Triton {_wanted}: Gluon, the language of lessons 04-05, is "
-            f"experimental and its API moves between releases (3.9 changed its cluster barriers, "
-            f"lesson 05's TMA multicast), and TMA im2col needs 3.8 or newer; Triton "
-            f"{triton.__version__} is installed.")
+            f"experimental and its API moves between releases (3.9 changed its cluster barriers), and "
+            f"TMA im2col needs 3.8 or newer; Triton {triton.__version__} is installed.")
     if TRITON_VERSION[:2] < TRITON_SERIES:
         raise ImportError(f"{_why} Run the README's commands, which install Triton {_wanted}, or "
                           f"`pip install 'triton>={_wanted},<{TRITON_SERIES[0]}.{TRITON_SERIES[1] + 1}'`.")
-    import warnings
     warnings.warn(f"{_why} Lessons 01-03 should run; Gluon code may not compile.", stacklevel=2)
 
 
-def _quiet_libtriton_teardown():
+def quiet_teardown():
     """Triton 3.9's compiler library reports "nanobind: leaked N instances" on stderr as the
     interpreter shuts down, after every program that compiled a kernel: a known report of its own
-    bindings (Triton silences it the same way in its compile workers), not of this program. At exit,
-    once everything a program printed (and any traceback) is out, stderr goes to /dev/null."""
-    sys.stderr.flush()
-    quiet = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(quiet, 2)
-    os.close(quiet)
+    bindings (Triton silences it the same way in its compile workers). A lesson run (lesson_args)
+    and the test run ask for this: at exit, once everything the program printed (and any
+    traceback) is out, stderr goes to /dev/null. CONV_TUTORIAL_SHOW_TEARDOWN=1 keeps it."""
+    if os.environ.get("CONV_TUTORIAL_SHOW_TEARDOWN") == "1":
+        return
 
-
-if os.environ.get("CONV_TUTORIAL_SHOW_TEARDOWN") != "1":
+    def silence():
+        sys.stderr.flush()
+        quiet = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(quiet, 2)
+        os.close(quiet)
     import atexit
-    atexit.register(_quiet_libtriton_teardown)
+    atexit.register(silence)
 
 
 def interpreter_mode() -> bool:
@@ -428,7 +433,7 @@ def check_epilogue(Co, out_shape, dtype, device, scale=None, residual=None, acti
             raise ValueError(f"residual is on {residual.device}, the input on {device}")
 
 
-# %% fp8 (e4m3) operands: scales and their checks (lesson 05, section 9; conv_torch's operator) ---------
+# %% fp8 (e4m3) operands (lesson 05, section 9) --------------------------------------------------
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0                                  # e4m3's largest finite value
@@ -590,14 +595,6 @@ def assert_close_to_reference(out, expected, *, dtype, K):
     rtol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     atol = rtol * max(1.0, math.sqrt(K) / 8)
     torch.testing.assert_close(out.float(), expected.float(), rtol=rtol, atol=atol)
-
-
-def quietly(call, *args, **kwargs):
-    """call(*args, **kwargs) with warnings silenced: the tests' way past the operator's fallback
-    warnings on a machine without the kernel."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return call(*args, **kwargs)
 
 
 def check_conv(entry, N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1, dtype=torch.float16,
@@ -779,6 +776,7 @@ def lesson_args(description: str, argv=None, suites=None):
     parser.add_argument("--quick", action="store_true", help="fewer shapes, for a fast look")
     parser.add_argument("--verbose", action="store_true",
                         help="print everything (e.g. lesson 03's pixel-by-pixel listings)")
+    quiet_teardown()
     return parser.parse_args(argv)
 
 
@@ -819,7 +817,8 @@ def load_lesson(stem: str):
 
 # %% Ahead-of-time compilation for a GPU target on a machine without one --------------------------
 
-ARCHS = {"sm_90": 90, "sm_100": 100}
+# The GPU targets of lessons 03-05, by the name Triton and the PTX use: their compute capability.
+ARCH_CAPABILITY = {"sm_90": (9, 0), "sm_100": (10, 0)}
 
 
 def compile_kernel_for_target(kernel, args, kwargs, arch: str):
@@ -832,9 +831,10 @@ def compile_kernel_for_target(kernel, args, kwargs, arch: str):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
-    target = GPUTarget("cuda", ARCHS[arch], 32)
+    if arch not in ARCH_CAPABILITY:
+        raise ValueError(f"arch must be one of {sorted(ARCH_CAPABILITY)}, got {arch!r}")
+    major, minor = ARCH_CAPABILITY[arch]
+    target = GPUTarget("cuda", 10 * major + minor, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound_args, specialization, options = binder(*args, **kwargs)
@@ -1047,20 +1047,6 @@ def announce_recorded(name: str, what: str):
     return recorded
 
 
-# %% A Triton building block shared by the plain-Triton lessons ---------------------------------------
-
-@triton.jit
-def dot_accumulate(a, b, acc, INTERPRETED: tl.constexpr):
-    """acc += a @ b with fp32 accumulation (tensor cores on a GPU).
-
-    Under the CPU interpreter of Triton 3.8, `tl.dot` misreads bf16 operands (it returns garbage of
-    size ~1e10), so there the operands are widened to fp32 first. Both are exact products summed in
-    fp32; on a GPU this branch is compiled away."""
-    if INTERPRETED:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    return tl.dot(a, b, acc)
-
-
 # %% TMA im2col: descriptor limits and the settings of a convolution (lessons 03-05) ---------------
 
 # Limits of an NHWC (rank-4) im2col tensor map, as cuTensorMapEncodeIm2col and Triton's host
@@ -1174,153 +1160,11 @@ def pad_channels_for_tma(x_nhwc, w):
             torch.nn.functional.pad(w, pad).contiguous(), Ci_padded)
 
 
-# %% The MMA abstraction (lessons 04-05) -------------------------------------------------------------
-# An asynchronous tile MMA with an fp32 accumulator, behind one interface:
-#
-#     mma = Impl.initialize(dtype, BLOCK_M, BLOCK_N, num_warps)    # zeroed accumulator
-#     mma = mma.issue_async_mma(a_smem, b_smem)                    # acc += A @ B, returns at once
-#     mma = mma.wait_num_outstanding(k)                            # until <= k MMAs are in flight
-#     acc, mma = mma.take_result()                                 # fp32 tile in registers; reset
-#
-# Gluon aggregates are immutable values, so every call returns the new state: `mma = mma.f(...)`.
-#
-# Where the two architectures differ, and why the kernel above need not care:
-# - Hopper (sm_90) WGMMA: the accumulator lives in the *registers* of the warpgroup(s) that issue
-#   the MMA (so num_warps is a multiple of 4 and BLOCK_M a multiple of 64). Completion is tracked
-#   by `warpgroup_mma_wait(k)`, which blocks until at most k issued groups are pending.
-# - Blackwell (sm_100) tcgen05: the accumulator lives in *tensor memory* (TMEM), a per-SM scratch
-#   next to the tensor cores, and a single thread can issue the MMA. Completion is signalled on an
-#   mbarrier by `tcgen05_commit`; waiting means waiting on that barrier. Reading the result is an
-#   explicit TMEM -> register load.
-# Both read A and B from shared memory in the NVMMA swizzled layout the TMA writes, both accumulate
-# in fp32, and "wait until <= k outstanding, then read" means the same thing on both. The interface
-# is shaped after WGMMA because it is the stricter of the two.
-
-from typing import Union  # noqa: E402
+# %% Gluon building blocks of lessons 04-05: shared layouts, TMA descriptors, the ring counter ------------
 
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon.language.nvidia.blackwell import (  # noqa: E402
-    TensorMemoryLayout, allocate_tensor_memory, tcgen05_commit, tcgen05_mma, tensor_memory_descriptor)
-from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
-    mbarrier, warpgroup_mma, warpgroup_mma_accumulator, warpgroup_mma_wait)
-
-
-@gluon.constexpr_function
-def wgmma_accumulator_layout(dtype, BLOCK_M, BLOCK_N, num_warps):
-    """Register layout of a WGMMA accumulator: warps stack along M first (16 rows per warp of a
-    64-row warpgroup instruction), the instruction's N is the widest that splits BLOCK_N, and its K
-    covers 32 bytes of the operand type (16 for fp16/bf16)."""
-    warps_per_cta = [4, 1]
-    while warps_per_cta[0] * warps_per_cta[1] < num_warps:
-        if BLOCK_M > 16 * warps_per_cta[0]:
-            warps_per_cta[0] *= 2
-        else:
-            warps_per_cta[1] *= 2
-    instr_n = min(256, BLOCK_N // warps_per_cta[1])
-    while BLOCK_N % instr_n:
-        instr_n -= 8
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps_per_cta,
-                                     instr_shape=[16, instr_n, 256 // dtype.primitive_bitwidth])
-
-
-@gluon.aggregate
-class HopperWGMMA:
-    """WGMMA: accumulator in the issuing warps' registers; completion by warpgroup_mma_wait."""
-    acc: Union[warpgroup_mma_accumulator, gl.tensor]
-    use_acc: gl.tensor
-
-    @gluon.constexpr_function
-    def __init__(self, acc, use_acc):
-        self.acc = acc
-        self.use_acc = use_acc
-
-    @gluon.jit
-    def initialize(dtype: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   num_warps: gl.constexpr):
-        layout: gl.constexpr = wgmma_accumulator_layout(dtype, BLOCK_M, BLOCK_N, num_warps)
-        return HopperWGMMA(gl.zeros((BLOCK_M, BLOCK_N), gl.float32, layout), gl.to_tensor(False))
-
-    @gluon.jit
-    def issue_async_mma(self, a, b):
-        # The first MMA of a tile ignores the old accumulator (use_acc=False): no zeroing needed.
-        acc = warpgroup_mma(a, b, self.acc, is_async=True, use_acc=self.use_acc)
-        return HopperWGMMA(acc, gl.to_tensor(True))
-
-    @gluon.jit
-    def wait_num_outstanding(self, num_outstanding: gl.constexpr):
-        return HopperWGMMA(warpgroup_mma_wait(num_outstanding, (self.acc,)), self.use_acc)
-
-    @gluon.jit
-    def take_result(self):
-        return self.acc, HopperWGMMA(self.acc, gl.to_tensor(False))
-
-
-@gluon.aggregate
-class BlackwellTcgen05:
-    """tcgen05: accumulator in tensor memory; completion signalled on an mbarrier by tcgen05_commit."""
-    acc_tmem: tensor_memory_descriptor
-    done: gl.shared_memory_descriptor
-    issued: gl.tensor
-    use_acc: gl.tensor
-
-    @gluon.constexpr_function
-    def __init__(self, acc_tmem, done, issued, use_acc):
-        self.acc_tmem = acc_tmem
-        self.done = done
-        self.issued = issued
-        self.use_acc = use_acc
-
-    @gluon.jit
-    def initialize(dtype: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   num_warps: gl.constexpr):
-        # TMEM blocks are 64 or 128 lanes tall; a 256-row tile is two 128-lane blocks.
-        tmem_layout: gl.constexpr = TensorMemoryLayout([min(BLOCK_M, 128), BLOCK_N], col_stride=1)
-        acc_tmem = allocate_tensor_memory(gl.float32, [BLOCK_M, BLOCK_N], tmem_layout)
-        done = mbarrier.allocate_mbarrier()
-        mbarrier.init(done, count=1)
-        return BlackwellTcgen05(acc_tmem, done, gl.to_tensor(0), gl.to_tensor(False))
-
-    @gluon.jit
-    def issue_async_mma(self, a, b):
-        tcgen05_mma(a, b, self.acc_tmem, use_acc=self.use_acc)
-        # The barrier completes one phase when this and every earlier MMA have finished.
-        tcgen05_commit(self.done)
-        return BlackwellTcgen05(self.acc_tmem, self.done, self.issued + 1, gl.to_tensor(True))
-
-    @gluon.jit
-    def wait_num_outstanding(self, num_outstanding: gl.constexpr):
-        # One barrier counts completions in order, so only "wait for all" (0) is expressible; that
-        # is all the single-buffered kernel needs. Before the first MMA, issued - 1 = -1 asks for
-        # the phase before the barrier's first, which has trivially completed: no wait.
-        gl.static_assert(num_outstanding == 0, "BlackwellTcgen05 waits for all issued MMAs")
-        mbarrier.wait(self.done, (self.issued - 1) & 1)
-        return self
-
-    @gluon.jit
-    def take_result(self):
-        acc = self.acc_tmem.load()   # TMEM -> registers
-        return acc, BlackwellTcgen05(self.acc_tmem, self.done, self.issued, gl.to_tensor(False))
-
-
-ARCH_CAPABILITY = {"sm_90": (9, 0), "sm_100": (10, 0)}
-
-
-def select_mma_impl(capability):
-    """The MMA implementation for a GPU of `capability` (a (major, minor) tuple).
-
-    (9, 0) -> HopperWGMMA, (10, x) -> BlackwellTcgen05. Anything else has neither WGMMA nor tcgen05:
-    Ampere/Ada (8.x) have only warp-level mma.sync, and consumer Blackwell (12.x) lacks tcgen05."""
-    if not (isinstance(capability, tuple) and len(capability) == 2):
-        raise TypeError(f"capability must be a (major, minor) tuple, got {capability!r}")
-    if capability == (9, 0):
-        return HopperWGMMA
-    if capability[0] == 10:
-        return BlackwellTcgen05
-    raise ValueError(f"no tensor-core MMA implementation for compute capability "
-                     f"{capability[0]}.{capability[1]}: lessons 04-05 need 9.0 (Hopper, WGMMA) or "
-                     f"10.x (data-centre Blackwell, tcgen05)")
-
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier  # noqa: E402
 
 GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32,
              torch.float8_e4m3fn: gl.float8e4nv}

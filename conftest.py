@@ -3,7 +3,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # noqa: E402,F401  (sets TRITON_INTERPRET=1 when there is no GPU)
+import common  # noqa: E402  (sets TRITON_INTERPRET=1 when there is no GPU)
+
+common.quiet_teardown()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,7 +4,7 @@
 # (e.g. --bench on a GPU, --quick for a fast look).
 set -euo pipefail
 cd "$(dirname "$0")"
-source scripts/bootstrap.sh
+source tools/bootstrap.sh
 export CONV_TUTORIAL_OUT=${CONV_TUTORIAL_OUT:-$PWD/out}
 echo "[series] plots and data go to $CONV_TUTORIAL_OUT"
 for lesson in [0-9][0-9]-*.py; do

@@ -3,5 +3,5 @@
 # first use (see README.md). Extra arguments go to pytest (e.g. -k tma, -x).
 set -euo pipefail
 cd "$(dirname "$0")"
-source scripts/bootstrap.sh
+source tools/bootstrap.sh
 exec "$PY" -m pytest "$@"

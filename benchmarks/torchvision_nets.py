@@ -11,7 +11,7 @@ its own process, at every batch size:
                             (torch._inductor.config.freezing = True): BatchNorm folded into cuDNN's
                             convs, what follows them fused by Inductor, CUDA graphs. The strongest
                             model a user can get without leaving PyTorch.
-  ours-fused-cudagraphs     conv_torch.fuse_conv_bn_act, conv_torch.keep_faster_convs at this
+  ours-fused-cudagraphs     fusion.fuse_conv_bn_act, fusion.keep_faster_convs at this
                             batch, then the same torch.compile with freezing: each conv the passes
                             take is one call of lesson 05's kernel (or, for a depthwise conv,
                             conv_depthwise's) with BatchNorm, residual add and activation in its
@@ -42,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from conv_tutorial import fusion  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -89,14 +90,13 @@ BF16 = dict(dtype=torch.bfloat16, memory_format=torch.channels_last)
 def variant_model(variant, fp32, x32):
     """The model `variant` runs (compiled lazily by its first call); for ours, also the passes' counts."""
     import copy
-    import conv_torch
     if variant == "ours-fused-cudagraphs":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")        # the kept convs' warning: counted below instead
             # folded from the fp32 model (the arithmetic in fp32), then cast: as a user would deploy it
-            fused = conv_torch.fuse_conv_bn_act(fp32, example_input=x32[:1]).to(**BF16)
+            fused = fusion.fuse_conv_bn_act(fp32, example_input=x32[:1]).to(**BF16)
         # each fused conv timed at this batch against cuDNN + an elementwise pass: torch keeps the faster
-        fused = conv_torch.keep_faster_convs(fused, x32.to(**BF16))
+        fused = fusion.keep_faster_convs(fused, x32.to(**BF16))
         info = {"fused_convs": fused.fused_convs - fused.torch_convs, "kept_convs": fused.kept_convs,
                 "given_back_convs": fused.torch_convs}
         return torch.compile(fused, mode="reduce-overhead", dynamic=False), info
@@ -257,16 +257,15 @@ def plot(data, outdir):
 
 def layer_table(net, batch):
     """Every distinct conv of `net`'s fused model alone, ours (or torch's, if kept) next to cuDNN's."""
-    import conv_torch
     fp32 = fp32_model(net)
     x32 = images(batch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fused = conv_torch.fuse_conv_bn_act(fp32, example_input=x32[:1]).to(**BF16)
+        fused = fusion.fuse_conv_bn_act(fp32, example_input=x32[:1]).to(**BF16)
     layers = {}
-    for _, module, inputs in conv_torch.module_calls(fused, x32.to(**BF16), (conv_torch.FusedConv2d, torch.nn.Conv2d)):
-        if isinstance(module, conv_torch.FusedConv2d):   # (the conv as torch runs it: merged groups apart)
-            stride, padding, dilation, groups = conv_torch.TorchConvEpilogue(module)._op_args
+    for _, module, inputs in fusion.module_calls(fused, x32.to(**BF16), (fusion.FusedConv2d, torch.nn.Conv2d)):
+        if isinstance(module, fusion.FusedConv2d):   # (the conv as torch runs it: merged groups apart)
+            stride, padding, dilation, groups = fusion.TorchConvEpilogue(module)._op_args
             extra = (module.takes_residual, module.activation)
         else:
             stride, padding, dilation, groups = module.stride, module.padding, module.dilation, module.groups
@@ -276,8 +275,8 @@ def layer_table(net, batch):
         layers.setdefault(key, [module, inputs, 0])[2] += 1
     rows = []
     for (shape, w_shape, stride, padding, groups, *extra), (module, inputs, count) in layers.items():
-        ours = isinstance(module, conv_torch.FusedConv2d)
-        weight = (conv_torch.TorchConvEpilogue(module) if ours else module).weight.detach()
+        ours = isinstance(module, fusion.FusedConv2d)
+        weight = (fusion.TorchConvEpilogue(module) if ours else module).weight.detach()
         dilation = module._op_args[2] if ours else module.dilation
         with torch.no_grad():
             out = module(*inputs)

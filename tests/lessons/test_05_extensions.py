@@ -1,6 +1,8 @@
-"""Lesson 05's extensions and builds, tested: the tails of section 6 and split-K of section 7 on the
-GPU against torch, and the structure of the kernel's sm_90 and sm_100 builds (their PTX, compiled
-ahead of time, so these run on a CPU too). The lesson's own tests cover its core kernel."""
+"""Lesson 05's kernel, tested beyond the lesson's own tests: awkward shapes, ping-pong consumers,
+the fused epilogue and bad input (through the plain launcher and through the operator's runtime,
+which runs the same kernel), the tails of section 6 and split-K of section 7 on the GPU against
+torch, and the structure of the kernel's sm_90 and sm_100 builds (their PTX, compiled ahead of
+time, so these run on a CPU too)."""
 import functools
 
 import common  # first: on a machine without a GPU it turns on the Triton interpreter
@@ -10,11 +12,114 @@ import torch
 import triton
 
 lesson05 = common.load_lesson("05-warp-specialized-conv")
-from conv_config import KernelConfig, FIXED_CONFIG, PINGPONG_CONFIG, check_config, ring_bytes, \
+from conv_tutorial import configs, runtime  # noqa: E402
+from conv_tutorial.configs import KernelConfig, FIXED_CONFIG, PINGPONG_CONFIG, check_config, ring_bytes, \
     stores_by_row_blocks, SHARED_MEMORY_PER_PROGRAM  # noqa: E402
 Epilogue, ConvLaunch, finish_split_k = lesson05.Epilogue, lesson05.ConvLaunch, lesson05.finish_split_k
-conv2d_fprop_launch, conv2d_fprop_fixed = lesson05.conv2d_fprop_launch, lesson05.conv2d_fprop_fixed
-needs_gpu, needs_hopper, FUSED_EPILOGUES = lesson05.needs_gpu, lesson05.needs_hopper, lesson05.FUSED_EPILOGUES
+conv2d_fprop_launch, needs_gpu = lesson05.conv2d_fprop_launch, lesson05.needs_gpu
+
+
+def conv2d_fprop_fixed(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG, **epilogue):
+    """The same kernel with one given config, through the operator's runtime (no autotuning)."""
+    return runtime.conv2d(x_nhwc, w, bias, stride, padding, dilation, config=tuple(config), **epilogue)
+
+
+def conv2d_fprop(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, **epilogue):
+    """The same kernel through the runtime, its config autotuned per shape."""
+    return runtime.conv2d(x_nhwc, w, bias, stride, padding, dilation, config=None, **epilogue)
+
+
+needs_hopper = pytest.mark.skipif(
+    not (common.has_tma_mma_gpu() and common.is_hopper()),
+    reason=common.GLUON_SKIP_REASON if not common.has_tma_mma_gpu() else
+    "the ping-pong schedule is Hopper's (sm_90); this GPU is not a Hopper")
+
+
+def run_conv(entry, N, H, W, Ci, Co, R, S, stride, padding, dilation=1, dtype=torch.bfloat16,
+             with_bias=False, seed=0):
+    return common.check_conv(entry, N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype=dtype,
+                             with_bias=with_bias, seed=seed)
+
+
+AWKWARD_CASES = [
+    (16, 32, 32, 5, 96, 3, 3, 1, 1, 1, torch.bfloat16, False),         # Ci=5 padded to 8
+    (1, 1, 8, 96, 128, 1, 2, (1, 2), 0, 1, torch.bfloat16, False),     # asymmetric stride
+    (4, 56, 56, 3, 64, 7, 7, 2, 3, 1, torch.float16, True),            # ResNet stem
+    (2, 32, 32, 64, 64, 3, 3, 1, 2, 2, torch.bfloat16, False),         # dilation 2
+    (2, 32, 32, 128, 200, 3, 3, 1, 1, 1, torch.bfloat16, True),        # bias, Co not a multiple of 8*16
+    (8, 30, 26, 256, 128, 3, 3, 1, 1, 1, torch.float16, True),         # fp16, non-square
+    (3, 17, 23, 40, 48, 3, 5, (2, 1), (1, 2), 1, torch.float16, False),  # odd sizes
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias", AWKWARD_CASES)
+def test_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias):
+    run_conv(conv2d_fprop_launch, N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias)
+
+
+@needs_hopper
+@pytest.mark.parametrize("config", [PINGPONG_CONFIG, KernelConfig(128, 64, 64, 6, 4, consumers=2),
+                                    KernelConfig(64, 128, 64, 6, 4, consumers=2)], ids=str)
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias", [
+    (128, 64, 64, 384, 384, 3, 3, 1, 1, torch.bfloat16, False),   # ~30 tiles per program: turns cycle
+    (128, 64, 64, 416, 416, 5, 5, 2, 0, torch.bfloat16, True),    # long K loop, stride 2, bias
+    (64, 32, 32, 64, 200, 1, 1, 1, 0, torch.float16, True),       # 1 k-step < ring depth; Co=200
+    (128, 14, 14, 256, 256, 3, 3, 1, 1, torch.bfloat16, False),   # a ResNet-50 layer
+    (3, 17, 23, 40, 48, 3, 5, (2, 1), (1, 2), torch.float16, False),  # fewer tiles than programs
+])
+def test_pingpong_consumers(config, N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias):
+    run_conv(functools.partial(conv2d_fprop_launch, config=config), N, H, W, Ci, Co, R, S, stride,
+             padding, 1, dtype, with_bias)
+
+
+FUSED_EPILOGUES = [Epilogue(True, True, True, "relu"), Epilogue(False, False, True, "none"),
+                   Epilogue(True, False, False, "silu")]
+
+
+@needs_gpu
+@pytest.mark.parametrize("epilogue", FUSED_EPILOGUES, ids=str)
+def test_fused_epilogue(epilogue):
+    """act(conv * scale + bias + residual) against torch: Co = 300 (a tile past Co), stride 2."""
+    common.check_conv(conv2d_fprop_launch, 4, 30, 26, 96, 300, 3, 3, 2, 1, dtype=torch.bfloat16,
+                      with_bias=epilogue.bias, scale=epilogue.scale, residual=epilogue.residual,
+                      activation=epilogue.activation)
+
+
+BAD_INPUTS = common.bad_conv_inputs(torch.float16) + [
+    (lambda x, w: (x, w), {"dilation": (1, 0)}, ValueError, "dilation"),
+    (lambda x, w: (x, w), {"bias": "zeros"}, TypeError, "bias"),
+    (lambda x, w: (x, w), {"bias": torch.zeros(3)}, ValueError, "bias must have shape"),
+    (lambda x, w: (x, w), {"scale": torch.zeros(3)}, ValueError, "scale must have shape"),
+    (lambda x, w: (x, w), {"residual": torch.zeros(1, 6, 6, 16)}, ValueError, "residual must have"),
+    (lambda x, w: (x, w), {"activation": "gelu"}, ValueError, "activation must be"),
+]
+
+
+@pytest.mark.parametrize("entry", ["conv2d_fprop_launch", "conv2d_fprop", "conv2d_fprop_fixed"])
+@pytest.mark.parametrize("make_args, kwargs, error, message", BAD_INPUTS)
+def test_rejects_bad_input(entry, make_args, kwargs, error, message):
+    x_nhwc, w = common.random_conv_inputs(1, 8, 8, 8, 16, 3, 3, torch.bfloat16)
+    kwargs = {k: v.to(x_nhwc.device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    with pytest.raises(error, match=message):
+        globals()[entry](*make_args(x_nhwc, w), **kwargs)
+
+
+def test_unsupported_config_combinations_are_refused():
+    for config, arch in [(PINGPONG_CONFIG, "sm_100"), (KernelConfig(128, 128, 64, 4, 4, consumers=3), "sm_90"),
+                         (KernelConfig(128, 64, 64, 4, 4, programs_per_sm=2), "sm_100"),
+                         (KernelConfig(256, 128, 64, 3, 8), "sm_100"),
+                         (KernelConfig(128, 256, 64, 3, 4, block_n_tail=32), "sm_100"),
+                         (KernelConfig(128, 128, 64, 4, 4, block_m_tail=64), "sm_100"),
+                         (KernelConfig(128, 128, 64, 4, 4, block_n_tail=32, block_m_tail=64), "sm_90"),
+                         (KernelConfig(128, 128, 64, 4, 4, block_m_tail=32), "sm_90"),
+                         (KernelConfig(128, 128, 64, 5, 8, block_m_tail=64), "sm_90"),
+                         (KernelConfig(128, 128, 64, 5, 4, consumers=2, block_m_tail=64), "sm_90"),
+                         (KernelConfig(128, 128, 64, 4, 4, consumers=2, split_k=2), "sm_90")]:
+        with pytest.raises(ValueError, match="config"):
+            check_config(config, arch)
+
+
 IM2COL_LOAD, WEIGHT_LOAD, TMA_STORE = common.PTX_IM2COL_LOAD, common.PTX_TILED_LOAD, common.PTX_TMA_STORE
 GROUP_M = lesson05.GROUP_M.value
 ENTRIES = {"conv2d_fprop_launch": conv2d_fprop_launch, "conv2d_fprop_fixed": conv2d_fprop_fixed}
@@ -57,7 +162,6 @@ def aot_ptx(arch, config=FIXED_CONFIG, **params):
 
 
 def test_pingpong_build_has_two_consumer_warpgroups():
-    import conv_runtime
     compiled = aot_ptx("sm_90", PINGPONG_CONFIG)
     ptx = compiled["ptx"]
     assert ".reqntid 384" in ptx                          # 2 consumer warpgroups + the loader's
@@ -66,7 +170,7 @@ def test_pingpong_build_has_two_consumer_warpgroups():
     # each consumer issues its own WGMMAs: twice the MMA code of a single consumer
     count = lambda p: common.ptx_instructions(p, ["wgmma.mma_async"])["wgmma.mma_async"]  # noqa: E731
     assert count(ptx) == 2 * count(aot_ptx("sm_90")["ptx"])
-    assert compiled["shared"] <= conv_runtime.shared_memory_bytes(PINGPONG_CONFIG) + 1024
+    assert compiled["shared"] <= configs.shared_memory_bytes(PINGPONG_CONFIG) + 1024
 
 
 @pytest.mark.parametrize("arch, config", [
@@ -145,7 +249,7 @@ TAIL_CONFIGS = [KernelConfig(256, 128, 32, 5, 8, block_n_tail=32), KernelConfig(
     (2, 17, 17, 160, 192, 1, 7, 1, (0, 3), torch.float16, False),  # Inception's 1x7
 ])
 def test_tail_tiles(config, N, H, W, Ci, Co, R, S, stride, padding, dtype, with_bias):
-    lesson05.run_conv(functools.partial(conv2d_fprop_launch, config=config), N, H, W, Ci, Co, R, S, stride,
+    run_conv(functools.partial(conv2d_fprop_launch, config=config), N, H, W, Ci, Co, R, S, stride,
              padding, 1, dtype, with_bias)
 
 
@@ -162,7 +266,6 @@ def test_tail_tiles_with_fused_epilogue(config, epilogue):
     ("sm_100", KernelConfig(128, 128, 64, 4, 4, block_n_tail=32), []),
 ], ids=["sm_90", "sm_90-ping-pong", "sm_100"])
 def test_tail_build_issues_a_second_mma(arch, config, mma_shapes):
-    import conv_runtime
     tail, plain = aot_ptx(arch, config, Co=320), aot_ptx(arch, config._replace(block_n_tail=0), Co=320)
     mma = "wgmma.mma_async" if arch == "sm_90" else "tcgen05.mma"
     count = lambda ptx: common.ptx_instructions(ptx, [mma])[mma]  # noqa: E731
@@ -172,7 +275,7 @@ def test_tail_build_issues_a_second_mma(arch, config, mma_shapes):
     # two weight loads per stage (main box + tail box), two stores per tile
     counts = common.ptx_instructions(tail["ptx"], [WEIGHT_LOAD, TMA_STORE])
     assert counts == {k: 2 * v for k, v in common.ptx_instructions(plain["ptx"], [WEIGHT_LOAD, TMA_STORE]).items()}
-    assert tail["shared"] <= conv_runtime.shared_memory_bytes(config) + 1024
+    assert tail["shared"] <= configs.shared_memory_bytes(config) + 1024
 
 
 @pytest.mark.parametrize("config", [KernelConfig(128, 128, 64, 4, 4, block_m_tail=64),
@@ -180,7 +283,6 @@ def test_tail_build_issues_a_second_mma(arch, config, mma_shapes):
 def test_row_tail_build_loads_three_pixel_boxes(config):
     """A 192-row tile: three 64-pixel im2col boxes per stage (two for the main rows, one for the
     tail), one weight box shared by both MMAs, and a second MMA and store per tile."""
-    import conv_runtime
     tail = aot_ptx("sm_90", config, Co=128)
     plain = aot_ptx("sm_90", config._replace(block_m_tail=0), Co=128)
     what = [IM2COL_LOAD, WEIGHT_LOAD, TMA_STORE, "wgmma.mma_async"]
@@ -191,7 +293,7 @@ def test_row_tail_build_loads_three_pixel_boxes(config):
     # per consumer and k-step: 2 x 4 m64n128k16 for the main 128 rows, 1 x 4 for the tail's 64
     assert counts["wgmma.mma_async"] * 2 == plain_counts["wgmma.mma_async"] * 3
     assert "wgmma.mma_async.sync.aligned.m64n128k16" in tail["ptx"]
-    assert tail["shared"] <= conv_runtime.shared_memory_bytes(config) + 1024
+    assert tail["shared"] <= configs.shared_memory_bytes(config) + 1024
 
 
 @pytest.mark.parametrize("epilogue", [Epilogue(), Epilogue(bias=True, scale=True, residual=True, activation="relu")],
@@ -203,7 +305,6 @@ def test_deep_ring_build_stores_by_row_blocks(config, blocks, epilogue):
     blocks of half its main rows through one buffer of that height: a 192-row tile with 5 stages
     in three 64-row TMA stores (16 KB of staging instead of 48), a 256-row tile with 4 stages in
     two of 128 rows. Splitting the accumulator's rows moves no data through shared memory."""
-    import conv_runtime
     shallow_config = config._replace(num_buffers=config.num_buffers - 1)
     deep = aot_ptx("sm_90", config, Co=128, epilogue=list(epilogue))
     shallow = aot_ptx("sm_90", shallow_config, Co=128, epilogue=list(epilogue))
@@ -214,7 +315,7 @@ def test_deep_ring_build_stores_by_row_blocks(config, blocks, epilogue):
         assert deep["ptx"].count(generic) <= shallow["ptx"].count(generic)
     ring = ring_bytes(config)
     assert ring + config.block_m // 2 * config.tile_n * 2 <= deep["shared"]
-    assert deep["shared"] <= min(conv_runtime.shared_memory_bytes(config) + 1024, SHARED_MEMORY_PER_PROGRAM)
+    assert deep["shared"] <= min(configs.shared_memory_bytes(config) + 1024, SHARED_MEMORY_PER_PROGRAM)
     assert ring + config.tile_m * config.tile_n * 2 > SHARED_MEMORY_PER_PROGRAM   # what it avoids
 
 
@@ -302,3 +403,27 @@ def test_split_k_build_stores_partial_sums_instead_of_tiles(arch, config):
     assert counts(split)[TMA_STORE] == counts(plain)[TMA_STORE] and counts(split)["st.global"] > 0
     assert counts(split)[IM2COL_LOAD] == counts(plain)[IM2COL_LOAD]
 
+
+
+@needs_gpu
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding", [
+    (32, 28, 28, 128, 128, 3, 3, 1, 1),
+    (32, 56, 56, 256, 64, 1, 1, 1, 0),
+    (8, 16, 16, 320, 320, 3, 3, 2, 1),
+])
+def test_autotuned_entry_point(N, H, W, Ci, Co, R, S, stride, padding):
+    run_conv(conv2d_fprop, N, H, W, Ci, Co, R, S, stride, padding, with_bias=True)
+
+
+@needs_gpu
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias", AWKWARD_CASES)
+def test_runtime_matches_on_awkward_cases(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias):
+    run_conv(conv2d_fprop_fixed, N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, with_bias)
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_operator_shared_memory_model_covers_the_build(arch):
+    """The operator prunes configs by configs.shared_memory_bytes: it must not under-estimate what
+    the compiled kernel asks for."""
+    compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch)
+    assert compiled["shared"] <= configs.shared_memory_bytes(FIXED_CONFIG) + 1024

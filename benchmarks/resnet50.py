@@ -9,7 +9,7 @@ with triton.testing.do_bench (median) in one run, per batch size:
   compile-cudnn        torch.compile (default mode) of that model: Inductor fuses BatchNorm, add
                        and ReLU into its own kernels around the cuDNN calls
   ours                 every nn.Conv2d through torch.ops.conv_tutorial.conv2d (convert_conv2d)
-  ours-fused           conv_torch.fuse_conv_bn_act: BatchNorm folded into the weights, and the
+  ours-fused           fusion.fuse_conv_bn_act: BatchNorm folded into the weights, and the
                        residual add and ReLU done in the conv's epilogue: one op call per conv
   ours-fused-compile   torch.compile (default mode) of ours-fused
 and, since with 53 convs the host time of a call matters (batch 1 above all), the same two
@@ -24,7 +24,7 @@ cache: with the heuristic config, with autotuning, and with a tuning file from a
 Configs: the heuristic (what a user gets by default), or `--tune` to autotune every layer first.
 Writes resnet50.json and resnet50.png into the output folder. Needs a Hopper or Blackwell GPU.
 
-`--fp8`: the model in e4m3 (conv_fp8.quantize_fp8 of ours-fused, calibrated on four batches of
+`--fp8`: the model in e4m3 (fp8.quantize_fp8 of ours-fused, calibrated on four batches of
 other random images) next to ours-fused in bf16 and cuDNN, all compiled with Inductor's freezing
 and CUDA graphs; images/s and the logits' error against the fp32 model and against ours-fused
 in bf16. Written as the "resnet50" entries of fp8.json in the output folder (network_suite.py
@@ -43,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from conv_tutorial import fp8, fusion, ops, selection  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -52,13 +53,12 @@ FIRST_CALL_LAYER = (128, 1024, 14, 14, 256, 1, 1, 1, 0)   # N, Ci, H, W, Co, R, 
 
 def first_call_child():
     """Run in a fresh process: time one conv layer's first call (compile and config choice included)."""
-    import conv_torch
     N, Ci, H, W, Co, R, S, stride, padding = FIRST_CALL_LAYER
     x = torch.randn(N, Ci, H, W, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
     w = torch.randn(Co, Ci, R, S, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    conv_torch.conv2d(x, w, None, stride, padding)
+    ops.conv2d(x, w, None, stride, padding)
     torch.cuda.synchronize()
     print(f"FIRST-CALL-SECONDS {time.perf_counter() - start:.3f}")
 
@@ -67,8 +67,7 @@ def profile_host_path(calls=300):
     """Where a conv call's host time goes (cProfile of the module call on a small layer)."""
     import cProfile
     import pstats
-    import conv_torch
-    conv = conv_torch.TutorialConv2d(torch.nn.Conv2d(256, 64, 1, bias=False)).cuda().bfloat16()
+    conv = ops.TutorialConv2d(torch.nn.Conv2d(256, 64, 1, bias=False)).cuda().bfloat16()
     x = torch.randn(32, 256, 14, 14, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         conv(x)
@@ -114,7 +113,6 @@ def relative_errors(out, reference):
 def build_models(batch):
     """The fp32 reference, the bf16 cuDNN model, ours (converted) and ours fused, same weights."""
     import torchvision
-    import conv_torch
     torch.manual_seed(0)
     fp32 = torchvision.models.resnet50(weights=None).eval().cuda()
     # BatchNorm statistics as a trained model has them (fresh ones are 0 and 1: folding would be
@@ -133,10 +131,10 @@ def build_models(batch):
     cudnn_model, ours_model = copy(), copy()
     cudnn_model.load_state_dict(fp32.state_dict())
     ours_model.load_state_dict(fp32.state_dict())
-    conv_torch.convert_conv2d(ours_model)
+    ops.convert_conv2d(ours_model)
     x = x32.to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
     # folded from the fp32 model (the arithmetic in fp32), then cast: as a user would deploy it
-    fused_model = conv_torch.fuse_conv_bn_act(fp32, example_input=x32[:1]).to(**bf16)
+    fused_model = fusion.fuse_conv_bn_act(fp32, example_input=x32[:1]).to(**bf16)
     return reference, cudnn_model, ours_model, fused_model, x
 
 
@@ -174,9 +172,8 @@ def time_variants(models, x, reference, batch):
 
 def fused_layer_table(fused_model, x):
     """Every distinct fused conv alone, next to cuDNN doing the same work unfused (eager)."""
-    import conv_torch
     layers = {}
-    for _, module, inputs in conv_torch.module_calls(fused_model, x, conv_torch.FusedConv2d):
+    for _, module, inputs in fusion.module_calls(fused_model, x, fusion.FusedConv2d):
         key = (tuple(inputs[0].shape), tuple(module.weight.shape), tuple(module._op_args[0]),
                module.takes_residual, module.activation)
         layers.setdefault(key, [module, inputs, 0])[2] += 1
@@ -227,13 +224,12 @@ def fused_layer_table(fused_model, x):
 def fp8_comparison(batch, outdir):
     """ResNet-50 in e4m3 against ours-fused in bf16 and cuDNN, each frozen and in CUDA graphs."""
     import torch._inductor.config
-    import conv_fp8
     torch._inductor.config.freezing = True
     reference, cudnn_model, _, fused_model, x = build_models(batch)
     generator = torch.Generator(device="cuda").manual_seed(7)
     calibration = [torch.randn(x.shape, device="cuda", generator=generator).to(torch.bfloat16).contiguous(
         memory_format=torch.channels_last) for _ in range(4)]
-    fp8_model = conv_fp8.quantize_fp8(fused_model, calibration)
+    fp8_model = fp8.quantize_fp8(fused_model, calibration)
     print(f"\nResNet-50, batch {batch}, {common.gpu_name()}: {fp8_model.fp8_convs} convs in e4m3, "
           f"{fp8_model.bf16_convs} in bf16; calibrated on {len(calibration)} batches of other random images")
     check_no_fallback(fp8_model, x)
@@ -282,16 +278,15 @@ def main():
     common.require_tma_mma_gpu("scripts/resnet50.py")
     if args.profile:
         return profile_host_path()
-    import conv_runtime
     outdir = common.output_dir(args.outdir)
     if args.fp8:
         return [fp8_comparison(batch, outdir) for batch in args.batch][-1]
     torch.backends.cudnn.benchmark = True
-    conv_runtime.set_autotune(args.tune)
-    tuned = len(conv_runtime._load_tuning_file())
+    selection.set_autotune(args.tune)
+    tuned = len(selection._load_tuning_file())
     configs = ("autotuned" if args.tune else f"a tuning file of {tuned} shapes, else the heuristic"
                if tuned else "heuristic (no tuning file)")
-    print(f"tuning file: {conv_runtime.tuning_cache_path()} ({tuned} shapes)")
+    print(f"tuning file: {selection.tuning_cache_path()} ({tuned} shapes)")
     rows, layers, totals = [], [], None
     for batch in args.batch:
         reference, cudnn_model, ours_model, fused_model, x = build_models(batch)

@@ -5,12 +5,12 @@ graphs, torch.compile and gradients."""
 import warnings
 
 import common
+from conv_tutorial import ops  # noqa: E402
 
 import pytest
 import torch
 
 common.load_lesson("05-warp-specialized-conv")
-import conv_torch  # noqa: E402
 
 needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
 
@@ -31,7 +31,7 @@ def test_fake_implementation_gives_conv2d_shape_in_channels_last(N, Ci, H, W, Co
     with FakeTensorMode():
         x = torch.empty(N, Ci, H, W, dtype=torch.bfloat16, device="cuda" if common.HAS_CUDA else "cpu")
         w = torch.empty(Co, Ci, R, S, dtype=torch.bfloat16, device=x.device)
-        out = conv_torch.conv2d(x, w, None, stride, padding, dilation)
+        out = ops.conv2d(x, w, None, stride, padding, dilation)
     expected = torch.nn.functional.conv2d(torch.zeros(N, Ci, H, W), torch.zeros(Co, Ci, R, S), None,
                                           stride, padding, dilation)
     assert out.shape == expected.shape and out.dtype == torch.bfloat16
@@ -47,48 +47,48 @@ def test_fake_implementation_gives_conv2d_shape_in_channels_last(N, Ci, H, W, Co
     ((0, 2), (8, 4, 3, 3), (2, 2), (1, 1), (0, 2)),
 ])
 def test_padding_arguments(padding, weight_shape, stride, dilation, expected):
-    assert conv_torch.resolve_padding(padding, weight_shape, stride, dilation) == expected
+    assert ops.resolve_padding(padding, weight_shape, stride, dilation) == expected
 
 
 def test_bad_padding_and_shapes_raise_clear_errors():
     with pytest.raises(ValueError, match="strided"):
-        conv_torch.resolve_padding("same", (8, 4, 3, 3), (2, 2), (1, 1))
+        ops.resolve_padding("same", (8, 4, 3, 3), (2, 2), (1, 1))
     with pytest.raises(ValueError, match="'same' or 'valid'"):
-        conv_torch.resolve_padding("full", (8, 4, 3, 3), (1, 1), (1, 1))
+        ops.resolve_padding("full", (8, 4, 3, 3), (1, 1), (1, 1))
     with pytest.raises(ValueError, match="padding must be non-negative"):
-        conv_torch.resolve_padding(-1, (8, 4, 3, 3), (1, 1), (1, 1))
+        ops.resolve_padding(-1, (8, 4, 3, 3), (1, 1), (1, 1))
     with pytest.raises(ValueError, match=r"input must be \[N, Ci, H, W\]"):
-        conv_torch.conv2d(torch.zeros(3, 8, 8), torch.zeros(4, 3, 3, 3))
+        ops.conv2d(torch.zeros(3, 8, 8), torch.zeros(4, 3, 3, 3))
     with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
-        conv_torch.conv2d(torch.zeros(1, 3, 8, 8), "w")
+        ops.conv2d(torch.zeros(1, 3, 8, 8), "w")
 
 
 def test_nhwc_view_is_free_in_channels_last_memory():
     x = torch.randn(2, 16, 5, 7)
-    free = conv_torch.nhwc_view(x.contiguous(memory_format=torch.channels_last))
+    free = ops.nhwc_view(x.contiguous(memory_format=torch.channels_last))
     assert free.is_contiguous() and free.shape == (2, 5, 7, 16)
     cl = x.contiguous(memory_format=torch.channels_last)
-    assert conv_torch.nhwc_view(cl).data_ptr() == cl.data_ptr()          # no copy
-    copied = conv_torch.nhwc_view(x)                                       # NCHW memory: one copy
+    assert ops.nhwc_view(cl).data_ptr() == cl.data_ptr()          # no copy
+    copied = ops.nhwc_view(x)                                       # NCHW memory: one copy
     assert copied.is_contiguous() and copied.data_ptr() != x.data_ptr()
     torch.testing.assert_close(copied, x.permute(0, 2, 3, 1))
 
 
 @pytest.mark.skipif(common.has_tma_mma_gpu(), reason="checks the fallbacks of machines without the kernel")
 def test_unsupported_calls_fall_back_with_one_warning_per_reason():
-    conv_torch._WARNED.clear()
+    ops._WARNED.clear()
     x, w = torch.randn(2, 6, 9, 9), torch.randn(4, 3, 3, 3)
     with pytest.warns(UserWarning, match="groups=2"):
-        out = conv_torch.conv2d(x, w, padding=1, groups=2)
+        out = ops.conv2d(x, w, padding=1, groups=2)
     torch.testing.assert_close(out, torch.nn.functional.conv2d(x, w, padding=1, groups=2))
     assert out.is_contiguous(memory_format=torch.channels_last)
     with pytest.warns(UserWarning, match="float32"):
-        conv_torch.conv2d(x[:, :3], w, padding=1)
+        ops.conv2d(x[:, :3], w, padding=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")                 # the same reason again: no second warning
-        conv_torch.conv2d(x[:, :3], w, padding=1)
+        ops.conv2d(x[:, :3], w, padding=1)
     with pytest.warns(UserWarning, match="asymmetric"):
-        conv_torch.conv2d(x[:, :3], torch.randn(4, 3, 2, 2), padding="same")
+        ops.conv2d(x[:, :3], torch.randn(4, 3, 2, 2), padding="same")
 
 
 def test_opcheck_on_this_machine():
@@ -110,7 +110,7 @@ def test_gradients_match_torch_conv2d():
     b = torch.randn(6, dtype=torch.float64, requires_grad=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ours = conv_torch.conv2d(x, w, b, 2, 1)
+        ours = ops.conv2d(x, w, b, 2, 1)
     grads = torch.autograd.grad(ours.square().sum(), (x, w, b))
     expected = torch.autograd.grad(torch.nn.functional.conv2d(x, w, b, 2, 1).square().sum(), (x, w, b))
     for got, want in zip(grads, expected):
@@ -153,7 +153,7 @@ def test_converter_on_a_hand_built_network():
     model, reference = small_network(), small_network()
     reference.load_state_dict(model.state_dict())
     with pytest.warns(UserWarning, match="padding_mode='reflect' stays"):
-        conv_torch.convert_conv2d(model)
+        ops.convert_conv2d(model)
     kinds = [type(m).__name__ for m in model.modules()]
     assert kinds.count("TutorialConv2d") == 6 and kinds.count("Conv2d") == 1
     assert isinstance(model[4], torch.nn.Conv2d) and isinstance(model[2].bn, torch.nn.BatchNorm2d)
@@ -170,10 +170,10 @@ def test_converter_replaces_every_conv_of_torchvision_resnet():
     reference.load_state_dict(model.state_dict())
     convs = sum(isinstance(m, torch.nn.Conv2d) for m in model.modules())
     others = [type(m) for m in model.modules() if not isinstance(m, torch.nn.Conv2d)]
-    conv_torch.convert_conv2d(model)
-    assert sum(isinstance(m, conv_torch.TutorialConv2d) for m in model.modules()) == convs == 20
+    ops.convert_conv2d(model)
+    assert sum(isinstance(m, ops.TutorialConv2d) for m in model.modules()) == convs == 20
     assert not any(type(m) is torch.nn.Conv2d for m in model.modules())
-    assert [type(m) for m in model.modules() if not isinstance(m, conv_torch.TutorialConv2d)] == others
+    assert [type(m) for m in model.modules() if not isinstance(m, ops.TutorialConv2d)] == others
     # weights repacked once: same values, PyTorch's shape, channels_last memory ([Co, R, S, Ci])
     assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(model.conv1.weight, reference.conv1.weight)
@@ -185,7 +185,7 @@ def test_converter_replaces_every_conv_of_torchvision_resnet():
 
 
 def test_converted_model_traces_with_fullgraph():
-    model = conv_torch.convert_conv2d(torch.nn.Sequential(
+    model = ops.convert_conv2d(torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 1))).eval()
     x = torch.randn(1, 3, 16, 16)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
@@ -210,7 +210,7 @@ def test_operator_matches_torch_on_the_gpu(memory_format, N, Ci, H, W, Co, R, S,
     x = x_nhwc.permute(0, 3, 1, 2).contiguous(memory_format=memory_format)
     w = w_krsc.permute(0, 3, 1, 2).contiguous()
     bias = torch.randn(Co, device=x.device, dtype=torch.bfloat16) if with_bias else None
-    out = conv_torch.conv2d(x, w, bias, stride, padding, dilation)
+    out = ops.conv2d(x, w, bias, stride, padding, dilation)
     assert out.is_contiguous(memory_format=torch.channels_last)
     expected = common.reference_conv2d_nhwc(x_nhwc, w_krsc, bias, stride, padding, dilation)
     common.assert_close_to_reference(out.permute(0, 2, 3, 1), expected, dtype=torch.bfloat16, K=Ci * R * S)
@@ -218,7 +218,7 @@ def test_operator_matches_torch_on_the_gpu(memory_format, N, Ci, H, W, Co, R, S,
 
 @needs_gpu
 def test_operator_in_cuda_graphs_and_torch_compile():
-    model = conv_torch.convert_conv2d(torch.nn.Sequential(
+    model = ops.convert_conv2d(torch.nn.Sequential(
         torch.nn.Conv2d(64, 128, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(128, 64, 1))).cuda().bfloat16().eval()
     x = torch.randn(8, 64, 28, 28, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
@@ -238,7 +238,7 @@ def test_operator_in_cuda_graphs_and_torch_compile():
 def test_gradients_on_the_gpu_match_torch():
     x = torch.randn(4, 32, 12, 12, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(64, 32, 3, 3, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    ours = torch.autograd.grad(conv_torch.conv2d(x, w, None, 1, 1).float().square().sum(), (x, w))
+    ours = torch.autograd.grad(ops.conv2d(x, w, None, 1, 1).float().square().sum(), (x, w))
     want = torch.autograd.grad(torch.nn.functional.conv2d(x, w, None, 1, 1).float().square().sum(), (x, w))
     for got, expected in zip(ours, want):
         torch.testing.assert_close(got.float(), expected.float(), rtol=5e-2, atol=5e-1)

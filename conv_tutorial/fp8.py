@@ -1,14 +1,14 @@
 """fp8 (e4m3) for whole models: a torch.fx pass that quantizes what `fuse_conv_bn_act` fused.
 
-    import conv_torch, conv_fp8
-    fused = conv_torch.fuse_conv_bn_act(model.eval(), example_input=x)      # bf16, channels_last
-    fp8_model = conv_fp8.quantize_fp8(fused, calibration_batches)           # a new GraphModule
+    import conv_tutorial
+    fused = conv_tutorial.fuse_conv_bn_act(model.eval(), example_input=x)      # bf16, channels_last
+    fp8_model = conv_tutorial.quantize_fp8(fused, calibration_batches)           # a new GraphModule
 
-Lesson 05, section 9 runs the kernel on e4m3 operands; `conv_torch.conv2d_fp8` is its operator.
+Lesson 05, section 9 runs the kernel on e4m3 operands; `ops.conv2d_fp8` is its operator.
 This pass decides, for every fused conv of a model, whether it runs in e4m3 and in which format
 its output leaves, and where scales come from:
 
-- Weights: per output channel, amax mapped to 448 (`common.quantize_fp8(w, channel_dim=0)`), after
+- Weights: per output channel, amax mapped to 448 (`geometry.quantize_tensor(w, channel_dim=0)`), after
   the BatchNorm is folded into them: a folded BatchNorm scales each output channel differently,
   which a per-tensor weight scale would spend e4m3's 3 mantissa bits on.
 - Activations: one scale per tensor, from calibration: the largest |value| each tensor takes
@@ -35,11 +35,11 @@ its output leaves, and where scales come from:
 """
 import warnings
 
-import common  # first: on a machine without a GPU it turns on the Triton interpreter
-
 import torch
 
-import conv_torch
+from . import ops
+from .fusion import FusedConv2d
+from .geometry import FP8, FP8_MAX, quantize_tensor
 
 MIN_CHANNELS = 16      # fewer input channels: the stem, which stays bf16 (see above)
 
@@ -52,7 +52,7 @@ class QuantizeFp8(torch.nn.Module):
         self.register_buffer("scale", torch.tensor(float(scale), dtype=torch.float32, device=device))
 
     def forward(self, x):
-        return (x.float() / self.scale).clamp(-common.FP8_MAX, common.FP8_MAX).to(common.FP8)
+        return (x.float() / self.scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
     def extra_repr(self):
         return f"scale={self.scale.item():.3g}"
@@ -76,9 +76,9 @@ class FusedConv2dFp8(torch.nn.Module):
     quantized per output channel, the input arriving in e4m3 at `input_scale`, the output in bf16
     or, given `out_scale`, in e4m3. forward(x_q) or forward(x_q, residual)."""
 
-    def __init__(self, fused: conv_torch.FusedConv2d, input_scale, out_scale=None):
+    def __init__(self, fused: FusedConv2d, input_scale, out_scale=None):
         super().__init__()
-        weight_q, weight_scale = common.quantize_fp8(fused.weight.detach(), channel_dim=0)
+        weight_q, weight_scale = quantize_tensor(fused.weight.detach(), channel_dim=0)
         self.register_buffer("weight_q", weight_q.contiguous(memory_format=torch.channels_last))
         self.register_buffer("weight_scale", weight_scale.contiguous())
         bias = fused.bias.detach().float() if fused.bias is not None else torch.zeros_like(weight_scale)
@@ -87,13 +87,13 @@ class FusedConv2dFp8(torch.nn.Module):
         self.register_buffer("input_scale", scalar(input_scale))
         self.register_buffer("out_scale", None if out_scale is None else scalar(out_scale))
         self.activation, self.takes_residual, self.conv_repr = fused.activation, fused.takes_residual, fused.conv_repr
-        self.out_dtype = common.FP8 if out_scale is not None else torch.bfloat16
+        self.out_dtype = FP8 if out_scale is not None else torch.bfloat16
         self._op_args = fused._op_args[:3]           # stride, padding, dilation (groups is 1)
 
     def forward(self, x_q, residual=None):
         if (residual is not None) != self.takes_residual:
             raise ValueError(f"this FusedConv2dFp8 {'takes' if self.takes_residual else 'takes no'} residual")
-        return conv_torch.conv2d_fp8_op(x_q, self.input_scale, self.weight_q, self.weight_scale, self.bias,
+        return ops.conv2d_fp8_op(x_q, self.input_scale, self.weight_q, self.weight_scale, self.bias,
                                         *self._op_args, residual, self.activation, self.out_dtype, self.out_scale)
 
     def extra_repr(self):
@@ -102,7 +102,7 @@ class FusedConv2dFp8(torch.nn.Module):
                 + (f", {self.activation}" if self.activation != "none" else ""))
 
 
-def runs_in_fp8(fused: conv_torch.FusedConv2d) -> bool:
+def runs_in_fp8(fused: FusedConv2d) -> bool:
     """The rule of what may run in e4m3 (the module docstring says why the rest stays bf16)."""
     groups = fused._op_args[3]
     return groups == 1 and fused.weight.shape[1] >= MIN_CHANNELS
@@ -128,20 +128,20 @@ def calibrate(model, calibration_batches, modules):
 
 
 def _scale_of(amax):
-    return max(amax, torch.finfo(torch.float32).tiny) / common.FP8_MAX
+    return max(amax, torch.finfo(torch.float32).tiny) / FP8_MAX
 
 
 def quantize_fp8(fused_model: torch.fx.GraphModule, calibration_batches) -> torch.fx.GraphModule:
-    """The e4m3 version of a model that `conv_torch.fuse_conv_bn_act` made, calibrated on
+    """The e4m3 version of a model that `fusion.fuse_conv_bn_act` made, calibrated on
     `calibration_batches` (an iterable of inputs, e.g. a few batches of real data). Returns a new
     GraphModule whose eligible FusedConv2d calls became FusedConv2dFp8 calls; `fused_model` is not
     changed. `fp8_convs` and `bf16_convs` on the result count them."""
     if not isinstance(fused_model, torch.fx.GraphModule):
-        raise TypeError(f"fused_model must be the torch.fx.GraphModule of conv_torch.fuse_conv_bn_act, "
+        raise TypeError(f"fused_model must be the torch.fx.GraphModule of fusion.fuse_conv_bn_act, "
                         f"got {type(fused_model).__name__}")
     modules = dict(fused_model.named_modules())
     conv_nodes = [n for n in fused_model.graph.nodes
-                  if n.op == "call_module" and isinstance(modules[n.target], conv_torch.FusedConv2d)]
+                  if n.op == "call_module" and isinstance(modules[n.target], FusedConv2d)]
     fp8 = {n for n in conv_nodes if runs_in_fp8(modules[n.target])}
     amax = calibrate(fused_model, calibration_batches, [n.target for n in fp8])
 
@@ -152,7 +152,7 @@ def quantize_fp8(fused_model: torch.fx.GraphModule, calibration_batches) -> torc
     # one bf16 member turns its whole residual chain to bf16, so iterate until nothing changes.
     def bf16_conv(n):
         return n.op == "call_module" and n not in fp8 \
-            and isinstance(modules[n.target], (torch.nn.Conv2d, conv_torch.FusedConv2d))
+            and isinstance(modules[n.target], (torch.nn.Conv2d, FusedConv2d))
     writes_fp8 = set(fp8)
     changed = True
     while changed:
@@ -200,7 +200,7 @@ def quantize_fp8(fused_model: torch.fx.GraphModule, calibration_batches) -> torc
         graph_module.add_submodule(name, FusedConv2dFp8(module, input_scale, out_scale.get(old)))
         node.target = name
         not_convs = [u for u in node.users  # (the e4m3 convs among the users still have their old names)
-                     if not (u.op == "call_module" and isinstance(modules.get(u.target), conv_torch.FusedConv2d))]
+                     if not (u.op == "call_module" and isinstance(modules.get(u.target), FusedConv2d))]
         if old in writes_fp8 and not_convs:          # they read a bf16 copy
             name = f"dequantize_{node.name}"
             graph_module.add_submodule(name, DequantizeFp8(out_scale[old], module.weight.dtype, module.weight.device))
@@ -213,5 +213,5 @@ def quantize_fp8(fused_model: torch.fx.GraphModule, calibration_batches) -> torc
     graph_module.recompile()
     graph_module.fp8_convs, graph_module.bf16_convs = len(fp8), len(conv_nodes) - len(fp8)
     if not fp8:
-        warnings.warn("quantize_fp8: no conv of this model can run in e4m3 (see conv_fp8.runs_in_fp8)")
+        warnings.warn("quantize_fp8: no conv of this model can run in e4m3 (see conv_tutorial.fp8.runs_in_fp8)")
     return graph_module

@@ -1,14 +1,14 @@
 """Refit conv_runtime's heuristic from a network-suite log, and check it leave-one-out.
 
 `python 05-warp-specialized-conv.py --bench --suite networks` autotunes every layer and prints
-each candidate's TFLOPS. From those timings this script fits what `conv_runtime.heuristic_config`
+each candidate's TFLOPS. From those timings this script fits what `selection.heuristic_config`
 uses on Hopper:
 
 - HOPPER_CONFIG_TFLOPS: per config (split_k=1), the median over the layers of its TFLOPS divided
-  by its useful share on that layer (`conv_runtime.useful_share`);
+  by its useful share on that layer (`configs.useful_share`);
 - SPLIT_K_WORKSPACE_BYTES_PER_S: the median bandwidth at which the split-K configs' extra time
-  (over the same tile unsplit, less the fixed `conv_runtime.SPLIT_K_SECONDS`) moves their
-  workspace (`conv_runtime.split_k_workspace_bytes`).
+  (over the same tile unsplit, less the fixed `selection.SPLIT_K_SECONDS`) moves their
+  workspace (`configs.split_k_workspace_bytes`).
 
 Then, for each layer, it fits both without that layer, lets the heuristic pick, and reports the
 picked config's TFLOPS over the layer's fastest: a heuristic that only remembered the suite
@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
-import conv_runtime  # noqa: E402
+from conv_tutorial import configs, runtime, selection  # noqa: E402
 import network_suite  # noqa: E402
 
 NUM_SMS = 132        # the H100 SXM the suite ran on
@@ -40,7 +40,7 @@ def parse_config(text):
     block_m, block_n = int(match[1] or match[3]), int(match[4] or match[6])
     rest = match[10]
     split_k = re.search(r"split-K (\d+)", rest)
-    return conv_runtime.KernelConfig(
+    return runtime.KernelConfig(
         block_m, block_n, int(match[7]), int(match[8]), int(match[9]),
         programs_per_sm=2 if "2/SM" in rest else 1, consumers=2 if "ping-pong" in rest else 1,
         block_n_tail=int(match[5] or 0), split_k=int(split_k[1]) if split_k else 1,
@@ -61,7 +61,7 @@ def read_timings(log_text):
             if match:
                 timings[parse_config(match[1])] = float(match[2])
         geometry = common.conv_geometry((N, H, W, Ci), (Co, R, S, Ci), stride, padding)
-        fold = conv_runtime.folded_geometry(geometry)
+        fold = runtime.folded_geometry(geometry)
         layers.append((label, fold.geometry if fold else geometry, timings))
     return layers
 
@@ -71,29 +71,29 @@ def fit(layers):
     for _, geometry, timings in layers:
         for config, tflops in timings.items():
             if config.split_k == 1:
-                samples.setdefault(tuple(config), []).append(tflops / conv_runtime.useful_share(config, geometry, NUM_SMS))
+                samples.setdefault(tuple(config), []).append(tflops / configs.useful_share(config, geometry, NUM_SMS))
     table = {config: round(statistics.median(values)) for config, values in samples.items()}
     bandwidths = []
     for _, geometry, timings in layers:
         for config, tflops in timings.items():
             unsplit = tuple(config._replace(split_k=1))
             if config.split_k > 1 and unsplit in table:
-                compute = geometry.flops / (table[unsplit] * 1e12 * conv_runtime.useful_share(config, geometry, NUM_SMS))
-                extra = geometry.flops / (tflops * 1e12) - compute - conv_runtime.SPLIT_K_SECONDS
-                workspace = conv_runtime.split_k_workspace_bytes(config, geometry, NUM_SMS)
+                compute = geometry.flops / (table[unsplit] * 1e12 * configs.useful_share(config, geometry, NUM_SMS))
+                extra = geometry.flops / (tflops * 1e12) - compute - selection.SPLIT_K_SECONDS
+                workspace = configs.split_k_workspace_bytes(config, geometry, NUM_SMS)
                 bandwidths.append(workspace / extra if extra > 0 else math.inf)
     return table, statistics.median(bandwidths)
 
 
 def heuristic_pick(table, bandwidth, geometry):
-    conv_runtime.HOPPER_CONFIG_TFLOPS, conv_runtime.SPLIT_K_WORKSPACE_BYTES_PER_S = table, bandwidth
-    return conv_runtime.heuristic_config(geometry, "sm_90", NUM_SMS)
+    selection.HOPPER_CONFIG_TFLOPS, selection.SPLIT_K_WORKSPACE_BYTES_PER_S = table, bandwidth
+    return selection.heuristic_config(geometry, "sm_90", NUM_SMS)
 
 
 def config_source(config):
     """The KernelConfig as conv_runtime.py writes it: its fields that differ from the defaults."""
-    config = conv_runtime.KernelConfig(*config)
-    defaults = conv_runtime.KernelConfig._field_defaults
+    config = runtime.KernelConfig(*config)
+    defaults = runtime.KernelConfig._field_defaults
     fields = [f"{name}={value}" for name, value in config._asdict().items()
               if name not in defaults or defaults[name] != value]
     return f"KernelConfig({', '.join(fields)})"
@@ -104,7 +104,7 @@ def main():
     parser.add_argument("logs", type=Path, nargs="+",
                         help="output of --bench --suite networks (autotuned), or of network_suite.py in parts")
     layers = read_timings("\n".join(log.read_text() for log in parser.parse_args().logs))
-    shipped = dict(conv_runtime.HOPPER_CONFIG_TFLOPS), conv_runtime.SPLIT_K_WORKSPACE_BYTES_PER_S
+    shipped = dict(selection.HOPPER_CONFIG_TFLOPS), selection.SPLIT_K_WORKSPACE_BYTES_PER_S
     table, bandwidth = fit(layers)
     print("HOPPER_CONFIG_TFLOPS = {   # split_k left at 1: split-K's cost is modelled apart")
     for config, tflops in sorted(table.items(), key=lambda item: -item[1]):

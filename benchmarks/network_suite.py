@@ -1,8 +1,9 @@
 """Lesson 05's benchmarks: the ladder of the series on its benchmark shapes, and the network suite,
 every distinct conv layer of three real networks, ours next to cuDNN.
 
-    python 05-warp-specialized-conv.py --bench [--quick]                    # the ladder
-    python 05-warp-specialized-conv.py --bench --suite networks [--quick]   # the network suite
+    python benchmarks/network_suite.py --ladder [--quick]      # the ladder
+    python benchmarks/network_suite.py [--quick]               # the network suite
+    python benchmarks/network_suite.py --fp8                   # each layer in e4m3 against bf16
 
 The ladder (`run_ladder`) times, per shape, lesson 02's implicit GEMM, lesson 04, lesson 05
 (autotuned, through the runtime) and cuDNN, all in bf16, timed by common.bench_tflops (do_bench:
@@ -37,11 +38,16 @@ import json
 import math
 from pathlib import Path
 
-import common
+import sys
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the lessons' kit, common.py
 
-from conv_config import KernelConfig
+import common  # noqa: E402
+import host_time  # noqa: E402
+import torch  # noqa: E402
+
+from conv_tutorial import launch, runtime, selection  # noqa: E402
+from conv_tutorial.configs import KernelConfig  # noqa: E402
 
 BATCH_RESNET, BATCH_UNET = 128, 8
 
@@ -171,8 +177,7 @@ def run_network_suite(outdir, quick=False, tune=True, dtype=torch.bfloat16, only
     `resume`, the layers recorded there are not run again. After each layer the records so far go
     to network_suite.partial.json, which `keep` takes too."""
     import json
-    import conv_runtime
-    conv_runtime.set_autotune(tune)
+    selection.set_autotune(tune)
     records = []
     layers = quick_suite() if quick else network_suite()
     if only:
@@ -185,16 +190,16 @@ def run_network_suite(outdir, quick=False, tune=True, dtype=torch.bfloat16, only
         x_nhwc = torch.randn(N, H, W, Ci, device="cuda", dtype=dtype)
         w = (torch.randn(Co, R, S, Ci, device="cuda", dtype=dtype) / math.sqrt(R * S * Ci)).to(dtype)
         geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
-        ours = lambda: conv_runtime.conv2d(x_nhwc, w, None, stride, padding, tune=tune)  # noqa: E731
+        ours = lambda: runtime.conv2d(x_nhwc, w, None, stride, padding, tune=tune)  # noqa: E731
         cudnn = common.cudnn_conv2d(x_nhwc, w, None, stride, padding)
-        fold = conv_runtime.folded_geometry(geometry)
+        fold = runtime.folded_geometry(geometry)
         run_geometry = fold.geometry if fold is not None else geometry
         if tune:
             print(f"\n{label}: {geometry.describe()}{' (folded)' if fold else ''}; autotuning:")
-            config = conv_runtime.tuned_config(run_geometry, *(fold.apply(x_nhwc, w) if fold else (x_nhwc, w)),
+            config = selection.tuned_config(run_geometry, *(fold.apply(x_nhwc, w) if fold else (x_nhwc, w)),
                                                None, verbose=True, retune=True)
         else:
-            config = conv_runtime.known_or_heuristic_config(run_geometry, dtype)
+            config = selection.known_or_heuristic_config(run_geometry, dtype)
         expected = common.reference_conv2d_nhwc(x_nhwc, w, None, stride, padding)
         common.assert_close_to_reference(ours(), expected, dtype=dtype, K=geometry.K)
         del expected
@@ -203,7 +208,7 @@ def run_network_suite(outdir, quick=False, tune=True, dtype=torch.bfloat16, only
         # the kernels alone (CUDA-graph replay: no host time, L2 not flushed), and our host time
         graph = {name: common.bench_tflops(fn, geometry.flops, cuda_graph=True)["tflops"]
                  for name, fn in (("ours", ours), ("cudnn", cudnn))}
-        host_us = sorted(conv_runtime.host_us_per_call(ours, calls=100) for _ in range(5))[2]   # median
+        host_us = sorted(host_time.host_us_per_call(ours, calls=100) for _ in range(5))[2]   # median
         records.append({
             "layer": label, "geometry": geometry.describe(), "flops": geometry.flops,
             "min_bytes": minimum_bytes(geometry), "ours_tflops": ours_tflops, "cudnn_tflops": cudnn_tflops,
@@ -372,8 +377,7 @@ def draw_peaks(ax, device_name, horizontal=True):
 
 def run_ladder(outdir, quick=False, dtype=torch.bfloat16):
     """Lesson 05's `--bench`: per shape, lessons 02, 04 and 05 and cuDNN, printed, drawn, saved."""
-    import conv_runtime
-    conv2d_fprop = conv_runtime.lesson05.conv2d_fprop
+    conv2d_fprop = runtime.conv2d          # lesson 05's kernel, autotuned per shape, through the runtime
     lesson02 = common.load_lesson("02-im2col-explicit")
     lesson04 = common.load_lesson("04-implicit-gemm-single-buffer")
     shapes = LADDER_SHAPES[:3] if quick else LADDER_SHAPES
@@ -382,7 +386,7 @@ def run_ladder(outdir, quick=False, dtype=torch.bfloat16):
         x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, dtype)
         geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
         print(f"\n{label}: {geometry.describe()}; autotuning lesson 05:")
-        config = conv_runtime.tuned_config(geometry, x_nhwc, w, None, verbose=True, retune=True)
+        config = selection.tuned_config(geometry, x_nhwc, w, None, verbose=True, retune=True)
         # Correct before timed: the benchmarked output matches the reference.
         expected = common.reference_conv2d_nhwc(x_nhwc, w, None, stride, padding)
         common.assert_close_to_reference(conv2d_fprop(x_nhwc, w, None, stride, padding), expected,
@@ -405,9 +409,9 @@ def run_ladder(outdir, quick=False, dtype=torch.bfloat16):
         for name in ("05 warp-specialized", "cuDNN"):
             row[name + " graph"] = common.bench_tflops(runs[name], geometry.flops, cuda_graph=True)
         row["ratio_05_cudnn"] = row["05 warp-specialized"]["tflops"] / row["cuDNN"]["tflops"]
-        row["host_us_05"] = conv_runtime.host_us_per_call(lambda: conv2d_fprop(x_nhwc, w, None, stride, padding))
+        row["host_us_05"] = host_time.host_us_per_call(lambda: conv2d_fprop(x_nhwc, w, None, stride, padding))
         if not rows:
-            row["runtime_us"] = conv_runtime.measure_host_time(x_nhwc, w, stride, padding, config)
+            row["runtime_us"] = host_time.measure_host_time(x_nhwc, w, stride, padding, config)
             print("   host us per call: " + ", ".join(f"{k} {v:.1f}" for k, v in row["runtime_us"].items()))
         rows.append(row)
         del x_nhwc, w, expected
@@ -501,7 +505,7 @@ FP8_CANDIDATES = [KernelConfig(256, 128, 64, 3, 8), KernelConfig(128, 256, 64, 3
                   KernelConfig(128, 128, 64, 6, 8), KernelConfig(128, 128, 64, 4, 4), KernelConfig(256, 64, 64, 4, 8)]
 
 
-HEADLINE_LAYER = ("headline 64x64 384->384 3x3", 128, 64, 64, 384, 384, 3, 3, 1, 1)
+HEADLINE_LAYER = common.HEADLINE_SHAPE
 
 
 def run_fp8_suite(outdir, only=None, keep=None):
@@ -511,8 +515,7 @@ def run_fp8_suite(outdir, only=None, keep=None):
     output's largest error against torch's fp32 conv of the unquantized operands, relative to the
     output's largest magnitude. Writes fp8.json (its "layers", and what `keep`, an earlier
     fp8.json, holds of other layers and of ResNet-50) and prints the geometric means."""
-    import conv_runtime
-    lesson05 = conv_runtime.lesson05
+    lesson05 = launch.lesson05
     arch = "sm_90" if common.is_hopper() else "sm_100"
     candidates = [c for c in FP8_CANDIDATES if arch == "sm_90" or c.block_m == 128]
     layers = [layer for layer in (HEADLINE_LAYER,) + tuple(network_suite())
@@ -566,12 +569,17 @@ def main():
     parser.add_argument("--heuristic", action="store_true", help="the heuristic's configs instead of autotuning")
     parser.add_argument("--outdir", default=None)
     parser.add_argument("--fp8", action="store_true", help="each layer in e4m3 against bf16 (ours and cuDNN's)")
+    parser.add_argument("--ladder", action="store_true", help="the ladder of lessons 02, 04, 05 and cuDNN on the "
+                                                              "benchmark shapes instead of the network suite")
+    parser.add_argument("--quick", action="store_true", help="fewer layers, for a fast look")
     args = parser.parse_args()
     common.require_tma_mma_gpu("the network suite")
+    if args.ladder:
+        return run_ladder(common.output_dir(args.outdir), quick=args.quick)
     if args.fp8:
         return run_fp8_suite(common.output_dir(args.outdir), only=args.only, keep=args.keep)
-    run_network_suite(common.output_dir(args.outdir), tune=not args.heuristic, only=args.only, keep=args.keep,
-                      resume=args.resume)
+    run_network_suite(common.output_dir(args.outdir), quick=args.quick, tune=not args.heuristic, only=args.only,
+                      keep=args.keep, resume=args.resume)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ This script measures, for a few layers of lesson 05's network suite, the host mi
   each TMA descriptor into a tensor map, launches);
 - `compiled`: the compiled kernel called directly, its descriptors still encoded on every launch;
 - `direct`: conv_runtime's DirectLaunch, tensor maps remembered per (descriptor, address);
-- `runtime`: a whole conv_runtime.conv2d call (plan lookup, output allocation, launch);
+- `runtime`: a whole runtime.conv2d call (plan lookup, output allocation, launch);
 - `operator`: torch.ops.conv_tutorial.conv2d on NCHW channels_last tensors (conv_torch.py);
 - `cudnn`: torch.nn.functional.conv2d on the same channels_last tensors.
 
@@ -28,7 +28,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402  (first: on a machine without a GPU it turns on the Triton interpreter)
+import time  # noqa: E402
+
 import torch  # noqa: E402
+
+from conv_tutorial import launch, runtime, selection  # noqa: E402
+from conv_tutorial.kernel import lesson05  # noqa: E402
 
 LAYERS = [   # label, N, H, W, Ci, Co, R, S, stride, padding (from network_suite.py)
     ("RN50 14x14 256->256 3x3", 128, 14, 14, 256, 256, 3, 3, 1, 1),
@@ -38,23 +43,64 @@ LAYERS = [   # label, N, H, W, Ci, Co, R, S, stride, padding (from network_suite
 ]
 
 
+def host_us_per_call(call, calls=200):
+    """Host time of one call in us: Python + launch, without waiting for the GPU."""
+    call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    host_us = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return host_us
+
+
+def compare_launch_paths(plan, x_nhwc, w, calls=200):
+    """Host us per launch of one plan: Triton's generic launcher; the compiled kernel called
+    directly (its tensor maps encoded on every launch); the plan's DirectLaunch (maps remembered)."""
+    plan.run(x_nhwc, w)
+    conv = plan.launch_for(x_nhwc, w, None)
+    kwargs = lesson05.kernel_constexprs(plan.config, plan.arch)
+    direct = plan.launches[("none", None, None, None)]
+    w_tail, out_tail = (None if desc is None else desc.base for desc in (conv.w_tail_desc, conv.out_tail_desc))
+    raw_args = (conv.in_desc.base, conv.w_desc.base, w_tail, conv.out_2d, out_tail, conv.pointers, conv.shape)
+    return {
+        "generic": host_us_per_call(lambda: lesson05.conv2d_fprop_kernel[conv.grid](*conv.kernel_args(), **kwargs),
+                                    calls),
+        "compiled": host_us_per_call(lambda: direct.compiled[conv.grid](*conv.kernel_args(), *direct.constexprs),
+                                     calls),
+        "direct": host_us_per_call(lambda: direct(conv.grid, *raw_args), calls),
+    }
+
+
+def measure_host_time(x_nhwc, w, stride, padding, config):
+    """Host us per call: lesson 05's plain launcher against the runtime, and of the launch alone,
+    Triton's launcher, the compiled kernel called directly, and DirectLaunch."""
+    geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
+    launches = compare_launch_paths(launch.plan_for(geometry, x_nhwc.dtype, config), x_nhwc, w)
+    return {
+        "plain_launcher_us": host_us_per_call(
+            lambda: lesson05.conv2d_fprop_launch(x_nhwc, w, None, stride, padding, config=config), calls=50),
+        "runtime_us": host_us_per_call(lambda: runtime.conv2d(x_nhwc, w, None, stride, padding, config=config)),
+        "generic_launch_us": launches["generic"], "compiled_launch_us": launches["compiled"],
+        "direct_launch_us": launches["direct"],
+    }
+
+
 def median_host_us(call, calls=500, runs=5):
-    import conv_runtime
-    return statistics.median(conv_runtime.host_us_per_call(call, calls) for _ in range(runs))
+    return statistics.median(host_us_per_call(call, calls) for _ in range(runs))
 
 
 def measure(layer):
-    import conv_runtime
-    import conv_torch  # noqa: F401  (registers torch.ops.conv_tutorial.conv2d)
     label, N, H, W, Ci, Co, R, S, stride, padding = layer
     x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16)
     geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
-    config = conv_runtime.known_or_heuristic_config(geometry, x_nhwc.dtype)
-    plan = conv_runtime.plan_for(geometry, x_nhwc.dtype, config)
+    config = selection.known_or_heuristic_config(geometry, x_nhwc.dtype)
+    plan = launch.plan_for(geometry, x_nhwc.dtype, config)
     row = {"layer": label, "config": str(config)}
     if not config.split_k > 1:            # split-K runs two kernels: its launch paths differ
-        row.update(conv_runtime.compare_launch_paths(plan, x_nhwc, w, calls=500))
-    row["runtime"] = median_host_us(lambda: conv_runtime.conv2d(x_nhwc, w, None, stride, padding, config=config))
+        row.update(compare_launch_paths(plan, x_nhwc, w, calls=500))
+    row["runtime"] = median_host_us(lambda: runtime.conv2d(x_nhwc, w, None, stride, padding, config=config))
     x_nchw, w_oihw = x_nhwc.permute(0, 3, 1, 2), w.permute(0, 3, 1, 2)   # channels_last views
     row["operator"] = median_host_us(lambda: torch.ops.conv_tutorial.conv2d(x_nchw, w_oihw, None, [stride] * 2,
                                                                            [padding] * 2, [1, 1], 1))
@@ -65,15 +111,14 @@ def measure(layer):
 def profile_runtime(layer, calls=2000):
     import cProfile
     import pstats
-    import conv_runtime
     label, N, H, W, Ci, Co, R, S, stride, padding = layer
     x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16)
-    conv_runtime.conv2d(x_nhwc, w, None, stride, padding, tune=False)
+    runtime.conv2d(x_nhwc, w, None, stride, padding, tune=False)
     torch.cuda.synchronize()
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(calls):
-        conv_runtime.conv2d(x_nhwc, w, None, stride, padding, tune=False)
+        runtime.conv2d(x_nhwc, w, None, stride, padding, tune=False)
     profiler.disable()
     torch.cuda.synchronize()
     print(f"\ncProfile of {calls} runtime calls, {label} (times include the profiler's own cost):")

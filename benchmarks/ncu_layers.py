@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
+from conv_tutorial import runtime, selection  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -51,20 +52,19 @@ def in_range(name, call):
 
 def main():
     common.require_tma_mma_gpu("scripts/ncu_layers.py")
-    import conv_runtime
     cold_l2 = "--cold-l2" in sys.argv[1:]
     flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda") if cold_l2 else None
     for label, N, H, W, Ci, Co, R, S, stride, padding in (COLD_L2_LAYERS if cold_l2 else LAYERS):
         torch.manual_seed(0)          # application replay: every pass the same tensors
         x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
         w = (torch.randn(Co, R, S, Ci, device="cuda") / math.sqrt(R * S * Ci)).to(torch.bfloat16)
-        ours = lambda: conv_runtime.conv2d(x, w, None, stride, padding, tune=False)  # noqa: E731
+        ours = lambda: runtime.conv2d(x, w, None, stride, padding, tune=False)  # noqa: E731
         cudnn = common.cudnn_conv2d(x, w, None, stride, padding)
         for _ in range(3):
             ours()
             cudnn()
         geometry = common.conv_geometry(x.shape, w.shape, stride, padding)
-        print(f"{label}: ours with {conv_runtime.known_or_heuristic_config(geometry, x.dtype)}", flush=True)
+        print(f"{label}: ours with {selection.known_or_heuristic_config(geometry, x.dtype)}", flush=True)
         torch.cuda.synchronize()
         torch.cuda.profiler.start()
         if cold_l2:

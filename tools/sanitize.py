@@ -40,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402  (first: it picks the Triton interpreter on machines without a GPU)
+from conv_tutorial import configs, launch  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 
@@ -53,28 +54,27 @@ def lesson05_cases():
     """(name, config, Co, epilogue) for every Hopper candidate (split-K included), plus the bias on
     three schedules and the whole fused epilogue (scale, bias, residual, ReLU) on four; epilogue is
     None, "bias" or "fused"."""
-    import conv_runtime
     lesson05 = _lesson("05-warp-specialized-conv")
     cases = []
-    for config in conv_runtime.HOPPER_CANDIDATES:
+    for config in configs.HOPPER_CANDIDATES:
         Co = 320 if config.block_n_tail else 256          # tails: two 160-wide tiles
         cases.append((f"05 {config}", config, Co, None))
     for config in (lesson05.FIXED_CONFIG, lesson05.PINGPONG_CONFIG,
-                   next(c for c in conv_runtime.HOPPER_CANDIDATES if c.block_n_tail)):
+                   next(c for c in configs.HOPPER_CANDIDATES if c.block_n_tail)):
         Co = 320 if config.block_n_tail else 200            # 200: the last tile is partly past Co
         cases.append((f"05 {config}, bias, Co={Co}", config, Co, "bias"))
     for config in (lesson05.FIXED_CONFIG, lesson05.PINGPONG_CONFIG,
-                   next(c for c in conv_runtime.HOPPER_CANDIDATES if c.block_n_tail),
-                   next(c for c in conv_runtime.HOPPER_CANDIDATES if c.split_k > 1)):
+                   next(c for c in configs.HOPPER_CANDIDATES if c.block_n_tail),
+                   next(c for c in configs.HOPPER_CANDIDATES if c.split_k > 1)):
         Co = 320 if config.block_n_tail else 200
         cases.append((f"05 {config}, fused epilogue, Co={Co}", config, Co, "fused"))
-    split = next(c for c in conv_runtime.HOPPER_CANDIDATES if c.split_k > 1)
+    split = next(c for c in configs.HOPPER_CANDIDATES if c.split_k > 1)
     cases.append((f"05 {split}, fused epilogue, Co=200, last wave split", split, 200, "fused"))
-    # a row tail with the residual runs on one 8-warp consumer (conv_runtime.fitted_to_epilogue)
-    row_tail = next(c for c in conv_runtime.HOPPER_CANDIDATES if c.block_m_tail and c.num_warps == 8)
+    # a row tail with the residual runs on one 8-warp consumer (configs.fitted_to_epilogue)
+    row_tail = next(c for c in configs.HOPPER_CANDIDATES if c.block_m_tail and c.num_warps == 8)
     cases.append((f"05 {row_tail}, fused epilogue, Co=200", row_tail, 200, "fused"))
     # a row tail on 5 stages stores its tile by 64-row blocks through one staging buffer
-    row_blocks = next(c for c in conv_runtime.HOPPER_CANDIDATES if lesson05.stores_by_row_blocks(c))
+    row_blocks = next(c for c in configs.HOPPER_CANDIDATES if lesson05.stores_by_row_blocks(c))
     cases.append((f"05 {row_blocks}, fused epilogue, Co=200", row_blocks, 200, "fused"))
     return cases
 
@@ -143,8 +143,7 @@ def run_case(name):
         residual_cpu = torch.randn(shape["N"], shape["H"], shape["W"], Co).bfloat16() if fused else None
         geometry = common.conv_geometry(x_cpu.shape, w_cpu.shape, shape["stride"], shape["padding"])
         arch = "sm_90" if common.is_hopper() else "sm_100"
-        import conv_runtime
-        plan = conv_runtime.ConvPlan(geometry, torch.bfloat16, config, arch,
+        plan = launch.ConvPlan(geometry, torch.bfloat16, config, arch,
                                      num_sms=programs_of(name, config) // config.programs_per_sm)
         x, w = x_cpu.cuda(), w_cpu.cuda()
         bias = bias_cpu.cuda() if epilogue else None

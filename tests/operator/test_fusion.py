@@ -4,6 +4,7 @@ new arguments (fake implementation, opcheck, gradients), on the CPU; and on a Ho
 GPU, >= 200 random shapes over every fusion combination against torch."""
 import operator
 import random
+import warnings
 
 import common
 
@@ -12,9 +13,16 @@ import torch
 import torch.nn.functional as F
 
 lesson05 = common.load_lesson("05-warp-specialized-conv")
-import conv_torch  # noqa: E402
+from conv_tutorial import fusion  # noqa: E402
 
-needs_gpu, quietly = lesson05.needs_gpu, common.quietly
+needs_gpu = lesson05.needs_gpu
+
+
+def quietly(call, *args, **kwargs):
+    """call(*args, **kwargs) with the operator's fallback warnings silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return call(*args, **kwargs)
 
 
 def random_batchnorm(channels, affine=True, seed=0):
@@ -36,7 +44,7 @@ def test_folded_batchnorm_equals_conv_then_batchnorm(conv_bias, affine):
     conv = torch.nn.Conv2d(5, 12, 3, padding=1, bias=conv_bias).double()
     bn = random_batchnorm(12, affine).double()
     x = torch.randn(2, 5, 9, 7, dtype=torch.float64)
-    weight, shift = conv_torch.fold_batchnorm(conv.weight, conv.bias, bn)
+    weight, shift = fusion.fold_batchnorm(conv.weight, conv.bias, bn)
     assert weight.dtype == torch.float64 and shift.dtype == torch.float32
     torch.testing.assert_close(F.conv2d(x, weight, shift.double(), padding=1), bn(conv(x)),
                                rtol=1e-6, atol=1e-5)
@@ -47,7 +55,7 @@ def test_folding_a_bf16_model_happens_in_fp32():
     used; in fp32 the folded weight is the fp32 product rounded once."""
     conv = torch.nn.Conv2d(8, 16, 1, bias=False).bfloat16()
     bn = random_batchnorm(16).bfloat16()
-    weight, shift = conv_torch.fold_batchnorm(conv.weight, None, bn)
+    weight, shift = fusion.fold_batchnorm(conv.weight, None, bn)
     g = bn.weight.float() / torch.sqrt(bn.running_var.float() + bn.eps)
     assert torch.equal(weight, (conv.weight.float() * g.view(-1, 1, 1, 1)).bfloat16())
     assert shift.dtype == torch.float32
@@ -100,13 +108,13 @@ def network():
 
 
 def fused_modules(graph_module):
-    return [m for m in graph_module.modules() if isinstance(m, conv_torch.FusedConv2d)]
+    return [m for m in graph_module.modules() if isinstance(m, fusion.FusedConv2d)]
 
 
 def test_fx_pass_fuses_a_resnet_like_network_and_keeps_its_output():
     torch.manual_seed(0)
     model, x = network(), torch.randn(2, 3, 48, 40)
-    fused = conv_torch.fuse_conv_bn_act(model, example_input=x)
+    fused = fusion.fuse_conv_bn_act(model, example_input=x)
     convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
     assert fused.fused_convs == len(convs) == 11
     # every conv, BatchNorm, residual add and ReLU/SiLU is gone from the graph
@@ -127,7 +135,7 @@ def test_fx_pass_fuses_a_resnet_like_network_and_keeps_its_output():
 
 def test_without_an_example_input_residual_adds_are_not_fused():
     model, x = network(), torch.randn(1, 3, 32, 32)
-    fused = conv_torch.fuse_conv_bn_act(model)
+    fused = fusion.fuse_conv_bn_act(model)
     assert not any(m.takes_residual for m in fused_modules(fused))
     assert sum(n.target in (operator.add, operator.iadd) for n in fused.graph.nodes) == 3
     with torch.no_grad():
@@ -154,7 +162,7 @@ def test_fx_pass_leaves_what_it_cannot_fuse():
     model.bn1.eval()
     model.bn1.load_state_dict(random_batchnorm(8).state_dict())
     x = torch.randn(2, 4, 10, 10)
-    fused = conv_torch.fuse_conv_bn_act(model, example_input=x)
+    fused = fusion.fuse_conv_bn_act(model, example_input=x)
     described = [(m.folded_batchnorm, m.takes_residual, m.activation) for m in fused_modules(fused)]
     assert described == [(False, False, "none")] * 3
     assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in fused.modules()) == 2
@@ -185,9 +193,9 @@ def test_fx_pass_fuses_depthwise_convs_and_leaves_grouped_ones_for_torch_compile
         bn.load_state_dict(random_batchnorm(bn.num_features, seed=i).state_dict())
     model, x = model.eval(), torch.randn(2, 8, 12, 10)
     with pytest.warns(UserWarning, match="1 grouped convs left as they were"):
-        fused = conv_torch.fuse_conv_bn_act(model, example_input=x)
+        fused = fusion.fuse_conv_bn_act(model, example_input=x)
     assert (fused.fused_convs, fused.kept_convs) == (2, 1)
-    depthwise = [m for m in fused.modules() if isinstance(m, conv_torch.FusedConv2d)][1]
+    depthwise = [m for m in fused.modules() if isinstance(m, fusion.FusedConv2d)][1]
     assert depthwise._op_args[3] == 32 and depthwise.folded_batchnorm and depthwise.activation == "relu"
     kept = [m for m in fused.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.BatchNorm2d))]
     assert [type(m).__name__ for m in kept] == ["Conv2d", "BatchNorm2d"] and kept[0].groups == 32
@@ -200,7 +208,7 @@ def fused_network_on_the_gpu():
     torch.manual_seed(0)
     model = network().cuda().bfloat16()
     x = torch.randn(4, 3, 64, 64, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
-    return model, x, conv_torch.fuse_conv_bn_act(model, example_input=x)
+    return model, x, fusion.fuse_conv_bn_act(model, example_input=x)
 
 
 # %% Keeping the faster of ours and torch, per conv
@@ -211,7 +219,7 @@ def timer_that_favours(favoured):
     def timer(fn):
         ran_ours = []
         hooks = [m.register_forward_pre_hook(lambda *args: ran_ours.append(True))
-                 for m in timer.model.modules() if isinstance(m, conv_torch.FusedConv2d)]
+                 for m in timer.model.modules() if isinstance(m, fusion.FusedConv2d)]
         quietly(fn)
         for hook in hooks:
             hook.remove()
@@ -223,11 +231,11 @@ def timer_that_favours(favoured):
 def test_keep_faster_convs_gives_slower_convs_back_to_torch_with_the_same_output(favoured):
     torch.manual_seed(0)
     model, x = network(), torch.randn(2, 3, 48, 40)
-    fused = conv_torch.fuse_conv_bn_act(model, example_input=x)
+    fused = fusion.fuse_conv_bn_act(model, example_input=x)
     timer = timer_that_favours(favoured)
     timer.model = fused
-    kept = quietly(conv_torch.keep_faster_convs, fused, x, timer=timer)
-    torch_modules = [m for m in kept.modules() if isinstance(m, conv_torch.TorchConvEpilogue)]
+    kept = quietly(fusion.keep_faster_convs, fused, x, timer=timer)
+    torch_modules = [m for m in kept.modules() if isinstance(m, fusion.TorchConvEpilogue)]
     # torch's side costs a conv (+ an elementwise pass where there is an epilogue): 1 or 2 ms
     # against ours at 10 when torch is favoured; 10 or 20 against 1 otherwise
     assert kept.torch_convs == len(torch_modules) == (11 if favoured == "torch" else 0)
@@ -241,7 +249,7 @@ def test_keep_faster_convs_on_the_gpu_keeps_the_output():
     model, x, fused = fused_network_on_the_gpu()
     with torch.no_grad():
         before = fused(x).float()
-        kept = conv_torch.keep_faster_convs(fused, x)      # measured: which convs go back depends on the GPU
+        kept = fusion.keep_faster_convs(fused, x)      # measured: which convs go back depends on the GPU
         after = kept(x).float()
     assert 0 <= kept.torch_convs <= 11
     assert (after - before).abs().max() <= 2 ** -6 * before.abs().max()
@@ -249,7 +257,7 @@ def test_keep_faster_convs_on_the_gpu_keeps_the_output():
 
 def test_fused_model_traces_with_fullgraph():
     model, x = network(), torch.randn(1, 3, 32, 32)
-    fused = conv_torch.fuse_conv_bn_act(model, example_input=x)
+    fused = fusion.fuse_conv_bn_act(model, example_input=x)
     compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         torch.testing.assert_close(quietly(compiled, x), quietly(fused, x))
@@ -311,7 +319,7 @@ def test_bad_epilogue_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match=r"residual must have the output's shape \(1, 4, 8, 8\)"):
         op(x, w, None, [1, 1], [1, 1], [1, 1], 1, residual=torch.ones(1, 4, 4, 4))
     with pytest.raises(ValueError, match="takes no residual"):
-        conv_torch.FusedConv2d(torch.nn.Conv2d(3, 4, 3))(x, torch.ones(1, 4, 6, 6))
+        fusion.FusedConv2d(torch.nn.Conv2d(3, 4, 3))(x, torch.ones(1, 4, 6, 6))
 
 
 # %% On a Hopper or Blackwell GPU: random shapes over every fusion combination
@@ -394,7 +402,7 @@ def test_fused_operator_gradients_on_the_gpu():
 def test_the_fused_model_shares_no_module_with_the_original():
     """Casting or moving the result (as deployment does) must leave the original model as it was."""
     model, x = network(), torch.randn(1, 3, 32, 32)
-    fused = conv_torch.fuse_conv_bn_act(model, example_input=x).to(torch.bfloat16)
+    fused = fusion.fuse_conv_bn_act(model, example_input=x).to(torch.bfloat16)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     with torch.no_grad():
         model(x)                                   # the fp32 model still runs on fp32 input

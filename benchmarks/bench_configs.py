@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
-import conv_runtime  # noqa: E402
+from conv_tutorial import runtime  # noqa: E402
 import network_suite  # noqa: E402
 
 import torch  # noqa: E402
@@ -26,7 +26,7 @@ def main():
     parser.add_argument("--config", action="append", required=True, help="KernelConfig fields, e.g. 128,128,64,6,8")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    KernelConfig = conv_runtime.KernelConfig
+    KernelConfig = runtime.KernelConfig
     configs = [KernelConfig(*map(int, text.split(","))) for text in args.config]
     suite = {layer[0]: layer for layer in network_suite.network_suite() + network_suite.LADDER_SHAPES}
     unknown = [label for label in args.layers if label not in suite]
@@ -40,7 +40,7 @@ def main():
         expected = common.reference_conv2d_nhwc(x, w, None, stride, padding)
         calls = {"cuDNN": common.cudnn_conv2d(x, w, None, stride, padding)}
         for config in configs:
-            call = (lambda c: lambda: conv_runtime.conv2d(x, w, None, stride, padding, config=c))(config)
+            call = (lambda c: lambda: runtime.conv2d(x, w, None, stride, padding, config=c))(config)
             common.assert_close_to_reference(call(), expected, dtype=torch.bfloat16, K=geometry.K)
             calls[str(config)] = call
         timed = common.bench_in_rounds(calls, geometry.flops, args.rounds)

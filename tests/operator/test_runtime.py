@@ -1,4 +1,4 @@
-"""Tests of conv_runtime.py, the host runtime around lesson 05's kernel: config pruning (CPU), the
+"""Tests of the operator's host runtime (conv_tutorial: configs, launch, selection, runtime) around lesson 05's kernel: config pruning (CPU), the
 candidates' builds against the pruning model (CPU, ahead of time), and on a GPU the paths that
 must not change results: the cached fast path, the direct launch, every Hopper candidate."""
 import functools
@@ -10,8 +10,14 @@ import pytest
 import torch
 
 lesson05 = common.load_lesson("05-warp-specialized-conv")
-import conv_runtime  # noqa: E402  (after the lesson: the runtime wraps its kernel)
-import conv_config  # noqa: E402
+from conv_tutorial import configs, launch, runtime, selection  # noqa: E402
+needs_hopper = pytest.mark.skipif(not (common.has_tma_mma_gpu() and common.is_hopper()),
+                                  reason="needs a Hopper GPU (sm_90): ping-pong is its schedule")
+
+
+def conv2d_fixed(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=configs.FIXED_CONFIG, **epilogue):
+    """The runtime with one given config (no autotuning)."""
+    return runtime.conv2d(x_nhwc, w, bias, stride, padding, dilation, config=tuple(config), **epilogue)
 
 KernelConfig = lesson05.KernelConfig
 needs_gpu = lesson05.needs_gpu
@@ -19,28 +25,28 @@ needs_gpu = lesson05.needs_gpu
 
 def test_pruning():
     geometry = common.conv_geometry((128, 56, 56, 64), (64, 3, 3, 64), 1, 1)
-    kept = conv_runtime.prune_configs(conv_runtime.HOPPER_CANDIDATES, geometry, "sm_90")
+    kept = selection.prune_configs(configs.HOPPER_CANDIDATES, geometry, "sm_90")
     assert kept and all(config[1] <= 64 for config in kept)          # Co=64: no 128-wide tiles
-    assert all(conv_runtime.shared_memory_bytes(c) <= conv_runtime.SMEM_LIMIT_BYTES["sm_90"] for c in kept)
+    assert all(configs.shared_memory_bytes(c) <= selection.SMEM_LIMIT_BYTES["sm_90"] for c in kept)
     small = common.conv_geometry((1, 8, 8, 64), (256, 1, 1, 64))
-    assert conv_runtime.prune_configs([(128, 256, 64, 4, 8, 1)], small, "sm_90") == []  # too much smem
-    assert conv_runtime.prune_configs([(128, 256, 64, 3, 4, 1)], small, "sm_90") == []  # acc on 4 warps
-    assert conv_config.adapt_block_k(lesson05.FIXED_CONFIG, 8)[2] == 16
-    assert conv_runtime.prune_configs([(128, 64, 64, 4, 8, 2)], geometry, "sm_90") == []  # no registers
+    assert selection.prune_configs([(128, 256, 64, 4, 8, 1)], small, "sm_90") == []  # too much smem
+    assert selection.prune_configs([(128, 256, 64, 3, 4, 1)], small, "sm_90") == []  # acc on 4 warps
+    assert configs.adapt_block_k(lesson05.FIXED_CONFIG, 8)[2] == 16
+    assert selection.prune_configs([(128, 64, 64, 4, 8, 2)], geometry, "sm_90") == []  # no registers
     # tails only where they cut the wasted columns: Co=320 keeps the 160-wide tiles, Co=384 does not
-    tails = [c for c in conv_runtime.HOPPER_CANDIDATES if c.block_n_tail]
+    tails = [c for c in configs.HOPPER_CANDIDATES if c.block_n_tail]
     sd = common.conv_geometry((8, 64, 64, 320), (320, 3, 3, 320), 1, 1)
-    assert {c.tile_n for c in conv_runtime.prune_configs(tails, sd, "sm_90")} == {160}
+    assert {c.tile_n for c in selection.prune_configs(tails, sd, "sm_90")} == {160}
     wide = common.conv_geometry((8, 64, 64, 384), (384, 3, 3, 384), 1, 1)
-    assert conv_runtime.prune_configs(tails, wide, "sm_90") == []
-    assert conv_runtime.wasted_columns(320, 128) == 64 and conv_runtime.wasted_columns(320, 160) == 0
+    assert selection.prune_configs(tails, wide, "sm_90") == []
+    assert configs.wasted_columns(320, 128) == 64 and configs.wasted_columns(320, 160) == 0
 
 
 def test_every_blackwell_candidate_is_a_valid_config():
-    for config in conv_runtime.BLACKWELL_CANDIDATES:
+    for config in configs.BLACKWELL_CANDIDATES:
         lesson05.check_config(config, "sm_100")
     geometry = common.conv_geometry((8, 32, 32, 256), (256, 3, 3, 256), 1, 1)
-    assert conv_runtime.prune_configs(conv_runtime.BLACKWELL_CANDIDATES, geometry, "sm_100")
+    assert selection.prune_configs(configs.BLACKWELL_CANDIDATES, geometry, "sm_100")
 
 
 def _shape_that_keeps(config):
@@ -49,26 +55,26 @@ def _shape_that_keeps(config):
     for Ci in (256, 160):
         for Co in (320, 96, 256, 192, 128, 64):
             geometry = common.conv_geometry((2, 16, 16, Ci), (Co, 3, 3, Ci), 1, 1)
-            if conv_runtime.prune_configs([config], geometry, "sm_90"):
+            if selection.prune_configs([config], geometry, "sm_90"):
                 return Ci, Co
     raise AssertionError(f"{config} is pruned for every test shape")
 
 
-@pytest.mark.parametrize("config", conv_runtime.HOPPER_CANDIDATES, ids=str)
+@pytest.mark.parametrize("config", configs.HOPPER_CANDIDATES, ids=str)
 def test_every_hopper_candidate_compiles_within_budget(config):
     Ci, Co = _shape_that_keeps(config)
     compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
                                           Ci=Ci, Co=Co, config=list(config),
                                           epilogue=[True, True, True, "relu"])   # the fullest epilogue
-    assert compiled["shared"] <= conv_runtime.SMEM_LIMIT_BYTES["sm_90"]
-    assert config.programs_per_sm * (compiled["shared"] + 1024) <= conv_runtime.SMEM_PER_SM_BYTES
-    assert compiled["shared"] <= conv_runtime.shared_memory_bytes(config) + 1024   # the model holds
+    assert compiled["shared"] <= selection.SMEM_LIMIT_BYTES["sm_90"]
+    assert config.programs_per_sm * (compiled["shared"] + 1024) <= selection.SMEM_PER_SM_BYTES
+    assert compiled["shared"] <= configs.shared_memory_bytes(config) + 1024   # the model holds
     if config.programs_per_sm > 1:
         assert ".maxnreg 128" in compiled["ptx"]
     assert common.ptx_instructions(compiled["ptx"], ["wgmma.mma_async"])["wgmma.mma_async"] > 0
 
 
-@pytest.mark.parametrize("config", conv_runtime.HOPPER_CANDIDATES, ids=str)
+@pytest.mark.parametrize("config", configs.HOPPER_CANDIDATES, ids=str)
 def test_register_model_of_the_residual_epilogue_matches_the_builds(config):
     """residual_fits_in_registers says which builds keep a residual tile beside their accumulators
     without spilling: checked against each candidate's build with the whole fused epilogue (the
@@ -77,21 +83,21 @@ def test_register_model_of_the_residual_epilogue_matches_the_builds(config):
     compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
                                           Ci=Ci, Co=Co, config=list(config), epilogue=[True, True, True, "relu"])
     assert compiled["stack"] is not None
-    assert conv_runtime.residual_fits_in_registers(config) == (compiled["stack"] == 0), compiled["stack"]
+    assert configs.residual_fits_in_registers(config) == (compiled["stack"] == 0), compiled["stack"]
 
 
-@pytest.mark.parametrize("config", [c for c in conv_runtime.HOPPER_CANDIDATES if c.block_m_tail], ids=str)
+@pytest.mark.parametrize("config", [c for c in configs.HOPPER_CANDIDATES if c.block_m_tail], ids=str)
 def test_a_row_tail_with_a_residual_runs_on_8_warps(config):
     """A row tail has no room for a residual tile on 4-warp consumers; the runtime runs the same
     tile on one 8-warp consumer, which has. Other configs are left as tuned."""
-    moved = conv_runtime.fitted_to_epilogue(config, has_residual=True)
+    moved = configs.fitted_to_epilogue(config, has_residual=True)
     assert (moved.tile_m, moved.tile_n, moved.num_warps, moved.consumers) == (192, 128, 8, 1)
-    assert conv_runtime.residual_fits_in_registers(moved)
-    assert conv_runtime.shared_memory_bytes(moved) <= conv_runtime.SMEM_LIMIT_BYTES["sm_90"]
-    assert conv_runtime.fitted_to_epilogue(config, has_residual=False) == config
-    KernelConfig = conv_runtime.KernelConfig
+    assert configs.residual_fits_in_registers(moved)
+    assert configs.shared_memory_bytes(moved) <= selection.SMEM_LIMIT_BYTES["sm_90"]
+    assert configs.fitted_to_epilogue(config, has_residual=False) == config
+    KernelConfig = runtime.KernelConfig
     wide = KernelConfig(128, 256, 64, 3, 8)        # spills a little with a residual; kept (measured faster)
-    assert conv_runtime.fitted_to_epilogue(wide, has_residual=True) == wide
+    assert configs.fitted_to_epilogue(wide, has_residual=True) == wide
 
 
 @pytest.mark.parametrize("config", [lesson05.FIXED_CONFIG, KernelConfig(128, 128, 64, 4, 4, block_n_tail=32),
@@ -104,7 +110,7 @@ def test_a_plans_template_holds_no_tensors(config):
     geometry = common.conv_geometry(x_nhwc.shape, w.shape, 1, 1)
     bias = torch.zeros(160)
     launch = lesson05.prepare_launch(x_nhwc, w, bias, geometry, config, "sm_90", 132)
-    template = conv_runtime._tensorless(launch)
+    template = launch._tensorless(launch)
     descriptors = [d for d in template.args[:5] if d is not None]
     assert descriptors and all(d.base is None for d in descriptors)
     assert template.args[5] is None                  # the epilogue's pointers
@@ -117,7 +123,7 @@ def test_a_plans_template_holds_no_tensors(config):
         if original is None:
             assert stripped is None
             continue
-        copy = conv_runtime._with_base(stripped, original.base)
+        copy = launch._with_base(stripped, original.base)
         assert (copy.base is original.base and list(copy.shape) == list(original.shape)
                 and list(copy.strides) == list(original.strides) and copy.block_shape == original.block_shape)
 
@@ -130,8 +136,8 @@ def test_a_plan_does_not_keep_its_first_calls_tensors():
     gc.collect()
     in_use = torch.cuda.memory_allocated()
     x_nhwc, w = common.random_conv_inputs(2, 12, 12, 64, 96, 3, 3, torch.bfloat16)
-    out = conv_runtime.conv2d(x_nhwc, w, None, 1, 1, config=config)           # builds the plan
-    again = conv_runtime.conv2d(x_nhwc, w, None, 1, 1, config=config)         # the direct launch
+    out = runtime.conv2d(x_nhwc, w, None, 1, 1, config=config)           # builds the plan
+    again = runtime.conv2d(x_nhwc, w, None, 1, 1, config=config)         # the direct launch
     torch.testing.assert_close(again, out)
     first_input = weakref.ref(x_nhwc)
     del x_nhwc, w, out, again
@@ -145,23 +151,23 @@ def test_fast_path_still_checks_each_call():
     # A call with a cached plan skips the full validation; what a same-shaped tensor can still get
     # wrong (layout, alignment) must be caught on every call.
     x_nhwc, w = common.random_conv_inputs(2, 12, 12, 64, 96, 3, 3, torch.bfloat16)
-    lesson05.conv2d_fprop_fixed(x_nhwc, w, padding=1)
+    conv2d_fixed(x_nhwc, w, padding=1)
     not_contiguous = x_nhwc.transpose(1, 2).contiguous().transpose(1, 2)
     with pytest.raises(ValueError, match="contiguous NHWC"):
-        lesson05.conv2d_fprop_fixed(not_contiguous, w, padding=1)
+        conv2d_fixed(not_contiguous, w, padding=1)
     storage = torch.empty(x_nhwc.numel() + 1, dtype=x_nhwc.dtype, device=x_nhwc.device)
     misaligned = storage[1:].view(x_nhwc.shape)       # contiguous, same shape, 2 bytes off
     with pytest.raises(ValueError, match="16-byte aligned"):
-        lesson05.conv2d_fprop_fixed(misaligned, w, padding=1)
+        conv2d_fixed(misaligned, w, padding=1)
     # list-valued hyper-parameters are unhashable: they take the slow path and still work
-    lesson05.run_conv(lesson05.conv2d_fprop_fixed, 2, 12, 12, 64, 96, 3, 3, [1, 1], [1, 1])
+    common.check_conv(conv2d_fixed, 2, 12, 12, 64, 96, 3, 3, [1, 1], [1, 1])
 
 
 @needs_gpu
 def test_direct_launch_path_on_new_data():
     # The second call of a plan skips Triton's generic launcher: it must see the new tensors.
     for seed in (1, 2, 3):
-        lesson05.run_conv(lesson05.conv2d_fprop_fixed, 2, 12, 12, 64, 96, 3, 3, 1, 1,
+        common.check_conv(conv2d_fixed, 2, 12, 12, 64, 96, 3, 3, 1, 1,
                           with_bias=seed != 2, seed=seed)
 
 
@@ -174,12 +180,12 @@ def test_direct_launch_remembers_tensor_maps_by_address(monkeypatch):
     x_b = torch.randn_like(x_a)
 
     def check(x):
-        common.assert_close_to_reference(lesson05.conv2d_fprop_fixed(x, w, padding=1),
+        common.assert_close_to_reference(conv2d_fixed(x, w, padding=1),
                                          common.reference_conv2d_nhwc(x, w, None, 1, 1), dtype=x.dtype, K=576)
     for x in (x_a, x_b, x_a, x_b):
         check(x)
     geometry = common.conv_geometry(x_a.shape, w.shape, 1, 1)
-    direct = conv_runtime.plan_for(geometry, x_a.dtype, lesson05.FIXED_CONFIG).launches[("none", None, None, None)]
+    direct = launch.plan_for(geometry, x_a.dtype, lesson05.FIXED_CONFIG).launches[("none", None, None, None)]
     encoded = []
     encode = direct.encode
     monkeypatch.setattr(direct, "encode", lambda descriptor, *rest: encoded.append(descriptor.base.data_ptr())
@@ -192,10 +198,10 @@ def test_direct_launch_remembers_tensor_maps_by_address(monkeypatch):
     assert encoded.count(x_c.data_ptr()) == 1
 
 
-@lesson05.needs_hopper
+@needs_hopper
 def test_every_hopper_candidate_is_correct():
-    for config in conv_runtime.HOPPER_CANDIDATES:
-        lesson05.run_conv(functools.partial(lesson05.conv2d_fprop_fixed, config=config),
+    for config in configs.HOPPER_CANDIDATES:
+        common.check_conv(functools.partial(conv2d_fixed, config=config),
                           4, 20, 20, 136, 200, 3, 3, 1, 1, with_bias=True)
 
 
@@ -203,11 +209,11 @@ def _stand_in_tuner(monkeypatch, tmp_path, plan_class, do_bench):
     """The autotuner without a GPU: a tuning file in tmp_path, an sm_90 device of 132 SMs, plans
     of `plan_class`, timings from `do_bench`."""
     monkeypatch.setenv("CONV_TUTORIAL_TUNING_CACHE", str(tmp_path / "tuning.json"))
-    monkeypatch.setattr(conv_runtime, "_TUNING_FILE", None)
-    monkeypatch.setattr(conv_runtime, "_BEST_CONFIG", {})
-    monkeypatch.setattr(conv_runtime, "device_facts", lambda: ("sm_90", 132, 232448))
-    monkeypatch.setattr(conv_runtime, "plan_for", lambda g, d, c, out_dtype=None: plan_class(c))
-    monkeypatch.setattr(conv_runtime.triton.testing, "do_bench", do_bench)
+    monkeypatch.setattr(selection, "_TUNING_FILE", None)
+    monkeypatch.setattr(selection, "_BEST_CONFIG", {})
+    monkeypatch.setattr(selection, "device_facts", lambda: ("sm_90", 132, 232448))
+    monkeypatch.setattr(selection, "plan_for", lambda g, d, c, out_dtype=None: plan_class(c))
+    monkeypatch.setattr(selection.triton.testing, "do_bench", do_bench)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "a test GPU")
 
@@ -216,7 +222,7 @@ def test_autotune_keeps_the_fastest_and_later_processes_reuse_it(monkeypatch, tm
     # The tuner's logic and its tuning file, without a GPU: plans and timings are stand-ins whose
     # "kernel time" is a table, so the choice is known in advance.
     geometry = common.conv_geometry((128, 14, 14, 1024), (256, 1, 1, 1024), 1, 0)
-    candidates = conv_runtime.prune_configs(conv_runtime.HOPPER_CANDIDATES, geometry, "sm_90")
+    candidates = selection.prune_configs(configs.HOPPER_CANDIDATES, geometry, "sm_90")
     fastest = candidates[len(candidates) // 2]
     kernel_ms = {c: (0.05 if c == fastest else 0.08 + 0.001 * i) for i, c in enumerate(candidates)}
 
@@ -235,21 +241,21 @@ def test_autotune_keeps_the_fastest_and_later_processes_reuse_it(monkeypatch, tm
 
     _stand_in_tuner(monkeypatch, tmp_path, TimedPlan, do_bench)
     x = torch.empty(0, dtype=torch.bfloat16)
-    assert conv_runtime.tuned_config(geometry, x, x, None, verbose=True) == fastest
+    assert selection.tuned_config(geometry, x, x, None, verbose=True) == fastest
     assert "<- chosen" in capsys.readouterr().out
-    saved = conv_runtime.tuning_cache_path().read_text()
+    saved = selection.tuning_cache_path().read_text()
     assert str(list(fastest)).replace(" ", "") in saved.replace(" ", "").replace("\n", "")
     # A later process: nothing in memory, the file on disk; no timing may happen.
-    monkeypatch.setattr(conv_runtime, "_TUNING_FILE", None)
-    monkeypatch.setattr(conv_runtime, "_BEST_CONFIG", {})
-    monkeypatch.setattr(conv_runtime.triton.testing, "do_bench", lambda *a, **k: pytest.fail("timed again"))
-    assert conv_runtime.known_or_heuristic_config(geometry, torch.bfloat16) == fastest
-    assert conv_runtime.tuned_config(geometry, x, x, None) == fastest
+    monkeypatch.setattr(selection, "_TUNING_FILE", None)
+    monkeypatch.setattr(selection, "_BEST_CONFIG", {})
+    monkeypatch.setattr(selection.triton.testing, "do_bench", lambda *a, **k: pytest.fail("timed again"))
+    assert selection.known_or_heuristic_config(geometry, torch.bfloat16) == fastest
+    assert selection.tuned_config(geometry, x, x, None) == fastest
     # Without a tuning file the heuristic answers at once, with a config that fits the device.
     monkeypatch.setenv("CONV_TUTORIAL_TUNING_CACHE", str(tmp_path / "elsewhere.json"))
-    monkeypatch.setattr(conv_runtime, "_TUNING_FILE", None)
-    monkeypatch.setattr(conv_runtime, "_BEST_CONFIG", {})
-    assert conv_runtime.known_or_heuristic_config(geometry, torch.bfloat16) in candidates
+    monkeypatch.setattr(selection, "_TUNING_FILE", None)
+    monkeypatch.setattr(selection, "_BEST_CONFIG", {})
+    assert selection.known_or_heuristic_config(geometry, torch.bfloat16) in candidates
 
 
 def test_autotune_times_with_the_epilogue_and_keeps_a_choice_per_epilogue(monkeypatch, tmp_path):
@@ -258,7 +264,7 @@ def test_autotune_times_with_the_epilogue_and_keeps_a_choice_per_epilogue(monkey
     # own key beside the plain conv's, and without a tuned choice of its own the plain one is
     # used, fitted. Stand-in plans and timings, as above.
     geometry = common.conv_geometry((128, 14, 14, 1024), (512, 1, 1, 1024), 1, 0)
-    candidates = conv_runtime.prune_configs(conv_runtime.HOPPER_CANDIDATES, geometry, "sm_90")
+    candidates = selection.prune_configs(configs.HOPPER_CANDIDATES, geometry, "sm_90")
     row_tail = next(c for c in candidates if c.block_m_tail and c.num_warps == 4)
     plain_fastest, residual_fastest = row_tail, candidates[0]
     assert plain_fastest != residual_fastest
@@ -282,29 +288,29 @@ def test_autotune_times_with_the_epilogue_and_keeps_a_choice_per_epilogue(monkey
 
     _stand_in_tuner(monkeypatch, tmp_path, TimedPlan, do_bench)
     x = torch.empty(0, dtype=torch.bfloat16)
-    assert conv_runtime.tuned_config(geometry, x, x, None) == plain_fastest
+    assert selection.tuned_config(geometry, x, x, None) == plain_fastest
     assert all(not with_residual for _, with_residual, _ in seen)
     # the plain choice, fitted, is what a residual call gets before it is tuned
-    fitted = conv_runtime.fitted_to_epilogue(plain_fastest, True)
+    fitted = configs.fitted_to_epilogue(plain_fastest, True)
     assert fitted != plain_fastest
-    tag = conv_runtime.epilogue_tag(scale=x, residual=x, activation="relu")
+    tag = selection.epilogue_tag(scale=x, residual=x, activation="relu")
     assert tag == "scale+residual+relu"
-    assert conv_runtime.known_or_heuristic_config(geometry, torch.bfloat16, tag) == fitted
+    assert selection.known_or_heuristic_config(geometry, torch.bfloat16, tag) == fitted
     seen.clear()
-    assert conv_runtime.tuned_config(geometry, x, x, None, scale=x, residual=x, activation="relu") == residual_fastest
+    assert selection.tuned_config(geometry, x, x, None, scale=x, residual=x, activation="relu") == residual_fastest
     assert seen and all(with_residual and activation == "relu" for _, with_residual, activation in seen)
     assert row_tail not in {config for config, _, _ in seen}     # timed as it would run: fitted
     assert fitted in {config for config, _, _ in seen}
     # both choices on disk, each under its own key; a later process reads each back untimed
-    saved = json.loads(conv_runtime.tuning_cache_path().read_text())
+    saved = json.loads(selection.tuning_cache_path().read_text())
     assert sorted(key.endswith("| epilogue scale+residual+relu") for key in saved) == [False, True]
-    monkeypatch.setattr(conv_runtime, "_TUNING_FILE", None)
-    monkeypatch.setattr(conv_runtime, "_BEST_CONFIG", {})
-    monkeypatch.setattr(conv_runtime.triton.testing, "do_bench", lambda *a, **k: pytest.fail("timed again"))
-    assert conv_runtime.known_or_heuristic_config(geometry, torch.bfloat16, tag) == residual_fastest
-    assert conv_runtime.known_or_heuristic_config(geometry, torch.bfloat16) == plain_fastest
+    monkeypatch.setattr(selection, "_TUNING_FILE", None)
+    monkeypatch.setattr(selection, "_BEST_CONFIG", {})
+    monkeypatch.setattr(selection.triton.testing, "do_bench", lambda *a, **k: pytest.fail("timed again"))
+    assert selection.known_or_heuristic_config(geometry, torch.bfloat16, tag) == residual_fastest
+    assert selection.known_or_heuristic_config(geometry, torch.bfloat16) == plain_fastest
     # a bias alone is a plain conv to the tuner
-    assert conv_runtime.epilogue_tag() == ""
+    assert selection.epilogue_tag() == ""
 
 
 @pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", [
@@ -319,7 +325,7 @@ def test_folding_filter_columns_into_channels_keeps_the_convolution(N, H, W, Ci,
     torch.manual_seed(0)
     x_nhwc, w = torch.randn(N, H, W, Ci).to(common.device()), torch.randn(Co, R, S, Ci).to(common.device())
     geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding, dilation)
-    fold = conv_runtime.folded_geometry(geometry)
+    fold = runtime.folded_geometry(geometry)
     assert fold is not None and fold.geometry.S == 1 and fold.geometry.Ci % 8 == 0
     assert (fold.geometry.out_h, fold.geometry.out_w, fold.geometry.M) == (geometry.out_h, geometry.out_w, geometry.M)
     x_fold, w_fold = fold.apply(x_nhwc, w)
@@ -335,4 +341,4 @@ def test_folding_filter_columns_into_channels_keeps_the_convolution(N, H, W, Ci,
 def test_only_small_channel_counts_are_folded():
     wide = common.conv_geometry((2, 16, 16, 64), (64, 3, 3, 64), 1, 1)
     one_by_one = common.conv_geometry((2, 16, 16, 3), (64, 1, 1, 3), 1, 0)
-    assert conv_runtime.folded_geometry(wide) is None and conv_runtime.folded_geometry(one_by_one) is None
+    assert runtime.folded_geometry(wide) is None and runtime.folded_geometry(one_by_one) is None

@@ -1,5 +1,5 @@
-"""Tests of the fp8 operator (conv_torch.conv2d_fp8, torch.ops.conv_tutorial.conv2d_fp8) and of the
-quantization pass (conv_fp8.quantize_fp8): against torch's fp32 conv of the dequantized
+"""Tests of the fp8 operator (ops.conv2d_fp8, torch.ops.conv_tutorial.conv2d_fp8) and of the
+quantization pass (fp8.quantize_fp8): against torch's fp32 conv of the dequantized
 operands, opcheck, the errors, which convs the pass puts in e4m3 and which scales they share (on
 any machine: the operator falls back to torch there); on a Hopper/Blackwell GPU the kernel path,
 CUDA graphs and torch.compile(fullgraph=True)."""
@@ -7,13 +7,12 @@ import copy
 import warnings
 
 import common
+from conv_tutorial import fp8, fusion, ops  # noqa: E402
 
 import pytest
 import torch
 
 common.load_lesson("05-warp-specialized-conv")
-import conv_fp8  # noqa: E402
-import conv_torch  # noqa: E402
 
 FP8 = common.FP8
 device = "cuda" if common.has_tma_mma_gpu() else "cpu"
@@ -49,7 +48,7 @@ def test_conv2d_fp8_matches_torch_on_the_dequantized_operands(N, Ci, H, W, Co, R
     expected_bf16 = dequantized_reference(x_q, x_scale, w_q, w_scale, bias, stride, padding, activation="relu")
     K = Ci * R * S
     if out == "bf16":
-        got = quiet(lambda: conv_torch.conv2d_fp8(x_q, x_scale, w_q, w_scale, bias, stride, padding, activation="relu"))
+        got = quiet(lambda: ops.conv2d_fp8(x_q, x_scale, w_q, w_scale, bias, stride, padding, activation="relu"))
         assert got.dtype == torch.bfloat16 and got.is_contiguous(memory_format=torch.channels_last)
         common.assert_close_to_reference(got.permute(0, 2, 3, 1), expected_bf16.permute(0, 2, 3, 1),
                                          dtype=torch.bfloat16, K=K)
@@ -58,7 +57,7 @@ def test_conv2d_fp8_matches_torch_on_the_dequantized_operands(N, Ci, H, W, Co, R
         residual = (torch.randn_like(expected_bf16) / out_scale).to(FP8)
         expected = dequantized_reference(x_q, x_scale, w_q, w_scale, bias, stride, padding,
                                          residual.float() * out_scale, "relu")
-        got = quiet(lambda: conv_torch.conv2d_fp8(x_q, x_scale, w_q, w_scale, bias, stride, padding,
+        got = quiet(lambda: ops.conv2d_fp8(x_q, x_scale, w_q, w_scale, bias, stride, padding,
                                                   residual=residual, activation="relu", out_dtype=FP8,
                                                   out_scale=out_scale))
         assert got.dtype == FP8
@@ -88,7 +87,7 @@ def test_conv2d_fp8_errors_name_the_argument(change, error, message):
     if change.get("residual") == "bf16":
         args["residual"] = torch.zeros(1, 32, 8, 8, dtype=torch.bfloat16, device=device)
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
-        quiet(lambda: conv_torch.conv2d_fp8(**args))
+        quiet(lambda: ops.conv2d_fp8(**args))
 
 
 def test_opcheck_of_the_fp8_operators():
@@ -98,10 +97,10 @@ def test_opcheck_of_the_fp8_operators():
     bias, out_scale = torch.randn(24, device=device), torch.tensor(0.05, device=device)
     tests = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     quiet(lambda: torch.library.opcheck(
-        conv_torch.conv2d_fp8_op, (x_q, x_scale, w_q, w_scale, bias, [1, 1], [1, 1], [1, 1]),
+        ops.conv2d_fp8_op, (x_q, x_scale, w_q, w_scale, bias, [1, 1], [1, 1], [1, 1]),
         dict(activation="relu", out_dtype=FP8, out_scale=out_scale), test_utils=tests))
     quiet(lambda: torch.library.opcheck(
-        conv_torch.conv2d_op, (x_q, w_q, bias, [1, 1], [1, 1], [1, 1], 1),
+        ops.conv2d_op, (x_q, w_q, bias, [1, 1], [1, 1], [1, 1], 1),
         dict(scale=w_scale * x_scale, out_dtype=torch.bfloat16), test_utils=tests))
 
 
@@ -111,7 +110,7 @@ def test_fake_fp8_operator_gives_the_output_dtype():
         x_q = torch.empty(2, 64, 14, 14, dtype=FP8).contiguous(memory_format=torch.channels_last)
         w_q = torch.empty(128, 64, 3, 3, dtype=FP8).contiguous(memory_format=torch.channels_last)
         scales = torch.empty(()), torch.empty(128)
-        out = conv_torch.conv2d_fp8(x_q, scales[0], w_q, scales[1], None, 2, 1, out_dtype=FP8,
+        out = ops.conv2d_fp8(x_q, scales[0], w_q, scales[1], None, 2, 1, out_dtype=FP8,
                                     out_scale=torch.empty(()))
         assert out.shape == (2, 128, 7, 7) and out.dtype == FP8
         assert out.is_contiguous(memory_format=torch.channels_last)
@@ -149,15 +148,15 @@ def images(n, size=64, seed=1, on="cpu"):
 @pytest.fixture(scope="module")
 def resnet50_fp8():
     model = resnet50_with_batchnorm_statistics()
-    fused = quiet(lambda: conv_torch.fuse_conv_bn_act(model, example_input=images(2)))
-    quantized_model = quiet(lambda: conv_fp8.quantize_fp8(fused, [images(2, seed=s) for s in (2, 3)]))
+    fused = quiet(lambda: fusion.fuse_conv_bn_act(model, example_input=images(2)))
+    quantized_model = quiet(lambda: fp8.quantize_fp8(fused, [images(2, seed=s) for s in (2, 3)]))
     return model, fused, quantized_model
 
 
 def test_pass_puts_every_conv_but_the_stem_in_e4m3(resnet50_fp8):
     _, _, q = resnet50_fp8
-    fp8 = {name: m for name, m in q.named_modules() if isinstance(m, conv_fp8.FusedConv2dFp8)}
-    bf16 = [name for name, m in q.named_modules() if isinstance(m, conv_torch.FusedConv2d)]
+    fp8 = {name: m for name, m in q.named_modules() if isinstance(m, fp8.FusedConv2dFp8)}
+    bf16 = [name for name, m in q.named_modules() if isinstance(m, fusion.FusedConv2d)]
     assert (q.fp8_convs, q.bf16_convs) == (52, 1) and bf16 == ["fused_conv1"]
     assert len(fp8) == 52 and isinstance(q.fc, torch.nn.Linear)
     # e4m3 outputs from conv to conv, and into the pooling through one conversion
@@ -170,7 +169,7 @@ def test_pass_puts_every_conv_but_the_stem_in_e4m3(resnet50_fp8):
     assert torch.equal(fp8["fused_layer2_1_conv1_fp8"].input_scale, chain[0])
     # one conversion each way: the max-pool's output to e4m3, the last block's to bf16 for the pooling
     conversions = sorted(name for name, m in q.named_modules()
-                         if isinstance(m, (conv_fp8.QuantizeFp8, conv_fp8.DequantizeFp8)))
+                         if isinstance(m, (fp8.QuantizeFp8, fp8.DequantizeFp8)))
     assert conversions == ["dequantize_fused_layer4_2_conv3", "quantize_maxpool"]
 
 
@@ -202,7 +201,7 @@ def test_fp8_module_matches_its_definition(resnet50_fp8):
 
 def test_pass_refuses_what_is_not_a_fused_graph():
     with pytest.raises(TypeError, match="fused_model must be the torch.fx.GraphModule"):
-        conv_fp8.quantize_fp8(torch.nn.Conv2d(3, 8, 3), [])
+        fp8.quantize_fp8(torch.nn.Conv2d(3, 8, 3), [])
 
 
 # %% On a Hopper or Blackwell GPU
@@ -233,10 +232,10 @@ class TwoBlocks(torch.nn.Module):
 def test_quantized_model_on_the_kernels_in_cuda_graphs_and_torch_compile():
     model = with_batchnorm_statistics(TwoBlocks()).cuda().to(dtype=torch.bfloat16, memory_format=torch.channels_last)
     x = images(8, size=40, seed=6, on="cuda")
-    fused = conv_torch.fuse_conv_bn_act(model, example_input=x)
-    q = conv_fp8.quantize_fp8(fused, [images(8, size=40, seed=s, on="cuda") for s in (7, 8)])
+    fused = fusion.fuse_conv_bn_act(model, example_input=x)
+    q = fp8.quantize_fp8(fused, [images(8, size=40, seed=s, on="cuda") for s in (7, 8)])
     assert (q.fp8_convs, q.bf16_convs) == (8, 1)
-    writes = {name: m.out_dtype for name, m in q.named_modules() if isinstance(m, conv_fp8.FusedConv2dFp8)}
+    writes = {name: m.out_dtype for name, m in q.named_modules() if isinstance(m, fp8.FusedConv2dFp8)}
     assert all(dtype == FP8 for dtype in writes.values())
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("error", "conv_tutorial")     # a fallback to torch would be a failure here

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 lesson05 = common.load_lesson("05-warp-specialized-conv")
-from conv_config import FIXED_CONFIG, KernelConfig  # noqa: E402
+FIXED_CONFIG, KernelConfig = lesson05.FIXED_CONFIG, lesson05.KernelConfig
 
 needs_gpu = lesson05.needs_gpu
 FP8 = common.FP8

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
-import conv_runtime  # noqa: E402
+from conv_tutorial import runtime, selection  # noqa: E402
 import network_suite  # noqa: E402
 
 import torch  # noqa: E402
@@ -140,10 +140,10 @@ def main():
         _, N, H, W, Ci, Co, R, S, stride, padding = suite[label]
         x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16)
         geometry = common.conv_geometry(x.shape, w.shape, stride, padding)
-        config = (conv_runtime.KernelConfig(*map(int, args.config.split(","))) if args.config
-                  else conv_runtime.tuned_config(geometry, x, w, None))
+        config = (runtime.KernelConfig(*map(int, args.config.split(","))) if args.config
+                  else selection.tuned_config(geometry, x, w, None))
         expected = common.reference_conv2d_nhwc(x, w, None, stride, padding)
-        ours = lambda: conv_runtime.conv2d(x, w, None, stride, padding, config=config)  # noqa: E731
+        ours = lambda: runtime.conv2d(x, w, None, stride, padding, config=config)  # noqa: E731
         common.assert_close_to_reference(ours(), expected, dtype=torch.bfloat16, K=geometry.K)
         print(f"\n{label}: {geometry.describe()}; ours: {config}")
         for name, call in (("ours", ours), ("cuDNN", common.cudnn_conv2d(x, w, None, stride, padding))):

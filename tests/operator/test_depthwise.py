@@ -1,14 +1,14 @@
-"""conv_depthwise.depthwise_conv2d against torch.nn.functional.conv2d(groups=C) in fp32 with
+"""depthwise.depthwise_conv2d against torch.nn.functional.conv2d(groups=C) in fp32 with
 common.reference_epilogue: under the Triton interpreter on a CPU, on the GPU where there is one
 (including 100 random layers: odd sizes, stride 2, 1x1 to 7x7 filters, dilation, every epilogue)."""
 import random
 
 import common
+from conv_tutorial import depthwise, ops  # noqa: E402
 
 import pytest
 import torch
 
-import conv_depthwise
 
 device = "cuda" if common.HAS_CUDA else "cpu"
 needs_cuda = pytest.mark.skipif(not common.HAS_CUDA, reason="needs a CUDA GPU (random layers at full size)")
@@ -26,7 +26,7 @@ def check_depthwise(N, H, W, C, R, S, stride, padding, dilation=1, dtype=torch.f
     residual_t = torch.randn(conv.shape, generator=generator).to(device, dtype) if residual else None
     expected = common.reference_epilogue(conv, bias_t, scale_t, None if residual_t is None else residual_t.float(),
                                          activation)
-    out = conv_depthwise.depthwise_conv2d(x, w, bias_t, stride, padding, dilation, scale_t, residual_t, activation)
+    out = depthwise.depthwise_conv2d(x, w, bias_t, stride, padding, dilation, scale_t, residual_t, activation)
     assert out.shape == expected.shape and out.dtype == dtype
     # fp32 sums of R*S products, then one rounding to the output's dtype
     rounding = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[dtype]
@@ -48,11 +48,11 @@ def test_depthwise_in_bf16():
 
 
 @pytest.mark.parametrize("call, error, message", [
-    (lambda x, w: conv_depthwise.depthwise_conv2d(x, w[:8]), ValueError, "one filter per channel"),
-    (lambda x, w: conv_depthwise.depthwise_conv2d(x.permute(0, 2, 1, 3), w), ValueError, "contiguous"),
-    (lambda x, w: conv_depthwise.depthwise_conv2d(x, w.double()), TypeError, "share one dtype"),
-    (lambda x, w: conv_depthwise.depthwise_conv2d(x, w, activation="gelu"), ValueError, "activation must be"),
-    (lambda x, w: conv_depthwise.depthwise_conv2d(x[:, :2, :2].contiguous(), w), ValueError, "does not fit"),
+    (lambda x, w: depthwise.depthwise_conv2d(x, w[:8]), ValueError, "one filter per channel"),
+    (lambda x, w: depthwise.depthwise_conv2d(x.permute(0, 2, 1, 3), w), ValueError, "contiguous"),
+    (lambda x, w: depthwise.depthwise_conv2d(x, w.double()), TypeError, "share one dtype"),
+    (lambda x, w: depthwise.depthwise_conv2d(x, w, activation="gelu"), ValueError, "activation must be"),
+    (lambda x, w: depthwise.depthwise_conv2d(x[:, :2, :2].contiguous(), w), ValueError, "does not fit"),
 ])
 def test_depthwise_errors_name_the_argument(call, error, message):
     x, w = torch.randn(1, 6, 6, 16), torch.randn(16, 1, 3, 3)
@@ -76,11 +76,10 @@ def test_depthwise_on_100_random_layers():
 
 @pytest.mark.skipif(not common.HAS_CUDA, reason="needs a CUDA GPU (the operator runs depthwise convs there)")
 def test_operator_sends_depthwise_convs_to_the_kernel():
-    import conv_torch
     x = torch.randn(4, 96, 17, 15, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
     w = torch.randn(96, 1, 5, 5, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(96, device="cuda")
-    out = conv_torch.conv2d_op(x, w, bias, [2, 2], [2, 2], [1, 1], 96, activation="silu")
+    out = ops.conv2d_op(x, w, bias, [2, 2], [2, 2], [1, 1], 96, activation="silu")
     expected = torch.nn.functional.silu(torch.nn.functional.conv2d(x.float(), w.float(), bias, 2, 2, groups=96))
     assert out.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(out.float(), expected, rtol=2 ** -7, atol=2 ** -7 * expected.abs().max().item())

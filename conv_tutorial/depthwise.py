@@ -13,14 +13,17 @@ epilogue, act(acc * scale + bias + residual), and one store. Two choices keep it
 the filter's rows are a loop the compiler keeps (unrolling all R x S taps of a 7x7 filter would
 hoist 49 tile loads and spill them: 50x slower), its columns are unrolled; and C is a constexpr,
 so the compiler knows every pixel's row starts 16-byte aligned and loads 8 channels at a time.
-This module is the kernel and its launcher; the PyTorch operator (conv_torch) sends depthwise
-calls here.
+This module is the kernel and its launcher; the PyTorch operator (ops.py) sends depthwise calls
+here. The epilogue is lesson 05's own `apply_epilogue`.
 """
-import common  # first: on a machine without a GPU it turns on the Triton interpreter
-
 import torch
 import triton
 import triton.language as tl
+
+from .geometry import check_epilogue, conv_output_size, pair
+from .kernel import lesson05
+
+apply_epilogue = lesson05.apply_epilogue     # act(acc * scale + bias + residual), per channel, in fp32
 
 DEPTHWISE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -47,19 +50,11 @@ def depthwise_conv2d_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, residual_ptr, out
                            other=0.0)
             taps = tl.load(w_ptr + channels * (R * S) + (r * S + s), mask=channel_ok, other=0.0)
             acc += tile.to(tl.float32) * taps.to(tl.float32)[None, :]
-    # lesson 05's epilogue: act(acc * scale + bias + residual), per channel, in fp32
-    if HAS_SCALE:
-        acc = acc * tl.load(scale_ptr + channels, mask=channel_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + channels, mask=channel_ok, other=0.0).to(tl.float32)[None, :]
     offsets = pixels.to(tl.int64)[:, None] * C + channels[None, :]
     mask = pixel_ok[:, None] & channel_ok[None, :]
-    if HAS_RESIDUAL:
-        acc = acc + tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    if ACTIVATION == "relu":
-        acc = tl.maximum(acc, 0.0)
-    elif ACTIVATION == "silu":
-        acc = acc / (1.0 + tl.exp(-acc))
+    residual = tl.load(residual_ptr + offsets, mask=mask, other=0.0) if HAS_RESIDUAL else 0.0
+    acc = apply_epilogue(acc, channels, C, scale_ptr, bias_ptr, residual, HAS_SCALE, HAS_BIAS, HAS_RESIDUAL,
+                         ACTIVATION)
     tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -89,14 +84,14 @@ def depthwise_conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, scal
     if x_nhwc.dtype not in DEPTHWISE_DTYPES or w.dtype != x_nhwc.dtype:
         raise TypeError(f"x_nhwc and w must share one dtype of {DEPTHWISE_DTYPES}, got {x_nhwc.dtype} and {w.dtype}")
     R, S = w.shape[1:]
-    (sh, sw), (ph, pw), (dh, dw) = (common.pair(v, name, low) for v, name, low in
+    (sh, sw), (ph, pw), (dh, dw) = (pair(v, name, low) for v, name, low in
                                     ((stride, "stride", 1), (padding, "padding", 0), (dilation, "dilation", 1)))
-    out_h, out_w = common.conv_output_size(H, R, sh, ph, dh), common.conv_output_size(W, S, sw, pw, dw)
+    out_h, out_w = conv_output_size(H, R, sh, ph, dh), conv_output_size(W, S, sw, pw, dw)
     if out_h <= 0 or out_w <= 0:
         raise ValueError(f"the filter {R}x{S} (dilation {(dh, dw)}) does not fit the padded input {H}x{W} "
                          f"(padding {(ph, pw)}): output {out_h}x{out_w}")
     out_shape = (N, out_h, out_w, C)
-    common.check_epilogue(C, out_shape, x_nhwc.dtype, x_nhwc.device, scale, residual, activation)
+    check_epilogue(C, out_shape, x_nhwc.dtype, x_nhwc.device, scale, residual, activation)
     if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (C,)):
         raise ValueError(f"bias must be a tensor of shape ({C},), got {getattr(bias, 'shape', bias)}")
     out = torch.empty(out_shape, device=x_nhwc.device, dtype=x_nhwc.dtype)
@@ -110,5 +105,5 @@ def depthwise_conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, scal
         residual.contiguous() if residual is not None else out, out,
         N, H, W, out_h, out_w, sh, sw, ph, pw, dh, dw, C=C, R=R, S=S, BLOCK_P=block_p, BLOCK_C=block_c,
         HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, HAS_RESIDUAL=residual is not None,
-        ACTIVATION=activation)
+        ACTIVATION=activation, enable_fp_fusion=True)
     return out

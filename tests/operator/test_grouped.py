@@ -11,9 +11,16 @@ import torch
 import torch.nn.functional as F
 
 lesson05 = common.load_lesson("05-warp-specialized-conv")
-import conv_torch  # noqa: E402
+from conv_tutorial import configs, fusion, ops, selection  # noqa: E402
 
-needs_gpu, quietly = lesson05.needs_gpu, common.quietly
+needs_gpu = lesson05.needs_gpu
+
+
+def quietly(call, *args, **kwargs):
+    """call(*args, **kwargs) with the operator's fallback warnings silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return call(*args, **kwargs)
 
 
 # %% Merging groups
@@ -24,11 +31,11 @@ def test_merged_groups_compute_the_same_conv(groups, Ci_group, Co_group, P):
     generator = torch.Generator().manual_seed(groups * P)
     x = torch.randn(2, groups * Ci_group, 7, 6, generator=generator, dtype=torch.float64)
     w = torch.randn(groups * Co_group, Ci_group, 3, 3, generator=generator, dtype=torch.float64)
-    merged = conv_torch.merge_groups(w, groups, P)
+    merged = fusion.merge_groups(w, groups, P)
     assert merged.shape == (groups * Co_group, P * Ci_group, 3, 3)
     assert (merged != 0).sum() == w.numel()          # the filters, once each, and zeros
     torch.testing.assert_close(F.conv2d(x, merged, padding=1, groups=groups // P), F.conv2d(x, w, padding=1, groups=groups))
-    assert torch.equal(conv_torch.split_groups(merged, groups, P), w)
+    assert torch.equal(fusion.split_groups(merged, groups, P), w)
 
 
 @pytest.mark.parametrize("groups, Ci_group, Co_group, P", [
@@ -44,14 +51,14 @@ def test_merged_groups_compute_the_same_conv(groups, Ci_group, Co_group, P):
     (32, 1, 2, None),    # 64 output channels take 32 groups, more than MAX_GROUP_MERGE
 ])
 def test_group_merge_takes_the_fewest_groups_that_fill_whole_tiles(groups, Ci_group, Co_group, P):
-    assert conv_torch.group_merge(groups, Ci_group, Co_group, arch=None) == P
+    assert fusion.group_merge(groups, Ci_group, Co_group, arch=None) == P
 
 
 def test_group_merge_asks_the_tiles_of_the_architecture():
     """RegNet's first stage, 2 groups of 48: 96 channels fill a 96-wide tile (64 + a 32-column
     tail) on Hopper; Blackwell has no 96-wide config, so there both groups merge into a plain conv."""
-    assert conv_torch.group_merge(4, 48, 48, arch="sm_90") == 2
-    assert conv_torch.group_merge(4, 48, 48, arch="sm_100") == 4
+    assert fusion.group_merge(4, 48, 48, arch="sm_90") == 2
+    assert fusion.group_merge(4, 48, 48, arch="sm_100") == 4
 
 
 class ResNeXtBlock(torch.nn.Module):
@@ -82,15 +89,15 @@ class ResNeXtBlock(torch.nn.Module):
 def test_fx_pass_runs_grouped_convs_with_merged_groups_and_keeps_the_output():
     torch.manual_seed(0)
     model, x = ResNeXtBlock(64, groups=8, group_width=8).eval(), torch.randn(2, 64, 9, 7)
-    fused = quietly(conv_torch.fuse_conv_bn_act, model, example_input=x)
+    fused = quietly(fusion.fuse_conv_bn_act, model, example_input=x)
     assert (fused.fused_convs, fused.kept_convs) == (3, 0)
-    grouped = [m for m in fused.modules() if isinstance(m, conv_torch.FusedConv2d)][1]
+    grouped = [m for m in fused.modules() if isinstance(m, fusion.FusedConv2d)][1]
     assert grouped.group_merge == 8 and grouped._op_args[3] == 1 and not grouped.weight.requires_grad
     assert "groups=8 (merged 8 by 8)" in repr(grouped)
     with torch.no_grad():
         torch.testing.assert_close(quietly(fused, x), model(x), rtol=1e-4, atol=1e-4)
         # keep_faster_convs' torch side runs the 8 groups as they were, without the merge's zeros
-        back = conv_torch.TorchConvEpilogue(grouped)
+        back = fusion.TorchConvEpilogue(grouped)
         assert back._op_args[3] == 8 and back.weight.shape == (64, 8, 3, 3)
         y = torch.randn(2, 64, 9, 7)
         torch.testing.assert_close(quietly(grouped, y), back(y), rtol=1e-4, atol=1e-4)
@@ -133,7 +140,7 @@ def test_random_grouped_convs_through_the_operator_match_torch(N, groups, Ci_gro
             if t.dim() == 4 else t.cuda() for t in (x, w, bias, scale_t, residual_t)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")          # a fallback to torch would warn: the kernel must run it
-        out = conv_torch.conv2d_op(cuda[0], cuda[1], cuda[2], [stride] * 2, [padding] * 2, [1, 1], groups,
+        out = ops.conv2d_op(cuda[0], cuda[1], cuda[2], [stride] * 2, [padding] * 2, [1, 1], groups,
                                    cuda[3], cuda[4], activation)
     common.assert_close_to_reference(out.cpu().permute(0, 2, 3, 1), expected.float().permute(0, 2, 3, 1),
                                      dtype=torch.bfloat16, K=R * R * Ci_group)
@@ -146,7 +153,7 @@ def test_fused_resnext_blocks_on_the_gpu_match_the_original(group_width):
     torch.manual_seed(0)
     model = ResNeXtBlock(256, groups=32, group_width=group_width).eval().cuda().bfloat16()
     x = torch.randn(4, 256, 14, 14, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
-    fused = conv_torch.fuse_conv_bn_act(model, example_input=x)
+    fused = fusion.fuse_conv_bn_act(model, example_input=x)
     assert fused.kept_convs == 0
     with torch.no_grad():
         expected, out = model.float()(x.float()), fused(x).float()
@@ -157,17 +164,15 @@ def test_fused_resnext_blocks_on_the_gpu_match_the_original(group_width):
 def test_every_grouped_conv_the_kernel_accepts_gets_a_config_that_fits_it(arch):
     """grouped_conv_fits (what the operator asks) and the runtime's pruning agree: wherever a
     group's channels fit some config, the heuristic picks one that keeps each tile in one group."""
-    import conv_config
-    import conv_runtime
     accepted = 0
     for Ci_group, Co_group in [(16, 64), (32, 64), (64, 64), (96, 96), (48, 96), (128, 128), (192, 192), (64, 320),
                                (48, 48), (32, 32), (256, 512)]:
-        if not conv_runtime.grouped_conv_fits(Ci_group, Co_group, arch):
+        if not configs.grouped_conv_fits(Ci_group, Co_group, arch):
             continue
         accepted += 1
         for N, H, groups, stride, R in [(128, 56, 2, 2, 3), (1, 7, 8, 1, 3), (32, 14, 4, 1, 1)]:
             g = common.conv_geometry((N, H, H, groups * Ci_group), (groups * Co_group, R, R, Ci_group), stride,
                                      R // 2, 1, groups)
-            config = conv_runtime.heuristic_config(g, arch, 132)
-            assert conv_config.groups_fit(config, Ci_group, Co_group), (g.describe(), config)
+            config = selection.heuristic_config(g, arch, 132)
+            assert configs.groups_fit(config, Ci_group, Co_group), (g.describe(), config)
     assert accepted >= 6

@@ -1,0 +1,32 @@
+"""conv_tutorial: lesson 05's warp-specialized convolution (Hopper and data-centre Blackwell) as
+PyTorch operators, a torch.fx fusion pass and an fp8 pass.
+
+    import conv_tutorial                     # registers torch.ops.conv_tutorial.conv2d and conv2d_fp8
+    x = x.cuda().bfloat16().contiguous(memory_format=torch.channels_last)          # a batch as deployed
+    model = conv_tutorial.fuse_conv_bn_act(model.eval(), example_input=x.float().cpu())
+    model = model.cuda().bfloat16().to(memory_format=torch.channels_last)
+    model = conv_tutorial.keep_faster_convs(model, x)    # cuDNN keeps the convs it runs faster
+    y = torch.compile(model, mode="reduce-overhead")(x)
+
+The kernel itself is the one lesson 05 teaches, loaded from that file (kernel.py). Modules, each
+importing only those above it: kernel (the lesson), geometry (arguments, device), configs
+(candidates, tile and shared-memory accounting), launch (plans, direct launch), selection
+(pruning, heuristic, autotuner, tuning file), runtime (`conv2d` on NHWC tensors), depthwise,
+ops (torch.library operators), fusion (the fx pass), fp8 (the e4m3 pass).
+
+Importing the package registers its two operators and changes nothing else: no environment
+variable, no Triton mode, no stream redirected.
+"""
+from .configs import CANDIDATES, FIXED_CONFIG, KernelConfig
+from .depthwise import depthwise_conv2d
+from .fp8 import quantize_fp8
+from .fusion import FusedConv2d, TorchConvEpilogue, fuse_conv_bn_act, keep_faster_convs
+from .geometry import quantize_tensor
+from .ops import TutorialConv2d, conv2d, conv2d_fp8, convert_conv2d
+from .runtime import conv2d as conv2d_nhwc
+from .selection import autotune_enabled, set_autotune, tuning_cache_path
+
+__all__ = ["CANDIDATES", "FIXED_CONFIG", "FusedConv2d", "KernelConfig", "TorchConvEpilogue", "TutorialConv2d",
+           "autotune_enabled", "conv2d", "conv2d_fp8", "conv2d_nhwc", "convert_conv2d", "depthwise_conv2d",
+           "fuse_conv_bn_act", "keep_faster_convs", "quantize_fp8", "quantize_tensor", "set_autotune",
+           "tuning_cache_path"]

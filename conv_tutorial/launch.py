@@ -1,0 +1,248 @@
+"""Plans and the direct launch: what makes a call of lesson 05's kernel cheap on the host.
+
+- Plans (`ConvPlan`): everything that depends only on the problem's shape (geometry, TMA im2col
+  settings, shared layouts, grid, the kernel's constexprs) is computed once per (shape, dtype,
+  config, device). Building the shared layouts alone costs ~10 us each.
+- Descriptor templates: the first call's descriptors are validated by Triton; later calls copy
+  them and swap in the new tensors (`_with_base`), checking the one property that can differ
+  (16-byte alignment). Re-validating costs ~30 us of Python per call. The plan keeps the
+  templates without their tensors (`_tensorless`): it must not keep a call's input and output
+  alive.
+- A direct launch (`DirectLaunch`): after the first launch of a plan, which goes through
+  Triton's generic launcher (it binds and re-derives the specialization of ~25 arguments per call,
+  tens of microseconds) and compiles, the compiled kernel is called through the CUDA launch that
+  Triton's launcher ends in: arguments expanded once, pointers passed as addresses, each TMA
+  descriptor's tensor map encoded once per (descriptor, address) instead of on every launch.
+  Measured on an H100 host (benchmarks/host_time.py, 2026-11-22): 54 us per launch through the
+  generic launcher, 20 us calling the compiled kernel, 10 us through DirectLaunch.
+- Split-K's second kernel (lesson 05, section 7) is launched directly too.
+"""
+import torch
+import triton
+
+from .configs import KernelConfig, check_config
+from .geometry import device_facts
+from .kernel import common, lesson05
+
+
+class DirectLaunch:
+    """One compiled kernel, called straight through the CUDA launch that Triton's launcher ends
+    in, with its TMA tensor maps remembered.
+
+    Triton's launcher, on every launch: binds and type-checks the arguments, allocates scratch
+    space if the kernel wants any, turns each descriptor into a CUtensorMap (Python reads the
+    descriptor's fields, then the driver encodes 128 bytes), and asks the driver about each
+    pointer argument. A plan knows all of that in advance except the tensors' addresses: its
+    descriptors differ from call to call only in their base address, and a network's tensors come
+    back at the same few addresses (PyTorch's caching allocator), so the encoded map is kept per
+    (descriptor, address) and a repeat costs a dictionary lookup. The call passes the tensors
+    themselves where the kernel takes descriptors (a new address is encoded from the plan's
+    validated template), and plain integers (data_ptr()) for pointers, which the caller has
+    checked. Kernels that need scratch space, and launches a profiler listens to, go through
+    Triton's path instead."""
+
+    MAX_TENSOR_MAPS = 256      # per plan and variant; then start over (a map is 128 bytes)
+
+    def __init__(self, compiled, constexprs, templates=()):
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+        compiled._init_handles()
+        self.compiled, self.constexprs, self.encode = compiled, constexprs, make_tensordesc_arg
+        driver = triton.runtime.driver.active
+        self.current_device, self.current_stream = driver.get_current_device, driver.get_current_stream
+        launcher = compiled.run
+        metas = getattr(compiled.metadata, "tensordesc_meta", None) or []
+        templates = [t for t in templates if t is not None]          # descriptors, in signature order
+        signature = [str(kind) for kind in compiled.src.signature.values()]
+        slots = [i for i, kind in enumerate(signature) if kind.startswith("tensordesc")]
+        if len(metas) != len(templates) or len(templates) != len(slots):
+            raise RuntimeError(f"{compiled.name}: {len(templates)} descriptors, {len(metas)} tensor-map "
+                               f"layouts, {len(slots)} descriptor parameters")
+        # argument position -> (its tensor-map layout, its validated template descriptor)
+        self.descriptor_at = dict(zip(slots, zip(metas, templates)))
+        self.descriptors_end = max(slots, default=-1) + 1
+        self.tensor_maps = {}                  # (argument position, address) -> encoded
+        self.lean = (launcher.global_scratch_size == 0 and launcher.profile_scratch_size == 0
+                     and not getattr(launcher, "gsan_enabled", False))
+        self.launch = driver.utils.launch
+        self.launch_head = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
+                            compiled.packed_metadata)
+        self.launch_tail = (launcher.arg_annotations, launcher.kernel_signature)
+
+    @classmethod
+    def first_launch(cls, kernel, grid, args, kwargs, templates=()):
+        """Launch `kernel` through Triton's generic launcher (it binds, specializes and compiles),
+        and return a DirectLaunch of the compiled kernel for the calls after it."""
+        compiled = kernel[grid](*args, **kwargs)
+        return cls(compiled, tuple(kwargs[p.name] for p in kernel.params if p.is_constexpr), templates)
+
+    def _tensor_map(self, tensor, position):
+        key = (position, tensor.data_ptr())
+        encoded = self.tensor_maps.get(key)
+        if encoded is None:                    # a new address: encode from the validated template
+            if len(self.tensor_maps) >= self.MAX_TENSOR_MAPS:
+                self.tensor_maps.clear()
+            meta, template = self.descriptor_at[position]
+            encoded = self.tensor_maps[key] = self.encode(_with_base(template, tensor), meta, None)
+        return encoded
+
+    def __call__(self, grid, *args):
+        """Launch on the current stream. `args`: the kernel's run-time arguments in signature order
+        (constexprs left out), a tensor (or None) where the kernel takes a descriptor."""
+        if not self.lean or _launch_hooks_set():
+            # scratch space to allocate, or a profiler listening: Triton's path, real descriptors
+            args = list(args)
+            for position, (_, template) in self.descriptor_at.items():
+                args[position] = _with_base(template, args[position])
+            self.compiled[grid](*args, *self.constexprs)
+            return
+        expanded = []
+        for position in range(self.descriptors_end):
+            if position in self.descriptor_at:  # [tensor map, *shape, *strides], as Triton expands it
+                expanded += self._tensor_map(args[position], position)
+            else:
+                expanded.append(args[position])
+        expanded += args[self.descriptors_end:]
+        expanded += self.constexprs
+        stream = self.current_stream(self.current_device())
+        self.launch(grid[0], grid[1], grid[2], stream, *self.launch_head, None, None, None, None, None,
+                    *self.launch_tail, expanded)
+
+
+class ConvPlan:
+    """Everything about one (shape, dtype, config, device) that does not depend on the tensors."""
+
+    def __init__(self, geometry, dtype, config, arch, num_sms, out_dtype=None):
+        self.geometry, self.dtype, self.arch, self.num_sms = geometry, dtype, arch, num_sms
+        self.out_dtype = out_dtype or dtype      # e4m3 operands: a bf16 or an e4m3 output
+        self.config = KernelConfig(*config)
+        check_config(self.config, arch)
+        self.template = None      # the first call's ConvLaunch: validated descriptors, grid, constexprs
+        self.launches = {}        # epilogue variant -> DirectLaunch of the conv kernel
+        self.reduces = {}         # epilogue variant -> DirectLaunch of split-K's second kernel
+        self.reduce_grid = self.reduce_scalars = None   # split-K's second kernel: fixed by the plan
+
+    def launch_for(self, x_nhwc, w, bias, scale=None, residual=None):
+        """The lesson's ConvLaunch for these tensors; after the first call, built from templates."""
+        if self.template is None:
+            launch = lesson05.prepare_launch(x_nhwc, w, bias, self.geometry, self.config,
+                                           self.arch, self.num_sms, scale, residual, self.out_dtype)
+            self.template = _tensorless(launch)
+            return launch
+        # Same shapes, strides, boxes and layouts: only the base pointers change. Copy the
+        # validated descriptors and swap the tensors in.
+        x_nhwc, w, _ = common.pad_channels_for_tma(x_nhwc, w)
+        template = self.template
+        out_2d = _new_like(template.out_2d, x_nhwc.device)
+        w_2d = w.view(w.shape[0], -1)
+        tensors = dict(in_desc=x_nhwc, w_desc=w_2d, w_tail_desc=w_2d, out_desc=out_2d, out_tail_desc=out_2d)
+        descriptors = {name: None if getattr(template, name) is None else _with_base(getattr(template, name), tensor)
+                       for name, tensor in tensors.items()}
+        partial = _new_like(template.partial, x_nhwc.device)
+        pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual, partial))
+        return template._replace(**descriptors, pointers=pointers, out_2d=out_2d, partial=partial)
+
+    def run(self, x_nhwc, w, bias=None, scale=None, residual=None, activation="none"):
+        # The specialization Triton compiled for: the epilogue, and whether each of its pointers
+        # is 16-byte aligned (Triton specializes pointer alignment) and of which dtype. Everything
+        # else is fixed by the plan.
+        variant = (activation,) + tuple(None if t is None else (t.dtype, t.data_ptr() % 16 == 0)
+                                        for t in (bias, scale, residual))
+        direct = self.launches.get(variant)
+        if direct is None:
+            # First launch of this variant: the generic path (binds, specializes, compiles), then
+            # a DirectLaunch of the compiled kernel for the calls after it.
+            launch = self.launch_for(x_nhwc, w, bias, scale, residual)
+            epilogue = lesson05.Epilogue(bias is not None, scale is not None, residual is not None, activation)
+            kwargs = lesson05.kernel_constexprs(self.config, self.arch, epilogue)
+            self.launches[variant] = DirectLaunch.first_launch(lesson05.conv2d_fprop_kernel, launch.grid,
+                                                               launch.kernel_args(), kwargs,
+                                                               _descriptors(self.template))
+        else:
+            # Later launches: the tensors themselves where the kernel takes descriptors (their
+            # tensor maps are remembered by address), addresses for the pointers, the run-time
+            # scalars from the plan.
+            x_nhwc, w, _ = common.pad_channels_for_tma(x_nhwc, w)
+            _check_tma_aligned(x_nhwc)
+            _check_tma_aligned(w)
+            template = self.template
+            out_2d = _new_like(template.out_2d, x_nhwc.device)
+            partial = _new_like(template.partial, x_nhwc.device)
+            # the tails' descriptors, where the plan has them (weights: a column tail; output: either)
+            w_tail, out_tail = (None if desc is None else tensor
+                                for desc, tensor in ((template.w_tail_desc, w), (template.out_tail_desc, out_2d)))
+            pointers = tuple(t.data_ptr() if t is not None else out_2d.data_ptr() for t in (bias, scale, residual))
+            direct(template.grid, x_nhwc, w, w_tail, out_2d, out_tail,
+                   (*pointers, (partial if partial is not None else out_2d).data_ptr()), template.shape)
+            reduce = self.reduces.get(variant) if partial is not None else None
+            if reduce is not None:
+                # split-K's second kernel: its grid and scalars are the plan's, only pointers change
+                reduce(self.reduce_grid, partial.data_ptr(), out_2d.data_ptr(), pointers, *self.reduce_scalars)
+            if partial is None or reduce is not None:
+                return lesson05.output_nhwc(self.geometry, out_2d)
+            launch = template._replace(out_2d=out_2d, partial=partial)
+        if launch.partial is not None:          # split-K: the second kernel sums the slices
+            grid, args, kwargs = lesson05.split_k_epilogue_launch(launch, bias, scale, residual, activation)
+            self.reduces[variant] = DirectLaunch.first_launch(lesson05.split_k_epilogue_kernel, grid, args, kwargs)
+            self.reduce_grid, self.reduce_scalars = grid, args[3:]
+        return launch.result()
+
+
+def _launch_hooks_set():
+    """Whether a profiler (proton, or a user) listens to Triton's launches. Triton 3.8 keeps the
+    hooks in a HookChain, which is never None; older versions, a callable or None."""
+    hook = triton.knobs.runtime.launch_enter_hook
+    return bool(hook.calls) if hasattr(hook, "calls") else hook is not None
+
+
+def _check_tma_aligned(tensor):
+    if tensor.data_ptr() % 16:
+        raise ValueError(f"TMA needs 16-byte aligned tensors; this one starts at address "
+                         f"{tensor.data_ptr():#x} (a view into another tensor?); pass .clone()")
+
+
+def _tensorless(launch):
+    """A plan's template of a ConvLaunch: its descriptors without their tensors, its output and
+    workspace as shapes (meta tensors). A template holding the first call's tensors would keep
+    them alive as long as the plan: an activation per layer of a network, and during
+    autotuning one per candidate."""
+    descriptors = {name: None if getattr(launch, name) is None else _with_base(getattr(launch, name), None)
+                   for name in lesson05.DESCRIPTORS}
+    as_meta = lambda t: None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")  # noqa: E731
+    return launch._replace(**descriptors, pointers=None, out_2d=as_meta(launch.out_2d), partial=as_meta(launch.partial))
+
+
+def _descriptors(launch):
+    """A ConvLaunch's descriptors, in the kernel's order (None where it has none)."""
+    return tuple(getattr(launch, name) for name in lesson05.DESCRIPTORS)
+
+
+def _new_like(template_tensor, device):
+    """A new tensor of a template's shape and dtype on `device` (None for None)."""
+    if template_tensor is None:
+        return None
+    return torch.empty(template_tensor.shape, dtype=template_tensor.dtype, device=device)
+
+
+def _with_base(template, tensor):
+    """A copy of a validated descriptor that points at `tensor` (same shape, strides and dtype),
+    or at nothing (None: a template)."""
+    if tensor is not None:
+        _check_tma_aligned(tensor)
+    descriptor = object.__new__(type(template))    # copy.copy, without its ~3 us of generality
+    descriptor.__dict__.update(template.__dict__)
+    descriptor.base = tensor
+    return descriptor
+
+
+
+_PLANS = {}          # (geometry, dtype, config, device) -> ConvPlan
+
+
+def plan_for(geometry, dtype, config, out_dtype=None):
+    arch, num_sms, _ = device_facts()
+    key = (geometry, dtype, config, torch.cuda.current_device(), out_dtype)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = ConvPlan(geometry, dtype, config, arch, num_sms, out_dtype)
+    return plan
+

@@ -1,0 +1,335 @@
+"""Lesson 05's convolution as PyTorch operators (torch.library), a drop-in module, a converter.
+
+    import conv_tutorial                                 # registers torch.ops.conv_tutorial.conv2d
+    model = conv_tutorial.convert_conv2d(model)          # every nn.Conv2d -> TutorialConv2d
+    y = model(x.to(memory_format=torch.channels_last))   # NCHW shapes, channels_last memory
+
+- `torch.ops.conv_tutorial.conv2d(input, weight, bias, stride, padding, dilation, groups,
+  scale=None, residual=None, activation="none")` is a PyTorch operator (torch.library) computing
+  act(conv * scale + bias + residual) per output channel in the kernel's epilogue, with the
+  arguments of `torch.nn.functional.conv2d` first (padding as ints;
+  `conv2d` below also takes "same" and "valid"). It takes NCHW-shaped tensors; in channels_last
+  memory their NHWC view is contiguous and nothing is copied, otherwise it copies once. It returns
+  the NCHW-shaped result in channels_last memory. A fake implementation gives shapes and strides
+  to `torch.compile` (fullgraph traces it) and the op runs inside CUDA graphs once warmed up.
+  Backward uses PyTorch's convolution backward and the epilogue's chain rule, so a converted
+  model can be fine-tuned.
+- `torch.ops.conv_tutorial.conv2d_fp8(input, input_scale, weight, weight_scale, bias, stride,
+  padding, dilation, residual=None, activation="none", out_dtype=None, out_scale=None)` is the
+  same kernel on e4m3 operands (lesson 05, section 9): a per-tensor input scale, per-output-channel
+  weight scales, a bf16 output or an e4m3 one at out_scale (`conv2d_fp8` below takes
+  F.conv2d's conventions; fp8.py quantizes a whole fused model).
+- Depthwise convs (groups = channels) run in depthwise.py; other grouped convs in the same
+  kernel where a group's channels fill whole tiles (lesson 05, section 10: 64, 96, 128, ...
+  output channels per group); fusion.FusedConv2d merges small groups until they do.
+- What the kernel does not cover goes to `torch.nn.functional.conv2d`, with one warning per
+  reason: grouped convs whose groups do not fill tiles, dtypes other than fp16/bf16, CPU tensors,
+  GPUs other than Hopper (sm_90) and data-centre Blackwell (sm_100), and "same" padding that
+  would need to be asymmetric.
+- Configs: a shape seen for the first time gets a heuristic config at once (no timing on the
+  critical path); `CONV_TUTORIAL_AUTOTUNE=1` (or `conv_tutorial.set_autotune(True)`) times the
+  candidates instead, and tuned choices are kept in a JSON file that later processes reuse
+  (selection.tuning_cache_path(): ~/.cache/conv_tutorial/tuning.json, or
+  $CONV_TUTORIAL_TUNING_CACHE).
+"""
+import functools
+import warnings
+from typing import List, Optional
+
+import torch
+
+from . import depthwise, runtime
+from .configs import grouped_conv_fits
+from .geometry import (FP8, FP8_MAX, KERNEL_DTYPES, check_epilogue, check_fp8_dtypes, check_fp8_scales,
+                       conv_output_size, current_arch, fp8_epilogue, output_dtype, pair)
+from .kernel import common
+
+_WARNED = set()
+
+
+def _fall_back(reason):
+    """Say once per reason that calls go to torch.nn.functional.conv2d."""
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"conv_tutorial::conv2d: {reason}; using torch.nn.functional.conv2d instead",
+                      stacklevel=4)
+
+
+def unsupported_reason(input, weight, groups):
+    """Why the tutorial kernel cannot run this call, or None if it can."""
+    if groups != 1:
+        if not grouped_conv_fits(weight.shape[1], weight.shape[0] // groups, current_arch()):
+            return (f"groups={groups} of {weight.shape[1]} -> {weight.shape[0] // groups} channels (a group must "
+                    f"fill whole tiles of the kernel: lesson 05, section 10)")
+        if input.dtype == FP8:
+            return f"groups={groups} in float8_e4m3fn (the kernel runs grouped convs in fp16 and bf16)"
+    if input.dtype not in KERNEL_DTYPES or weight.dtype != input.dtype:
+        return f"dtype {input.dtype}/{weight.dtype} (the kernel takes float16, bfloat16 or float8_e4m3fn, both the same)"
+    if input.device.type != "cuda":
+        return f"tensors on {input.device} (the kernel runs on a CUDA GPU)"
+    return _gpu_reason(input.device.index if input.device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_reason(device_index):
+    """Why this GPU cannot run the kernel, or None (asked once per device: it is on every call's path)."""
+    capability = torch.cuda.get_device_capability(device_index)
+    if common.is_tma_mma_capability(capability):
+        return None
+    return (f"GPU {torch.cuda.get_device_name(device_index)} of capability {capability} (the kernel "
+            f"needs Hopper sm_90 or data-centre Blackwell sm_100)")
+
+
+def is_depthwise(groups, in_channels, out_channels, weight_shape):
+    """One filter per channel: groups = in = out channels (depthwise.py runs it)."""
+    return groups > 1 and groups == in_channels == out_channels and weight_shape[1] == 1
+
+
+def nhwc_view(t):
+    """The NHWC view of an NCHW-shaped tensor: free in channels_last memory, else one copy."""
+    view = t.permute(0, 2, 3, 1)
+    return view if view.is_contiguous() else view.contiguous()
+
+
+def reference_epilogue(conv_out, bias, scale, residual, activation):
+    """act(conv_out * scale + bias + residual) in torch, per output channel of NCHW conv_out."""
+    return common.reference_epilogue(conv_out, bias, scale, residual, activation, channel_dim=1)
+
+
+def _out_shape(input, weight, stride, padding, dilation):
+    """The NCHW output shape of conv2d(input, weight) (conv_output_size per axis)."""
+    sizes = [conv_output_size(input.shape[2 + i], weight.shape[2 + i], stride[i], padding[i], dilation[i])
+             for i in range(2)]
+    return (input.shape[0], weight.shape[0], *sizes)
+
+
+def _conv2d_with_epilogue(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                          stride: List[int], padding: List[int], dilation: List[int], groups: int,
+                          scale: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
+                          activation: str = "none", out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """conv2d(input, weight, bias) followed by the fused epilogue act(. * scale + residual): per
+    output channel, out = act(conv * scale + bias + residual) computed in fp32 on the tile, cast to
+    out_dtype (None: the input's; e4m3 operands: bf16 or e4m3, see conv2d_fp8)."""
+    out_dtype = output_dtype(input.dtype, out_dtype)
+    if scale is not None or residual is not None or activation != "none":   # (a plain call skips this)
+        check_epilogue(weight.shape[0], _out_shape(input, weight, stride, padding, dilation),
+                              out_dtype, input.device, scale, residual, activation)
+    if is_depthwise(groups, input.shape[1], weight.shape[0], weight.shape) and input.is_cuda and input.dtype in (torch.float16, torch.bfloat16) and weight.dtype == input.dtype:
+        out_nhwc = depthwise.depthwise_conv2d(        # depthwise: one filter per channel, in Triton
+            nhwc_view(input), weight[:, 0], bias, tuple(stride), tuple(padding), tuple(dilation), scale,
+            None if residual is None else nhwc_view(residual), activation)
+        return out_nhwc.permute(0, 3, 1, 2)
+    reason = unsupported_reason(input, weight, groups)
+    if reason is not None:
+        _fall_back(reason)
+        wide = input.dtype == FP8          # torch has no e4m3 conv: its exact fp32 values instead
+        conv_out = torch.nn.functional.conv2d(input.float() if wide else input, weight.float() if wide else weight,
+                                              None, stride, padding, dilation, groups)
+        out = reference_epilogue(conv_out, bias, scale, None if residual is None else residual.float(), activation)
+        if out_dtype == FP8:               # saturate, as the kernel's cast does (e4m3fn has no inf)
+            out = out.clamp(-FP8_MAX, FP8_MAX)
+        return out.to(out_dtype).contiguous(memory_format=torch.channels_last)
+    out_nhwc = runtime.conv2d(nhwc_view(input), nhwc_view(weight), bias, tuple(stride),
+                                   tuple(padding), tuple(dilation), config=None,
+                                   tune=runtime.autotune_enabled(), scale=scale,
+                                   residual=None if residual is None else nhwc_view(residual),
+                                   activation=activation, out_dtype=out_dtype, groups=groups)
+    return out_nhwc.permute(0, 3, 1, 2)          # NCHW shape, channels_last memory
+
+
+# The operator is defined with torch.library's define/impl, its schema inferred from the
+# function's annotations. (The @torch.library.custom_op decorator does the same plus checks on
+# every call, in Python, that cost more host time than the whole runtime call: RESULTS.md,
+# "ResNet-50 end to end".) One implementation serves every device: it sends what the kernel cannot
+# run to torch itself.
+_LIBRARY = torch.library.Library("conv_tutorial", "DEF")
+_LIBRARY.define("conv2d" + torch.library.infer_schema(_conv2d_with_epilogue, mutates_args=()),
+                tags=(torch.Tag.pt2_compliant_tag,))      # opcheck passes: safe for torch.compile
+_LIBRARY.impl("conv2d", _conv2d_with_epilogue, "CompositeExplicitAutograd")
+conv2d_op = torch.ops.conv_tutorial.conv2d.default
+
+
+@torch.library.register_fake("conv_tutorial::conv2d")
+def _(input, weight, bias, stride, padding, dilation, groups, scale=None, residual=None, activation="none",
+      out_dtype=None):
+    out_shape, out_dtype = _out_shape(input, weight, stride, padding, dilation), output_dtype(input.dtype, out_dtype)
+    check_epilogue(weight.shape[0], out_shape, out_dtype, input.device, scale, residual, activation)
+    return input.new_empty(out_shape, dtype=out_dtype).contiguous(memory_format=torch.channels_last)
+
+
+def _setup_backward(ctx, inputs, output):
+    input, weight, bias, stride, padding, dilation, groups, scale, residual, activation, out_dtype = inputs
+    if input.dtype == FP8:
+        raise NotImplementedError("conv_tutorial::conv2d has no backward for e4m3 operands (inference only)")
+    ctx.save_for_backward(input, weight, bias, scale, residual, output)
+    ctx.conv_args = (stride, padding, dilation, groups)
+    ctx.activation = activation
+
+
+def _wide(t):
+    """fp16/bf16 widened to fp32 for sums and the SiLU derivative; fp32/fp64 as they are."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def _backward(ctx, grad_output):
+    """Gradients of out = act(conv(input, weight) * scale + bias + residual): torch's convolution
+    backward for the conv, the chain rule by hand for the epilogue."""
+    input, weight, bias, scale, residual, output = ctx.saved_tensors
+    stride, padding, dilation, groups = ctx.conv_args
+    needs = ctx.needs_input_grad
+    conv_out = None
+    if ctx.activation == "silu" or (scale is not None and needs[7]):     # recompute what is needed
+        conv_out = torch.nn.functional.conv2d(input, weight, None, stride, padding, dilation, groups)
+    grad = grad_output
+    if ctx.activation == "relu":
+        grad = grad * (output > 0)
+    elif ctx.activation == "silu":
+        pre = reference_epilogue(conv_out, bias, scale, residual, "none")
+        sigmoid = torch.sigmoid(_wide(pre))
+        grad = (_wide(grad) * sigmoid * (1 + _wide(pre) * (1 - sigmoid))).to(grad_output.dtype)
+    grad_conv = grad if scale is None else grad * scale.to(grad.dtype).view(1, -1, 1, 1)
+    grad_input, grad_weight, _ = torch.ops.aten.convolution_backward(
+        grad_conv, input, weight, None, stride, padding, dilation, False, [0, 0], groups,
+        [needs[0], needs[1], False])
+    grad_bias = _wide(grad).sum((0, 2, 3)).to(bias.dtype) if bias is not None and needs[2] else None
+    grad_scale = ((_wide(grad) * _wide(conv_out)).sum((0, 2, 3)).to(scale.dtype)
+                  if scale is not None and needs[7] else None)
+    grad_residual = grad if residual is not None and needs[8] else None
+    return grad_input, grad_weight, grad_bias, None, None, None, None, grad_scale, grad_residual, None, None
+
+
+torch.library.register_autograd("conv_tutorial::conv2d", _backward, setup_context=_setup_backward)
+
+
+def resolve_padding(padding, weight_shape, stride, dilation):
+    """(pad_h, pad_w) for an int, a pair, "valid" or "same"; None where "same" needs asymmetric
+    padding (an even dilated filter), which the kernel does not do."""
+    if padding == "valid":
+        return (0, 0)
+    if padding == "same":
+        if stride != (1, 1):
+            raise ValueError(f"padding='same' is not supported for strided convolutions "
+                             f"(stride={stride}), as in torch.nn.functional.conv2d")
+        total = [d * (k - 1) for d, k in zip(dilation, weight_shape[2:])]
+        if any(t % 2 for t in total):
+            return None
+        return (total[0] // 2, total[1] // 2)
+    if isinstance(padding, str):
+        raise ValueError(f"padding must be an int, a pair of ints, 'same' or 'valid'; got {padding!r}")
+    return pair(padding, "padding", 0)
+
+
+def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    """torch.nn.functional.conv2d's signature, computed by the tutorial's kernel where it can."""
+    for name, t in (("input", input), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if input.dim() != 4 or weight.dim() != 4:
+        raise ValueError(f"input must be [N, Ci, H, W] and weight [Co, Ci/groups, R, S]; got shapes "
+                         f"{tuple(input.shape)} and {tuple(weight.shape)}")
+    stride, dilation = pair(stride, "stride", 1), pair(dilation, "dilation", 1)
+    pads = resolve_padding(padding, weight.shape, stride, dilation)
+    if pads is None:
+        _fall_back(f"padding='same' with an even dilated filter {tuple(weight.shape[2:])} needs "
+                   f"asymmetric padding")
+        return torch.nn.functional.conv2d(input, weight, bias, stride, padding, dilation, groups)
+    return conv2d_op(input, weight, bias, list(stride), list(pads), list(dilation), groups)
+
+
+# %% fp8 (e4m3) operands: lesson 05, section 9, as an operator -------------------------------------
+# The kernel op above takes e4m3 operands as they are (its `scale` then dequantizes, `out_dtype`
+# picks bf16 or e4m3). conv2d_fp8 speaks in the quantities a user has: the input's scale (one per
+# tensor), the weight's (one per output channel), the output's (for an e4m3 output), and folds
+# them into the epilogue's scale and shift. It is CompositeImplicitAutograd: torch.compile traces
+# through it, so the folding is three small torch ops that Inductor's freezing computes once.
+
+def _conv2d_fp8(input: torch.Tensor, input_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                bias: Optional[torch.Tensor], stride: List[int], padding: List[int], dilation: List[int],
+                residual: Optional[torch.Tensor] = None, activation: str = "none",
+                out_dtype: Optional[torch.dtype] = None, out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """act(conv2d(input * input_scale, weight * weight_scale) + bias + residual) in bf16 (out_dtype
+    None or bf16), or that divided by out_scale in e4m3 (out_dtype float8_e4m3fn)."""
+    check_fp8_dtypes("conv2d_fp8", input=input, weight=weight)
+    out_dtype = out_dtype or torch.bfloat16
+    check_fp8_scales(input_scale, weight_scale, weight.shape[0], input.device, residual=residual,
+                            activation=activation, out_dtype=out_dtype, out_scale=out_scale)
+    scale, bias = fp8_epilogue(input_scale, weight_scale, None, bias, out_scale)
+    return conv2d_op(input, weight, bias, stride, padding, dilation, 1, scale, residual, activation, out_dtype)
+
+
+_LIBRARY.define("conv2d_fp8" + torch.library.infer_schema(_conv2d_fp8, mutates_args=()),
+                tags=(torch.Tag.pt2_compliant_tag,))
+_LIBRARY.impl("conv2d_fp8", _conv2d_fp8, "CompositeImplicitAutograd")
+conv2d_fp8_op = torch.ops.conv_tutorial.conv2d_fp8.default
+
+
+def conv2d_fp8(input, input_scale, weight, weight_scale, bias=None, stride=1, padding=0, dilation=1,
+               residual=None, activation="none", out_dtype=torch.bfloat16, out_scale=None):
+    """The fp8 conv with torch.nn.functional.conv2d's conventions: input [N, Ci, H, W] and weight
+    [Co, Ci, R, S] in e4m3 (channels_last memory avoids copies) with their fp32 scales, input_scale
+    of shape () and weight_scale [Co] (common.quantize_fp8(t) and quantize_fp8(w, channel_dim=0)
+    make both); the output in bf16, or in e4m3 with out_scale (shape ()); a residual comes in the
+    output's dtype (in e4m3, at out_scale)."""
+    for name, t in (("input", input), ("weight", weight)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise TypeError(f"{name} must be a 4-d torch.Tensor, got {type(t).__name__}"
+                            + (f" of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else ""))
+    for name, t in (("input_scale", input_scale), ("weight_scale", weight_scale), ("out_scale", out_scale)):
+        if not isinstance(t, torch.Tensor) and not (t is None and name == "out_scale"):
+            raise TypeError(f"{name} must be an fp32 torch.Tensor, got {type(t).__name__}: an e4m3 tensor means "
+                            f"nothing without its scale")
+    stride, dilation = pair(stride, "stride", 1), pair(dilation, "dilation", 1)
+    pads = resolve_padding(padding, weight.shape, stride, dilation)
+    if pads is None:
+        raise ValueError(f"padding={padding!r} needs asymmetric padding, which the kernel does not do")
+    return conv2d_fp8_op(input, input_scale, weight, weight_scale, bias, list(stride), list(pads), list(dilation),
+                         residual, activation, out_dtype, out_scale)
+
+
+class TutorialConv2d(torch.nn.Module):
+    """A drop-in for nn.Conv2d that calls the tutorial's operator. The weight keeps PyTorch's
+    [Co, Ci, R, S] shape (state_dict stays compatible) but is stored in channels_last memory,
+    i.e. physically [Co, R, S, Ci], so the kernel reads it without a copy."""
+
+    def __init__(self, conv: torch.nn.Conv2d):
+        super().__init__()
+        if conv.padding_mode != "zeros":
+            raise ValueError(f"padding_mode={conv.padding_mode!r}: the kernel pads with zeros only")
+        self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
+        self.kernel_size, self.stride, self.padding = conv.kernel_size, conv.stride, conv.padding
+        self.dilation, self.groups = conv.dilation, conv.groups
+        self.weight = torch.nn.Parameter(conv.weight.detach().contiguous(memory_format=torch.channels_last),
+                                         requires_grad=conv.weight.requires_grad)
+        self.bias = None if conv.bias is None else torch.nn.Parameter(conv.bias.detach(),
+                                                                      requires_grad=conv.bias.requires_grad)
+        # the operator's arguments, resolved once (a forward call is on the critical path)
+        pads = resolve_padding(self.padding, self.weight.shape, tuple(self.stride), tuple(self.dilation))
+        self._op_args = None if pads is None else (list(self.stride), list(pads), list(self.dilation),
+                                                   self.groups)
+
+    def forward(self, x):
+        if self._op_args is None:          # "same" that needs asymmetric padding: the general path
+            return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+        return conv2d_op(x, self.weight, self.bias, *self._op_args)
+
+    def extra_repr(self):
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"stride={self.stride}, padding={self.padding}, dilation={self.dilation}, "
+                f"groups={self.groups}, bias={self.bias is not None}")
+
+
+def convert_conv2d(model: torch.nn.Module) -> torch.nn.Module:
+    """Replace every nn.Conv2d of `model` (in place) by a TutorialConv2d with the same weights;
+    everything else stays. Convs with a padding mode other than zeros are left alone (with a
+    warning). Returns the model."""
+    for name, child in list(model.named_children()):
+        if isinstance(child, torch.nn.Conv2d):
+            if child.padding_mode != "zeros":
+                warnings.warn(f"{name}: padding_mode={child.padding_mode!r} stays an nn.Conv2d")
+                continue
+            setattr(model, name, TutorialConv2d(child))
+        else:
+            convert_conv2d(child)
+    return model
+
+

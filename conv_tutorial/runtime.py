@@ -1,0 +1,156 @@
+"""The operator's entry point on NHWC tensors, `conv2d`: lesson 05's convolution behind a fast
+host path.
+
+A call looks its plan up by what it can see at a glance (shapes, dtypes, devices,
+hyper-parameters); a dictionary hit skips the full validation that the first call of that key
+passed, while contiguity and alignment are still checked on every call. A miss validates
+everything (geometry.check_conv_call), picks a config (selection.py: given, tuned or heuristic)
+and a plan (launch.py). e4m3 operands (lesson 05, section 9) take the same plans, with a bf16 or
+e4m3 output; their scales arrive folded into the epilogue's (ops.conv2d_fp8 folds them).
+
+Small channel counts (`FoldedConv`): a layer whose Ci is 8 or less (an RGB stem) is run as an
+R x 1 convolution over S*Ci folded channels, 7 k-steps instead of 49 for ResNet-50's stem.
+Measured on an H100 host (benchmarks/host_time.py): a whole call of `conv2d` 25 us, cuDNN's 19 us.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .configs import KernelConfig, grouped_conv_fits
+from .geometry import FP8, KERNEL_DTYPES, check_conv_call, conv_geometry, device_facts
+from .launch import plan_for
+from .selection import epilogue_tag, known_or_heuristic_config, tuned_config
+
+
+_FAST_PLANS = {}     # call key -> (ConvPlan, FoldedConv or None)
+
+
+def _call_key(x_nhwc, w, bias, stride, padding, dilation, config, scale, residual, activation, out_dtype, groups):
+    """A hashable key of what a call can see at a glance, or None (then the slow path runs)."""
+    if not (isinstance(x_nhwc, torch.Tensor) and isinstance(w, torch.Tensor)
+            and all(t is None or isinstance(t, torch.Tensor) for t in (bias, scale, residual))):
+        return None
+    key = (x_nhwc.shape, w.shape, x_nhwc.dtype, w.dtype, x_nhwc.device, w.device,
+           *(None if t is None else (t.shape, t.dtype, t.device) for t in (bias, scale, residual)),
+           stride, padding, dilation, config, activation, out_dtype, groups)
+    try:
+        hash(key)
+    except TypeError:                    # list-valued stride/padding: no fast path
+        return None
+    return key
+
+
+def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, tune=True,
+           scale=None, residual=None, activation="none", out_dtype=None, groups=1):
+    """Lesson 05's convolution through the runtime. Same arguments and result as the plain
+    launcher `conv2d_fprop_launch` (epilogue included: act(conv * scale + bias + residual)).
+    e4m3 operands (lesson 05, section 9) come already scaled: `scale` carries their dequantizing
+    factors, and `out_dtype` is bf16 (None) or e4m3 (any output scale folded into scale and bias).
+    `config`: a KernelConfig (or its tuple) to use that config; None to choose one per shape: a
+    tuned choice (this process's, or the tuning file's) if there is one, else autotune now when
+    `tune`, else the heuristic (no timing). Channel counts so small that one tap's channels fill
+    a fraction of a K step (a network's RGB stem) take the folded path (`FoldedConv`).
+    groups > 1: w is [Co, R, S, Ci / groups], and a group's channel counts must fit a config's
+    tiles (`grouped_conv_fits`; lesson 05, section 10)."""
+    key = _call_key(x_nhwc, w, bias, stride, padding, dilation, config if config is not None else tune,
+                    scale, residual, activation, out_dtype, groups)
+    entry = _FAST_PLANS.get(key) if key is not None else None
+    if entry is None or not (x_nhwc.is_contiguous() and w.is_contiguous()
+                             and all(t is None or t.is_contiguous() for t in (bias, scale, residual))):
+        # the slow path validates (and explains) everything
+        geometry = check_conv_call(x_nhwc, w, bias, stride, padding, dilation, dtypes=KERNEL_DTYPES,
+                                          scale=scale, residual=residual, activation=activation, out_dtype=out_dtype,
+                                          groups=groups)
+        if groups > 1 and (x_nhwc.dtype == FP8 or (config is None and not grouped_conv_fits(
+                geometry.Ci_group, geometry.Co_group, device_facts()[0]))):
+            raise ValueError(f"{geometry.describe()}: the kernel runs a grouped conv in fp16 or bf16, with whole "
+                             f"tiles per group: output channels per group a multiple of a tile's width (64, 96, "
+                             f"128, ...), input channels per group of its K block (16, 32 or 64); got "
+                             f"{geometry.Ci_group} -> {geometry.Co_group} per group in {x_nhwc.dtype}")
+        fold = folded_geometry(geometry) if config is None and x_nhwc.dtype != FP8 else None
+        run_geometry = fold.geometry if fold is not None else geometry
+        if config is not None:
+            chosen = KernelConfig(*config)
+        elif tune:
+            # timed with this call's epilogue: a residual's loads and registers change the ranking
+            folded_x, folded_w = fold.apply(x_nhwc, w) if fold is not None else (x_nhwc, w)
+            chosen = tuned_config(run_geometry, folded_x, folded_w, bias, scale=scale, residual=residual,
+                                  activation=activation, out_dtype=out_dtype)
+        else:
+            chosen = known_or_heuristic_config(run_geometry, x_nhwc.dtype,
+                                               epilogue_tag(scale, residual, activation))
+        entry = (plan_for(run_geometry, x_nhwc.dtype, chosen, out_dtype), fold)
+        if key is not None:
+            _FAST_PLANS[key] = entry
+    plan, fold = entry
+    if fold is not None:
+        x_nhwc, w = fold.apply(x_nhwc, w)
+    return plan.run(x_nhwc, w, bias, scale, residual, activation)
+
+
+
+# %% Small channel counts: fold the filter's columns into the channels ---------------------------
+# A stem layer (Ci=3, 7x7, stride 2) gives the kernel 49 taps of 3 channels, padded to 8 for TMA
+# and to 16 for the MMA: 49 k-steps that are 81% zeros, each a 128-pixel x 32-byte TMA box. Here
+# the S columns of the filter are folded into the channels instead: x_fold[n, h, ox, s*Ci + c] =
+# x[n, h, ox*stride_w + s*dil_w - pad_w, c] (zero outside), a copy of S*Ci/stride_w times the input's
+# size, and the conv becomes R x 1 with stride (stride_h, 1) over S*Ci channels: 7 k-steps of
+# 21 channels (padded to 24, a 32-deep K step) for the stem. Only the rows of the filter remain
+# as taps, read through the same im2col TMA as every other layer. The fold is one small Triton
+# kernel (`fold_columns_kernel`); three torch copies doing the same took more than half the
+# stem's time.
+
+FOLD_MAX_CHANNELS = 8       # a padded Ci of 8 or less: one tap fills at most half of a 16-deep K step
+
+
+@triton.jit
+def fold_columns_kernel(x_ptr, out_ptr, rows, W, out_w, Ci, stride_w, pad_w, dil_w, channels,
+                        channels_padded, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """out[row, ox, s*Ci + c] = x[row, ox*stride_w + s*dil_w - pad_w, c] (0 outside, and in the
+    padding channels), row = n*H + h: one pass that reads each input pixel from cache S/stride_w
+    times and writes the folded tensor once."""
+    pixels = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)      # (row, ox), linearized
+    folded = tl.arange(0, BLOCK_C)                                    # s*Ci + c
+    row, ox = pixels // out_w, pixels % out_w
+    s, c = folded // Ci, folded % Ci
+    ix = ox[:, None] * stride_w + s[None, :] * dil_w - pad_w
+    in_range = pixels[:, None] < rows * out_w
+    valid = in_range & (folded[None, :] < channels) & (ix >= 0) & (ix < W)
+    source = (row[:, None].to(tl.int64) * W + ix) * Ci + c[None, :]
+    values = tl.load(x_ptr + source, mask=valid, other=0.0)
+    target = pixels[:, None].to(tl.int64) * channels_padded + folded[None, :]
+    tl.store(out_ptr + target, values, mask=in_range & (folded[None, :] < channels_padded))
+
+
+class FoldedConv:
+    """The R x 1 convolution over folded channels that computes a small-Ci convolution."""
+
+    def __init__(self, geometry):
+        g = self.original = geometry
+        self.channels = g.S * g.Ci
+        self.channels_padded = -(-self.channels // 8) * 8       # 16-byte pixels for TMA
+        self.geometry = conv_geometry(
+            (g.N, g.H, g.out_w, self.channels_padded), (g.Co, g.R, 1, self.channels_padded),
+            (g.stride[0], 1), (g.padding[0], 0), (g.dilation[0], 1))
+
+    def apply(self, x_nhwc, w):
+        """(x_fold [N, H, out_w, channels_padded], w_fold [Co, R, 1, channels_padded])."""
+        g = self.original
+        x_fold = x_nhwc.new_empty(g.N, g.H, g.out_w, self.channels_padded)
+        rows, block_p = g.N * g.H, 64
+        fold_columns_kernel[(triton.cdiv(rows * g.out_w, block_p),)](
+            x_nhwc, x_fold, rows, g.W, g.out_w, g.Ci, g.stride[1], g.padding[1], g.dilation[1],
+            self.channels, self.channels_padded, BLOCK_P=block_p,
+            BLOCK_C=triton.next_power_of_2(self.channels_padded))
+        w_fold = w.new_zeros(g.Co, g.R, 1, self.channels_padded)      # small: Co x R x S*Ci
+        w_fold[..., :self.channels] = w.reshape(g.Co, g.R, 1, self.channels)
+        return x_fold, w_fold
+
+
+def folded_geometry(geometry):
+    """A FoldedConv for a convolution whose channels are too few for a K step, else None."""
+    if geometry.Ci > FOLD_MAX_CHANNELS or geometry.S == 1 or geometry.S * geometry.Ci > 256 or geometry.groups > 1:
+        return None
+    return FoldedConv(geometry)
+
+

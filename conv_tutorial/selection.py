@@ -1,0 +1,310 @@
+"""Choosing a config per shape: pruning the candidates to what fits the device and suits the shape,
+a heuristic that needs no timing, an autotuner that times, and the tuning file that remembers.
+
+- `prune_configs`: candidates that cannot fit the device (shared memory per program and per SM,
+  tensor memory on Blackwell, accumulator registers on Hopper) or do not suit the shape (tiles
+  much wider than Co, tails that neither save columns nor fill SMs) are dropped before anything
+  is compiled.
+- `heuristic_config`: a config from the shape alone, for callers that must not spend a second
+  timing candidates on a shape's first call (the PyTorch operator, unless autotuning is asked
+  for): the config with the shortest expected time, from its throughput as measured over lesson
+  05's network suite, the share of useful work it does on this shape, and split-K's costs
+  (benchmarks/fit_heuristic.py refits the numbers).
+- `autotune`: times each pruned candidate the way the benchmark does (do_bench, L2 flushed), with
+  the call's epilogue, then the three fastest again in alternating rounds, and keeps the fastest
+  for that shape and epilogue (`epilogue_tag`): in this process and in a JSON tuning file
+  (`tuning_cache_path()`: $CONV_TUTORIAL_TUNING_CACHE or ~/.cache/conv_tutorial/tuning.json)
+  that later processes read.
+"""
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+import triton
+
+from .configs import (CANDIDATES, SMEM_LIMIT_BYTES, SMEM_PER_SM_BYTES, KernelConfig, check_config, fitted_to_epilogue,
+                      groups_fit, k_share, k_steps_of, shared_memory_bytes, split_k_workspace_bytes, split_tiles,
+                      tail_pays, useful_share, wave_efficiency)
+from .geometry import device_facts
+from .launch import plan_for
+
+_BEST_CONFIG = {}    # (geometry, dtype, device, epilogue tag) -> config chosen by the autotuner
+
+
+def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
+    """Keep the configs that fit the device and suit the shape (no compilation needed)."""
+    smem_limit = smem_limit or SMEM_LIMIT_BYTES[arch]
+    kept, runnable = [], []     # suited to the shape; able to run it at all (a grouped conv's last resort)
+    for config in map(lambda c: KernelConfig(*c), candidates):
+        try:
+            check_config(config, arch)   # what the arch does not run (ping-pong, TMEM columns, row tails on
+        except ValueError:               # Blackwell), a ring too deep for the whole tile's staging buffer
+            continue
+        smem = shared_memory_bytes(config)
+        if smem > smem_limit or config.programs_per_sm * (smem + 1024) > SMEM_PER_SM_BYTES:
+            continue
+        acc_registers = config.tile_m * config.tile_n // (32 * config.num_warps)  # fp32 per thread
+        if arch == "sm_90" and acc_registers > (192 if config.block_m_tail else 160):
+            continue                            # (a 192 x 128 tile on 4 warps compiles without spills)
+        if config.consumers > 1 and (config.num_warps != 4 or config.programs_per_sm > 1):
+            continue                            # 2 consumer warpgroups + the loader's fill the RF
+        if config.programs_per_sm > 1 and (config.num_warps != 4 or acc_registers > 64):
+            continue                            # 2 x (4 + loader) warps at 128 registers fill the RF
+        if geometry.groups > 1 and not groups_fit(config, geometry.Ci_group, geometry.Co_group):
+            continue                            # a grouped conv's tiles in one group each (lesson 05, section 10)
+        runnable.append(config)
+        if config.tile_n > max(64, triton.next_power_of_2(geometry.Co)):  # mostly-empty tiles
+            continue
+        if config.block_k < 64 and k_share(config, geometry) <= k_share(config._replace(block_k=64), geometry) \
+                and config.tile_m * config.tile_n < 256 * 160:
+            continue                            # a narrow K block where it saves zeros (or smem: 256 x 160)
+        if config.block_n_tail and not tail_pays(config, geometry, num_sms):
+            continue                            # a tail only where it saves work or fills SMs
+        if config.split_k > 1:
+            tiles = triton.cdiv(geometry.M, config.tile_m) * triton.cdiv(geometry.Co, config.tile_n)
+            if wave_efficiency(tiles, num_sms) >= 0.8 or k_steps_of(config, geometry) < 3 * config.split_k:
+                continue                        # split-K only where whole tiles leave SMs idle
+        kept.append(config)
+    # a grouped conv may fit only configs the shape rules would drop: it takes those
+
+
+# %% Choosing a config: the heuristic, the autotuner, and the tuning file ----------------------
+
+# Each Hopper config's throughput on a layer it fills (TFLOPS with every SM busy in every wave and
+# no columns, rows or channels past the layer): the median over the 84 layers of lesson 05's
+# network suite (ResNet-50, the SD UNet, Inception v3) of its measured TFLOPS divided by its share
+# of useful work (`useful_share`). Split-K adds its workspace's round trip (SPLIT_K x M x Co fp32
+# values, written and read), at the effective bandwidth fitted the same way. Measured on an H100
+# with Triton 3.9, 2026-11-24, from the autotuner's timings in the suite's run
+# (scripts/fit_heuristic.py refits both from the suite's logs). Checked leave-one-out (each layer's
+# config picked from the table fitted without it): 0.966x of that layer's fastest config, geometric
+# mean, worst 0.79x (IncV3 17x17 192->192 3x3 s2); the table fitted on ResNet-50 and the UNet alone
+# scored 0.950x on the same 84 layers.
+HOPPER_CONFIG_TFLOPS = {   # split_k left at 1: split-K's cost is modelled apart
+    KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=5, num_warps=4, block_n_tail=32): 679,
+    KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4, consumers=2, block_n_tail=32): 653,
+    KernelConfig(block_m=256, block_n=128, block_k=32, num_buffers=5, num_warps=8, block_n_tail=32): 613,
+    KernelConfig(block_m=128, block_n=256, block_k=64, num_buffers=3, num_warps=8): 527,
+    KernelConfig(block_m=256, block_n=128, block_k=64, num_buffers=3, num_warps=8): 520,
+    KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=8, block_n_tail=64): 502,
+    KernelConfig(block_m=256, block_n=128, block_k=32, num_buffers=6, num_warps=8): 501,
+    KernelConfig(block_m=128, block_n=256, block_k=32, num_buffers=6, num_warps=8): 500,
+    KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4, block_m_tail=64): 481,
+    KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=5, num_warps=4, block_m_tail=64): 477,
+    KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=8, block_m_tail=64): 474,
+    KernelConfig(block_m=128, block_n=128, block_k=32, num_buffers=6, num_warps=8, block_n_tail=64): 473,
+    KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=3, num_warps=4, consumers=2, block_m_tail=64): 471,
+    KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=6, num_warps=8): 468,
+    KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=5, num_warps=4, consumers=2): 467,
+    KernelConfig(block_m=128, block_n=128, block_k=32, num_buffers=8, num_warps=4, block_n_tail=32): 463,
+    KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4): 456,
+    KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4, consumers=2): 453,
+    KernelConfig(block_m=64, block_n=128, block_k=64, num_buffers=4, num_warps=4, programs_per_sm=2): 405,
+    KernelConfig(block_m=256, block_n=64, block_k=64, num_buffers=4, num_warps=8): 390,
+    KernelConfig(block_m=128, block_n=64, block_k=64, num_buffers=4, num_warps=4, programs_per_sm=2): 373,
+    KernelConfig(block_m=128, block_n=128, block_k=32, num_buffers=8, num_warps=4): 368,
+    KernelConfig(block_m=128, block_n=128, block_k=32, num_buffers=8, num_warps=4, consumers=2): 367,
+    KernelConfig(block_m=128, block_n=64, block_k=64, num_buffers=6, num_warps=4, consumers=2): 359,
+    KernelConfig(block_m=128, block_n=64, block_k=32, num_buffers=10, num_warps=4, block_n_tail=32): 359,
+    KernelConfig(block_m=128, block_n=64, block_k=64, num_buffers=6, num_warps=4): 352,
+    KernelConfig(block_m=64, block_n=128, block_k=64, num_buffers=6, num_warps=4, consumers=2): 339,
+    KernelConfig(block_m=128, block_n=64, block_k=64, num_buffers=6, num_warps=4, block_n_tail=32): 320,
+}
+SPLIT_K_WORKSPACE_BYTES_PER_S = 2.05e12   # fitted with the table (mostly L2: the slices meet there)
+# What split-K costs however little its workspace moves: the second kernel's start behind the first.
+# Measured apart, on ResNet-50's batch-1 layers (H100, 2026-11-24: 2-8 slices of 4-7 tiles took
+# 3-4.5 us longer than their share of the unsplit time), and not part of the check above; without
+# it the heuristic split layers with a few short tiles, such as 14x14 1024->256 1x1 at batch 1
+# (9.5 us instead of 5.8 with whole 128x64 tiles).
+SPLIT_K_SECONDS = 3.5e-6
+
+
+def config_tflops(config, arch):
+    """A config's throughput on a layer it fills, split-K aside: measured (HOPPER_CONFIG_TFLOPS),
+    or where there is no measurement (Blackwell; new candidates) estimated from the bytes a tile
+    moves per FLOP: a BLOCK_M x TILE_N tile reads BLOCK_M + TILE_N rows per k-step for
+    BLOCK_M * TILE_N products."""
+    measured = HOPPER_CONFIG_TFLOPS.get(config._replace(split_k=1)) if arch == "sm_90" else None
+    if measured is None:
+        reuse = config.tile_m * config.tile_n / (config.tile_m + config.tile_n)
+        measured = 700 * reuse / (reuse + 30)
+    return measured
+
+
+def expected_seconds(config, geometry, arch, num_sms):
+    """The heuristic's model of a config's time on a layer: its FLOPs at the config's throughput
+    times its useful share, plus split-K's cost: its second kernel's start and its workspace's
+    round trip."""
+    seconds = geometry.flops / (config_tflops(config, arch) * 1e12 * useful_share(config, geometry, num_sms))
+    if config.split_k > 1 and split_tiles(config, geometry, num_sms)[2]:
+        seconds += SPLIT_K_SECONDS + split_k_workspace_bytes(config, geometry, num_sms) / SPLIT_K_WORKSPACE_BYTES_PER_S
+    return seconds
+
+
+def heuristic_config(geometry, arch, num_sms, smem_limit=None):
+    """A config from the shape alone, in microseconds: the pruned candidate with the shortest
+    expected time (`expected_seconds`); the deeper ring breaks ties."""
+    candidates = prune_configs(CANDIDATES[arch], geometry, arch, smem_limit, num_sms)
+    if not candidates:
+        raise RuntimeError(f"no kernel config fits {geometry.describe()} on this GPU")
+    return min(candidates, key=lambda c: (round(expected_seconds(c, geometry, arch, num_sms) * 1e7),
+                                          -c.num_buffers))
+
+
+def epilogue_tag(scale=None, residual=None, activation="none"):
+    """What an epilogue adds to the conv, as the tuner keys it: "" for a plain conv (a bias alone
+    counts as plain: one add per column, nothing measurable), else e.g. "scale+residual+relu".
+    Choices are tuned per tag: with a residual the epilogue loads a tile as large as the output
+    and holds it in registers, and the fastest config can change (ResNet-50's 28x28 128->512 1x1
+    + residual: 0.147 ms with the plain conv's choice; RESULTS.md)."""
+    parts = (["scale"] if scale is not None else []) + (["residual"] if residual is not None else []) \
+        + ([activation] if activation != "none" else [])
+    return "+".join(parts)
+
+
+def known_or_heuristic_config(geometry, dtype, tag=""):
+    """The tuned choice for this shape and epilogue if one is known (this process or the tuning
+    file); else the plain conv's tuned choice, fitted to the epilogue; else the heuristic's, fitted.
+    Never times anything."""
+    remembered = _remembered_config(geometry, dtype, tag)
+    if remembered is not None:
+        return remembered
+    remembered = _remembered_config(geometry, dtype) if tag else None
+    if remembered is None:
+        arch, num_sms, smem = device_facts()
+        remembered = heuristic_config(geometry, arch, num_sms, smem)
+    return fitted_to_epilogue(remembered, "residual" in tag.split("+"), device_facts()[0])
+
+
+def _remembered_config(geometry, dtype, tag=""):
+    """The tuned choice for this shape and epilogue from this process or, failing that, the
+    tuning file; None."""
+    key = (geometry, dtype, torch.cuda.current_device(), tag)
+    if key not in _BEST_CONFIG:
+        saved = _load_tuning_file().get(_tuning_file_key(geometry, dtype, tag))
+        if saved is not None:
+            _BEST_CONFIG[key] = KernelConfig(*saved["config"])
+    return _BEST_CONFIG.get(key)
+
+
+def tuned_config(geometry, x_nhwc, w, bias, verbose=False, retune=False, scale=None, residual=None,
+                 activation="none", out_dtype=None):
+    """The autotuner's choice for this shape, dtype and epilogue (`epilogue_tag`): from this
+    process, the tuning file, or (first time, or `retune`) timed now, with the epilogue, and saved
+    to the tuning file."""
+    tag = epilogue_tag(scale, residual, activation)
+    key = (geometry, x_nhwc.dtype, torch.cuda.current_device(), tag)
+    if retune or _remembered_config(geometry, x_nhwc.dtype, tag) is None:
+        best, tflops = autotune(geometry, x_nhwc, w, bias, verbose, scale, residual, activation, out_dtype)
+        _BEST_CONFIG[key] = best
+        _save_tuning(geometry, x_nhwc.dtype, best, tflops, tag)
+    return _BEST_CONFIG[key]
+
+
+_AUTOTUNE = os.environ.get("CONV_TUTORIAL_AUTOTUNE", "0") == "1"
+
+
+def set_autotune(enabled: bool):
+    """Whether the PyTorch operator (conv_torch) times the candidates of a new shape (True) or
+    takes the heuristic's config (False, the default; $CONV_TUTORIAL_AUTOTUNE=1 sets it)."""
+    global _AUTOTUNE
+    _AUTOTUNE = bool(enabled)
+
+
+def autotune_enabled() -> bool:
+    return _AUTOTUNE
+
+
+def tuning_cache_path() -> Path:
+    """Where tuned choices are kept: $CONV_TUTORIAL_TUNING_CACHE, or ~/.cache/conv_tutorial/tuning.json."""
+    return Path(os.environ.get("CONV_TUTORIAL_TUNING_CACHE")
+                or Path.home() / ".cache" / "conv_tutorial" / "tuning.json")
+
+
+def _tuning_file_key(geometry, dtype, tag=""):
+    """One GPU model, one Triton, one shape, dtype and epilogue: a choice made elsewhere is not
+    trusted."""
+    return (f"{torch.cuda.get_device_name()} | triton {triton.__version__} | {geometry.describe()} | "
+            f"{str(dtype).replace('torch.', '')}" + (f" | epilogue {tag}" if tag else ""))
+
+
+_TUNING_FILE = None    # its contents, read once per process
+
+
+def _load_tuning_file():
+    global _TUNING_FILE
+    if _TUNING_FILE is None:
+        try:
+            _TUNING_FILE = json.loads(tuning_cache_path().read_text())
+        except (OSError, ValueError):
+            _TUNING_FILE = {}
+    return _TUNING_FILE
+
+
+def _save_tuning(geometry, dtype, config, tflops, tag=""):
+    entries = _load_tuning_file()
+    entries[_tuning_file_key(geometry, dtype, tag)] = {"config": list(config), "tflops": round(tflops, 1)}
+    path = tuning_cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        os.replace(partial, path)           # atomic: a reader never sees half a file
+    except OSError as error:
+        warnings.warn(f"could not save the tuning file {path}: {error}")
+
+
+def autotune(geometry, x_nhwc, w, bias, verbose=False, scale=None, residual=None, activation="none",
+             out_dtype=None):
+    """Time the pruned candidates on the real tensors, with the call's epilogue; return (best
+    config, its TFLOPS).
+
+    A first pass times each candidate briefly; the three fastest are then timed again in three
+    alternating rounds of longer runs, and the median round decides. (Timing each candidate once
+    for ~20 ms let clock and cache noise pick different configs in different processes.) Each
+    timing is the 20th percentile of do_bench's calls, not the median: on a layer of 30-50 us the
+    host's ~40 us per call is hidden only just, and a stall of the host process (which can only
+    add time) then made the median of a fast config look 3-5x slow, and picked a slow one."""
+    arch, num_sms, smem = device_facts()
+    candidates = prune_configs(CANDIDATES[arch], geometry, arch, smem, num_sms)
+    # with a residual, each candidate as the runtime would run it (row tails move to 8 warps)
+    candidates = list(dict.fromkeys(fitted_to_epilogue(c, residual is not None, arch) for c in candidates))
+    epilogue = dict(scale=scale, residual=residual, activation=activation)
+    timed = lambda plan: lambda: plan.run(x_nhwc, w, bias, **epilogue)  # noqa: E731
+    if not candidates:
+        raise RuntimeError(f"no kernel config fits {geometry.describe()} on this GPU")
+    timings, errors = {}, []
+    for config in candidates:
+        plan = plan_for(geometry, x_nhwc.dtype, config, out_dtype)
+        try:
+            plan.run(x_nhwc, w, bias, **epilogue)   # compile before timing
+            # Timed as the benchmark times (do_bench: L2 flushed before each call, as a layer in a
+            # network finds its weights: evicted since the last pass). The host time per call
+            # (~35 us) hides behind do_bench's cache flush, so this ranks the kernels.
+            timings[config] = triton.testing.do_bench(timed(plan), warmup=5, rep=20, quantiles=[0.2])
+        except Exception as error:  # a config the compiler or the launch refuses: skip it
+            errors.append(f"{config}: {type(error).__name__}: {error}")
+            if verbose:
+                print(f"   config {config} skipped: {type(error).__name__}: {str(error)[:100]}")
+    if not timings:
+        raise RuntimeError(f"every kernel config failed for {geometry.describe()}; first error: "
+                           f"{errors[0] if errors else '?'}")
+    finalists = sorted(timings, key=timings.get)[:3]
+    rounds = {config: [] for config in finalists}
+    for _ in range(3):
+        for config in finalists:
+            plan = plan_for(geometry, x_nhwc.dtype, config, out_dtype)
+            rounds[config].append(triton.testing.do_bench(timed(plan), warmup=10, rep=60,
+                                                          quantiles=[0.2]))   # one quantile: a float
+    medians = {config: sorted(ms)[1] for config, ms in rounds.items()}
+    best = min(medians, key=medians.get)
+    if verbose:
+        for config, ms in sorted(timings.items(), key=lambda item: item[1]):
+            final = f"   final median {geometry.flops / medians[config] / 1e9:7.1f}" if config in medians else ""
+            print(f"   {str(config):<40} {geometry.flops / ms / 1e9:7.1f} TFLOPS{final}"
+                  + ("   <- chosen" if config == best else ""))
+    return best, geometry.flops / medians[best] / 1e9
+
+
