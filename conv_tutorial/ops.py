@@ -38,7 +38,7 @@ from typing import List, Optional
 
 import torch
 
-from . import depthwise, runtime
+from . import depthwise, runtime, selection
 from .configs import grouped_conv_fits
 from .geometry import (FP8, FP8_MAX, KERNEL_DTYPES, check_epilogue, check_fp8_dtypes, check_fp8_scales,
                        conv_output_size, current_arch, fp8_epilogue, output_dtype, pair)
@@ -131,7 +131,7 @@ def _conv2d_with_epilogue(input: torch.Tensor, weight: torch.Tensor, bias: Optio
         return out.to(out_dtype).contiguous(memory_format=torch.channels_last)
     out_nhwc = runtime.conv2d(nhwc_view(input), nhwc_view(weight), bias, tuple(stride),
                                    tuple(padding), tuple(dilation), config=None,
-                                   tune=runtime.autotune_enabled(), scale=scale,
+                                   tune=selection.autotune_enabled(), scale=scale,
                                    residual=None if residual is None else nhwc_view(residual),
                                    activation=activation, out_dtype=out_dtype, groups=groups)
     return out_nhwc.permute(0, 3, 1, 2)          # NCHW shape, channels_last memory

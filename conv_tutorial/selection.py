@@ -68,6 +68,7 @@ def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
                 continue                        # split-K only where whole tiles leave SMs idle
         kept.append(config)
     # a grouped conv may fit only configs the shape rules would drop: it takes those
+    return runnable if not kept and geometry.groups > 1 else kept
 
 
 # %% Choosing a config: the heuristic, the autotuner, and the tuning file ----------------------

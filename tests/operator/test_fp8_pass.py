@@ -1,5 +1,5 @@
 """Tests of the fp8 operator (ops.conv2d_fp8, torch.ops.conv_tutorial.conv2d_fp8) and of the
-quantization pass (fp8.quantize_fp8): against torch's fp32 conv of the dequantized
+quantization pass (fp8_pass.quantize_fp8): against torch's fp32 conv of the dequantized
 operands, opcheck, the errors, which convs the pass puts in e4m3 and which scales they share (on
 any machine: the operator falls back to torch there); on a Hopper/Blackwell GPU the kernel path,
 CUDA graphs and torch.compile(fullgraph=True)."""
@@ -7,7 +7,8 @@ import copy
 import warnings
 
 import common
-from conv_tutorial import fp8, fusion, ops  # noqa: E402
+from conv_tutorial import fp8 as fp8_pass
+from conv_tutorial import fusion, ops  # noqa: E402
 
 import pytest
 import torch
@@ -149,13 +150,13 @@ def images(n, size=64, seed=1, on="cpu"):
 def resnet50_fp8():
     model = resnet50_with_batchnorm_statistics()
     fused = quiet(lambda: fusion.fuse_conv_bn_act(model, example_input=images(2)))
-    quantized_model = quiet(lambda: fp8.quantize_fp8(fused, [images(2, seed=s) for s in (2, 3)]))
+    quantized_model = quiet(lambda: fp8_pass.quantize_fp8(fused, [images(2, seed=s) for s in (2, 3)]))
     return model, fused, quantized_model
 
 
 def test_pass_puts_every_conv_but_the_stem_in_e4m3(resnet50_fp8):
     _, _, q = resnet50_fp8
-    fp8 = {name: m for name, m in q.named_modules() if isinstance(m, fp8.FusedConv2dFp8)}
+    fp8 = {name: m for name, m in q.named_modules() if isinstance(m, fp8_pass.FusedConv2dFp8)}
     bf16 = [name for name, m in q.named_modules() if isinstance(m, fusion.FusedConv2d)]
     assert (q.fp8_convs, q.bf16_convs) == (52, 1) and bf16 == ["fused_conv1"]
     assert len(fp8) == 52 and isinstance(q.fc, torch.nn.Linear)
@@ -169,7 +170,7 @@ def test_pass_puts_every_conv_but_the_stem_in_e4m3(resnet50_fp8):
     assert torch.equal(fp8["fused_layer2_1_conv1_fp8"].input_scale, chain[0])
     # one conversion each way: the max-pool's output to e4m3, the last block's to bf16 for the pooling
     conversions = sorted(name for name, m in q.named_modules()
-                         if isinstance(m, (fp8.QuantizeFp8, fp8.DequantizeFp8)))
+                         if isinstance(m, (fp8_pass.QuantizeFp8, fp8_pass.DequantizeFp8)))
     assert conversions == ["dequantize_fused_layer4_2_conv3", "quantize_maxpool"]
 
 
@@ -201,7 +202,7 @@ def test_fp8_module_matches_its_definition(resnet50_fp8):
 
 def test_pass_refuses_what_is_not_a_fused_graph():
     with pytest.raises(TypeError, match="fused_model must be the torch.fx.GraphModule"):
-        fp8.quantize_fp8(torch.nn.Conv2d(3, 8, 3), [])
+        fp8_pass.quantize_fp8(torch.nn.Conv2d(3, 8, 3), [])
 
 
 # %% On a Hopper or Blackwell GPU
@@ -233,9 +234,9 @@ def test_quantized_model_on_the_kernels_in_cuda_graphs_and_torch_compile():
     model = with_batchnorm_statistics(TwoBlocks()).cuda().to(dtype=torch.bfloat16, memory_format=torch.channels_last)
     x = images(8, size=40, seed=6, on="cuda")
     fused = fusion.fuse_conv_bn_act(model, example_input=x)
-    q = fp8.quantize_fp8(fused, [images(8, size=40, seed=s, on="cuda") for s in (7, 8)])
+    q = fp8_pass.quantize_fp8(fused, [images(8, size=40, seed=s, on="cuda") for s in (7, 8)])
     assert (q.fp8_convs, q.bf16_convs) == (8, 1)
-    writes = {name: m.out_dtype for name, m in q.named_modules() if isinstance(m, fp8.FusedConv2dFp8)}
+    writes = {name: m.out_dtype for name, m in q.named_modules() if isinstance(m, fp8_pass.FusedConv2dFp8)}
     assert all(dtype == FP8 for dtype in writes.values())
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("error", "conv_tutorial")     # a fallback to torch would be a failure here

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 lesson05 = common.load_lesson("05-warp-specialized-conv")
-from conv_tutorial import configs, launch, runtime, selection  # noqa: E402
+from conv_tutorial import configs, runtime, selection
+from conv_tutorial import launch as plans  # noqa: E402
 needs_hopper = pytest.mark.skipif(not (common.has_tma_mma_gpu() and common.is_hopper()),
                                   reason="needs a Hopper GPU (sm_90): ping-pong is its schedule")
 
@@ -110,20 +111,21 @@ def test_a_plans_template_holds_no_tensors(config):
     geometry = common.conv_geometry(x_nhwc.shape, w.shape, 1, 1)
     bias = torch.zeros(160)
     launch = lesson05.prepare_launch(x_nhwc, w, bias, geometry, config, "sm_90", 132)
-    template = launch._tensorless(launch)
-    descriptors = [d for d in template.args[:5] if d is not None]
+    template = plans._tensorless(launch)
+    names = lesson05.DESCRIPTORS
+    descriptors = [getattr(template, name) for name in names if getattr(template, name) is not None]
     assert descriptors and all(d.base is None for d in descriptors)
-    assert template.args[5] is None                  # the epilogue's pointers
-    assert template.args[6:] == launch.args[6:]     # the shape
+    assert template.pointers is None                 # the epilogue's pointers
+    assert template.shape == launch.shape
     assert template.out_2d.is_meta and template.out_2d.shape == launch.out_2d.shape
     assert (template.partial is None) == (config.split_k == 1)
     if template.partial is not None:
         assert template.partial.is_meta and template.partial.shape == launch.partial.shape
-    for original, stripped in zip(launch.args[:5], template.args[:5]):
+    for original, stripped in ((getattr(launch, name), getattr(template, name)) for name in names):
         if original is None:
             assert stripped is None
             continue
-        copy = launch._with_base(stripped, original.base)
+        copy = plans._with_base(stripped, original.base)
         assert (copy.base is original.base and list(copy.shape) == list(original.shape)
                 and list(copy.strides) == list(original.strides) and copy.block_shape == original.block_shape)
 
@@ -185,7 +187,7 @@ def test_direct_launch_remembers_tensor_maps_by_address(monkeypatch):
     for x in (x_a, x_b, x_a, x_b):
         check(x)
     geometry = common.conv_geometry(x_a.shape, w.shape, 1, 1)
-    direct = launch.plan_for(geometry, x_a.dtype, lesson05.FIXED_CONFIG).launches[("none", None, None, None)]
+    direct = plans.plan_for(geometry, x_a.dtype, lesson05.FIXED_CONFIG).launches[("none", None, None, None)]
     encoded = []
     encode = direct.encode
     monkeypatch.setattr(direct, "encode", lambda descriptor, *rest: encoded.append(descriptor.base.data_ptr())
