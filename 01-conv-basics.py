@@ -9,8 +9,9 @@ What you will learn:
 - a scalar-filter Triton kernel: one program owns a tile of the output, walks the filter taps, and
   for each tap multiplies one filter value by one shifted tile of the input;
 - how to extend it to stride, padding and many channels (NCHW);
-- why this is wasteful: each input element is loaded once per filter tap that touches it. We count
-  it in code and plot it, which motivates lesson 02 (convolution as a matrix product).
+- what that kernel costs, counted by replaying its loads: one program per output channel, so the
+  input is read Co times over, and every loaded element feeds one FMA. A matrix product reuses each
+  loaded value across a whole tile of outputs, on tensor cores: lesson 02.
 
 Builds on: nothing; this is the first lesson. `common.py` holds the shared helpers.
 
@@ -294,75 +295,130 @@ def test_direct_conv_rejects_bad_input(bad_call, error, message):
 
 
 # %%
-# What the direct kernel loads, and what it needs
-# -----------------------------------------------
-# A program's tile of BLOCK_H x BLOCK_W outputs needs only the input pixels under the union of its
-# windows: ((BLOCK_H-1)*stride + R) x ((BLOCK_W-1)*stride + S) of them per channel. But it loads a
-# full shifted tile per tap: R*S*BLOCK_H*BLOCK_W. For a 32x32 tile and a 3x3 filter that is
-# 9 x 32 x 32 = 9216 loads for 34 x 34 = 1156 distinct pixels: each one is fetched ~8 times.
-# Caches absorb part of it, but every load is still an instruction and a register, and nothing
-# here uses tensor cores. Below we count it by listing the addresses the kernel's loads touch.
+# What the direct kernel loads, and what it does with each load
+# --------------------------------------------------------------
+# The grid has one program per (tile, co, n), and the addresses a program loads do not depend on
+# co: every output channel's program reads the same input tiles again. So each input element is
+# loaded once per output channel, times once per filter tap that touches it: Co*R*S times for an
+# interior pixel at stride 1. And each loaded element feeds exactly one FMA (`acc += w * x`).
 #
-# This sliding window comes back at the end of the series. A *depthwise* convolution (groups =
+# The tap overlap inside one program is not what a matrix product removes: lesson 02's implicit
+# GEMM also loads each pixel once per tap, and neighbouring taps read neighbouring addresses that
+# caches can serve. The factor Co is. A GEMM program computes a
+# BLOCK_M x BLOCK_N tile of outputs (pixels x output channels) from one A tile (BLOCK_M x BLOCK_K)
+# and one B tile (BLOCK_N x BLOCK_K) per K-step: each A value is reused across BLOCK_N output
+# channels and each B value across BLOCK_M pixels, BLOCK_M*BLOCK_N/(BLOCK_M+BLOCK_N) FMAs per loaded
+# element (64 for a 128 x 128 tile), and the FMAs run on tensor cores instead of the FMA pipes.
+#
+# `replay_direct_conv_loads` walks the kernel's loop nest on the host, with its masks, and counts
+# how often each input element is loaded; the test checks it against counts written by hand.
+#
+# The sliding window comes back at the end of the series. A *depthwise* convolution (groups =
 # channels: MobileNet, EfficientNet, ConvNeXt) gives each channel its own filter, so there is no
-# sum over channels and no matrix product for lessons 02-05 to hand to tensor cores: it stays this
-# kernel, with the channel axis innermost (NHWC, so that a tap loads a tile of pixels x channels
-# in one coalesced sweep) and lesson 05's fused epilogue. `conv_depthwise.py` is that kernel; it
-# is memory-bound, and judged in GB/s.
+# sum over channels and no matrix product to hand to tensor cores: it stays this kernel, with the
+# channel axis innermost (NHWC, so that a tap loads a tile of pixels x channels in one coalesced
+# sweep) and lesson 05's fused epilogue. `conv_tutorial/depthwise.py` is that kernel; it is
+# memory-bound, and judged in GB/s.
 
 
-def count_tile_loads(tile_h, tile_w, R, S, stride=1, dilation=1):
-    """Return (loads issued, distinct input pixels) for one output tile and one channel.
+def replay_direct_conv_loads(N, Ci, H, W, Co, R, S, stride=1, padding=0, dilation=1):
+    """Replay conv2d_nchw_direct_kernel's loads: (times each input element was loaded, useful FMAs).
 
-    Lists every (row, col) the kernel's tap loop reads for the tile and counts them; nothing is
-    taken from the closed form, which the test compares against."""
-    rows = torch.arange(tile_h)[:, None] * stride
-    cols = torch.arange(tile_w)[None, :] * stride
-    addresses = []
-    for r, s in itertools.product(range(R), range(S)):
-        tap_rows = (rows + r * dilation).expand(tile_h, tile_w)
-        tap_cols = (cols + s * dilation).expand(tile_h, tile_w)
-        addresses.append(tap_rows * 100_000 + tap_cols)   # one number per (row, col)
-    addresses = torch.cat([a.flatten() for a in addresses])
-    return addresses.numel(), torch.unique(addresses).numel()
+    Walks every program (n, co) and every (ci, r, s) of its loop, over all output pixels (the
+    tiles cover each once), with the kernel's masks: a load happens where the tap lands inside
+    the image. The first result has x's shape [N, Ci, H, W]."""
+    geometry = common.conv_geometry((N, H, W, Ci), (Co, R, S, Ci), stride, padding, dilation)
+    (sh, sw), (ph, pw), (dh, dw) = geometry.stride, geometry.padding, geometry.dilation
+    oy = torch.arange(geometry.out_h)[:, None]
+    ox = torch.arange(geometry.out_w)[None, :]
+    loads = torch.zeros(N, Ci, H, W, dtype=torch.int64)
+    fmas = 0
+    for n, co, ci, r, s in itertools.product(range(N), range(Co), range(Ci), range(R), range(S)):
+        in_rows = (oy * sh - ph + r * dh).expand(geometry.out_h, geometry.out_w)
+        in_cols = (ox * sw - pw + s * dw).expand(geometry.out_h, geometry.out_w)
+        valid = (in_rows >= 0) & (in_rows < H) & (in_cols >= 0) & (in_cols < W)
+        loads[n, ci].index_put_((in_rows[valid], in_cols[valid]), torch.tensor(1), accumulate=True)
+        fmas += geometry.out_h * geometry.out_w       # acc += w * x on every output pixel
+    return loads, fmas
 
 
-def run_load_count(outdir=None, verbose=True):
-    issued, unique = count_tile_loads(32, 32, 3, 3)
+def gemm_fmas_per_load(BLOCK_M, BLOCK_N):
+    """FMAs per loaded element of one GEMM K-step: BLOCK_M*BLOCK_N*BLOCK_K over (BLOCK_M+BLOCK_N)*BLOCK_K."""
+    return BLOCK_M * BLOCK_N / (BLOCK_M + BLOCK_N)
+
+
+def run_load_count(outdir=None, verbose=True, Ci=4, H=12, W=12, R=3, S=3):
+    counts = {}
+    for Co in (1, 4, 16, 64):
+        loads, fmas = replay_direct_conv_loads(1, Ci, H, W, Co, R, S, 1, 1)
+        counts[Co] = {"interior": int(loads[0, 0, H // 2, W // 2]), "loads": int(loads.sum()), "fmas": fmas}
     if verbose:
-        print(f"32x32 tile, 3x3 filter: {issued} loads issued for {unique} distinct input pixels "
-              f"({issued / unique:.1f}x)")
-    filter_sizes = [1, 2, 3, 5, 7]
-    tile_sizes = [8, 16, 32, 64]
-    ratios = {tile: [count_tile_loads(tile, tile, f, f)[0] / count_tile_loads(tile, tile, f, f)[1]
-                     for f in filter_sizes] for tile in tile_sizes}
+        print(f"direct kernel, {Ci}->Co channels, {H}x{W} image, {R}x{S} filter, padding 1 (replayed loads):")
+        for Co, c in counts.items():
+            print(f"  Co={Co:3d}: an interior input element is loaded {c['interior']:4d} times "
+                  f"(Co x R*S); {c['loads']} loads for {c['fmas']} FMAs = "
+                  f"{c['fmas'] / c['loads']:.2f} FMA per load")
+        print("  (above 1 only because a padding tap multiplies a 0 it never loaded)")
+        print(f"  a 128 x 128 GEMM tile: {gemm_fmas_per_load(128, 128):.0f} FMAs per loaded element, "
+              f"on tensor cores (lesson 02)")
     if outdir is not None:
         fig, ax = common.new_figure(figsize=(7, 4.5))
-        for tile in tile_sizes:
-            ax.plot(filter_sizes, ratios[tile], marker="o", label=f"{tile}x{tile} output tile")
-        ax.plot(filter_sizes, [f * f for f in filter_sizes], "k--", lw=1, label="R*S (limit for huge tiles)")
-        ax.set_xlabel("filter size R = S")
-        ax.set_ylabel("input loads issued / distinct input pixels needed")
-        ax.set_title("Direct convolution re-loads each input pixel about R*S times\n"
-                     "(scalar-filter kernel, one channel, stride 1)")
-        ax.set_xticks(filter_sizes)
+        channels = list(counts)
+        ax.plot(channels, [counts[Co]["interior"] for Co in channels], marker="o",
+                label="direct kernel (lesson 01), replayed")
+        ax.plot(channels, [-(-Co // 128) * R * S for Co in channels], marker="s",
+                label="GEMM with BLOCK_N = 128: once per tap per column tile (from its loop nest)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("output channels Co")
+        ax.set_ylabel("loads of one interior input element")
+        ax.set_title(f"The direct kernel reads the input once per output channel\n"
+                     f"({R}x{S} filter, stride 1, {H}x{W}x{Ci} input)")
+        ax.set_xticks(channels, [str(Co) for Co in channels])
+        ax.set_yticks([counts[Co]["interior"] for Co in channels],
+                      [str(counts[Co]["interior"]) for Co in channels])
         ax.grid(alpha=0.3)
-        ax.legend()
-        common.save_figure(fig, outdir, "01_load_redundancy",
-                           {"filter_sizes": filter_sizes, "ratio_by_tile": ratios})
-    return issued, unique, ratios
+        ax.legend(fontsize=8)
+        common.save_figure(fig, outdir, "01_input_loads", {"R": R, "S": S, "Ci": Ci, "H": H, "W": W,
+                                                            "counts_by_Co": counts})
+    return counts
 
 
-def test_load_count():
-    issued, unique, ratios = run_load_count(verbose=False)
-    assert (issued, unique) == (9 * 32 * 32, 34 * 34)
-    # Against the closed form: with stride 1 (and a tile at least as wide as the dilation) the
-    # windows overlap into one dense block of (tile-1) + dil*(R-1) + 1 pixels per side.
-    for tile, R, dil in [(8, 3, 1), (16, 5, 1), (4, 3, 2), (8, 1, 1), (8, 7, 3)]:
-        span = (tile - 1) + dil * (R - 1) + 1
-        assert count_tile_loads(tile, tile, R, R, 1, dil) == (R * R * tile * tile, span * span)
-    # With stride 2 and a 1x1 filter nothing is shared: every load is a distinct pixel.
-    assert count_tile_loads(8, 8, 1, 1, stride=2) == (64, 64)
+@pytest.mark.parametrize("Co", [1, 3])
+def test_replayed_loads(Co):
+    # 3x3, stride 1, padding 1 on 5x6: an interior pixel is under all 9 taps of each of Co programs;
+    # the corner (0, 0) under 4 (output pixels (0..1, 0..1), each with one tap on it).
+    loads, fmas = replay_direct_conv_loads(2, 2, 5, 6, Co, 3, 3, 1, 1)
+    assert loads[1, 1, 2, 3] == Co * 9 and loads[0, 0, 0, 0] == Co * 4
+    assert fmas == 2 * Co * 2 * 9 * 5 * 6            # N * Co * Ci * R * S * out_h * out_w
+    assert loads.sum() < fmas                        # padding taps: an FMA (with 0) but no load
+    # No padding: every FMA has its own load, one each.
+    loads, fmas = replay_direct_conv_loads(1, 2, 6, 6, Co, 3, 3)
+    assert loads.sum() == fmas
+    # Dilation 2 on 9x9 (out 5x5): the centre is under all 9 taps, the corner only under tap (0, 0).
+    loads, _ = replay_direct_conv_loads(1, 1, 9, 9, Co, 3, 3, dilation=2)
+    assert loads[0, 0, 4, 4] == Co * 9 and loads[0, 0, 0, 0] == Co
+    # Stride 2, 1x1 filter: even rows and columns are read once per program, the others never.
+    loads, _ = replay_direct_conv_loads(1, 1, 6, 6, Co, 1, 1, stride=2)
+    assert loads[0, 0, ::2, ::2].eq(Co).all() and loads[0, 0, 1::2].eq(0).all()
+
+
+def test_load_count_plot(tmp_path):
+    counts = run_load_count(tmp_path, verbose=False)
+    assert [c["interior"] for c in counts.values()] == [9, 36, 144, 576]
+    assert (tmp_path / "01_input_loads.png").stat().st_size > 10_000
+    assert gemm_fmas_per_load(128, 128) == 64
+
+
+# %%
+# What lesson 01 measured, what limits it, what comes next
+# --------------------------------------------------------
+# Measured: the kernels match torch.nn.functional.conv2d (in the interpreter on a CPU, compiled on
+# a GPU), and the replay above counts Co*R*S loads of each interior input element and one FMA per
+# load. That is the limit: the kernel is bound by load instructions and memory traffic, and its
+# FMAs run on the general-purpose pipes, never on tensor cores. Lesson 02 rewrites the same sum as
+# a matrix product (im2col), so that one program computes many output channels from each load and
+# `tl.dot` hands the products to tensor cores.
 
 
 # %%
