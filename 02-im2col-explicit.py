@@ -9,10 +9,13 @@ What you will learn:
 - what materialising A costs: R*S copies of the input, in bytes and in time;
 - implicit GEMM: the same GEMM, but each K-step computes the input addresses of its A tile from
   (batch, out_y, out_x, r, s, ci) in registers, with masks for padding and image edges;
+- what `tl.dot` becomes on Hopper: its `wgmma` and `cp.async` instructions in the sm_90 PTX
+  (compiled ahead of time, so a CPU shows them too), and what `num_stages` and `num_warps` change;
 - how the implicit GEMM compares with cuDNN (TFLOPS, on a GPU).
 
 What changed since lesson 01: NHWC activations and [Co, R, S, Ci] weights (the layout lessons 03-05
-use), and tensor cores through `tl.dot` instead of scalar multiply-adds.
+use), and one program computes a tile of pixels x output channels with `tl.dot` (tensor cores on a
+GPU) instead of one output channel with scalar multiply-adds.
 
 Requires: any CUDA GPU for the GPU run and the benchmark; on a CPU the kernels run in the Triton
 interpreter (set automatically by common.py).
@@ -37,8 +40,9 @@ INTERPRETED = tl.constexpr(common.interpreter_mode())
 def dot_accumulate(a, b, acc, INTERPRETED: tl.constexpr):
     """acc += a @ b with fp32 accumulation (tensor cores on a GPU).
 
-    Under the CPU interpreter of Triton 3.8, `tl.dot` misreads bf16 operands (it returns garbage of
-    size ~1e10), so there the operands are widened to fp32 first. Both are exact products summed in
+    Under the CPU interpreter of Triton 3.8 and 3.9.0, `tl.dot` misreads bf16 operands (a 16x16
+    product came back with an error of 2.7e10 on 3.9.0), so there the operands are widened to fp32
+    first. Both are exact products summed in
     fp32; on a GPU this branch is compiled away."""
     if INTERPRETED:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
@@ -168,7 +172,8 @@ def conv2d_im2col_explicit(x_nhwc, w, stride=1, padding=0, dilation=1):
 # ----------------------------
 # Each input pixel appears in A once per filter tap that covers it, so A holds about
 # R*S/(sh*sw) times the bytes of the input. It is written once and read back by the GEMM: traffic
-# that a convolution does not need. For a ResNet 3x3 layer that is 9x the activations.
+# that a convolution does not need. For a 3x3 layer with stride 1 and 'same' padding that is
+# exactly 9x the activations.
 
 
 def materialization_ratio(H, W, Ci, R, S, stride, padding=None):
@@ -267,8 +272,12 @@ def time_im2col_vs_direct(N=16, H=56, W=56, Ci=64, Co=64, R=3, S=3, dtype=torch.
 #                 acc += A @ B^T
 #         y[m, co] = acc
 #
-# Programs are ordered in groups of GROUP_M row-tiles (as in Triton's matmul tutorial) so that
-# neighbouring programs share weight tiles in L2.
+# Programs are ordered in groups of GROUP_M row-tiles (as in Triton's matmul tutorial): the
+# programs that run at the same time cover GROUP_M row-tiles x several column-tiles. Every
+# column-tile re-reads the same activation rows, so grouped, those re-reads come soon after the
+# first and find the rows in L2. The weights need no help: the headline layer's are 2.65 MB
+# (384 x 3 x 3 x 384 bf16), small beside the L2 (50 MB on an H100), and the activations are 400 MB.
+# With Co <= BLOCK_N there is one column-tile and grouping changes nothing.
 
 
 @triton.jit
@@ -405,6 +414,100 @@ def test_rejects_bad_input(fn_name, make_args, kwargs, error, message):
 
 
 # %%
+# What `tl.dot` becomes on Hopper (no GPU needed)
+# -----------------------------------------------
+# `tl.dot` is one line of Python; the compiler turns it into a whole pipeline. Compiled ahead of
+# time for sm_90 (H100) with the headline layer's config (128 x 128 x 64 tile, bf16, 8 warps,
+# 3 stages), the PTX holds:
+#
+# - `wgmma.mma_async` (warpgroup MMA): 8 warps are 2 warpgroups of 128 threads, each computing a
+#   64 x 128 half of the tile, 16 channels per instruction (m64n128k16), so 4 per BLOCK_K = 64
+#   step. Both operands are read from shared memory; the fp32 accumulator lives in registers.
+#   The MMA is asynchronous: `wgmma.commit_group` closes a batch, and `wgmma.wait_group 1` lets
+#   one batch run on the tensor cores while the warps issue the next step's copies.
+# - `cp.async.cg.shared.global`: 16-byte copies from global to shared memory that do not pass
+#   through registers. A step's A and B tiles are 16 KB each, 64 bytes per thread per tile, so 8
+#   copies per thread per step. `num_stages = 3` gives 3 shared-memory buffers per operand
+#   (3 x 32 KB = 96 KB): while the tensor cores work on step i, the copies of steps i+1 and i+2
+#   are in flight. `cp.async.commit_group` closes a group of copies (one per operand per step),
+#   and `cp.async.wait_group 2` waits until at most 2 groups, the next step's A and B, are still
+#   pending. With `num_stages = 1` there is no `cp.async` at all: plain loads to registers,
+#   stored to shared memory, then the MMA.
+# - `fence.proxy.async.shared::cta` before the MMA: `cp.async` writes shared memory as ordinary
+#   (generic-proxy) stores, while `wgmma` reads it through the async proxy; the fence orders the
+#   two (lesson 03 explains the proxies).
+#
+# `num_warps` sets how many warps share the tile: 8 warps split it between 2 warpgroups; 4 warps
+# are one warpgroup, which computes all 128 rows (8 MMAs per step instead of 4), issues twice the
+# copies per thread and holds twice the accumulator per thread (Triton 3.9.0's build: 255
+# registers, the most a thread can have).
+#
+# And what the compiler cannot do: it pipelines only the innermost loop, the channel blocks of one
+# tap (384 / 64 = 6 steps for the headline layer). At the end of every tap the PTX waits for all
+# copies and all MMAs (`cp.async.wait_group 0`, `wgmma.wait_group 0`): the pipeline drains and
+# refills R*S times per tile. And every step still computes its addresses and masks in
+# registers. Lessons 03-04 hand the addresses to the copy engine and take over the pipeline.
+
+IMPLICIT_GEMM_TAUGHT = {"sm_90": [
+    ("wgmma.mma_async", "warpgroup MMA from shared memory; BLOCK_K / 16 per step and warpgroup"),
+    ("wgmma.wait_group.sync.aligned 1", "in the loop: one MMA batch stays in flight"),
+    ("wgmma.wait_group.sync.aligned 0", "after the last channel block of a tap: the pipeline drains"),
+    ("cp.async.cg.shared.global", "16-byte global -> shared copies; the prologue's 2 stages and the loop's"),
+    ("cp.async.wait_group", "in the loop: wait until only the next step's 2 groups (A, B) are pending; 0: drain"),
+    ("fence.proxy.async.shared::cta", "generic-proxy cp.async writes, async-proxy wgmma reads"),
+]}
+
+
+def aot_implicit_gemm(arch, num_stages=3, num_warps=8):
+    """Launch arguments of the implicit-GEMM kernel with the headline layer's channels and config
+    (bf16; a small image, which only changes runtime values), for common.aot_compile."""
+    x_nhwc = torch.zeros(2, 8, 8, 384, dtype=torch.bfloat16)
+    w = torch.zeros(384, 3, 3, 384, dtype=torch.bfloat16)
+    geometry = common.conv_geometry(x_nhwc.shape, w.shape, 1, 1)
+    y = torch.zeros(geometry.output_shape_nhwc, dtype=torch.bfloat16)
+    config = dict(implicit_gemm_config(geometry), num_stages=num_stages, num_warps=num_warps)
+    args = (x_nhwc, w, y, geometry.H, geometry.W, geometry.Ci, geometry.Co, geometry.out_h,
+            geometry.out_w, geometry.M, geometry.K, *geometry.stride, *geometry.padding,
+            *geometry.dilation, geometry.R, geometry.S)
+    return conv2d_implicit_gemm_kernel, args, config
+
+
+def run_show_ptx(verbose=True):
+    """The sm_90 PTX of the headline config, then what num_stages and num_warps change."""
+    common.show_ptx("02-im2col-explicit", "aot_implicit_gemm", IMPLICIT_GEMM_TAUGHT,
+                    lambda arch, compiled: "what tl.dot became (128x128x64 tile, bf16, 8 warps, 3 stages)")
+    rows = {}
+    for num_stages, num_warps in [(3, 8), (1, 8), (3, 4)]:
+        compiled = common.aot_compile_or_say_why("02-im2col-explicit", "aot_implicit_gemm", "sm_90",
+                                                 num_stages=num_stages, num_warps=num_warps)
+        if compiled is None:
+            return rows
+        counts = common.ptx_instructions(compiled["ptx"], ["cp.async.cg", "wgmma.mma_async"])
+        rows[num_stages, num_warps] = dict(counts, shared=compiled["shared"], registers=compiled["registers"],
+                                           wgmma=common.first_ptx_instruction(compiled["ptx"], "wgmma.mma_async").split()[0])
+    if verbose:
+        print("\n   num_stages num_warps  shared memory  registers  cp.async copies  wgmma in the text")
+        for (num_stages, num_warps), row in rows.items():
+            print(f"   {num_stages:10d} {num_warps:9d} {row['shared']:10d} B {row['registers']!s:>10} "
+                  f"{row['cp.async.cg']:16d}  {row['wgmma.mma_async']} x {row['wgmma']}")
+    return rows
+
+
+def test_dot_compiles_to_wgmma_and_cp_async():
+    compiled = common.assert_ptx_teaches("02-im2col-explicit", "aot_implicit_gemm", "sm_90", IMPLICIT_GEMM_TAUGHT)
+    counts = common.ptx_instructions(compiled["ptx"], ["wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
+                                                       "cp.async.cg.shared.global"])
+    # 2 warpgroups x 64 rows = the 128-row tile; 64 / 16 = 4 MMAs per step per warpgroup.
+    assert counts["wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"] == 4
+    # 8 copies per thread per step (two 16 KB tiles over 256 threads, 16 B each), for 3 steps.
+    assert counts["cp.async.cg.shared.global"] == 3 * 8
+    assert compiled["shared"] >= 3 * 2 * 128 * 64 * 2        # 3 stages of A and B tiles, bf16
+    single = common.aot_compile_or_skip("02-im2col-explicit", "aot_implicit_gemm", "sm_90", num_stages=1)
+    assert common.ptx_instructions(single["ptx"], ["cp.async"])["cp.async"] == 0
+    assert single["shared"] < compiled["shared"]
+
+
+# %%
 # How fast is it? (GPU only)
 # --------------------------
 # `--bench` measures the implicit GEMM against cuDNN (torch.nn.functional.conv2d on the same
@@ -471,6 +574,23 @@ def show_recorded_bench(outdir):
 
 
 # %%
+# What lesson 02 measured, what limits it, what comes next
+# --------------------------------------------------------
+# Measured: explicit and implicit GEMM match torch.nn.functional.conv2d; explicit im2col writes
+# and reads back R*S/(sh*sw) times the input; `tl.dot` compiles to warpgroup MMAs fed by a
+# 3-stage `cp.async` pipeline. On an H100 (80GB HBM3, bf16, Triton 3.8.0, 2026-11-24; RESULTS.md)
+# the implicit GEMM ran the headline layer at 445 TFLOPS, cuDNN at 675.
+#
+# What limits it: the compiler owns the schedule. It pipelines only the channel blocks of one tap
+# and drains at every tap, and each step's addresses, masks and 64-bit pointers are integer work
+# and registers in the same warps that feed the tensor cores.
+#
+# Next: lesson 03 studies Hopper's TMA im2col mode, a copy engine that computes a tile's addresses
+# and padding from a descriptor; lesson 04 builds the implicit GEMM on it in Gluon and writes the
+# pipeline (barriers, stages, MMA waits) itself.
+
+
+# %%
 if __name__ == "__main__":
     args = common.lesson_args("Lesson 02: im2col, explicit and implicit")
     outdir = common.output_dir(args.outdir)
@@ -480,6 +600,7 @@ if __name__ == "__main__":
         run_conv_case(conv2d_implicit_gemm, case, torch.bfloat16)
     print("explicit im2col + GEMM and implicit GEMM match torch.nn.functional.conv2d")
     run_materialization_cost(outdir, bench=args.bench)
+    run_show_ptx()
     if common.HAS_CUDA and (args.bench or not args.quick):
         bench_implicit_vs_cudnn(outdir, quick=args.quick)
     elif not common.HAS_CUDA:
