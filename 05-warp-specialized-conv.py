@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 lesson04 = common.load_lesson("04-implicit-gemm-single-buffer")   # its MMA step, HopperWGMMA
 
-CONV_DTYPES = (torch.float16, torch.bfloat16)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)    # e4m3: section 9
 # A run-time integer in an aggregate: a tensor, or a constexpr where Triton specialized the
 # argument (it compiles a value of 1 in as a constant).
 Int = gl.tensor | gl.constexpr
@@ -267,10 +267,7 @@ class TileOutput:
     partial_ptr: gl.tensor
     M: Int
     Co: Int
-    HAS_BIAS: gl.constexpr
-    HAS_SCALE: gl.constexpr
-    HAS_RESIDUAL: gl.constexpr
-    ACTIVATION: gl.constexpr
+    EPILOGUE: gl.tuple                 # which parts of the epilogue to apply (an `Epilogue`, constexprs)
     SPLIT_K: gl.constexpr
     STORE_BY_ROW_BLOCKS: gl.constexpr
 
@@ -303,14 +300,13 @@ def store_output_tile(acc, c_smem, out_desc, output, m0, co0, STORES_IN_FLIGHT: 
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
     cols = co0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
     residual = 0.0
-    if output.HAS_RESIDUAL:
+    if output.EPILOGUE.residual:
         # the residual tile, read in the accumulator's own layout: no shuffle through shared memory
         rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
         offsets = gl.expand_dims(rows.to(gl.int64) * output.Co, 1) + gl.expand_dims(cols, 0)
         inside = gl.expand_dims(rows < output.M, 1) & gl.expand_dims(cols < output.Co, 0)
         residual = gl.load(output.residual_ptr + offsets, mask=inside, other=0.0)
-    acc = apply_epilogue(acc, cols, output.Co, output.scale_ptr, output.bias_ptr, residual, output.HAS_SCALE,
-                         output.HAS_BIAS, output.HAS_RESIDUAL, output.ACTIVATION)
+    acc = apply_epilogue(acc, cols, output.Co, output.scale_ptr, output.bias_ptr, residual, output.EPILOGUE)
     tma.store_wait(pendings=STORES_IN_FLIGHT)
     c_smem.store(acc.to(out_desc.dtype))
     fence_async_shared()
@@ -592,28 +588,27 @@ def whole_tile_count(num_tiles, programs, SPLIT_K: tl.constexpr):
 # `apply_epilogue` combines them with the tile and applies ReLU or SiLU before the one store. It is
 # a plain `@triton.jit` function (elementwise math needs no layouts), so split-K's second kernel
 # (section 7) applies the very same epilogue. In eval mode BatchNorm is an affine map per channel
-# and folds into the conv's weights and shift (conv_torch.fold_batchnorm), so conv -> BatchNorm ->
+# and folds into the conv's weights and shift (conv_tutorial.fusion.fold_batchnorm), so conv -> BatchNorm ->
 # add -> ReLU becomes one kernel that reads the residual once and writes the result once.
-# conv_torch.fuse_conv_bn_act finds these chains in any model with torch.fx; scripts/resnet50.py
+# conv_tutorial.fuse_conv_bn_act finds these chains in any model with torch.fx; benchmarks/resnet50.py
 # measures what it does to a whole ResNet-50 (RESULTS.md).
 
 
 @triton.jit
-def apply_epilogue(acc, cols, Co, scale_ptr, bias_ptr, residual, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr):
+def apply_epilogue(acc, cols, Co, scale_ptr, bias_ptr, residual, EPILOGUE: tl.constexpr):
     # act(acc * scale[cols] + bias[cols] + residual) in fp32: the scale and bias loaded here for the tile's columns
     # `cols`, the residual tile loaded by the caller in the accumulator's layout.
-    if HAS_SCALE:
+    if EPILOGUE.scale:
         scale = tl.load(scale_ptr + cols, mask=cols < Co, other=0.0)
         acc = acc * tl.expand_dims(scale.to(tl.float32), 0)
-    if HAS_BIAS:
+    if EPILOGUE.bias:
         bias = tl.load(bias_ptr + cols, mask=cols < Co, other=0.0)
         acc = acc + tl.expand_dims(bias.to(tl.float32), 0)
-    if HAS_RESIDUAL:
+    if EPILOGUE.residual:
         acc = acc + residual.to(tl.float32)
-    if ACTIVATION == "relu":
+    if EPILOGUE.activation == "relu":
         acc = tl.maximum(acc, 0.0)
-    if ACTIVATION == "silu":      # x * sigmoid(x)
+    if EPILOGUE.activation == "silu":      # x * sigmoid(x)
         acc = acc / (1.0 + tl.exp(-acc))
     return acc
 
@@ -676,8 +671,7 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
     window = Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group, S,
                           channel_blocks)
     output = TileOutput(out_desc, out_tail_desc, c_smem, c_tail_smem, bias_ptr, scale_ptr, residual_ptr,
-                        partial_ptr, M, Co, EPILOGUE.bias, EPILOGUE.scale, EPILOGUE.residual, EPILOGUE.activation,
-                        CONFIG.split_k, STORE_BY_ROW_BLOCKS)
+                        partial_ptr, M, Co, EPILOGUE, CONFIG.split_k, STORE_BY_ROW_BLOCKS)
     if IS_BLACKWELL:
         NUM_ACC: gl.constexpr = 2
         acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N],
@@ -836,6 +830,8 @@ def groups_fit(config, Ci_group, Co_group, element_size=2):
 
 
 def check_groups_fit(config, geometry, element_size=2):
+    if geometry.groups > 1 and element_size == 1:
+        raise ValueError(f"{geometry.describe()}: grouped convs run in fp16 or bf16 (section 10), not e4m3")
     if geometry.groups > 1 and not groups_fit(config, geometry.Ci_group, geometry.Co_group, element_size):
         raise ValueError(f"config {config}: {geometry.describe()} has {geometry.Ci_group} input and "
                          f"{geometry.Co_group} output channels per group; a tile must stay in one group, so "
@@ -964,15 +960,18 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
 
 
 def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG,
-                        scale=None, residual=None, activation="none", groups=1):
-    """The warp-specialized conv, launched plainly. x_nhwc [N, H, W, Ci], w [Co, R, S, Ci] (fp16 or
-    bf16, CUDA, contiguous); returns NHWC [N, out_h, out_w, Co] in x's dtype. The epilogue
-    computes act(conv * scale + bias + residual) in fp32 before the cast: optional bias and scale
-    [Co] (fp32 or x's dtype), residual of the output's shape and dtype, activation "none", "relu"
-    or "silu". groups > 1 (section 10): w is [Co, R, S, Ci / groups]."""
-    geometry = common.check_conv_call(x_nhwc, w, bias, stride, padding, dilation, dtypes=CONV_DTYPES,
-                                      scale=scale, residual=residual, activation=activation, groups=groups)
-    return launch_checked(x_nhwc, w, bias, geometry, config, scale, residual, activation, x_nhwc.dtype)
+                        scale=None, residual=None, activation="none", groups=1, out_dtype=None):
+    """The warp-specialized conv, launched plainly. x_nhwc [N, H, W, Ci], w [Co, R, S, Ci] (fp16,
+    bf16 or, section 9, e4m3; CUDA, contiguous); returns NHWC [N, out_h, out_w, Co] in x's dtype
+    (e4m3 operands: bf16, or e4m3 if out_dtype asks). The epilogue computes act(conv * scale + bias
+    + residual) in fp32 before the cast: optional bias and scale [Co] (fp32 or x's dtype), residual
+    of the output's shape and dtype, activation "none", "relu" or "silu". groups > 1 (section 10):
+    w is [Co, R, S, Ci / groups]."""
+    geometry = common.check_conv_call(x_nhwc, w, bias, stride, padding, dilation, dtypes=KERNEL_DTYPES,
+                                      scale=scale, residual=residual, activation=activation, out_dtype=out_dtype,
+                                      groups=groups)
+    out_dtype = common.output_dtype(x_nhwc.dtype, out_dtype)
+    return launch_checked(x_nhwc, w, bias, geometry, config, scale, residual, activation, out_dtype)
 
 
 def launch_checked(x_nhwc, w, bias, geometry, config, scale, residual, activation, out_dtype):
@@ -1227,8 +1226,7 @@ def split_k_epilogue_kernel(partial_ptr, out_ptr, epilogue_ptrs, M, Co, out_stri
         acc += tl.load(partial_ptr + offsets, mask=inside, other=0.0)
     residual_offsets = rows.to(tl.int64)[:, None] * Co + cols[None, :]
     residual = tl.load(residual_ptr + residual_offsets, mask=inside, other=0.0) if EPILOGUE.residual else 0.0
-    acc = apply_epilogue(acc, cols, Co, scale_ptr, bias_ptr, residual, EPILOGUE.scale, EPILOGUE.bias,
-                         EPILOGUE.residual, EPILOGUE.activation)
+    acc = apply_epilogue(acc, cols, Co, scale_ptr, bias_ptr, residual, EPILOGUE)
     out_offsets = rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
     tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=inside)
 
@@ -1272,7 +1270,7 @@ def test_split_k_epilogue_kernel_against_torch(split_k, epilogue):
 # 8. Small channel counts: folding the filter's columns into the channels
 # -----------------------------------------------------------------------
 # Lines it adds to the kernel: none. A network's RGB stem (Ci=3, padded to 8, 7x7 stride 2) gives
-# the K loop 49 k-steps of 8 channels, 5 of them real. `conv_runtime.FoldedConv` runs it as an
+# the K loop 49 k-steps of 8 channels, 5 of them real. `conv_tutorial.runtime.FoldedConv` runs it as an
 # R x 1 convolution over S * Ci folded channels instead: one small Triton kernel copies each
 # pixel's row of S taps into its channels, and the same kernel then runs 7 k-steps of 24 real
 # channels. Measured on an H100: ResNet-50's stem went from 0.62x cuDNN to 1.75x.
@@ -1298,31 +1296,22 @@ def test_split_k_epilogue_kernel_against_torch(split_k, epilogue):
 #   of x_q * w_q comes out of the MMA in fp32, and multiplying it by x_scale * w_scale[co] is the
 #   dequantization: the fused epilogue's per-channel scale (section 5) does it at no cost, with a
 #   folded BatchNorm's scale in the same vector.
-# - The output: bf16, or e4m3 again with an output scale, so that activations stay in fp8 from one
-#   conv to the next. Dividing by out_scale folds into the same scale and bias for ReLU
-#   (relu(z) / s = relu(z / s)), not for SiLU, which is refused; a residual added in e4m3 must be at
-#   the output's scale. The cast to e4m3 saturates at 448.
+# - The output: bf16, or e4m3 again (`out_dtype`), so that activations stay in fp8 from one conv to
+#   the next. An e4m3 output needs a scale of its own, out_scale; dividing by it folds into the
+#   same scale and bias for ReLU (relu(z) / s = relu(z / s)), not for SiLU, and a residual added in
+#   e4m3 must be at the output's scale. The cast to e4m3 saturates at 448.
+#
+# So the launcher needs no fp8 entry of its own: `conv2d_fprop_launch` takes e4m3 operands, and the
+# caller passes scale = x_scale * w_scale (the operator, conv_tutorial.conv2d_fp8, checks the scales
+# and folds out_scale and a layer's own scale in).
 #
 # Measured on an H100 (results/h100-2026-11-24/fp8.json, kernels alone, each precision with the
 # fastest of the same five configs): the headline shape runs at 1254 TFLOPS in e4m3 against 706
 # in bf16 (1.78x); over the network suite's 84 layers e4m3 is 1.38x bf16, up to 1.9-2.0x on the
 # SD UNet's wide 3x3 layers and no faster where the tensor cores are not the limit (the stem,
 # 1x1 layers with few channels, Ci below 128 bytes: a 5x5 layer of 48 channels ran 0.77x, its
-# k-steps half as long). A whole ResNet-50 in e4m3, a torch.fx pass away (conv_fp8.py), runs 1.32x
+# k-steps half as long). A whole ResNet-50 in e4m3, a torch.fx pass away (conv_tutorial/fp8.py), runs 1.32x
 # our bf16 one.
-
-
-def conv2d_fprop_fp8_launch(x_q, x_scale, w_q, w_scale, bias=None, stride=1, padding=0, dilation=1,
-                            config=FIXED_CONFIG, scale=None, residual=None, activation="none",
-                            out_dtype=torch.bfloat16, out_scale=None):
-    """The kernel on e4m3 operands (common.quantize_fp8 makes them): x_q [N, H, W, Ci] with x_scale
-    (fp32, shape ()), w_q [Co, R, S, Ci] with w_scale (fp32, [Co]). Returns act(conv(x, w) * scale +
-    bias + residual) in out_dtype: bf16, or e4m3 divided by out_scale (fp32, shape ())."""
-    geometry = common.check_fp8_call(x_q, x_scale, w_q, w_scale, bias, stride, padding, dilation, scale=scale,
-                                     residual=residual, activation=activation, out_dtype=out_dtype,
-                                     out_scale=out_scale)
-    scale, bias = common.fp8_epilogue(x_scale, w_scale, scale, bias, out_scale)   # dequantize in the epilogue
-    return launch_checked(x_q, w_q, bias, geometry, config, scale, residual, activation, out_dtype)
 
 
 # On a CPU the fp8 build shows the e4m3 instructions (`python 05-warp-specialized-conv.py --show-ptx`).
@@ -1351,10 +1340,11 @@ def run_fp8_demo():
     if not on_gpu:
         return common.show_ptx("05-warp-specialized-conv", "aot_conv2d_fprop", TAUGHT_PTX_FP8,
                                lambda arch, compiled: "conv2d_fprop_kernel on e4m3 operands, bf16 output", **FP8_BUILD)
-    x, w = common.random_conv_inputs(128, 14, 14, 256, 256, 3, 3, torch.bfloat16)
-    operands = common.quantize_conv_operands(x, w)
-    out = conv2d_fprop_fp8_launch(*operands, padding=1)
-    exact = common.reference_conv2d_nhwc(*common.dequantize_conv_operands(*operands), padding=1)
+    x, w = common.random_conv_inputs(128, 14, 14, 256, 256, 3, 3, torch.float32)
+    x_scale, w_scale = x.abs().amax() / 448, w.abs().amax(dim=(1, 2, 3)) / 448    # amax -> e4m3's largest value
+    x_q, w_q = (x / x_scale).to(torch.float8_e4m3fn), (w / w_scale.view(-1, 1, 1, 1)).to(torch.float8_e4m3fn)
+    out = conv2d_fprop_launch(x_q, w_q, padding=1, scale=x_scale * w_scale)     # dequantized by the epilogue
+    exact = common.reference_conv2d_nhwc(x_q.float() * x_scale, w_q.float() * w_scale.view(-1, 1, 1, 1), padding=1)
     print(f"\nfp8 on 128 x 14x14 256->256 3x3: relative error {(out.float() - exact).norm() / exact.norm():.1e} "
           "against torch on the dequantized operands")
 
@@ -1384,7 +1374,7 @@ if __name__ == "__main__":
 # `check_groups_fit` refuses other configs, and the runtime tunes among those that fit.
 #
 # ResNeXt-50's groups are narrower than any tile: 32 groups of 4, 8, 16 or 32 channels. The
-# PyTorch module (`conv_torch.FusedConv2d`) merges P neighbouring groups into one, P = 16, 8, 4, 2,
+# PyTorch module (`conv_tutorial.FusedConv2d`) merges P neighbouring groups into one, P = 16, 8, 4, 2,
 # until a group is 64 channels wide: a merged group's filter is block-diagonal, each output
 # channel's own filter at its old group's place among the P groups' channels, zeros elsewhere.
 # Exact (the zeros multiply the other groups' channels), and P times the tensor-core work, which
@@ -1455,14 +1445,14 @@ def test_grouped_conv_matches_torch(N, H, W, groups, Ci_group, Co_group, R, stri
 # What compute-sanitizer says
 # ---------------------------
 # Random shapes cannot show that a warp-specialized kernel has no race; the CUDA toolkit's
-# compute-sanitizer checks a run as it happens. `python scripts/sanitize.py` runs its four tools
+# compute-sanitizer checks a run as it happens. `python tools/sanitize.py` runs its four tools
 # (memcheck, racecheck, synccheck, initcheck) over lessons 04 and 05 on small shapes, for every
 # Hopper candidate config. Measured on an H100: synccheck reports nothing, and the three reports
 # of the others are not bugs of this kernel, each worth knowing if you write your own:
 #
 # - racecheck: a read-after-write "hazard" between two instructions that are not ours, in the
 #   code with which `gl.warp_specialize` starts its workers (a word of shared memory per worker,
-#   ordered by a block-wide named barrier). scripts/racecheck_probe.cu models that protocol in 60
+#   ordered by a block-wide named barrier). tools/racecheck_probe.cu models that protocol in 60
 #   lines of CUDA: racecheck calls it clean, and "hazardous" once the default warpgroup also syncs
 #   its own 128 threads (`bar.sync 0, 128`), as ours does around its mbarrier arrives.
 # - memcheck: one CUDA API error per process, Triton's loader asking the driver for "oversized"
@@ -1516,14 +1506,14 @@ def test_grouped_conv_matches_torch(N, H, W, groups, Ci_group, Co_group, R, stri
 # ==============================================  ========================================  =========
 #
 # Clusters. A pair of CTAs sharing its pixels (or its weights) loads them once with TMA multicast:
-# on Triton 3.9 that load assembles and runs correctly (scripts/cluster_probe.py). What a pipelined
+# on Triton 3.9 that load assembles and runs correctly (a probe kernel; results/notebook.md, 2026-11-24). What a pipelined
 # pair lacks is the way back: before the leader refills a shared stage, the second CTA's consumer
 # must arrive on the leader's barrier, and Gluon 3.9 on Hopper has only the leader's broadcast (the
 # both-ways arrive exists for Blackwell and later). So this kernel is not clustered.
 #
 # What no schedule reaches: much more on the headline shape. Both kernels hold the H100 at its
 # 700 W limit there, where the SM clock drops to ~1440 MHz and the dense bf16 peak to ~780 TFLOPS;
-# ours ran 88% of that, cuDNN 89% (scripts/clocks_under_load.py).
+# ours ran 88% of that, cuDNN 89% (benchmarks/clocks_under_load.py).
 #
 # The measured ladder (GPU)
 # -------------------------

@@ -67,7 +67,6 @@ if PROCESS_SETUP:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 import triton  # noqa: E402  (must come after the interpreter decision above)
-import triton.language as tl  # noqa: E402
 
 TRITON_SERIES = (3, 9)     # the Triton minor release the series is written for (requirements.txt)
 
@@ -433,33 +432,10 @@ def check_epilogue(Co, out_shape, dtype, device, scale=None, residual=None, acti
             raise ValueError(f"residual is on {residual.device}, the input on {device}")
 
 
-# %% fp8 (e4m3) operands (lesson 05, section 9) --------------------------------------------------
+# %% e4m3 operands (lesson 05, section 9): the output dtype they give ------------------------------
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0                                  # e4m3's largest finite value
 FP8_OUT_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
-
-
-def quantize_fp8(t, channel_dim=None):
-    """(q, scale) with t ~ q.float() * scale: q in e4m3, scale fp32, one per tensor (shape ()) or one
-    per index of `channel_dim` (e.g. 0 for a weight's output channels), amax mapped to 448."""
-    dims = [d for d in range(t.dim()) if d != channel_dim]
-    amax = t.detach().abs().float().amax(dim=dims) if channel_dim is not None else t.detach().abs().float().amax()
-    scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    shape = [-1 if d == channel_dim else 1 for d in range(t.dim())]
-    return (t.float() / scale.view(shape)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-def quantize_conv_operands(x, w):
-    """(x_q, x_scale, w_q, w_scale) of a conv in e4m3: the input per tensor, the weights per output
-    channel (dim 0), as lesson 05's fp8 conv takes them."""
-    (x_q, x_scale), (w_q, w_scale) = quantize_fp8(x), quantize_fp8(w, channel_dim=0)
-    return x_q, x_scale, w_q, w_scale
-
-
-def dequantize_conv_operands(x_q, x_scale, w_q, w_scale):
-    """(x, w) in fp32: the very values an fp8 conv multiplies, for a reference conv."""
-    return x_q.float() * x_scale, w_q.float() * w_scale.view(-1, *[1] * (w_q.dim() - 1))
 
 
 def output_dtype(in_dtype, out_dtype=None):
@@ -473,73 +449,6 @@ def output_dtype(in_dtype, out_dtype=None):
         raise ValueError(f"out_dtype must be None or the input's dtype {in_dtype} for {in_dtype} operands, "
                          f"got {out_dtype}")
     return in_dtype
-
-
-def _check_fp8_scale(name, value, shape, device):
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be an fp32 torch.Tensor of shape {shape}, got {type(value).__name__}")
-    if value.dtype != torch.float32 or tuple(value.shape) != shape or not value.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous fp32 tensor of shape {shape}, got {value.dtype} "
-                         f"{tuple(value.shape)}")
-    if value.device != device:
-        raise ValueError(f"{name} is on {value.device}, the input on {device}")
-
-
-def check_fp8_dtypes(caller, **operands):
-    """Each named operand (a tensor) must be e4m3; the error names it and what `caller` takes."""
-    for name, value in operands.items():
-        if isinstance(value, torch.Tensor) and value.dtype != FP8:
-            raise TypeError(f"{name} has dtype {value.dtype}; {caller} takes torch.float8_e4m3fn "
-                            f"(common.quantize_fp8 makes it, with its scale)")
-
-
-def fp8_epilogue(x_scale, w_scale, scale=None, bias=None, out_scale=None):
-    """(scale, bias) of the fused epilogue that dequantizes an e4m3 conv (lesson 05, section 9):
-    x_scale * w_scale[co] times the layer's own scale, and for an e4m3 output both divided by
-    out_scale (relu(z) / s = relu(z / s))."""
-    scale = x_scale * w_scale if scale is None else x_scale * w_scale * scale.float()
-    if out_scale is not None:
-        scale, bias = scale / out_scale, (bias.float() / out_scale if bias is not None else None)
-    return scale.contiguous(), bias
-
-
-def check_fp8_scales(x_scale, w_scale, Co, device, *, residual=None, activation="none", out_dtype=torch.bfloat16,
-                     out_scale=None):
-    """The fp8 conv's own arguments: x_scale one fp32 value (shape ()), w_scale one per output
-    channel, the output in bf16 or in e4m3 with its own out_scale (ReLU or none: the scale folds
-    into the epilogue's), a residual in the output's dtype (in e4m3, at the output's scale)."""
-    _check_fp8_scale("x_scale", x_scale, (), device)
-    _check_fp8_scale("w_scale", w_scale, (Co,), device)
-    if out_dtype not in FP8_OUT_DTYPES:
-        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float8_e4m3fn, got {out_dtype}")
-    if out_dtype == FP8:
-        if out_scale is None:
-            raise ValueError("out_dtype=torch.float8_e4m3fn needs out_scale (the output's fp32 scale, shape ())")
-        _check_fp8_scale("out_scale", out_scale, (), device)
-        if activation == "silu":
-            raise ValueError("activation 'silu' with an e4m3 output is not supported: the output scale is folded "
-                             "into the epilogue's scale and bias, which holds for ReLU (relu(x)/s = relu(x/s)) "
-                             "but not for SiLU; use out_dtype=torch.bfloat16")
-    elif out_scale is not None:
-        raise ValueError("out_scale is only for out_dtype=torch.float8_e4m3fn")
-    if isinstance(residual, torch.Tensor) and residual.dtype != out_dtype:
-        raise ValueError(f"residual must come in the output's dtype {out_dtype} (in e4m3, at the output's scale), "
-                         f"got {residual.dtype}")
-
-
-def check_fp8_call(x_q, x_scale, w_q, w_scale, bias, stride, padding, dilation, *, scale=None, residual=None,
-                   activation="none", out_dtype=torch.bfloat16, out_scale=None) -> ConvGeometry:
-    """Validate an fp8 conv on NHWC tensors: x_q and w_q in e4m3, their scales and the output's
-    (check_fp8_scales), then the epilogue. Returns the geometry."""
-    check_fp8_dtypes("the fp8 conv", x_q=x_q, w_q=w_q)
-    geometry = check_conv_inputs(x_q, w_q, stride, padding, dilation, dtypes=(FP8,), bias=bias)
-    check_fp8_scales(x_scale, w_scale, geometry.Co, x_q.device, residual=residual, activation=activation,
-                     out_dtype=out_dtype, out_scale=out_scale)
-    check_epilogue(geometry.Co, geometry.output_shape_nhwc, out_dtype, x_q.device, scale, residual, activation)
-    if residual is not None and not residual.is_contiguous():
-        raise ValueError(f"residual must be a contiguous NHWC tensor, got strides {residual.stride()}")
-    check_on_cuda(x_q)
-    return geometry
 
 
 def reference_epilogue(conv_out, bias=None, scale=None, residual=None, activation="none", channel_dim=-1):

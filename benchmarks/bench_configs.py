@@ -1,6 +1,6 @@
 """Time chosen kernel configs on chosen network-suite layers, next to cuDNN, in alternating rounds.
 
-    python scripts/bench_configs.py "RN50 7x7 2048->512 1x1" --config 128,128,64,6,8 --config ...
+    python benchmarks/bench_configs.py "RN50 7x7 2048->512 1x1" --config 128,128,64,6,8 --config ...
 
 Layers are named as in the network suite (network_suite.py) or lesson 05's `--bench` shapes
 ("headline 64x64 384->384 3x3").

@@ -1,6 +1,6 @@
 """What clock the GPU runs a layer at, ours and cuDNN's, and how close each gets to the peak at it.
 
-    python scripts/clocks_under_load.py "headline 64x64 384->384 3x3" [--config 256,128,64,3,8]
+    python benchmarks/clocks_under_load.py "headline 64x64 384->384 3x3" [--config 256,128,64,3,8]
 
 A tensor-core kernel that keeps every SM busy draws the GPU to its power limit, and the driver
 then lowers the SM clock until the board fits under it. The dense bf16 peak is a number per clock

@@ -1,4 +1,4 @@
-"""Refit conv_runtime's heuristic from a network-suite log, and check it leave-one-out.
+"""Refit the operator's heuristic (conv_tutorial/selection.py) from a network-suite log, and check it leave-one-out.
 
 `python 05-warp-specialized-conv.py --bench --suite networks` autotunes every layer and prints
 each candidate's TFLOPS. From those timings this script fits what `selection.heuristic_config`
@@ -14,7 +14,7 @@ Then, for each layer, it fits both without that layer, lets the heuristic pick, 
 picked config's TFLOPS over the layer's fastest: a heuristic that only remembered the suite
 would score 1.0 on every layer here and badly on new ones; this check sees only new ones.
 
-    python scripts/fit_heuristic.py results/h100-2026-11-24-triton39/network-suite-part*.log
+    python benchmarks/fit_heuristic.py results/h100-2026-11-24-triton39/network-suite-part*.log
 """
 import argparse
 import math
@@ -91,7 +91,7 @@ def heuristic_pick(table, bandwidth, geometry):
 
 
 def config_source(config):
-    """The KernelConfig as conv_runtime.py writes it: its fields that differ from the defaults."""
+    """The KernelConfig as conv_tutorial/selection.py writes it: its fields that differ from the defaults."""
     config = runtime.KernelConfig(*config)
     defaults = runtime.KernelConfig._field_defaults
     fields = [f"{name}={value}" for name, value in config._asdict().items()
@@ -111,7 +111,7 @@ def main():
         print(f"    {config_source(config)}: {tflops},")
     print(f"}}\nSPLIT_K_WORKSPACE_BYTES_PER_S = {bandwidth:.3g}\n")
     print("leave-one-out: the heuristic's pick, fitted without the layer, against its fastest config;")
-    print("and the pick of the table conv_runtime.py holds now (not left out: it may have seen the layer)")
+    print("and the pick of the table conv_tutorial/selection.py holds now (not left out: it may have seen the layer)")
     scores, before = [], []
     for i, (label, geometry, timings) in enumerate(layers):
         pick = heuristic_pick(*fit(layers[:i] + layers[i + 1:]), geometry)

@@ -7,15 +7,15 @@ This script measures, for a few layers of lesson 05's network suite, the host mi
 - `generic`: Triton's generic launcher (binds ~25 arguments, checks the specialization, encodes
   each TMA descriptor into a tensor map, launches);
 - `compiled`: the compiled kernel called directly, its descriptors still encoded on every launch;
-- `direct`: conv_runtime's DirectLaunch, tensor maps remembered per (descriptor, address);
+- `direct`: conv_tutorial.launch's DirectLaunch, tensor maps remembered per (descriptor, address);
 - `runtime`: a whole runtime.conv2d call (plan lookup, output allocation, launch);
-- `operator`: torch.ops.conv_tutorial.conv2d on NCHW channels_last tensors (conv_torch.py);
+- `operator`: torch.ops.conv_tutorial.conv2d on NCHW channels_last tensors (conv_tutorial/ops.py);
 - `cudnn`: torch.nn.functional.conv2d on the same channels_last tensors.
 
 Each number is the wall time of 500 calls divided by 500, without waiting for the GPU (the GPU
 work of those calls is still queued when the clock stops), the median of 5 such runs.
 
-    python scripts/host_time.py [--json out/host_time.json] [--profile]
+    python benchmarks/host_time.py [--json out/host_time.json] [--profile]
 
 --profile adds a cProfile of 2000 runtime calls of the first layer: where the host time goes.
 """
@@ -130,7 +130,7 @@ def main():
     parser.add_argument("--json", type=Path, help="also write the table as JSON here")
     parser.add_argument("--profile", action="store_true", help="cProfile the runtime's calls")
     args = parser.parse_args()
-    common.require_tma_mma_gpu("scripts/host_time.py")
+    common.require_tma_mma_gpu("benchmarks/host_time.py")
     info = common.versions()
     print(f"{info['device']}, torch {info['torch']}, Triton {info['triton']}: host us per call")
     columns = ["generic", "compiled", "direct", "runtime", "operator", "cudnn"]

@@ -1,7 +1,7 @@
 """Layers of the network suite under Nsight Compute: ours and cuDNN, one call each.
 
     ncu --profile-from-start off --section SpeedOfLight --section WarpStateStats \
-        --section MemoryWorkloadAnalysis python scripts/ncu_layers.py
+        --section MemoryWorkloadAnalysis python benchmarks/ncu_layers.py
 
 Each layer runs a few times first (compiles, and with a tuning file takes the tuned config), then
 one call of ours and one of cuDNN inside torch.cuda.profiler.start()/stop(), so ncu profiles just
@@ -16,7 +16,7 @@ row), cuDNN warm (likewise). ncu must then leave the L2 alone and replay the who
 
     ncu --cache-control none --replay-mode application --profile-from-start off \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed \
-        -k regex:"conv2d_fprop|nvjet|xmma|cutlass|implicit|gemm" python scripts/ncu_layers.py --cold-l2
+        -k regex:"conv2d_fprop|nvjet|xmma|cutlass|implicit|gemm" python benchmarks/ncu_layers.py --cold-l2
 
 (ncu's default cache control flushes and invalidates the L2 before each kernel: a clean cold L2
 that no benchmark sees.) The configs are the tuning file's when CONV_TUTORIAL_TUNING_CACHE names
@@ -51,7 +51,7 @@ def in_range(name, call):
 
 
 def main():
-    common.require_tma_mma_gpu("scripts/ncu_layers.py")
+    common.require_tma_mma_gpu("benchmarks/ncu_layers.py")
     cold_l2 = "--cold-l2" in sys.argv[1:]
     flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda") if cold_l2 else None
     for label, N, H, W, Ci, Co, R, S, stride, padding in (COLD_L2_LAYERS if cold_l2 else LAYERS):

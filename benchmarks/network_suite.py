@@ -47,6 +47,7 @@ import host_time  # noqa: E402
 import torch  # noqa: E402
 
 from conv_tutorial import launch, runtime, selection  # noqa: E402
+from conv_tutorial.geometry import quantize_conv_operands  # noqa: E402
 from conv_tutorial.configs import KernelConfig  # noqa: E402
 
 BATCH_RESNET, BATCH_UNET = 128, 8
@@ -357,7 +358,7 @@ LADDER_SERIES = ["02 implicit GEMM", "04 single-buffer", "05 warp-specialized", 
 
 
 # The dense bf16 peak the H100 can hold at its 700 W board limit on a compute-bound conv: the SM
-# clock falls to ~1440 MHz there (scripts/clocks_under_load.py), so 132 SMs x 4096 FLOP/cycle x
+# clock falls to ~1440 MHz there (benchmarks/clocks_under_load.py), so 132 SMs x 4096 FLOP/cycle x
 # 1.44 GHz. Measured on an H100 SXM; other boards differ.
 POWER_LIMITED_PEAK_TFLOPS = {"H100": 779.0}
 
@@ -524,10 +525,11 @@ def run_fp8_suite(outdir, only=None, keep=None):
     records = [r for r in kept.get("layers", []) if r["layer"] not in {layer[0] for layer in layers}]
     for label, N, H, W, Ci, Co, R, S, stride, padding in layers:
         x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16, device_name="cuda")
-        x_q, x_scale, w_q, w_scale = common.quantize_conv_operands(x, w)
+        x_q, x_scale, w_q, w_scale = quantize_conv_operands(x, w)
+        dequantize = x_scale * w_scale        # the epilogue's per-channel scale (lesson 05, section 9)
         flops = common.conv_geometry(x.shape, w.shape, stride, padding).flops
-        runs = {"fp8": lambda c: lambda: lesson05.conv2d_fprop_fp8_launch(x_q, x_scale, w_q, w_scale, None, stride,
-                                                                          padding, config=c),
+        runs = {"fp8": lambda c: lambda: lesson05.conv2d_fprop_launch(x_q, w_q, None, stride, padding, config=c,
+                                                                      scale=dequantize),
                 "bf16": lambda c: lambda: lesson05.conv2d_fprop_launch(x, w, None, stride, padding, config=c)}
         best = {}
         for name, make in runs.items():

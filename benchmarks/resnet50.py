@@ -1,7 +1,7 @@
 """ResNet-50 end to end with lesson 05's convolution, next to the same model on cuDNN.
 
-    python scripts/resnet50.py [--batch 128 1] [--tune] [--freezing] [--outdir out] [--first-call-latency]
-    python scripts/resnet50.py --fp8 [--batch 128]
+    python benchmarks/resnet50.py [--batch 128 1] [--tune] [--freezing] [--outdir out] [--first-call-latency]
+    python benchmarks/resnet50.py --fp8 [--batch 128]
 
 torchvision's ResNet-50 (random weights, eval mode, bf16, channels_last). Variants, each measured
 with triton.testing.do_bench (median) in one run, per batch size:
@@ -275,7 +275,7 @@ def main():
         torch._inductor.config.freezing = True
     if args.first_call:
         return first_call_child()
-    common.require_tma_mma_gpu("scripts/resnet50.py")
+    common.require_tma_mma_gpu("benchmarks/resnet50.py")
     if args.profile:
         return profile_host_path()
     outdir = common.output_dir(args.outdir)

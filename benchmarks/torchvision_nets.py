@@ -1,7 +1,7 @@
 """Whole torchvision classification networks: lesson 05's fused convs against the strongest torch.compile.
 
-    python scripts/torchvision_nets.py [--nets resnet50 ...] [--batch 128 1] [--outdir out] [--merge]
-    python scripts/torchvision_nets.py --layers [--nets efficientnet_b0 ...] [--batch 128]
+    python benchmarks/torchvision_nets.py [--nets resnet50 ...] [--batch 128 1] [--outdir out] [--merge]
+    python benchmarks/torchvision_nets.py --layers [--nets efficientnet_b0 ...] [--batch 128]
 
 Each network is torchvision's (random weights; BatchNorm statistics set as a trained model has them,
 not the identity; eval mode; bf16; channels_last; 224x224 random images). Three variants, each in
@@ -14,7 +14,7 @@ its own process, at every batch size:
   ours-fused-cudagraphs     fusion.fuse_conv_bn_act, fusion.keep_faster_convs at this
                             batch, then the same torch.compile with freezing: each conv the passes
                             take is one call of lesson 05's kernel (or, for a depthwise conv,
-                            conv_depthwise's) with BatchNorm, residual add and activation in its
+                            conv_tutorial.depthwise's) with BatchNorm, residual add and activation in its
                             epilogue; Inductor does everything else, including the grouped convs
                             none of ours runs and those where cuDNN measured faster.
 The three processes of a network compile at the same time; each is then timed with nothing else
@@ -335,7 +335,7 @@ def main():
     parser.add_argument("--child", nargs=2, metavar=("NET", "VARIANT"), help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    common.require_tma_mma_gpu("scripts/torchvision_nets.py")
+    common.require_tma_mma_gpu("benchmarks/torchvision_nets.py")
     if args.child:
         return child(*args.child, args.batch, args.json)
     outdir = common.output_dir(args.outdir)

@@ -23,7 +23,8 @@ import triton.language as tl
 from .geometry import check_epilogue, conv_output_size, pair
 from .kernel import lesson05
 
-apply_epilogue = lesson05.apply_epilogue     # act(acc * scale + bias + residual), per channel, in fp32
+apply_epilogue = lesson05.apply_epilogue     # act(acc * scale + bias + residual), per channel, in fp32 (the
+                                             # parts a lesson05.Epilogue names)
 
 DEPTHWISE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -32,9 +33,7 @@ DEPTHWISE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def depthwise_conv2d_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, residual_ptr, out_ptr,
                             N, H, W, out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
                             C: tl.constexpr, R: tl.constexpr, S: tl.constexpr, BLOCK_P: tl.constexpr,
-                            BLOCK_C: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                            ACTIVATION: tl.constexpr):
+                            BLOCK_C: tl.constexpr, EPILOGUE: tl.constexpr):
     pixels = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)     # flattened (n, y, x) of the output
     channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     pixel_ok, channel_ok = pixels < N * out_h * out_w, channels < C
@@ -52,9 +51,8 @@ def depthwise_conv2d_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, residual_ptr, out
             acc += tile.to(tl.float32) * taps.to(tl.float32)[None, :]
     offsets = pixels.to(tl.int64)[:, None] * C + channels[None, :]
     mask = pixel_ok[:, None] & channel_ok[None, :]
-    residual = tl.load(residual_ptr + offsets, mask=mask, other=0.0) if HAS_RESIDUAL else 0.0
-    acc = apply_epilogue(acc, channels, C, scale_ptr, bias_ptr, residual, HAS_SCALE, HAS_BIAS, HAS_RESIDUAL,
-                         ACTIVATION)
+    residual = tl.load(residual_ptr + offsets, mask=mask, other=0.0) if EPILOGUE.residual else 0.0
+    acc = apply_epilogue(acc, channels, C, scale_ptr, bias_ptr, residual, EPILOGUE)
     tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -104,6 +102,6 @@ def depthwise_conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, scal
         x_nhwc, w.contiguous(), bias if bias is not None else out, scale if scale is not None else out,
         residual.contiguous() if residual is not None else out, out,
         N, H, W, out_h, out_w, sh, sw, ph, pw, dh, dw, C=C, R=R, S=S, BLOCK_P=block_p, BLOCK_C=block_c,
-        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, HAS_RESIDUAL=residual is not None,
-        ACTIVATION=activation, enable_fp_fusion=True)
+        EPILOGUE=lesson05.Epilogue(bias is not None, scale is not None, residual is not None, activation),
+        enable_fp_fusion=True)
     return out

@@ -16,7 +16,7 @@ import torch
 from . import ops
 from .configs import grouped_conv_fits
 from .geometry import ACTIVATIONS, current_arch
-from .ops import _fall_back, conv2d_op, is_depthwise, nhwc_view, reference_epilogue
+from .ops import conv2d_op, is_depthwise, reference_epilogue
 
 
 # %% Fusing conv -> BatchNorm -> (+ residual) -> activation into one call ---------------------------

@@ -1,9 +1,10 @@
-"""The operator's geometry and argument checks, and the GPU it runs on.
+"""The operator's geometry and argument checks, fp8 quantization of a tensor, and the GPU it runs on.
 
 The rules a conv's arguments follow are taught by the lessons and live in their kit (common.py:
-the geometry, the input and epilogue checks, the e4m3 dtypes and scales); this module names them
-for the package, which takes them from nowhere else, and adds what only the operator asks: which
-dtypes its kernel takes, and which GPU the current device is (looked up once per device).
+the geometry, the input and epilogue checks, the output dtype of e4m3 operands); this module names
+them for the package, which takes them from nowhere else, and adds what only the operator asks:
+which dtypes its kernel takes, the scales of e4m3 tensors (quantizing one, checking them, folding
+them into the epilogue), and which GPU the current device is (looked up once per device).
 """
 import functools
 
@@ -15,12 +16,87 @@ ConvGeometry, conv_geometry, conv_output_size, pair = (
     common.ConvGeometry, common.conv_geometry, common.conv_output_size, common.pair)
 check_conv_call, check_epilogue, output_dtype, ACTIVATIONS = (
     common.check_conv_call, common.check_epilogue, common.output_dtype, common.ACTIVATIONS)
-FP8, FP8_MAX, check_fp8_dtypes, check_fp8_scales, fp8_epilogue = (
-    common.FP8, common.FP8_MAX, common.check_fp8_dtypes, common.check_fp8_scales, common.fp8_epilogue)
-quantize_tensor, quantize_conv_operands, dequantize_conv_operands = (
-    common.quantize_fp8, common.quantize_conv_operands, common.dequantize_conv_operands)
+FP8, FP8_OUT_DTYPES = common.FP8, common.FP8_OUT_DTYPES
+FP8_MAX = 448.0                                  # e4m3's largest finite value
+KERNEL_DTYPES = lesson05.KERNEL_DTYPES           # fp16, bf16, and e4m3 (lesson 05, section 9)
 
-KERNEL_DTYPES = lesson05.CONV_DTYPES + (FP8,)     # fp16, bf16, and e4m3 (lesson 05, section 9)
+
+# %% fp8: quantizing a tensor, and the scales of an e4m3 conv ------------------------------------
+
+def quantize_tensor(t, channel_dim=None):
+    """(q, scale) with t ~ q.float() * scale: q in e4m3, scale fp32, one per tensor (shape ()) or one
+    per index of `channel_dim` (e.g. 0 for a weight's output channels), amax mapped to 448."""
+    dims = [d for d in range(t.dim()) if d != channel_dim]
+    amax = t.detach().abs().float().amax(dim=dims) if channel_dim is not None else t.detach().abs().float().amax()
+    scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    shape = [-1 if d == channel_dim else 1 for d in range(t.dim())]
+    return (t.float() / scale.view(shape)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_conv_operands(x, w):
+    """(x_q, x_scale, w_q, w_scale) of a conv in e4m3: the input per tensor, the weights per output
+    channel (dim 0), as the fp8 operator takes them."""
+    (x_q, x_scale), (w_q, w_scale) = quantize_tensor(x), quantize_tensor(w, channel_dim=0)
+    return x_q, x_scale, w_q, w_scale
+
+
+def dequantize_conv_operands(x_q, x_scale, w_q, w_scale):
+    """(x, w) in fp32: the very values an fp8 conv multiplies, for a reference conv."""
+    return x_q.float() * x_scale, w_q.float() * w_scale.view(-1, *[1] * (w_q.dim() - 1))
+
+
+def _check_fp8_scale(name, value, shape, device):
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be an fp32 torch.Tensor of shape {shape}, got {type(value).__name__}")
+    if value.dtype != torch.float32 or tuple(value.shape) != shape or not value.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous fp32 tensor of shape {shape}, got {value.dtype} "
+                         f"{tuple(value.shape)}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device}, the input on {device}")
+
+
+def check_fp8_dtypes(caller, **operands):
+    """Each named operand (a tensor) must be e4m3; the error names it and what `caller` takes."""
+    for name, value in operands.items():
+        if isinstance(value, torch.Tensor) and value.dtype != FP8:
+            raise TypeError(f"{name} has dtype {value.dtype}; {caller} takes torch.float8_e4m3fn "
+                            f"(conv_tutorial.quantize_tensor makes it, with its scale)")
+
+
+def fp8_epilogue(x_scale, w_scale, scale=None, bias=None, out_scale=None):
+    """(scale, bias) of the fused epilogue that dequantizes an e4m3 conv (lesson 05, section 9):
+    x_scale * w_scale[co] times the layer's own scale, and for an e4m3 output both divided by
+    out_scale (relu(z) / s = relu(z / s))."""
+    scale = x_scale * w_scale if scale is None else x_scale * w_scale * scale.float()
+    if out_scale is not None:
+        scale, bias = scale / out_scale, (bias.float() / out_scale if bias is not None else None)
+    return scale.contiguous(), bias
+
+
+def check_fp8_scales(x_scale, w_scale, Co, device, *, residual=None, activation="none", out_dtype=torch.bfloat16,
+                     out_scale=None):
+    """The fp8 conv's own arguments (named as conv2d_fp8 names them): input_scale one fp32 value
+    (shape ()), weight_scale one per output channel, the output in bf16 or in e4m3 with its own out_scale (ReLU or none: the scale folds
+    into the epilogue's), a residual in the output's dtype (in e4m3, at the output's scale)."""
+    _check_fp8_scale("input_scale", x_scale, (), device)
+    _check_fp8_scale("weight_scale", w_scale, (Co,), device)
+    if out_dtype not in FP8_OUT_DTYPES:
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float8_e4m3fn, got {out_dtype}")
+    if out_dtype == FP8:
+        if out_scale is None:
+            raise ValueError("out_dtype=torch.float8_e4m3fn needs out_scale (the output's fp32 scale, shape ())")
+        _check_fp8_scale("out_scale", out_scale, (), device)
+        if activation == "silu":
+            raise ValueError("activation 'silu' with an e4m3 output is not supported: the output scale is folded "
+                             "into the epilogue's scale and bias, which holds for ReLU (relu(x)/s = relu(x/s)) "
+                             "but not for SiLU; use out_dtype=torch.bfloat16")
+    elif out_scale is not None:
+        raise ValueError("out_scale is only for out_dtype=torch.float8_e4m3fn")
+    if isinstance(residual, torch.Tensor) and residual.dtype != out_dtype:
+        raise ValueError(f"residual must come in the output's dtype {out_dtype} (in e4m3, at the output's scale), "
+                         f"got {residual.dtype}")
+
+
 
 
 @functools.lru_cache(maxsize=None)

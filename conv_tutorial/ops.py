@@ -267,7 +267,7 @@ def conv2d_fp8(input, input_scale, weight, weight_scale, bias=None, stride=1, pa
                residual=None, activation="none", out_dtype=torch.bfloat16, out_scale=None):
     """The fp8 conv with torch.nn.functional.conv2d's conventions: input [N, Ci, H, W] and weight
     [Co, Ci, R, S] in e4m3 (channels_last memory avoids copies) with their fp32 scales, input_scale
-    of shape () and weight_scale [Co] (common.quantize_fp8(t) and quantize_fp8(w, channel_dim=0)
+    of shape () and weight_scale [Co] (conv_tutorial.quantize_tensor(t) and quantize_tensor(w, channel_dim=0)
     make both); the output in bf16, or in e4m3 with out_scale (shape ()); a residual comes in the
     output's dtype (in e4m3, at out_scale)."""
     for name, t in (("input", input), ("weight", weight)):

@@ -79,7 +79,7 @@ def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
 # of useful work (`useful_share`). Split-K adds its workspace's round trip (SPLIT_K x M x Co fp32
 # values, written and read), at the effective bandwidth fitted the same way. Measured on an H100
 # with Triton 3.9, 2026-11-24, from the autotuner's timings in the suite's run
-# (scripts/fit_heuristic.py refits both from the suite's logs). Checked leave-one-out (each layer's
+# (benchmarks/fit_heuristic.py refits both from the suite's logs). Checked leave-one-out (each layer's
 # config picked from the table fitted without it): 0.966x of that layer's fastest config, geometric
 # mean, worst 0.79x (IncV3 17x17 192->192 3x3 s2); the table fitted on ResNet-50 and the UNet alone
 # scored 0.950x on the same 84 layers.
@@ -208,7 +208,7 @@ _AUTOTUNE = os.environ.get("CONV_TUTORIAL_AUTOTUNE", "0") == "1"
 
 
 def set_autotune(enabled: bool):
-    """Whether the PyTorch operator (conv_torch) times the candidates of a new shape (True) or
+    """Whether the PyTorch operator (conv_tutorial.ops) times the candidates of a new shape (True) or
     takes the heuristic's config (False, the default; $CONV_TUTORIAL_AUTOTUNE=1 sets it)."""
     global _AUTOTUNE
     _AUTOTUNE = bool(enabled)

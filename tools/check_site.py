@@ -1,6 +1,6 @@
 """Check the built site: every page, its images and internal links, and a screenshot of each.
 
-    python scripts/check_site.py site [--screenshots site-screenshots]
+    python tools/check_site.py site [--screenshots site-screenshots]
 
 Fails (exit 1) on a missing image, a broken internal link (file or #anchor), a lesson page without
 code or figures, or an index that does not link every lesson and the results page. Then opens

@@ -1,8 +1,8 @@
 """Run NVIDIA compute-sanitizer's four tools over lessons 04 and 05 on small shapes.
 
-    python scripts/sanitize.py                 # every tool x every case, one summary line each
-    python scripts/sanitize.py --tools racecheck --only "05 128x128x64 4 stages 4 warps"   # a subset
-    python scripts/sanitize.py --case NAME     # run one case once, unsanitized (what each tool wraps)
+    python tools/sanitize.py                 # every tool x every case, one summary line each
+    python tools/sanitize.py --tools racecheck --only "05 128x128x64 4 stages 4 warps"   # a subset
+    python tools/sanitize.py --case NAME     # run one case once, unsanitized (what each tool wraps)
 
 Needs a Hopper GPU and the CUDA toolkit's `compute-sanitizer` (on PATH, in $CUDA_HOME/bin or in
 /usr/local/cuda/bin). The cases cover lesson 04's kernel and every Hopper candidate config of

@@ -1,4 +1,4 @@
-"""scripts/clocks_under_load.py: reading nvidia-smi's samples and the peak at a clock (no GPU needed).
+"""benchmarks/clocks_under_load.py: reading nvidia-smi's samples and the peak at a clock (no GPU needed).
 RESULTS.md's statement that the headline shape runs at the power limit comes from this script."""
 import subprocess
 import sys

@@ -1,6 +1,7 @@
 """Lesson 05, section 9: the kernel on e4m3 (fp8) operands, against torch's fp32 conv of the very
-values the kernel multiplies (the dequantized operands), on the GPU; its argument checks on any
-machine.
+values the kernel multiplies (the dequantized operands), on the GPU, with the scales quantized and
+folded into the epilogue as the operator does it (conv_tutorial.geometry); the operator's checks of
+those scales on any machine.
 
 The tolerance, derived from the formats (not fitted to the results):
 - the products of two e4m3 values are exact in fp32, but Hopper's fp8 WGMMA adds each
@@ -21,6 +22,8 @@ import common  # first: on a machine without a GPU it turns on the Triton interp
 import pytest
 import torch
 
+from conv_tutorial import geometry
+
 lesson05 = common.load_lesson("05-warp-specialized-conv")
 FIXED_CONFIG, KernelConfig = lesson05.FIXED_CONFIG, lesson05.KernelConfig
 
@@ -32,7 +35,7 @@ ROUNDING = {torch.bfloat16: 2.0 ** -8, FP8: 2.0 ** -4}
 
 def quantized_layer(N, H, W, Ci, Co, R, S, seed=0, device="cuda"):
     x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.float32, device_name=device, seed=seed)
-    return common.quantize_conv_operands(x, w)
+    return geometry.quantize_conv_operands(x, w)
 
 
 def check_fp8_conv(x_q, x_scale, w_q, w_scale, stride, padding, config=FIXED_CONFIG, bias=False, scale=False,
@@ -42,7 +45,7 @@ def check_fp8_conv(x_q, x_scale, w_q, w_scale, stride, padding, config=FIXED_CON
     generator = torch.Generator(device="cpu").manual_seed(seed)
     def vector(): return (torch.rand(g.Co, generator=generator) + 0.5).cuda()           # noqa: E704
     bias_t, scale_t = (vector() if bias else None), (vector() if scale else None)
-    x, w = common.dequantize_conv_operands(x_q, x_scale, w_q, w_scale)
+    x, w = geometry.dequantize_conv_operands(x_q, x_scale, w_q, w_scale)
     conv = common.reference_conv2d_nhwc(x, w, None, stride, padding)
     magnitude = common.reference_conv2d_nhwc(x.abs(), w.abs(), None, stride, padding)   # sum |x| |w|
     if scale_t is not None:
@@ -59,9 +62,11 @@ def check_fp8_conv(x_q, x_scale, w_q, w_scale, stride, padding, config=FIXED_CON
         residual_t = residual_real.to(out_dtype)
         residual_real = residual_t.float()
     expected = common.reference_epilogue(conv, bias_t, None, residual_real if residual else None, activation)
-    out = lesson05.conv2d_fprop_fp8_launch(x_q, x_scale, w_q, w_scale, bias_t, stride, padding, config=config,
-                                           scale=scale_t, residual=residual_t, activation=activation,
-                                           out_dtype=out_dtype, out_scale=out_scale)
+    geometry.check_fp8_scales(x_scale, w_scale, g.Co, x_q.device, residual=residual_t, activation=activation,
+                              out_dtype=out_dtype, out_scale=out_scale)
+    epilogue_scale, epilogue_bias = geometry.fp8_epilogue(x_scale, w_scale, scale_t, bias_t, out_scale)
+    out = lesson05.conv2d_fprop_launch(x_q, w_q, epilogue_bias, stride, padding, config=config, scale=epilogue_scale,
+                                       residual=residual_t, activation=activation, out_dtype=out_dtype)
     assert out.dtype == out_dtype and out.shape == expected.shape
     got = out.float() * (out_scale if out_scale is not None else 1.0)
     instructions = -(-g.R * g.S * g.Ci // 32)         # e4m3 WGMMAs along K: 32 one-byte channels each
@@ -117,10 +122,10 @@ def cpu_layer():
 
 
 @pytest.mark.parametrize("change, error, message", [
-    (dict(x_scale=None), TypeError, "x_scale must be an fp32 torch.Tensor of shape ()"),
-    (dict(w_scale=torch.ones(16)), ValueError, "w_scale must be a contiguous fp32 tensor of shape (32,)"),
-    (dict(w_scale=torch.ones(32, dtype=torch.bfloat16)), ValueError, "w_scale must be a contiguous fp32"),
-    (dict(x_q="bf16"), TypeError, "x_q has dtype torch.bfloat16; the fp8 conv takes torch.float8_e4m3fn"),
+    (dict(input_scale=None), TypeError, "input_scale must be an fp32 torch.Tensor"),
+    (dict(weight_scale=torch.ones(16)), ValueError, "weight_scale must be a contiguous fp32 tensor of shape (32,)"),
+    (dict(weight_scale=torch.ones(32, dtype=torch.bfloat16)), ValueError, "weight_scale must be a contiguous fp32"),
+    (dict(input="bf16"), TypeError, "input has dtype torch.bfloat16; conv2d_fp8 takes torch.float8_e4m3fn"),
     (dict(out_dtype=FP8), ValueError, "needs out_scale"),
     (dict(out_dtype=torch.float16), ValueError, "out_dtype must be torch.bfloat16 or torch.float8_e4m3fn"),
     (dict(out_scale=torch.tensor(1.0)), ValueError, "out_scale is only for out_dtype=torch.float8_e4m3fn"),
@@ -130,26 +135,36 @@ def cpu_layer():
      "residual must come in the output's dtype torch.float8_e4m3fn"),
 ])
 def test_fp8_call_errors_name_the_argument(change, error, message):
+    """The operator's fp8 entry (conv_tutorial.conv2d_fp8, NCHW) checks the scales before any work."""
+    import conv_tutorial
     x_q, x_scale, w_q, w_scale = cpu_layer()
-    args = dict(x_q=x_q, x_scale=x_scale, w_q=w_q, w_scale=w_scale)
+    args = dict(input=x_q.permute(0, 3, 1, 2), input_scale=x_scale, weight=w_q.permute(0, 3, 1, 2),
+                weight_scale=w_scale, padding=1)
     args.update(change)
-    if args["x_q"] == "bf16":
-        args["x_q"] = x_q.to(torch.bfloat16)
-    out_shape = (1, 8, 8, 32)
+    if args["input"] == "bf16":
+        args["input"] = x_q.permute(0, 3, 1, 2).to(torch.bfloat16)
+    out_shape = (1, 32, 8, 8)
     if args.get("residual") == "fp8":
         args["residual"] = torch.zeros(out_shape, dtype=FP8)
     elif args.get("residual") == "bf16":
         args["residual"] = torch.zeros(out_shape, dtype=torch.bfloat16)
-    x_q, x_scale, w_q, w_scale = (args.pop(k) for k in ("x_q", "x_scale", "w_q", "w_scale"))
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
-        lesson05.conv2d_fprop_fp8_launch(x_q, x_scale, w_q, w_scale, None, 1, 1, **args)
+        conv_tutorial.conv2d_fp8(**args)
 
 
-def test_quantize_fp8_maps_amax_to_448_per_tensor_and_per_channel():
+def test_quantize_tensor_maps_amax_to_448_per_tensor_and_per_channel():
     w = torch.randn(8, 3, 3, 16) * torch.arange(1, 9).view(-1, 1, 1, 1)
-    q, scale = common.quantize_fp8(w, channel_dim=0)
+    q, scale = geometry.quantize_tensor(w, channel_dim=0)
     assert q.dtype == FP8 and scale.shape == (8,)
     assert torch.equal(q.float().abs().amax(dim=(1, 2, 3)), torch.full((8,), 448.0))
     torch.testing.assert_close(q.float() * scale.view(-1, 1, 1, 1), w, rtol=2.0 ** -4, atol=2.0 ** -9 * scale.max())
-    q, scale = common.quantize_fp8(w)
+    q, scale = geometry.quantize_tensor(w)
     assert scale.shape == () and q.float().abs().max() == 448.0
+
+
+def test_grouped_e4m3_is_refused():
+    """Section 10's grouped tiles are checked in fp16/bf16 only: e4m3 operands of a grouped conv get a
+    ValueError from the launch's config check, not an untested kernel path."""
+    geometry = common.conv_geometry((1, 8, 8, 64), (64, 3, 3, 32), 1, 1, 1, groups=2)
+    with pytest.raises(ValueError, match="grouped convs run in fp16 or bf16"):
+        lesson05.check_groups_fit(FIXED_CONFIG, geometry, element_size=1)

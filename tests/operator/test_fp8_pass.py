@@ -8,7 +8,7 @@ import warnings
 
 import common
 from conv_tutorial import fp8 as fp8_pass
-from conv_tutorial import fusion, ops  # noqa: E402
+from conv_tutorial import fusion, geometry, ops  # noqa: E402
 
 import pytest
 import torch
@@ -24,12 +24,12 @@ def quantized(N, Ci, H, W, Co, R, S, seed=0):
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(N, Ci, H, W, generator=generator).to(device).contiguous(memory_format=torch.channels_last)
     w = (torch.randn(Co, Ci, R, S, generator=generator) * torch.rand(Co, 1, 1, 1, generator=generator)).to(device)
-    x_q, x_scale, w_q, w_scale = common.quantize_conv_operands(x, w)
+    x_q, x_scale, w_q, w_scale = geometry.quantize_conv_operands(x, w)
     return x_q, x_scale, w_q.contiguous(memory_format=torch.channels_last), w_scale
 
 
 def dequantized_reference(x_q, x_scale, w_q, w_scale, bias, stride, padding, residual=None, activation="none"):
-    conv = torch.nn.functional.conv2d(*common.dequantize_conv_operands(x_q, x_scale, w_q, w_scale), None,
+    conv = torch.nn.functional.conv2d(*geometry.dequantize_conv_operands(x_q, x_scale, w_q, w_scale), None,
                                       stride, padding)
     return common.reference_epilogue(conv, bias, None, residual, activation, channel_dim=1)
 
@@ -69,7 +69,7 @@ def test_conv2d_fp8_matches_torch_on_the_dequantized_operands(N, Ci, H, W, Co, R
 @pytest.mark.parametrize("change, error, message", [
     (dict(input_scale=None), TypeError, "input_scale must be an fp32 torch.Tensor"),
     (dict(weight_scale=None), TypeError, "weight_scale must be an fp32 torch.Tensor"),
-    (dict(weight_scale="shape"), ValueError, "w_scale must be a contiguous fp32 tensor of shape (32,)"),
+    (dict(weight_scale="shape"), ValueError, "weight_scale must be a contiguous fp32 tensor of shape (32,)"),
     (dict(input="bf16"), TypeError, "input has dtype torch.bfloat16; conv2d_fp8 takes torch.float8_e4m3fn"),
     (dict(out_dtype=FP8), ValueError, "needs out_scale"),
     (dict(residual="fp8"), ValueError, "residual must come in the output's dtype torch.bfloat16"),

@@ -16,13 +16,6 @@ from conv_tutorial import configs, fusion, ops, selection  # noqa: E402
 needs_gpu = lesson05.needs_gpu
 
 
-def quietly(call, *args, **kwargs):
-    """call(*args, **kwargs) with the operator's fallback warnings silenced."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return call(*args, **kwargs)
-
-
 # %% Merging groups
 
 @pytest.mark.parametrize("groups, Ci_group, Co_group, P", [
@@ -86,21 +79,22 @@ class ResNeXtBlock(torch.nn.Module):
         return torch.relu(self.bn3(self.expand(y)) + self.skip(x))
 
 
+@pytest.mark.filterwarnings("ignore")     # the operator's fallback warnings (this test checks values)
 def test_fx_pass_runs_grouped_convs_with_merged_groups_and_keeps_the_output():
     torch.manual_seed(0)
     model, x = ResNeXtBlock(64, groups=8, group_width=8).eval(), torch.randn(2, 64, 9, 7)
-    fused = quietly(fusion.fuse_conv_bn_act, model, example_input=x)
+    fused = fusion.fuse_conv_bn_act(model, example_input=x)
     assert (fused.fused_convs, fused.kept_convs) == (3, 0)
     grouped = [m for m in fused.modules() if isinstance(m, fusion.FusedConv2d)][1]
     assert grouped.group_merge == 8 and grouped._op_args[3] == 1 and not grouped.weight.requires_grad
     assert "groups=8 (merged 8 by 8)" in repr(grouped)
     with torch.no_grad():
-        torch.testing.assert_close(quietly(fused, x), model(x), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(fused(x), model(x), rtol=1e-4, atol=1e-4)
         # keep_faster_convs' torch side runs the 8 groups as they were, without the merge's zeros
         back = fusion.TorchConvEpilogue(grouped)
         assert back._op_args[3] == 8 and back.weight.shape == (64, 8, 3, 3)
         y = torch.randn(2, 64, 9, 7)
-        torch.testing.assert_close(quietly(grouped, y), back(y), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(grouped(y), back(y), rtol=1e-4, atol=1e-4)
 
 
 # %% On the GPU

@@ -1,4 +1,4 @@
-"""Tests of conv_torch.py: the operator torch.ops.conv_tutorial.conv2d, its fake implementation,
+"""Tests of conv_tutorial/ops.py: the operator torch.ops.conv_tutorial.conv2d, its fake implementation,
 argument handling, fallbacks and their warnings, the drop-in module and the converter (CPU), and
 on a Hopper/Blackwell GPU the kernel path against torch.nn.functional.conv2d, opcheck, CUDA
 graphs, torch.compile and gradients."""
