@@ -3,6 +3,7 @@ every distinct conv layer of three real networks, ours next to cuDNN.
 
     python benchmarks/network_suite.py --ladder [--quick]      # the ladder
     python benchmarks/network_suite.py [--quick]               # the network suite
+    python benchmarks/network_suite.py --replay results/h100-2026-11-24/network_suite.json   # its configs again
     python benchmarks/network_suite.py --fp8                   # each layer in e4m3 against bf16
 
 The ladder (`run_ladder`) times, per shape, lesson 02's implicit GEMM, lesson 04, lesson 05
@@ -171,12 +172,15 @@ def geometric_mean(values):
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-def run_network_suite(outdir, quick=False, tune=True, dtype=torch.bfloat16, only=None, keep=None, resume=False):
+def run_network_suite(outdir, quick=False, tune=True, dtype=torch.bfloat16, only=None, keep=None, resume=False,
+                      replay=None):
     """Times every layer (or the quick suite's, or those whose labels start with one of `only`,
     e.g. ("IncV3", "RN50 7x7")), writes network_suite.json and the plots. `keep`: an earlier run's
     network_suite.json whose other records are kept, so a long suite can run in parts; with
     `resume`, the layers recorded there are not run again. After each layer the records so far go
-    to network_suite.partial.json, which `keep` takes too."""
+    to network_suite.partial.json, which `keep` takes too. `replay`: an earlier run's
+    network_suite.json whose config of each layer is used instead of tuning (the same kernels timed
+    again, e.g. after a change that must not change them)."""
     import json
     selection.set_autotune(tune)
     records = []
@@ -187,6 +191,9 @@ def run_network_suite(outdir, quick=False, tune=True, dtype=torch.bfloat16, only
         recorded = {r["layer"] for r in json.loads(Path(keep).read_text())["records"]}
         layers = [layer for layer in layers if layer[0] not in recorded]
     partial = Path(outdir) / "network_suite.partial.json"
+    replayed = {r["layer"]: r["config"] for r in json.loads(Path(replay).read_text())["records"]} if replay else {}
+    if replay:
+        layers = [layer for layer in layers if layer[0] in replayed]
     for label, N, H, W, Ci, Co, R, S, stride, padding in layers:
         x_nhwc = torch.randn(N, H, W, Ci, device="cuda", dtype=dtype)
         w = (torch.randn(Co, R, S, Ci, device="cuda", dtype=dtype) / math.sqrt(R * S * Ci)).to(dtype)
@@ -195,7 +202,10 @@ def run_network_suite(outdir, quick=False, tune=True, dtype=torch.bfloat16, only
         cudnn = common.cudnn_conv2d(x_nhwc, w, None, stride, padding)
         fold = runtime.folded_geometry(geometry)
         run_geometry = fold.geometry if fold is not None else geometry
-        if tune:
+        if replay:
+            config = KernelConfig(*replayed[label])
+            selection.remember_config(run_geometry, dtype, config)
+        elif tune:
             print(f"\n{label}: {geometry.describe()}{' (folded)' if fold else ''}; autotuning:")
             config = selection.tuned_config(run_geometry, *(fold.apply(x_nhwc, w) if fold else (x_nhwc, w)),
                                                None, verbose=True, retune=True)
@@ -231,7 +241,8 @@ def run_network_suite(outdir, quick=False, tune=True, dtype=torch.bfloat16, only
         order = {layer[0]: i for i, layer in enumerate(network_suite())}
         records = sorted(records + kept, key=lambda r: order.get(r["layer"], len(order)))
     info = common.versions()
-    data = {**info, "dtype": str(dtype), "configs": "autotuned" if tune else "heuristic",
+    data = {**info, "dtype": str(dtype), "configs": f"replayed from {replay}" if replay else
+            "autotuned" if tune else "heuristic",
             "geomean_ratio": geometric_mean([r["ratio"] for r in records]),
             "min_ratio": min(r["ratio"] for r in records), "records": records}
     summarize(data)
@@ -569,6 +580,8 @@ def main():
     parser.add_argument("--keep", help="an earlier network_suite.json: its records of the other layers are kept")
     parser.add_argument("--resume", action="store_true", help="with --keep: only the layers it has no record of")
     parser.add_argument("--heuristic", action="store_true", help="the heuristic's configs instead of autotuning")
+    parser.add_argument("--replay", help="an earlier network_suite.json: each of its layers with the config it "
+                                         "recorded, no tuning (the same kernels timed again)")
     parser.add_argument("--outdir", default=None)
     parser.add_argument("--fp8", action="store_true", help="each layer in e4m3 against bf16 (ours and cuDNN's)")
     parser.add_argument("--ladder", action="store_true", help="the ladder of lessons 02, 04, 05 and cuDNN on the "
@@ -581,7 +594,7 @@ def main():
     if args.fp8:
         return run_fp8_suite(common.output_dir(args.outdir), only=args.only, keep=args.keep)
     run_network_suite(common.output_dir(args.outdir), quick=args.quick, tune=not args.heuristic, only=args.only,
-                      keep=args.keep, resume=args.resume)
+                      keep=args.keep, resume=args.resume, replay=args.replay)
 
 
 if __name__ == "__main__":
