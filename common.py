@@ -973,7 +973,8 @@ def _is_power_of_two(value: int) -> bool:
 
 def validate_im2col_settings(shape, element_size, block_pixels, block_channels,
                              pixel_box_lower_corner, pixel_box_upper_corner, element_strides):
-    """Raise a clear ValueError for descriptor settings the hardware (or Triton) would reject."""
+    """Raise a clear ValueError for settings the descriptor rejects (cuTensorMapEncodeIm2col, or Triton's host
+    descriptor before it): what a kernel launch would fail on, checked before any kernel runs."""
     if len(shape) != 4:
         raise ValueError(f"the im2col tensor must be NHWC of rank 4, got shape {tuple(shape)} "
                          f"(rank {len(shape)})")
