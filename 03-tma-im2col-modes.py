@@ -442,17 +442,8 @@ def run_conv_mapping(N=2, H=7, W=6, Ci=12, R=3, S=3, stride=(2, 1), padding=1, d
     return a_model
 
 
-CONV_MAPPING_CASES = [  # every combination below that has an output
-    (N, H, W, Ci, R, S, stride, padding, dilation) for N, H, W, Ci in [(1, 6, 6, 8), (2, 7, 5, 12), (3, 4, 9, 4)]
-    for R, S, stride, padding, dilation in [
-        (3, 3, 1, 1, 1), (3, 3, 2, 0, 1), (3, 2, 3, 2, 1), (3, 3, 1, 2, 2), (1, 1, (2, 1), 0, 1),
-        (2, 3, (1, 2), (0, 1), (2, 1))]
-    if common.has_output((N, H, W, Ci), (1, R, S, Ci), stride, padding, dilation)]
-
-
-@pytest.mark.parametrize("N, H, W, Ci, R, S, stride, padding, dilation", CONV_MAPPING_CASES)
-def test_conv_mapping_rebuilds_lesson02_im2col(N, H, W, Ci, R, S, stride, padding, dilation):
-    run_conv_mapping(N, H, W, Ci, R, S, stride, padding, dilation, verbose=False)
+# tests/lessons/test_03_model.py runs it over a grid of shapes: strides, paddings, dilations,
+# non-square filters and batches, every combination that has an output.
 
 # %%
 if __name__ == "__main__":

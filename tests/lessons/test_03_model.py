@@ -3,6 +3,8 @@
 - Settings the descriptor rejects (checked by common.validate_im2col_settings before any kernel
   runs) and start coordinates the model does not cover (outside the window, off its stride
   lattice: limits of the model, not refusals of the hardware) raise ValueErrors naming the setting.
+- The conv mapping (tile starts, tap offsets, channel blocks) rebuilds lesson 02's im2col matrix
+  on a grid of shapes.
 - On a Hopper or Blackwell GPU, hundreds of random settings (shapes, corners, element strides,
   start coordinates, offsets, channel offsets, fp32, fp16 and bf16, zero and NaN fill) run through
   the copy engine and the model; every element must match exactly."""
@@ -139,6 +141,20 @@ def test_random_cases_are_valid_model_inputs():
 def test_hardware_matches_model_on_random_settings():
     mismatches = run_differential(count=256, verbose=False)
     assert not mismatches, f"{len(mismatches)} mismatches, first: {mismatches[:3]}"
+
+
+
+CONV_MAPPING_CASES = [  # every combination below that has an output
+    (N, H, W, Ci, R, S, stride, padding, dilation) for N, H, W, Ci in [(1, 6, 6, 8), (2, 7, 5, 12), (3, 4, 9, 4)]
+    for R, S, stride, padding, dilation in [
+        (3, 3, 1, 1, 1), (3, 3, 2, 0, 1), (3, 2, 3, 2, 1), (3, 3, 1, 2, 2), (1, 1, (2, 1), 0, 1),
+        (2, 3, (1, 2), (0, 1), (2, 1))]
+    if common.has_output((N, H, W, Ci), (1, R, S, Ci), stride, padding, dilation)]
+
+
+@pytest.mark.parametrize("N, H, W, Ci, R, S, stride, padding, dilation", CONV_MAPPING_CASES)
+def test_conv_mapping_rebuilds_lesson02_im2col(N, H, W, Ci, R, S, stride, padding, dilation):
+    lesson().run_conv_mapping(N, H, W, Ci, R, S, stride, padding, dilation, verbose=False)
 
 
 if __name__ == "__main__":
