@@ -178,6 +178,15 @@ def versions() -> dict:
     return info
 
 
+def cudnn_version_text(version) -> str:
+    """cuDNN's version for titles and labels: torch.backends.cudnn.version()'s int (91900, as the
+    data files record it) as "9.19.0"; anything else (None, a string) as it is."""
+    if isinstance(version, int) and not isinstance(version, bool) and version > 0:
+        major = version // 10000 if version >= 10000 else version // 1000   # cuDNN 9: 9*10000 + minor*100 + patch
+        return f"{major}.{version // 100 % (100 if version >= 10000 else 10)}.{version % 100}"   # cuDNN 8: 8*1000 + ...
+    return str(version)
+
+
 # %% Convolution geometry and validation ---------------------------------------------------------
 
 
@@ -631,9 +640,18 @@ RESNET50_3X3_SHAPES = [
 
 
 def output_dir(path=None, announce=True) -> Path:
-    """The one folder where the series writes plots and data: --outdir, $CONV_TUTORIAL_OUT or ./out."""
+    """The one folder where the series writes plots and data: --outdir, $CONV_TUTORIAL_OUT or the
+    repository's out/. Inside the current folder, or with both inside the repository, it is
+    returned (and printed) relative to the current folder, so that the lines naming it and its
+    plots show no machine's absolute path (the site's pages print what a run prints)."""
     folder = Path(path or os.environ.get("CONV_TUTORIAL_OUT") or REPO_ROOT / "out").resolve()
     folder.mkdir(parents=True, exist_ok=True)
+    here = Path.cwd().resolve()
+    if folder.is_relative_to(here) or (folder.is_relative_to(REPO_ROOT) and here.is_relative_to(REPO_ROOT)):
+        try:
+            folder = Path(os.path.relpath(folder, here))
+        except ValueError:            # another drive (Windows): keep it absolute
+            pass
     if announce:
         print(f"[output] plots and data go to {folder}")
     return folder
@@ -791,12 +809,17 @@ class AotToolMissing(RuntimeError):
     """The installed Triton lacks the assembler for a target, so it cannot be compiled here."""
 
 
+SHOW_PROGRESS = None     # text -> None, where a test run shows what a slow step is doing (conftest.py)
+
+
 @functools.lru_cache(maxsize=None)
 def _aot_cached(stem, builder, arch, params_json):
     env = dict(os.environ, CONV_TUTORIAL_AOT="1", TRITON_INTERPRET="0",
                CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", ""))
     code = (f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r}); import common; "
             f"common._aot_child({stem!r}, {builder!r}, {arch!r}, {params_json!r})")
+    if SHOW_PROGRESS is not None:      # a build takes seconds to a minute: say so (conftest.py sets it)
+        SHOW_PROGRESS(f" [compiling {stem} for {arch}]")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=600)
     for line in proc.stdout.splitlines():
