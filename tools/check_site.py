@@ -4,14 +4,23 @@
 
 Fails (exit 1) on a missing image, a broken internal link (file or #anchor), a lesson page without
 code or figures, or an index that does not link every lesson and the results page. Then opens
-every page in headless Chromium (Debian's `chromium` package) and saves a full-page screenshot,
-to be looked at; a page Chromium cannot render also fails the check.
+every page in headless Chromium (Debian's `chromium` package, driven through its DevTools protocol
+on a pipe: no extra Python package), waits until every <img> has loaded, fails on an image the
+browser could not show (not loaded, or a natural size of 0) and saves a screenshot of the whole
+page, as tall as the page is, to be looked at; a page Chromium cannot render also fails the check.
 """
 import argparse
+import base64
+import fcntl
 import html.parser
+import json
+import os
+import select
 import shutil
+import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -61,6 +70,8 @@ def check(site):
             file, _ = local(src, path)
             if file is not None and not file.exists():
                 problems.append(f"{path.relative_to(site.resolve())}: missing image {src}")
+            elif file is not None and file.stat().st_size == 0:
+                problems.append(f"{path.relative_to(site.resolve())}: empty image file {src}")
         for href in page.links:
             file, anchor = local(href, path)
             if file is None:
@@ -90,22 +101,164 @@ def check(site):
     return pages, problems
 
 
+class Chromium:
+    """Headless Chromium driven through the DevTools protocol on a pipe (--remote-debugging-pipe:
+    JSON messages ending in a NUL byte, commands on the browser's fd 3, answers on its fd 4)."""
+
+    def __init__(self, browser, width=1280, height=900):
+        to_browser, self._commands = os.pipe()
+        self._answers, from_browser = os.pipe()
+        # the browser's ends, moved to >= 10 first, so that dup2 onto 3 and 4 cannot clobber them
+        keep = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in (to_browser, from_browser)]
+        os.close(to_browser)
+        os.close(from_browser)
+
+        def on_fds_3_and_4():
+            os.dup2(keep[0], 3)
+            os.dup2(keep[1], 4)
+        self.process = subprocess.Popen(
+            [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--mute-audio",
+             "--remote-debugging-pipe", f"--window-size={width},{height}", "about:blank"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=on_fds_3_and_4, close_fds=False)
+        for fd in keep:
+            os.close(fd)
+        self._next_id, self._buffer, self.events, self.width = 0, b"", [], width
+        target = self.call("Target.createTarget", url="about:blank")["targetId"]
+        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        self.call("Page.enable", session=True)
+        self.resize(height)
+
+    def _receive(self, timeout):
+        deadline = time.monotonic() + timeout
+        while b"\0" not in self._buffer:
+            if time.monotonic() > deadline:
+                raise TimeoutError("Chromium did not answer")
+            ready, _, _ = select.select([self._answers], [], [], 1.0)
+            if ready:
+                chunk = os.read(self._answers, 1 << 20)
+                if not chunk:
+                    raise RuntimeError("Chromium closed its DevTools pipe")
+                self._buffer += chunk
+        message, self._buffer = self._buffer.split(b"\0", 1)
+        return json.loads(message)
+
+    def call(self, method, session=False, timeout=60, **params):
+        self._next_id += 1
+        message = {"id": self._next_id, "method": method, "params": params}
+        if session:
+            message["sessionId"] = self.session
+        os.write(self._commands, json.dumps(message).encode() + b"\0")
+        while True:
+            answer = self._receive(timeout)
+            if answer.get("id") == self._next_id:
+                if "error" in answer:
+                    raise RuntimeError(f"{method}: {answer['error']}")
+                return answer.get("result", {})
+            self.events.append(answer)
+
+    def wait_for(self, event, timeout=60):
+        deadline = time.monotonic() + timeout
+        while True:
+            found = next((e for e in self.events if e.get("method") == event), None)
+            if found:
+                self.events.remove(found)
+                return found
+            self.events.append(self._receive(max(deadline - time.monotonic(), 0.1)))
+
+    def evaluate(self, expression, timeout=60):
+        result = self.call("Runtime.evaluate", session=True, timeout=timeout, expression=expression,
+                           awaitPromise=True, returnByValue=True)
+        if "exceptionDetails" in result:
+            raise RuntimeError(f"script failed: {result['exceptionDetails'].get('text')}")
+        return result["result"].get("value")
+
+    def resize(self, height):
+        self.call("Emulation.setDeviceMetricsOverride", session=True, width=self.width, height=height,
+                  deviceScaleFactor=1, mobile=False)
+
+    def close(self):
+        try:
+            self.call("Browser.close", timeout=10)
+        except (RuntimeError, TimeoutError, OSError):
+            pass
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        os.close(self._commands)
+        os.close(self._answers)
+
+
+# Every <img> of the page loaded eagerly (a lazy one far down would never load), then, once all have
+# settled, each image's src, whether it loaded and its natural size, and the page's full height.
+IMAGES_AND_HEIGHT = """
+(async () => {
+  const images = Array.from(document.images);
+  images.forEach(image => { image.loading = "eager"; });
+  await Promise.all(images.map(image => image.complete ? null :
+      new Promise(done => { image.addEventListener("load", done); image.addEventListener("error", done); })));
+  await document.fonts.ready;
+  const root = document.documentElement;
+  return {height: Math.max(root.scrollHeight, document.body.scrollHeight, root.offsetHeight),
+          images: images.map(image => ({src: image.getAttribute("src"), complete: image.complete,
+                                        width: image.naturalWidth, height: image.naturalHeight}))};
+})()
+"""
+
+MAX_SHOT_HEIGHT = 60_000     # pixels; a taller page is cut there (and says so)
+
+
+def png_size(path):
+    """(width, height) from a PNG's header."""
+    with open(path, "rb") as file:
+        head = file.read(24)
+    return struct.unpack(">II", head[16:24]) if head[:8] == b"\x89PNG\r\n\x1a\n" else (0, 0)
+
+
 def screenshots(site, pages, folder):
+    """Each page in headless Chromium: every <img> must load with a non-zero natural size; then a
+    screenshot of the whole page (the viewport made as tall as the document) goes to `folder`."""
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
         return ["headless Chromium not found: install Debian's chromium package (apt-get install chromium)"]
     folder.mkdir(parents=True, exist_ok=True)
     problems = []
-    for path in pages:
-        name = "_".join(path.relative_to(site).with_suffix(".png").parts)
-        shot = folder / name
-        proc = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                               "--window-size=1280,2200", f"--screenshot={shot}", path.resolve().as_uri()],
-                              capture_output=True, text=True, timeout=120)
-        if proc.returncode or not shot.exists() or shot.stat().st_size < 10_000:
-            problems.append(f"Chromium could not render {path.relative_to(site)}: {proc.stderr[-300:]}")
-        else:
-            print(f"[screenshot] {shot}")
+    chromium = Chromium(browser)
+    try:
+        for path in pages:
+            name = "_".join(path.relative_to(site).with_suffix(".png").parts)
+            shot, where = folder / name, path.relative_to(site)
+            try:
+                chromium.resize(900)
+                chromium.call("Page.navigate", session=True, url=path.resolve().as_uri())
+                chromium.wait_for("Page.loadEventFired")
+                page = chromium.evaluate(IMAGES_AND_HEIGHT)
+                for image in page["images"]:
+                    if not image["complete"] or image["width"] == 0 or image["height"] == 0:
+                        problems.append(f"{where}: image {image['src']} did not load in Chromium "
+                                        f"(natural size {image['width']}x{image['height']})")
+                height = min(page["height"], MAX_SHOT_HEIGHT)
+                chromium.resize(height)                      # the whole page in the viewport
+                height = min(chromium.evaluate(IMAGES_AND_HEIGHT)["height"], MAX_SHOT_HEIGHT)
+                chromium.resize(height)
+                data = chromium.call("Page.captureScreenshot", session=True, timeout=120, format="png",
+                                     captureBeyondViewport=True,
+                                     clip={"x": 0, "y": 0, "width": chromium.width, "height": height, "scale": 1})
+                shot.write_bytes(base64.b64decode(data["data"]))
+            except (RuntimeError, TimeoutError, OSError, KeyError) as error:
+                problems.append(f"Chromium could not render {where}: {error}")
+                continue
+            width, shot_height = png_size(shot)
+            if (width, shot_height) != (chromium.width, height) or shot.stat().st_size < 10_000:
+                problems.append(f"{where}: screenshot is {width}x{shot_height}, {shot.stat().st_size} bytes; "
+                                f"expected {chromium.width}x{height}")
+                continue
+            cut = " (cut: the page is taller)" if page["height"] > MAX_SHOT_HEIGHT else ""
+            print(f"[screenshot] {shot}: {width}x{shot_height} pixels, the whole page{cut}; "
+                  f"{len(page['images'])} images loaded")
+    finally:
+        chromium.close()
     return problems
 
 
@@ -116,14 +269,14 @@ def main():
     args = parser.parse_args()
     site = args.site
     pages, problems = check(site)
-    content = [p for p in pages if p.parent.name in ("", "lessons", site.name) and not p.name.startswith(("genindex", "search", "sg_"))]
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    if browser:
-        problems += screenshots(site, content, args.screenshots or site.parent / "site-screenshots")
+    if browser:                 # every page: each of its images rendered, and the whole page shot
+        problems += screenshots(site, pages, args.screenshots or site.parent / "site-screenshots")
     for problem in problems:
         print("PROBLEM:", problem)
     if browser:
-        print(f"{len(pages)} pages checked, {len(content)} screenshots: {len(problems)} problems")
+        print(f"{len(pages)} pages checked, each rendered with all its images and shot whole: "
+              f"{len(problems)} problems")
     else:
         print(f"{len(pages)} pages checked (images and links), {len(problems)} problems; no screenshots: "
               f"headless Chromium is not installed (Debian: sudo apt-get install chromium)")
