@@ -9,7 +9,9 @@ DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("CONV_TUTORIAL_KEEP_FIGURES", "1")    # figures stay open for the scraper
-os.environ.setdefault("CONV_TUTORIAL_OUT", str(ROOT / "docs" / "_build" / "out"))
+# sphinx-gallery runs each lesson in docs/lessons_src (a copy made by build_docs.sh, not kept), so
+# that the pages show "[output] plots and data go to out" as a reader's run from the repository does
+os.environ.setdefault("CONV_TUTORIAL_OUT", str(DOCS / "lessons_src" / "out"))
 os.environ.setdefault("MPLBACKEND", "Agg")
 
 import common  # noqa: E402  (on a machine without a GPU it turns on the Triton interpreter)
@@ -41,17 +43,23 @@ sphinx_gallery_conf = {
 
 
 def _recorded_ladder():
-    """The index's picture: the recorded ladder, with where and when it was measured."""
+    """The index's picture: the recorded ladder, drawn from its JSON by today's plotting code,
+    with where and when it was measured."""
     recorded = common.recorded_results("05_tflops_per_shape")
     generated = DOCS / "_generated"
     generated.mkdir(exist_ok=True)
     if recorded is None:
         text = "(no recorded GPU results in this checkout)\n"
     else:
-        _, info = recorded
-        image = Path("..") / info["folder"] / "05_ladder.png"
-        text = (f".. figure:: {image.as_posix()}\n   :width: 560px\n\n"
-                f"   RECORDED, not measured while building this page: {info['label']}.\n")
+        data, info = recorded
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        import matplotlib.pyplot as plt
+        import network_suite
+        network_suite.plot_ladder(data["rows"], info, data["dtype"], generated, None, recorded=info)
+        plt.close("all")          # the figures stay open for the gallery's scraper (see above): not these
+        text = (".. figure:: _generated/05_ladder_recorded.png\n   :width: 560px\n\n"
+                f"   RECORDED, not measured while building this page: measured {info['date']} on "
+                f"{info['device']} (versions in the title; data in {info['folder']}).\n")
     (generated / "recorded_ladder.rst").write_text(text)
 
 
