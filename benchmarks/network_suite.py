@@ -289,15 +289,15 @@ def show_recorded_suite(outdir, quick=False):
 def plot_network_suite(data, outdir, recorded=None):
     mark = f"RECORDED {recorded['date']} (not measured on this machine): " if recorded else ""
     suffix = "_recorded" if recorded else ""
-    cudnn = data["cudnn"]
-    cudnn = f"{cudnn // 10000}.{cudnn // 100 % 100}.{cudnn % 100}" if isinstance(cudnn, int) and cudnn > 9999 else cudnn
-    versions = f"{data['device']}, torch {data['torch']}, Triton {data['triton']}, cuDNN {cudnn}"
+    versions = (f"{data['device']}, torch {data['torch']}, Triton {data['triton']}, "
+                f"cuDNN {common.cudnn_version_text(data['cudnn'])}")
     records = sorted(data["records"], key=lambda r: r["ratio"])
     fig, ax = common.new_figure(figsize=(9, 0.22 * len(records) + 1.8))
     family_color = {prefix: color for prefix, _, color in FAMILIES}
     colors = [family_color[r["layer"].split()[0]] for r in records]
     ax.barh(range(len(records)), [r["ratio"] for r in records], color=colors)
     ax.set_yticks(range(len(records)), [r["layer"] for r in records], fontsize=7)
+    ax.set_ylim(-0.7, len(records) - 0.3)
     ax.axvline(1.0, color="black", lw=1)
     ax.axvline(data["geomean_ratio"], color="#2060c0", ls="--", lw=1,
                label=f"geometric mean {data['geomean_ratio']:.2f}x")
@@ -329,12 +329,7 @@ def plot_network_suite(data, outdir, recorded=None):
     trailing = sorted((i for i, r in enumerate(data["records"]) if r["ratio"] < 1), key=lambda i: data["records"][i]["ratio"])
     named |= set(trailing[:6])
     named |= {i for i, r in enumerate(data["records"]) if "stem" in r["layer"]}
-    offsets = [(-70, 30), (10, -30), (-80, -40), (20, 40), (-60, 55), (25, -55), (35, 15), (-90, -15), (30, -75)]
-    for k, i in enumerate(sorted(named, key=intensity.__getitem__)):
-        r = data["records"][i]
-        ax.annotate(f"{r['layer']} ({r['ratio']:.2f}x)", (intensity[i], min(r["ours_tflops"], r["cudnn_tflops"])),
-                    textcoords="offset points", xytext=offsets[k % len(offsets)], fontsize=6, color="#444444",
-                    arrowprops=dict(arrowstyle="-", color="#aaaaaa", lw=0.6))
+    named = sorted(named, key=intensity.__getitem__)
     peaks = device_peaks(data["device"])
     if peaks:
         compute, bandwidth = peaks
@@ -343,16 +338,52 @@ def plot_network_suite(data, outdir, recorded=None):
                 label=f"roofline: {compute:.0f} TFLOPS dense bf16, {bandwidth} TB/s HBM (datasheet)")
         limited = next((v for k, v in POWER_LIMITED_PEAK_TFLOPS.items() if k in data["device"]), None)
         if limited:
-            ax.axhline(limited, color="red", ls=":", lw=1, label=f"peak at the 700 W limit (~1440 MHz): {limited:.0f}")
+            ax.axhline(limited, color="red", ls=":", lw=1, label=f"peak at the 700 W limit (~1440 MHz, measured): {limited:.0f} TFLOPS")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP per byte of input + weights + output)")
+    ax.set_xlabel("arithmetic intensity (FLOP per byte of input + weights + output, each moved once)")
     ax.set_ylabel("TFLOPS (do_bench median)")
-    ax.set_title(f"{mark}Network suite on the roofline, bf16 (a grey line joins each layer's pair; "
-                 f"named: the ends and the six where ours trails most)\n{versions}", fontsize=8)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
+    # the named layers: a number beside each (placed where it hides no point), their names in a key
+    number_points(ax, [(intensity[i], min(data["records"][i]["ours_tflops"], data["records"][i]["cudnn_tflops"]))
+                       for i in named])
+    key = "\n".join(f"{k:>2}  {data['records'][i]['layer']}: {data['records'][i]['ratio']:.2f}x"
+                     for k, i in enumerate(named, 1))
+    ax.text(1.03, 1.0, f"numbered layers, ours / cuDNN throughput:\n{key}", transform=ax.transAxes, va="top", ha="left",
+            fontsize=7.5, family="monospace", linespacing=1.5)
+    ax.set_title(f"{mark}\n" * bool(mark) + "Every conv layer of ResNet-50, SD UNet and Inception v3 on the "
+                 "roofline, bf16: ours (lesson 05) and cuDNN\n(a grey line joins a layer's two points; numbered: "
+                 f"both ends, the stems, the six where ours trails most)\n{versions}", fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.11), ncol=2)
     ax.grid(alpha=0.3, which="both")
     common.save_figure(fig, outdir, "05_network_suite_roofline" + suffix)
+
+
+def number_points(ax, points, fontsize=7):
+    """Write 1, 2, ... beside `points` (data coordinates; the axes' limits final): each number
+    at the first spot, on rings around its point, that overlaps no point drawn on the axes and
+    no number placed before it (a leader line where it had to move away)."""
+    ax.autoscale_view()
+    to_points = 72 / ax.figure.dpi                     # display pixels -> typographic points
+    def at(xy):
+        x, y = ax.transData.transform(xy)
+        return x * to_points, y * to_points
+    drawn = [at(xy) for collection in ax.collections for xy in collection.get_offsets()]
+    boxes = [(x - 3, y - 3, x + 3, y + 3) for x, y in drawn]            # the markers, ~6 points wide
+    rings = [(r * math.cos(a), r * math.sin(a)) for r in (7, 11, 16, 22, 29, 37, 46)
+             for a in [k * math.pi / 6 for k in (1, 5, 7, 11, 0, 6, 3, 9, 2, 4, 8, 10)]]
+    for number, xy in enumerate(points, 1):
+        x, y = at(xy)
+        half_w, half_h = 0.32 * fontsize * len(str(number)) + 1, 0.5 * fontsize + 1
+        def box(dx, dy):
+            return (x + dx - half_w, y + dy - half_h, x + dx + half_w, y + dy + half_h)
+        def free(b):
+            return all(b[2] < o[0] or o[2] < b[0] or b[3] < o[1] or o[3] < b[1] for o in boxes)
+        dx, dy = next(((dx, dy) for dx, dy in rings if free(box(dx, dy))), rings[-1])
+        boxes.append(box(dx, dy))
+        ax.annotate(str(number), xy, textcoords="offset points", xytext=(dx, dy), ha="center", va="center",
+                    fontsize=fontsize, fontweight="bold", color="#202020",
+                    arrowprops=dict(arrowstyle="-", color="#606060", lw=0.6, shrinkA=0, shrinkB=3)
+                    if math.hypot(dx, dy) > 12 else None)
 
 
 # %% The ladder of the series on lesson 05's benchmark shapes ----------------------------------------
@@ -484,13 +515,14 @@ def plot_ladder(rows, info, dtype, outdir, data, recorded=None):
         ax.bar(xs, [r[name]["tflops"] for r in rows], width, label=name, color=colors[i])
     draw_peaks(ax, info["device"])
     tallest = max([dense_peak(info["device"]) or 0] + [r[n]["tflops"] for r in rows for n in LADDER_SERIES])
-    ax.set_ylim(0, 1.25 * tallest)
+    ax.set_ylim(0, 1.1 * tallest)
     ax.set_xticks(range(len(rows)), [r["shape"] for r in rows], rotation=20, ha="right", fontsize=8)
-    ax.set_xlabel("layer (batch 128; SD UNet at batch 8)")
+    ax.set_xlabel("layer: input size, Ci->Co, filter, stride (batch 128; SD UNet at batch 8)")
     ax.set_ylabel("TFLOPS (higher is better)")
-    ax.set_title(f"{mark}Convolution throughput per shape, {dtype}, {info['device']}\n"
-                 f"Triton {info['triton']}, torch {info['torch']}, cuDNN {info.get('cudnn')}")
-    ax.legend(fontsize=8, loc="upper right")
+    ax.set_title(f"{mark}Forward convolution throughput per layer: lessons 02, 04, 05 and cuDNN, {dtype}\n"
+                 f"{info['device']}, Triton {info['triton']}, torch {info['torch']}, "
+                 f"cuDNN {common.cudnn_version_text(info.get('cudnn'))}")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3)   # below: no line hidden
     ax.grid(axis="y", alpha=0.3)
     common.save_figure(fig, outdir, "05_tflops_per_shape" + suffix, data)
 
@@ -505,9 +537,9 @@ def plot_ladder(rows, info, dtype, outdir, data, recorded=None):
     ax.set_ylim(0, 1.25 * max([dense_peak(info["device"]) or 0] + values))
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     ax.set_ylabel("TFLOPS (higher is better)")
-    ax.set_title(f"{mark}\nThe ladder of the series on {headline['geometry']}\n{dtype}, {info['device']}"
-                 if recorded else f"The ladder of the series on {headline['geometry']}\n{dtype}, {info['device']}",
-                 fontsize=9)
+    ax.set_title(f"{mark + chr(10) if mark else ''}Each lesson's kernel and cuDNN on the headline layer, {dtype}\n"
+                 f"{headline['geometry']}\n{info['device']}, Triton {info['triton']}, torch {info['torch']}, "
+                 f"cuDNN {common.cudnn_version_text(info.get('cudnn'))}", fontsize=9)
     common.save_figure(fig, outdir, "05_ladder" + suffix)
 
 
