@@ -25,10 +25,18 @@ KERNEL_DTYPES = lesson05.KERNEL_DTYPES           # fp16, bf16, and e4m3 (lesson 
 
 def quantize_tensor(t, channel_dim=None):
     """(q, scale) with t ~ q.float() * scale: q in e4m3, scale fp32, one per tensor (shape ()) or one
-    per index of `channel_dim` (e.g. 0 for a weight's output channels), amax mapped to 448."""
+    per index of `channel_dim` (e.g. 0 for a weight's output channels), amax mapped to 448.
+
+    Every scale is positive and finite: an all-zero tensor (or channel) gets scale 1, since its zeros
+    are exact at any scale and a scale of 0 would make 0 / 0 of them. A tensor holding inf or NaN
+    has no scale that represents it: ValueError (reading that answer back costs one device
+    synchronization on a GPU, which quantizing, a preparation step, can afford)."""
     dims = [d for d in range(t.dim()) if d != channel_dim]
     amax = t.detach().abs().float().amax(dim=dims) if channel_dim is not None else t.detach().abs().float().amax()
-    scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    if not bool(torch.isfinite(amax).all()):
+        raise ValueError(f"quantize_tensor: the tensor of shape {tuple(t.shape)} holds inf or NaN; e4m3 has "
+                         f"no scale for them (amax {amax.max().item()})")
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).clamp(min=torch.finfo(torch.float32).tiny)
     shape = [-1 if d == channel_dim else 1 for d in range(t.dim())]
     return (t.float() / scale.view(shape)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
@@ -45,6 +53,12 @@ def dequantize_conv_operands(x_q, x_scale, w_q, w_scale):
     return x_q.float() * x_scale, w_q.float() * w_scale.view(-1, *[1] * (w_q.dim() - 1))
 
 
+def _readable_on_host(t):
+    """A plain tensor in CPU memory: its values can be read without a device synchronization (a
+    fake tensor under torch.compile, or a CUDA tensor, cannot be read for free)."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+
+
 def _check_fp8_scale(name, value, shape, device):
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be an fp32 torch.Tensor of shape {shape}, got {type(value).__name__}")
@@ -53,6 +67,13 @@ def _check_fp8_scale(name, value, shape, device):
                          f"{tuple(value.shape)}")
     if value.device != device:
         raise ValueError(f"{name} is on {value.device}, the input on {device}")
+    if _readable_on_host(value):
+        bad = ~(torch.isfinite(value) & (value > 0))
+        if bool(bad.any()):
+            first = value.reshape(-1)[bad.reshape(-1)][0].item()
+            where = "" if not shape else f" (at index {int(bad.reshape(-1).nonzero()[0])})"
+            raise ValueError(f"{name} must be positive and finite, got {first}{where}: a scale is the size of one "
+                             f"e4m3 unit (conv_tutorial.quantize_tensor makes one)")
 
 
 def check_fp8_dtypes(caller, **operands):
@@ -76,8 +97,17 @@ def fp8_epilogue(x_scale, w_scale, scale=None, bias=None, out_scale=None):
 def check_fp8_scales(x_scale, w_scale, Co, device, *, residual=None, activation="none", out_dtype=torch.bfloat16,
                      out_scale=None):
     """The fp8 conv's own arguments (named as conv2d_fp8 names them): input_scale one fp32 value
-    (shape ()), weight_scale one per output channel, the output in bf16 or in e4m3 with its own out_scale (ReLU or none: the scale folds
-    into the epilogue's), a residual in the output's dtype (in e4m3, at the output's scale)."""
+    (shape ()), weight_scale one per output channel, the output in bf16 or in e4m3 with its own
+    out_scale (ReLU or none: the scale folds into the epilogue's), a residual in the output's dtype
+    (in e4m3, at the output's scale).
+
+    Scales must be positive and finite. On CPU tensors their values are checked (ValueError); on a
+    GPU they are not, because reading a value back would synchronize the device on every call (and
+    break CUDA-graph capture). There a bad scale is not detected: it is folded into the epilogue's
+    per-channel factor, so a NaN or infinite scale makes the affected outputs NaN or inf, a zero
+    input or weight scale makes them zero (plus the bias), a negative one flips their sign (before the
+    activation), and a zero out_scale divides by zero: outputs saturate at +-448 or become NaN.
+    `conv_tutorial.quantize_tensor` and the fp8 pass only make valid scales."""
     _check_fp8_scale("input_scale", x_scale, (), device)
     _check_fp8_scale("weight_scale", w_scale, (Co,), device)
     if out_dtype not in FP8_OUT_DTYPES:
