@@ -306,8 +306,19 @@ def keep_faster_convs(fused_model: torch.fx.GraphModule, example_input: torch.Te
     Small layers (SE blocks' 1x1 convs on pooled vectors, thin 1x1 convs at batch 1) are where
     cuDNN's lighter kernels win. `timer(fn) -> ms` defaults to a CUDA-graph replay; distinct
     layers are timed once. Changes `fused_model` in place and returns it; `torch_convs` on it
-    counts the convs given back to torch."""
-    timer = timer or _graph_replay_ms
+    counts the convs given back to torch.
+
+    Without a CUDA GPU for the default timer (no GPU, or a model and input on the CPU, where every
+    FusedConv2d already runs torch's conv), there is nothing to measure: the model comes back
+    unchanged (`torch_convs` 0) with one warning."""
+    if timer is None:
+        if not torch.cuda.is_available() or example_input.device.type != "cuda":
+            where = "no CUDA GPU" if not torch.cuda.is_available() else f"the input on {example_input.device}"
+            warnings.warn(f"keep_faster_convs: {where}, nothing to time (the operator runs torch's conv here); "
+                          f"the model is returned unchanged")
+            fused_model.torch_convs = 0
+            return fused_model
+        timer = _graph_replay_ms
     calls = {}
     for name, module, args in module_calls(fused_model, example_input, FusedConv2d):
         calls.setdefault(name, (module, args))

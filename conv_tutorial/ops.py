@@ -92,8 +92,28 @@ def nhwc_view(t):
 
 
 def reference_epilogue(conv_out, bias, scale, residual, activation):
-    """act(conv_out * scale + bias + residual) in torch, per output channel of NCHW conv_out."""
-    return common.reference_epilogue(conv_out, bias, scale, residual, activation, channel_dim=1)
+    """act(conv_out * scale + bias + residual) in torch, per output channel of NCHW conv_out, in
+    conv_out's dtype. Only the activation asked for is computed: the CPU fallback runs this on
+    every call, and torch has no SiLU for every dtype it convolves."""
+    shape = (1, -1, 1, 1)
+    out = conv_out if scale is None else conv_out * scale.to(conv_out.dtype).view(shape)
+    if bias is not None:
+        out = out + bias.to(conv_out.dtype).view(shape)
+    if residual is not None:
+        out = out + residual.to(conv_out.dtype)
+    if activation == "relu":
+        return torch.relu(out)
+    return torch.nn.functional.silu(out) if activation == "silu" else out
+
+
+def check_operand_dtypes(input, weight):
+    """The operator convolves floating-point operands of one dtype (fp16/bf16/e4m3 in the kernel,
+    any other floating dtype in torch's fallback); anything else gets a TypeError naming both,
+    before torch's own message from deep inside its conv."""
+    if not (input.is_floating_point() and weight.is_floating_point()) or input.dtype != weight.dtype:
+        raise TypeError(f"conv_tutorial::conv2d: input has dtype {input.dtype} and weight {weight.dtype}; the "
+                        f"operator takes floating-point operands of one dtype (the kernel: float16, bfloat16 or "
+                        f"float8_e4m3fn; other floating dtypes go to torch)")
 
 
 def _out_shape(input, weight, stride, padding, dilation):
@@ -110,6 +130,7 @@ def _conv2d_with_epilogue(input: torch.Tensor, weight: torch.Tensor, bias: Optio
     """conv2d(input, weight, bias) followed by the fused epilogue act(. * scale + residual): per
     output channel, out = act(conv * scale + bias + residual) computed in fp32 on the tile, cast to
     out_dtype (None: the input's; e4m3 operands: bf16 or e4m3, see conv2d_fp8)."""
+    check_operand_dtypes(input, weight)
     out_dtype = output_dtype(input.dtype, out_dtype)
     if scale is not None or residual is not None or activation != "none":   # (a plain call skips this)
         check_epilogue(weight.shape[0], _out_shape(input, weight, stride, padding, dilation),
@@ -152,6 +173,7 @@ conv2d_op = torch.ops.conv_tutorial.conv2d.default
 @torch.library.register_fake("conv_tutorial::conv2d")
 def _(input, weight, bias, stride, padding, dilation, groups, scale=None, residual=None, activation="none",
       out_dtype=None):
+    check_operand_dtypes(input, weight)
     out_shape, out_dtype = _out_shape(input, weight, stride, padding, dilation), output_dtype(input.dtype, out_dtype)
     check_epilogue(weight.shape[0], out_shape, out_dtype, input.device, scale, residual, activation)
     return input.new_empty(out_shape, dtype=out_dtype).contiguous(memory_format=torch.channels_last)
@@ -269,7 +291,11 @@ def conv2d_fp8(input, input_scale, weight, weight_scale, bias=None, stride=1, pa
     [Co, Ci, R, S] in e4m3 (channels_last memory avoids copies) with their fp32 scales, input_scale
     of shape () and weight_scale [Co] (conv_tutorial.quantize_tensor(t) and quantize_tensor(w, channel_dim=0)
     make both); the output in bf16, or in e4m3 with out_scale (shape ()); a residual comes in the
-    output's dtype (in e4m3, at out_scale)."""
+    output's dtype (in e4m3, at out_scale).
+
+    Scales must be positive and finite: checked on CPU tensors (ValueError); on a GPU a check would
+    synchronize the device on every call, so a bad scale there gives NaN, inf, zeros or flipped signs
+    instead (geometry.check_fp8_scales says which)."""
     for name, t in (("input", input), ("weight", weight)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise TypeError(f"{name} must be a 4-d torch.Tensor, got {type(t).__name__}"

@@ -244,6 +244,22 @@ def test_keep_faster_convs_gives_slower_convs_back_to_torch_with_the_same_output
         torch.testing.assert_close(quietly(kept, x), model(x), rtol=1e-4, atol=1e-4)
 
 
+def test_keep_faster_convs_without_a_gpu_returns_the_model_unchanged_with_one_warning():
+    # issue 41: the default timer replays CUDA graphs, which raised a CUDA driver error without a GPU
+    torch.manual_seed(0)
+    model, x = network(), torch.randn(2, 3, 48, 40)
+    fused = quietly(fusion.fuse_conv_bn_act, model, example_input=x)
+    modules_before = [type(m) for m in fused.modules()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kept = fusion.keep_faster_convs(fused, x)               # the input on the CPU: nothing to time
+    said = [w for w in caught if "keep_faster_convs" in str(w.message)]
+    assert len(said) == 1 and "returned unchanged" in str(said[0].message)
+    assert kept is fused and kept.torch_convs == 0 and [type(m) for m in kept.modules()] == modules_before
+    with torch.no_grad():
+        torch.testing.assert_close(quietly(kept, x), model(x), rtol=1e-4, atol=1e-4)
+
+
 @needs_gpu
 def test_keep_faster_convs_on_the_gpu_keeps_the_output():
     model, x, fused = fused_network_on_the_gpu()

@@ -9,6 +9,7 @@ from conv_tutorial import ops  # noqa: E402
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 common.load_lesson("05-warp-specialized-conv")
 
@@ -242,3 +243,30 @@ def test_gradients_on_the_gpu_match_torch():
     want = torch.autograd.grad(torch.nn.functional.conv2d(x, w, None, 1, 1).float().square().sum(), (x, w))
     for got, expected in zip(ours, want):
         torch.testing.assert_close(got.float(), expected.float(), rtol=5e-2, atol=5e-1)
+
+
+# %% The CPU path's own errors and its epilogue (issue 41) -----------------------------------------
+
+@pytest.mark.parametrize("input_dtype, weight_dtype", [
+    (torch.int32, torch.int32), (torch.bfloat16, torch.float32), (torch.float32, torch.float16)])
+def test_non_floating_or_mixed_operands_get_the_operators_type_error(input_dtype, weight_dtype):
+    x = torch.ones(1, 4, 5, 5).to(input_dtype)
+    w = torch.ones(8, 4, 3, 3).to(weight_dtype)
+    message = rf"input has dtype {input_dtype} and weight {weight_dtype}"
+    with pytest.raises(TypeError, match=message):
+        ops.conv2d(x, w)
+    with pytest.raises(TypeError, match=message):
+        ops.conv2d_op(x, w, None, [1, 1], [0, 0], [1, 1], 1, activation="relu")
+
+
+def test_cpu_epilogue_computes_only_the_activation_asked_for():
+    # torch has no SiLU on int32: computing it on every call made a plain call fail (issue 41)
+    conv_out = torch.arange(-6, 6, dtype=torch.int32).reshape(1, 3, 2, 2)
+    bias = torch.tensor([1, 0, -1], dtype=torch.int32)
+    assert torch.equal(ops.reference_epilogue(conv_out, bias, None, None, "relu"),
+                       torch.relu(conv_out + bias.view(1, -1, 1, 1)))
+    assert torch.equal(ops.reference_epilogue(conv_out, None, None, conv_out, "none"), 2 * conv_out)
+    x = torch.randn(2, 3, 4, 4)
+    scale, bias = torch.rand(3) + 0.5, torch.randn(3)
+    expected = F.silu(x * scale.view(1, -1, 1, 1) + bias.view(1, -1, 1, 1) + x)
+    torch.testing.assert_close(ops.reference_epilogue(x, bias, scale, x, "silu"), expected)
