@@ -10,10 +10,13 @@ a heuristic that needs no timing, an autotuner that times, and the tuning file t
   for): the config with the shortest expected time, from its throughput as measured over lesson
   05's network suite, the share of useful work it does on this shape, and split-K's costs
   (benchmarks/fit_heuristic.py refits the numbers).
-- `autotune`: times each pruned candidate the way the benchmark does (do_bench, L2 flushed), with
-  the call's epilogue, then the three fastest again in alternating rounds, and keeps the fastest
-  for that shape and epilogue (`epilogue_tag`): in this process and in a JSON tuning file
-  (`tuning_cache_path()`: $CONV_TUTORIAL_TUNING_CACHE or ~/.cache/conv_tutorial/tuning.json)
+- `autotune`: times each pruned candidate briefly, with the call's epilogue, then the three fastest
+  and the heuristic's config again as the benchmark times a layer (common.bench_tflops: do_bench's
+  median, L2 flushed) in alternating rounds, and keeps the fastest, the heuristic's on a tie: a
+  tuned config is never slower than the heuristic's by that measure. The choice is kept per shape
+  and epilogue (`epilogue_tag`) in this process and in a JSON tuning file, with the heuristic's
+  config and TFLOPS beside the tuned ones (`tuning_cache_path()`: $CONV_TUTORIAL_TUNING_CACHE or
+  ~/.cache/conv_tutorial/tuning.json; entries carry a `version`, older ones are tuned again)
   that later processes read.
 """
 import json
@@ -28,6 +31,7 @@ from .configs import (CANDIDATES, SMEM_LIMIT_BYTES, SMEM_PER_SM_BYTES, KernelCon
                       groups_fit, k_share, k_steps_of, shared_memory_bytes, split_k_workspace_bytes, split_tiles,
                       tail_pays, useful_share, wave_efficiency)
 from .geometry import device_facts
+from .kernel import common
 from .launch import plan_for
 
 _BEST_CONFIG = {}    # (geometry, dtype, device, epilogue tag) -> config chosen by the autotuner
@@ -185,7 +189,8 @@ def _remembered_config(geometry, dtype, tag=""):
     key = (geometry, dtype, torch.cuda.current_device(), tag)
     if key not in _BEST_CONFIG:
         saved = _load_tuning_file().get(_tuning_file_key(geometry, dtype, tag))
-        if saved is not None:
+        # (an entry of version 1 was chosen without timing the heuristic's config beside it: tuned again)
+        if saved is not None and saved.get("version", 1) >= TUNING_FILE_VERSION:
             _BEST_CONFIG[key] = KernelConfig(*saved["config"])
     return _BEST_CONFIG.get(key)
 
@@ -198,9 +203,10 @@ def tuned_config(geometry, x_nhwc, w, bias, verbose=False, retune=False, scale=N
     tag = epilogue_tag(scale, residual, activation)
     key = (geometry, x_nhwc.dtype, torch.cuda.current_device(), tag)
     if retune or _remembered_config(geometry, x_nhwc.dtype, tag) is None:
-        best, tflops = autotune(geometry, x_nhwc, w, bias, verbose, scale, residual, activation, out_dtype)
+        best, tflops, heuristic, heuristic_tflops = autotune(geometry, x_nhwc, w, bias, verbose, scale, residual,
+                                                             activation, out_dtype, details=True)
         _BEST_CONFIG[key] = best
-        _save_tuning(geometry, x_nhwc.dtype, best, tflops, tag)
+        _save_tuning(geometry, x_nhwc.dtype, best, tflops, tag, heuristic, heuristic_tflops)
     return _BEST_CONFIG[key]
 
 
@@ -244,9 +250,19 @@ def _load_tuning_file():
     return _TUNING_FILE
 
 
-def _save_tuning(geometry, dtype, config, tflops, tag=""):
+TUNING_FILE_VERSION = 2   # 2 adds the heuristic's config and TFLOPS; readers of 1 read "config" alone
+
+
+def _save_tuning(geometry, dtype, config, tflops, tag="", heuristic=None, heuristic_tflops=None):
+    """Keep a tuned choice: its config and TFLOPS, and beside them the heuristic's config and its
+    TFLOPS from the same timing, so the file shows what tuning gained on each shape. Entries of
+    version 1 (config and TFLOPS alone) are read the same way: only "config" is ever read back."""
     entries = _load_tuning_file()
-    entries[_tuning_file_key(geometry, dtype, tag)] = {"config": list(config), "tflops": round(tflops, 1)}
+    entry = {"config": list(config), "tflops": round(tflops, 1), "version": TUNING_FILE_VERSION}
+    if heuristic is not None:
+        entry["heuristic_config"] = list(heuristic)
+        entry["heuristic_tflops"] = None if heuristic_tflops is None else round(heuristic_tflops, 1)
+    entries[_tuning_file_key(geometry, dtype, tag)] = entry
     path = tuning_cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -257,34 +273,69 @@ def _save_tuning(geometry, dtype, config, tflops, tag=""):
         warnings.warn(f"could not save the tuning file {path}: {error}")
 
 
-def autotune(geometry, x_nhwc, w, bias, verbose=False, scale=None, residual=None, activation="none",
-             out_dtype=None):
-    """Time the pruned candidates on the real tensors, with the call's epilogue; return (best
-    config, its TFLOPS).
+FINALISTS = 3        # the fastest of the first pass timed again, plus the heuristic's pick
+FINAL_ROUNDS = 3
 
-    A first pass times each candidate briefly; the three fastest are then timed again in three
-    alternating rounds of longer runs, and the median round decides. (Timing each candidate once
-    for ~20 ms let clock and cache noise pick different configs in different processes.) Each
-    timing is the 20th percentile of do_bench's calls, not the median: on a layer of 30-50 us the
-    host's ~40 us per call is hidden only just, and a stall of the host process (which can only
-    add time) then made the median of a fast config look 3-5x slow, and picked a slow one."""
+
+def _benchmark_ms(fn):
+    """A finalist's time as benchmarks/network_suite.py times a layer: common.bench_tflops, i.e.
+    do_bench's median (L2 flushed before each call, launch overhead included; warmup 25 ms, 100 ms
+    of calls)."""
+    return common.bench_tflops(fn, 1)["ms"]
+
+
+def _first_pass_ms(fn):
+    """A brief timing that only ranks the candidates: the 20th percentile of do_bench's calls (a
+    stall of the host process can only add time, and made a median of short runs look 3-5x slow)."""
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=[0.2])
+
+
+def choose_among(first_pass, heuristic, final_ms, finalists=FINALISTS, rounds=FINAL_ROUNDS):
+    """The tuner's decision, apart from any GPU: `first_pass` {config: ms} ranks the candidates;
+    the `finalists` fastest and the heuristic's config are timed again by `final_ms(config) -> ms`
+    in `rounds` alternating rounds (clock drift falls on all of them alike), each keeping its median
+    round. The heuristic's config wins ties and is kept unless another measures faster: the tuner is
+    never slower than the heuristic by its own measure. Returns (best, {finalist: median ms})."""
+    chosen = sorted(first_pass, key=first_pass.get)[:finalists]
+    if heuristic is not None and heuristic not in chosen:
+        chosen.append(heuristic)
+    times = {config: [] for config in chosen}
+    for _ in range(rounds):
+        for config in chosen:
+            times[config].append(final_ms(config))
+    medians = {config: sorted(ms)[len(ms) // 2] for config, ms in times.items()}
+    best = min(medians, key=lambda c: (medians[c], c != heuristic))
+    return best, medians
+
+
+def autotune(geometry, x_nhwc, w, bias, verbose=False, scale=None, residual=None, activation="none",
+             out_dtype=None, details=False):
+    """Time the pruned candidates on the real tensors, with the call's epilogue; return (best
+    config, its TFLOPS), or with `details` also (the heuristic's config, its TFLOPS).
+
+    A first pass times each candidate briefly (`_first_pass_ms`). The three fastest and the
+    heuristic's config (the one the operator runs untuned) are then timed as the benchmark times a
+    layer (`_benchmark_ms`) in three alternating rounds, and the median round decides
+    (`choose_among`): so a tuned choice is one that the benchmark, too, measures at least as fast as
+    the heuristic's. (A first pass's ranking alone, from runs of ~20 ms at a different percentile,
+    picked configs that the benchmark then measured up to 1.7x slower than the heuristic's.)"""
     arch, num_sms, smem = device_facts()
     candidates = prune_configs(CANDIDATES[arch], geometry, arch, smem, num_sms)
     # with a residual, each candidate as the runtime would run it (row tails move to 8 warps)
     candidates = list(dict.fromkeys(fitted_to_epilogue(c, residual is not None, arch) for c in candidates))
-    epilogue = dict(scale=scale, residual=residual, activation=activation)
-    timed = lambda plan: lambda: plan.run(x_nhwc, w, bias, **epilogue)  # noqa: E731
     if not candidates:
         raise RuntimeError(f"no kernel config fits {geometry.describe()} on this GPU")
+    heuristic = fitted_to_epilogue(heuristic_config(geometry, arch, num_sms, smem), residual is not None, arch)
+    if heuristic not in candidates:
+        candidates.append(heuristic)
+    epilogue = dict(scale=scale, residual=residual, activation=activation)
+    timed = lambda plan: lambda: plan.run(x_nhwc, w, bias, **epilogue)  # noqa: E731
     timings, errors = {}, []
     for config in candidates:
         plan = plan_for(geometry, x_nhwc.dtype, config, out_dtype)
         try:
             plan.run(x_nhwc, w, bias, **epilogue)   # compile before timing
-            # Timed as the benchmark times (do_bench: L2 flushed before each call, as a layer in a
-            # network finds its weights: evicted since the last pass). The host time per call
-            # (~35 us) hides behind do_bench's cache flush, so this ranks the kernels.
-            timings[config] = triton.testing.do_bench(timed(plan), warmup=5, rep=20, quantiles=[0.2])
+            timings[config] = _first_pass_ms(timed(plan))
         except Exception as error:  # a config the compiler or the launch refuses: skip it
             errors.append(f"{config}: {type(error).__name__}: {error}")
             if verbose:
@@ -292,23 +343,18 @@ def autotune(geometry, x_nhwc, w, bias, verbose=False, scale=None, residual=None
     if not timings:
         raise RuntimeError(f"every kernel config failed for {geometry.describe()}; first error: "
                            f"{errors[0] if errors else '?'}")
-    finalists = sorted(timings, key=timings.get)[:3]
-    rounds = {config: [] for config in finalists}
-    for _ in range(3):
-        for config in finalists:
-            plan = plan_for(geometry, x_nhwc.dtype, config, out_dtype)
-            rounds[config].append(triton.testing.do_bench(timed(plan), warmup=10, rep=60,
-                                                          quantiles=[0.2]))   # one quantile: a float
-    medians = {config: sorted(ms)[1] for config, ms in rounds.items()}
-    best = min(medians, key=medians.get)
+    best, medians = choose_among(timings, heuristic if heuristic in timings else None,
+                                 lambda config: _benchmark_ms(timed(plan_for(geometry, x_nhwc.dtype, config,
+                                                                             out_dtype))))
+    to_tflops = lambda ms: geometry.flops / ms / 1e9  # noqa: E731
     if verbose:
         for config, ms in sorted(timings.items(), key=lambda item: item[1]):
-            final = f"   final median {geometry.flops / medians[config] / 1e9:7.1f}" if config in medians else ""
-            print(f"   {str(config):<40} {geometry.flops / ms / 1e9:7.1f} TFLOPS{final}"
-                  + ("   <- chosen" if config == best else ""))
-    return best, geometry.flops / medians[best] / 1e9
-
-
+            final = f"   final median {to_tflops(medians[config]):7.1f}" if config in medians else ""
+            print(f"   {str(config):<40} {to_tflops(ms):7.1f} TFLOPS{final}" + ("   <- chosen" if config == best else "")
+                  + ("   (heuristic)" if config == heuristic else ""))
+    if not details:
+        return best, to_tflops(medians[best])
+    return best, to_tflops(medians[best]), heuristic, (to_tflops(medians[heuristic]) if heuristic in medians else None)
 
 
 def remember_config(geometry, dtype, config, tag=""):

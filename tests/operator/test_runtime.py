@@ -215,7 +215,10 @@ def _stand_in_tuner(monkeypatch, tmp_path, plan_class, do_bench):
     monkeypatch.setattr(selection, "_BEST_CONFIG", {})
     monkeypatch.setattr(selection, "device_facts", lambda: ("sm_90", 132, 232448))
     monkeypatch.setattr(selection, "plan_for", lambda g, d, c, out_dtype=None: plan_class(c))
-    monkeypatch.setattr(selection.triton.testing, "do_bench", do_bench)
+    def do_bench_with_quantiles(fn, quantiles=None, **kwargs):   # several quantiles: a list, as do_bench
+        ms = do_bench(fn, quantiles=quantiles, **kwargs)
+        return [ms] * len(quantiles) if quantiles is not None and len(quantiles) > 1 else ms
+    monkeypatch.setattr(selection.triton.testing, "do_bench", do_bench_with_quantiles)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "a test GPU")
 
@@ -344,3 +347,57 @@ def test_only_small_channel_counts_are_folded():
     wide = common.conv_geometry((2, 16, 16, 64), (64, 3, 3, 64), 1, 1)
     one_by_one = common.conv_geometry((2, 16, 16, 3), (64, 1, 1, 3), 1, 0)
     assert runtime.folded_geometry(wide) is None and runtime.folded_geometry(one_by_one) is None
+
+
+# %% The tuner is never slower than the heuristic (issue 41) ---------------------------------------
+
+def test_tuner_keeps_the_heuristic_where_it_measures_fastest():
+    # Stand-in timers: the first pass ranks the heuristic's config 5th of 6 (a noisy brief run),
+    # the benchmark's timing measures it fastest. It must be a finalist, and it must win.
+    configs_ = [configs.KernelConfig(*c) for c in configs.CANDIDATES["sm_90"][:6]]
+    heuristic = configs_[4]
+    first_pass = {c: 1.0 + 0.1 * i for i, c in enumerate(configs_)}
+    benchmark = {c: 2.0 - 0.05 * i for i, c in enumerate(configs_)}
+    benchmark[heuristic] = 0.9
+    timed = []
+    best, medians = selection.choose_among(first_pass, heuristic, lambda c: timed.append(c) or benchmark[c])
+    assert best == heuristic and set(medians) == set(configs_[:3]) | {heuristic}
+    assert len(timed) == 4 * selection.FINAL_ROUNDS                   # each finalist once per round
+    assert timed[:4] == configs_[:3] + [heuristic]                    # alternating rounds
+
+
+def test_tuner_takes_a_faster_config_and_the_heuristic_on_a_tie():
+    configs_ = [configs.KernelConfig(*c) for c in configs.CANDIDATES["sm_90"][:4]]
+    heuristic = configs_[0]
+    first_pass = {c: 1.0 for c in configs_}
+    rounds = iter([1.0, 0.8, 1.5] * 2 + [1.0, 0.7, 1.5])   # 3 finalists per round; configs_[1]: median 0.8
+    best, medians = selection.choose_among(first_pass, heuristic, lambda c: next(rounds))
+    assert best == configs_[1] and medians[configs_[1]] == 0.8 and medians[heuristic] == 1.0
+    best, _ = selection.choose_among(first_pass, heuristic, lambda c: 1.0)    # a tie: the heuristic
+    assert best == heuristic
+
+
+def test_tuning_file_keeps_both_figures_and_a_version(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONV_TUTORIAL_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    monkeypatch.setattr(selection, "_TUNING_FILE", None)
+    monkeypatch.setattr(selection, "_tuning_file_key", lambda geometry, dtype, tag="": f"GPU | {geometry} | {tag}")
+    tuned, heuristic = (configs.KernelConfig(*c) for c in configs.CANDIDATES["sm_90"][:2])
+    selection._save_tuning("shape", torch.bfloat16, tuned, 612.34, "relu", heuristic, 501.0)
+    entry = json.loads((tmp_path / "tuning.json").read_text())["GPU | shape | relu"]
+    assert entry == {"config": list(tuned), "tflops": 612.3, "heuristic_config": list(heuristic),
+                     "heuristic_tflops": 501.0, "version": selection.TUNING_FILE_VERSION}
+
+
+@needs_gpu
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding", [
+    (64, 33, 47, 67, 100, 3, 3, 1, 1),             # issue 41: autotuned 0.50x cuDNN, heuristic 0.81x
+    (32, 224, 224, 3, 64, 4, 4, 4, 0),             # the 4x4 stride-4 stem with Ci=3 (folded)
+])
+def test_autotune_is_never_slower_than_the_heuristic_on_the_gpu(N, H, W, Ci, Co, R, S, stride, padding):
+    x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(Co, R, S, Ci, device="cuda", dtype=torch.bfloat16) / (R * S * Ci) ** 0.5
+    geometry = common.conv_geometry(x.shape, w.shape, stride, padding)
+    fold = runtime.folded_geometry(geometry)
+    run_geometry, (x, w) = (fold.geometry, fold.apply(x, w)) if fold else (geometry, (x, w))
+    best, tflops, heuristic, heuristic_tflops = selection.autotune(run_geometry, x, w, None, details=True)
+    assert heuristic_tflops is not None and tflops >= heuristic_tflops
