@@ -528,7 +528,7 @@ def bench_implicit_vs_cudnn(outdir, quick=False, dtype=torch.bfloat16):
                      "ratio": ours["tflops"] / cudnn["tflops"]})
     info = common.versions()
     print(f"\nimplicit GEMM vs cuDNN, {str(dtype)[6:]}, {info['device']}, triton {info['triton']}, "
-          f"torch {info['torch']}, cuDNN {info.get('cudnn')}")
+          f"torch {info['torch']}, cuDNN {common.cudnn_version_text(info.get('cudnn'))}")
     plot_implicit_vs_cudnn(rows, info, str(dtype), outdir, {"rows": rows, "dtype": str(dtype), **info})
     return rows
 
@@ -550,7 +550,8 @@ def plot_implicit_vs_cudnn(rows, info, dtype, outdir, data=None, recorded=None):
     ax.set_ylabel("TFLOPS (higher is better)")
     mark = f"RECORDED {recorded['date']} (not measured on this machine): " if recorded else ""
     ax.set_title(f"{mark}Lesson 02 implicit GEMM vs cuDNN, batch 128, {dtype}\n"
-                 f"{info['device']}, Triton {info['triton']}, torch {info['torch']}")
+                 f"{info['device']}, Triton {info['triton']}, torch {info['torch']}, "
+                 f"cuDNN {common.cudnn_version_text(info.get('cudnn'))}")
     ax.set_ylim(0, 1.3 * max(max(r["implicit_gemm_tflops"], r["cudnn_tflops"]) for r in rows))
     ax.legend(loc="upper right", ncol=2)        # in the headroom above the bars
     ax.grid(axis="y", alpha=0.3)

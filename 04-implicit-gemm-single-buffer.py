@@ -100,6 +100,7 @@ CONV_DTYPES = (torch.float16, torch.bfloat16)
 # Gluon aggregates are immutable values, so every call returns the new state: `mma = mma.f(...)`.
 #
 # Where the two architectures differ, and why the kernel below need not care:
+#
 # - Hopper (sm_90) WGMMA: the accumulator lives in the *registers* of the warpgroup(s) that issue
 #   the MMA (so num_warps is a multiple of 4 and BLOCK_M a multiple of 64). Completion is tracked
 #   by `warpgroup_mma_wait(k)`, which blocks until at most k issued groups are pending.
@@ -107,6 +108,7 @@ CONV_DTYPES = (torch.float16, torch.bfloat16)
 #   next to the tensor cores, and a single thread can issue the MMA. Completion is signalled on an
 #   mbarrier by `tcgen05_commit`; waiting means waiting on that barrier. Reading the result is an
 #   explicit TMEM -> register load.
+#
 # Both read A and B from shared memory in the NVMMA swizzled layout the TMA writes, both accumulate
 # in fp32, and "wait until <= k outstanding, then read" means the same thing on both. The interface
 # is shaped after WGMMA because it is the stricter of the two.
@@ -501,7 +503,9 @@ def bench_headline(outdir, dtype=torch.bfloat16):
     cudnn = common.bench_tflops(common.cudnn_conv2d(x_nhwc, w, None, stride, padding), geometry.flops)
     info = common.versions()
     print(f"\n{label} ({geometry.describe()}), {str(dtype)[6:]}, {info['device']}:")
-    plot_headline(ours["tflops"], cudnn["tflops"], f"{geometry.describe()}\n{str(dtype)[6:]}, {info['device']}",
+    plot_headline(ours["tflops"], cudnn["tflops"],
+                  f"Lesson 04 (single-buffered) vs cuDNN: {geometry.describe()}, {str(dtype)[6:]}\n{info['device']}, "
+                  f"torch {info['torch']}, Triton {info['triton']}, cuDNN {common.cudnn_version_text(info.get('cudnn'))}",
                   outdir, "04_single_buffer_vs_cudnn",
                   {"shape": geometry.describe(), "lesson04_tflops": ours, "cudnn_tflops": cudnn, **info})
     return ours, cudnn
@@ -511,7 +515,10 @@ def plot_headline(ours_tflops, cudnn_tflops, title, outdir, name, data=None):
     print(f"  lesson 04 single-buffered: {ours_tflops:7.1f} TFLOPS")
     print(f"  cuDNN (channels_last)    : {cudnn_tflops:7.1f} TFLOPS   ratio {ours_tflops / cudnn_tflops:.2f}")
     fig, ax = common.new_figure(figsize=(6, 4))
-    ax.bar(["lesson 04\nsingle-buffered", "cuDNN"], [ours_tflops, cudnn_tflops], color=["#c44", "#4a4"])
+    bars = ax.bar(["lesson 04\nsingle-buffered", "cuDNN\n(channels_last)"], [ours_tflops, cudnn_tflops],
+                  color=["#c44", "#4a4"])
+    ax.bar_label(bars, fmt="%.0f TFLOPS")
+    ax.set_ylim(0, 1.15 * max(ours_tflops, cudnn_tflops))
     ax.set_ylabel("TFLOPS (higher is better)")
     ax.set_title(title, fontsize=9)
     common.save_figure(fig, outdir, name, data)
@@ -527,9 +534,10 @@ def show_recorded_headline(outdir):
     row = data["rows"][0]
     print(f"  {row['shape']} ({row['geometry']}), {data['dtype'][6:]}")
     plot_headline(row["04 single-buffer"]["tflops"], row["cuDNN"]["tflops"],
-                  f"RECORDED {info['date']} (not measured on this machine): {row['geometry']}, "
-                  f"{data['dtype'][6:]}\n{info['device']}, "
-                  f"torch {info['torch']}, Triton {info['triton']}", outdir, "04_single_buffer_vs_cudnn_recorded")
+                  f"RECORDED {info['date']} (not measured on this machine)\nLesson 04 (single-buffered) vs "
+                  f"cuDNN: {row['geometry']}, {data['dtype'][6:]}\n{info['device']}, torch {info['torch']}, "
+                  f"Triton {info['triton']}, cuDNN {common.cudnn_version_text(info['cudnn'])}", outdir,
+                  "04_single_buffer_vs_cudnn_recorded")
     return row
 
 

@@ -1549,7 +1549,7 @@ def show_recorded_ladder(outdir=None):
 
 # %%
 if __name__ == "__main__":
-    show_recorded_ladder()
+    show_recorded_ladder(outdir)
     print(f"\nlesson 05: all checks passed on {common.gpu_name()}" if on_gpu else "\n" + common.cpu_closing_line(
         "05", "input validation, config rules, and the sm_90 and sm_100 builds of the kernel (the "
         "instructions above)", "running the kernel and comparing it with torch, the benchmark "

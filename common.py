@@ -470,7 +470,9 @@ def reference_epilogue(conv_out, bias=None, scale=None, residual=None, activatio
         out = out + bias.to(conv_out.dtype).view(shape)
     if residual is not None:
         out = out + residual.to(conv_out.dtype)
-    return {"none": out, "relu": torch.relu(out), "silu": torch.nn.functional.silu(out)}[activation]
+    if activation == "relu":
+        return torch.relu(out)
+    return torch.nn.functional.silu(out) if activation == "silu" else out
 
 
 # %% Reference convolution ------------------------------------------------------------------------
@@ -955,15 +957,18 @@ def recorded_results(name: str):
 
     info has "device", "torch", "triton", "cudnn" (from the file, where recorded), "date" and
     "folder" (from the folder name, <device>-<YYYY-MM-DD>), and "label": one line for titles."""
-    found = sorted(RESULTS_DIR.glob(f"*-*/{name}.json"), key=lambda path: path.parent.name[-10:])
+    def date(path):      # the folder's <YYYY-MM-DD>, wherever it stands ("h100-2026-11-24-package")
+        found = re.search(r"\d{4}-\d{2}-\d{2}", path.parent.name)
+        return found.group(0) if found else ""
+    found = sorted(RESULTS_DIR.glob(f"*-*/{name}.json"), key=lambda path: (date(path), path.parent.name))
     if not found:
         return None
     path = found[-1]
     data = json.loads(path.read_text())
     info = {key: data.get(key) for key in ("device", "torch", "triton", "cudnn")}
-    info.update(date=path.parent.name[-10:], folder=str(path.parent.relative_to(REPO_ROOT)))
+    info.update(date=date(path), folder=str(path.parent.relative_to(REPO_ROOT)))
     info["label"] = (f"recorded {info['date']} on {info['device']}, torch {info['torch']}, "
-                     f"Triton {info['triton']}, cuDNN {info['cudnn']} ({info['folder']})")
+                     f"Triton {info['triton']}, cuDNN {cudnn_version_text(info['cudnn'])} ({info['folder']})")
     return data, info
 
 
