@@ -1,0 +1,94 @@
+"""Where a fused model's first call spends its time, step by step, with cold and with warm caches.
+
+    python benchmarks/first_call.py [--nets resnet50 mobilenet_v3_large] [--batch 128]
+
+For each network (torchvision's, random weights, trained-like BatchNorms, bf16, channels_last), in
+fresh processes, one after the other (nothing else compiling beside them):
+  ours:  fuse_conv_bn_act (the fx pass, from the fp32 model), keep_faster_convs (times each fused
+         conv against cuDNN at this batch: Triton compiles each distinct kernel here), then
+         torch.compile(mode="reduce-overhead") with Inductor freezing and its first forward;
+  cudnn: the same torch.compile of the plain bf16 model and its first forward.
+"cold": empty Triton and Inductor caches and no tuning file; "warm": a second process with the
+caches the cold one left. Each step's seconds; writes first_call.json.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def child(net, variant, batch):
+    import torch
+    import torch._inductor.config
+    torch._inductor.config.freezing = True
+    import torchvision_nets
+    from conv_tutorial import fusion
+    steps, fp32 = {}, torchvision_nets.fp32_model(net)
+    x32 = torchvision_nets.images(batch)
+    bf16 = dict(dtype=torch.bfloat16, memory_format=torch.channels_last)
+    x = x32.to(**bf16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if variant == "ours":
+            start = time.perf_counter()
+            model = fusion.fuse_conv_bn_act(fp32, example_input=x32[:1]).to(**bf16)
+            steps["fuse_conv_bn_act"] = time.perf_counter() - start
+            start = time.perf_counter()
+            model = fusion.keep_faster_convs(model, x)
+            torch.cuda.synchronize()
+            steps["keep_faster_convs"] = time.perf_counter() - start
+        else:
+            model = fp32.to(**bf16)
+        start = time.perf_counter()
+        compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
+        with torch.no_grad():
+            compiled(x)
+        torch.cuda.synchronize()
+        steps["torch.compile + first forward"] = time.perf_counter() - start
+    print("STEPS " + json.dumps(steps))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nets", nargs="+", default=["resnet50", "mobilenet_v3_large"])
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--outdir", default=None)
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child[0], args.child[1], int(args.child[2]))
+    import common
+    common.require_tma_mma_gpu("benchmarks/first_call.py")
+    rows = []
+    for net in args.nets:
+        for variant in ("cudnn", "ours"):
+            with tempfile.TemporaryDirectory() as caches:
+                env = dict(os.environ, TRITON_CACHE_DIR=f"{caches}/triton", TORCHINDUCTOR_CACHE_DIR=f"{caches}/inductor",
+                           CONV_TUTORIAL_TUNING_CACHE=f"{caches}/tuning.json")
+                for state in ("cold", "warm"):
+                    start = time.perf_counter()
+                    proc = subprocess.run([sys.executable, __file__, "--child", net, variant, str(args.batch)],
+                                          env=env, capture_output=True, text=True, timeout=900)
+                    total = time.perf_counter() - start
+                    line = next((l for l in proc.stdout.splitlines() if l.startswith("STEPS ")), None)
+                    if line is None:
+                        raise RuntimeError(f"{net} {variant} {state} failed:\n{proc.stderr[-3000:]}")
+                    steps = json.loads(line[6:])
+                    rows.append({"net": net, "batch": args.batch, "variant": variant, "caches": state,
+                                 "steps_s": steps, "first_call_s": sum(steps.values()), "process_s": total})
+                    print(f"  {net:<20} {variant:<6} {state}: " + ", ".join(f"{k} {v:.1f} s" for k, v in steps.items())
+                          + f"; together {sum(steps.values()):.1f} s (process {total:.0f} s)", flush=True)
+    common.save_json(common.output_dir(args.outdir), "first_call", {**common.versions(), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
