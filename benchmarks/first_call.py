@@ -1,6 +1,6 @@
 """Where a fused model's first call spends its time, step by step, with cold and with warm caches.
 
-    python benchmarks/first_call.py [--nets resnet50 mobilenet_v3_large] [--batch 128]
+    python benchmarks/first_call.py [--nets resnet50 mobilenet_v3_large] [--batch 128] [--variants ours]
 
 For each network (torchvision's, random weights, trained-like BatchNorms, bf16, channels_last), in
 fresh processes, one after the other (nothing else compiling beside them):
@@ -9,7 +9,8 @@ fresh processes, one after the other (nothing else compiling beside them):
          torch.compile(mode="reduce-overhead") with Inductor freezing and its first forward;
   cudnn: the same torch.compile of the plain bf16 model and its first forward.
 "cold": empty Triton and Inductor caches and no tuning file; "warm": a second process with the
-caches the cold one left. Each step's seconds; writes first_call.json.
+caches the cold one left (keep_faster_convs' decisions among them, in the tuning file). Each
+step's seconds; writes first_call.json.
 """
 import argparse
 import json
@@ -61,6 +62,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nets", nargs="+", default=["resnet50", "mobilenet_v3_large"])
     parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--variants", nargs="+", default=["cudnn", "ours"], choices=["cudnn", "ours"])
     parser.add_argument("--outdir", default=None)
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -70,7 +72,7 @@ def main():
     common.require_tma_mma_gpu("benchmarks/first_call.py")
     rows = []
     for net in args.nets:
-        for variant in ("cudnn", "ours"):
+        for variant in args.variants:
             with tempfile.TemporaryDirectory() as caches:
                 env = dict(os.environ, TRITON_CACHE_DIR=f"{caches}/triton", TORCHINDUCTOR_CACHE_DIR=f"{caches}/inductor",
                            CONV_TUTORIAL_TUNING_CACHE=f"{caches}/tuning.json")

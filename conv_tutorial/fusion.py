@@ -12,8 +12,9 @@ import warnings
 from typing import Optional
 
 import torch
+import triton
 
-from . import ops
+from . import ops, selection
 from .configs import grouped_conv_fits
 from .geometry import ACTIVATIONS, current_arch
 from .ops import conv2d_op, is_depthwise, reference_epilogue
@@ -297,8 +298,17 @@ def _graph_replay_ms(fn):
     return triton.testing.do_bench_cudagraph(fn, rep=20)
 
 
-def keep_faster_convs(fused_model: torch.fx.GraphModule, example_input: torch.Tensor, timer=None
-                      ) -> torch.fx.GraphModule:
+def _decision_key(layer, x):
+    """The tuning file's key of one keep_faster_convs decision: the layer (shapes, conv arguments,
+    epilogue), its input's dtype and memory layout, the GPU and the versions whose speeds it compared."""
+    layout = "channels_last" if x.is_contiguous(memory_format=torch.channels_last) else "contiguous"
+    device = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
+    return (f"keep_faster_convs | {device} | triton {triton.__version__} | "
+            f"torch {torch.__version__} | {layer} | {str(x.dtype).replace('torch.', '')} {layout}")
+
+
+def keep_faster_convs(fused_model: torch.fx.GraphModule, example_input: torch.Tensor, timer=None,
+                      remember=None) -> torch.fx.GraphModule:
     """After fuse_conv_bn_act, on the model as it will run (dtype, device, the batch it will see):
     time each FusedConv2d at its real input against torch doing the same work, F.conv2d (cuDNN)
     plus, if there is a shift, residual or activation, one elementwise pass over the output (what
@@ -310,7 +320,12 @@ def keep_faster_convs(fused_model: torch.fx.GraphModule, example_input: torch.Te
 
     Without a CUDA GPU for the default timer (no GPU, or a model and input on the CPU, where every
     FusedConv2d already runs torch's conv), there is nothing to measure: the model comes back
-    unchanged (`torch_convs` 0) with one warning."""
+    unchanged (`torch_convs` 0) with one warning.
+
+    With the default timer (or `remember=True`) each decision is kept in the tuning file (selection.tuning_cache_path,
+    with both times), keyed by the layer, its input, the GPU and the Triton and torch versions: a
+    second process deploying the same model at the same batch reads them instead of timing again
+    (the timing is most of a warm first call: RESULTS.md, "The first call of a fused model")."""
     if timer is None:
         if not torch.cuda.is_available() or example_input.device.type != "cuda":
             where = "no CUDA GPU" if not torch.cuda.is_available() else f"the input on {example_input.device}"
@@ -318,7 +333,8 @@ def keep_faster_convs(fused_model: torch.fx.GraphModule, example_input: torch.Te
                           f"the model is returned unchanged")
             fused_model.torch_convs = 0
             return fused_model
-        timer = _graph_replay_ms
+        timer, remember = _graph_replay_ms, remember is not False
+    remember = bool(remember)     # a stand-in timer's decisions are kept only when asked
     calls = {}
     for name, module, args in module_calls(fused_model, example_input, FusedConv2d):
         calls.setdefault(name, (module, args))
@@ -326,6 +342,10 @@ def keep_faster_convs(fused_model: torch.fx.GraphModule, example_input: torch.Te
     for name, (module, args) in calls.items():
         key = (tuple(args[0].shape), tuple(module.weight.shape), str(module._op_args), module.activation,
                module.takes_residual, module.bias is not None)
+        file_key = _decision_key(key, args[0]) if remember else None
+        saved = selection.remembered_decision(file_key) if remember else None
+        if key not in decided and saved is not None:
+            decided[key] = bool(saved["torch_faster"])
         if key not in decided:
             with torch.no_grad():
                 ours_ms = timer(lambda: module(*args))
@@ -335,6 +355,9 @@ def keep_faster_convs(fused_model: torch.fx.GraphModule, example_input: torch.Te
                     out = conv()
                     torch_ms += timer(lambda: torch.add(out, args[1]) if module.takes_residual else torch.relu(out))
             decided[key] = torch_ms < ours_ms
+            if remember:
+                selection.remember_decision(file_key, {"torch_faster": decided[key], "ours_ms": round(ours_ms, 5),
+                                                       "torch_ms": round(torch_ms, 5)})
         if decided[key]:
             parent, _, attribute = name.rpartition(".")
             setattr(fused_model.get_submodule(parent), attribute, TorchConvEpilogue(module))

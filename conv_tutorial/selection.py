@@ -263,6 +263,24 @@ def _save_tuning(geometry, dtype, config, tflops, tag="", heuristic=None, heuris
         entry["heuristic_config"] = list(heuristic)
         entry["heuristic_tflops"] = None if heuristic_tflops is None else round(heuristic_tflops, 1)
     entries[_tuning_file_key(geometry, dtype, tag)] = entry
+    _write_tuning_file(entries)
+
+
+def remembered_decision(key):
+    """A decision kept in the tuning file under `key` (a string that names the GPU, Triton and torch
+    it was measured with), or None."""
+    return _load_tuning_file().get(key)
+
+
+def remember_decision(key, decision: dict):
+    """Keep `decision` (JSON) in the tuning file under `key`: keep_faster_convs' timings, so a second
+    process with the same model, batch, GPU and versions does not time again."""
+    entries = _load_tuning_file()
+    entries[key] = decision
+    _write_tuning_file(entries)
+
+
+def _write_tuning_file(entries):
     path = tuning_cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

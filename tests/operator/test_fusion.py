@@ -2,6 +2,7 @@
 that turns conv -> BatchNorm -> (+ residual) -> ReLU/SiLU into one operator call, the operator's
 new arguments (fake implementation, opcheck, gradients), on the CPU; and on a Hopper/Blackwell
 GPU, >= 200 random shapes over every fusion combination against torch."""
+import json
 import operator
 import random
 import warnings
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 lesson05 = common.load_lesson("05-warp-specialized-conv")
-from conv_tutorial import fusion  # noqa: E402
+from conv_tutorial import fusion, selection  # noqa: E402
 
 needs_gpu = lesson05.needs_gpu
 
@@ -242,6 +243,34 @@ def test_keep_faster_convs_gives_slower_convs_back_to_torch_with_the_same_output
     assert len(fused_modules(kept)) == 11 - kept.torch_convs
     with torch.no_grad():
         torch.testing.assert_close(quietly(kept, x), model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_keep_faster_convs_remembers_its_decisions_in_the_tuning_file(tmp_path, monkeypatch):
+    """A second process deploying the same model reads the decisions instead of timing again: the
+    timer runs for the first model, not for the second, and both give the same convs to torch."""
+    monkeypatch.setenv("CONV_TUTORIAL_TUNING_CACHE", str(tmp_path / "tuning.json"))
+    monkeypatch.setattr(selection, "_TUNING_FILE", None)
+    torch.manual_seed(0)
+    model, x = network(), torch.randn(2, 3, 48, 40)
+    timer = timer_that_favours("torch")
+    first = quietly(fusion.fuse_conv_bn_act, model, example_input=x)
+    timer.model, timed = first, []
+    counting = lambda fn: (timed.append(1), timer(fn))[1]      # noqa: E731
+    first = quietly(fusion.keep_faster_convs, first, x, timer=counting, remember=True)
+    assert first.torch_convs == 11 and timed
+    saved = json.loads((tmp_path / "tuning.json").read_text())
+    decisions = {k: v for k, v in saved.items() if k.startswith("keep_faster_convs | cpu | ")}
+    assert decisions and all(v["torch_faster"] and v["ours_ms"] == 10.0 for v in decisions.values())
+    monkeypatch.setattr(selection, "_TUNING_FILE", None)        # as a new process reads it
+    second = quietly(fusion.fuse_conv_bn_act, model, example_input=x)
+    timed.clear()
+    second = quietly(fusion.keep_faster_convs, second, x, timer=counting, remember=True)
+    assert not timed and second.torch_convs == 11
+    # a stand-in timer's decisions are not kept unless asked
+    (tmp_path / "tuning.json").unlink()
+    monkeypatch.setattr(selection, "_TUNING_FILE", None)
+    quietly(fusion.keep_faster_convs, quietly(fusion.fuse_conv_bn_act, model, example_input=x), x, timer=counting)
+    assert not (tmp_path / "tuning.json").exists()
 
 
 def test_keep_faster_convs_without_a_gpu_returns_the_model_unchanged_with_one_warning():
