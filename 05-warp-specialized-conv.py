@@ -1529,22 +1529,11 @@ def show_recorded_ladder(outdir=None):
     recorded = common.announce_recorded("05_tflops_per_shape", "The ladder (TFLOPS, bf16)")
     if recorded is None:
         return
-    (data, info), names = recorded, ("02 implicit GEMM", "04 single-buffer", "05 warp-specialized", "cuDNN")
+    data, info = recorded
     for row in data["rows"]:
-        print(f"   {row['shape']:<30}" + "".join(f"  {name} {row[name]['tflops']:5.0f}" for name in names))
-    fig, ax = common.new_figure(figsize=(11, 4.5))
-    for i, (name, color) in enumerate(zip(names, ("#999999", "#d08040", "#2060c0", "#40a040"))):
-        ax.bar([j + (i - 1.5) * 0.2 for j in range(len(data["rows"]))], [r[name]["tflops"] for r in data["rows"]],
-               0.2, label=name, color=color)
-    ax.set_xticks(range(len(data["rows"])), [r["shape"] for r in data["rows"]], rotation=20, ha="right", fontsize=8)
-    ax.set(xlabel="layer: input size, Ci->Co, filter, stride (batch 128; SD UNet at batch 8)",
-           ylabel="TFLOPS (higher is better)")
-    ax.set_title(f"RECORDED {info['date']} (not measured on this machine): each lesson's kernel and cuDNN per "
-                 f"layer, bf16\n{info['device']}, Triton {info['triton']}, torch {info['torch']}, "
-                 f"cuDNN {common.cudnn_version_text(info['cudnn'])}", fontsize=10)
-    ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.3))
-    ax.grid(axis="y", alpha=0.3)
-    common.save_figure(fig, outdir or common.output_dir(announce=False), "05_ladder_recorded")
+        print(f"   {row['shape']:<30}" + "".join(f"  {name} {row[name]['tflops']:5.0f}" for name in common.LADDER_SERIES))
+    common.plot_ladder(data["rows"], info, data["dtype"], outdir or common.output_dir(announce=False), None,
+                       recorded=info)
 
 
 # %%

@@ -582,23 +582,6 @@ def bench_tflops(fn, flops: int, warmup_ms: int = 25, rep_ms: int = 100, cuda_gr
             "tflops_p80": to_tflops(ms_p20), "tflops_p20": to_tflops(ms_p80)}
 
 
-def bench_in_rounds(calls: dict, flops: int, rounds: int) -> dict:
-    """Time each of `calls` (name -> function) with bench_tflops in `rounds` alternating rounds:
-    every function once per round, in the dict's order.
-
-    Clocks (under the power limit) and cuDNN's own timings drift by several percent within
-    minutes; alternating exposes every function to the same drift, where timing one after the
-    other would hand the drift to whichever ran last. Returns name -> the median round's
-    bench_tflops result, with `rounds`: every round's TFLOPS, in order."""
-    results = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, fn in calls.items():
-            results[name].append(bench_tflops(fn, flops))
-    return {name: dict(sorted(timed, key=lambda r: r["tflops"])[len(timed) // 2],
-                       rounds=[r["tflops"] for r in timed])
-            for name, timed in results.items()}
-
-
 def cudnn_conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1):
     """Return a closure running cuDNN on the same data, in channels_last memory format.
 
@@ -982,6 +965,80 @@ def announce_recorded(name: str, what: str):
         return None
     print(f"\n{what} as measured on a GPU (RECORDED, not measured here; {recorded[1]['label']}):")
     return recorded
+
+# %% The ladder's plot (lesson 05 draws the recorded one; benchmarks/network_suite.py a measured one) --
+# What each lesson's kernel and cuDNN ran per benchmark shape, beside the GPU's peaks.
+
+# datasheet peaks: dense bf16 TFLOPS and HBM TB/s (SXM parts)
+DEVICE_PEAKS = {"H100": (989.4, 3.35), "H200": (989.4, 4.8), "B200": (2250.0, 8.0)}
+
+
+def device_peaks(device_name):
+    return next((peaks for name, peaks in DEVICE_PEAKS.items() if name in device_name), None)
+
+
+LADDER_SERIES = ["02 implicit GEMM", "04 single-buffer", "05 warp-specialized", "cuDNN"]
+
+
+# The dense bf16 peak the H100 can hold at its 700 W board limit on a compute-bound conv: the SM
+# clock falls to ~1440 MHz there (benchmarks/clocks_under_load.py), so 132 SMs x 4096 FLOP/cycle x
+# 1.44 GHz. Measured on an H100 SXM; other boards differ.
+POWER_LIMITED_PEAK_TFLOPS = {"H100": 779.0}
+
+
+def dense_peak(device_name):
+    return (device_peaks(device_name) or (None,))[0]
+
+
+def draw_peaks(ax, device_name, horizontal=True):
+    """The data sheet's dense bf16 peak and, where measured, the peak at the board's power limit."""
+    for peak, style, label in ((dense_peak(device_name), "--", "dense bf16 peak, data sheet"),
+                               (next((v for k, v in POWER_LIMITED_PEAK_TFLOPS.items() if k in device_name), None),
+                                ":", "peak at the 700 W limit (~1440 MHz, measured)")):
+        if peak:
+            ax.axhline(peak, color="red", ls=style, lw=1, label=f"{label}: {peak:.0f}")
+
+
+def plot_ladder(rows, info, dtype, outdir, data, recorded=None):
+    """The per-shape bars and the ladder of the headline shape. `recorded` (the info of
+    recorded_results) marks plots drawn from a recorded run: titled so, saved as *_recorded."""
+    colors = ["#999999", "#d08040", "#2060c0", "#40a040"]
+    mark = f"RECORDED {recorded['date']} (not measured on this machine): " if recorded else ""
+    suffix = "_recorded" if recorded else ""
+    dtype = str(dtype).replace("torch.", "")
+    fig, ax = new_figure(figsize=(12, 5))
+    width = 0.2
+    for i, name in enumerate(LADDER_SERIES):
+        xs = [j + (i - 1.5) * width for j in range(len(rows))]
+        ax.bar(xs, [r[name]["tflops"] for r in rows], width, label=name, color=colors[i])
+    draw_peaks(ax, info["device"])
+    tallest = max([dense_peak(info["device"]) or 0] + [r[n]["tflops"] for r in rows for n in LADDER_SERIES])
+    ax.set_ylim(0, 1.1 * tallest)
+    ax.set_xticks(range(len(rows)), [r["shape"] for r in rows], rotation=20, ha="right", fontsize=8)
+    ax.set_xlabel("layer: input size, Ci->Co, filter, stride (batch 128; SD UNet at batch 8)")
+    ax.set_ylabel("TFLOPS (higher is better)")
+    ax.set_title(f"{mark}Forward convolution throughput per layer: lessons 02, 04, 05 and cuDNN, {dtype}\n"
+                 f"{info['device']}, Triton {info['triton']}, torch {info['torch']}, "
+                 f"cuDNN {cudnn_version_text(info.get('cudnn'))}")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3)   # below: no line hidden
+    ax.grid(axis="y", alpha=0.3)
+    save_figure(fig, outdir, "05_tflops_per_shape" + suffix, data)
+
+    headline = rows[0]
+    fig, ax = new_figure(figsize=(7, 4.5))
+    values = [headline[n]["tflops"] for n in LADDER_SERIES]
+    bars = ax.bar(["lesson 02\nimplicit GEMM", "lesson 04\nTMA + MMA", "lesson 05\nwarp-specialized",
+                   "cuDNN"], values, color=colors)
+    for bar, value in zip(bars, values):
+        ax.text(bar.get_x() + bar.get_width() / 2, value, f"{value:.0f}", ha="center", va="bottom")
+    draw_peaks(ax, info["device"])
+    ax.set_ylim(0, 1.25 * max([dense_peak(info["device"]) or 0] + values))
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
+    ax.set_ylabel("TFLOPS (higher is better)")
+    ax.set_title(f"{mark + chr(10) if mark else ''}Each lesson's kernel and cuDNN on the headline layer, {dtype}\n"
+                 f"{headline['geometry']}\n{info['device']}, Triton {info['triton']}, torch {info['torch']}, "
+                 f"cuDNN {cudnn_version_text(info.get('cudnn'))}", fontsize=9)
+    save_figure(fig, outdir, "05_ladder" + suffix)
 
 
 # %% TMA im2col: descriptor limits and the settings of a convolution (lessons 03-05) ---------------

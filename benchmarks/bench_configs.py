@@ -43,7 +43,7 @@ def main():
             call = (lambda c: lambda: runtime.conv2d(x, w, None, stride, padding, config=c))(config)
             common.assert_close_to_reference(call(), expected, dtype=torch.bfloat16, K=geometry.K)
             calls[str(config)] = call
-        timed = common.bench_in_rounds(calls, geometry.flops, args.rounds)
+        timed = network_suite.bench_in_rounds(calls, geometry.flops, args.rounds)
         print(f"\n{label}: {geometry.describe()}")
         for name, result in timed.items():
             print(f"   {name:<46} {result['tflops']:6.1f} TFLOPS  {result['tflops'] / timed['cuDNN']['tflops']:5.2f}x "

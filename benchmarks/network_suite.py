@@ -153,13 +153,31 @@ QUICK_LABELS = ("RN50 stem 224 3->64 7x7 s2", "RN50 14x14 256->256 3x3", "RN50 7
 
 def quick_suite():
     return [layer for layer in network_suite() if layer[0] in QUICK_LABELS]
-# datasheet peaks: dense bf16 TFLOPS and HBM TB/s (SXM parts)
-DEVICE_PEAKS = {"H100": (989.4, 3.35), "H200": (989.4, 4.8), "B200": (2250.0, 8.0)}
+
+
 ROUNDS = 3
+# the device peaks and the ladder's plot are common.py's (lesson 05 draws the recorded ladder too)
+DEVICE_PEAKS, device_peaks, dense_peak, draw_peaks = (common.DEVICE_PEAKS, common.device_peaks, common.dense_peak,
+                                                      common.draw_peaks)
+POWER_LIMITED_PEAK_TFLOPS, LADDER_SERIES, plot_ladder = (common.POWER_LIMITED_PEAK_TFLOPS, common.LADDER_SERIES,
+                                                         common.plot_ladder)
 
 
-def device_peaks(device_name):
-    return next((peaks for name, peaks in DEVICE_PEAKS.items() if name in device_name), None)
+def bench_in_rounds(calls: dict, flops: int, rounds: int) -> dict:
+    """Time each of `calls` (name -> function) with bench_tflops in `rounds` alternating rounds:
+    every function once per round, in the dict's order.
+
+    Clocks (under the power limit) and cuDNN's own timings drift by several percent within
+    minutes; alternating exposes every function to the same drift, where timing one after the
+    other would hand the drift to whichever ran last. Returns name -> the median round's
+    bench_tflops result, with `rounds`: every round's TFLOPS, in order."""
+    results = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            results[name].append(common.bench_tflops(fn, flops))
+    return {name: dict(sorted(timed, key=lambda r: r["tflops"])[len(timed) // 2],
+                       rounds=[r["tflops"] for r in timed])
+            for name, timed in results.items()}
 
 
 def minimum_bytes(geometry, element_size=2):
@@ -214,7 +232,7 @@ def run_network_suite(outdir, quick=False, tune=True, dtype=torch.bfloat16, only
         expected = common.reference_conv2d_nhwc(x_nhwc, w, None, stride, padding)
         common.assert_close_to_reference(ours(), expected, dtype=dtype, K=geometry.K)
         del expected
-        timed = common.bench_in_rounds({"ours": ours, "cudnn": cudnn}, geometry.flops, ROUNDS)
+        timed = bench_in_rounds({"ours": ours, "cudnn": cudnn}, geometry.flops, ROUNDS)
         ours_tflops, cudnn_tflops = (timed[k]["tflops"] for k in ("ours", "cudnn"))
         # the kernels alone (CUDA-graph replay: no host time, L2 not flushed), and our host time
         graph = {name: common.bench_tflops(fn, geometry.flops, cuda_graph=True)["tflops"]
@@ -396,26 +414,6 @@ LADDER_SHAPES = [   # (label, N, H, W, Ci, Co, R, S, stride, padding)
     ("RN50 14x14 1024->256 1x1", 128, 14, 14, 1024, 256, 1, 1, 1, 0),
     ("SD UNet 64x64 320->320 3x3", 8, 64, 64, 320, 320, 3, 3, 1, 1),
 ]
-LADDER_SERIES = ["02 implicit GEMM", "04 single-buffer", "05 warp-specialized", "cuDNN"]
-
-
-# The dense bf16 peak the H100 can hold at its 700 W board limit on a compute-bound conv: the SM
-# clock falls to ~1440 MHz there (benchmarks/clocks_under_load.py), so 132 SMs x 4096 FLOP/cycle x
-# 1.44 GHz. Measured on an H100 SXM; other boards differ.
-POWER_LIMITED_PEAK_TFLOPS = {"H100": 779.0}
-
-
-def dense_peak(device_name):
-    return (device_peaks(device_name) or (None,))[0]
-
-
-def draw_peaks(ax, device_name, horizontal=True):
-    """The data sheet's dense bf16 peak and, where measured, the peak at the board's power limit."""
-    for peak, style, label in ((dense_peak(device_name), "--", "dense bf16 peak, data sheet"),
-                               (next((v for k, v in POWER_LIMITED_PEAK_TFLOPS.items() if k in device_name), None),
-                                ":", "peak at the 700 W limit (~1440 MHz, measured)")):
-        if peak:
-            ax.axhline(peak, color="red", ls=style, lw=1, label=f"{label}: {peak:.0f}")
 
 
 def run_ladder(outdir, quick=False, dtype=torch.bfloat16):
@@ -446,7 +444,7 @@ def run_ladder(outdir, quick=False, dtype=torch.bfloat16):
         # Lesson 05 and cuDNN alternate, ROUNDS times each, and the medians are reported:
         # clocks and cuDNN's own timings drift by several percent within minutes, and alternating
         # exposes both to the same drift. Every round is kept in the JSON.
-        row.update(common.bench_in_rounds({name: runs[name] for name in ("05 warp-specialized", "cuDNN")},
+        row.update(bench_in_rounds({name: runs[name] for name in ("05 warp-specialized", "cuDNN")},
                                           geometry.flops, ROUNDS))
         # Kernel time alone, launch overhead removed (CUDA graph replay), for 05 and cuDNN.
         for name in ("05 warp-specialized", "cuDNN"):
@@ -499,48 +497,6 @@ def show_recorded_ladder(outdir, quick=False):
     print(f"  geometric mean of 05/cuDNN over the 3x3 shapes: {data['geomean_3x3_ratio']:.3f}x")
     plot_ladder(data["rows"], info, data["dtype"], outdir, None, recorded=info)
     return data
-
-
-def plot_ladder(rows, info, dtype, outdir, data, recorded=None):
-    """The per-shape bars and the ladder of the headline shape. `recorded` (the info of
-    common.recorded_results) marks plots drawn from a recorded run: titled so, saved as *_recorded."""
-    colors = ["#999999", "#d08040", "#2060c0", "#40a040"]
-    mark = f"RECORDED {recorded['date']} (not measured on this machine): " if recorded else ""
-    suffix = "_recorded" if recorded else ""
-    dtype = str(dtype).replace("torch.", "")
-    fig, ax = common.new_figure(figsize=(12, 5))
-    width = 0.2
-    for i, name in enumerate(LADDER_SERIES):
-        xs = [j + (i - 1.5) * width for j in range(len(rows))]
-        ax.bar(xs, [r[name]["tflops"] for r in rows], width, label=name, color=colors[i])
-    draw_peaks(ax, info["device"])
-    tallest = max([dense_peak(info["device"]) or 0] + [r[n]["tflops"] for r in rows for n in LADDER_SERIES])
-    ax.set_ylim(0, 1.1 * tallest)
-    ax.set_xticks(range(len(rows)), [r["shape"] for r in rows], rotation=20, ha="right", fontsize=8)
-    ax.set_xlabel("layer: input size, Ci->Co, filter, stride (batch 128; SD UNet at batch 8)")
-    ax.set_ylabel("TFLOPS (higher is better)")
-    ax.set_title(f"{mark}Forward convolution throughput per layer: lessons 02, 04, 05 and cuDNN, {dtype}\n"
-                 f"{info['device']}, Triton {info['triton']}, torch {info['torch']}, "
-                 f"cuDNN {common.cudnn_version_text(info.get('cudnn'))}")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3)   # below: no line hidden
-    ax.grid(axis="y", alpha=0.3)
-    common.save_figure(fig, outdir, "05_tflops_per_shape" + suffix, data)
-
-    headline = rows[0]
-    fig, ax = common.new_figure(figsize=(7, 4.5))
-    values = [headline[n]["tflops"] for n in LADDER_SERIES]
-    bars = ax.bar(["lesson 02\nimplicit GEMM", "lesson 04\nTMA + MMA", "lesson 05\nwarp-specialized",
-                   "cuDNN"], values, color=colors)
-    for bar, value in zip(bars, values):
-        ax.text(bar.get_x() + bar.get_width() / 2, value, f"{value:.0f}", ha="center", va="bottom")
-    draw_peaks(ax, info["device"])
-    ax.set_ylim(0, 1.25 * max([dense_peak(info["device"]) or 0] + values))
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
-    ax.set_ylabel("TFLOPS (higher is better)")
-    ax.set_title(f"{mark + chr(10) if mark else ''}Each lesson's kernel and cuDNN on the headline layer, {dtype}\n"
-                 f"{headline['geometry']}\n{info['device']}, Triton {info['triton']}, torch {info['torch']}, "
-                 f"cuDNN {common.cudnn_version_text(info.get('cudnn'))}", fontsize=9)
-    common.save_figure(fig, outdir, "05_ladder" + suffix)
 
 
 # fp8 (lesson 05, section 9): each layer in e4m3 against our bf16 and cuDNN's bf16 -----------------------

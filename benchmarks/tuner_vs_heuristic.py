@@ -4,7 +4,7 @@
 
 For each layer: autotune (selection.autotune, which times the heuristic's config among its
 finalists), then time the tuned config, the heuristic's and cuDNN in alternating rounds, as the
-network suite times a layer (common.bench_in_rounds: do_bench medians, L2 flushed, host time
+network suite times a layer (network_suite.bench_in_rounds: do_bench medians, L2 flushed, host time
 included). The tuner must never lose to the heuristic. The layers are those on which an earlier
 tuner lost (the headline shape; a 33x47 67->100 3x3 layer; a 4x4 stride-4 stem with 3 channels,
 which the runtime folds) and two of ResNet-50's.
@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import network_suite  # noqa: E402
 from conv_tutorial import launch, runtime, selection  # noqa: E402
 
 import torch  # noqa: E402
@@ -48,7 +50,7 @@ def main():
             common.assert_close_to_reference(out, expected, dtype=torch.bfloat16, K=geometry.K)
             calls[name] = call
         calls["cudnn"] = common.cudnn_conv2d(x, w, None, stride, padding)
-        timed = common.bench_in_rounds(calls, geometry.flops, 3)
+        timed = network_suite.bench_in_rounds(calls, geometry.flops, 3)
         row = {"layer": label, "geometry": geometry.describe(), "tuned_config": str(tuned),
                "heuristic_config": str(heuristic), **{f"{k}_tflops": v["tflops"] for k, v in timed.items()}}
         rows.append(row)
