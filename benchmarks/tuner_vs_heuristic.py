@@ -24,9 +24,7 @@ LAYERS = [  # (label, N, H, W, Ci, Co, R, S, stride, padding)
     common.HEADLINE_SHAPE,
     ("33x47 67->100 3x3", 64, 33, 47, 67, 100, 3, 3, 1, 1),
     ("stem 224 3->64 4x4 s4", 32, 224, 224, 3, 64, 4, 4, 4, 0),
-    ("RN50 7x7 512->512 3x3", 128, 7, 7, 512, 512, 3, 3, 1, 1),
-    ("RN50 56x56 256->64 1x1", 128, 56, 56, 256, 64, 1, 1, 1, 0),
-]
+] + [shape for shape in network_suite.LADDER_SHAPES if shape[0] in ("RN50 7x7 512->512 3x3", "RN50 56x56 256->64 1x1")]
 
 
 def main():
@@ -37,8 +35,7 @@ def main():
         x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(Co, R, S, Ci, device="cuda", dtype=torch.bfloat16) / (R * S * Ci) ** 0.5
         geometry = common.conv_geometry(x.shape, w.shape, stride, padding)
-        fold = runtime.folded_geometry(geometry)
-        run_geometry, (xr, wr) = (fold.geometry, fold.apply(x, w)) if fold else (geometry, (x, w))
+        fold, run_geometry, xr, wr = runtime.run_operands(geometry, x, w)
         tuned, _, heuristic, _ = selection.autotune(run_geometry, xr, wr, None, details=True)
         expected = common.reference_conv2d_nhwc(x, w, None, stride, padding)
         calls = {}

@@ -85,6 +85,18 @@ def to_fp8(x, scale):
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
+
+def _run_with_hooks(model, hooks, batches):
+    """Run `model` on each batch (no grad) with forward hooks {submodule name: hook}, removed after."""
+    handles = [model.get_submodule(name).register_forward_hook(hook) for name, hook in hooks.items()]
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                model(batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+
 class QuantizeFp8(torch.nn.Module):
     """x -> e4m3 at a fixed per-tensor scale (from calibration): round(x / scale), saturated at 448."""
 
@@ -185,14 +197,7 @@ def calibrate(model, calibration_batches, modules):
                                      f"e4m3 has no scale for it")
                 amax[name][slot] = max(amax[name][slot], value)
         return record
-    handles = [model.get_submodule(name).register_forward_hook(hook(name)) for name in modules]
-    try:
-        with torch.no_grad():
-            for batch in calibration_batches:
-                model(batch)
-    finally:
-        for handle in handles:
-            handle.remove()
+    _run_with_hooks(model, {name: hook(name) for name in modules}, calibration_batches)
     return amax
 
 
@@ -320,20 +325,13 @@ def layer_errors(fused_model, batches, plan, modules):
             sums[node][0] += (got - expected).square().sum().item()
             sums[node][1] += expected.square().sum().item()
         return compare
-    handles = [modules[name].register_forward_hook(hook(name)) for name in fp8_modules]
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                fused_model(batch)
-    finally:
-        for handle in handles:
-            handle.remove()
+    _run_with_hooks(fused_model, {name: hook(name) for name in fp8_modules}, batches)
     return {n: (math.sqrt(err / ref) if ref > 0 else (0.0 if err == 0 else math.inf)) for n, (err, ref) in sums.items()}
 
 
 def output_error(model, reference_model, batches):
     """max |model - reference| / max |reference| over every floating output tensor and batch (the
-    figure issue-style checks quote for logits)."""
+    figure RESULTS.md quotes for logits)."""
     largest_error, largest_value = 0.0, 0.0
     with torch.no_grad():
         for batch in batches:

@@ -93,17 +93,9 @@ def nhwc_view(t):
 
 def reference_epilogue(conv_out, bias, scale, residual, activation):
     """act(conv_out * scale + bias + residual) in torch, per output channel of NCHW conv_out, in
-    conv_out's dtype. Only the activation asked for is computed: the CPU fallback runs this on
-    every call, and torch has no SiLU for every dtype it convolves."""
-    shape = (1, -1, 1, 1)
-    out = conv_out if scale is None else conv_out * scale.to(conv_out.dtype).view(shape)
-    if bias is not None:
-        out = out + bias.to(conv_out.dtype).view(shape)
-    if residual is not None:
-        out = out + residual.to(conv_out.dtype)
-    if activation == "relu":
-        return torch.relu(out)
-    return torch.nn.functional.silu(out) if activation == "silu" else out
+    conv_out's dtype (the lessons' reference epilogue, common.reference_epilogue, which computes
+    only the activation asked for: torch has no SiLU for every dtype it convolves)."""
+    return common.reference_epilogue(conv_out, bias, scale, residual, activation, channel_dim=1)
 
 
 def check_operand_dtypes(input, weight):

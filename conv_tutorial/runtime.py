@@ -154,3 +154,10 @@ def folded_geometry(geometry):
     return FoldedConv(geometry)
 
 
+def run_operands(geometry, x_nhwc, w):
+    """(fold, the geometry the kernel runs, its input, its weight): a small-Ci conv folded (fold a
+    FoldedConv), any other as it is (fold None). What the autotuner times, and the runtime runs."""
+    fold = folded_geometry(geometry)
+    return (fold, fold.geometry, *fold.apply(x_nhwc, w)) if fold is not None else (None, geometry, x_nhwc, w)
+
+

@@ -207,15 +207,18 @@ def test_pass_refuses_what_is_not_a_fused_graph():
 
 # %% On a Hopper or Blackwell GPU
 
+
+def conv_bn(ci, co, k, stride=1):
+    """A conv without bias and its BatchNorm: what fuse_conv_bn_act folds into one call."""
+    return torch.nn.Sequential(torch.nn.Conv2d(ci, co, k, stride, k // 2, bias=False), torch.nn.BatchNorm2d(co))
+
+
 class TwoBlocks(torch.nn.Module):
     """A stem, a 1x1 conv, two bottleneck blocks with identity residuals, a head conv, pooling and a
     classifier: the 1x1 conv, the blocks' last convs and the head's input form one e4m3 chain."""
 
     def __init__(self, width=48):
         super().__init__()
-        def conv_bn(ci, co, k, stride=1):                                # noqa: E306
-            return torch.nn.Sequential(torch.nn.Conv2d(ci, co, k, stride, k // 2, bias=False),
-                                       torch.nn.BatchNorm2d(co))
         self.stem, self.entry = conv_bn(3, width, 3, 2), conv_bn(width, width, 1)
         self.blocks = torch.nn.ModuleList(torch.nn.ModuleList([conv_bn(width, 32, 1), conv_bn(32, 32, 3),
                                                                conv_bn(32, width, 1)]) for _ in range(2))
@@ -256,7 +259,7 @@ def test_quantized_model_on_the_kernels_in_cuda_graphs_and_torch_compile():
         torch.testing.assert_close(compiled(x).float(), got, rtol=0.05, atol=0.05 * got.abs().max().item())
 
 
-# %% Deep residual chains (issue 41): activations that grow block by block ---------------------------
+# %% Deep residual chains: activations that grow block by block ---------------------------
 
 class DeepChain(torch.nn.Module):
     """A stem, then `blocks` bottleneck blocks with identity residuals on one chain (a ResNet-101
@@ -266,9 +269,6 @@ class DeepChain(torch.nn.Module):
 
     def __init__(self, blocks=24, width=32, growth=40.0):
         super().__init__()
-        def conv_bn(ci, co, k, stride=1):                                # noqa: E306
-            return torch.nn.Sequential(torch.nn.Conv2d(ci, co, k, stride, k // 2, bias=False),
-                                       torch.nn.BatchNorm2d(co))
         self.stem, self.entry = conv_bn(3, width, 3, 2), conv_bn(width, width, 1)
         self.blocks = torch.nn.ModuleList(torch.nn.ModuleList([conv_bn(width, 16, 1), conv_bn(16, 16, 3),
                                                                conv_bn(16, width, 1)]) for _ in range(blocks))
@@ -289,7 +289,7 @@ def fp32_images(n, size=32, seed=1, on="cpu"):
 
 
 def logits_error(model, q, x):
-    """The issue's measure: max |fp8 logits - fp32 logits| / max |fp32 logits|."""
+    """The measure RESULTS.md quotes: max |fp8 logits - fp32 logits| / max |fp32 logits|."""
     with torch.no_grad():
         reference = copy.deepcopy(model).float()(x.float())
         got = quiet(lambda: q(x)).float()
@@ -314,7 +314,7 @@ def test_one_scale_per_chain_zeroes_a_deep_chain_and_segments_do_not(deep_chain)
     split = quiet(lambda: fp8_pass.quantize_fp8(fused, batches))
     x = fp32_images(2, seed=4)
     assert not any(isinstance(m, fp8_pass.RequantizeFp8) for m in shared.modules())
-    assert logits_error(model, shared, x) > 0.5                    # the failure issue 41 reports
+    assert logits_error(model, shared, x) > 0.5                    # the failure one shared scale per chain caused
     assert split.fp8_convs == 73 and split.kept_bf16 == []
     assert logits_error(model, split, x) <= 0.15
     assert split.output_error <= 0.15
@@ -370,7 +370,7 @@ def test_pass_refuses_bad_tolerances(deep_chain, argument, value):
 
 def test_pass_takes_an_fp32_model_with_basic_blocks():
     # ResNet-18's basic blocks: the first stage's first block takes the max-pool's fp32 output as
-    # its residual (issue 41: "residual must come in the output's dtype torch.bfloat16 ... got
+    # its residual (this once failed: "residual must come in the output's dtype torch.bfloat16 ... got
     # torch.float32"); it is quantized at that block's output scale now.
     torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(0)
@@ -386,7 +386,7 @@ def test_pass_takes_an_fp32_model_with_basic_blocks():
     assert logits_error(model, q, x) <= 0.15
 
 
-# %% Scales (issue 41): never zero, negative or non-finite ----------------------------------------
+# %% Scales: never zero, negative or non-finite ----------------------------------------
 
 def test_quantize_tensor_gives_zero_tensors_scale_one_and_refuses_non_finite():
     q, scale = geometry.quantize_tensor(torch.zeros(2, 3, 4, 4))

@@ -274,7 +274,7 @@ def test_keep_faster_convs_remembers_its_decisions_in_the_tuning_file(tmp_path, 
 
 
 def test_keep_faster_convs_without_a_gpu_returns_the_model_unchanged_with_one_warning():
-    # issue 41: the default timer replays CUDA graphs, which raised a CUDA driver error without a GPU
+    # the default timer replays CUDA graphs, which raised a CUDA driver error without a GPU
     torch.manual_seed(0)
     model, x = network(), torch.randn(2, 3, 48, 40)
     fused = quietly(fusion.fuse_conv_bn_act, model, example_input=x)

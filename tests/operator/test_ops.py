@@ -245,7 +245,7 @@ def test_gradients_on_the_gpu_match_torch():
         torch.testing.assert_close(got.float(), expected.float(), rtol=5e-2, atol=5e-1)
 
 
-# %% The CPU path's own errors and its epilogue (issue 41) -----------------------------------------
+# %% The CPU path's own errors and its epilogue --------------------------------------------------
 
 @pytest.mark.parametrize("input_dtype, weight_dtype", [
     (torch.int32, torch.int32), (torch.bfloat16, torch.float32), (torch.float32, torch.float16)])
@@ -260,7 +260,7 @@ def test_non_floating_or_mixed_operands_get_the_operators_type_error(input_dtype
 
 
 def test_cpu_epilogue_computes_only_the_activation_asked_for():
-    # torch has no SiLU on int32: computing it on every call made a plain call fail (issue 41)
+    # torch has no SiLU on int32: computing it on every call made a plain call fail
     conv_out = torch.arange(-6, 6, dtype=torch.int32).reshape(1, 3, 2, 2)
     bias = torch.tensor([1, 0, -1], dtype=torch.int32)
     assert torch.equal(ops.reference_epilogue(conv_out, bias, None, None, "relu"),

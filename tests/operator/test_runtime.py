@@ -349,7 +349,7 @@ def test_only_small_channel_counts_are_folded():
     assert runtime.folded_geometry(wide) is None and runtime.folded_geometry(one_by_one) is None
 
 
-# %% The tuner is never slower than the heuristic (issue 41) ---------------------------------------
+# %% The tuner is never slower than the heuristic ------------------------------------------------
 
 def test_tuner_keeps_the_heuristic_where_it_measures_fastest():
     # Stand-in timers: the first pass ranks the heuristic's config 5th of 6 (a noisy brief run),
@@ -390,14 +390,12 @@ def test_tuning_file_keeps_both_figures_and_a_version(tmp_path, monkeypatch):
 
 @needs_gpu
 @pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding", [
-    (64, 33, 47, 67, 100, 3, 3, 1, 1),             # issue 41: autotuned 0.50x cuDNN, heuristic 0.81x
+    (64, 33, 47, 67, 100, 3, 3, 1, 1),             # an earlier tuner: 0.50x cuDNN, the heuristic 0.81x
     (32, 224, 224, 3, 64, 4, 4, 4, 0),             # the 4x4 stride-4 stem with Ci=3 (folded)
 ])
 def test_autotune_is_never_slower_than_the_heuristic_on_the_gpu(N, H, W, Ci, Co, R, S, stride, padding):
     x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(Co, R, S, Ci, device="cuda", dtype=torch.bfloat16) / (R * S * Ci) ** 0.5
-    geometry = common.conv_geometry(x.shape, w.shape, stride, padding)
-    fold = runtime.folded_geometry(geometry)
-    run_geometry, (x, w) = (fold.geometry, fold.apply(x, w)) if fold else (geometry, (x, w))
+    _, run_geometry, x, w = runtime.run_operands(common.conv_geometry(x.shape, w.shape, stride, padding), x, w)
     best, tflops, heuristic, heuristic_tflops = selection.autotune(run_geometry, x, w, None, details=True)
     assert heuristic_tflops is not None and tflops >= heuristic_tflops
