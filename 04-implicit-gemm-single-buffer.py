@@ -78,7 +78,9 @@ CONV_DTYPES = (torch.float16, torch.bfloat16)
 # reads the buffer is done, and the MMA cannot start until the load is done. Within one program
 # TMA and tensor cores take turns, each idle while the other works. Not within one SM, though: a
 # program of the headline config (128x128x64, 4 warps) needs 32 KB of shared memory and 154
-# registers per thread (its sm_90 build, below), so the register file holds three of them per SM,
+# registers per thread (its sm_90 build, compiled as the PTX section below compiles a smaller
+# layer; `test_headline_config_fits_three_programs_per_sm` checks it), so the 64K registers of an
+# SM hold three of them (154 rounds up to 160 per thread, x 128 threads = 20,480 per program),
 # and while one waits for its load another's MMA runs. That overlap is an accident of scheduling,
 # not a plan; lesson 05 makes it deliberate.
 
@@ -406,6 +408,21 @@ def test_kernel_compiles_with_expected_instructions(arch):
     compiled = common.assert_ptx_teaches("04-implicit-gemm-single-buffer", "aot_conv2d_tma_im2col", arch, TAUGHT_PTX)
     other_mma = "tcgen05.mma" if arch == "sm_90" else "wgmma.mma_async"
     assert common.ptx_instructions(compiled["ptx"], [other_mma])[other_mma] == 0
+
+
+def test_headline_config_fits_three_programs_per_sm():
+    """The headline layer's config (128x128x64, 4 warps) on sm_90: registers (allocated in steps of
+    8 per thread) let three programs share an SM's 64K; shared memory (228 KB, 1 KB reserved per
+    program) would let six."""
+    compiled = common.aot_compile("04-implicit-gemm-single-buffer", "aot_conv2d_tma_im2col", "sm_90",
+                                  Ci=384, Co=384)
+    if compiled.get("registers") is None:
+        pytest.skip("no cuobjdump to read the registers with")
+    registers_per_program = -(-compiled["registers"] // 8) * 8 * 128
+    by_registers = 65536 // registers_per_program
+    by_shared = 228 * 1024 // (compiled["shared"] + 1024)
+    assert compiled["registers"] == 154 and compiled["shared"] <= 33 * 1024
+    assert (by_registers, by_shared) == (3, 6)
 
 
 def test_kernel_compiles_for_padded_channels_and_dilation():
