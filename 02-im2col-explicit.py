@@ -41,7 +41,7 @@ def dot_accumulate(a, b, acc, INTERPRETED: tl.constexpr):
     """acc += a @ b with fp32 accumulation (tensor cores on a GPU).
 
     Under the CPU interpreter of Triton 3.8 and 3.9.0, `tl.dot` misreads bf16 operands (a 16x16
-    product came back with an error of 2.7e10 on 3.9.0), so there the operands are widened to fp32
+    product came back with errors around 1e10 on 3.9.0), so there the operands are widened to fp32
     first. Both are exact products summed in
     fp32; on a GPU this branch is compiled away."""
     if INTERPRETED:
@@ -171,8 +171,8 @@ def conv2d_im2col_explicit(x_nhwc, w, stride=1, padding=0, dilation=1):
 # The price of materialising A
 # ----------------------------
 # Each input pixel appears in A once per filter tap that covers it, so A holds about
-# R*S/(sh*sw) times the bytes of the input. It is written once and read back by the GEMM: traffic
-# that a convolution does not need. For a 3x3 layer with stride 1 and 'same' padding that is
+# R*S/(sh*sw) times the bytes of the input. It is written once and read back by the GEMM (once per
+# tile of output channels, cdiv(Co, BLOCK_N) times): traffic that a convolution does not need. For a 3x3 layer with stride 1 and 'same' padding that is
 # exactly 9x the activations.
 
 
@@ -424,7 +424,8 @@ def test_rejects_bad_input(fn_name, make_args, kwargs, error, message):
 #   64 x 128 half of the tile, 16 channels per instruction (m64n128k16), so 4 per BLOCK_K = 64
 #   step. Both operands are read from shared memory; the fp32 accumulator lives in registers.
 #   The MMA is asynchronous: `wgmma.commit_group` closes a batch, and `wgmma.wait_group 1` lets
-#   one batch run on the tensor cores while the warps issue the next step's copies.
+#   one batch run on the tensor cores while the warps issue the copies of the step two ahead
+#   (into the stage the MMA before it has just released).
 # - `cp.async.cg.shared.global`: 16-byte copies from global to shared memory that do not pass
 #   through registers. A step's A and B tiles are 16 KB each, 64 bytes per thread per tile, so 8
 #   copies per thread per step. `num_stages = 3` gives 3 shared-memory buffers per operand
@@ -435,25 +436,29 @@ def test_rejects_bad_input(fn_name, make_args, kwargs, error, message):
 #   stored to shared memory, then the MMA.
 # - `fence.proxy.async.shared::cta` before the MMA: `cp.async` writes shared memory as ordinary
 #   (generic-proxy) stores, while `wgmma` reads it through the async proxy; the fence orders the
-#   two (lesson 03 explains the proxies).
+#   two. (A *proxy* is a path by which shared memory is accessed: the threads' own loads and stores
+#   and `cp.async` go through the generic proxy, the tensor cores and TMA through the async proxy;
+#   accesses through different proxies are ordered only by such a fence. Lesson 03 says more.)
 #
 # `num_warps` sets how many warps share the tile: 8 warps split it between 2 warpgroups; 4 warps
 # are one warpgroup, which computes all 128 rows (8 MMAs per step instead of 4), issues twice the
 # copies per thread and holds twice the accumulator per thread (Triton 3.9.0's build: 255
-# registers, the most a thread can have).
+# registers, the most a thread can have, and a 120-byte stack frame: the accumulator spills; the
+# 8-warp build has 165 registers and no stack).
 #
 # And what the compiler cannot do: it pipelines only the innermost loop, the channel blocks of one
 # tap (384 / 64 = 6 steps for the headline layer). At the end of every tap the PTX waits for all
 # copies and all MMAs (`cp.async.wait_group 0`, `wgmma.wait_group 0`): the pipeline drains and
 # refills R*S times per tile. And every step still computes its addresses and masks in
-# registers. Lessons 03-04 hand the addresses to the copy engine and take over the pipeline.
+# registers. Lessons 03-04 hand the addresses to the TMA unit and take over the pipeline.
 
 IMPLICIT_GEMM_TAUGHT = {"sm_90": [
     ("wgmma.mma_async", "warpgroup MMA from shared memory; BLOCK_K / 16 per step and warpgroup"),
     ("wgmma.wait_group.sync.aligned 1", "in the loop: one MMA batch stays in flight"),
     ("wgmma.wait_group.sync.aligned 0", "after the last channel block of a tap: the pipeline drains"),
     ("cp.async.cg.shared.global", "16-byte global -> shared copies; the prologue's 2 stages and the loop's"),
-    ("cp.async.wait_group", "in the loop: wait until only the next step's 2 groups (A, B) are pending; 0: drain"),
+    ("cp.async.wait_group \t2", "in the loop: wait until only the next step's 2 groups (A, B) are pending"),
+    ("cp.async.wait_group \t0", "after the last channel block of a tap: every copy landed (the drain)"),
     ("fence.proxy.async.shared::cta", "generic-proxy cp.async writes, async-proxy wgmma reads"),
 ]}
 
@@ -510,8 +515,9 @@ def test_dot_compiles_to_wgmma_and_cp_async():
 # %%
 # How fast is it? (GPU only)
 # --------------------------
-# `--bench` measures the implicit GEMM against cuDNN (torch.nn.functional.conv2d on the same
-# bytes, channels_last) on the headline shape and ResNet-50's four 3x3 layers at batch 128.
+# On a GPU the lesson measures the implicit GEMM against cuDNN (torch.nn.functional.conv2d on the
+# same bytes, channels_last) on the headline shape and ResNet-50's four 3x3 layers at batch 128
+# (unless `--quick`; `--bench` also times the explicit im2col's cost).
 
 
 def bench_implicit_vs_cudnn(outdir, quick=False, dtype=torch.bfloat16):
@@ -580,13 +586,13 @@ def show_recorded_bench(outdir):
 # Measured: explicit and implicit GEMM match torch.nn.functional.conv2d; explicit im2col writes
 # and reads back R*S/(sh*sw) times the input; `tl.dot` compiles to warpgroup MMAs fed by a
 # 3-stage `cp.async` pipeline. On an H100 (80GB HBM3, bf16, Triton 3.8.0, 2026-11-24; RESULTS.md)
-# the implicit GEMM ran the headline layer at 445 TFLOPS, cuDNN at 675.
+# the implicit GEMM ran the headline layer at 445 TFLOPS (timed once), cuDNN at 675 (in rounds).
 #
 # What limits it: the compiler owns the schedule. It pipelines only the channel blocks of one tap
 # and drains at every tap, and each step's addresses, masks and 64-bit pointers are integer work
 # and registers in the same warps that feed the tensor cores.
 #
-# Next: lesson 03 studies Hopper's TMA im2col mode, a copy engine that computes a tile's addresses
+# Next: lesson 03 studies Hopper's TMA im2col mode, a hardware copy unit that computes a tile's addresses
 # and padding from a descriptor; lesson 04 builds the implicit GEMM on it in Gluon and writes the
 # pipeline (barriers, stages, MMA waits) itself.
 

@@ -4,7 +4,7 @@ Lesson 03: Hopper's TMA im2col mode, pixel by pixel
 
 What you will learn:
 
-- what TMA im2col does: the copy engine of Hopper (sm_90) and data-centre Blackwell (sm_100)
+- what TMA im2col does: the Tensor Memory Accelerator (TMA), the copy unit of Hopper (sm_90) and data-centre Blackwell (sm_100)
   gathers a tile of the im2col matrix, padding included, from a descriptor; in Gluon
   (`triton.experimental.gluon`), where a kernel names shared memory, barriers and copies itself;
 - the asynchronous machinery every later lesson uses: the mbarrier (expect-tx, phase parity,
@@ -23,7 +23,8 @@ and sm_100 to show its instructions; the hardware loads are skipped with a reaso
 
 Further reading: Triton's Gluon tutorials (triton-lang/triton, python/tutorials/gluon/) on TMA
 (04-tma.py), WGMMA (05-wgmma.py) and tcgen05 (06-tcgen05.py). The five examples below are those of
-its conv-im2col tutorial (13-conv-im2col.py: same tensor, same settings, same expected values);
+its conv-im2col tutorial (13-conv-im2col.py as of 2026-11, the numbering moves between releases:
+same tensor, same settings, same expected values);
 here each also runs on a reference model and is drawn.
 
 Run:  python 03-tma-im2col-modes.py [--outdir out] [--verbose]
@@ -60,13 +61,13 @@ def figures():
 
 
 # %%
-# Why a copy engine mode for convolution
-# --------------------------------------
+# Why a TMA mode for convolution
+# ------------------------------
 # Lesson 02's implicit GEMM decodes its output pixels once per program, but on every tap it adds
 # r*dh and s*dw, compares against the image bounds, builds a mask and a 64-bit address per row,
 # and on every channel block it adds the channel offset and masks again. That is integer work and
 # registers in the warps that feed the tensor cores. Hopper's Tensor Memory Accelerator (TMA) has
-# an *im2col* mode that does it in the copy engine: a descriptor built once on the host encodes
+# an *im2col* mode that does it in the TMA unit: a descriptor built once on the host encodes
 # the tensor, the conv stride and the padding; the kernel says "start at (n, h, w, c), shifted by
 # this tap's offsets" and gets a [pixels, channels] tile in shared memory, with pixels outside the
 # image filled with the padding value.
@@ -95,7 +96,8 @@ def figures():
 # copied; channels past C get the padding value too, like pixels outside the image.
 #
 # One trap, found by this lesson's hardware-vs-model test on an H100 (2026-11-22): the offsets are
-# *unsigned* 16-bit numbers. An offset of -1 is 65535, every pixel lands far outside the image, and
+# *unsigned* 16-bit numbers (the kernel below passes them as int16: the bit pattern is what the
+# instruction reads). An offset of -1 is 65535, every pixel lands far outside the image, and
 # the whole box comes back as padding. Convolution only ever needs offsets r*dh, s*dw >= 0, so put
 # any negative shift into the start coordinate (or the lower corner), never into the offsets.
 #
@@ -105,7 +107,7 @@ def figures():
 #
 # The model refuses start coordinates outside the access window or off its stride lattice: limits
 # of the model, not refusals of the hardware (a coordinate is a run-time value no check sees, and
-# what the copy engine does with one is not modelled; a convolution never makes one). What the
+# what the TMA unit does with one is not modelled; a convolution never makes one). What the
 # descriptor rejects (rank, box, alignment, corners, strides) common.validate_im2col_settings checks.
 
 PADDING = "padding"   # the source of a pixel that was filled, not read
@@ -187,14 +189,15 @@ def im2col_reference(x_nhwc, block_pixels, block_channels, pixel_box_lower_corne
 # %%
 # The kernel: one TMA im2col load, then a TMA store
 # -------------------------------------------------
-# The smallest Gluon program that shows the copy engine at work. It meets four pieces of Hopper's
+# The smallest Gluon program that shows the TMA unit at work. It meets four pieces of Hopper's
 # asynchronous machinery, which lessons 04 and 05 use on every K-step.
 #
 # Shared memory in the NVMMA layout. `gl.allocate_shared_memory` takes a layout, here the
 # descriptor's: `NVMMASharedLayout`, the arrangement TMA writes and the tensor cores (wgmma,
 # tcgen05) read. Its swizzle permutes the 16-byte chunks of each 128-byte row: chunk j of row i is
 # stored at chunk position j XOR (i mod 8), so the same chunk of 8 consecutive rows lies in 8
-# different banks and reading down a column does not queue on one bank. For a [16, 32] fp32 tile
+# different groups of 4 banks (a 16-byte chunk spans 4 of the 32), together all 32, and reading
+# down a column does not queue on the same banks. For a [16, 32] fp32 tile
 # (128-byte rows) `get_default_for` picks the 128-byte swizzle. The TMA store uses the same layout
 # and un-swizzles on the way out, so the tile we print is in plain order.
 #
@@ -218,10 +221,11 @@ def im2col_reference(x_nhwc, block_pixels, block_channels, pixel_box_lower_corne
 # Accesses through different proxies are not ordered: where one writes and the other reads the
 # same shared memory, a `fence.proxy.async` (Gluon: `fence_async_shared()`) must sit between them,
 # e.g. threads st.shared a tile that a TMA store or a wgmma then reads (lesson 02's PTX has one
-# between its `cp.async` copies and its `wgmma`). Here load and store are both TMA, both async
-# proxy, and per the PTX ISA ("Async proxy", data-movement instructions) "the completion of a
-# cp.async.bulk operation is followed by an implicit generic-async proxy fence". So no fence
-# stands between the wait and the store (nor in Triton's TMA tutorial).
+# between its `cp.async` copies and its `wgmma`). Here load and store are both TMA: both go
+# through the async proxy, and the wait on the load's mbarrier orders the store after the load's
+# bytes have landed. No cross-proxy fence is needed between them (nor in Triton's TMA tutorial).
+# (The implicit generic-async proxy fence the PTX ISA attaches to a bulk copy's completion is what
+# lets the threads' ordinary loads read the tile after that wait.)
 #
 # A TMA store completes through a bulk group, not a barrier: `tma.store_wait(0)` waits until no
 # store still reads the shared memory.
@@ -357,7 +361,7 @@ def test_example_hardware(name):
 
 # %%
 if __name__ == "__main__":
-    where = ("on this GPU's copy engine" if common.has_tma_mma_gpu() else
+    where = ("on this GPU's TMA unit" if common.has_tma_mma_gpu() else
              "on the reference model (hardware loads need a Hopper or Blackwell GPU; the GPU tests "
              "check that the hardware agrees with the model)")
     print(f"\nFive TMA im2col loads of a 16-pixel x 32-channel box, {where}. The input is NHWC "
@@ -490,11 +494,12 @@ if __name__ == "__main__":
 # --------------------------------------------------------
 # Measured: the five examples and a convolution's every (tile, tap, channel block) load agree
 # with the reference model, which rebuilds lesson 02's im2col matrix exactly; on a Hopper or
-# Blackwell GPU the copy engine agrees with the model bit for bit; the kernel's PTX holds one
+# Blackwell GPU the TMA unit agrees with the model bit for bit; the kernel's PTX holds one
 # instruction per gather.
 #
 # What limits it: nothing here computes. A descriptor's corners fit in signed 8 bits, strides go
-# up to 8, and Ci must fill whole 16-byte rows (`common.pad_channels_for_tma` pads Ci=3); and the
+# up to 8, and Ci x element size must be a multiple of 16 bytes (TMA's rule for a row's stride;
+# `common.pad_channels_for_tma` pads Ci=3); and the
 # copy is asynchronous: a kernel that uses it schedules the barriers itself.
 #
 # Next: lesson 04 puts this load in the K loop of an implicit GEMM, beside a tiled TMA load of the
@@ -509,4 +514,4 @@ if __name__ == "__main__":
     else:
         print("\n" + common.cpu_closing_line(
             "03", "the five examples and the conv mapping on the reference model, and the kernel's "
-            "sm_90 and sm_100 builds", "the copy engine's own loads and the hardware-vs-model test"))
+            "sm_90 and sm_100 builds", "the TMA unit's own loads and the hardware-vs-model test"))

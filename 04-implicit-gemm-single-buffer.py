@@ -8,7 +8,8 @@ What you will learn:
   the activations, a tiled load for the weights) and the tensor cores, through Hopper's
   warpgroup MMA instruction (WGMMA, issued by 4 warps, accumulating in registers) or Blackwell's
   (tcgen05, issued by one thread, accumulating in tensor memory);
-- mbarriers (lesson 03) put to work: one barrier per load, its phase flipped every k-step;
+- mbarriers (lesson 03) put to work: one barrier for both loads of a k-step (expect-tx of the A
+  and B bytes), its phase flipped every k-step; on Blackwell a second one for the MMA's completion;
 - an MMA step with one interface for both architectures (`HopperWGMMA`, `BlackwellTcgen05`, in this
   lesson; lesson 05 reuses them): one kernel source for Hopper and Blackwell;
 - the host side: descriptors from lesson 03's conv mapping, channel padding for TMA alignment,
@@ -19,15 +20,16 @@ What you will learn:
 What changed since lesson 03: the im2col loads now feed an MMA instead of a print-out. What
 changed since lesson 02 is who is in charge, not which instruction multiplies: lesson 02's `tl.dot`
 already compiles to Hopper's `wgmma.mma_async`, fed by a 3-stage `cp.async` pipeline the compiler
-built (lesson 02 shows its PTX). Here we take over from the compiler: the copy engine (TMA) computes
+built (lesson 02 shows its PTX). Here we take over from the compiler: the TMA unit computes
 the im2col addresses and the padding that lesson 02's threads computed, and we issue the MMA and
-wait for it ourselves. This kernel is deliberately simple (one buffer, everything in order), so
-it only just beats lesson 02; lesson 05 builds the pipeline by hand and makes it fast.
+wait for it ourselves. This kernel is deliberately simple (one buffer, everything in order): it
+edges past lesson 02 on the headline layer and falls 2-3x behind it on small and 1x1 layers, where
+nothing hides its waits; lesson 05 builds the pipeline by hand and makes it fast.
 
 Requires: sm_90 (H100/H200) or sm_100 (B200/GB200) for the GPU runs. On a CPU: input validation,
 the MMA selector, and ahead-of-time compiles for sm_90 and sm_100 whose PTX is shown and checked.
 
-Note: the Blackwell path is compiled and inspected here, not run: no Blackwell GPU was available.
+Note: the Blackwell path is compiled and its PTX inspected here; it has not been run on a Blackwell GPU.
 
 Run:  python 04-implicit-gemm-single-buffer.py [--bench] [--outdir out]
 
@@ -72,13 +74,14 @@ CONV_DTYPES = (torch.float16, torch.bfloat16)
 # with zeros (padding) and continues into the next image when a tile crosses one. And when Ci
 # is not a multiple of BLOCK_K, the last channel block's extra channels are outside the tensor,
 # so they arrive as zeros; the weight tile at the same K positions holds the next tap's weights
-# (or zeros past the end of w), which are then multiplied by those zeros. The sum is exact.
+# (or zeros past the end of w), which are then multiplied by those zeros. The sum is exact (for
+# finite weights: 0 x inf would be NaN).
 #
 # Single-buffered means one A buffer and one B buffer: a load cannot start until the MMA that
 # reads the buffer is done, and the MMA cannot start until the load is done. Within one program
 # TMA and tensor cores take turns, each idle while the other works. Not within one SM, though: a
 # program of the headline config (128x128x64, 4 warps) needs 32 KB of shared memory and 154
-# registers per thread (its sm_90 build, compiled as the PTX section below compiles a smaller
+# registers per thread (Triton 3.9.0's sm_90 build, fp16; compiled as the PTX section below compiles a smaller
 # layer; `test_headline_config_fits_three_programs_per_sm` checks it), so the 64K registers of an
 # SM hold three of them (154 rounds up to 160 per thread, x 128 threads = 20,480 per program),
 # and while one waits for its load another's MMA runs. That overlap is an accident of scheduling,
@@ -113,14 +116,16 @@ CONV_DTYPES = (torch.float16, torch.bfloat16)
 #
 # Both read A and B from shared memory in the NVMMA swizzled layout the TMA writes, both accumulate
 # in fp32, and "wait until <= k outstanding, then read" means the same thing on both. The interface
-# is shaped after WGMMA because it is the stricter of the two.
+# follows WGMMA's wait(k); the tcgen05 implementation below, one barrier for all its MMAs, supports
+# only k = 0, all this single-buffered kernel needs.
 
 
 
 @gluon.constexpr_function
 def wgmma_accumulator_layout(dtype, BLOCK_M, BLOCK_N, num_warps):
     """Register layout of a WGMMA accumulator: warps stack along M first (16 rows per warp of a
-    64-row warpgroup instruction), the instruction's N is the widest that splits BLOCK_N, and its K
+    64-row warpgroup instruction), the instruction's N is the widest multiple of 8 up to
+    BLOCK_N / (warps along N) that divides BLOCK_N, and its K
     covers 32 bytes of the operand type (16 for fp16/bf16)."""
     warps_per_cta = [4, 1]
     while warps_per_cta[0] * warps_per_cta[1] < num_warps:
@@ -367,17 +372,18 @@ TAUGHT_PTX = {
         (WEIGHT_LOAD, "The B tile: a plain tiled TMA load of the weights viewed as [Co, R*S*Ci]."),
         ("wgmma.mma_async", "The MMA: each wgmma is 64 rows x 64 columns x 16 of K (m64n64k16), "
                             "issued by the warpgroup. A 128 x 64 tile with BLOCK_K=64 needs "
-                            "2 row blocks x 4 K steps = 8 per k-step, all in the loop body. The braces "
-                            "list the accumulator: 32 fp32 registers per thread (64 x 64 over the "
-                            "warpgroup's 128 threads)."),
+                            "2 row blocks x 4 K steps = 8 per k-step, all in the loop body. Each "
+                            "instruction's braces list its row block's accumulator: 32 fp32 registers "
+                            "per thread (64 x 64 over the warpgroup's 128 threads); the whole 128 x 64 "
+                            "tile holds 64."),
         (TMA_STORE, "The epilogue: the fp32 accumulator is cast, written to shared memory and "
                     "stored by TMA, which clips the tile at the tensor's edges."),
     ],
     "sm_100": [
         (IM2COL_LOAD, "The same im2col load as on sm_90. It appears twice because the compiler "
-                      "peeled the first k-step out of the loop (there is no earlier MMA to wait "
-                      "for); in the peeled copy the offsets are the constant (0, 0), written "
-                      "{%rs1, %rs1}."),
+                      "peeled the first k-step out of the loop: there use_acc is the constant "
+                      "false and the offsets the constant (0, 0), written {%rs1, %rs1}; its wait "
+                      "on the MMA barrier (parity 1 of a fresh barrier) stays and returns at once."),
         (WEIGHT_LOAD, "The weight load, twice for the same reason."),
         ("tcgen05.mma", "Blackwell's MMA: one thread issues it, 128 rows x 64 columns x 16 of K into "
                         "tensor memory; 4 per k-step (BLOCK_K=64), in the peeled step and in the "
@@ -508,8 +514,8 @@ def test_conv_awkward(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype):
 # A first speed measurement (GPU only)
 # ------------------------------------
 # This kernel is a baseline, not a contender: with one buffer, a program's TMA loads and MMAs never
-# overlap, and only the three programs an SM holds at once hide each other's waits. `--bench` puts
-# numbers on it next to cuDNN on the headline shape.
+# overlap, and only the three programs an SM holds at once hide each other's waits. On a GPU the
+# lesson times it next to cuDNN on the headline shape.
 
 
 def bench_headline(outdir, dtype=torch.bfloat16):
@@ -561,13 +567,17 @@ def show_recorded_headline(outdir):
 # %%
 # What this lesson measured, what limits it, what comes next
 # ----------------------------------------------------------
-# Measured on an H100 (80GB HBM3, bf16, Triton 3.8.0, 2026-11-24; RESULTS.md): the headline layer at
-# 478 TFLOPS, against lesson 02's 445 and cuDNN's 675. The PTX shows why it only just beats lesson
-# 02: both run the same WGMMAs; lesson 02's compiler pipelines the channel blocks of one tap but
-# drains at the end of every tap, ours waits at every k-step, and each hides its waits only behind
-# the other programs on the SM (three here). What ours saves is the address and mask arithmetic
-# that lesson 02's warps did beside their MMAs. What limits it is that wait: per program, the copy engine and
-# the tensor cores never work at once. Lesson 05 gives each program a ring of buffers, a warp that
+# Measured on an H100 (80GB HBM3, bf16, Triton 3.8.0, 2026-11-24; RESULTS.md; lessons 02 and 04
+# timed once each, cuDNN in rounds): the headline layer at 478 TFLOPS, against lesson 02's 445 and
+# cuDNN's 675, a difference between 02 and 04 within one run's noise. On ResNet-50's 14x14 and 7x7
+# 3x3 layers, its stride-2 layer and its 1x1 layers it is 2-3x slower than lesson 02 (117 against
+# 341 TFLOPS on 14x14 256->256 3x3). Both run the same WGMMAs. Lesson 02 hides its loads with the
+# compiler's 3-stage cp.async pipeline inside each tap (one program per SM: 165 registers x 256
+# threads); ours has no pipeline, waits at every k-step, and hides a wait only behind the other
+# programs on its SM. Why the small layers lose most was not profiled; they have fewer tiles per
+# SM, or (1x1) K loops of a few steps, to hide behind. What ours
+# saves is the address and mask arithmetic that lesson 02's warps did beside their MMAs. What
+# limits it is that wait: per program, the TMA unit and the tensor cores never work at once. Lesson 05 gives each program a ring of buffers, a warp that
 # does nothing but load, and MMA warps that never wait for a load they could have issued earlier.
 
 # %%

@@ -7,7 +7,7 @@
   on a grid of shapes.
 - On a Hopper or Blackwell GPU, hundreds of random settings (shapes, corners, element strides,
   start coordinates, offsets, channel offsets, fp32, fp16 and bf16, zero and NaN fill) run through
-  the copy engine and the model; every element must match exactly."""
+  the TMA unit and the model; every element must match exactly."""
 import random
 
 import pytest
