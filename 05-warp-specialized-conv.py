@@ -744,7 +744,6 @@ class KernelConfig(NamedTuple):
 
 
 FIXED_CONFIG = KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4)  # both archs
-PINGPONG_CONFIG = FIXED_CONFIG._replace(consumers=2)   # Hopper only
 
 
 def check_config(config, arch):
@@ -958,17 +957,12 @@ def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, c
     geometry = common.check_conv_call(x_nhwc, w, bias, stride, padding, dilation, dtypes=KERNEL_DTYPES,
                                       scale=scale, residual=residual, activation=activation, out_dtype=out_dtype,
                                       groups=groups)
-    out_dtype = common.output_dtype(x_nhwc.dtype, out_dtype)
-    return launch_checked(x_nhwc, w, bias, geometry, config, scale, residual, activation, out_dtype)
-
-
-def launch_checked(x_nhwc, w, bias, geometry, config, scale, residual, activation, out_dtype):
-    # Build and run the launch of a checked call, and split-K's second kernel if the config splits.
     arch, num_sms = common.tma_mma_arch_and_sms("conv2d_fprop_launch")
-    launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale, residual, out_dtype)
+    launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale, residual,
+                            common.output_dtype(x_nhwc.dtype, out_dtype))
     epilogue = Epilogue(bias is not None, scale is not None, residual is not None, activation)
     conv2d_fprop_kernel[launch.grid](*launch.kernel_args(), **kernel_constexprs(KernelConfig(*config), arch, epilogue))
-    if launch.partial is not None:
+    if launch.partial is not None:                 # split-K's second kernel (section 7)
         finish_split_k(launch, bias, scale, residual, activation)
     return launch.result()
 

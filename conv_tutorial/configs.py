@@ -11,8 +11,8 @@ import triton
 
 from .kernel import lesson05
 
-KernelConfig, FIXED_CONFIG, PINGPONG_CONFIG, check_config = (
-    lesson05.KernelConfig, lesson05.FIXED_CONFIG, lesson05.PINGPONG_CONFIG, lesson05.check_config)
+KernelConfig, FIXED_CONFIG, check_config = lesson05.KernelConfig, lesson05.FIXED_CONFIG, lesson05.check_config
+PINGPONG_CONFIG = FIXED_CONFIG._replace(consumers=2)   # lesson 05, section 4: Hopper's ping-pong
 SHARED_MEMORY_PER_PROGRAM, ring_bytes, stores_by_row_blocks, tile_counts = (
     lesson05.SHARED_MEMORY_PER_PROGRAM, lesson05.ring_bytes, lesson05.stores_by_row_blocks, lesson05.tile_counts)
 adapt_block_k, block_k_channels, groups_fit, check_groups_fit = (

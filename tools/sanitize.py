@@ -59,11 +59,11 @@ def lesson05_cases():
     for config in configs.HOPPER_CANDIDATES:
         Co = 320 if config.block_n_tail else 256          # tails: two 160-wide tiles
         cases.append((f"05 {config}", config, Co, None))
-    for config in (lesson05.FIXED_CONFIG, lesson05.PINGPONG_CONFIG,
+    for config in (lesson05.FIXED_CONFIG, configs.PINGPONG_CONFIG,
                    next(c for c in configs.HOPPER_CANDIDATES if c.block_n_tail)):
         Co = 320 if config.block_n_tail else 200            # 200: the last tile is partly past Co
         cases.append((f"05 {config}, bias, Co={Co}", config, Co, "bias"))
-    for config in (lesson05.FIXED_CONFIG, lesson05.PINGPONG_CONFIG,
+    for config in (lesson05.FIXED_CONFIG, configs.PINGPONG_CONFIG,
                    next(c for c in configs.HOPPER_CANDIDATES if c.block_n_tail),
                    next(c for c in configs.HOPPER_CANDIDATES if c.split_k > 1)):
         Co = 320 if config.block_n_tail else 200
