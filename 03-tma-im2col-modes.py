@@ -4,9 +4,9 @@ Lesson 03: Hopper's TMA im2col mode, pixel by pixel
 
 What you will learn:
 
-- what TMA im2col does: the Tensor Memory Accelerator (TMA), the copy unit of Hopper (sm_90) and data-centre Blackwell (sm_100)
-  gathers a tile of the im2col matrix, padding included, from a descriptor; in Gluon
-  (`triton.experimental.gluon`), where a kernel names shared memory, barriers and copies itself;
+- what TMA im2col does: the Tensor Memory Accelerator (TMA), the copy unit of Hopper (sm_90) and
+  data-centre Blackwell (sm_100), gathers a tile of the im2col matrix, padding included, from a
+  descriptor; in Gluon (`triton.experimental.gluon`), where a kernel names smem, barriers, copies;
 - the asynchronous machinery every later lesson uses: the mbarrier (expect-tx, phase parity,
   invalidate), the async proxy and when it needs a fence, the NVMMA shared layout and its swizzle;
 - the descriptor (block shape, pixel-box corners, element strides, padding fill) and five worked
@@ -14,18 +14,16 @@ What you will learn:
 - how a convolution maps onto the descriptor: one load per (tile, tap, channel block) rebuilds
   lesson 02's im2col matrix exactly.
 
-What changed since lesson 02: no GEMM runs here. This lesson studies the one instruction that
+What changed since lesson 02: no GEMM runs here; this lesson studies the one instruction that
 lesson 04 uses in place of lesson 02's address arithmetic.
 
 Requires: sm_90 (Hopper) or sm_100 (Blackwell) for the hardware loads. On a CPU the reference model
 runs every example and draws every plot, and the Gluon kernel is compiled ahead of time for sm_90
 and sm_100 to show its instructions; the hardware loads are skipped with a reason.
 
-Further reading: Triton's Gluon tutorials (triton-lang/triton, python/tutorials/gluon/) on TMA
-(04-tma.py), WGMMA (05-wgmma.py) and tcgen05 (06-tcgen05.py). The five examples below are those of
-its conv-im2col tutorial (13-conv-im2col.py as of 2026-11, the numbering moves between releases:
-same tensor, same settings, same expected values);
-here each also runs on a reference model and is drawn.
+Further reading: Triton's Gluon tutorials (triton-lang/triton, python/tutorials/gluon/): TMA,
+WGMMA, tcgen05, and conv-im2col (13-conv-im2col.py as of 2026-11), whose five examples (tensor,
+settings, expected values) are the ones below, here also run on a reference model and drawn.
 
 Run:  python 03-tma-im2col-modes.py [--outdir out] [--verbose]
 Tests:  pytest 03-tma-im2col-modes.py tests/lessons/test_03_model.py tests/lessons/test_03_figures.py
@@ -53,8 +51,8 @@ if __name__ == "__main__":
 
 def figures():
     """The figures' drawing code (it teaches nothing about TMA): tests/lessons/test_03_figures.py."""
-    path = common.REPO_ROOT / "tests" / "lessons" / "test_03_figures.py"
-    spec = importlib.util.spec_from_file_location("lesson03_figures", path)
+    spec = importlib.util.spec_from_file_location(
+        "lesson03_figures", common.REPO_ROOT / "tests" / "lessons" / "test_03_figures.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -91,24 +89,19 @@ def figures():
 #   memory is never padded.
 #
 # A load gets coord = [n, h, w, c] and offsets = [off_h, off_w] (16-bit). Its first pixel is
-# (n, h+off_h, w+off_w); the following ones walk the window row-major (w fastest, then h) and, at
-# the window's end, wrap into the next image n+1. Channels c .. c+channels-1 of each pixel are
-# copied; channels past C get the padding value too, like pixels outside the image.
+# (n, h+off_h, w+off_w); the next ones walk the window row-major (w fastest) and past its end wrap
+# into image n+1. Channels c .. c+channels-1 are copied; channels past C are padding too.
 #
 # One trap, found by this lesson's hardware-vs-model test on an H100 (2026-11-22): the offsets are
-# *unsigned* 16-bit numbers (the kernel below passes them as int16: the bit pattern is what the
-# instruction reads). An offset of -1 is 65535, every pixel lands far outside the image, and
-# the whole box comes back as padding. Convolution only ever needs offsets r*dh, s*dw >= 0, so put
-# any negative shift into the start coordinate (or the lower corner), never into the offsets.
+# *unsigned* 16-bit (the kernel passes int16 bits). An offset of -1 is 65535: every pixel lands
+# outside the image and the whole box is padding. A convolution's offsets r*dh, s*dw are >= 0; put
+# a negative shift into the start coordinate (or the lower corner), never into the offsets.
 #
-# The reference model below is that paragraph as code. It is the single source of truth for the
-# plots and for the CPU runs, and the GPU tests check that the hardware agrees with it exactly
-# (tests/lessons/test_03_model.py draws hundreds of random settings).
+# The reference model below is that paragraph as code, the source of the plots and CPU runs; the
+# GPU tests check the hardware agrees exactly (tests/lessons/test_03_model.py, random settings).
 #
-# The model refuses start coordinates outside the access window or off its stride lattice: limits
-# of the model, not refusals of the hardware (a coordinate is a run-time value no check sees, and
-# what the TMA unit does with one is not modelled; a convolution never makes one). What the
-# descriptor rejects (rank, box, alignment, corners, strides) common.validate_im2col_settings checks.
+# The model refuses a start coordinate outside the window or off its stride lattice (unmodelled,
+# and no convolution makes one); common.validate_im2col_settings checks what the descriptor rejects.
 
 PADDING = "padding"   # the source of a pixel that was filled, not read
 
@@ -223,12 +216,10 @@ def im2col_reference(x_nhwc, block_pixels, block_channels, pixel_box_lower_corne
 # e.g. threads st.shared a tile that a TMA store or a wgmma then reads (lesson 02's PTX has one
 # between its `cp.async` copies and its `wgmma`). Here load and store are both TMA: both go
 # through the async proxy, and the wait on the load's mbarrier orders the store after the load's
-# bytes have landed. No cross-proxy fence is needed between them (nor in Triton's TMA tutorial).
-# (The implicit generic-async proxy fence the PTX ISA attaches to a bulk copy's completion is what
-# lets the threads' ordinary loads read the tile after that wait.)
+# bytes have landed: no cross-proxy fence between them (nor in Triton's TMA tutorial). The threads'
+# own loads may read the tile after that wait: the ISA attaches a proxy fence to the completion.
 #
-# A TMA store completes through a bulk group, not a barrier: `tma.store_wait(0)` waits until no
-# store still reads the shared memory.
+# A TMA store completes through a bulk group: `tma.store_wait(0)` waits until none reads smem.
 
 
 @gluon.jit
@@ -361,9 +352,8 @@ def test_example_hardware(name):
 
 # %%
 if __name__ == "__main__":
-    where = ("on this GPU's TMA unit" if common.has_tma_mma_gpu() else
-             "on the reference model (hardware loads need a Hopper or Blackwell GPU; the GPU tests "
-             "check that the hardware agrees with the model)")
+    where = ("on this GPU's TMA unit" if common.has_tma_mma_gpu() else "on the reference model "
+             "(hardware loads need a Hopper or Blackwell GPU)")
     print(f"\nFive TMA im2col loads of a 16-pixel x 32-channel box, {where}. The input is NHWC "
           f"[N, 4, 4, 32]; pixel (n, h, w) holds n*16 + h*4 + w + 1, so each loaded value names its "
           f"source; '.' is padding (zero). --verbose lists every pixel's source.")
@@ -373,11 +363,10 @@ if __name__ == "__main__":
 # %%
 # Pictures of the access windows
 # ------------------------------
-# One figure per example, its images stacked: each shows the pixel values, the access window
-# (dashed red: where the walk goes, after the offsets), the window before the offsets shift it
-# (grey dotted, where they are not zero), the padding cells the window covers (grey, hatched:
-# filled, never read), and each loaded pixel numbered in load order. In the multi-batch examples
-# the numbering runs off the end of image 0 and carries on in image 1.
+# One figure per example, its images stacked: the pixel values, the access window (dashed red,
+# after the offsets; grey dotted before them, where they are not zero), the padding cells it covers
+# (grey, hatched: filled, never read), each loaded pixel numbered in load order (in the multi-batch
+# examples the numbering runs off the end of image 0 into image 1).
 
 if __name__ == "__main__":
     for name in EXAMPLES:
@@ -399,12 +388,13 @@ if __name__ == "__main__":
 #     coord   = [n, oy*sh - ph, ox*sw - pw, c0]           where tile m0 = (n, oy, ox) starts
 #     offsets = [r*dh, s*dw]                              the same walk, shifted onto tap (r, s)
 #
-# TMA im2col has no dilation field; a dilated tap is just a larger offset. A tile that runs past
-# the last output pixel of an image continues with the next image, as the rows of A do, and past
-# the last image it reads padding (zeros), which the kernel never stores.
+# TMA im2col has no dilation field: a dilated tap is a larger offset. A tile running past an image's
+# last output pixel continues in the next image, as A's rows do; past the last image it reads
+# padding (zeros), which the kernel never stores.
 #
 # `gather_im2col_with_tma_model` builds A one (tile, tap, channel block) load at a time from the
-# model; the test compares it with lesson 02's explicit im2col kernel on a grid of shapes.
+# model; tests/lessons/test_03_model.py compares it with lesson 02's explicit im2col on a grid of
+# strides, paddings, dilations and shapes.
 
 
 def gather_im2col_with_tma_model(x_nhwc, R, S, stride=1, padding=0, dilation=1, BLOCK_M=16, BLOCK_K=8):
@@ -440,14 +430,10 @@ def run_conv_mapping(N=2, H=7, W=6, Ci=12, R=3, S=3, stride=(2, 1), padding=1, d
         settings = common.conv_im2col_settings(geometry)
         print(f"\nconv {geometry.describe()}: descriptor element_strides {list(settings.element_strides)}, "
               f"corners {list(settings.pixel_box_lower_corner)}/{list(settings.pixel_box_upper_corner)}")
-        print(f"  {geometry.M // 16 + (geometry.M % 16 > 0)} tiles x {R * S} taps x "
-              f"{-(-Ci // 8)} channel blocks of modelled TMA loads rebuild lesson 02's A "
-              f"[{geometry.M} x {geometry.K}] exactly")
+        print(f"  {-(-geometry.M // 16)} tiles x {R * S} taps x {-(-Ci // 8)} channel blocks of "
+              f"modelled TMA loads rebuild lesson 02's A [{geometry.M} x {geometry.K}] exactly")
     return a_model
 
-
-# tests/lessons/test_03_model.py runs it over a grid of shapes: strides, paddings, dilations,
-# non-square filters and batches, every combination that has an output.
 
 # %%
 if __name__ == "__main__":
@@ -457,9 +443,8 @@ if __name__ == "__main__":
 # %%
 # What the compiler makes of it (no GPU needed)
 # ---------------------------------------------
-# The kernel compiles ahead of time for sm_90 and sm_100 on any machine. The whole gather,
-# padding included, is one `cp.async.bulk.tensor.4d...im2col` instruction; around it, the
-# barrier's life as described above, and the TMA store with its bulk group.
+# The kernel compiles ahead of time for sm_90 and sm_100 on any machine. The whole gather, padding
+# included, is one `cp.async.bulk.tensor.4d...im2col`; around it, the barrier's life and the store.
 
 TAUGHT = {arch: [
     ("mbarrier.init", "one arrival completes a phase (count=1)"),
@@ -492,14 +477,12 @@ if __name__ == "__main__":
 # %%
 # What lesson 03 measured, what limits it, what comes next
 # --------------------------------------------------------
-# Measured: the five examples and a convolution's every (tile, tap, channel block) load agree
-# with the reference model, which rebuilds lesson 02's im2col matrix exactly; on a Hopper or
-# Blackwell GPU the TMA unit agrees with the model bit for bit; the kernel's PTX holds one
-# instruction per gather.
+# Measured: the five examples and a convolution's every (tile, tap, channel block) load agree with
+# the reference model, which rebuilds lesson 02's im2col matrix exactly; on a Hopper or Blackwell
+# GPU the TMA unit agrees with the model bit for bit; the PTX holds one instruction per gather.
 #
-# What limits it: nothing here computes. A descriptor's corners fit in signed 8 bits, strides go
-# up to 8, and Ci x element size must be a multiple of 16 bytes (TMA's rule for a row's stride;
-# `common.pad_channels_for_tma` pads Ci=3); and the
+# What limits it: nothing here computes. Corners fit in signed 8 bits, strides go up to 8, Ci x
+# element size must be a multiple of 16 bytes (`common.pad_channels_for_tma` pads Ci=3), and the
 # copy is asynchronous: a kernel that uses it schedules the barriers itself.
 #
 # Next: lesson 04 puts this load in the K loop of an implicit GEMM, beside a tiled TMA load of the
@@ -509,8 +492,8 @@ if __name__ == "__main__":
 # %%
 if __name__ == "__main__":
     if common.has_tma_mma_gpu():
-        print(f"\nlesson 03: all checks passed on {common.gpu_name()} "
-              f"(pytest tests/lessons/test_03_model.py runs the random hardware-vs-model test)")
+        print(f"\nlesson 03: all checks passed on {common.gpu_name()} (pytest "
+              f"tests/lessons/test_03_model.py runs the random hardware-vs-model test)")
     else:
         print("\n" + common.cpu_closing_line(
             "03", "the five examples and the conv mapping on the reference model, and the kernel's "
