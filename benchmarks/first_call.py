@@ -47,6 +47,8 @@ def child(net, variant, batch):
             model = fusion.keep_faster_convs(model, x)
             torch.cuda.synchronize()
             steps["keep_faster_convs"] = time.perf_counter() - start
+            parts = {f"keep_faster_convs: {k}": v for k, v in model.keep_faster_convs_seconds.items()}
+            print("PARTS " + json.dumps(parts) + f" torch_convs {model.torch_convs}")
         else:
             model = fp32.to(**bf16)
         start = time.perf_counter()
@@ -58,18 +60,58 @@ def child(net, variant, batch):
     print("STEPS " + json.dumps(steps))
 
 
+def compare_timers(nets, batch):
+    """keep_faster_convs' decisions and seconds with its timer (fusion._graph_replay_ms) and with
+    triton.testing.do_bench_cudagraph(rep=20), on the same fused model, kernels compiled first."""
+    import copy
+    import torch
+    import triton
+    import torchvision_nets
+    from conv_tutorial import fusion
+    rows = []
+    for net in nets:
+        fp32, x32 = torchvision_nets.fp32_model(net), torchvision_nets.images(batch)
+        bf16 = dict(dtype=torch.bfloat16, memory_format=torch.channels_last)
+        x = x32.to(**bf16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fused = fusion.fuse_conv_bn_act(fp32, example_input=x32[:1]).to(**bf16)
+            with torch.no_grad():
+                fused(x)                                  # every kernel compiled before timing
+            timers = {"graph replay (ours)": fusion._graph_replay_ms,
+                      "do_bench_cudagraph(rep=20)": lambda fn: triton.testing.do_bench_cudagraph(fn, rep=20)}
+            given_back = {}
+            for name, timer in timers.items():
+                model = copy.deepcopy(fused)
+                start = time.perf_counter()
+                fusion.keep_faster_convs(model, x, timer=timer, remember=False)
+                seconds = time.perf_counter() - start
+                given_back[name] = {n for n, m in model.named_modules() if isinstance(m, fusion.TorchConvEpilogue)}
+                rows.append({"net": net, "batch": batch, "timer": name, "seconds": seconds,
+                             "torch_convs": model.torch_convs})
+                print(f"  {net:<20} {name:<28} {seconds:5.1f} s, {model.torch_convs} convs given back to torch", flush=True)
+        ours, theirs = given_back.values()
+        print(f"  {net}: the two timers disagree on {len(ours ^ theirs)} layers: {sorted(ours ^ theirs)}")
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nets", nargs="+", default=["resnet50", "mobilenet_v3_large"])
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--variants", nargs="+", default=["cudnn", "ours"], choices=["cudnn", "ours"])
     parser.add_argument("--outdir", default=None)
+    parser.add_argument("--compare-timers", action="store_true",
+                        help="compare keep_faster_convs' timer with do_bench_cudagraph (decisions, seconds)")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args.child[0], args.child[1], int(args.child[2]))
     import common
     common.require_tma_mma_gpu("benchmarks/first_call.py")
+    if args.compare_timers:
+        rows = compare_timers(args.nets, args.batch)
+        return common.save_json(common.output_dir(args.outdir), "first_call_timers", {**common.versions(), "rows": rows})
     rows = []
     for net in args.nets:
         for variant in args.variants:
@@ -85,10 +127,15 @@ def main():
                     if line is None:
                         raise RuntimeError(f"{net} {variant} {state} failed:\n{proc.stderr[-3000:]}")
                     steps = json.loads(line[6:])
-                    rows.append({"net": net, "batch": args.batch, "variant": variant, "caches": state,
-                                 "steps_s": steps, "first_call_s": sum(steps.values()), "process_s": total})
+                    parts = next((l for l in proc.stdout.splitlines() if l.startswith("PARTS ")), "")
+                    row = {"net": net, "batch": args.batch, "variant": variant, "caches": state,
+                           "steps_s": steps, "first_call_s": sum(steps.values()), "process_s": total}
+                    if parts:
+                        row["keep_faster_convs_parts_s"] = json.loads(parts[6:].rsplit(" torch_convs ", 1)[0])
+                        row["torch_convs"] = int(parts.rsplit(" ", 1)[1])
+                    rows.append(row)
                     print(f"  {net:<20} {variant:<6} {state}: " + ", ".join(f"{k} {v:.1f} s" for k, v in steps.items())
-                          + f"; together {sum(steps.values()):.1f} s (process {total:.0f} s)", flush=True)
+                          + f"; together {sum(steps.values()):.1f} s (process {total:.0f} s) {parts[6:]}", flush=True)
     common.save_json(common.output_dir(args.outdir), "first_call", {**common.versions(), "rows": rows})
 
 

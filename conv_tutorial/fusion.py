@@ -8,13 +8,14 @@ keeping the convs torch runs faster.
 """
 import copy
 import operator
+import time
 import warnings
 from typing import Optional
 
 import torch
 import triton
 
-from . import ops, selection
+from . import launch, ops, selection
 from .configs import grouped_conv_fits
 from .geometry import ACTIVATIONS, current_arch
 from .ops import conv2d_op, is_depthwise, reference_epilogue
@@ -292,10 +293,37 @@ def module_calls(model, example_input, types):
     return calls
 
 
-def _graph_replay_ms(fn):
-    """A call's time replayed in a CUDA graph (kernels alone, as a captured model runs them)."""
-    import triton
-    return triton.testing.do_bench_cudagraph(fn, rep=20)
+def _graph_replay_ms(fn, budget_ms=4.0, replays=3):
+    """A call's time replayed in a CUDA graph (kernels alone, as a captured model runs them): as
+    many calls as fill about `budget_ms` captured back to back in one graph, the graph replayed
+    `replays` times, the fastest replay's time per call. A decision needs a ranking, not a
+    benchmark's figure: ~15 ms per side, where triton.testing.do_bench_cudagraph(rep=20) took
+    ~250 ms (its ten 20-ms rounds and two captures), most of a warm first call
+    (RESULTS.md, "The first call of a fused model")."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()                                   # outside any capture: lazy set-up, first allocations
+
+        def fastest_replay_ms(calls):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(calls):
+                    fn()
+            graph.replay()                     # the first replay uploads the graph
+            best = float("inf")
+            for _ in range(replays):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                graph.replay()
+                end.record(stream)
+                end.synchronize()
+                best = min(best, start.elapsed_time(end))
+            return best / calls
+
+        estimate = fastest_replay_ms(1)
+        calls = max(1, min(200, round(budget_ms / max(estimate, 1e-3))))
+        return estimate if calls == 1 else fastest_replay_ms(calls)
 
 
 def _decision_key(layer, x):
@@ -335,6 +363,16 @@ def keep_faster_convs(fused_model: torch.fx.GraphModule, example_input: torch.Te
             return fused_model
         timer, remember = _graph_replay_ms, remember is not False
     remember = bool(remember)     # a stand-in timer's decisions are kept only when asked
+    seconds, start = {}, time.perf_counter()
+    if timer is _graph_replay_ms and not selection.autotune_enabled():
+        # Every distinct kernel the model needs, compiled side by side before the first real call
+        # (launch.compiling_ahead; the outputs of this forward are garbage). The autotuner compiles
+        # its own candidates as it times them, so with autotuning on this step is left out.
+        with launch.compiling_ahead(), torch.no_grad():
+            fused_model(example_input)
+        torch.cuda.synchronize()
+    seconds["compile"] = time.perf_counter() - start
+    start = time.perf_counter()
     calls = {}
     for name, module, args in module_calls(fused_model, example_input, FusedConv2d):
         calls.setdefault(name, (module, args))
@@ -363,4 +401,6 @@ def keep_faster_convs(fused_model: torch.fx.GraphModule, example_input: torch.Te
             setattr(fused_model.get_submodule(parent), attribute, TorchConvEpilogue(module))
             given_back += 1
     fused_model.torch_convs = given_back
+    seconds["decide"] = time.perf_counter() - start
+    fused_model.keep_faster_convs_seconds = seconds     # where the time went: benchmarks/first_call.py
     return fused_model

@@ -16,7 +16,15 @@
   Measured on an H100 host (benchmarks/host_time.py, 2026-11-22): 54 us per launch through the
   generic launcher, 20 us calling the compiled kernel, 10 us through DirectLaunch.
 - Split-K's second kernel (lesson 05, section 7) is launched directly too.
+- Compiling ahead (`compiling_ahead`): a model's distinct kernels compiled side by side in a
+  pool of threads, before its first real call (Triton's compile spends much of its time in
+  ptxas, a subprocess, and Triton's `AsyncCompileMode` lets its compiles run in an executor).
 """
+import contextlib
+import contextvars
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 import triton
 
@@ -154,6 +162,8 @@ class ConvPlan:
             launch = self.launch_for(x_nhwc, w, bias, scale, residual)
             epilogue = lesson05.Epilogue(bias is not None, scale is not None, residual is not None, activation)
             kwargs = lesson05.kernel_constexprs(self.config, self.arch, epilogue)
+            if _COMPILE_ONLY.get():
+                return self._compile_only(launch, kwargs, bias, scale, residual, activation)
             self.launches[variant] = DirectLaunch.first_launch(lesson05.conv2d_fprop_kernel, launch.grid,
                                                                launch.kernel_args(), kwargs,
                                                                _descriptors(self.template))
@@ -185,6 +195,43 @@ class ConvPlan:
             self.reduces[variant] = DirectLaunch.first_launch(lesson05.split_k_epilogue_kernel, grid, args, kwargs)
             self.reduce_grid, self.reduce_scalars = grid, args[3:]
         return launch.result()
+
+
+    def _compile_only(self, launch, kwargs, bias, scale, residual, activation):
+        """Inside `compiling_ahead`: hand this variant's kernels to the compile pool and launch
+        nothing; the output comes back unwritten. (The specialization, and so Triton's cache key,
+        is the one a real first launch with these tensors computes.)"""
+        lesson05.conv2d_fprop_kernel.warmup(*launch.kernel_args(), grid=launch.grid, **kwargs)
+        if launch.partial is not None:
+            grid, args, reduce_kwargs = lesson05.split_k_epilogue_launch(launch, bias, scale, residual, activation)
+            lesson05.split_k_epilogue_kernel.warmup(*args, grid=grid, **reduce_kwargs)
+        return launch.result()
+
+
+_COMPILE_ONLY = contextvars.ContextVar("conv_tutorial_compile_only", default=False)
+
+
+@contextlib.contextmanager
+def compiling_ahead(workers=None):
+    """While active, the first call of each (plan, epilogue variant) does not run: it submits the
+    kernel's compile (and split-K's second kernel's) to a pool of `workers` threads (default: one
+    per CPU, at most 32) and returns its output unwritten. On exit every compile has finished, and
+    Triton's in-memory cache holds them: the calls after it launch without compiling. A model run
+    once inside it has its distinct kernels compiled side by side instead of one after another
+    (its outputs are garbage: run it for the compiles alone). Autotuning must be off inside (the
+    tuner times real launches); kernels other than the conv's (the folded stem's copy, depthwise)
+    compile and run as usual. Triton reports a failed compile when the block exits."""
+    workers = workers or min(32, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers) as pool, triton.AsyncCompileMode(pool):
+        token = _COMPILE_ONLY.set(True)
+        try:
+            yield
+        finally:
+            _COMPILE_ONLY.reset(token)
+
+
+def compiling_ahead_active() -> bool:
+    return _COMPILE_ONLY.get()
 
 
 def _launch_hooks_set():

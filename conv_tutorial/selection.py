@@ -32,7 +32,7 @@ from .configs import (CANDIDATES, SMEM_LIMIT_BYTES, SMEM_PER_SM_BYTES, KernelCon
                       tail_pays, useful_share, wave_efficiency)
 from .geometry import device_facts
 from .kernel import common
-from .launch import plan_for
+from .launch import compiling_ahead_active, plan_for
 
 _BEST_CONFIG = {}    # (geometry, dtype, device, epilogue tag) -> config chosen by the autotuner
 
@@ -337,6 +337,9 @@ def autotune(geometry, x_nhwc, w, bias, verbose=False, scale=None, residual=None
     (`choose_among`): so a tuned choice is one that the benchmark, too, measures at least as fast as
     the heuristic's. (A first pass's ranking alone, from runs of ~20 ms at a different percentile,
     picked configs that the benchmark then measured up to 1.7x slower than the heuristic's.)"""
+    if compiling_ahead_active():
+        raise RuntimeError("autotune times real launches, and inside launch.compiling_ahead nothing launches: "
+                           "tune before or after it")
     arch, num_sms, smem = device_facts()
     candidates = prune_configs(CANDIDATES[arch], geometry, arch, smem, num_sms)
     # with a residual, each candidate as the runtime would run it (row tails move to 8 warps)

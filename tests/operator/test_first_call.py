@@ -1,0 +1,49 @@
+"""The first call of a fused model: kernels compiled ahead in a pool (conv_tutorial.launch.compiling_ahead),
+and keep_faster_convs' own timer. On a GPU: calls after the compile-ahead block run right (split-K's second
+kernel and an epilogue variant included), the autotuner refuses to time inside it, and the timer ranks a
+kernel twice as long as twice as long."""
+import common
+
+import pytest
+import torch
+
+lesson05 = common.load_lesson("05-warp-specialized-conv")
+from conv_tutorial import fusion, runtime, selection  # noqa: E402
+from conv_tutorial import launch as plans  # noqa: E402
+
+needs_gpu = lesson05.needs_gpu
+
+
+@needs_gpu
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, stride, config, epilogue", [
+    (2, 13, 11, 40, 72, 3, 2, None, dict(activation="relu")),                      # the heuristic's config
+    (1, 7, 7, 512, 512, 3, 1, lesson05.KernelConfig(128, 128, 64, 4, 4, split_k=4),  # split-K: two kernels
+     dict(activation="silu")),
+])
+def test_calls_after_compiling_ahead_compute_the_conv(N, H, W, Ci, Co, R, stride, config, epilogue):
+    x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, R, torch.bfloat16)
+    bias = torch.randn(Co, device="cuda", dtype=torch.float32)
+    kwargs = dict(stride=stride, padding=R // 2, config=config, tune=False, **epilogue)
+    with plans.compiling_ahead(workers=2):
+        unwritten = runtime.conv2d(x, w, bias, **kwargs)      # compiles, launches nothing
+    assert unwritten.shape[0] == N
+    out = runtime.conv2d(x, w, bias, **kwargs)
+    conv = common.reference_conv2d_nhwc(x, w, stride=stride, padding=R // 2, out_dtype=torch.float32)
+    expected = common.reference_epilogue(conv, bias, None, None, epilogue["activation"])
+    common.assert_close_to_reference(out, expected, dtype=torch.bfloat16, K=R * R * Ci)
+
+
+@needs_gpu
+def test_autotune_refuses_to_time_inside_compiling_ahead():
+    x, w = common.random_conv_inputs(1, 9, 9, 64, 64, 3, 3, torch.bfloat16)
+    geometry = common.conv_geometry(x.shape, w.shape, 1, 1)
+    with pytest.raises(RuntimeError, match="compiling_ahead"), plans.compiling_ahead(workers=1):
+        selection.autotune(geometry, x, w, None)
+
+
+@needs_gpu
+def test_graph_replay_timer_ranks_twice_the_work_as_slower():
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    once = fusion._graph_replay_ms(lambda: a @ a)
+    twice = fusion._graph_replay_ms(lambda: (a @ a, a @ a))
+    assert 1.6 < twice / once < 2.4, (once, twice)
