@@ -1,0 +1,1220 @@
+"""
+Lesson 06: the backward pass, dgrad and wgrad, on lesson 05's machinery
+=======================================================================
+
+What you will learn:
+
+- where a convolution's two gradients come from, and why each is an implicit GEMM again: dgrad
+  (the input's gradient: M = N*H*W input pixels, N_GEMM = Ci, K = R*S*Co) and wgrad (the
+  filter's: M = Co, N_GEMM = R*S*Ci, K = N*out_h*out_w pixels);
+- dgrad as lesson 05's forward kernel, unchanged, run on the output's gradient with the filter
+  flipped and its channel axes swapped; at stride > 1 one such conv per output phase;
+- wgrad as a new warp-specialized Gluon kernel built from lesson 05's parts, whose two operands
+  reach the tensor cores transposed relative to the forward pass (what WGMMA and tcgen05 allow
+  for that, and where the PTX shows it);
+- split-K over the pixels with fp32 partial sums, added in a fixed order by a second kernel, so
+  that the filter's gradient comes out the same, bit for bit, on every run;
+- both mappings in plain PyTorch on a CPU, checked against torch's own gradients.
+
+Builds on: lesson 05 (its kernel and plain launcher, `Im2colWindow`, `TmemAccumulators`),
+lesson 04 (`HopperWGMMA`) and lesson 03 (the im2col descriptor and its model). What changed since
+lesson 05: nothing in the forward kernel; the backward runs it for dgrad and reuses its pieces
+for wgrad.
+
+Requires: sm_90 (H100/H200) or sm_100 (B200/GB200) for the GPU runs. On a CPU: both mappings
+against torch.nn.grad, the wgrad kernel's own index arithmetic on lesson 03's model of the TMA
+unit, the sm_90 and sm_100 builds of the wgrad kernel with their PTX, and input checks.
+
+Note: the Blackwell path is compiled and its PTX inspected here; it has not run on a Blackwell GPU.
+
+Run:  python 06-conv-backward.py [--bench] [--outdir out]
+
+Tests: pytest 06-conv-backward.py
+"""
+
+# %%
+import collections
+import dataclasses
+import math
+import re
+import types
+from typing import NamedTuple
+
+import common  # first: on a machine without a GPU it turns on the Triton interpreter
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.blackwell import (
+    TensorMemoryLayout, allocate_tensor_memory, tcgen05_commit, tcgen05_mma)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+lesson04 = common.load_lesson("04-implicit-gemm-single-buffer")   # HopperWGMMA
+lesson05 = common.load_lesson("05-warp-specialized-conv")         # the forward kernel and its parts
+
+BACKWARD_DTYPES = (torch.float16, torch.bfloat16)   # why not e4m3: section 3
+Int = gl.tensor | gl.constexpr       # a run-time integer, or one Triton specialized to a constant
+
+# %%
+# Each `if __name__ == "__main__"` cell runs the demo of the section above it (importing the
+# lesson runs nothing); the GPU parts run where a Hopper or Blackwell GPU is present.
+if __name__ == "__main__":
+    args = common.lesson_args("Lesson 06: dgrad and wgrad")
+    outdir, on_gpu = common.output_dir(args.outdir), common.has_tma_mma_gpu()
+
+# %%
+# The two gradients
+# -----------------
+# The forward pass, in common.py's naming key:
+#
+#     y[n, oy, ox, co] = sum over r, s, ci of x[n, oy*sh - ph + r*dh, ox*sw - pw + s*dw, ci] * w[co, r, s, ci]
+#
+# Training hands us dY, the loss's gradient with respect to y, and asks for dX and dW. Each
+# product in the sum above sends dY[n, oy, ox, co] * w[co, r, s, ci] to dX at the pixel that
+# product read, and dY[n, oy, ox, co] * x[that pixel, ci] to dW[co, r, s, ci]:
+#
+#     dX[n, iy, ix, ci] = sum of dY[n, oy, ox, co] * w[co, r, s, ci]  over co, r, s and the (oy, ox)
+#                         with oy*sh - ph + r*dh = iy and ox*sw - pw + s*dw = ix
+#     dW[co, r, s, ci]  = sum of dY[n, oy, ox, co] * x[n, oy*sh - ph + r*dh, ox*sw - pw + s*dw, ci]
+#                         over n, oy, ox
+#
+# Both are matrix products with the forward pass's useful FLOPs (2*N*out_h*out_w*Co*Ci*R*S), the
+# three tensors in new roles:
+#
+#     pass    rows (M)               columns (N_GEMM)   reduction (K)          A            B
+#     fprop   N*out_h*out_w pixels   Co                 R*S*Ci                 im2col(x)    w
+#     dgrad   N*H*W input pixels     Ci                 R*S*Co                 "im2col"(dY)  w flipped
+#     wgrad   Co                     R*S*Ci             N*out_h*out_w pixels   dY^T         im2col(x)
+#
+# dgrad is a convolution again, of dY with the filter turned around, so lesson 05's kernel runs it
+# (sections 1-2). wgrad is not: it reduces over the pixels, the axis the forward pass tiles, and
+# gets a kernel of its own (sections 3-6).
+#
+# The ground truth throughout is torch's own gradient code, `torch.nn.grad.conv2d_input` and
+# `conv2d_weight`, in fp32 on the same (fp16 or bf16) values.
+
+
+def reference_gradients(x_nhwc, w, dy_nhwc, geometry):
+    """(dX [N, H, W, Ci], dW [Co, R, S, Ci]) in fp32 from torch.nn.grad (TF32 off on a GPU)."""
+    g = geometry
+    x, w_kcrs, dy = x_nhwc.permute(0, 3, 1, 2).float(), w.permute(0, 3, 1, 2).float(), dy_nhwc.permute(0, 3, 1, 2).float()
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        dx = torch.nn.grad.conv2d_input(x.shape, w_kcrs, dy, g.stride, g.padding, g.dilation)
+        dw = torch.nn.grad.conv2d_weight(x, w_kcrs.shape, dy, g.stride, g.padding, g.dilation)
+    return dx.permute(0, 2, 3, 1).contiguous(), dw.permute(0, 2, 3, 1).contiguous()
+
+
+def backward_inputs(N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1, dtype=torch.bfloat16, seed=0,
+                    device_name=None):
+    """Random x, w (lesson 05's scale) and dY of the conv's output shape, and the conv's geometry."""
+    x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, dtype, device_name=device_name, seed=seed)
+    g = common.conv_geometry(x.shape, w.shape, stride, padding, dilation)
+    dy = torch.randn(g.output_shape_nhwc, generator=torch.Generator().manual_seed(seed + 1))
+    return x, w, dy.to(x.device, dtype), g
+
+
+# %%
+# 1. dgrad at stride 1: the forward conv of dY, with the filter flipped
+# ---------------------------------------------------------------------
+# Along one axis at stride 1, tap r links input row iy to output row oy = iy + ph - r*dh, so
+#
+#     dX[iy] = sum over r of dY[iy + ph - r*dh] * w[r]              (channels: sum over co of dY[., co] * w[co, r, ci])
+#
+# Put r = R-1-r': dX[iy] = sum over r' of dY[iy - (dh*(R-1) - ph) + r'*dh] * w[R-1-r']. That is lesson
+# 01's sum again: a forward conv of dY with padding dh*(R-1) - ph, dilation dh, and the filter
+# w'[r'] = w[R-1-r'], flipped. Its input channels are dY's Co and its outputs are dX's Ci, so the
+# channel axes swap as well:
+#
+#     w'[ci, r', s', co] = w[co, R-1-r', S-1-s', ci]          (a copy of the weights, small beside dY)
+#
+# and its output size is out_h + 2*(dh*(R-1) - ph) - dh*(R-1) = H: dX exactly. So lesson 05's
+# `conv2d_fprop_launch` computes dgrad as it is, on dY and w'.
+#
+# One edge needs care: when the forward pass padded more than its filter reaches (a 1x1 conv with
+# padding 1), dh*(R-1) - ph is negative, and lesson 05 takes no negative padding. Then dX's first row
+# reads dY from row ph - dh*(R-1) on: we run the conv with padding 0 and crop that many rows off the
+# front of its output (it has 2*ph rows to spare). Section 2 meets the mirror case at the far edge.
+
+
+class AxisPhase(NamedTuple):
+    # One axis of one phase of dgrad (section 2; stride 1 has one phase): dX's rows phase,
+    # phase + stride, ... are rows crop, crop + 1, ... of a stride-1 conv of dY with the filter's
+    # taps `taps` (a slice of r), flipped, at `dilation`, with `padding` on both sides.
+    rows: int            # rows of dX in this phase (0 when the phase lies past the image)
+    taps: slice          # the taps that reach these rows (None if none)
+    padding: int
+    dilation: int
+    crop: int
+
+
+def dgrad_axis_phase(phase, size, out_size, R, stride, padding, dilation):
+    """Where dX's rows phase, phase + stride, ... come from, along one axis (section 2)."""
+    rows = len(range(phase, size, stride))
+    hits = [r for r in range(R) if (phase + padding - r * dilation) % stride == 0]
+    if rows == 0 or not hits:
+        return AxisPhase(rows, None, 0, 1, 0)
+    step = stride // math.gcd(stride, dilation)                # every step-th tap: the hits' spacing
+    sub_dilation = dilation // math.gcd(stride, dilation)      # and the dY rows they reach, so far apart
+    # dY row that dX's row j of this phase reads with tap hits[k]: j + first + (len - 1 - k) * sub_dilation
+    first = (phase + padding - hits[-1] * dilation) // stride
+    reach = sub_dilation * (len(hits) - 1)
+    # padding: none below 0 (lesson 05 takes none), and enough that the conv's output, out_size + 2*pad
+    # - reach rows, holds rows first + pad, ..., first + pad + rows - 1; crop where dX's rows start in it
+    pad = max(0, -first, rows + first + reach - out_size)
+    return AxisPhase(rows, slice(hits[0], hits[-1] + 1, step), pad, sub_dilation, first + pad)
+
+
+def dgrad_by_phases(dy_nhwc, w, geometry, fprop):
+    """dX of the conv `geometry` from dY: per output phase a stride-1 conv `fprop(dy, w_phase,
+    padding=, dilation=)` (lesson 05's kernel on a GPU, torch's conv on a CPU) of dY with that
+    phase's taps, flipped and channel-swapped, cropped and copied into the phase's rows and columns."""
+    g = geometry
+    dx = None
+    for py in range(g.stride[0]):
+        for px in range(g.stride[1]):
+            along_h = dgrad_axis_phase(py, g.H, dy_nhwc.shape[1], g.R, g.stride[0], g.padding[0], g.dilation[0])
+            along_w = dgrad_axis_phase(px, g.W, dy_nhwc.shape[2], g.S, g.stride[1], g.padding[1], g.dilation[1])
+            if along_h.rows == 0 or along_w.rows == 0:
+                continue                          # a phase past the image's edge: no rows of dX
+            out = None                            # no tap reaches these pixels: their gradient is 0
+            if along_h.taps is not None and along_w.taps is not None:
+                # w'[ci, r', s', co] = w[co, the phase's taps reversed, ci]
+                w_phase = w[:, along_h.taps, along_w.taps, :].flip((1, 2)).permute(3, 1, 2, 0).contiguous()
+                out = fprop(dy_nhwc, w_phase, padding=(along_h.padding, along_w.padding),
+                            dilation=(along_h.dilation, along_w.dilation))
+                out = out[:, along_h.crop:along_h.crop + along_h.rows, along_w.crop:along_w.crop + along_w.rows]
+                if g.stride == (1, 1) and out.is_contiguous():
+                    return out                    # stride 1, nothing cropped: the conv's output is dX
+            if dx is None:
+                dx = torch.empty(g.N, g.H, g.W, g.Ci, device=dy_nhwc.device, dtype=dy_nhwc.dtype)
+            phase_pixels = dx[:, py::g.stride[0], px::g.stride[1]]
+            phase_pixels.zero_() if out is None else phase_pixels.copy_(out)
+    return dx
+
+
+def reference_fprop(dy_nhwc, w_phase, padding, dilation):
+    # The CPU's stand-in for lesson 05's kernel: torch's conv in fp32.
+    return common.reference_conv2d_nhwc(dy_nhwc, w_phase, None, 1, padding, dilation, out_dtype=torch.float32)
+
+
+def run_dgrad_mapping(N=2, H=9, W=8, Ci=5, Co=6, R=3, S=3, stride=1, padding=1, dilation=1, show=True):
+    """dgrad by the phases, each conv computed by torch's forward conv, against torch.nn.grad."""
+    x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, torch.float32, device_name="cpu")
+    dx = dgrad_by_phases(dy, w, g, reference_fprop)
+    expected, _ = reference_gradients(x, w, dy, g)
+    error = (dx - expected).abs().max().item()
+    if show:
+        print(f"\ndgrad of {g.describe()} as {g.stride[0] * g.stride[1]} forward conv(s) of dY: "
+              f"largest difference from torch.nn.grad.conv2d_input {error:.1e}")
+    torch.testing.assert_close(dx, expected, rtol=1e-4, atol=1e-4)    # fp32, two summation orders
+    return dx
+
+
+def test_dgrad_at_stride_1_is_a_flipped_forward_conv():
+    run_dgrad_mapping(show=False)
+    run_dgrad_mapping(Ci=4, Co=8, R=1, S=1, padding=1, show=False)     # padding past the filter: cropped
+
+
+# %%
+if __name__ == "__main__":
+    run_dgrad_mapping()
+
+# %%
+# What you should see: a difference near 1e-6, the two sums adding the same fp32 products in
+# another order.
+#
+# 2. Strided dgrad: one stride-1 conv per output phase
+# ----------------------------------------------------
+# At stride sh, the taps that reach input row iy are those r with iy + ph - r*dh divisible by sh,
+# and which those are depends on iy mod sh only: the row's *phase*. The rows of phase p
+# (iy = p, p + sh, p + 2*sh, ...) see the taps r with (p + ph - r*dh) mod sh = 0: every t-th tap from the
+# first, t = sh / gcd(sh, dh), and consecutive ones reach dY rows dh / gcd(sh, dh) apart. So
+# phase p of dX is section 1's conv with fewer taps: a stride-1 conv of dY with the phase's taps,
+# flipped, at dilation dh / gcd(sh, dh). With both axes, sh x sw phases, each a launch of lesson
+# 05's kernel writing a dense [N, rows, cols, Ci] tensor, copied into its strided slice of dX
+# (`dx[:, p::sh, q::sw]`: TMA stores whole boxes, so the kernel cannot write those rows itself).
+# `dgrad_axis_phase` works out one axis of one phase; `dgrad_by_phases` above runs them.
+#
+# The far edge now needs care too: a phase's conv must have as many output rows as the phase has
+# rows of dX, and lesson 05 pads both sides alike; where the last rows read dY past its end, the
+# padding grows to cover them and the crop moves with it. A phase no tap reaches (a 1x1 conv at
+# stride 2 reaches the even rows only) is zeros; a phase past the image (H smaller than the stride)
+# has no rows.
+#
+# The alternative is to insert sh-1 zero rows between dY's rows (and sw-1 columns) and run one
+# stride-1 conv with all R*S taps (`zero_insertion_dgrad`): one launch, but sh*sw times the MMA
+# work, most of it on zeros (4x at stride 2). The phases do only the products that count, in sh*sw
+# launches, each a quarter of the pixels at stride 2, plus one pass over dX for the copies.
+# MEASURE: phases against zero insertion on ResNet-50's stride-2 layers on an H100
+# (`python benchmarks/backward_layers.py --zero-insertion`): ... vs ... ms.
+
+
+def zero_insertion_dgrad(dy_nhwc, w, geometry, fprop):
+    """dX as one stride-1 conv over dY with stride-1 zeros between its rows and columns."""
+    g = geometry
+    spread = torch.zeros(g.N, (g.out_h - 1) * g.stride[0] + 1, (g.out_w - 1) * g.stride[1] + 1, g.Co,
+                         device=dy_nhwc.device, dtype=dy_nhwc.dtype)
+    spread[:, ::g.stride[0], ::g.stride[1]] = dy_nhwc
+    at_stride_1 = dataclasses.replace(g, stride=(1, 1), out_h=spread.shape[1], out_w=spread.shape[2])
+    return dgrad_by_phases(spread, w, at_stride_1, fprop)
+
+
+def run_dgrad_phases(R=3, stride=2, padding=1, outdir=None):
+    """The phases of a ResNet-50 style strided conv (which taps serve which rows), checked on a CPU."""
+    g = common.conv_geometry((1, 8, 8, 1), (1, R, R, 1), stride, padding)
+    print(f"\nthe phases of dgrad for a {R}x{R} conv, stride {stride}, padding {padding}:")
+    for py in range(stride):
+        for px in range(stride):
+            along_h = dgrad_axis_phase(py, g.H, g.out_h, R, stride, padding, 1)
+            along_w = dgrad_axis_phase(px, g.W, g.out_w, R, stride, padding, 1)
+            taps = [(r, s) for r in range(R)[along_h.taps or slice(0)] for s in range(R)[along_w.taps or slice(0)]]
+            print(f"   dX rows {py}::{stride}, columns {px}::{stride}: taps (r, s) {taps or 'none: zeros'}; "
+                  f"padding ({along_h.padding}, {along_w.padding}), crop ({along_h.crop}, {along_w.crop})")
+    run_dgrad_mapping(N=2, H=9, W=10, Ci=5, Co=6, R=R, S=R, stride=stride, padding=padding)
+    if outdir is not None:
+        plot_phases(R, stride, padding, outdir)
+
+
+def plot_phases(R, stride, padding, outdir):
+    # Left: a patch of dX, each pixel coloured by its phase. Right: for each phase, the filter taps it uses.
+    colors = ["#4878d0", "#ee854a", "#6acc64", "#d65f5f", "#956cb4", "#8c613c", "#dc7ec0", "#797979", "#d5bb67"]
+    fig, axes = common.new_figure(1, 1 + stride * stride, figsize=(3 + 2.2 * stride * stride, 3))
+    phase_of = lambda iy, ix: (iy % stride) * stride + ix % stride    # noqa: E731
+    for iy in range(2 * stride + 2):
+        for ix in range(2 * stride + 2):
+            axes[0].add_patch(square(ix, iy, colors[phase_of(iy, ix)]))
+    axes[0].set_title("dX, by phase", fontsize=9)
+    for py in range(stride):
+        for px in range(stride):
+            ax = axes[1 + py * stride + px]
+            along_h = dgrad_axis_phase(py, 64, 64, R, stride, padding, 1)
+            along_w = dgrad_axis_phase(px, 64, 64, R, stride, padding, 1)
+            used = {(r, s) for r in range(R)[along_h.taps or slice(0)] for s in range(R)[along_w.taps or slice(0)]}
+            for r in range(R):
+                for s in range(R):
+                    ax.add_patch(square(s, r, colors[py * stride + px] if (r, s) in used else "#eeeeee"))
+            ax.set_title(f"phase ({py}, {px}): {len(used)} tap{'s' if len(used) != 1 else ''}", fontsize=9)
+    for ax in axes:
+        ax.set_aspect("equal")
+        ax.autoscale_view()
+        ax.invert_yaxis()
+        ax.axis("off")
+    fig.suptitle(f"dgrad of a {R}x{R} conv at stride {stride}, padding {padding}: each phase of dX is a "
+                 f"stride-1 conv of dY with the taps shown (flipped)", fontsize=9)
+    common.save_figure(fig, outdir, "06_dgrad_phases")
+
+
+def square(x, y, color):
+    import matplotlib.patches
+    return matplotlib.patches.Rectangle((x, y), 0.92, 0.92, color=color)
+
+
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", [
+    (2, 9, 10, 5, 6, 3, 3, 2, 1, 1),              # ResNet-50's 3x3 stride 2
+    (2, 8, 8, 4, 8, 1, 1, 2, 0, 1),               # 1x1 stride 2: three phases of zeros
+    (1, 11, 9, 3, 7, 7, 7, 2, 3, 1),              # a stem: 7x7 stride 2 padding 3
+    (2, 10, 9, 4, 6, 3, 3, 2, 0, 1),              # the last input row read by no output
+    (1, 13, 12, 3, 5, 4, 4, 3, 1, 1),             # stride 3, an even filter
+    (2, 12, 11, 4, 5, 3, 3, 2, 2, 2),             # stride and dilation 2: taps every row, in phase 0 only
+    (1, 14, 13, 2, 3, 3, 3, 2, 1, 3),             # dilation 3 at stride 2
+    (2, 9, 11, 5, 4, 3, 5, (2, 1), (1, 2), (1, 2)),  # different strides, paddings and dilations per axis
+    (1, 7, 7, 3, 4, 1, 1, 1, 2, 1),               # padding past the filter at stride 1: a crop
+    (1, 3, 8, 2, 3, 3, 1, 4, 1, 1),               # stride above H: phases past the image
+    (1, 9, 9, 2, 2, 5, 5, 4, 0, 2),               # stride 4, dilation 2
+])
+def test_dgrad_phases_match_torch(N, H, W, Ci, Co, R, S, stride, padding, dilation):
+    run_dgrad_mapping(N, H, W, Ci, Co, R, S, stride, padding, dilation, show=False)
+
+
+@pytest.mark.parametrize("stride, padding, dilation", [(2, 1, 1), ((3, 2), (0, 2), (1, 2))])
+def test_zero_insertion_matches_torch(stride, padding, dilation):
+    x, w, dy, g = backward_inputs(2, 11, 10, 4, 6, 3, 3, stride, padding, dilation, torch.float32, device_name="cpu")
+    expected, _ = reference_gradients(x, w, dy, g)
+    torch.testing.assert_close(zero_insertion_dgrad(dy, w, g, reference_fprop), expected, rtol=1e-4, atol=1e-4)
+
+
+# %%
+if __name__ == "__main__":
+    run_dgrad_phases(outdir=outdir)
+
+# %%
+# For ResNet-50's 3x3 stride-2 convs the four phases have 1, 2, 2 and 4 taps: nine in all, each
+# used once, so the phases together do the forward pass's MMA work (tile rounding aside).
+#
+# The dgrad launcher
+# ------------------
+# `conv2d_dgrad_launch` checks its arguments and runs `dgrad_by_phases` with lesson 05's plain
+# launcher. The config is lesson 05's fixed one, 64 columns wide where dX has 64 channels or
+# fewer; the operator's tuned configs are a later step.
+
+
+def check_backward_call(tensors, x_shape, w_shape, stride, padding, dilation, groups):
+    """Validate a dgrad or wgrad call: `tensors` maps argument names ("dy_nhwc", "w", "x_nhwc") to
+    the tensors given. Errors name the argument, its value and what is allowed; the device is
+    checked last, so every other mistake is reported on a machine without a GPU too."""
+    if not isinstance(groups, int) or isinstance(groups, bool):
+        raise TypeError(f"groups must be an int, got {groups!r}")
+    if groups != 1:
+        raise ValueError(f"groups={groups}: lesson 06's dgrad and wgrad run dense convs only (groups=1)")
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in BACKWARD_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; allowed: float16, bfloat16")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous ({'[Co, R, S, Ci]' if name == 'w' else 'NHWC'}), "
+                             f"got strides {t.stride()} for shape {tuple(t.shape)}")
+    first, *others = tensors.items()
+    for name, t in others:
+        if t.dtype != first[1].dtype or t.device != first[1].device:
+            raise TypeError(f"{first[0]} is {first[1].dtype} on {first[1].device} but {name} is {t.dtype} on "
+                            f"{t.device}; both must have one dtype and device")
+    for name, shape in (("x_shape", x_shape), ("w_shape", w_shape)):
+        if len(shape) != 4 or not all(isinstance(v, int) and not isinstance(v, bool) for v in shape):
+            raise TypeError(f"{name} must be 4 ints, got {shape!r}")
+    geometry = common.conv_geometry(tuple(x_shape), tuple(w_shape), stride, padding, dilation)
+    dy = tensors["dy_nhwc"]
+    if tuple(dy.shape) != geometry.output_shape_nhwc:
+        raise ValueError(f"dy_nhwc has shape {tuple(dy.shape)}, but the output of {geometry.describe()} "
+                         f"has shape {geometry.output_shape_nhwc} [N, out_h, out_w, Co]")
+    if dy.device.type != "cuda":
+        raise ValueError(f"dy_nhwc is on {dy.device}; this kernel runs on a CUDA GPU, move the tensors with .cuda()")
+    return geometry
+
+
+def conv2d_dgrad_launch(dy_nhwc, w, x_shape, stride=1, padding=0, dilation=1, groups=1):
+    """dX [N, H, W, Ci] of a conv of x (shape `x_shape`, NHWC) with w [Co, R, S, Ci], from dY
+    [N, out_h, out_w, Co] (fp16 or bf16, contiguous, on a Hopper or Blackwell GPU): lesson 05's
+    kernel, once per output phase (one launch at stride 1). groups must be 1."""
+    g = check_backward_call({"dy_nhwc": dy_nhwc, "w": w}, tuple(x_shape), tuple(w.shape), stride, padding,
+                            dilation, groups)
+    common.require_tma_mma_gpu("conv2d_dgrad_launch")
+    config = lesson05.FIXED_CONFIG._replace(block_n=64) if g.Ci <= 64 else lesson05.FIXED_CONFIG
+
+    def fprop(dy, w_phase, padding, dilation):
+        return lesson05.conv2d_fprop_launch(dy, w_phase, padding=padding, dilation=dilation, config=config)
+    return dgrad_by_phases(dy_nhwc, w, g, fprop)
+
+
+# %%
+# 3. wgrad: a GEMM whose operands arrive transposed
+# -------------------------------------------------
+# dW[co, (r, s, ci)] = sum over pixels p = (n, oy, ox) of dY[p, co] * im2col(x)[p, (r, s, ci)]:
+# dW = dY^T @ im2col(x), with M = Co, N_GEMM = R*S*Ci and K = N*out_h*out_w. A tile of dW is
+# BLOCK_M output channels x BLOCK_N input channels of one tap (r, s), and its k-steps walk the
+# pixels, BLOCK_K at a time. What a k-step loads is what lesson 05 loads, turned around:
+#
+# - A: dY, as the 2-D [pixels, Co] tensor an NHWC tensor is, a tiled TMA box [BLOCK_K, BLOCK_M]
+#   at (p0, co0). In shared memory its M index (co) is the contiguous one: an *M-major* A, where
+#   lesson 05's A (pixels x channels, for the GEMM K contiguous) was K-major.
+# - B: the im2col box of x for tap (r, s), lesson 05's descriptor and window at the same offsets
+#   (r*dh, s*dw): BLOCK_K output pixels x BLOCK_N channels, started where output pixel p0's window
+#   starts. Its N index (ci) is contiguous: an *N-major* B, where lesson 05's B (filters x channels)
+#   was K-major.
+#
+# The MMA gets A as `dy_tile.permute((1, 0))`, a [BLOCK_M, BLOCK_K] view of the same bytes, and B
+# as the im2col tile as it lies, [BLOCK_K, BLOCK_N]. Whether the tensor cores read operands that
+# way is the architecture's call:
+#
+# - Hopper. `wgmma.mma_async` reads shared-memory operands through matrix descriptors, K-major by
+#   default; the immediates imm-trans-a and imm-trans-b ask for the transposed (M- or N-major)
+#   layout, and the PTX ISA (wgmma.mma_async) allows that "only for the wgmma.mma_async variants
+#   with .f16/.bf16 types on matrices accessed from shared memory using matrix descriptors". The
+#   tf32, e4m3/e5m2 and integer forms have no transposed operands: an fp8 wgrad on Hopper would
+#   need a transposing copy first. So this kernel runs in fp16 and bf16 (lesson 05's section 9
+#   met the same rule from the other side: its fp8 operands are K-major already).
+# - Blackwell. `tcgen05.mma` takes a 32-bit instruction descriptor whose bits 15 and 16 are
+#   "Transpose A Matrix" and "Transpose B Matrix", defined for .kind::tf32, ::f16, ::f8f6f4 and
+#   ::i8 (PTX ISA, tcgen05, "Instruction descriptor").
+#
+# The compiled kernel shows both (section 7): its WGMMAs end in `1, 1, 1, 1` (imm-scale-a,
+# imm-scale-b, imm-trans-a, imm-trans-b) where lesson 05's end in `1, 1, 0, 0`, and on sm_100 the
+# descriptor that Triton moves into a register before each `tcgen05.mma` has bits 15 and 16 set.
+#
+# 4. The wgrad kernel
+# -------------------
+# Lesson 05's design with new loads and a new store: a persistent grid, a ring of NUM_BUFFERS
+# stages with ready/empty barriers (lesson 05, section 1), a one-warp loader, and the MMA and
+# epilogue partitions of lesson 05's section 2: on Hopper one consumer warpgroup that issues the
+# WGMMAs and stores; on Blackwell a one-warp tcgen05 issuer and an epilogue warpgroup, joined by
+# lesson 05's double-buffered accumulator in tensor memory. Reused as they are: `common.Counter` and
+# `allocate_barrier_pairs`, lesson 04's `HopperWGMMA`, lesson 05's `Im2colWindow.pixel_box_origin`
+# (where the im2col box of output pixels p0, p0+1, ... starts in x) and `TmemAccumulators`.
+# One unit of work is a tile of dW and a slice of the pixels (section 5):
+#
+#     co0, tap (r, s), c0, k-steps [k_begin, k_end), split = work(unit)
+#     acc = zeros(BLOCK_M, BLOCK_N)                                     # fp32
+#     for k in range(k_begin, k_end):                                   # BLOCK_K pixels each
+#         p0 = k * BLOCK_K;  (n, y, x) = pixel_box_origin(p0)
+#         A^T = load(dy2d, [p0, co0])                                   # [BLOCK_K, BLOCK_M], M-major
+#         B = im2col_load(x, [n, y, x, c0], offsets=[r*dh, s*dw])       # [BLOCK_K, BLOCK_N], N-major
+#         acc += A @ B                                                  # A = (A^T)^T, a view
+#     partial[split, co0:co0+BLOCK_M, tap, c0:c0+BLOCK_N] = acc         # masked: co < Co, ci < Ci
+#
+# The edges take care of themselves. The last pixel block runs past the last pixel: its dY rows
+# lie outside the tensor, so TMA fills them with zeros, and whatever the im2col box holds there
+# is multiplied by those zeros. Channels past Ci are zeros in x (outside the tensor, or lesson
+# 04's channel padding) and are masked in the store, as are rows past Co.
+
+WgradShape = collections.namedtuple(
+    "WgradShape",   # the kernel's run-time integers, by name; Im2colWindow reads out_h ... pad_w
+    "Co Ci taps S num_pid_m num_pid_n ci_blocks k_blocks split_k out_h out_w stride_h stride_w pad_h pad_w dil_h dil_w")
+
+
+@gluon.aggregate
+class WgradRing:
+    dy_bufs: gl.shared_memory_descriptor      # [NUM_BUFFERS, BLOCK_K, BLOCK_M]: pixels x output channels
+    x_bufs: gl.shared_memory_descriptor       # [NUM_BUFFERS, BLOCK_K, BLOCK_N]: pixels x input channels of a tap
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+    NUM_BUFFERS: gl.constexpr
+
+
+@gluon.aggregate
+class WgradUnit:
+    co0: Int          # first output channel (row of dW)
+    tap: Int          # r * S + s
+    c0: Int           # first input channel
+    k_begin: Int      # the unit's pixel blocks, BLOCK_K pixels each
+    k_end: Int
+    split: Int        # which slice of the pixels (section 5)
+
+
+@gluon.jit
+def wgrad_work_unit(unit, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    # (co0, tap, c0, k_begin, k_end, split) of a unit. Units of one slice are numbered together, so
+    # the programs running side by side read the same pixels of dY and x (from L2), and within a
+    # slice the tiles of one tap's channel block, which share an im2col box, are neighbours.
+    tiles = shape.num_pid_m * shape.num_pid_n
+    split = unit // tiles
+    pid_m = unit % tiles % shape.num_pid_m
+    pid_n = unit % tiles // shape.num_pid_m          # (tap, channel block)
+    k_begin = split * shape.k_blocks // shape.split_k
+    k_end = (split + 1) * shape.k_blocks // shape.split_k
+    return (pid_m * BLOCK_M, pid_n // shape.ci_blocks, pid_n % shape.ci_blocks * BLOCK_N, k_begin, k_end, split)
+
+
+@gluon.jit
+def tap_offsets(tap, shape):
+    # the im2col offsets [r*dh, s*dw] of tap r*S + s (16-bit, as the instruction takes them)
+    return [((tap // shape.S) * shape.dil_h).to(gl.int16), ((tap % shape.S) * shape.dil_w).to(gl.int16)]
+
+
+@gluon.aggregate
+class WgradSchedule:
+    shape: gl.tuple          # the WgradShape
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+
+    @gluon.jit
+    def num_units(self):
+        return self.shape.num_pid_m * self.shape.num_pid_n * self.shape.split_k
+
+    @gluon.jit
+    def work(self, unit):
+        co0, tap, c0, k_begin, k_end, split = wgrad_work_unit(unit, self.shape, self.BLOCK_M, self.BLOCK_N)
+        return WgradUnit(co0, tap, c0, k_begin, k_end, split)
+
+
+@gluon.jit
+def wgrad_loader_partition(dy_desc, x_desc, ring, schedule, window):
+    # One warp: for every (unit, k-step) of this program, wait for a free stage and fill it.
+    BLOCK_K: gl.constexpr = dy_desc.block_type.shape[0]
+    stage_bytes: gl.constexpr = dy_desc.block_type.nbytes + x_desc.block_type.nbytes
+    state = common.Counter(gl.to_tensor(0), ring.NUM_BUFFERS)
+    for unit in range(gl.program_id(0), schedule.num_units(), gl.num_programs(0)):
+        work = schedule.work(unit)
+        offsets = tap_offsets(work.tap, schedule.shape)
+        for k in range(work.k_begin, work.k_end):
+            # a new box of pixels every k-step, so its origin every k-step (three integer divisions)
+            p0 = k * BLOCK_K
+            n, y, x = window.pixel_box_origin(p0)
+            slot = state.slot()
+            mbarrier.wait(ring.empty.index(slot), state.phase() ^ 1)
+            mbarrier.expect(ring.ready.index(slot), stage_bytes)
+            # A^T = load(dy2d, [p0, co0])
+            tma.async_load(dy_desc, [p0, work.co0], ring.ready.index(slot), ring.dy_bufs.index(slot))
+            # B = im2col_load(x, [n, y, x, c0], offsets=[r*dh, s*dw])
+            tma.async_load_im2col(x_desc, [n, y, x, work.c0], offsets, ring.ready.index(slot), ring.x_bufs.index(slot))
+            state = state.next()
+
+
+@gluon.jit
+def store_partial_tile(acc, partial_ptr, shape, work):
+    # partial[split, co0:co0+BLOCK_M, tap, c0:c0+BLOCK_N] = acc, for co < Co and ci < Ci: fp32, in
+    # the accumulator's own register layout (as lesson 05's split-K store).
+    BLOCK_M: gl.constexpr = acc.type.shape[0]
+    BLOCK_N: gl.constexpr = acc.type.shape[1]
+    rows = work.co0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
+    channels = work.c0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+    row_starts = (work.split * shape.Co + rows).to(gl.int64) * (shape.taps * shape.Ci)
+    offsets = gl.expand_dims(row_starts, 1) + gl.expand_dims(work.tap * shape.Ci + channels, 0)
+    inside = gl.expand_dims(rows < shape.Co, 1) & gl.expand_dims(channels < shape.Ci, 0)
+    gl.store(partial_ptr + offsets, acc, mask=inside)
+
+
+@gluon.jit
+def wgrad_hopper_partition(ring, schedule, partial_ptr):
+    # Hopper: MMAs and the store in one warpgroup (lesson 05's consumer, one tile at a time). Every
+    # unit has at least one k-step (the host keeps split_k <= k_blocks).
+    BLOCK_M: gl.constexpr = ring.dy_bufs.shape[2]
+    BLOCK_N: gl.constexpr = ring.x_bufs.shape[2]
+    state = common.Counter(gl.to_tensor(0), ring.NUM_BUFFERS)
+    for unit in range(gl.program_id(0), schedule.num_units(), gl.num_programs(0)):
+        work = schedule.work(unit)
+        mma = lesson04.HopperWGMMA.initialize(ring.x_bufs.dtype, BLOCK_M, BLOCK_N, gl.num_warps())
+        for k in range(work.k_begin, work.k_end):
+            slot = state.slot()
+            mbarrier.wait(ring.ready.index(slot), state.phase())
+            # acc += A @ B: A the dY tile read transposed (M-major), B the im2col tile as it lies (N-major)
+            mma = mma.issue_async_mma(ring.dy_bufs.index(slot).permute((1, 0)), ring.x_bufs.index(slot))
+            mma = mma.wait_num_outstanding(1)            # the previous step's MMA is done: free its stage
+            mbarrier.arrive(ring.empty.index(state.previous_slot()), pred=k > work.k_begin)
+            state = state.next()
+        mma = mma.wait_num_outstanding(0)
+        mbarrier.arrive(ring.empty.index(state.previous_slot()))
+        acc, mma = mma.take_result()
+        store_partial_tile(acc, partial_ptr, schedule.shape, work)
+
+
+@gluon.jit
+def wgrad_blackwell_mma_partition(ring, schedule, acc):
+    # Blackwell: one warp issues tcgen05 MMAs into a TMEM accumulator (lesson 05's MMA partition).
+    state = common.Counter(gl.to_tensor(0), ring.NUM_BUFFERS)
+    acc_state = common.Counter(gl.to_tensor(0), acc.NUM_ACC)
+    for unit in range(gl.program_id(0), schedule.num_units(), gl.num_programs(0)):
+        work = schedule.work(unit)
+        buf = acc_state.slot()
+        mbarrier.wait(acc.empty.index(buf), acc_state.phase() ^ 1)
+        for k in range(work.k_begin, work.k_end):
+            slot = state.slot()
+            mbarrier.wait(ring.ready.index(slot), state.phase())
+            # acc += A @ B, A and B as on Hopper: the transposes go into the instruction descriptor
+            tcgen05_mma(ring.dy_bufs.index(slot).permute((1, 0)), ring.x_bufs.index(slot), acc.tmem.index(buf),
+                        use_acc=k > work.k_begin)
+            tcgen05_commit(ring.empty.index(slot))      # the stage is free once these MMAs are done
+            state = state.next()
+        tcgen05_commit(acc.ready.index(buf))
+        acc_state = acc_state.next()
+
+
+@gluon.jit
+def wgrad_blackwell_epilogue_partition(schedule, acc, partial_ptr):
+    acc_state = common.Counter(gl.to_tensor(0), acc.NUM_ACC)
+    for unit in range(gl.program_id(0), schedule.num_units(), gl.num_programs(0)):
+        work = schedule.work(unit)
+        buf = acc_state.slot()
+        mbarrier.wait(acc.ready.index(buf), acc_state.phase())
+        tile = acc.tmem.index(buf).load()            # TMEM -> registers
+        mbarrier.arrive(acc.empty.index(buf))
+        store_partial_tile(tile, partial_ptr, schedule.shape, work)
+        acc_state = acc_state.next()
+
+
+@gluon.jit
+def conv2d_wgrad_kernel(dy_desc, x_desc, partial_ptr, shape, NUM_BUFFERS: gl.constexpr,
+                        IS_BLACKWELL: gl.constexpr):
+    dtype: gl.constexpr = x_desc.dtype
+    BLOCK_K: gl.constexpr = dy_desc.block_type.shape[0]     # pixels per k-step
+    BLOCK_M: gl.constexpr = dy_desc.block_type.shape[1]     # output channels per tile
+    BLOCK_N: gl.constexpr = x_desc.block_type.shape[1]      # input channels per tile
+    dy_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_M], dy_desc.layout)
+    x_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_N], x_desc.layout)
+    ready, empty = common.allocate_barrier_pairs(NUM_BUFFERS)
+    ring = WgradRing(dy_bufs, x_bufs, ready, empty, NUM_BUFFERS)
+    schedule = WgradSchedule(shape, BLOCK_M, BLOCK_N)
+    window = lesson05.Im2colWindow(shape)
+    if IS_BLACKWELL:
+        NUM_ACC: gl.constexpr = 2
+        acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N],
+                                          TensorMemoryLayout([BLOCK_M, BLOCK_N], col_stride=1))
+        acc_ready, acc_empty = common.allocate_barrier_pairs(NUM_ACC)
+        acc = lesson05.TmemAccumulators(acc_tmem, acc_tmem, acc_ready, acc_empty, NUM_ACC)   # (no tail)
+        gl.warp_specialize([
+            (wgrad_blackwell_epilogue_partition, (schedule, acc, partial_ptr)),
+            (wgrad_blackwell_mma_partition, (ring, schedule, acc)),
+            (wgrad_loader_partition, (dy_desc, x_desc, ring, schedule, window)),
+        ], [1, 1], [24, 24])
+    else:
+        gl.warp_specialize([
+            (wgrad_hopper_partition, (ring, schedule, partial_ptr)),
+            (wgrad_loader_partition, (dy_desc, x_desc, ring, schedule, window)),
+        ], [1], [24])
+
+
+# %%
+# 5. Split-K, and a sum that gives the same bits on every run
+# -----------------------------------------------------------
+# wgrad's tiles are few and its K is long. ResNet-50's 3x3 64->64 convs at batch 128 have
+# 1 x 9 x 1 = 9 tiles of 64 x 64 (BLOCK_N 64 for 64 channels) for an H100's 132 SMs, each summing
+# 128 x 56 x 56 = 401,408 pixels: without a split, 123 SMs would idle. So the pixels of every tile
+# are cut into split_k slices, each slice of each tile a unit of work; a unit writes its fp32
+# partial sum to a workspace partial[split, Co, R*S*Ci] instead of dW, and a second kernel adds the
+# slices and casts.
+#
+# How many slices: each unit's partial tile costs 4 bytes per element to write and 4 to read back, against
+# 2 * BLOCK_K = 128 FLOPs per element and k-step, so a slice of 32 k-steps or more does at least 512 FLOPs per byte of
+# workspace traffic, above an H100's ratio of bf16 FLOPs to HBM bytes (989 TFLOPS / 3.35 TB/s = 295).
+# Among the split counts that keep slices that long, `choose_split_k` takes the one whose units
+# fill the SMs' waves best (units / (waves * SMs)), the fewest slices among those within 5% of the best.
+# MEASURE: whether 32 k-steps and 5% are good choices (benchmarks/backward_layers.py prints the split per layer).
+#
+# The second kernel adds partial[0] + partial[1] + ... in that order for every element. Floating-point
+# addition is not associative, so the order is what makes the result reproducible: summing with
+# atomics would add the slices in whatever order they finish and could give different bits from
+# one run to the next. Here each element's sum is fixed by the shapes (the k-steps of a slice in
+# order, the slices in order), and dW is the same on every run.
+
+MIN_K_STEPS_PER_SLICE = 32
+
+
+def choose_split_k(tiles, k_blocks, num_sms):
+    """Slices of the pixels per tile: the fewest within 5% of the best wave fill, slices >= 32 k-steps."""
+    candidates = range(1, max(1, min(k_blocks // MIN_K_STEPS_PER_SLICE, 64)) + 1)
+    fill = {s: tiles * s / (triton.cdiv(tiles * s, num_sms) * num_sms) for s in candidates}
+    return min(s for s in candidates if fill[s] >= 0.95 * max(fill.values()))
+
+
+@triton.jit
+def wgrad_split_k_sum_kernel(partial_ptr, dw_ptr, numel, split_k, BLOCK: tl.constexpr):
+    # dw = partial[0] + partial[1] + ... + partial[split_k - 1], in that order, cast to dw's dtype
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < numel
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for _ in range(split_k):
+        acc += tl.load(partial_ptr + offsets, mask=inside, other=0.0)
+        partial_ptr += numel
+    tl.store(dw_ptr + offsets, acc.to(dw_ptr.dtype.element_ty), mask=inside)
+
+
+def sum_partials(partial, dtype):
+    """dW [Co, R*S*Ci] in `dtype` from the workspace [split_k, Co, R*S*Ci] (the interpreter on a CPU)."""
+    dw = torch.empty(partial.shape[1:], device=partial.device, dtype=dtype)
+    wgrad_split_k_sum_kernel[(triton.cdiv(dw.numel(), 1024),)](partial, dw, dw.numel(), partial.shape[0], BLOCK=1024)
+    return dw
+
+
+def test_split_k_sum_adds_the_slices_in_order():
+    """Bit for bit: the second kernel's result is ((p0 + p1) + p2) + p3, rounded once."""
+    partial = torch.randn(4, 5, 37, generator=torch.Generator().manual_seed(0)).to(common.device()) * 100
+    in_order = ((partial[0] + partial[1]) + partial[2]) + partial[3]
+    assert torch.equal(sum_partials(partial, torch.float32), in_order)
+    rounded = sum_partials(partial, torch.bfloat16)
+    if common.interpreter_mode():
+        # Triton 3.9's interpreter casts fp32 to bf16 towards zero (checked: 231.6 -> 231), the GPU to
+        # the nearest value (cvt.rn): on a CPU the cast may land one bf16 step (2^-7 relative) lower
+        torch.testing.assert_close(rounded, in_order.to(torch.bfloat16), rtol=2 ** -7, atol=0)
+    else:
+        assert torch.equal(rounded, in_order.to(torch.bfloat16))
+
+
+# %%
+# 6. The wgrad launcher
+# ---------------------
+# A config fixes the tile (BLOCK_M output channels x BLOCK_N input channels x BLOCK_K pixels), the
+# ring's depth and the warps of the MMA/epilogue partition; `wgrad_config` picks 64-row tiles for
+# 64 output channels or fewer and a channel block no wider than the (padded) Ci. `prepare_wgrad`
+# builds what a launch needs (on CPU tensors too: the ahead-of-time compile and the CPU model use
+# it): x with its channels padded to 16 bytes (lesson 04) and its im2col descriptor, dY as a 2-D
+# [pixels, Co] tensor and its tiled descriptor (Co padded the same way where needed), the slices,
+# the workspace and the persistent grid.
+
+
+class WgradConfig(NamedTuple):
+    block_m: int            # output channels per tile (the GEMM's M)
+    block_n: int            # input channels per tile, within one tap (its N)
+    block_k: int = 64       # pixels per k-step (its K)
+    num_buffers: int = 4    # stages in the ring
+    num_warps: int = 4      # warps of the MMA/epilogue partition
+    split_k: int = 0        # slices of the pixels; 0: choose_split_k's choice
+
+
+def wgrad_config(Co, Ci_padded):
+    return WgradConfig(64 if Co <= 64 else 128, min(128, max(16, triton.next_power_of_2(Ci_padded))))
+
+
+def check_wgrad_config(config, arch):
+    def refuse(why):
+        raise ValueError(f"wgrad config {config}: {why}")
+    if config.block_m not in (64, 128):
+        refuse("block_m must be 64 or 128 (whole WGMMA row blocks; a TMEM accumulator's 64 or 128 lanes)")
+    if config.block_n not in (16, 32, 64, 128, 256) or config.block_k not in (32, 64, 128):
+        refuse("block_n must be a power of two in [16, 256] (an im2col box's channels) and block_k 32, 64 or 128")
+    if arch == "sm_90" and config.block_m * config.block_n > 128 * 32 * config.num_warps:
+        refuse(f"a {config.block_m} x {config.block_n} fp32 accumulator takes over 128 registers per thread "
+               f"of {config.num_warps} warps; use more warps or a smaller tile")
+    if config.num_buffers * config.block_k * (config.block_m + config.block_n) * 2 > 200 * 1024:
+        refuse("the ring needs over 200 KB of shared memory; use fewer stages")
+
+
+class WgradLaunch(NamedTuple):
+    grid: tuple
+    dy_desc: object          # tiled descriptor of dY as [pixels, Co]
+    x_desc: object           # im2col descriptor of x
+    partial: torch.Tensor    # the fp32 workspace [split_k, Co, R*S*Ci]
+    shape: WgradShape
+    config: WgradConfig
+    settings: object         # the im2col settings (common.ConvIm2ColSettings) of x_desc
+
+    def kernel_args(self):
+        return self.dy_desc, self.x_desc, self.partial, self.shape
+
+
+def padded_to_16_bytes(t):
+    # t with its last dimension zero-padded to a multiple of 16 bytes, lesson 04's rule for TMA rows
+    extra = -t.shape[-1] % (16 // t.element_size())
+    return torch.nn.functional.pad(t, (0, extra)).contiguous() if extra else t
+
+
+def prepare_wgrad(x_nhwc, dy_nhwc, geometry, config, arch, num_sms):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
+    g = geometry
+    x_nhwc = padded_to_16_bytes(x_nhwc)
+    dy_2d = padded_to_16_bytes(dy_nhwc.reshape(g.M, g.Co))
+    config = config or wgrad_config(g.Co, x_nhwc.shape[-1])
+    gl_dtype = common.GL_DTYPES[x_nhwc.dtype]
+    settings = common.conv_im2col_settings(
+        common.conv_geometry(x_nhwc.shape, (g.Co, g.R, g.S, x_nhwc.shape[-1]), g.stride, g.padding, g.dilation))
+    x_box, dy_box = [config.block_k, config.block_n], [config.block_k, config.block_m]
+    x_desc = TensorDescriptorIm2Col.from_tensor(
+        x_nhwc, x_box, gl.NVMMASharedLayout.get_default_for(x_box, gl_dtype), padding="zero",
+        element_strides=list(settings.element_strides), pixel_box_lower_corner=list(settings.pixel_box_lower_corner),
+        pixel_box_upper_corner=list(settings.pixel_box_upper_corner))
+    dy_desc = TensorDescriptor.from_tensor(dy_2d, dy_box, gl.NVMMASharedLayout.get_default_for(dy_box, gl_dtype))
+    num_pid_m, ci_blocks = triton.cdiv(g.Co, config.block_m), triton.cdiv(g.Ci, config.block_n)
+    tiles, k_blocks = num_pid_m * g.R * g.S * ci_blocks, triton.cdiv(g.M, config.block_k)
+    split_k = config.split_k or choose_split_k(tiles, k_blocks, num_sms)
+    if not 1 <= split_k <= k_blocks:
+        raise ValueError(f"split_k={split_k}: must lie in [1, {k_blocks}], the k-steps of {g.describe()}")
+    partial = torch.empty(split_k, g.Co, g.R * g.S * g.Ci, device=x_nhwc.device, dtype=torch.float32)
+    shape = WgradShape(g.Co, g.Ci, g.R * g.S, g.S, num_pid_m, g.R * g.S * ci_blocks, ci_blocks, k_blocks, split_k,
+                       g.out_h, g.out_w, *g.stride, *g.padding, *g.dilation)
+    return WgradLaunch((min(num_sms, tiles * split_k),), dy_desc, x_desc, partial, shape,
+                       config._replace(split_k=split_k), settings)
+
+
+def conv2d_wgrad_launch(x_nhwc, dy_nhwc, w_shape, stride=1, padding=0, dilation=1, groups=1, config=None):
+    """dW [Co, R, S, Ci] (w_shape) of a conv of x [N, H, W, Ci] from dY [N, out_h, out_w, Co] (fp16
+    or bf16, contiguous NHWC, on a Hopper or Blackwell GPU), in x's dtype: the wgrad kernel, then the
+    ordered sum of its slices. groups must be 1; `config` a WgradConfig (default: wgrad_config's)."""
+    g = check_backward_call({"x_nhwc": x_nhwc, "dy_nhwc": dy_nhwc}, tuple(x_nhwc.shape), tuple(w_shape), stride,
+                            padding, dilation, groups)
+    arch, num_sms = common.tma_mma_arch_and_sms("conv2d_wgrad_launch")
+    launch = prepare_wgrad(x_nhwc, dy_nhwc, g, config, arch, num_sms)
+    check_wgrad_config(launch.config, arch)
+    conv2d_wgrad_kernel[launch.grid](*launch.kernel_args(), NUM_BUFFERS=launch.config.num_buffers,
+                                     IS_BLACKWELL=arch == "sm_100", num_warps=launch.config.num_warps)
+    return sum_partials(launch.partial, x_nhwc.dtype).view(g.Co, g.R, g.S, g.Ci)
+
+
+def run_split_k_choices(num_sms=132, batch=128):
+    """The split each ResNet-50 3x3 layer gets on an H100's 132 SMs (host arithmetic only)."""
+    print(f"\nwgrad's slices per tile on {num_sms} SMs (ResNet-50's 3x3 convs, batch {batch}):")
+    for label, N, H, W, Ci, Co, R, S, stride, padding in common.RESNET50_3X3_SHAPES:
+        g = common.conv_geometry((batch, H, W, Ci), (Co, R, S, Ci), stride, padding)
+        config = wgrad_config(Co, Ci)
+        tiles = triton.cdiv(Co, config.block_m) * R * S * triton.cdiv(Ci, config.block_n)
+        k_blocks = triton.cdiv(g.M, config.block_k)
+        split_k = choose_split_k(tiles, k_blocks, num_sms)
+        print(f"   {label:<26} {tiles:4d} tiles of {config.block_m}x{config.block_n}, {k_blocks:5d} k-steps: "
+              f"split_k {split_k:2d} -> {tiles * split_k:4d} units, workspace "
+              f"{split_k * Co * R * S * Ci * 4 / 2**20:5.1f} MB")
+
+
+def test_split_k_choices():
+    assert choose_split_k(9, 6272, 132) == 14         # 126 units: one wave, 95% of the SMs
+    assert choose_split_k(144, 98, 132) == 3          # 3 slices of 32+ k-steps: 432 units, 4 waves of 132
+    assert choose_split_k(264, 1000, 132) == 1        # two full waves already
+    assert choose_split_k(4, 20, 132) == 1            # too short to split
+
+
+# %%
+if __name__ == "__main__":
+    run_split_k_choices()
+
+# %%
+# The kernel, run on a CPU
+# ------------------------
+# No CPU runs a Gluon kernel, but its index arithmetic is plain integer Python: `run_wgrad_model`
+# calls the kernel's own `wgrad_work_unit`, `tap_offsets` and lesson 05's `pixel_box_origin` (as
+# lesson 05's tests do, through `.fn`, on `common.PlainInt`s), and feeds what they compute to
+# lesson 03's model of the TMA im2col load and to a model of the tiled load (a slice of dY, zeros
+# outside). Unit by unit, k-step by k-step, with the launcher's own descriptor settings and
+# slices, it computes acc += A @ B, stores the masked partial tiles and adds them as the second
+# kernel does: torch's conv2d_weight must come out.
+#
+# Beside it, the mapping in a few lines of torch (`wgrad_reference`): im2col(x) built explicitly
+# with `unfold`, dY^T @ im2col(x) over slices of the pixels, the partial products added in order.
+
+
+def wgrad_reference(x_nhwc, dy_nhwc, geometry, split_k=1):
+    """dW [Co, R, S, Ci] = dY^T @ im2col(x), the pixels in split_k slices, partials added in order."""
+    g = geometry
+    columns = torch.nn.functional.unfold(x_nhwc.permute(0, 3, 1, 2).float(), (g.R, g.S), g.dilation, g.padding,
+                                         g.stride)                         # [N, Ci*R*S, out_h*out_w], (ci, r, s)
+    columns = columns.view(g.N, g.Ci, g.R * g.S, -1).permute(0, 3, 2, 1).reshape(g.M, -1)   # [pixels, (r, s, ci)]
+    dy_2d = dy_nhwc.reshape(g.M, g.Co).float()
+    bounds = [split * g.M // split_k for split in range(split_k + 1)]
+    partials = [dy_2d[a:b].T @ columns[a:b] for a, b in zip(bounds, bounds[1:])]
+    total = partials[0]
+    for partial in partials[1:]:
+        total = total + partial
+    return total.view(g.Co, g.R, g.S, g.Ci)
+
+
+def run_wgrad_model(N=2, H=6, W=7, Ci=12, Co=20, R=3, S=2, stride=1, padding=1, dilation=1, config=None,
+                    show=True):
+    im2col_reference = common.load_lesson("03-tma-im2col-modes").im2col_reference
+    x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, torch.float32, device_name="cpu")
+    x, dy = x.round(), dy.round()          # small integers: every sum below is exact, in any order
+    config = config or WgradConfig(block_m=16, block_n=8, block_k=8, num_buffers=2, split_k=3)
+    launch = prepare_wgrad(x, dy, g, config, "sm_90", num_sms=132)
+    shape, (BM, BN, BK) = launch.shape, launch.config[:3]
+    x_padded, dy_2d = padded_to_16_bytes(x), padded_to_16_bytes(dy.reshape(g.M, g.Co))
+    corners = (launch.settings.pixel_box_lower_corner, launch.settings.pixel_box_upper_corner,
+               launch.settings.element_strides)
+    partial = torch.full_like(launch.partial, float("nan")).view(shape.split_k, g.Co, shape.taps, g.Ci)
+    P = common.PlainInt
+    for unit in range(shape.num_pid_m * shape.num_pid_n * shape.split_k):
+        co0, tap, c0, k_begin, k_end, split = wgrad_work_unit.fn(P(unit), shape, BM, BN)
+        offsets = tap_offsets.fn(P(tap), shape)
+        acc = torch.zeros(BM, BN)
+        for k in range(k_begin, k_end):
+            n, y, x0 = lesson05.Im2colWindow.pixel_box_origin.fn(types.SimpleNamespace(shape=shape), P(k * BK))
+            a_t = torch.zeros(BK, BM)                         # the tiled load: zeros outside dY
+            box = dy_2d[k * BK:(k + 1) * BK, co0:co0 + BM]
+            a_t[:box.shape[0], :box.shape[1]] = box
+            b, _ = im2col_reference(x_padded, BK, BN, *corners, [n, y, x0, c0], offsets)
+            acc += a_t.T @ b
+        rows, channels = min(BM, g.Co - co0), min(BN, g.Ci - c0)
+        partial[split, co0:co0 + rows, tap, c0:c0 + channels] = acc[:rows, :channels]
+    assert not partial.isnan().any(), "some element of the workspace was never written"
+    dw = sum_partials(partial.view(shape.split_k, g.Co, -1).to(common.device()), torch.float32).view(g.Co, R, S, Ci)
+    _, expected = reference_gradients(x, w, dy, g)
+    if show:
+        print(f"\nwgrad of {g.describe()}, the kernel's arithmetic on lesson 03's TMA model: {shape.num_pid_m} x "
+              f"{shape.num_pid_n} tiles of {BM}x{BN}, {shape.k_blocks} k-steps of {BK} pixels in {shape.split_k} "
+              f"slices; largest difference from torch.nn.grad.conv2d_weight: "
+              f"{(dw.cpu() - expected).abs().max().item():.1e}")
+    torch.testing.assert_close(dw.cpu(), expected, rtol=0, atol=0)
+    torch.testing.assert_close(wgrad_reference(x, dy, g, split_k=4), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", [
+    (2, 6, 7, 12, 20, 3, 2, 1, 1, 1),         # Ci and Co not multiples of the tile, a pixel box across images
+    (1, 9, 8, 3, 16, 3, 3, 2, 1, 1),          # Ci = 3, padded to 8; stride 2
+    (2, 7, 6, 8, 8, 3, 3, 1, 2, 2),           # dilation 2, padding 2
+    (2, 5, 9, 16, 12, 1, 3, (2, 1), (0, 1), 1),  # different strides, a 1x3 filter
+])
+def test_wgrad_kernel_arithmetic_on_the_tma_model(N, H, W, Ci, Co, R, S, stride, padding, dilation):
+    run_wgrad_model(N, H, W, Ci, Co, R, S, stride, padding, dilation, show=False)
+
+
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation, split_k", [
+    (2, 8, 8, 3, 16, 7, 7, 2, 3, 1, 1), (3, 9, 7, 6, 5, 3, 3, 2, 1, 1, 5), (2, 10, 11, 4, 6, 3, 5, (1, 2), (2, 0), (2, 1), 3),
+    (1, 6, 6, 7, 9, 1, 1, 2, 0, 1, 2), (2, 7, 8, 5, 4, 4, 4, 3, 2, 1, 4), (1, 12, 12, 2, 3, 3, 3, 1, 4, 3, 2),
+])
+def test_wgrad_reference_matches_torch(N, H, W, Ci, Co, R, S, stride, padding, dilation, split_k):
+    x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, torch.float32, device_name="cpu")
+    torch.testing.assert_close(wgrad_reference(x, dy, g, split_k), reference_gradients(x, w, dy, g)[1],
+                               rtol=1e-4, atol=1e-4)
+
+
+# %%
+if __name__ == "__main__":
+    run_wgrad_model()
+
+# %%
+# What you should see: a difference of exactly 0 (small integers: every sum is exact, so the
+# order of summation cannot show).
+#
+# 7. What the compiler produced (no GPU needed)
+# ---------------------------------------------
+# The wgrad kernel compiled ahead of time for a ResNet-like layer (N=2, 16x16, 64 -> 128 channels,
+# 3x3, bf16; tiles of 128 output x 64 input channels, 64 pixels per k-step, 4 stages, 2 slices).
+# Counts are instructions in the program text, not executions.
+
+IM2COL_LOAD, TILED_LOAD = common.PTX_IM2COL_LOAD, common.PTX_TILED_LOAD
+TAUGHT_PTX = {
+    "sm_90": [
+        (TILED_LOAD, "A, dY as [pixels, Co]: a tiled box of 64 pixels x 128 output channels, as two messages "
+                     "of 64 channels (the 128-byte swizzle's width)."),
+        (IM2COL_LOAD, "B, x's im2col box for the unit's tap: 64 pixels x 64 channels, lesson 05's instruction "
+                      "with the tap's offsets last, now on the GEMM's B side."),
+        ("wgmma.mma_async", "m64n64k16, 2 row blocks x 4 K steps = 8 per k-step. The last four values are "
+                            "imm-scale-a, imm-scale-b, imm-trans-a, imm-trans-b: 1, 1, 1, 1, both operands read "
+                            "transposed (MN-major). Lesson 05's forward WGMMAs end in 1, 1, 0, 0."),
+        ("setmaxnreg.dec", "The loader gives registers back to the MMA warpgroup, as in lesson 05."),
+    ],
+    "sm_100": [
+        (TILED_LOAD, "A, dY's tiled box, as on sm_90."),
+        (IM2COL_LOAD, "B, the im2col box, as on sm_90."),
+        ("tcgen05.mma", "One thread issues 128 x 64 x 16: 4 per k-step. Its fourth operand is the instruction "
+                        "descriptor, moved into a register before it (decoded below)."),
+        ("tcgen05.commit", "Per k-step (the stage is free) and per unit (the accumulator is ready)."),
+        ("tcgen05.ld", "The epilogue reads the fp32 accumulator from tensor memory before the partial store."),
+    ],
+}
+
+
+def aot_conv2d_wgrad(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, padding=1, split_k=2):
+    """(kernel, args, kwargs) on CPU tensors, for common.aot_compile."""
+    x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, 1, torch.bfloat16, device_name="cpu")
+    launch = prepare_wgrad(x, dy, g, wgrad_config(Co, Ci)._replace(split_k=split_k), arch, 132)
+    return conv2d_wgrad_kernel, launch.kernel_args(), dict(NUM_BUFFERS=launch.config.num_buffers,
+                                                           IS_BLACKWELL=arch == "sm_100", num_warps=4)
+
+
+def transposed_operands(ptx, arch):
+    """(A transposed, B transposed) of a build's first MMA: on sm_90 the WGMMA's imm-trans-a and
+    imm-trans-b; on sm_100 bits 15 and 16 of the tcgen05 instruction descriptor, an immediate
+    that the PTX moves into the register the MMA names."""
+    if arch == "sm_90":
+        trans_a, trans_b = re.search(r"wgmma\.mma_async[^;]*, (\d), (\d);", ptx).groups()
+        return int(trans_a), int(trans_b)
+    register = re.search(r"tcgen05\.mma\.[^;]*, (%r\d+), %p\d+;", ptx).group(1)
+    descriptor = int(re.search(rf"mov\.b32\s+{re.escape(register)}, (\d+);", ptx).group(1))
+    return descriptor >> 15 & 1, descriptor >> 16 & 1
+
+
+def run_show_ptx():
+    report = common.show_ptx("06-conv-backward", "aot_conv2d_wgrad", TAUGHT_PTX,
+                             lambda arch, compiled: f"conv2d_wgrad_kernel, 128x64x64 tiles, 4 stages: "
+                                                    f"{compiled['num_warps']} warps in all")
+    for arch in report:
+        ours = transposed_operands(common.aot_compile("06-conv-backward", "aot_conv2d_wgrad", arch)["ptx"], arch)
+        forward = transposed_operands(common.aot_compile("05-warp-specialized-conv", "aot_conv2d_fprop", arch)["ptx"],
+                                      arch)
+        where = "imm-trans-a, imm-trans-b" if arch == "sm_90" else "instruction descriptor bits 15, 16"
+        print(f"\n{arch}: operands transposed ({where}): wgrad A={ours[0]}, B={ours[1]}; "
+              f"lesson 05's fprop A={forward[0]}, B={forward[1]}")
+
+
+@pytest.mark.parametrize("arch", list(TAUGHT_PTX))
+def test_kernel_compiles_with_expected_instructions(arch):
+    compiled = common.assert_ptx_teaches("06-conv-backward", "aot_conv2d_wgrad", arch, TAUGHT_PTX)
+    assert transposed_operands(compiled["ptx"], arch) == (1, 1)
+    other_mma = "tcgen05.mma" if arch == "sm_90" else "wgmma.mma_async"
+    assert common.ptx_instructions(compiled["ptx"], [other_mma])[other_mma] == 0
+
+
+@pytest.mark.parametrize("arch", list(TAUGHT_PTX))
+def test_forward_kernel_reads_its_operands_untransposed(arch):
+    compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch)
+    assert transposed_operands(compiled["ptx"], arch) == (0, 0)
+
+
+def test_kernel_compiles_for_small_channels_and_strides():
+    # Ci = 3 (padded to 8, a 16-channel box), Co = 48 (64-row tiles), a 7x7 stride-2 stem, 8 k-steps in 5 slices
+    compiled = common.aot_compile_or_skip("06-conv-backward", "aot_conv2d_wgrad", "sm_90", H=32, W=32, Ci=3, Co=48,
+                                          R=7, S=7, stride=2, padding=3, split_k=5)
+    assert "m64n16k16" in common.first_ptx_instruction(compiled["ptx"], "wgmma.mma_async")
+
+
+# %%
+if __name__ == "__main__":
+    run_show_ptx()
+
+# %%
+# Input checks
+# ------------
+# Both launchers refuse what they do not run with an error that names the argument: other dtypes,
+# a dY whose shape is not the conv's output, grouped convs (groups > 1: not implemented here),
+# non-contiguous tensors, tensors off the GPU (checked last).
+
+
+def bad_backward_calls():
+    x, w, dy, g = backward_inputs(1, 8, 8, 8, 16, 3, 3, 1, 1, 1, torch.bfloat16, device_name="cpu")
+    dgrad = lambda **kw: conv2d_dgrad_launch(**{"dy_nhwc": dy, "w": w, "x_shape": x.shape, "padding": 1, **kw})  # noqa: E731
+    wgrad = lambda **kw: conv2d_wgrad_launch(**{"x_nhwc": x, "dy_nhwc": dy, "w_shape": w.shape, "padding": 1, **kw})  # noqa: E731
+    return [
+        (lambda: dgrad(groups=2), ValueError, "groups=2"),
+        (lambda: wgrad(groups=2), ValueError, "groups=2"),
+        (lambda: dgrad(dy_nhwc=dy.float()), TypeError, "dy_nhwc has dtype torch.float32"),
+        (lambda: wgrad(x_nhwc=x.half()), TypeError, "x_nhwc is torch.float16"),
+        (lambda: dgrad(padding=0), ValueError, "dy_nhwc has shape"),
+        (lambda: wgrad(dy_nhwc=dy[:, :, :7]), ValueError, "contiguous"),
+        (lambda: wgrad(w_shape=(16, 3, 3)), TypeError, "w_shape must be 4 ints"),
+        (lambda: dgrad(x_shape=(1, 8, 8, 4)), ValueError, "channel mismatch"),
+        (lambda: dgrad(), ValueError, "CUDA GPU"),
+        (lambda: wgrad(), ValueError, "CUDA GPU"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(bad_backward_calls())))
+def test_rejects_bad_calls(case):
+    call, error, message = bad_backward_calls()[case]
+    with pytest.raises(error, match=re.escape(message)):
+        call()
+
+
+# %%
+# 8. Checks against torch (GPU)
+# -----------------------------
+# dgrad and wgrad on the GPU against torch.nn.grad's fp32 gradients of the same fp16/bf16 values,
+# over shapes that include the awkward ones (Ci = 3, Co not a multiple of the tile or of 8, stride
+# 2 and 3, dilation, padding past the filter, non-square everything). The tolerance is
+# common.assert_close_to_reference's, with K the length of each output's sum (Co*R*S for dX, the
+# N*out_h*out_w pixels for dW): every product of two fp16/bf16 values is exact in the fp32
+# accumulator, the fp32 sums differ from torch's only in their order, and the one rounding to
+# bf16 at the end costs at most half of its 2^-8 unit, 0.2% (fp16: 0.05%); so rtol 2e-2 (fp16
+# 2e-3) holds with room to spare. Elements that cancel towards zero keep an error of the size of
+# the terms, not of the result: the sum of K random products has a typical size of sqrt(K) times
+# one product, so the absolute tolerance grows as rtol * sqrt(K) / 8.
+
+
+def check_backward(kind, N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1, dtype=torch.bfloat16,
+                   config=None, seed=0):
+    """Run conv2d_dgrad_launch (kind "dgrad") or conv2d_wgrad_launch ("wgrad") and compare it with torch."""
+    x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, seed)
+    expected_dx, expected_dw = reference_gradients(x, w, dy, g)
+    if kind == "dgrad":
+        out, expected, K = conv2d_dgrad_launch(dy, w, x.shape, stride, padding, dilation), expected_dx, Co * R * S
+    else:
+        out, expected, K = conv2d_wgrad_launch(x, dy, w.shape, stride, padding, dilation, config=config), expected_dw, g.M
+    assert out.shape == expected.shape and out.dtype == dtype, (out.shape, out.dtype)
+    common.assert_close_to_reference(out, expected, dtype=dtype, K=K)
+    return out
+
+
+needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
+AWKWARD_SHAPES = [    # N, H, W, Ci, Co, R, S, stride, padding, dilation
+    (2, 16, 16, 64, 64, 3, 3, 1, 1, 1),           # stride 1: one launch of lesson 05's kernel
+    (2, 15, 17, 32, 48, 3, 3, 2, 1, 1),           # ResNet-50's 3x3 stride 2, odd sizes
+    (2, 14, 14, 64, 256, 1, 1, 2, 0, 1),          # a 1x1 downsample: three phases of zeros
+    (2, 20, 18, 3, 64, 7, 7, 2, 3, 1),            # the stem: Ci = 3
+    (2, 16, 16, 40, 36, 3, 3, 1, 2, 2),           # dilation 2, Co = 36 (not a multiple of 8)
+    (2, 13, 11, 24, 200, 3, 5, (2, 1), (1, 2), (1, 2)),  # per-axis stride, padding, dilation; Co = 200
+    (1, 9, 9, 16, 16, 1, 1, 1, 1, 1),             # padding past the filter
+    (2, 17, 17, 16, 32, 4, 4, 3, 1, 1),           # stride 3, an even filter
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind", ["dgrad", "wgrad"])
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", AWKWARD_SHAPES)
+def test_backward_matches_torch(kind, N, H, W, Ci, Co, R, S, stride, padding, dilation):
+    check_backward(kind, N, H, W, Ci, Co, R, S, stride, padding, dilation)
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind, dtype, config", [
+    ("dgrad", torch.float16, None),
+    ("wgrad", torch.float16, None),
+    ("wgrad", torch.bfloat16, WgradConfig(128, 128, split_k=1)),     # one slice: a whole K loop per tile
+    ("wgrad", torch.bfloat16, WgradConfig(128, 64, split_k=7)),      # slices of uneven length
+])
+def test_backward_dtypes_and_splits(kind, dtype, config):
+    # a ResNet-50 3x3 layer at batch 8: K = 8 x 28 x 28 = 6272 pixels for wgrad
+    check_backward(kind, 8, 28, 28, 128, 128, 3, 3, 1, 1, dtype=dtype, config=config)
+
+
+@needs_gpu
+def test_wgrad_gives_the_same_bits_every_run():
+    x, w, dy, g = backward_inputs(8, 28, 28, 64, 64, 3, 3, 1, 1)
+    first = conv2d_wgrad_launch(x, dy, w.shape, 1, 1)
+    assert all(torch.equal(first, conv2d_wgrad_launch(x, dy, w.shape, 1, 1)) for _ in range(3))
+
+
+def run_backward_checks():
+    for kind in ("dgrad", "wgrad"):
+        check_backward(kind, 4, 28, 28, 128, 128, 3, 3, 2, 1)
+        check_backward(kind, 2, 20, 18, 3, 64, 7, 7, 2, 3)
+    print(f"\nconv2d_dgrad_launch and conv2d_wgrad_launch match torch.nn.grad on {common.gpu_name()}")
+
+
+# %%
+if __name__ == "__main__" and on_gpu:
+    run_backward_checks()
+
+# %%
+# 9. Timing against cuDNN (GPU, --bench)
+# --------------------------------------
+# `bench_backward` times both gradients of one layer, ours and cuDNN's (torch.nn.grad on
+# channels_last tensors of the same dtype, which calls cuDNN's backward kernels), with
+# common.bench_tflops: do_bench's median, L2 flushed before each call, host time included (our
+# launchers build their descriptors on every call). FLOPs are the forward pass's, useful products
+# only. `python benchmarks/backward_layers.py` runs it over every distinct conv of ResNet-50 at batch
+# 128; `--bench` here times three of them.
+# MEASURE: H100 results of benchmarks/backward_layers.py: dgrad ... and wgrad ... x cuDNN (geometric mean).
+
+BENCH_LAYERS = [   # (label, N, H, W, Ci, Co, R, S, stride, padding), ResNet-50 at batch 128
+    ("RN50 14x14 256->256 3x3", 128, 14, 14, 256, 256, 3, 3, 1, 1),
+    ("RN50 56x56 128->128 3x3 s2", 128, 56, 56, 128, 128, 3, 3, 2, 1),
+    ("RN50 56x56 64->256 1x1", 128, 56, 56, 64, 256, 1, 1, 1, 0),
+]
+
+
+def bench_backward(label, N, H, W, Ci, Co, R, S, stride, padding, dtype=torch.bfloat16, zero_insertion=False):
+    """TFLOPS of dgrad and wgrad, ours and cuDNN's, on one layer (each checked against torch first)."""
+    x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, 1, dtype)
+    check_backward("dgrad", N, H, W, Ci, Co, R, S, stride, padding, dtype=dtype)
+    check_backward("wgrad", N, H, W, Ci, Co, R, S, stride, padding, dtype=dtype)
+    x_nchw, w_kcrs, dy_nchw = x.permute(0, 3, 1, 2), w.permute(0, 3, 1, 2), dy.permute(0, 3, 1, 2)  # channels_last
+    calls = {
+        "dgrad": lambda: conv2d_dgrad_launch(dy, w, x.shape, stride, padding),
+        "dgrad cuDNN": lambda: torch.nn.grad.conv2d_input(x_nchw.shape, w_kcrs, dy_nchw, stride, padding),
+        "wgrad": lambda: conv2d_wgrad_launch(x, dy, w.shape, stride, padding),
+        "wgrad cuDNN": lambda: torch.nn.grad.conv2d_weight(x_nchw, w_kcrs.shape, dy_nchw, stride, padding),
+    }
+    if zero_insertion and max(g.stride) > 1:
+        config = lesson05.FIXED_CONFIG._replace(block_n=64) if Ci <= 64 else lesson05.FIXED_CONFIG
+        fprop = lambda dy, w, padding, dilation: lesson05.conv2d_fprop_launch(  # noqa: E731
+            dy, w, padding=padding, dilation=dilation, config=config)
+        expected, _ = reference_gradients(x, w, dy, g)
+        common.assert_close_to_reference(zero_insertion_dgrad(dy, w, g, fprop), expected, dtype=dtype, K=Co * R * S)
+        calls["dgrad zero-insertion"] = lambda: zero_insertion_dgrad(dy, w, g, fprop)
+    row = {"layer": label, "geometry": g.describe(),
+           "wgrad_split_k": prepare_wgrad(x, dy, g, None, *common.tma_mma_arch_and_sms("bench")).config.split_k}
+    row.update({name: common.bench_tflops(call, g.flops) for name, call in calls.items()})
+    print(f"   {label:<28}" + "".join(f"  {name} {row[name]['tflops']:6.1f}" for name in calls)
+          + f"  (wgrad split_k {row['wgrad_split_k']})")
+    return row
+
+
+def run_bench(outdir, layers=BENCH_LAYERS):
+    print(f"\nTFLOPS (useful FLOPs), bf16, {common.gpu_name()}:")
+    rows = [bench_backward(*layer) for layer in layers]
+    common.save_json(outdir, "06_backward_tflops", {"rows": rows, "dtype": "bfloat16", **common.versions()})
+    return rows
+
+
+# %%
+if __name__ == "__main__" and on_gpu and args.bench:
+    run_bench(outdir)
+
+# %%
+# What this lesson measured, what limits it, what comes next
+# ----------------------------------------------------------
+# MEASURE: dgrad and wgrad against cuDNN on ResNet-50's layers (benchmarks/backward_layers.py, H100,
+# bf16): ...
+#
+# What limits it, by construction (not yet measured):
+#
+# - dgrad at stride 2 is four launches of lesson 05's kernel, each on a quarter of the pixels, plus a
+#   copy of every phase into dX: small layers pay four launch latencies and a pass over dX. A scatter
+#   epilogue (each phase's tile stored straight into its strided rows of dX, as a masked `gl.store`)
+#   would save the copy, at the price of TMA's stores; one launch for all phases would save the
+#   rest. The flipped filter is a copy per call too (small next to dY).
+# - dgrad runs lesson 05's fixed config, where the forward pass tunes one per shape.
+# - wgrad's Hopper consumer stores each tile before it starts the next (lesson 05's ping-pong, or
+#   an epilogue partition fed through shared memory, would overlap them), and every unit goes
+#   through the fp32 workspace, even with one slice, where a whole tile could be cast and stored
+#   directly; the split count is a rule from arithmetic, not from measurement.
+# - The stem (Ci = 3) is padded to 8 channels in a 16-channel box: most of its MMA work is zeros,
+#   a case for lesson 05's fold (section 8) applied to wgrad.
+# - No grouped or depthwise convs, no fp8 (section 3).
+#
+# Next: the operator's backward (`conv_tutorial`) calls `conv2d_dgrad_launch` and
+# `conv2d_wgrad_launch`, so a model trained with lesson 05's forward kernel gets its gradients from
+# the same machinery.
+
+# %%
+if __name__ == "__main__":
+    print("\nlesson 06: all checks passed on " + common.gpu_name() if on_gpu else "\n" + common.cpu_closing_line(
+        "06", "both mappings against torch.nn.grad, the wgrad kernel's arithmetic on the TMA model, input "
+        "checks, and the sm_90 and sm_100 builds of the wgrad kernel (the instructions above)",
+        "running dgrad and wgrad on the GPU against torch, timing them (--bench, benchmarks/backward_layers.py)"))
