@@ -201,12 +201,9 @@ def loader_partition(in_desc, w_desc, w_tail_desc, ring, schedule, window):
             mbarrier.wait(ring.empty.index(slot), state.phase() ^ 1)
             mbarrier.expect(ring.ready.index(slot), stage_bytes)
             # A = im2col_load(x, [n, oy*sh-ph, ox*sw-pw, c0], offsets=[r*dh, s*dw])
-            if PIXEL_BOX == BLOCK_M:
-                tma.async_load_im2col(in_desc, [n, start_h, start_w, c0], tap_offsets,
-                                      ring.ready.index(slot), ring.a_bufs.index(slot))
-            else:
-                tma.async_load_im2col(in_desc, [n, start_h, start_w, c0], tap_offsets, ring.ready.index(slot),
-                                      ring.a_bufs.index(slot).slice(0, PIXEL_BOX))
+            tma.async_load_im2col(in_desc, [n, start_h, start_w, c0], tap_offsets, ring.ready.index(slot),
+                                  ring.a_bufs.index(slot).slice(0, PIXEL_BOX))
+            if PIXEL_BOX < BLOCK_M:
                 tma.async_load_im2col(in_desc, [n_1, h_1, w_1, c0], tap_offsets, ring.ready.index(slot),
                                       ring.a_bufs.index(slot).slice(PIXEL_BOX, PIXEL_BOX))
             if schedule.TILE_M > BLOCK_M:
@@ -261,7 +258,6 @@ class TileOutput:
     M: Int
     Co: Int
     EPILOGUE: gl.tuple                 # which parts of the epilogue to apply (an `Epilogue`, constexprs)
-    SPLIT_K: gl.constexpr
     STORE_BY_ROW_BLOCKS: gl.constexpr
 
     @gluon.jit
@@ -273,14 +269,12 @@ class TileOutput:
     @gluon.jit
     def store(self, acc, work, m0, co0, TAIL: gl.constexpr, STORES_IN_FLIGHT: gl.constexpr = 0):
         # A unit's result at (m0, co0): through the tail's box and buffer if TAIL (section 6), as an fp32 partial sum
-        # if the unit is a split-K slice (section 7), else the whole tile.
+        # if the unit is a split-K slice (section 7), else the whole tile. (Without split-K `work.partial` is a
+        # constexpr 0: the branch is decided at compile time.)
         c_smem = self.c_tail_smem if TAIL else self.c_smem
         out_desc = self.out_tail_desc if TAIL else self.out_desc
-        if self.SPLIT_K > 1:
-            if work.partial:
-                store_partial_tile(acc, self.partial_ptr, work.split, self.M, self.Co, m0, co0)
-            else:
-                store_output_tile(acc, c_smem, out_desc, self, m0, co0, STORES_IN_FLIGHT)
+        if work.partial:
+            store_partial_tile(acc, self.partial_ptr, work.split, self.M, self.Co, m0, co0)
         else:
             store_output_tile(acc, c_smem, out_desc, self, m0, co0, STORES_IN_FLIGHT)
 
@@ -504,17 +498,16 @@ def work_unit(unit, num_tiles, k_steps, SPLIT_K: gl.constexpr):
     # and B in L2.
     if SPLIT_K == 1:
         return unit, 0, 0, k_steps, 0
-    else:
-        whole_tiles = whole_tile_count(num_tiles, gl.num_programs(0), SPLIT_K)
-        partial = (unit >= whole_tiles).to(gl.int32)
-        split_unit = gl.maximum(unit - whole_tiles, 0)
-        split_tiles = gl.maximum(num_tiles - whole_tiles, 1)
-        split = split_unit // split_tiles
-        # whole: (unit, 0, 0, k_steps); split: (a tile past whole_tiles, its slice's k-steps)
-        tile_id = unit + partial * (whole_tiles + split_unit % split_tiles - unit)
-        k_begin = partial * (split * k_steps // SPLIT_K)
-        k_end = k_steps + partial * ((split + 1) * k_steps // SPLIT_K - k_steps)
-        return tile_id, split, k_begin, k_end, partial
+    whole_tiles = whole_tile_count(num_tiles, gl.num_programs(0), SPLIT_K)
+    partial = (unit >= whole_tiles).to(gl.int32)
+    split_unit = gl.maximum(unit - whole_tiles, 0)
+    split_tiles = gl.maximum(num_tiles - whole_tiles, 1)
+    split = split_unit // split_tiles
+    # whole: (unit, 0, 0, k_steps); split: (a tile past whole_tiles, its slice's k-steps)
+    tile_id = unit + partial * (whole_tiles + split_unit % split_tiles - unit)
+    k_begin = partial * (split * k_steps // SPLIT_K)
+    k_end = k_steps + partial * ((split + 1) * k_steps // SPLIT_K - k_steps)
+    return tile_id, split, k_begin, k_end, partial
 
 
 @gluon.jit
@@ -522,9 +515,8 @@ def num_work_units(num_tiles, SPLIT_K: gl.constexpr):
     # How many units the tiles make: whole tiles, plus SPLIT_K slices of each split one.
     if SPLIT_K == 1:
         return num_tiles
-    else:
-        whole_tiles = whole_tile_count(num_tiles, gl.num_programs(0), SPLIT_K)
-        return whole_tiles + (num_tiles - whole_tiles) * SPLIT_K
+    whole_tiles = whole_tile_count(num_tiles, gl.num_programs(0), SPLIT_K)
+    return whole_tiles + (num_tiles - whole_tiles) * SPLIT_K
 
 
 @triton.jit
@@ -638,6 +630,7 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
     if not STORE_BY_ROW_BLOCKS:
         c_smem = gl.allocate_shared_memory(out_desc.dtype, [NUM_CONSUMERS] + out_desc.block_type.shape,
                                            out_desc.layout)
+    a_tail_bufs, b_tail_bufs = a_bufs, b_bufs      # without a tail the main buffers stand in
     if BLOCK_N_TAIL > 0:
         b_tail_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + w_tail_desc.block_type.shape,
                                                 w_tail_desc.layout)
@@ -650,25 +643,20 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
         c_tail_smem = c_smem
     if STORE_BY_ROW_BLOCKS:
         c_smem = c_tail_smem
-    if BLOCK_N_TAIL == 0:
-        b_tail_bufs = b_bufs
-    if BLOCK_M_TAIL == 0:
-        a_tail_bufs = a_bufs
     ready, empty = common.allocate_barrier_pairs(NUM_BUFFERS)
     ring = Ring(a_bufs, b_bufs, a_tail_bufs, b_tail_bufs, ready, empty, NUM_BUFFERS)
     schedule = TileSchedule(shape, BLOCK_M + BLOCK_M_TAIL, BLOCK_N + BLOCK_N_TAIL, CONFIG.split_k)
     window = Im2colWindow(shape)
     output = TileOutput(out_desc, out_tail_desc, c_smem, c_tail_smem, bias_ptr, scale_ptr, residual_ptr,
-                        partial_ptr, shape.M, shape.Co, EPILOGUE, CONFIG.split_k, STORE_BY_ROW_BLOCKS)
+                        partial_ptr, shape.M, shape.Co, EPILOGUE, STORE_BY_ROW_BLOCKS)
     if IS_BLACKWELL:
         NUM_ACC: gl.constexpr = 2
         acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N],
                                           TensorMemoryLayout([BLOCK_M, BLOCK_N], col_stride=1))
+        acc_tail_tmem = acc_tmem
         if BLOCK_N_TAIL > 0:
             acc_tail_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N_TAIL],
                                                    TensorMemoryLayout([BLOCK_M, BLOCK_N_TAIL], col_stride=1))
-        else:
-            acc_tail_tmem = acc_tmem
         acc_ready, acc_empty = common.allocate_barrier_pairs(NUM_ACC)
         acc = TmemAccumulators(acc_tmem, acc_tail_tmem, acc_ready, acc_empty, NUM_ACC)
         gl.warp_specialize([
