@@ -783,18 +783,14 @@ def stores_by_row_blocks(config, element_size=2):
     return ring_bytes(config, element_size) + whole_tile > SHARED_MEMORY_PER_PROGRAM
 
 
-def adapt_block_k(config, Ci_padded):
-    """Small channel counts (a padded Ci of 8 or 16) get a smaller K block: fewer zeros multiplied."""
-    if Ci_padded < config.block_k:
-        config = config._replace(block_k=max(16, triton.next_power_of_2(Ci_padded)))
-    return config
-
-
 def block_k_channels(config, Ci_padded, element_size):
     """The K block in channels of the operand's dtype. A config's BLOCK_K counts 2-byte channels
-    (64 of them: 128 bytes), so 1-byte e4m3 takes twice as many (lesson 05, section 9); fewer for
-    small channel counts (adapt_block_k), never below an MMA's K of 32 bytes."""
-    block_k = adapt_block_k(config._replace(block_k=config.block_k * 2 // element_size), Ci_padded).block_k
+    (64 of them: 128 bytes), so 1-byte e4m3 takes twice as many (section 9). Small channel counts
+    (a padded Ci of 8 or 16) get a smaller K block, so fewer zeros are multiplied, never below an
+    MMA's K of 32 bytes."""
+    block_k = config.block_k * 2 // element_size
+    if Ci_padded < block_k:
+        block_k = max(16, triton.next_power_of_2(Ci_padded))
     return max(block_k, 32 // element_size)
 
 

@@ -15,8 +15,8 @@ KernelConfig, FIXED_CONFIG, check_config = lesson05.KernelConfig, lesson05.FIXED
 PINGPONG_CONFIG = FIXED_CONFIG._replace(consumers=2)   # lesson 05, section 4: Hopper's ping-pong
 SHARED_MEMORY_PER_PROGRAM, ring_bytes, stores_by_row_blocks, tile_counts = (
     lesson05.SHARED_MEMORY_PER_PROGRAM, lesson05.ring_bytes, lesson05.stores_by_row_blocks, lesson05.tile_counts)
-adapt_block_k, block_k_channels, groups_fit, check_groups_fit = (
-    lesson05.adapt_block_k, lesson05.block_k_channels, lesson05.groups_fit, lesson05.check_groups_fit)
+block_k_channels, groups_fit, check_groups_fit = (
+    lesson05.block_k_channels, lesson05.groups_fit, lesson05.check_groups_fit)
 
 
 def _candidates():
@@ -107,7 +107,7 @@ def wave_efficiency(units, num_sms):
 def k_share(config, geometry):
     """The share of each filter tap's K blocks that holds channels, not the zeros TMA fills in past
     Ci: Ci = 80 in 64-deep blocks is 80 / 128; in 32-deep ones 80 / 96."""
-    block_k = adapt_block_k(config, geometry.Ci_group).block_k      # the K block the launch will use
+    block_k = block_k_channels(config, geometry.Ci_group, 2)      # the K block the launch will use (bf16)
     return geometry.Ci_group / (triton.cdiv(geometry.Ci_group, block_k) * block_k)
 
 

@@ -32,7 +32,7 @@ def test_pruning():
     small = common.conv_geometry((1, 8, 8, 64), (256, 1, 1, 64))
     assert selection.prune_configs([(128, 256, 64, 4, 8, 1)], small, "sm_90") == []  # too much smem
     assert selection.prune_configs([(128, 256, 64, 3, 4, 1)], small, "sm_90") == []  # acc on 4 warps
-    assert configs.adapt_block_k(lesson05.FIXED_CONFIG, 8)[2] == 16
+    assert configs.block_k_channels(lesson05.FIXED_CONFIG, 8, 2) == 16
     assert selection.prune_configs([(128, 64, 64, 4, 8, 2)], geometry, "sm_90") == []  # no registers
     # tails only where they cut the wasted columns: Co=320 keeps the 160-wide tiles, Co=384 does not
     tails = [c for c in configs.HOPPER_CANDIDATES if c.block_n_tail]
