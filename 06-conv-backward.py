@@ -135,8 +135,9 @@ def backward_inputs(N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1, dtyp
 #
 # One edge needs care: when the forward pass padded more than its filter reaches (a 1x1 conv with
 # padding 1), dh*(R-1) - ph is negative, and lesson 05 takes no negative padding. Then dX's first row
-# reads dY from row ph - dh*(R-1) on: we run the conv with padding 0 and crop that many rows off the
-# front of its output (it has 2*ph rows to spare). Section 2 meets the mirror case at the far edge.
+# reads dY from row ph - dh*(R-1) on: we run the conv with padding 0, whose output has
+# ph - dh*(R-1) rows more than dX at either end, and keep the middle H. Section 2 meets the mirror
+# case at the far edge.
 
 
 class AxisPhase(NamedTuple):
@@ -341,8 +342,18 @@ if __name__ == "__main__":
     run_dgrad_phases(outdir=outdir)
 
 # %%
-# For ResNet-50's 3x3 stride-2 convs the four phases have 1, 2, 2 and 4 taps: nine in all, each
-# used once, so the phases together do the forward pass's MMA work (tile rounding aside).
+# What you should see::
+#
+#     the phases of dgrad for a 3x3 conv, stride 2, padding 1:
+#        dX rows 0::2, columns 0::2: taps (r, s) [(1, 1)]; padding (0, 0), crop (0, 0)
+#        dX rows 0::2, columns 1::2: taps (r, s) [(1, 0), (1, 2)]; padding (0, 1), crop (0, 1)
+#        dX rows 1::2, columns 0::2: taps (r, s) [(0, 1), (2, 1)]; padding (1, 0), crop (1, 0)
+#        dX rows 1::2, columns 1::2: taps (r, s) [(0, 0), (0, 2), (2, 0), (2, 2)]; padding (1, 1), crop (1, 1)
+#
+# ResNet-50's 3x3 stride-2 convs: four phases of 1, 2, 2 and 4 taps, nine in all, each used once,
+# so together they do the forward pass's MMA work (tile rounding aside). The odd rows read
+# dY[j] and dY[j + 1] (padding 1 on both sides, crop 1: the conv's first output row, which would
+# read dY[-1], is dropped); the even rows read dY[j] with the centre tap alone.
 #
 # The dgrad launcher
 # ------------------
@@ -836,6 +847,17 @@ if __name__ == "__main__":
     run_split_k_choices()
 
 # %%
+# What you should see (host arithmetic, the same on any machine)::
+#
+#     RN50 56x56 64->64 3x3         9 tiles of 64x64,  6272 k-steps: split_k 14 ->  126 units, workspace   2.0 MB
+#     RN50 28x28 128->128 3x3       9 tiles of 128x128,  1568 k-steps: split_k 14 ->  126 units, workspace   7.9 MB
+#     RN50 14x14 256->256 3x3      36 tiles of 128x128,   392 k-steps: split_k  7 ->  252 units, workspace  15.8 MB
+#     RN50 7x7 512->512 3x3       144 tiles of 128x128,    98 k-steps: split_k  3 ->  432 units, workspace  27.0 MB
+#
+# The 7x7 layer is the case split-K serves least: slices of 32 k-steps allow 3, and 432 units
+# make 3.3 waves of 132; whole tiles would make 1.09 waves, run as two.
+
+# %%
 # The kernel, run on a CPU
 # ------------------------
 # No CPU runs a Gluon kernel, but its index arithmetic is plain integer Python: `run_wgrad_model`
@@ -903,14 +925,15 @@ def run_wgrad_model(N=2, H=6, W=7, Ci=12, Co=20, R=3, S=2, stride=1, padding=1, 
     torch.testing.assert_close(wgrad_reference(x, dy, g, split_k=4), expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", [
-    (2, 6, 7, 12, 20, 3, 2, 1, 1, 1),         # Ci and Co not multiples of the tile, a pixel box across images
-    (1, 9, 8, 3, 16, 3, 3, 2, 1, 1),          # Ci = 3, padded to 8; stride 2
-    (2, 7, 6, 8, 8, 3, 3, 1, 2, 2),           # dilation 2, padding 2
-    (2, 5, 9, 16, 12, 1, 3, (2, 1), (0, 1), 1),  # different strides, a 1x3 filter
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation, config", [
+    (2, 6, 7, 12, 20, 3, 2, 1, 1, 1, None),        # Ci and Co not multiples of the tile, boxes across images
+    (1, 9, 8, 3, 16, 3, 3, 2, 1, 1, None),         # Ci = 3, padded to 4 (fp32); stride 2
+    (2, 7, 6, 8, 8, 3, 3, 1, 2, 2, None),          # dilation 2, padding 2
+    (2, 5, 9, 16, 12, 1, 3, (2, 1), (0, 1), 1, None),   # different strides, a 1x3 filter
+    (2, 9, 9, 20, 72, 3, 3, 1, 1, 1, WgradConfig(64, 16, 32, split_k=2)),   # a GPU's tile sizes, Co = 72
 ])
-def test_wgrad_kernel_arithmetic_on_the_tma_model(N, H, W, Ci, Co, R, S, stride, padding, dilation):
-    run_wgrad_model(N, H, W, Ci, Co, R, S, stride, padding, dilation, show=False)
+def test_wgrad_kernel_arithmetic_on_the_tma_model(N, H, W, Ci, Co, R, S, stride, padding, dilation, config):
+    run_wgrad_model(N, H, W, Ci, Co, R, S, stride, padding, dilation, config, show=False)
 
 
 @pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation, split_k", [

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the series' website into ./site from the five lessons (sphinx-gallery runs each one as it
+# Builds the series' website into ./site from the six lessons (sphinx-gallery runs each one as it
 # runs on this machine) and RESULTS.md, setting up everything on first use (see README.md).
 #   bash build_docs.sh            # build ./site (open site/index.html)
 #   bash build_docs.sh --check    # build, then open every page in headless Chromium and check it

@@ -1,4 +1,4 @@
-"""Sphinx configuration of the series' site: sphinx-gallery runs the five lessons (as they run
+"""Sphinx configuration of the series' site: sphinx-gallery runs the six lessons (as they run
 on a machine without a GPU) and turns each into a page; RESULTS.md becomes a page through MyST."""
 import os
 import re

@@ -25,7 +25,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 LESSONS = ["01-conv-basics", "02-im2col-explicit", "03-tma-im2col-modes",
-           "04-implicit-gemm-single-buffer", "05-warp-specialized-conv"]
+           "04-implicit-gemm-single-buffer", "05-warp-specialized-conv", "06-conv-backward"]
 
 
 class Page(html.parser.HTMLParser):
