@@ -84,10 +84,10 @@ if __name__ == "__main__":
 # Both are matrix products with the forward pass's useful FLOPs (2*N*out_h*out_w*Co*Ci*R*S), the
 # three tensors in new roles:
 #
-#     pass    rows (M)               columns (N_GEMM)   reduction (K)          A            B
-#     fprop   N*out_h*out_w pixels   Co                 R*S*Ci                 im2col(x)    w
-#     dgrad   N*H*W input pixels     Ci                 R*S*Co                 "im2col"(dY)  w flipped
-#     wgrad   Co                     R*S*Ci             N*out_h*out_w pixels   dY^T         im2col(x)
+#     pass    rows (M)               columns (N_GEMM)   reduction (K)          A               B
+#     fprop   N*out_h*out_w pixels   Co                 R*S*Ci                 im2col(x)       w
+#     dgrad   N*H*W input pixels     Ci                 R*S*Co                 "im2col"(dY)    w flipped
+#     wgrad   Co                     R*S*Ci             N*out_h*out_w pixels   dY^T            im2col(x)
 #
 # dgrad is a convolution again, of dY with the filter turned around, so lesson 05's kernel runs it
 # (sections 1-2). wgrad is not: it reduces over the pixels, the axis the forward pass tiles, and
@@ -100,7 +100,7 @@ if __name__ == "__main__":
 def reference_gradients(x_nhwc, w, dy_nhwc, geometry):
     """(dX [N, H, W, Ci], dW [Co, R, S, Ci]) in fp32 from torch.nn.grad (TF32 off on a GPU)."""
     g = geometry
-    x, w_kcrs, dy = x_nhwc.permute(0, 3, 1, 2).float(), w.permute(0, 3, 1, 2).float(), dy_nhwc.permute(0, 3, 1, 2).float()
+    x, w_kcrs, dy = (t.permute(0, 3, 1, 2).float() for t in (x_nhwc, w, dy_nhwc))
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
         dx = torch.nn.grad.conv2d_input(x.shape, w_kcrs, dy, g.stride, g.padding, g.dilation)
         dw = torch.nn.grad.conv2d_weight(x, w_kcrs.shape, dy, g.stride, g.padding, g.dilation)
@@ -224,8 +224,8 @@ if __name__ == "__main__":
     run_dgrad_mapping()
 
 # %%
-# What you should see: a difference near 1e-6, the two sums adding the same fp32 products in
-# another order.
+# What you should see: a difference at the level of fp32 rounding, the same products added in
+# the same or another order (the script prints 0.0e+00 here, 2.4e-07 for section 2's strided layer).
 #
 # 2. Strided dgrad: one stride-1 conv per output phase
 # ----------------------------------------------------
@@ -319,7 +319,7 @@ def square(x, y, color):
     (1, 11, 9, 3, 7, 7, 7, 2, 3, 1),              # a stem: 7x7 stride 2 padding 3
     (2, 10, 9, 4, 6, 3, 3, 2, 0, 1),              # the last input row read by no output
     (1, 13, 12, 3, 5, 4, 4, 3, 1, 1),             # stride 3, an even filter
-    (2, 12, 11, 4, 5, 3, 3, 2, 2, 2),             # stride and dilation 2: taps every row, in phase 0 only
+    (2, 12, 11, 4, 5, 3, 3, 2, 2, 2),             # stride and dilation 2: all taps in the even rows, none in the odd
     (1, 14, 13, 2, 3, 3, 3, 2, 1, 3),             # dilation 3 at stride 2
     (2, 9, 11, 5, 4, 3, 5, (2, 1), (1, 2), (1, 2)),  # different strides, paddings and dilations per axis
     (1, 7, 7, 3, 4, 1, 1, 1, 2, 1),               # padding past the filter at stride 1: a crop
@@ -384,8 +384,10 @@ def check_backward_call(tensors, x_shape, w_shape, stride, padding, dilation, gr
             raise TypeError(f"{first[0]} is {first[1].dtype} on {first[1].device} but {name} is {t.dtype} on "
                             f"{t.device}; both must have one dtype and device")
     for name, shape in (("x_shape", x_shape), ("w_shape", w_shape)):
-        if len(shape) != 4 or not all(isinstance(v, int) and not isinstance(v, bool) for v in shape):
-            raise TypeError(f"{name} must be 4 ints, got {shape!r}")
+        if not isinstance(shape, (tuple, list, torch.Size)) or len(shape) != 4 or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in shape):
+            raise TypeError(f"{name} must be 4 ints ({'[N, H, W, Ci]' if name == 'x_shape' else '[Co, R, S, Ci]'}), "
+                            f"got {shape!r}")
     geometry = common.conv_geometry(tuple(x_shape), tuple(w_shape), stride, padding, dilation)
     dy = tensors["dy_nhwc"]
     if tuple(dy.shape) != geometry.output_shape_nhwc:
@@ -400,7 +402,7 @@ def conv2d_dgrad_launch(dy_nhwc, w, x_shape, stride=1, padding=0, dilation=1, gr
     """dX [N, H, W, Ci] of a conv of x (shape `x_shape`, NHWC) with w [Co, R, S, Ci], from dY
     [N, out_h, out_w, Co] (fp16 or bf16, contiguous, on a Hopper or Blackwell GPU): lesson 05's
     kernel, once per output phase (one launch at stride 1). groups must be 1."""
-    g = check_backward_call({"dy_nhwc": dy_nhwc, "w": w}, tuple(x_shape), tuple(w.shape), stride, padding,
+    g = check_backward_call({"dy_nhwc": dy_nhwc, "w": w}, x_shape, getattr(w, "shape", None), stride, padding,
                             dilation, groups)
     common.require_tma_mma_gpu("conv2d_dgrad_launch")
     config = lesson05.FIXED_CONFIG._replace(block_n=64) if g.Ci <= 64 else lesson05.FIXED_CONFIG
@@ -666,18 +668,21 @@ def conv2d_wgrad_kernel(dy_desc, x_desc, partial_ptr, shape, NUM_BUFFERS: gl.con
 # partial sum to a workspace partial[split, Co, R*S*Ci] instead of dW, and a second kernel adds the
 # slices and casts.
 #
-# How many slices: each unit's partial tile costs 4 bytes per element to write and 4 to read back, against
-# 2 * BLOCK_K = 128 FLOPs per element and k-step, so a slice of 32 k-steps or more does at least 512 FLOPs per byte of
-# workspace traffic, above an H100's ratio of bf16 FLOPs to HBM bytes (989 TFLOPS / 3.35 TB/s = 295).
-# Among the split counts that keep slices that long, `choose_split_k` takes the one whose units
-# fill the SMs' waves best (units / (waves * SMs)), the fewest slices among those within 5% of the best.
-# MEASURE: whether 32 k-steps and 5% are good choices (benchmarks/backward_layers.py prints the split per layer).
+# How many slices: a unit's partial tile costs 4 bytes per element to write and 4 to read back,
+# against 2 * BLOCK_K = 128 FLOPs per element and k-step, so a slice of 32 k-steps or more does at
+# least 512 FLOPs per byte of workspace traffic, above an H100's ratio of bf16 FLOPs to HBM bytes
+# (989 TFLOPS / 3.35 TB/s = 295). Among the split counts that keep slices that long,
+# `choose_split_k` takes the one whose units fill the SMs' waves best (units / (waves * SMs)): the
+# fewest slices within 5% of the best fill. That is arithmetic, not a measurement.
+# MEASURE: whether 32 k-steps and 5% are good choices (benchmarks/backward_layers.py records each
+# layer's split).
 #
-# The second kernel adds partial[0] + partial[1] + ... in that order for every element. Floating-point
-# addition is not associative, so the order is what makes the result reproducible: summing with
-# atomics would add the slices in whatever order they finish and could give different bits from
-# one run to the next. Here each element's sum is fixed by the shapes (the k-steps of a slice in
-# order, the slices in order), and dW is the same on every run.
+# The second kernel adds partial[0] + partial[1] + ... in that order, for every element.
+# Floating-point addition is not associative, so the order is what makes the result reproducible:
+# summing with atomics would add the slices in whatever order they finish, and could give other
+# bits on the next run. Here each element's sum is fixed by the shapes and the GPU's SM count
+# (which sets split_k): the k-steps of a slice in order, the slices in order. On one GPU, dW is
+# the same on every run.
 
 MIN_K_STEPS_PER_SLICE = 32
 
@@ -757,8 +762,9 @@ def check_wgrad_config(config, arch):
     if arch == "sm_90" and config.block_m * config.block_n > 128 * 32 * config.num_warps:
         refuse(f"a {config.block_m} x {config.block_n} fp32 accumulator takes over 128 registers per thread "
                f"of {config.num_warps} warps; use more warps or a smaller tile")
-    if config.num_buffers * config.block_k * (config.block_m + config.block_n) * 2 > 200 * 1024:
-        refuse("the ring needs over 200 KB of shared memory; use fewer stages")
+    ring_bytes = config.num_buffers * config.block_k * (config.block_m + config.block_n) * 2
+    if ring_bytes > lesson05.SHARED_MEMORY_PER_PROGRAM - 1024:      # (a little room for the barriers)
+        refuse(f"the ring needs {ring_bytes} bytes of shared memory, more than a program has; use fewer stages")
 
 
 class WgradLaunch(NamedTuple):
@@ -780,6 +786,13 @@ def padded_to_16_bytes(t):
     return torch.nn.functional.pad(t, (0, extra)).contiguous() if extra else t
 
 
+def wgrad_tiles(geometry, config):
+    # (tiles along Co, channel blocks per tap, tiles in all, k-steps along the pixels)
+    g = geometry
+    num_pid_m, ci_blocks = triton.cdiv(g.Co, config.block_m), triton.cdiv(g.Ci, config.block_n)
+    return num_pid_m, ci_blocks, num_pid_m * g.R * g.S * ci_blocks, triton.cdiv(g.M, config.block_k)
+
+
 def prepare_wgrad(x_nhwc, dy_nhwc, geometry, config, arch, num_sms):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
     g = geometry
@@ -795,8 +808,7 @@ def prepare_wgrad(x_nhwc, dy_nhwc, geometry, config, arch, num_sms):
         element_strides=list(settings.element_strides), pixel_box_lower_corner=list(settings.pixel_box_lower_corner),
         pixel_box_upper_corner=list(settings.pixel_box_upper_corner))
     dy_desc = TensorDescriptor.from_tensor(dy_2d, dy_box, gl.NVMMASharedLayout.get_default_for(dy_box, gl_dtype))
-    num_pid_m, ci_blocks = triton.cdiv(g.Co, config.block_m), triton.cdiv(g.Ci, config.block_n)
-    tiles, k_blocks = num_pid_m * g.R * g.S * ci_blocks, triton.cdiv(g.M, config.block_k)
+    num_pid_m, ci_blocks, tiles, k_blocks = wgrad_tiles(g, config)
     split_k = config.split_k or choose_split_k(tiles, k_blocks, num_sms)
     if not 1 <= split_k <= k_blocks:
         raise ValueError(f"split_k={split_k}: must lie in [1, {k_blocks}], the k-steps of {g.describe()}")
@@ -811,8 +823,8 @@ def conv2d_wgrad_launch(x_nhwc, dy_nhwc, w_shape, stride=1, padding=0, dilation=
     """dW [Co, R, S, Ci] (w_shape) of a conv of x [N, H, W, Ci] from dY [N, out_h, out_w, Co] (fp16
     or bf16, contiguous NHWC, on a Hopper or Blackwell GPU), in x's dtype: the wgrad kernel, then the
     ordered sum of its slices. groups must be 1; `config` a WgradConfig (default: wgrad_config's)."""
-    g = check_backward_call({"x_nhwc": x_nhwc, "dy_nhwc": dy_nhwc}, tuple(x_nhwc.shape), tuple(w_shape), stride,
-                            padding, dilation, groups)
+    g = check_backward_call({"x_nhwc": x_nhwc, "dy_nhwc": dy_nhwc}, getattr(x_nhwc, "shape", None), w_shape,
+                            stride, padding, dilation, groups)
     arch, num_sms = common.tma_mma_arch_and_sms("conv2d_wgrad_launch")
     launch = prepare_wgrad(x_nhwc, dy_nhwc, g, config, arch, num_sms)
     check_wgrad_config(launch.config, arch)
@@ -827,8 +839,7 @@ def run_split_k_choices(num_sms=132, batch=128):
     for label, N, H, W, Ci, Co, R, S, stride, padding in common.RESNET50_3X3_SHAPES:
         g = common.conv_geometry((batch, H, W, Ci), (Co, R, S, Ci), stride, padding)
         config = wgrad_config(Co, Ci)
-        tiles = triton.cdiv(Co, config.block_m) * R * S * triton.cdiv(Ci, config.block_n)
-        k_blocks = triton.cdiv(g.M, config.block_k)
+        _, _, tiles, k_blocks = wgrad_tiles(g, config)
         split_k = choose_split_k(tiles, k_blocks, num_sms)
         print(f"   {label:<26} {tiles:4d} tiles of {config.block_m}x{config.block_n}, {k_blocks:5d} k-steps: "
               f"split_k {split_k:2d} -> {tiles * split_k:4d} units, workspace "
@@ -937,8 +948,12 @@ def test_wgrad_kernel_arithmetic_on_the_tma_model(N, H, W, Ci, Co, R, S, stride,
 
 
 @pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation, split_k", [
-    (2, 8, 8, 3, 16, 7, 7, 2, 3, 1, 1), (3, 9, 7, 6, 5, 3, 3, 2, 1, 1, 5), (2, 10, 11, 4, 6, 3, 5, (1, 2), (2, 0), (2, 1), 3),
-    (1, 6, 6, 7, 9, 1, 1, 2, 0, 1, 2), (2, 7, 8, 5, 4, 4, 4, 3, 2, 1, 4), (1, 12, 12, 2, 3, 3, 3, 1, 4, 3, 2),
+    (2, 8, 8, 3, 16, 7, 7, 2, 3, 1, 1),                 # a stem
+    (3, 9, 7, 6, 5, 3, 3, 2, 1, 1, 5),                  # stride 2, slices of uneven length
+    (2, 10, 11, 4, 6, 3, 5, (1, 2), (2, 0), (2, 1), 3),  # per-axis stride, padding, dilation
+    (1, 6, 6, 7, 9, 1, 1, 2, 0, 1, 2),                  # 1x1 stride 2
+    (2, 7, 8, 5, 4, 4, 4, 3, 2, 1, 4),                  # stride 3, an even filter
+    (1, 12, 12, 2, 3, 3, 3, 1, 4, 3, 2),                # dilation 3, padding 4
 ])
 def test_wgrad_reference_matches_torch(N, H, W, Ci, Co, R, S, stride, padding, dilation, split_k):
     x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, torch.float32, device_name="cpu")
@@ -1049,29 +1064,30 @@ if __name__ == "__main__":
 # non-contiguous tensors, tensors off the GPU (checked last).
 
 
-def bad_backward_calls():
-    x, w, dy, g = backward_inputs(1, 8, 8, 8, 16, 3, 3, 1, 1, 1, torch.bfloat16, device_name="cpu")
-    dgrad = lambda **kw: conv2d_dgrad_launch(**{"dy_nhwc": dy, "w": w, "x_shape": x.shape, "padding": 1, **kw})  # noqa: E731
-    wgrad = lambda **kw: conv2d_wgrad_launch(**{"x_nhwc": x, "dy_nhwc": dy, "w_shape": w.shape, "padding": 1, **kw})  # noqa: E731
-    return [
-        (lambda: dgrad(groups=2), ValueError, "groups=2"),
-        (lambda: wgrad(groups=2), ValueError, "groups=2"),
-        (lambda: dgrad(dy_nhwc=dy.float()), TypeError, "dy_nhwc has dtype torch.float32"),
-        (lambda: wgrad(x_nhwc=x.half()), TypeError, "x_nhwc is torch.float16"),
-        (lambda: dgrad(padding=0), ValueError, "dy_nhwc has shape"),
-        (lambda: wgrad(dy_nhwc=dy[:, :, :7]), ValueError, "contiguous"),
-        (lambda: wgrad(w_shape=(16, 3, 3)), TypeError, "w_shape must be 4 ints"),
-        (lambda: dgrad(x_shape=(1, 8, 8, 4)), ValueError, "channel mismatch"),
-        (lambda: dgrad(), ValueError, "CUDA GPU"),
-        (lambda: wgrad(), ValueError, "CUDA GPU"),
-    ]
+BAD_CALLS = [   # (launcher, arguments changed from a valid call: a function of (x, w, dy), error, message)
+    ("dgrad", lambda x, w, dy: {"groups": 2}, ValueError, "groups=2"),
+    ("wgrad", lambda x, w, dy: {"groups": 2}, ValueError, "groups=2"),
+    ("dgrad", lambda x, w, dy: {"dy_nhwc": dy.float()}, TypeError, "dy_nhwc has dtype torch.float32"),
+    ("wgrad", lambda x, w, dy: {"x_nhwc": x.half()}, TypeError, "x_nhwc is torch.float16"),
+    ("dgrad", lambda x, w, dy: {"padding": 0}, ValueError, "dy_nhwc has shape"),
+    ("wgrad", lambda x, w, dy: {"dy_nhwc": dy[:, :, :7]}, ValueError, "contiguous"),
+    ("wgrad", lambda x, w, dy: {"w_shape": (16, 3, 3)}, TypeError, "w_shape must be 4 ints"),
+    ("dgrad", lambda x, w, dy: {"x_shape": 8}, TypeError, "x_shape must be 4 ints"),
+    ("dgrad", lambda x, w, dy: {"x_shape": (1, 8, 8, 4)}, ValueError, "channel mismatch"),
+    ("dgrad", lambda x, w, dy: {}, ValueError, "CUDA GPU"),         # CPU tensors: refused last
+    ("wgrad", lambda x, w, dy: {}, ValueError, "CUDA GPU"),
+]
 
 
-@pytest.mark.parametrize("case", range(len(bad_backward_calls())))
-def test_rejects_bad_calls(case):
-    call, error, message = bad_backward_calls()[case]
+@pytest.mark.parametrize("launcher, changes, error, message", BAD_CALLS)
+def test_rejects_bad_calls(launcher, changes, error, message):
+    x, w, dy, _ = backward_inputs(1, 8, 8, 8, 16, 3, 3, 1, 1, 1, torch.bfloat16, device_name="cpu")
+    if launcher == "dgrad":
+        entry, valid = conv2d_dgrad_launch, dict(dy_nhwc=dy, w=w, x_shape=x.shape, padding=1)
+    else:
+        entry, valid = conv2d_wgrad_launch, dict(x_nhwc=x, dy_nhwc=dy, w_shape=w.shape, padding=1)
     with pytest.raises(error, match=re.escape(message)):
-        call()
+        entry(**{**valid, **changes(x, w, dy)})
 
 
 # %%
@@ -1082,11 +1098,11 @@ def test_rejects_bad_calls(case):
 # 2 and 3, dilation, padding past the filter, non-square everything). The tolerance is
 # common.assert_close_to_reference's, with K the length of each output's sum (Co*R*S for dX, the
 # N*out_h*out_w pixels for dW): every product of two fp16/bf16 values is exact in the fp32
-# accumulator, the fp32 sums differ from torch's only in their order, and the one rounding to
-# bf16 at the end costs at most half of its 2^-8 unit, 0.2% (fp16: 0.05%); so rtol 2e-2 (fp16
-# 2e-3) holds with room to spare. Elements that cancel towards zero keep an error of the size of
-# the terms, not of the result: the sum of K random products has a typical size of sqrt(K) times
-# one product, so the absolute tolerance grows as rtol * sqrt(K) / 8.
+# accumulator, the fp32 sums differ from torch's by fp32 rounding only, and the one rounding to
+# bf16 at the end costs at most 2^-8 = 0.4% of the value (bf16 keeps 8 significant bits; fp16 11:
+# 0.05%); so rtol 2e-2 (fp16 2e-3) holds with room to spare. Elements that cancel towards zero keep
+# an error of the size of the terms, not of the result: the sum of K random products has a typical
+# size of sqrt(K) times one product, so the absolute tolerance grows as rtol * sqrt(K) / 8.
 
 
 def check_backward(kind, N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1, dtype=torch.bfloat16,
@@ -1094,10 +1110,12 @@ def check_backward(kind, N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1,
     """Run conv2d_dgrad_launch (kind "dgrad") or conv2d_wgrad_launch ("wgrad") and compare it with torch."""
     x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, seed)
     expected_dx, expected_dw = reference_gradients(x, w, dy, g)
+    # K: the length of each output's sum, which sets the tolerance (see above)
     if kind == "dgrad":
         out, expected, K = conv2d_dgrad_launch(dy, w, x.shape, stride, padding, dilation), expected_dx, Co * R * S
     else:
-        out, expected, K = conv2d_wgrad_launch(x, dy, w.shape, stride, padding, dilation, config=config), expected_dw, g.M
+        out = conv2d_wgrad_launch(x, dy, w.shape, stride, padding, dilation, config=config)
+        expected, K = expected_dw, g.M
     assert out.shape == expected.shape and out.dtype == dtype, (out.shape, out.dtype)
     common.assert_close_to_reference(out, expected, dtype=dtype, K=K)
     return out
@@ -1185,8 +1203,8 @@ def bench_backward(label, N, H, W, Ci, Co, R, S, stride, padding, dtype=torch.bf
     }
     if zero_insertion and max(g.stride) > 1:
         config = lesson05.FIXED_CONFIG._replace(block_n=64) if Ci <= 64 else lesson05.FIXED_CONFIG
-        fprop = lambda dy, w, padding, dilation: lesson05.conv2d_fprop_launch(  # noqa: E731
-            dy, w, padding=padding, dilation=dilation, config=config)
+        fprop = lambda spread, w_flipped, padding, dilation: lesson05.conv2d_fprop_launch(  # noqa: E731
+            spread, w_flipped, padding=padding, dilation=dilation, config=config)
         expected, _ = reference_gradients(x, w, dy, g)
         common.assert_close_to_reference(zero_insertion_dgrad(dy, w, g, fprop), expected, dtype=dtype, K=Co * R * S)
         calls["dgrad zero-insertion"] = lambda: zero_insertion_dgrad(dy, w, g, fprop)
