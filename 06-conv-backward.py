@@ -68,13 +68,13 @@ if __name__ == "__main__":
 # %%
 # The two gradients
 # -----------------
-# The forward pass, in common.py's naming key:
+# The forward pass, in common.py's naming key::
 #
 #     y[n, oy, ox, co] = sum over r, s, ci of x[n, oy*sh - ph + r*dh, ox*sw - pw + s*dw, ci] * w[co, r, s, ci]
 #
 # Training hands us dY, the loss's gradient with respect to y, and asks for dX and dW. Each
 # product in the sum above sends dY[n, oy, ox, co] * w[co, r, s, ci] to dX at the pixel that
-# product read, and dY[n, oy, ox, co] * x[that pixel, ci] to dW[co, r, s, ci]:
+# product read, and dY[n, oy, ox, co] * x[that pixel, ci] to dW[co, r, s, ci]::
 #
 #     dX[n, iy, ix, ci] = sum of dY[n, oy, ox, co] * w[co, r, s, ci]  over co, r, s and the (oy, ox)
 #                         with oy*sh - ph + r*dh = iy and ox*sw - pw + s*dw = ix
@@ -82,7 +82,7 @@ if __name__ == "__main__":
 #                         over n, oy, ox
 #
 # Both are matrix products with the forward pass's useful FLOPs (2*N*out_h*out_w*Co*Ci*R*S), the
-# three tensors in new roles:
+# three tensors in new roles::
 #
 #     pass    rows (M)               columns (N_GEMM)   reduction (K)          A               B
 #     fprop   N*out_h*out_w pixels   Co                 R*S*Ci                 im2col(x)       w
@@ -119,14 +119,14 @@ def backward_inputs(N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1, dtyp
 # %%
 # 1. dgrad at stride 1: the forward conv of dY, with the filter flipped
 # ---------------------------------------------------------------------
-# Along one axis at stride 1, tap r links input row iy to output row oy = iy + ph - r*dh, so
+# Along one axis at stride 1, tap r links input row iy to output row oy = iy + ph - r*dh, so::
 #
 #     dX[iy] = sum over r of dY[iy + ph - r*dh] * w[r]              (channels: sum over co of dY[., co] * w[co, r, ci])
 #
-# Put r = R-1-r': dX[iy] = sum over r' of dY[iy - (dh*(R-1) - ph) + r'*dh] * w[R-1-r']. That is lesson
+# Put r = R-1-r': dX[iy] = sum over r' of dY[iy - (dh*(R-1) - ph) + dh*r'] * w[R-1-r']. That is lesson
 # 01's sum again: a forward conv of dY with padding dh*(R-1) - ph, dilation dh, and the filter
 # w'[r'] = w[R-1-r'], flipped. Its input channels are dY's Co and its outputs are dX's Ci, so the
-# channel axes swap as well:
+# channel axes swap as well::
 #
 #     w'[ci, r', s', co] = w[co, R-1-r', S-1-s', ci]          (a copy of the weights, small beside dY)
 #
@@ -456,7 +456,7 @@ def conv2d_dgrad_launch(dy_nhwc, w, x_shape, stride=1, padding=0, dilation=1, gr
 # lesson 05's double-buffered accumulator in tensor memory. Reused as they are: `common.Counter` and
 # `allocate_barrier_pairs`, lesson 04's `HopperWGMMA`, lesson 05's `Im2colWindow.pixel_box_origin`
 # (where the im2col box of output pixels p0, p0+1, ... starts in x) and `TmemAccumulators`.
-# One unit of work is a tile of dW and a slice of the pixels (section 5):
+# One unit of work is a tile of dW and a slice of the pixels (section 5)::
 #
 #     co0, tap (r, s), c0, k-steps [k_begin, k_end), split = work(unit)
 #     acc = zeros(BLOCK_M, BLOCK_N)                                     # fp32
@@ -873,7 +873,7 @@ if __name__ == "__main__":
 # ------------------------
 # No CPU runs a Gluon kernel, but its index arithmetic is plain integer Python: `run_wgrad_model`
 # calls the kernel's own `wgrad_work_unit`, `tap_offsets` and lesson 05's `pixel_box_origin` (as
-# lesson 05's tests do, through `.fn`, on `common.PlainInt`s), and feeds what they compute to
+# lesson 05's tests do, through `.fn`, on `common.PlainInt` values), and feeds what they compute to
 # lesson 03's model of the TMA im2col load and to a model of the tiled load (a slice of dY, zeros
 # outside). Unit by unit, k-step by k-step, with the launcher's own descriptor settings and
 # slices, it computes acc += A @ B, stores the masked partial tiles and adds them as the second
