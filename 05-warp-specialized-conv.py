@@ -33,7 +33,6 @@ Tests: pytest 05-warp-specialized-conv.py
 
 # %%
 import collections
-import functools
 import types
 from typing import NamedTuple
 
@@ -1393,18 +1392,6 @@ def test_grouped_configs_that_straddle_groups_are_refused():
         prepare_launch(x, w, None, geometry, FIXED_CONFIG, "sm_90", 132)
     prepare_launch(x, w, None, geometry, FIXED_CONFIG._replace(block_n=64), "sm_90", 132)   # 64 wide: fits
 
-
-@needs_gpu
-@pytest.mark.parametrize("N, H, W, groups, Ci_group, Co_group, R, stride, padding, config", [
-    (4, 14, 14, 8, 64, 64, 3, 1, 1, FIXED_CONFIG._replace(block_n=64)),
-    (3, 9, 11, 2, 128, 128, 3, 2, 1, FIXED_CONFIG),                            # stride 2, odd sizes
-    (2, 7, 7, 4, 32, 64, 3, 1, 1, FIXED_CONFIG._replace(block_n=64, block_k=32)),
-    (2, 10, 10, 4, 16, 64, 1, 1, 0, FIXED_CONFIG._replace(block_n=64)),       # 1x1, K block of 16
-    (1, 28, 28, 2, 192, 192, 3, 1, 1, FIXED_CONFIG._replace(block_n=64)),     # three tiles per group
-])
-def test_grouped_conv_matches_torch(N, H, W, groups, Ci_group, Co_group, R, stride, padding, config):
-    common.check_conv(functools.partial(conv2d_fprop_launch, config=config), N, H, W, groups * Ci_group,
-                      groups * Co_group, R, R, stride, padding, dtype=torch.bfloat16, with_bias=True, groups=groups)
 
 # %%
 # Part III: around the kernel

@@ -1,8 +1,8 @@
 """Lesson 05's kernel, tested beyond the lesson's own tests: awkward shapes, ping-pong consumers,
 the fused epilogue and bad input (through the plain launcher and through the operator's runtime,
-which runs the same kernel), the tails of section 6 and split-K of section 7 on the GPU against
-torch, and the structure of the kernel's sm_90 and sm_100 builds (their PTX, compiled ahead of
-time, so these run on a CPU too)."""
+which runs the same kernel), the tails of section 6, split-K of section 7 and the grouped convs of
+section 10 on the GPU against torch, and the structure of the kernel's sm_90 and sm_100 builds
+(their PTX, compiled ahead of time, so these run on a CPU too)."""
 import functools
 
 import common  # first: on a machine without a GPU it turns on the Triton interpreter
@@ -403,6 +403,20 @@ def test_split_k_build_stores_partial_sums_instead_of_tiles(arch, config):
     assert counts(split)[TMA_STORE] == counts(plain)[TMA_STORE] and counts(split)["st.global"] > 0
     assert counts(split)[IM2COL_LOAD] == counts(plain)[IM2COL_LOAD]
 
+
+
+@needs_gpu
+@pytest.mark.parametrize("N, H, W, groups, Ci_group, Co_group, R, stride, padding, config", [
+    (4, 14, 14, 8, 64, 64, 3, 1, 1, FIXED_CONFIG._replace(block_n=64)),
+    (3, 9, 11, 2, 128, 128, 3, 2, 1, FIXED_CONFIG),                            # stride 2, odd sizes
+    (2, 7, 7, 4, 32, 64, 3, 1, 1, FIXED_CONFIG._replace(block_n=64, block_k=32)),
+    (2, 10, 10, 4, 16, 64, 1, 1, 0, FIXED_CONFIG._replace(block_n=64)),       # 1x1, K block of 16
+    (1, 28, 28, 2, 192, 192, 3, 1, 1, FIXED_CONFIG._replace(block_n=64)),     # three tiles per group
+])
+def test_grouped_conv_matches_torch(N, H, W, groups, Ci_group, Co_group, R, stride, padding, config):
+    """Section 10 on the GPU: grouped convs through the plain launcher, each tile inside one group."""
+    common.check_conv(functools.partial(conv2d_fprop_launch, config=config), N, H, W, groups * Ci_group,
+                      groups * Co_group, R, R, stride, padding, dtype=torch.bfloat16, with_bias=True, groups=groups)
 
 
 @needs_gpu
