@@ -1024,8 +1024,7 @@ def aot_conv2d_fprop(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, p
     # (kernel, args, kwargs) on CPU tensors, for common.aot_compile (`epilogue` as a list too;
     # dtype "float8_e4m3fn": the fp8 build of section 9, bf16 out).
     epilogue = Epilogue(*epilogue)
-    x_nhwc, w = (t.to(getattr(torch, dtype)) for t in common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.float32,
-                                                                                 device_name="cpu"))
+    x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, getattr(torch, dtype), device_name="cpu")
     geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
     per_channel, residual = torch.zeros(Co), torch.zeros(*geometry.output_shape_nhwc, dtype=torch.bfloat16)
     launch = prepare_launch(x_nhwc, w, per_channel if epilogue.bias else None, geometry, config, arch, 132,
