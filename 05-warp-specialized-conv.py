@@ -26,7 +26,8 @@ ahead-of-time compiles for sm_90 and sm_100 whose PTX is checked.
 Note: the Blackwell path is compiled and inspected, not run: no Blackwell GPU was available to this
 series. All measured numbers in this file come from an H100.
 
-Run:  python 05-warp-specialized-conv.py [--bench [--suite shapes|networks]] [--quick] [--outdir out]
+Run:  python 05-warp-specialized-conv.py [--outdir out]
+      (its benchmarks, on a GPU: python benchmarks/network_suite.py [--ladder | --fp8])
 
 Tests: pytest 05-warp-specialized-conv.py
 """
@@ -61,7 +62,7 @@ Descriptor = tma.tensor_descriptor | gl.constexpr     # a TMA descriptor, or Non
 # section above it (importing the lesson runs nothing); the GPU parts run where a Hopper or
 # Blackwell GPU is present.
 if __name__ == "__main__":
-    args = common.lesson_args("Lesson 05: warp-specialized persistent conv", suites=["shapes", "networks"])
+    args = common.lesson_args("Lesson 05: warp-specialized persistent conv")
     outdir, on_gpu = common.output_dir(args.outdir), common.has_tma_mma_gpu()
 
 # %%
@@ -1278,7 +1279,7 @@ def test_split_k_epilogue_kernel_against_torch(split_k, epilogue):
 # our bf16 one.
 
 
-# On a CPU the fp8 build shows the e4m3 instructions (`python 05-warp-specialized-conv.py --show-ptx`).
+# On a CPU, a run of this file shows the fp8 build's e4m3 instructions (`run_fp8_demo`).
 # The counts per k-step are the bf16 build's: 128 e4m3 channels are 128 bytes, k32 per MMA.
 TAUGHT_PTX_FP8 = {
     "sm_90": [("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3",
