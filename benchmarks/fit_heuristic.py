@@ -1,7 +1,6 @@
 """Refit the operator's heuristic (conv_tutorial/selection.py) from a network-suite log, and check it leave-one-out.
 
-`python 05-warp-specialized-conv.py --bench --suite networks` autotunes every layer and prints
-each candidate's TFLOPS. From those timings this script fits what `selection.heuristic_config`
+`python benchmarks/network_suite.py` autotunes every layer and prints each candidate's TFLOPS. From those timings this script fits what `selection.heuristic_config`
 uses on Hopper:
 
 - HOPPER_CONFIG_TFLOPS: per config (split_k=1), the median over the layers of its TFLOPS divided
