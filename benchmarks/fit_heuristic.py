@@ -1,7 +1,7 @@
 """Refit the operator's heuristic (conv_tutorial/selection.py) from a network-suite log, and check it leave-one-out.
 
-`python benchmarks/network_suite.py` autotunes every layer and prints each candidate's TFLOPS. From those timings this script fits what `selection.heuristic_config`
-uses on Hopper:
+`python benchmarks/network_suite.py` autotunes every layer and prints each candidate's TFLOPS.
+From those timings this script fits what `selection.heuristic_config` uses on Hopper:
 
 - HOPPER_CONFIG_TFLOPS: per config (split_k=1), the median over the layers of its TFLOPS divided
   by its useful share on that layer (`configs.useful_share`);
