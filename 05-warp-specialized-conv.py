@@ -132,8 +132,7 @@ class Ring:
 
 # %%
 # The loader needs, besides the ring and the tile order (section 3), where each k-step's boxes
-# start. `Im2colWindow` holds the conv's shape (`ConvShape`, the launcher's named tuple of
-# run-time integers) and answers two questions: where the im2col box
+# start. `Im2colWindow` holds the conv's geometry and answers two questions: where the im2col box
 # of output pixels m, m+1, ... starts in the input (its tap-0 corner, lesson 03), and for k-step
 # k, which tap (r, s) and which block of channels c0 it loads. The K loop runs taps outer and
 # channel blocks inner, so the weights of step k start at column tap * Ci + c0 of w2d. (A grouped
@@ -142,31 +141,39 @@ class Ring:
 
 @gluon.aggregate
 class Im2colWindow:
-    shape: gl.tuple        # the conv's ConvShape (run-time integers, named; see the launcher)
+    out_h: Int
+    out_w: Int
+    stride_h: Int
+    stride_w: Int
+    pad_h: Int
+    pad_w: Int
+    dil_h: Int
+    dil_w: Int
+    Ci_group: Int          # channels per tap of a weight row: Ci (section 10: Ci / groups)
+    Co_group: Int          # section 10: output channels per group (Co when groups = 1)
+    S: Int
+    channel_blocks: Int
 
     @gluon.jit
     def pixel_box_origin(self, m):
         # (n, y, x) in the input where the im2col box of output pixels m, m+1, ... starts (tap 0)
-        s = self.shape
-        n = m // (s.out_h * s.out_w)
-        oy = (m // s.out_w) % s.out_h
-        ox = m % s.out_w
-        return n, oy * s.stride_h - s.pad_h, ox * s.stride_w - s.pad_w
+        n = m // (self.out_h * self.out_w)
+        oy = (m // self.out_w) % self.out_h
+        ox = m % self.out_w
+        return n, oy * self.stride_h - self.pad_h, ox * self.stride_w - self.pad_w
 
     @gluon.jit
     def group_channel(self, co0):
-        # section 10: the first input channel of the group of output channels co0, co0+1, ... (0 if groups = 1):
-        # Ci_group channels per tap of a weight row, Co_group output channels per group
-        return co0 // self.shape.Co_group * self.shape.Ci_group
+        # section 10: the first input channel of the group of output channels co0, co0+1, ... (0 if groups = 1)
+        return co0 // self.Co_group * self.Ci_group
 
     @gluon.jit
     def k_step(self, k, BLOCK_K: gl.constexpr, group_channel):
         # (the tap's im2col offsets [r*dil_h, s*dil_w], input channel, weight column) of k-step k.
-        s = self.shape
-        tap = k // s.channel_blocks
-        c0 = (k % s.channel_blocks) * BLOCK_K
-        offsets = [((tap // s.S) * s.dil_h).to(gl.int16), ((tap % s.S) * s.dil_w).to(gl.int16)]
-        return offsets, group_channel + c0, tap * s.Ci_group + c0
+        tap = k // self.channel_blocks
+        c0 = (k % self.channel_blocks) * BLOCK_K
+        offsets = [((tap // self.S) * self.dil_h).to(gl.int16), ((tap % self.S) * self.dil_w).to(gl.int16)]
+        return offsets, group_channel + c0, tap * self.Ci_group + c0
 
 
 @gluon.jit
@@ -319,7 +326,7 @@ def hopper_mma_epilogue_partition(ring, schedule, output, turn, CONSUMER: gl.con
     TAIL_M: gl.constexpr = output.out_tail_desc.block_type.shape[0] if HAS_TAIL else BLOCK_M
     TAIL_N: gl.constexpr = output.out_tail_desc.block_type.shape[1] if HAS_TAIL else BLOCK_N
     MMAS_PER_STEP: gl.constexpr = 2 if HAS_TAIL else 1
-    state = common.Counter(CONSUMER * schedule.shape.k_steps, ring.NUM_BUFFERS)  # this consumer's first k-step
+    state = common.Counter(CONSUMER * schedule.k_steps, ring.NUM_BUFFERS)  # this consumer's first k-step
     local_tile = 0
     for unit in range(gl.program_id(0) + CONSUMER * gl.num_programs(0), schedule.num_units(),
                       NUM_CONSUMERS * gl.num_programs(0)):
@@ -365,7 +372,7 @@ def hopper_mma_epilogue_partition(ring, schedule, output, turn, CONSUMER: gl.con
             acc_tail, mma_tail = mma_tail.take_result()
             output.store(acc_tail, work, m0 + schedule.TILE_M - TAIL_M, co0 + schedule.TILE_N - TAIL_N, True,
                          STORES_IN_FLIGHT=0 if output.STORE_BY_ROW_BLOCKS else 1)
-        state = state.next((NUM_CONSUMERS - 1) * schedule.shape.k_steps)      # skip the other consumer's tile
+        state = state.next((NUM_CONSUMERS - 1) * schedule.k_steps)      # skip the other consumer's tile
         local_tile += 1
     tma.store_wait(pendings=0)
 
@@ -462,20 +469,22 @@ class WorkUnit:
 
 @gluon.aggregate
 class TileSchedule:
-    shape: gl.tuple           # the ConvShape: num_pid_m x num_pid_n tiles of k_steps each
+    num_pid_m: Int
+    num_pid_n: Int
+    k_steps: Int
     TILE_M: gl.constexpr      # output rows (pixels) and columns (channels) per tile
     TILE_N: gl.constexpr
     SPLIT_K: gl.constexpr
 
     @gluon.jit
     def num_units(self):
-        return num_work_units(self.shape.num_pid_m * self.shape.num_pid_n, self.SPLIT_K)
+        return num_work_units(self.num_pid_m * self.num_pid_n, self.SPLIT_K)
 
     @gluon.jit
     def work(self, unit):
-        s = self.shape
-        tile_id, split, k_begin, k_end, partial = work_unit(unit, s.num_pid_m * s.num_pid_n, s.k_steps, self.SPLIT_K)
-        pid_m, pid_n = grouped_tile(tile_id, s.num_pid_m, s.num_pid_n)
+        tile_id, split, k_begin, k_end, partial = work_unit(unit, self.num_pid_m * self.num_pid_n,
+                                                            self.k_steps, self.SPLIT_K)
+        pid_m, pid_n = grouped_tile(tile_id, self.num_pid_m, self.num_pid_n)
         return WorkUnit(pid_m, pid_n, k_begin, k_end, split, partial)
 
 
@@ -601,8 +610,7 @@ def apply_epilogue(acc, cols, Co, scale_ptr, bias_ptr, residual, EPILOGUE: tl.co
 # ----------
 # Allocate the ring, the staging buffers, the barriers and (Blackwell) the TMEM accumulators,
 # bundle them, and split into the partitions. The host passes the conv's run-time integers as one
-# named tuple, `shape` (a `ConvShape`: `shape.out_h`, `shape.k_steps`, ...), which the window and the
-# schedule hold, the epilogue's four pointers as another tuple, and the
+# tuple, `shape` (the first line names them), the epilogue's four pointers as another, and the
 # config and the epilogue as constexprs. Where the architectures differ the kernel branches on
 # the constexpr IS_BLACKWELL. The lines marked "section 6" are the tails' (Part II).
 
@@ -610,6 +618,8 @@ def apply_epilogue(acc, cols, Co, scale_ptr, bias_ptr, residual, EPILOGUE: tl.co
 @gluon.jit
 def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, epilogue_ptrs, shape,
                         CONFIG: gl.constexpr, EPILOGUE: gl.constexpr, IS_BLACKWELL: gl.constexpr):
+    (M, Co, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group,
+     S, k_steps, channel_blocks) = shape
     bias_ptr, scale_ptr, residual_ptr, partial_ptr = epilogue_ptrs
     dtype: gl.constexpr = in_desc.dtype
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
@@ -645,10 +655,12 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
         c_smem = c_tail_smem
     ready, empty = common.allocate_barrier_pairs(NUM_BUFFERS)
     ring = Ring(a_bufs, b_bufs, a_tail_bufs, b_tail_bufs, ready, empty, NUM_BUFFERS)
-    schedule = TileSchedule(shape, BLOCK_M + BLOCK_M_TAIL, BLOCK_N + BLOCK_N_TAIL, CONFIG.split_k)
-    window = Im2colWindow(shape)
+    schedule = TileSchedule(num_pid_m, num_pid_n, k_steps, BLOCK_M + BLOCK_M_TAIL, BLOCK_N + BLOCK_N_TAIL,
+                            CONFIG.split_k)
+    window = Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group, S,
+                          channel_blocks)
     output = TileOutput(out_desc, out_tail_desc, c_smem, c_tail_smem, bias_ptr, scale_ptr, residual_ptr,
-                        partial_ptr, shape.M, shape.Co, EPILOGUE, STORE_BY_ROW_BLOCKS)
+                        partial_ptr, M, Co, EPILOGUE, STORE_BY_ROW_BLOCKS)
     if IS_BLACKWELL:
         NUM_ACC: gl.constexpr = 2
         acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N],
@@ -837,7 +849,7 @@ class Epilogue(NamedTuple):
     activation: str = "none"    # one of common.ACTIVATIONS: "none", "relu", "silu"
 
 
-# The conv's run-time integers, named; the kernel reads them by name (section 10:
+# The conv's run-time integers, named, in the order the kernel's first line unpacks them (section 10:
 # Ci_group, the input channels per group padded to 16 bytes; channel_blocks: BLOCK_K blocks per tap).
 ConvShape = collections.namedtuple("ConvShape", "M Co num_pid_m num_pid_n out_h out_w stride_h stride_w pad_h pad_w "
                                                 "dil_h dil_w Ci_group Co_group S k_steps channel_blocks")
@@ -1118,8 +1130,8 @@ def test_row_tail_boxes_read_what_one_tall_box_would(N, H, W, R, S, stride, padd
     settings = common.conv_im2col_settings(geometry)
     window = (settings.pixel_box_lower_corner, settings.pixel_box_upper_corner, settings.element_strides)
     shape, g = (N, H, W, 8), geometry
-    kernel_window = types.SimpleNamespace(shape=types.SimpleNamespace(
-        out_h=g.out_h, out_w=g.out_w, stride_h=g.stride[0], stride_w=g.stride[1], pad_h=g.padding[0], pad_w=g.padding[1]))
+    kernel_window = types.SimpleNamespace(out_h=g.out_h, out_w=g.out_w, stride_h=g.stride[0], stride_w=g.stride[1],
+                                          pad_h=g.padding[0], pad_w=g.padding[1])
     for m0 in range(0, g.M, 192):
         for r in range(R):
             for s in range(S):
@@ -1322,7 +1334,7 @@ if __name__ == "__main__":
 # %%
 # 10. Grouped convs: a group is a slice of channels
 # -------------------------------------------------
-# Lines it adds to the kernel: two fields of `ConvShape`, `Im2colWindow.group_channel`, and one line of
+# Lines it adds to the kernel: two fields of `Im2colWindow`, its `group_channel`, and one line of
 # the loader. A grouped conv (ResNeXt's and RegNet's 3x3 layers) cuts the channels into `groups`
 # slices: output channel co reads only the Ci / groups input channels of its group
 # g = co // (Co / groups), and its filter holds only those (w is [Co, R, S, Ci / groups]). As a
@@ -1366,16 +1378,15 @@ def test_grouped_tiles_read_their_groups(N, H, W, groups, Ci_group, Co_group, R,
     g = common.conv_geometry(x.shape, w.shape, stride, padding, 1, groups)
     settings = common.conv_im2col_settings(g)
     corners = (settings.pixel_box_lower_corner, settings.pixel_box_upper_corner, settings.element_strides)
-    window = types.SimpleNamespace(shape=types.SimpleNamespace(
-        out_h=g.out_h, out_w=g.out_w, stride_h=g.stride[0], stride_w=g.stride[1], pad_h=g.padding[0], pad_w=g.padding[1],
-        dil_h=common.PlainInt(1), dil_w=common.PlainInt(1), Ci_group=Ci_group, Co_group=Co_group, S=R,
-        channel_blocks=Ci_group // BLOCK_K))
+    window = types.SimpleNamespace(out_h=g.out_h, out_w=g.out_w, stride_h=g.stride[0], stride_w=g.stride[1],
+                                   pad_h=g.padding[0], pad_w=g.padding[1], dil_h=common.PlainInt(1), dil_w=common.PlainInt(1),
+                                   Ci_group=Ci_group, Co_group=Co_group, S=R, channel_blocks=Ci_group // BLOCK_K)
     w2d, BLOCK_M, out = w.reshape(g.Co, -1), 32, torch.zeros(g.M, g.Co)
     for m0 in range(0, g.M, BLOCK_M):
         n, y, x0 = Im2colWindow.pixel_box_origin.fn(window, m0)
         for co0 in range(0, g.Co, TILE_N):
             group_channel = Im2colWindow.group_channel.fn(window, co0)
-            for k in range(R * R * window.shape.channel_blocks):
+            for k in range(R * R * window.channel_blocks):
                 offsets, c, column = Im2colWindow.k_step.fn(window, common.PlainInt(k), BLOCK_K, group_channel)
                 a, _ = reference(x, BLOCK_M, BLOCK_K, *corners, [n, y, x0, c], offsets)
                 rows = min(BLOCK_M, g.M - m0)

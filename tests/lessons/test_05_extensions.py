@@ -49,6 +49,7 @@ AWKWARD_CASES = [
     (2, 32, 32, 128, 200, 3, 3, 1, 1, 1, torch.bfloat16, True),        # bias, Co not a multiple of 8*16
     (8, 30, 26, 256, 128, 3, 3, 1, 1, 1, torch.float16, True),         # fp16, non-square
     (3, 17, 23, 40, 48, 3, 5, (2, 1), (1, 2), 1, torch.float16, False),  # odd sizes
+    (8, 14, 14, 64, 64, 1, 1, 1, 0, 1, torch.bfloat16, False),         # one k-step: k_steps == 1 arrives as a constant
 ]
 
 
