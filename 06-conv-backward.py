@@ -37,7 +37,6 @@ import collections
 import dataclasses
 import math
 import re
-import types
 from typing import NamedTuple
 
 import common  # first: on a machine without a GPU it turns on the Triton interpreter
@@ -518,17 +517,30 @@ def tap_offsets(tap, shape):
 
 @gluon.aggregate
 class WgradSchedule:
-    shape: gl.tuple          # the WgradShape
+    # the WgradShape's fields the partitions read, each its own field: a tuple held whole in an
+    # aggregate hangs lesson 05's kernel where Triton passes one of its integers as a constant
+    # (results/notebook.md, 2026-11-25), so this kernel does not hold one either
+    Co: Int
+    Ci: Int
+    taps: Int
+    S: Int
+    num_pid_m: Int
+    num_pid_n: Int
+    ci_blocks: Int
+    k_blocks: Int
+    split_k: Int
+    dil_h: Int
+    dil_w: Int
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
 
     @gluon.jit
     def num_units(self):
-        return self.shape.num_pid_m * self.shape.num_pid_n * self.shape.split_k
+        return self.num_pid_m * self.num_pid_n * self.split_k
 
     @gluon.jit
     def work(self, unit):
-        co0, tap, c0, k_begin, k_end, split = wgrad_work_unit(unit, self.shape, self.BLOCK_M, self.BLOCK_N)
+        co0, tap, c0, k_begin, k_end, split = wgrad_work_unit(unit, self, self.BLOCK_M, self.BLOCK_N)
         return WgradUnit(co0, tap, c0, k_begin, k_end, split)
 
 
@@ -540,7 +552,7 @@ def wgrad_loader_partition(dy_desc, x_desc, ring, schedule, window):
     state = common.Counter(gl.to_tensor(0), ring.NUM_BUFFERS)
     for unit in range(gl.program_id(0), schedule.num_units(), gl.num_programs(0)):
         work = schedule.work(unit)
-        offsets = tap_offsets(work.tap, schedule.shape)
+        offsets = tap_offsets(work.tap, schedule)
         for k in range(work.k_begin, work.k_end):
             # a new box of pixels every k-step, so its origin every k-step (three integer divisions)
             p0 = k * BLOCK_K
@@ -590,7 +602,7 @@ def wgrad_hopper_partition(ring, schedule, partial_ptr):
         mma = mma.wait_num_outstanding(0)
         mbarrier.arrive(ring.empty.index(state.previous_slot()))
         acc, mma = mma.take_result()
-        store_partial_tile(acc, partial_ptr, schedule.shape, work)
+        store_partial_tile(acc, partial_ptr, schedule, work)
 
 
 @gluon.jit
@@ -623,7 +635,7 @@ def wgrad_blackwell_epilogue_partition(schedule, acc, partial_ptr):
         mbarrier.wait(acc.ready.index(buf), acc_state.phase())
         tile = acc.tmem.index(buf).load()            # TMEM -> registers
         mbarrier.arrive(acc.empty.index(buf))
-        store_partial_tile(tile, partial_ptr, schedule.shape, work)
+        store_partial_tile(tile, partial_ptr, schedule, work)
         acc_state = acc_state.next()
 
 
@@ -638,8 +650,12 @@ def conv2d_wgrad_kernel(dy_desc, x_desc, partial_ptr, shape, NUM_BUFFERS: gl.con
     x_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_N], x_desc.layout)
     ready, empty = common.allocate_barrier_pairs(NUM_BUFFERS)
     ring = WgradRing(dy_bufs, x_bufs, ready, empty, NUM_BUFFERS)
-    schedule = WgradSchedule(shape, BLOCK_M, BLOCK_N)
-    window = lesson05.Im2colWindow(shape)
+    (Co, Ci, taps, S, num_pid_m, num_pid_n, ci_blocks, k_blocks, split_k, out_h, out_w, stride_h, stride_w,
+     pad_h, pad_w, dil_h, dil_w) = shape
+    schedule = WgradSchedule(Co, Ci, taps, S, num_pid_m, num_pid_n, ci_blocks, k_blocks, split_k, dil_h, dil_w,
+                             BLOCK_M, BLOCK_N)
+    # lesson 05's window (only its pixel_box_origin is used: its channel fields get Ci, Co, S, ci_blocks)
+    window = lesson05.Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci, Co, S, ci_blocks)
     if IS_BLACKWELL:
         NUM_ACC: gl.constexpr = 2
         acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N],
@@ -916,7 +932,7 @@ def run_wgrad_model(N=2, H=6, W=7, Ci=12, Co=20, R=3, S=2, stride=1, padding=1, 
         offsets = tap_offsets.fn(P(tap), shape)
         acc = torch.zeros(BM, BN)
         for k in range(k_begin, k_end):
-            n, y, x0 = lesson05.Im2colWindow.pixel_box_origin.fn(types.SimpleNamespace(shape=shape), P(k * BK))
+            n, y, x0 = lesson05.Im2colWindow.pixel_box_origin.fn(shape, P(k * BK))
             a_t = torch.zeros(BK, BM)                         # the tiled load: zeros outside dY
             box = dy_2d[k * BK:(k + 1) * BK, co0:co0 + BM]
             a_t[:box.shape[0], :box.shape[1]] = box
