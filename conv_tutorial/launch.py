@@ -218,9 +218,10 @@ def compiling_ahead(workers=None):
     per CPU, at most 32) and returns its output unwritten. On exit every compile has finished, and
     Triton's in-memory cache holds them: the calls after it launch without compiling. A model run
     once inside it has its distinct kernels compiled side by side instead of one after another
-    (its outputs are garbage: run it for the compiles alone). Autotuning must be off inside (the
-    tuner times real launches); kernels other than the conv's (the folded stem's copy, depthwise)
-    compile and run as usual. Triton reports a failed compile when the block exits."""
+    (its outputs are garbage: run it for the compiles alone). Depthwise convs (depthwise.py) are
+    compiled in the pool too and not run; other kernels (the folded stem's copy) compile and run
+    as usual. Autotuning must be off inside (the tuner times real launches). Triton reports a
+    failed compile when the block exits."""
     workers = workers or min(32, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers) as pool, triton.AsyncCompileMode(pool):
         token = _COMPILE_ONLY.set(True)

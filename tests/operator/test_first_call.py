@@ -47,3 +47,16 @@ def test_graph_replay_timer_ranks_twice_the_work_as_slower():
     once = fusion._graph_replay_ms(lambda: a @ a)
     twice = fusion._graph_replay_ms(lambda: (a @ a, a @ a))
     assert 1.6 < twice / once < 2.4, (once, twice)
+
+
+@needs_gpu
+def test_depthwise_calls_after_compiling_ahead_compute_the_conv():
+    from conv_tutorial import depthwise_conv2d
+    x = torch.randn(2, 15, 13, 48, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(48, 3, 3, device="cuda", dtype=torch.bfloat16)
+    with plans.compiling_ahead(workers=2):
+        depthwise_conv2d(x, w, stride=2, padding=1, activation="relu")      # compiles, runs nothing
+    out = depthwise_conv2d(x, w, stride=2, padding=1, activation="relu")
+    expected = torch.relu(torch.nn.functional.conv2d(x.permute(0, 3, 1, 2).float(), w.float().unsqueeze(1), stride=2,
+                                                     padding=1, groups=48)).permute(0, 2, 3, 1)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * 3)
