@@ -353,8 +353,11 @@ def keep_faster_convs(fused_model: torch.fx.GraphModule, example_input: torch.Te
 
     With the default timer (or `remember=True`) each decision is kept in the tuning file (selection.tuning_cache_path,
     with both times), keyed by the layer, its input, the GPU and the Triton and torch versions: a
-    second process deploying the same model at the same batch reads them instead of timing again
-    (the timing is most of a warm first call: RESULTS.md, "The first call of a fused model")."""
+    second process deploying the same model at the same batch reads them instead of timing again.
+    Before timing, the model runs once inside `launch.compiling_ahead`, so that its distinct
+    kernels compile side by side (not with a stand-in timer or with autotuning on). Where the
+    first call's seconds go: `keep_faster_convs_seconds` on the model, and RESULTS.md, "The first
+    call of a fused model"."""
     if timer is None:
         if not torch.cuda.is_available() or example_input.device.type != "cuda":
             where = "no CUDA GPU" if not torch.cuda.is_available() else f"the input on {example_input.device}"
