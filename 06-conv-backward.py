@@ -8,7 +8,8 @@ What you will learn:
   (the input's gradient: M = N*H*W input pixels, N_GEMM = Ci, K = R*S*Co) and wgrad (the
   filter's: M = Co, N_GEMM = R*S*Ci, K = N*out_h*out_w pixels);
 - dgrad as lesson 05's forward kernel, unchanged, run on the output's gradient with the filter
-  flipped and its channel axes swapped; at stride > 1 one such conv per output phase;
+  flipped and its channel axes swapped; at stride > 1 one such conv per phase of dX (its rows and
+  columns taken modulo the stride);
 - wgrad as a new warp-specialized Gluon kernel built from lesson 05's parts, whose two operands
   reach the tensor cores transposed relative to the forward pass (what WGMMA and tcgen05 allow
   for that, and where the PTX shows it);
@@ -168,7 +169,7 @@ def dgrad_axis_phase(phase, size, out_size, R, stride, padding, dilation):
 
 
 def dgrad_by_phases(dy_nhwc, w, geometry, fprop):
-    """dX of the conv `geometry` from dY: per output phase a stride-1 conv `fprop(dy, w_phase,
+    """dX of the conv `geometry` from dY: per phase of dX a stride-1 conv `fprop(dy, w_phase,
     padding=, dilation=)` (lesson 05's kernel on a GPU, torch's conv on a CPU) of dY with that
     phase's taps, flipped and channel-swapped, cropped and copied into the phase's rows and columns."""
     g = geometry
@@ -234,26 +235,28 @@ if __name__ == "__main__":
 # first, t = sh / gcd(sh, dh), and consecutive ones reach dY rows dh / gcd(sh, dh) apart. So
 # phase p of dX is section 1's conv with fewer taps: a stride-1 conv of dY with the phase's taps,
 # flipped, at dilation dh / gcd(sh, dh). With both axes, sh x sw phases, each a launch of lesson
-# 05's kernel writing a dense [N, rows, cols, Ci] tensor, copied into its strided slice of dX
-# (`dx[:, p::sh, q::sw]`: TMA stores whole boxes, so the kernel cannot write those rows itself).
+# 05's kernel writing a dense [N, rows, cols, Ci] tensor, copied into its strided slice of dX,
+# `dx[:, p::sh, q::sw]`. (The kernel cannot store there itself: its epilogue stores a tile as one
+# TMA box of a dense [pixels, channels] matrix, and a phase's pixels are not evenly spaced in dX.)
 # `dgrad_axis_phase` works out one axis of one phase; `dgrad_by_phases` above runs them.
 #
-# The far edge now needs care too: a phase's conv must have as many output rows as the phase has
-# rows of dX, and lesson 05 pads both sides alike; where the last rows read dY past its end, the
-# padding grows to cover them and the crop moves with it. A phase no tap reaches (a 1x1 conv at
-# stride 2 reaches the even rows only) is zeros; a phase past the image (H smaller than the stride)
-# has no rows.
+# The far edge now needs care too: a phase's conv must have at least as many output rows as the
+# phase has rows of dX, and lesson 05 pads both sides alike; where the last rows read dY past its
+# end, the padding grows to cover them and the crop moves with it. A phase no tap reaches (a 1x1
+# conv at stride 2 reaches the even rows only) is zeros; a phase past the image (H smaller than the
+# stride) has no rows.
 #
 # The alternative is to insert sh-1 zero rows between dY's rows (and sw-1 columns) and run one
 # stride-1 conv with all R*S taps (`zero_insertion_dgrad`): one launch, but sh*sw times the MMA
 # work, most of it on zeros (4x at stride 2). The phases do only the products that count, in sh*sw
 # launches, each a quarter of the pixels at stride 2, plus one pass over dX for the copies.
-# MEASURE: phases against zero insertion on ResNet-50's stride-2 layers on an H100
-# (`python benchmarks/backward_layers.py --zero-insertion`): ... vs ... ms.
+# Which of the two is faster on a GPU is not measured yet: `python benchmarks/backward_layers.py
+# --zero-insertion` times zero insertion beside the phases on ResNet-50's strided layers. (What the
+# phases themselves measured is in the closing cell.)
 
 
 def zero_insertion_dgrad(dy_nhwc, w, geometry, fprop):
-    """dX as one stride-1 conv over dY with stride-1 zeros between its rows and columns."""
+    """dX as one stride-1 conv over dY with stride - 1 zeros between its rows and columns."""
     g = geometry
     spread = torch.zeros(g.N, (g.out_h - 1) * g.stride[0] + 1, (g.out_w - 1) * g.stride[1] + 1, g.Co,
                          device=dy_nhwc.device, dtype=dy_nhwc.dtype)
@@ -350,9 +353,10 @@ if __name__ == "__main__":
 #        dX rows 1::2, columns 1::2: taps (r, s) [(0, 0), (0, 2), (2, 0), (2, 2)]; padding (1, 1), crop (1, 1)
 #
 # ResNet-50's 3x3 stride-2 convs: four phases of 1, 2, 2 and 4 taps, nine in all, each used once,
-# so together they do the forward pass's MMA work (tile rounding aside). The odd rows read
-# dY[j] and dY[j + 1] (padding 1 on both sides, crop 1: the conv's first output row, which would
-# read dY[-1], is dropped); the even rows read dY[j] with the centre tap alone.
+# so together they do the forward pass's MMA work (aside from tile rounding and the rows that a
+# phase's padding adds and its crop drops). The odd rows read dY[j] and dY[j + 1] (padding 1 on
+# both sides, crop 1: the conv's first output row, which would read dY[-1], is dropped); the even
+# rows read dY[j] with the centre tap alone.
 #
 # The dgrad launcher
 # ------------------
@@ -400,7 +404,7 @@ def check_backward_call(tensors, x_shape, w_shape, stride, padding, dilation, gr
 def conv2d_dgrad_launch(dy_nhwc, w, x_shape, stride=1, padding=0, dilation=1, groups=1):
     """dX [N, H, W, Ci] of a conv of x (shape `x_shape`, NHWC) with w [Co, R, S, Ci], from dY
     [N, out_h, out_w, Co] (fp16 or bf16, contiguous, on a Hopper or Blackwell GPU): lesson 05's
-    kernel, once per output phase (one launch at stride 1). groups must be 1."""
+    kernel, once per phase of dX (one launch at stride 1). groups must be 1."""
     g = check_backward_call({"dy_nhwc": dy_nhwc, "w": w}, x_shape, getattr(w, "shape", None), stride, padding,
                             dilation, groups)
     common.require_tma_mma_gpu("conv2d_dgrad_launch")
@@ -517,9 +521,9 @@ def tap_offsets(tap, shape):
 
 @gluon.aggregate
 class WgradSchedule:
-    # the WgradShape's fields the partitions read, each its own field: a tuple held whole in an
-    # aggregate hangs lesson 05's kernel where Triton passes one of its integers as a constant
-    # (results/notebook.md, 2026-11-25), so this kernel does not hold one either
+    # the WgradShape's fields the partitions read, each its own field: lesson 05's kernel, with its
+    # shape tuple held whole in an aggregate, hung on an H100 when Triton passed one of the tuple's
+    # integers as a constant (results/notebook.md, 2026-11-25); neither kernel holds one now
     Co: Int
     Ci: Int
     taps: Int
@@ -687,11 +691,11 @@ def conv2d_wgrad_kernel(dy_desc, x_desc, partial_ptr, shape, NUM_BUFFERS: gl.con
 # How many slices: a unit's partial tile costs 4 bytes per element to write and 4 to read back,
 # against 2 * BLOCK_K = 128 FLOPs per element and k-step, so a slice of 32 k-steps or more does at
 # least 512 FLOPs per byte of workspace traffic, above an H100's ratio of bf16 FLOPs to HBM bytes
-# (989 TFLOPS / 3.35 TB/s = 295). Among the split counts that keep slices that long,
-# `choose_split_k` takes the one whose units fill the SMs' waves best (units / (waves * SMs)): the
-# fewest slices within 5% of the best fill. That is arithmetic, not a measurement.
-# MEASURE: whether 32 k-steps and 5% are good choices (benchmarks/backward_layers.py records each
-# layer's split).
+# (989 TFLOPS / 3.35 TB/s = 295). Among the split counts that keep slices that long (and at most
+# 64), `choose_split_k` takes the one whose units fill the SMs' waves best (units / (waves * SMs)):
+# the fewest slices within 5% of the best fill. That is arithmetic, not a measurement: no other
+# split has been timed against it, so whether 32 k-steps, 64 slices and 5% are good choices is not
+# measured yet (benchmarks/backward_layers.py records the split each layer got, `wgrad_split_k`).
 #
 # The second kernel adds partial[0] + partial[1] + ... in that order, for every element.
 # Floating-point addition is not associative, so the order is what makes the result reproducible:
@@ -704,7 +708,8 @@ MIN_K_STEPS_PER_SLICE = 32
 
 
 def choose_split_k(tiles, k_blocks, num_sms):
-    """Slices of the pixels per tile: the fewest within 5% of the best wave fill, slices >= 32 k-steps."""
+    """Slices of the pixels per tile: the fewest within 5% of the best wave fill; slices of 32 k-steps
+    or more, 64 slices at most."""
     candidates = range(1, max(1, min(k_blocks // MIN_K_STEPS_PER_SLICE, 64)) + 1)
     fill = {s: tiles * s / (triton.cdiv(tiles * s, num_sms) * num_sms) for s in candidates}
     return min(s for s in candidates if fill[s] >= 0.95 * max(fill.values()))
@@ -748,11 +753,12 @@ def test_split_k_sum_adds_the_slices_in_order():
 # ---------------------
 # A config fixes the tile (BLOCK_M output channels x BLOCK_N input channels x BLOCK_K pixels), the
 # ring's depth and the warps of the MMA/epilogue partition; `wgrad_config` picks 64-row tiles for
-# 64 output channels or fewer and a channel block no wider than the (padded) Ci. `prepare_wgrad`
-# builds what a launch needs (on CPU tensors too: the ahead-of-time compile and the CPU model use
-# it): x with its channels padded to 16 bytes (lesson 04) and its im2col descriptor, dY as a 2-D
-# [pixels, Co] tensor and its tiled descriptor (Co padded the same way where needed), the slices,
-# the workspace and the persistent grid.
+# 64 output channels or fewer (else 128), and a channel block of the padded Ci rounded up to a
+# power of two, 16 to 128 wide (the stem's 3 channels, padded to 8, get a 16-channel box).
+# `prepare_wgrad` builds what a launch needs (on CPU tensors too: the ahead-of-time compile and the
+# CPU model use it): x with its channels padded to 16 bytes (lesson 04) and its im2col descriptor,
+# dY as a 2-D [pixels, Co] tensor and its tiled descriptor (Co padded the same way where needed),
+# the slices, the workspace and the persistent grid.
 
 
 class WgradConfig(NamedTuple):
@@ -1191,12 +1197,20 @@ if __name__ == "__main__" and on_gpu:
 # 9. Timing against cuDNN (GPU, --bench)
 # --------------------------------------
 # `bench_backward` times both gradients of one layer, ours and cuDNN's (torch.nn.grad on
-# channels_last tensors of the same dtype, which calls cuDNN's backward kernels), with
+# channels_last tensors of the same dtype, which calls cuDNN's backward kernels; cuDNN picks its
+# algorithm by its own heuristics, torch.backends.cudnn.benchmark being off, torch's default), with
 # common.bench_tflops: do_bench's median, L2 flushed before each call, host time included (our
 # launchers build their descriptors on every call). FLOPs are the forward pass's, useful products
 # only. `python benchmarks/backward_layers.py` runs it over every distinct conv of ResNet-50 at batch
-# 128; `--bench` here times three of them.
-# MEASURE: H100 results of benchmarks/backward_layers.py: dgrad ... and wgrad ... x cuDNN (geometric mean).
+# 128; `--bench` here times three of them. What that benchmark recorded for those three on an H100
+# (2026-11-25, bf16, TFLOPS; results/h100-2026-11-25/backward_layers.json)::
+#
+#     layer                        dgrad  dgrad cuDNN   wgrad  wgrad cuDNN  wgrad split_k
+#     RN50 14x14 256->256 3x3      116.8        226.3   196.3        497.2              7
+#     RN50 56x56 128->128 3x3 s2    15.9        114.1    47.1        383.4             14
+#     RN50 56x56 64->256 1x1        29.3          8.2    20.9        125.3             61
+#
+# Over all 23 layers, the geometric mean of ours / cuDNN was 0.64x for dgrad and 0.19x for wgrad.
 
 BENCH_LAYERS = [   # (label, N, H, W, Ci, Co, R, S, stride, padding), ResNet-50 at batch 128
     ("RN50 14x14 256->256 3x3", 128, 14, 14, 256, 256, 3, 3, 1, 1),
@@ -1246,29 +1260,72 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # %%
 # What this lesson measured, what limits it, what comes next
 # ----------------------------------------------------------
-# MEASURE: dgrad and wgrad against cuDNN on ResNet-50's layers (benchmarks/backward_layers.py, H100,
-# bf16): ...
+# Measured on an H100 on 2026-11-25 (`python benchmarks/backward_layers.py`: bf16, batch 128, every
+# distinct conv of ResNet-50, results/h100-2026-11-25/backward_layers.json): both gradients matched
+# torch.nn.grad on every layer, and against cuDNN (geometric means over the 23 layers) dgrad ran at
+# 0.64x and wgrad at 0.19x.
 #
-# What limits it, by construction (not yet measured):
+# - dgrad ranged from 0.06x to 3.6x of cuDNN. The 3x3 stride-2 layers were the slowest, 0.06-0.14x
+#   (56x56 128->128: 15.9 against 114.1 TFLOPS); eight 1x1 layers were faster than cuDNN
+#   (56x56 64->256: 29.3 against 8.2; 56x56 256->128: 77.8 against 33.4).
+# - wgrad was slower than cuDNN on every layer, 0.09-0.44x (2.2 to 12 times slower): 56x56 64->64
+#   3x3 42.1 against 319.4 TFLOPS, 7x7 512->512 3x3 232.8 against 523.7.
 #
-# - dgrad at stride 2 is four launches of lesson 05's kernel, each on a quarter of the pixels, plus a
-#   copy of every phase into dX: small layers pay four launch latencies and a pass over dX. A scatter
-#   epilogue (each phase's tile stored straight into its strided rows of dX, as a masked `gl.store`)
-#   would save the copy, at the price of TMA's stores; one launch for all phases would save the
-#   rest. The flipped filter is a copy per call too (small next to dY).
-# - dgrad runs lesson 05's fixed config, where the forward pass tunes one per shape.
-# - wgrad's Hopper consumer stores each tile before it starts the next (lesson 05's ping-pong, or
-#   an epilogue partition fed through shared memory, would overlap them), and every unit goes
-#   through the fp32 workspace, even with one slice, where a whole tile could be cast and stored
-#   directly; the split count is a rule from arithmetic, not from measurement.
-# - The stem (Ci = 3) is padded to 8 channels in a 16-channel box: most of its MMA work is zeros,
-#   a case for lesson 05's fold (section 8) applied to wgrad.
+# What limits it. The causes below are reasoned from these numbers, from earlier measurements
+# named with their source, and from the code; none was isolated by a measurement of its own (no
+# profile, no timing of the parts):
+#
+# - dgrad pays per launch. No dgrad call took under 0.23 ms, whatever its work (7x7 512->2048 1x1:
+#   13 GFLOP in 0.29 ms), and lesson 05's plain launcher alone costs 170-190 us of host time per
+#   call (H100, 2026-11-24, results/h100-2026-11-24/bench.log). The kernel is not what is slow: by
+#   section 1 the dgrad of 7x7 512->512 3x3 is a forward conv of the same shape, which the same
+#   kernel, tuned and called through the operator's runtime, ran at 691 TFLOPS (RESULTS.md, network
+#   suite, H100, 2026-11-24). At that rate its 29.6 GFLOP take 0.04 ms; our call took 0.23 ms (127
+#   TFLOPS), and the other 0.19 ms are about the plain launcher's host time.
+# - At stride 2 the launches multiply. The three 3x3 stride-2 layers do the same 29.6 GFLOP with
+#   dX of 26 to 103 MB, and each took 1.7-1.9 ms, where the stride-1 layer with the same dY and
+#   filter took 0.23-0.39 ms in one launch: their time follows the four phases, not the work or the
+#   bytes, about 0.4 ms per phase. Each phase also copies its taps of the filter, copies its output
+#   into dX's strided rows, and runs K loops of 1, 2 or 4 taps where the stride-1 conv has 9; which
+#   of these costs most is not measured. A scatter epilogue (each phase's tile stored straight into
+#   its strided rows of dX, as a masked `gl.store`) would save the copy, at the price of TMA's
+#   stores; one launch for all phases, and the runtime's cheaper launch, would save the rest.
+# - The 1x1 dgrads that beat cuDNN say more about cuDNN's choice than about ours: with
+#   cudnn.benchmark off, its dgrad of 56x56 64->256 ran at 8.2 TFLOPS, where its forward conv of
+#   56x56 256->64, the same GEMM (401,408 x 64 x 256), ran at 134 (RESULTS.md, H100, 2026-11-24).
+#   `--cudnn-benchmark` lets cuDNN time its algorithms first; that baseline is not measured yet.
+# - wgrad's k-steps are slow, and neither the MMAs nor the HBM bandwidth explain it. By the
+#   launcher's own split (choose_split_k gives the recorded split_k on all 23 layers), each program
+#   of the four stride-1 1x1 layers at 56x56 runs about 103 k-steps, in 0.52-0.63 ms: at least 3.8
+#   us per k-step even if the fastest wgrad call's whole 0.13 ms were host time, with 64x64 and
+#   128x128 tiles alike. One 128x128x64 k-step is 0.28 us of tensor-core work at the H100's dense
+#   peak (989 TFLOPS over 132 SMs), and the 0.1-0.4 GB those layers load (each tile's reads
+#   counted) would take 0.03-0.12 ms at 3.35 TB/s. So the SMs wait on something else inside the
+#   k-loop: the loads' latency, which a 4-stage ring does not hide, or the one loader warp's issue
+#   rate, are the candidates; a profile of one layer would tell. What the design gives away in any
+#   case: a 64-wide tile (BLOCK_M = 64 where Co is 64, BLOCK_N = 64 where Ci is) does half of a
+#   128x128 tile's MMA work for each such wait, a 64x64 tile a quarter; a tile covers one tap and
+#   one channel block, so every k-step loads a dY tile and an im2col box for one MMA, and dY is
+#   read again for each tap and channel block (a tile spanning several taps would load its dY tile
+#   once for all of them); one consumer warpgroup stores each tile before it starts the next
+#   (lesson 05's ping-pong, or an epilogue partition fed through shared memory, would overlap
+#   them). And the split rule's cap of 64 slices leaves those four layers, with 1 or 2 tiles, 61 or
+#   122 units for 132 SMs.
+# - The fp32 workspace is a small part: the largest, 27 MB (7x7 512->512 3x3, split 3), written and
+#   read back is about 17 us of HBM traffic against that layer's 0.13 ms. A whole tile could still
+#   be cast and stored directly where split_k is 1.
+# - The stem (Ci = 3): dgrad's 3 output channels sit in 64-wide tiles, and wgrad's 3 input channels,
+#   padded to 8, in a 16-channel box, so most of the MMA work is on zeros (0.82x and 0.25x of
+#   cuDNN); for wgrad, a case for lesson 05's fold (section 8).
 # - No grouped or depthwise convs, no fp8 (section 3).
 #
 # Next: the operator (`conv_tutorial`) computes its backward with PyTorch's convolution backward
 # today; with these two launchers behind it (their signatures are the operator's: NHWC activations,
 # [Co, R, S, Ci] weights), a model trained on lesson 05's forward kernel would get its gradients
-# from the same machinery, and the measurements above say layer by layer where that pays.
+# from the same machinery. The measurements above say it does not pay yet: wgrad nowhere, dgrad
+# only on 1x1 layers against cuDNN's default choice. What they point to first: dgrad through the
+# runtime's plan (a cheap launch, a tuned config per shape), the phases in one launch, and a
+# profile of the wgrad kernel's k-step.
 
 # %%
 if __name__ == "__main__":
