@@ -1196,9 +1196,10 @@ if __name__ == "__main__" and on_gpu:
 # %%
 # 9. Timing against cuDNN (GPU, --bench)
 # --------------------------------------
-# `bench_backward` times both gradients of one layer, ours and cuDNN's (torch.nn.grad on
-# channels_last tensors of the same dtype, which calls cuDNN's backward kernels; cuDNN picks its
-# algorithm by its own heuristics, torch.backends.cudnn.benchmark being off, torch's default), with
+# `bench_backward` times both gradients of one layer, ours and cuDNN's (`aten.convolution_backward`,
+# the call autograd makes for a conv in training, on the channels_last x, w and dY themselves, which
+# runs cuDNN's backward kernels; cuDNN picks its algorithm by its own heuristics,
+# torch.backends.cudnn.benchmark being off, torch's default), with
 # common.bench_tflops: do_bench's median, L2 flushed before each call, host time included (our
 # launchers build their descriptors on every call). FLOPs are the forward pass's, useful products
 # only. `python benchmarks/backward_layers.py` runs it over every distinct conv of ResNet-50 at batch
@@ -1211,6 +1212,10 @@ if __name__ == "__main__" and on_gpu:
 #     RN50 56x56 64->256 1x1        29.3          8.2    20.9        125.3             61
 #
 # Over all 23 layers, the geometric mean of ours / cuDNN was 0.64x for dgrad and 0.19x for wgrad.
+# Those cuDNN figures came from torch.nn.grad.conv2d_input and conv2d_weight, which hand cuDNN a
+# stride-0 stand-in for the input (dgrad) or the weight (wgrad) instead of the channels_last tensor
+# a training step has; whether that changed cuDNN's choice is not measured. The bench now calls
+# convolution_backward as autograd does; its figures are to be taken again.
 
 BENCH_LAYERS = [   # (label, N, H, W, Ci, Co, R, S, stride, padding), ResNet-50 at batch 128
     ("RN50 14x14 256->256 3x3", 128, 14, 14, 256, 256, 3, 3, 1, 1),
@@ -1227,9 +1232,12 @@ def bench_backward(label, N, H, W, Ci, Co, R, S, stride, padding, dtype=torch.bf
     x_nchw, w_kcrs, dy_nchw = x.permute(0, 3, 1, 2), w.permute(0, 3, 1, 2), dy.permute(0, 3, 1, 2)  # channels_last
     calls = {
         "dgrad": lambda: conv2d_dgrad_launch(dy, w, x.shape, stride, padding),
-        "dgrad cuDNN": lambda: torch.nn.grad.conv2d_input(x_nchw.shape, w_kcrs, dy_nchw, stride, padding),
+        # cuDNN as autograd calls it in training: convolution_backward on the real channels_last tensors
+        "dgrad cuDNN": lambda: torch.ops.aten.convolution_backward(
+            dy_nchw, x_nchw, w_kcrs, None, g.stride, g.padding, g.dilation, False, [0, 0], 1, (True, False, False))[0],
         "wgrad": lambda: conv2d_wgrad_launch(x, dy, w.shape, stride, padding),
-        "wgrad cuDNN": lambda: torch.nn.grad.conv2d_weight(x_nchw, w_kcrs.shape, dy_nchw, stride, padding),
+        "wgrad cuDNN": lambda: torch.ops.aten.convolution_backward(
+            dy_nchw, x_nchw, w_kcrs, None, g.stride, g.padding, g.dilation, False, [0, 0], 1, (False, True, False))[1],
     }
     if zero_insertion and max(g.stride) > 1:
         config = lesson05.FIXED_CONFIG._replace(block_n=64) if Ci <= 64 else lesson05.FIXED_CONFIG
@@ -1293,7 +1301,8 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # - The 1x1 dgrads that beat cuDNN say more about cuDNN's choice than about ours: with
 #   cudnn.benchmark off, its dgrad of 56x56 64->256 ran at 8.2 TFLOPS, where its forward conv of
 #   56x56 256->64, the same GEMM (401,408 x 64 x 256), ran at 134 (RESULTS.md, H100, 2026-11-24).
-#   `--cudnn-benchmark` lets cuDNN time its algorithms first; that baseline is not measured yet.
+#   `--cudnn-benchmark` lets cuDNN time its algorithms first; that baseline is not measured yet,
+#   nor is cuDNN called with the real channels_last input, as the bench now does (section 9).
 # - wgrad's k-steps are slow, and neither the MMAs nor the HBM bandwidth explain it. By the
 #   launcher's own split (choose_split_k gives the recorded split_k on all 23 layers), each program
 #   of the four stride-1 1x1 layers at 56x56 runs about 103 k-steps, in 0.52-0.63 ms: at least 3.8

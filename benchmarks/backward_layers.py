@@ -5,8 +5,8 @@
 For every distinct conv of ResNet-50 (network_suite.resnet50_layers: torchvision's v1.5, the stem,
 the 1x1s and the stride-2 layers included) at batch 128 in bf16, lesson 06's `bench_backward`:
 dgrad (conv2d_dgrad_launch: lesson 05's kernel per output phase) and wgrad (conv2d_wgrad_launch)
-are each checked against torch.nn.grad first, then timed next to cuDNN (torch.nn.grad.conv2d_input
-and conv2d_weight on channels_last tensors of the same dtype) with common.bench_tflops: do_bench's
+are each checked against torch.nn.grad first, then timed next to cuDNN (aten.convolution_backward,
+as autograd calls it, on the channels_last tensors of the same dtype) with common.bench_tflops: do_bench's
 median, L2 flushed before every call, launch and host time included. TFLOPS count the forward
 pass's useful FLOPs, 2*N*out_h*out_w*Co*Ci*R*S, for both gradients. --zero-insertion also times
 the strided layers' dgrad as one stride-1 conv over dY with zeros inserted (lesson 06, section 2).
