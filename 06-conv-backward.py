@@ -713,7 +713,8 @@ def choose_split_k(tiles, k_blocks, num_sms):
     candidates = range(1, max(1, min(k_blocks // MIN_K_STEPS_PER_SLICE, 64)) + 1)
     # (-(-a // b): ceiling division; triton.cdiv costs microseconds per call on the host, 64 calls here)
     fill = {s: tiles * s / (-(-tiles * s // num_sms) * num_sms) for s in candidates}
-    return min(s for s in candidates if fill[s] >= 0.95 * max(fill.values()))
+    best = max(fill.values())
+    return min(s for s in candidates if fill[s] >= 0.95 * best)
 
 
 @triton.jit
@@ -1304,17 +1305,19 @@ if __name__ == "__main__" and on_gpu and args.bench:
 #   56x56 256->64, the same GEMM (401,408 x 64 x 256), ran at 134 (RESULTS.md, H100, 2026-11-24).
 #   `--cudnn-benchmark` lets cuDNN time its algorithms first; that baseline is not measured yet,
 #   nor is cuDNN called with the real channels_last input, as the bench now does (section 9).
-# - wgrad's k-steps are slow, and neither the MMAs nor the HBM bandwidth explain it. By the
-#   launcher's own split (choose_split_k gives the recorded split_k on all 23 layers), each program
-#   of the four stride-1 1x1 layers at 56x56 runs about 103 k-steps, in 0.52-0.63 ms: at least 3.8
-#   us per k-step even if the fastest wgrad call's whole 0.13 ms were host time, with 64x64 and
-#   128x128 tiles alike. One 128x128x64 k-step is 0.28 us of tensor-core work at the H100's dense
-#   peak (989 TFLOPS over 132 SMs), and the 0.1-0.4 GB those layers load (each tile's reads
-#   counted) would take 0.03-0.12 ms at 3.35 TB/s. So the SMs wait on something else inside the
-#   k-loop: the loads' latency, which a 4-stage ring does not hide, or the one loader warp's issue
-#   rate, are the candidates; a profile of one layer would tell. What the design gives away in any
+# - wgrad's time is mostly not its k-steps, by this reasoning (not yet profiled). The four
+#   stride-1 1x1 layers at 56x56 took 0.52-0.63 ms with 64x64 and 128x128 tiles alike, and the 3x3
+#   64->64 layer, nine times their MMA work, only 13% more: the time follows something other than
+#   the work. One 128x128x64 k-step is 0.28 us of tensor-core work at the H100's dense peak, and
+#   those layers' loads would take 0.03-0.12 ms at 3.35 TB/s. What does grow on those layers is the
+#   launcher's host time, which do_bench counts: `prepare_wgrad` builds two descriptors and a
+#   workspace per call, and `choose_split_k` called `triton.cdiv` (a few microseconds a call in
+#   Triton 3.9) for each of up to 64 candidate splits. On a 2-core CPU `prepare_wgrad` took 245 us
+#   per call for a 56x56 layer, 216 of them in `choose_split_k`, and 51 us for a 7x7 one
+#   (`choose_split_k` now divides with plain integers and finds the best fill once: ~10 us). Timing each layer in a
+#   CUDA graph, and a profile of one, will separate the two. What the design gives away in any
 #   case: a 64-wide tile (BLOCK_M = 64 where Co is 64, BLOCK_N = 64 where Ci is) does half of a
-#   128x128 tile's MMA work for each such wait, a 64x64 tile a quarter; a tile covers one tap and
+#   128x128 tile's MMA work per pair of loads, a 64x64 tile a quarter; a tile covers one tap and
 #   one channel block, so every k-step loads a dY tile and an im2col box for one MMA, and dY is
 #   read again for each tap and channel block (a tile spanning several taps would load its dY tile
 #   once for all of them); one consumer warpgroup stores each tile before it starts the next
