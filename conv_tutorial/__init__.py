@@ -12,11 +12,13 @@ The kernel itself is the one lesson 05 teaches, loaded from that file (kernel.py
 importing only those above it: kernel (the lesson), geometry (arguments, device), configs
 (candidates, tile and shared-memory accounting), launch (plans, direct launch), selection
 (pruning, heuristic, autotuner, tuning file), runtime (`conv2d` on NHWC tensors), depthwise,
-ops (torch.library operators), fusion (the fx pass), fp8 (the e4m3 pass).
+backward (the conv's gradients: torch's, or lesson 06's kernels), ops (torch.library operators),
+fusion (the fx pass), fp8 (the e4m3 pass).
 
 Importing the package registers its two operators and changes nothing else: no environment
 variable, no Triton mode, no stream redirected.
 """
+from .backward import backward_backend, set_backward
 from .configs import CANDIDATES, FIXED_CONFIG, KernelConfig
 from .depthwise import depthwise_conv2d
 from .fp8 import quantize_fp8
@@ -27,6 +29,6 @@ from .runtime import conv2d as conv2d_nhwc
 from .selection import autotune_enabled, set_autotune, tuning_cache_path
 
 __all__ = ["CANDIDATES", "FIXED_CONFIG", "FusedConv2d", "KernelConfig", "TorchConvEpilogue", "TutorialConv2d",
-           "autotune_enabled", "conv2d", "conv2d_fp8", "conv2d_nhwc", "convert_conv2d", "depthwise_conv2d",
-           "fuse_conv_bn_act", "keep_faster_convs", "quantize_fp8", "quantize_tensor", "set_autotune",
-           "tuning_cache_path"]
+           "autotune_enabled", "backward_backend", "conv2d", "conv2d_fp8", "conv2d_nhwc", "convert_conv2d",
+           "depthwise_conv2d", "fuse_conv_bn_act", "keep_faster_convs", "quantize_fp8", "quantize_tensor",
+           "set_autotune", "set_backward", "tuning_cache_path"]

@@ -1,6 +1,7 @@
 """The package's one door to the lessons: lesson 05's kernel, its plain launcher and its configs,
 loaded from the lesson file a reader reads, so the operator runs the very source the chapter
-teaches. Every other module of the package takes them from here.
+teaches; and lesson 06's backward kernels (`lesson06`), loaded on first use. Every other module of
+the package takes them from here.
 
 Lesson 05 imports the lessons' kit, ``common.py``, as ``import common``. Loaded from here, the kit
 skips its process set-up (``PROCESS_SETUP = False``: it neither switches Triton to its interpreter
@@ -17,6 +18,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LESSON05_STEM = "05-warp-specialized-conv"
+LESSON06_STEM = "06-conv-backward"      # the backward's kernels (backward.py), loaded on first use
 
 
 def _already_loaded(path):
@@ -49,11 +51,11 @@ def _lessons_kit():
     return kit
 
 
-def _load_lesson05(kit):
+def _load_lesson(kit, stem=LESSON05_STEM):
     borrowed = sys.modules.get("common")
     sys.modules["common"] = kit          # what the lessons' `import common` finds while they load
     try:
-        return kit.load_lesson(LESSON05_STEM)
+        return kit.load_lesson(stem)
     finally:
         if borrowed is None:
             del sys.modules["common"]
@@ -62,4 +64,13 @@ def _load_lesson05(kit):
 
 
 common = _lessons_kit()
-lesson05 = _load_lesson05(common)
+lesson05 = _load_lesson(common)
+
+
+def __getattr__(name):
+    """`lesson06`, loaded the first time it is asked for (the operator's backward with
+    set_backward("lesson06")): importing the package does not load it."""
+    if name == "lesson06":
+        module = globals()["lesson06"] = _load_lesson(common, LESSON06_STEM)
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,8 +12,9 @@
   memory their NHWC view is contiguous and nothing is copied, otherwise it copies once. It returns
   the NCHW-shaped result in channels_last memory. A fake implementation gives shapes and strides
   to `torch.compile` (fullgraph traces it) and the op runs inside CUDA graphs once warmed up.
-  Backward uses PyTorch's convolution backward and the epilogue's chain rule, so a converted
-  model can be fine-tuned.
+  Backward: the epilogue's chain rule by hand, and the conv's gradients from PyTorch's
+  convolution backward, or from lesson 06's kernels with `set_backward("lesson06")`
+  (backward.py), so a converted model can be fine-tuned.
 - `torch.ops.conv_tutorial.conv2d_fp8(input, input_scale, weight, weight_scale, bias, stride,
   padding, dilation, residual=None, activation="none", out_dtype=None, out_scale=None)` is the
   same kernel on e4m3 operands (lesson 05, section 9): a per-tensor input scale, per-output-channel
@@ -38,7 +39,7 @@ from typing import List, Optional
 
 import torch
 
-from . import depthwise, runtime, selection
+from . import backward, depthwise, runtime, selection
 from .configs import grouped_conv_fits
 from .geometry import (FP8, FP8_MAX, KERNEL_DTYPES, check_epilogue, check_fp8_dtypes, check_fp8_scales,
                        conv_output_size, current_arch, fp8_epilogue, output_dtype, pair)
@@ -202,9 +203,8 @@ def _backward(ctx, grad_output):
         sigmoid = torch.sigmoid(_wide(pre))
         grad = (_wide(grad) * sigmoid * (1 + _wide(pre) * (1 - sigmoid))).to(grad_output.dtype)
     grad_conv = grad if scale is None else grad * scale.to(grad.dtype).view(1, -1, 1, 1)
-    grad_input, grad_weight, _ = torch.ops.aten.convolution_backward(
-        grad_conv, input, weight, None, stride, padding, dilation, False, [0, 0], groups,
-        [needs[0], needs[1], False])
+    grad_input, grad_weight = backward.conv_gradients(grad_conv, input, weight, stride, padding, dilation, groups,
+                                                      needs[0], needs[1])
     grad_bias = _wide(grad).sum((0, 2, 3)).to(bias.dtype) if bias is not None and needs[2] else None
     grad_scale = ((_wide(grad) * _wide(conv_out)).sum((0, 2, 3)).to(scale.dtype)
                   if scale is not None and needs[7] else None)

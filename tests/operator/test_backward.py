@@ -1,0 +1,121 @@
+"""The operator's backward with lesson 06's kernels (conv_tutorial.set_backward("lesson06")): the choice
+and its errors, the fallback to torch with one warning per reason (CPU), the layouts handed to the
+lesson's launchers (CPU, with launchers computed by torch.nn.grad in their place), and on a GPU the
+gradients of the operator against torch's on awkward shapes."""
+import types
+import warnings
+
+import common
+
+import pytest
+import torch
+
+import conv_tutorial
+from conv_tutorial import backward, kernel
+
+needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
+
+
+@pytest.fixture
+def lesson06_backend():
+    before = backward.backward_backend()
+    conv_tutorial.set_backward("lesson06")
+    backward._WARNED.clear()
+    yield
+    conv_tutorial.set_backward(before)
+
+
+def operator_gradients(x, w, b, stride, padding, dilation=1, activation="none"):
+    out = torch.ops.conv_tutorial.conv2d(x, w, b, [stride] * 2, [padding] * 2, [dilation] * 2, 1,
+                                         activation=activation)
+    out = out.float() if out.dtype in (torch.float16, torch.bfloat16) else out
+    return torch.autograd.grad(out.square().sum(), (x, w, b))
+
+
+def torch_gradients(x, w, b, stride, padding, dilation=1, activation="none"):
+    x, w, b = (t.detach().double().requires_grad_() for t in (x, w, b))
+    out = torch.nn.functional.conv2d(x, w, b, stride, padding, dilation)
+    out = torch.relu(out) if activation == "relu" else out
+    return torch.autograd.grad(out.square().sum(), (x, w, b))
+
+
+def test_set_backward_names_what_it_takes():
+    with pytest.raises(ValueError, match=r"one of \('torch', 'lesson06'\), got 'cudnn'"):
+        conv_tutorial.set_backward("cudnn")
+
+
+def test_cpu_tensors_fall_back_to_torch_with_one_warning(lesson06_backend):
+    x = torch.randn(2, 4, 7, 9, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 4, 3, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            grads = operator_gradients(x, w, b, 2, 1)
+    said = [str(w.message) for w in caught if "backward" in str(w.message)]
+    assert len(said) == 1 and "float64" in said[0], said       # the first reason that applies, once
+    for got, want in zip(grads, torch_gradients(x, w, b, 2, 1)):
+        torch.testing.assert_close(got, want.to(got.dtype))
+
+
+def test_lesson06_launchers_get_nhwc_tensors_and_give_nchw_gradients(lesson06_backend, monkeypatch):
+    """What the operator hands lesson 06 and what it makes of the results, with torch standing in
+    for the launchers (same signatures: NHWC dY, [Co, R, S, Ci] weight, NHWC x)."""
+    seen = []
+
+    def dgrad(dy, w, x_shape, stride, padding, dilation):
+        seen.append(("dgrad", dy.shape, w.shape, x_shape))
+        assert dy.is_contiguous() and w.is_contiguous()
+        dx = torch.nn.grad.conv2d_input((x_shape[0], x_shape[3], x_shape[1], x_shape[2]), w.permute(0, 3, 1, 2),
+                                        dy.permute(0, 3, 1, 2), stride, padding, dilation)
+        return dx.permute(0, 2, 3, 1).contiguous()
+
+    def wgrad(x, dy, w_shape, stride, padding, dilation):
+        seen.append(("wgrad", x.shape, dy.shape, w_shape))
+        assert x.is_contiguous() and dy.is_contiguous()
+        dw = torch.nn.grad.conv2d_weight(x.permute(0, 3, 1, 2), (w_shape[0], w_shape[3], w_shape[1], w_shape[2]),
+                                         dy.permute(0, 3, 1, 2), stride, padding, dilation)
+        return dw.permute(0, 2, 3, 1).contiguous()
+
+    monkeypatch.setattr(kernel, "lesson06", types.SimpleNamespace(conv2d_dgrad_launch=dgrad, conv2d_wgrad_launch=wgrad),
+                        raising=False)
+    monkeypatch.setattr(backward, "lesson06_reason", lambda *args: None)
+    x = torch.randn(2, 5, 9, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 5, 3, 2, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    grads = operator_gradients(x, w, b, 2, 1, activation="relu")
+    assert [s[0] for s in seen] == ["dgrad", "wgrad"]
+    assert seen[0][1:] == ((2, 5, 5, 6), (6, 3, 2, 5), (2, 9, 8, 5))
+    assert seen[1][1:] == ((2, 9, 8, 5), (2, 5, 5, 6), (6, 3, 2, 5))
+    for got, want in zip(grads, torch_gradients(x, w, b, 2, 1, activation="relu")):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want.to(got.dtype))
+
+
+# (N, H, W, Ci, Co, R, S, stride, padding, dilation): Ci=3, Co not a multiple of the tile, stride 2,
+# 1x1, non-square, dilation
+GPU_CASES = [(2, 16, 16, 3, 40, 3, 3, 1, 1, 1), (2, 17, 13, 64, 200, 3, 3, 2, 1, 1), (4, 14, 14, 128, 64, 1, 1, 1, 0, 1),
+             (2, 15, 19, 32, 48, 3, 5, 1, 2, 2), (2, 28, 28, 64, 128, 1, 1, 2, 0, 1)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", GPU_CASES)
+def test_operator_gradients_on_lesson06_match_torch(lesson06_backend, N, H, W, Ci, Co, R, S, stride, padding,
+                                                     dilation):
+    gen = torch.Generator().manual_seed(Ci * Co + R)
+    make = lambda *shape, scale=1.0: (torch.randn(*shape, generator=gen) * scale).cuda()  # noqa: E731
+    x = make(N, Ci, H, W).bfloat16().to(memory_format=torch.channels_last).requires_grad_()
+    w = make(Co, Ci, R, S, scale=(R * S * Ci) ** -0.5).bfloat16().to(memory_format=torch.channels_last).requires_grad_()
+    b = make(Co).float().requires_grad_()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grads = operator_gradients(x, w, b, stride, padding, dilation, activation="relu")
+    fell_back = [str(c.message) for c in caught if "backward" in str(c.message)]
+    assert not fell_back, fell_back                          # these shapes run on lesson 06's kernels
+    expected = torch_gradients(x, w, b, stride, padding, dilation, activation="relu")
+    # bf16 operands, fp32 accumulation: the gradient is a sum of K products each rounded to bf16
+    # (~4e-3 relative), so its error grows like sqrt(K) times the typical term; relative to the
+    # gradient's own scale 3e-2 leaves room (the forward tests use 2e-2 for one rounding).
+    for got, want in zip(grads[:2], expected[:2]):
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2 * scale)
