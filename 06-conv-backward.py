@@ -1332,13 +1332,14 @@ if __name__ == "__main__" and on_gpu and args.bench:
 #   cuDNN); for wgrad, a case for lesson 05's fold (section 8).
 # - No grouped or depthwise convs, no fp8 (section 3).
 #
-# Next: the operator (`conv_tutorial`) computes its backward with PyTorch's convolution backward
-# today; with these two launchers behind it (their signatures are the operator's: NHWC activations,
-# [Co, R, S, Ci] weights), a model trained on lesson 05's forward kernel would get its gradients
-# from the same machinery. The measurements above say it does not pay yet: wgrad nowhere, dgrad
-# only on 1x1 layers against cuDNN's default choice. What they point to first: dgrad through the
-# runtime's plan (a cheap launch, a tuned config per shape), the phases in one launch, and a
-# profile of the wgrad kernel's k-step.
+# Next: the operator (`conv_tutorial`) can take its conv gradients from these two launchers
+# (`conv_tutorial.set_backward("lesson06")`: NHWC views of its channels_last tensors, torch for
+# what they do not cover), so that a model trained on lesson 05's forward kernel gets its gradients
+# from the same machinery; it keeps PyTorch's convolution backward by default, because the
+# measurements above say the launchers do not pay yet: wgrad nowhere, dgrad only on 1x1 layers
+# against cuDNN's default choice. What they point to first: both launchers through a per-shape plan
+# (a cheap launch, as the forward's runtime; dgrad with a tuned config), the phases in one launch,
+# and a profile of the wgrad kernel's k-step.
 
 # %%
 if __name__ == "__main__":
