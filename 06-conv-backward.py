@@ -1226,8 +1226,10 @@ BENCH_LAYERS = [   # (label, N, H, W, Ci, Co, R, S, stride, padding), ResNet-50 
 ]
 
 
-def bench_backward(label, N, H, W, Ci, Co, R, S, stride, padding, dtype=torch.bfloat16, zero_insertion=False):
-    """TFLOPS of dgrad and wgrad, ours and cuDNN's, on one layer (each checked against torch first)."""
+def bench_backward(label, N, H, W, Ci, Co, R, S, stride, padding, dtype=torch.bfloat16, zero_insertion=False,
+                   cuda_graph=False):
+    """TFLOPS of dgrad and wgrad, ours and cuDNN's, on one layer (each checked against torch first);
+    with cuda_graph, each call replayed in a CUDA graph: the kernels' time without the host's."""
     x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, 1, dtype)
     check_backward("dgrad", N, H, W, Ci, Co, R, S, stride, padding, dtype=dtype)
     check_backward("wgrad", N, H, W, Ci, Co, R, S, stride, padding, dtype=dtype)
@@ -1250,7 +1252,7 @@ def bench_backward(label, N, H, W, Ci, Co, R, S, stride, padding, dtype=torch.bf
         calls["dgrad zero-insertion"] = lambda: zero_insertion_dgrad(dy, w, g, fprop)
     row = {"layer": label, "geometry": g.describe(),
            "wgrad_split_k": prepare_wgrad(x, dy, g, None, *common.tma_mma_arch_and_sms("bench")).config.split_k}
-    row.update({name: common.bench_tflops(call, g.flops) for name, call in calls.items()})
+    row.update({name: common.bench_tflops(call, g.flops, cuda_graph=cuda_graph) for name, call in calls.items()})
     print(f"   {label:<28}" + "".join(f"  {name} {row[name]['tflops']:6.1f}" for name in calls)
           + f"  (wgrad split_k {row['wgrad_split_k']})")
     return row

@@ -1,6 +1,7 @@
 """Lesson 06's backward on ResNet-50's convs: dgrad and wgrad per layer, ours against cuDNN.
 
-    python benchmarks/backward_layers.py [--outdir out] [--batch 128] [--quick] [--zero-insertion] [--cudnn-benchmark]
+    python benchmarks/backward_layers.py [--outdir out] [--batch 128] [--quick] [--zero-insertion] [--cuda-graphs]
+                                         [--cudnn-benchmark]
 
 For every distinct conv of ResNet-50 (network_suite.resnet50_layers: torchvision's v1.5, the stem,
 the 1x1s and the stride-2 layers included) at batch 128 in bf16, lesson 06's `bench_backward`:
@@ -40,6 +41,9 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="lesson 06's three --bench layers only")
     parser.add_argument("--zero-insertion", action="store_true",
                         help="also time dgrad of the strided layers as one conv over zero-inserted dY")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="replay each call in a CUDA graph (common.bench_tflops(cuda_graph=True)): kernels "
+                             "alone, no host time, L2 not flushed")
     parser.add_argument("--cudnn-benchmark", action="store_true",
                         help="let cuDNN time its algorithms per shape (torch.backends.cudnn.benchmark) first")
     args = parser.parse_args(argv)
@@ -47,14 +51,16 @@ def main(argv=None):
     lesson06 = common.load_lesson("06-conv-backward")
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     layers = lesson06.BENCH_LAYERS if args.quick else network_suite.resnet50_layers(args.batch)
-    print(f"dgrad and wgrad, bf16, {common.gpu_name()}, TFLOPS of useful FLOPs (do_bench medians):")
-    rows = [lesson06.bench_backward(*layer, zero_insertion=args.zero_insertion) for layer in layers]
+    how = "do_bench_cudagraph medians, kernels alone" if args.cuda_graphs else "do_bench medians, host time included"
+    print(f"dgrad and wgrad, bf16, {common.gpu_name()}, TFLOPS of useful FLOPs ({how}):")
+    rows = [lesson06.bench_backward(*layer, zero_insertion=args.zero_insertion, cuda_graph=args.cuda_graphs)
+            for layer in layers]
     summary = {kind: geometric_mean([row[kind]["tflops"] / row[f"{kind} cuDNN"]["tflops"] for row in rows])
                for kind in ("dgrad", "wgrad")}
     print("geometric mean over the layers, ours / cuDNN: " + ", ".join(f"{k} {v:.2f}x" for k, v in summary.items()))
     common.save_json(common.output_dir(args.outdir), "backward_layers",
                      {**common.versions(), "dtype": "bfloat16", "batch": args.batch, "summary": summary,
-                      "cudnn_benchmark": args.cudnn_benchmark, "rows": rows})
+                      "cudnn_benchmark": args.cudnn_benchmark, "cuda_graphs": args.cuda_graphs, "rows": rows})
 
 
 if __name__ == "__main__":
