@@ -8,7 +8,8 @@ at batch 128, bf16, 2026-11-25, results/h100-2026-11-25/backward_layers.json) th
 (dgrad) and 0.19x (wgrad) cuDNN's speed, geometric means, with host time included. With
 "lesson06", each gradient a call needs runs on the lesson's launchers where they cover the call
 (fp16 or bf16, groups 1, input, weight and gradient on one Hopper or data-centre Blackwell GPU) and
-on torch's convolution_backward otherwise, with one warning per reason. `$CONV_TUTORIAL_BACKWARD`
+on torch's convolution_backward otherwise, with one warning per reason (dgrad: lesson 06's phases, each a conv through this package's
+runtime; wgrad: lesson 06's kernel through its plain launcher). `$CONV_TUTORIAL_BACKWARD`
 sets the choice for a process. Lesson 06 is loaded (kernel.lesson06) on the first call that uses it.
 """
 import os
@@ -16,7 +17,9 @@ import warnings
 
 import torch
 
+from . import runtime, selection
 from .geometry import current_arch
+from .kernel import common
 
 BACKENDS = ("torch", "lesson06")
 _BACKEND = os.environ.get("CONV_TUTORIAL_BACKWARD", "torch")
@@ -65,6 +68,11 @@ def _say_once(reason):
                       stacklevel=4)
 
 
+def _fprop(dy_nhwc, w_phase, padding, dilation):
+    """One phase's stride-1 conv for lesson 06's dgrad_by_phases, through the forward's runtime."""
+    return runtime.conv2d(dy_nhwc, w_phase, None, 1, padding, dilation, tune=selection.autotune_enabled())
+
+
 def conv_gradients(grad_conv, input, weight, stride, padding, dilation, groups, needs_input, needs_weight):
     """(grad_input or None, grad_weight or None) of conv2d(input, weight) for the gradient
     grad_conv of its output: NCHW-shaped tensors, results in the inputs' memory format where
@@ -84,7 +92,10 @@ def conv_gradients(grad_conv, input, weight, stride, padding, dilation, groups, 
     x_shape = (input.shape[0], input.shape[2], input.shape[3], input.shape[1])
     grad_input = grad_weight = None
     if needs_input:
-        grad_input = lesson06.conv2d_dgrad_launch(dy, w_nhwc, x_shape, stride, padding, dilation).permute(0, 3, 1, 2)
+        # lesson 06's mapping (a stride-1 conv of dY per phase of dX), each conv through the
+        # forward's runtime: a plan per shape, the direct launch, the heuristic's (or a tuned) config
+        geometry = common.conv_geometry(x_shape, tuple(w_nhwc.shape), stride, padding, dilation)
+        grad_input = lesson06.dgrad_by_phases(dy, w_nhwc, geometry, _fprop).permute(0, 3, 1, 2)
     if needs_weight:
         grad_weight = lesson06.conv2d_wgrad_launch(nhwc(input), dy, tuple(w_nhwc.shape), stride, padding,
                                                    dilation).permute(0, 3, 1, 2)

@@ -58,17 +58,18 @@ def test_cpu_tensors_fall_back_to_torch_with_one_warning(lesson06_backend):
         torch.testing.assert_close(got, want.to(got.dtype))
 
 
-def test_lesson06_launchers_get_nhwc_tensors_and_give_nchw_gradients(lesson06_backend, monkeypatch):
-    """What the operator hands lesson 06 and what it makes of the results, with torch standing in
-    for the launchers (same signatures: NHWC dY, [Co, R, S, Ci] weight, NHWC x)."""
+def test_lesson06_path_gets_nhwc_tensors_and_gives_nchw_gradients(lesson06_backend, monkeypatch):
+    """What the operator hands lesson 06 and what it makes of the results, on a CPU: lesson 06's own
+    phases for dgrad with torch's conv standing in for each phase's kernel, and torch standing in
+    for the wgrad launcher (same signature: NHWC x and dY, [Co, R, S, Ci] weight shape)."""
     seen = []
 
-    def dgrad(dy, w, x_shape, stride, padding, dilation):
-        seen.append(("dgrad", dy.shape, w.shape, x_shape))
-        assert dy.is_contiguous() and w.is_contiguous()
-        dx = torch.nn.grad.conv2d_input((x_shape[0], x_shape[3], x_shape[1], x_shape[2]), w.permute(0, 3, 1, 2),
-                                        dy.permute(0, 3, 1, 2), stride, padding, dilation)
-        return dx.permute(0, 2, 3, 1).contiguous()
+    def phase_fprop(dy, w_phase, padding, dilation):
+        seen.append(("dgrad phase", dy.shape, w_phase.shape))
+        assert dy.is_contiguous() and w_phase.is_contiguous()
+        out = torch.nn.functional.conv2d(dy.permute(0, 3, 1, 2), w_phase.permute(0, 3, 1, 2), None, 1, padding,
+                                         dilation)
+        return out.permute(0, 2, 3, 1).contiguous()
 
     def wgrad(x, dy, w_shape, stride, padding, dilation):
         seen.append(("wgrad", x.shape, dy.shape, w_shape))
@@ -77,16 +78,18 @@ def test_lesson06_launchers_get_nhwc_tensors_and_give_nchw_gradients(lesson06_ba
                                          dy.permute(0, 3, 1, 2), stride, padding, dilation)
         return dw.permute(0, 2, 3, 1).contiguous()
 
-    monkeypatch.setattr(kernel, "lesson06", types.SimpleNamespace(conv2d_dgrad_launch=dgrad, conv2d_wgrad_launch=wgrad),
-                        raising=False)
+    lesson06 = common.load_lesson("06-conv-backward")
+    monkeypatch.setattr(kernel, "lesson06", types.SimpleNamespace(dgrad_by_phases=lesson06.dgrad_by_phases,
+                                                                  conv2d_wgrad_launch=wgrad), raising=False)
+    monkeypatch.setattr(backward, "_fprop", phase_fprop)
     monkeypatch.setattr(backward, "lesson06_reason", lambda *args: None)
     x = torch.randn(2, 5, 9, 8, dtype=torch.float64, requires_grad=True)
     w = torch.randn(6, 5, 3, 2, dtype=torch.float64, requires_grad=True)
     b = torch.randn(6, dtype=torch.float64, requires_grad=True)
     grads = operator_gradients(x, w, b, 2, 1, activation="relu")
-    assert [s[0] for s in seen] == ["dgrad", "wgrad"]
-    assert seen[0][1:] == ((2, 5, 5, 6), (6, 3, 2, 5), (2, 9, 8, 5))
-    assert seen[1][1:] == ((2, 9, 8, 5), (2, 5, 5, 6), (6, 3, 2, 5))
+    assert [s[0] for s in seen] == ["dgrad phase"] * 4 + ["wgrad"]        # stride 2: four phases of dX
+    assert all(s[1] == (2, 5, 5, 6) for s in seen[:4])                      # dY, NHWC
+    assert seen[4][1:] == ((2, 9, 8, 5), (2, 5, 5, 6), (6, 3, 2, 5))
     for got, want in zip(grads, torch_gradients(x, w, b, 2, 1, activation="relu")):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want.to(got.dtype))
