@@ -326,9 +326,15 @@ class TutorialConv2d(torch.nn.Module):
                                                    self.groups)
 
     def forward(self, x):
+        weight = self.weight
+        if torch.is_autocast_enabled(x.device.type):
+            # autocast (mixed-precision training) does to this conv what it does to nn.Conv2d's:
+            # input and weight in its lower precision (the bias may stay fp32 in the epilogue)
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight = x.to(dtype), weight.to(dtype)
         if self._op_args is None:          # "same" that needs asymmetric padding: the general path
-            return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
-        return conv2d_op(x, self.weight, self.bias, *self._op_args)
+            return conv2d(x, weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+        return conv2d_op(x, weight, self.bias, *self._op_args)
 
     def extra_repr(self):
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "

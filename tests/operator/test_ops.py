@@ -270,3 +270,18 @@ def test_cpu_epilogue_computes_only_the_activation_asked_for():
     scale, bias = torch.rand(3) + 0.5, torch.randn(3)
     expected = F.silu(x * scale.view(1, -1, 1, 1) + bias.view(1, -1, 1, 1) + x)
     torch.testing.assert_close(ops.reference_epilogue(x, bias, scale, x, "silu"), expected)
+
+
+def test_tutorial_conv_under_autocast_computes_in_the_autocast_dtype():
+    """Mixed-precision training: under autocast TutorialConv2d casts input and weight as autocast casts
+    nn.Conv2d's (CPU autocast here: bf16, torch's conv underneath), and the fp32 parameters get fp32 gradients."""
+    conv = torch.nn.Conv2d(8, 16, 3, padding=1, stride=2)
+    ours = ops.TutorialConv2d(conv)
+    x = torch.randn(2, 8, 9, 11).to(memory_format=torch.channels_last)
+    with torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected, got = conv(x), ours(x)
+    assert got.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    got.float().square().sum().backward()
+    assert ours.weight.grad.dtype == torch.float32 and ours.bias.grad.dtype == torch.float32
