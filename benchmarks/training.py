@@ -1,0 +1,186 @@
+"""Training steps of torchvision networks: eager cuDNN, torch.compile, and the operator under torch.compile.
+
+    python benchmarks/training.py [--nets resnet50 regnet_y_3_2gf] [--batch 128] [--steps 50] [--max-autotune]
+                                  [--variants eager compile ours ours-lesson06] [--outdir DIR]
+
+Each network is torchvision's with its own random initialisation (seed 0), channels_last, trained
+with bf16 autocast over fp32 master weights: SGD (lr 0.01, momentum 0.9, weight decay 1e-4) on
+cross-entropy, random 224x224 images and labels (seed 1; every variant sees the same batches from
+the same initial weights). Variants:
+  eager            the model as PyTorch trains it (cuDNN's forward and backward convs)
+  compile          torch.compile(model) (Inductor; a conv and its gradients stay aten's, cuDNN)
+  compile-max-autotune   torch.compile(mode="max-autotune"), with --max-autotune
+  ours             conv_tutorial.convert_conv2d, then torch.compile: forward convs on lesson 05's
+                   kernel, their gradients from torch (the default backward)
+  ours-lesson06    the same with conv_tutorial.set_backward("lesson06"): dgrad and wgrad on lesson 06
+For each: images/s over the timed steps (after warm-up steps that compile; CUDA-synchronized wall
+time per step, the median), the loss of each of `--steps` steps, and the first step's gradients'
+error against an fp32 reference (the same initial weights and batch, eager fp32, TF32 off):
+max |error| / max |reference| over all parameters. Writes training.json
+({"device", "torch", "triton", "rows": [{"net", "batch", "variant", "img_s", "loss_50", "losses",
+"grad_max_rel_err"}]}) and training_loss.png (the loss per step of every variant) to --outdir.
+Each variant runs in this process one after the other; `--smoke` runs a tiny network on a CPU (the
+operator falls back to torch there) to check the script itself.
+"""
+import argparse
+import copy
+import math
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import common  # noqa: E402
+import torch  # noqa: E402
+
+VARIANTS = ("eager", "compile", "compile-max-autotune", "ours", "ours-lesson06")
+
+
+def initial_model(net, seed=0):
+    import torchvision
+    torch.manual_seed(seed)
+    if net == "smoke":        # a tiny ResNet-like network for --smoke (CPU)
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3, stride=2, padding=1, bias=False), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+            torch.nn.Conv2d(16, 32, 3, stride=2, padding=1, bias=False), torch.nn.BatchNorm2d(32), torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 10))
+    return getattr(torchvision.models, net)(weights=None)
+
+
+def batches(steps, batch, size, classes, device, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 3, size, size, generator=generator).to(device).contiguous(
+                memory_format=torch.channels_last),
+             torch.randint(0, classes, (batch,), generator=generator).to(device)) for _ in range(steps)]
+
+
+def prepared(variant, model):
+    """The model (and the callable a step runs) of one variant."""
+    import conv_tutorial
+    conv_tutorial.set_backward("lesson06" if variant == "ours-lesson06" else "torch")
+    if variant.startswith("ours"):
+        model = conv_tutorial.convert_conv2d(model)
+    if variant == "eager":
+        return model, model
+    mode = "max-autotune" if variant == "compile-max-autotune" else None
+    return model, torch.compile(model, mode=mode)
+
+
+def train(variant, fp32_model, data, warmup, device):
+    """(losses of every step, seconds of each timed step) of one variant from the same weights."""
+    model, step_model = prepared(variant, copy.deepcopy(fp32_model).to(device).to(memory_format=torch.channels_last))
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    losses, seconds = [], []
+    autocast = dict(device_type=device, dtype=torch.bfloat16)
+    for i, (x, y) in enumerate(data):
+        start = time.perf_counter()
+        with torch.autocast(**autocast):
+            loss = torch.nn.functional.cross_entropy(step_model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            seconds.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    return losses, seconds
+
+
+def first_step_gradients(variant, fp32_model, x, y, device):
+    """Every parameter's gradient after one step of `variant` on (x, y) (bf16 autocast), or of the
+    fp32 reference (variant None: eager fp32, TF32 off)."""
+    model = copy.deepcopy(fp32_model).to(device).to(memory_format=torch.channels_last)
+    step_model = model if variant is None else prepared(variant, model)[1]
+    model.train()
+    if variant is None:
+        loss = torch.nn.functional.cross_entropy(step_model(x), y)
+    else:
+        with torch.autocast(device_type=device, dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(step_model(x), y)
+    loss.backward()
+    return [p.grad.detach().float() for p in model.parameters()]
+
+
+def gradient_error(grads, reference):
+    worst = max(r.abs().max().item() for r in reference)
+    return max((g - r).abs().max().item() for g, r in zip(grads, reference)) / worst
+
+
+def plot(rows, outdir):
+    nets = sorted({row["net"] for row in rows})
+    fig, axes = common.new_figure(2, len(nets), figsize=(6 * len(nets), 7), squeeze=False, sharex="col")
+    styles = ["-", "--", ":", "-.", (0, (5, 1))]
+    for column, net in enumerate(nets):
+        mine = [r for r in rows if r["net"] == net]
+        first = mine[0]
+        for style, row in zip(styles, mine):
+            steps = range(1, len(row["losses"]) + 1)
+            axes[0][column].plot(steps, row["losses"], style, label=row["variant"], linewidth=1.4)
+            axes[1][column].plot(steps, [a - b for a, b in zip(row["losses"], first["losses"])], style,
+                                 label=row["variant"], linewidth=1.4)
+        axes[0][column].set(ylabel="cross-entropy loss", title=f"{net}, batch {first['batch']}")
+        axes[1][column].set(xlabel="training step", ylabel=f"loss minus {first['variant']}'s")
+        for ax in axes[:, column]:
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    info = common.versions()
+    fig.suptitle(f"The loss per step of each variant from the same weights and batches (bf16 autocast, SGD)\n"
+                 f"{info['device']}, torch {info['torch']}, Triton {info['triton']}", fontsize=10)
+    fig.tight_layout()
+    common.save_figure(fig, outdir, "training_loss")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nets", nargs="+", default=["resnet50", "regnet_y_3_2gf"])
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the timing (compiles)")
+    parser.add_argument("--variants", nargs="+", default=["eager", "compile", "ours", "ours-lesson06"],
+                        choices=VARIANTS)
+    parser.add_argument("--max-autotune", action="store_true", help="also torch.compile(mode='max-autotune')")
+    parser.add_argument("--smoke", action="store_true", help="a tiny network on the CPU: checks the script")
+    parser.add_argument("--outdir", default=None)
+    args = parser.parse_args(argv)
+    variants = list(args.variants) + (["compile-max-autotune"] if args.max_autotune else [])
+    if args.smoke:
+        nets, device, size, classes = ["smoke"], "cpu", 32, 10
+    else:
+        common.require_tma_mma_gpu("benchmarks/training.py")
+        nets, device, size, classes = args.nets, "cuda", 224, 1000
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False   # the fp32 reference
+    if args.steps <= args.warmup:
+        raise ValueError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): no step would be timed")
+    rows = []
+    for net in nets:
+        fp32_model = initial_model(net)
+        data = batches(args.steps, args.batch, size, classes, device)
+        reference = first_step_gradients(None, fp32_model, *data[0], device)
+        for variant in variants:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch._dynamo.reset()
+                losses, seconds = train(variant, fp32_model, data, args.warmup, device)
+                error = gradient_error(first_step_gradients(variant, fp32_model, *data[0], device), reference)
+            row = {"net": net, "batch": args.batch, "variant": variant,
+                   "img_s": args.batch / statistics.median(seconds), "loss_50": losses[-1], "losses": losses,
+                   "grad_max_rel_err": error}
+            rows.append(row)
+            print(f"  {net:<16} {variant:<22} {row['img_s']:8.0f} img/s   loss after {len(losses)} steps "
+                  f"{losses[-1]:.4f}   first step's gradients: max rel. error {error:.2e}", flush=True)
+            if not all(math.isfinite(v) for v in losses):
+                print(f"  {net} {variant}: the loss is not finite", flush=True)
+    outdir = common.output_dir(args.outdir)
+    common.save_json(outdir, "training", {**common.versions(), "rows": rows})
+    plot(rows, outdir)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
