@@ -732,7 +732,9 @@ def wgrad_split_k_sum_kernel(partial_ptr, dw_ptr, numel, split_k, BLOCK: tl.cons
 def sum_partials(partial, dtype):
     """dW [Co, R*S*Ci] in `dtype` from the workspace [split_k, Co, R*S*Ci] (the interpreter on a CPU)."""
     dw = torch.empty(partial.shape[1:], device=partial.device, dtype=dtype)
-    wgrad_split_k_sum_kernel[(triton.cdiv(dw.numel(), 1024),)](partial, dw, dw.numel(), partial.shape[0], BLOCK=1024)
+    # 256 values per program, so that a small dW still spreads over many SMs (64x64: 16 programs,
+    # where 1024 per program gave 4, each looping over every slice); not timed against 1024 yet
+    wgrad_split_k_sum_kernel[(-(-dw.numel() // 256),)](partial, dw, dw.numel(), partial.shape[0], BLOCK=256)
     return dw
 
 
