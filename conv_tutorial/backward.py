@@ -18,7 +18,7 @@ import warnings
 import torch
 
 from . import runtime, selection
-from .geometry import current_arch
+from .geometry import current_arch, nhwc_view
 from .kernel import common
 
 BACKENDS = ("torch", "lesson06")
@@ -87,8 +87,7 @@ def conv_gradients(grad_conv, input, weight, stride, padding, dilation, groups, 
             [needs_input, needs_weight, False])
         return grad_input, grad_weight
     from .kernel import lesson06
-    nhwc = lambda t: t.permute(0, 2, 3, 1).contiguous()      # noqa: E731 (free in channels_last memory)
-    dy, w_nhwc = nhwc(grad_conv), nhwc(weight)               # weight [Co, Ci, R, S] -> [Co, R, S, Ci]
+    dy, w_nhwc = nhwc_view(grad_conv), nhwc_view(weight)     # weight [Co, Ci, R, S] -> [Co, R, S, Ci]
     x_shape = (input.shape[0], input.shape[2], input.shape[3], input.shape[1])
     grad_input = grad_weight = None
     if needs_input:
@@ -97,6 +96,6 @@ def conv_gradients(grad_conv, input, weight, stride, padding, dilation, groups, 
         geometry = common.conv_geometry(x_shape, tuple(w_nhwc.shape), stride, padding, dilation)
         grad_input = lesson06.dgrad_by_phases(dy, w_nhwc, geometry, _fprop).permute(0, 3, 1, 2)
     if needs_weight:
-        grad_weight = lesson06.conv2d_wgrad_launch(nhwc(input), dy, tuple(w_nhwc.shape), stride, padding,
+        grad_weight = lesson06.conv2d_wgrad_launch(nhwc_view(input), dy, tuple(w_nhwc.shape), stride, padding,
                                                    dilation).permute(0, 3, 1, 2)
     return grad_input, grad_weight

@@ -155,3 +155,9 @@ def _arch_of_device(device_index):
     if device_index is None or not common.is_tma_mma_capability(torch.cuda.get_device_capability(device_index)):
         return None
     return _device_facts_of(device_index)[0]
+
+
+def nhwc_view(t):
+    """The NHWC view of an NCHW-shaped tensor: free in channels_last memory, else one copy."""
+    view = t.permute(0, 2, 3, 1)
+    return view if view.is_contiguous() else view.contiguous()

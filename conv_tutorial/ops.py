@@ -42,7 +42,7 @@ import torch
 from . import backward, depthwise, runtime, selection
 from .configs import grouped_conv_fits
 from .geometry import (FP8, FP8_MAX, KERNEL_DTYPES, check_epilogue, check_fp8_dtypes, check_fp8_scales,
-                       conv_output_size, current_arch, fp8_epilogue, output_dtype, pair)
+                       conv_output_size, current_arch, fp8_epilogue, nhwc_view, output_dtype, pair)
 from .kernel import common
 
 _WARNED = set()
@@ -84,12 +84,6 @@ def _gpu_reason(device_index):
 def is_depthwise(groups, in_channels, out_channels, weight_shape):
     """One filter per channel: groups = in = out channels (depthwise.py runs it)."""
     return groups > 1 and groups == in_channels == out_channels and weight_shape[1] == 1
-
-
-def nhwc_view(t):
-    """The NHWC view of an NCHW-shaped tensor: free in channels_last memory, else one copy."""
-    view = t.permute(0, 2, 3, 1)
-    return view if view.is_contiguous() else view.contiguous()
 
 
 def reference_epilogue(conv_out, bias, scale, residual, activation):
