@@ -14,6 +14,7 @@ sets the choice for a process. Lesson 06 is loaded (kernel.lesson06) on the firs
 """
 import os
 import warnings
+from typing import List
 
 import torch
 
@@ -75,27 +76,71 @@ def _fprop(dy_nhwc, w_phase, padding, dilation):
 
 def conv_gradients(grad_conv, input, weight, stride, padding, dilation, groups, needs_input, needs_weight):
     """(grad_input or None, grad_weight or None) of conv2d(input, weight) for the gradient
-    grad_conv of its output: NCHW-shaped tensors, results in the inputs' memory format where
-    torch computes them and channels_last where lesson 06 does."""
-    reason = "the default backend" if backward_backend() == "torch" else lesson06_reason(grad_conv, input, weight,
-                                                                                          groups)
-    if reason is not None:
-        if reason != "the default backend":
-            _say_once(reason)
+    grad_conv of its output: NCHW-shaped tensors, in the inputs' memory format where torch's
+    backend computes them, channels_last with "lesson06".
+
+    With "lesson06" each gradient is an operator of its own (torch.ops.conv_tutorial.conv2d_input_grad
+    and conv2d_weight_grad, below), so that torch.compile, which traces this function once with
+    tensors that hold no data, records the operators and the choice between lesson 06 and torch
+    is made when they run, on the real tensors."""
+    if backward_backend() == "torch":
         grad_input, grad_weight, _ = torch.ops.aten.convolution_backward(
             grad_conv, input, weight, None, stride, padding, dilation, False, [0, 0], groups,
             [needs_input, needs_weight, False])
         return grad_input, grad_weight
-    from .kernel import lesson06
-    dy, w_nhwc = nhwc_view(grad_conv), nhwc_view(weight)     # weight [Co, Ci, R, S] -> [Co, R, S, Ci]
-    x_shape = (input.shape[0], input.shape[2], input.shape[3], input.shape[1])
-    grad_input = grad_weight = None
-    if needs_input:
-        # lesson 06's mapping (a stride-1 conv of dY per phase of dX), each conv through the
-        # forward's runtime: a plan per shape, the direct launch, the heuristic's (or a tuned) config
-        geometry = common.conv_geometry(x_shape, tuple(w_nhwc.shape), stride, padding, dilation)
-        grad_input = lesson06.dgrad_by_phases(dy, w_nhwc, geometry, _fprop).permute(0, 3, 1, 2)
-    if needs_weight:
-        grad_weight = lesson06.conv2d_wgrad_launch(nhwc_view(input), dy, tuple(w_nhwc.shape), stride, padding,
-                                                   dilation).permute(0, 3, 1, 2)
+    args = (grad_conv, input, weight, list(stride), list(padding), list(dilation), groups)
+    grad_input = torch.ops.conv_tutorial.conv2d_input_grad(*args) if needs_input else None
+    grad_weight = torch.ops.conv_tutorial.conv2d_weight_grad(*args) if needs_weight else None
     return grad_input, grad_weight
+
+
+def _torch_gradient(which, grad_conv, input, weight, stride, padding, dilation, groups):
+    mask = [which == "input", which == "weight", False]
+    grads = torch.ops.aten.convolution_backward(grad_conv, input, weight, None, stride, padding, dilation, False,
+                                                [0, 0], groups, mask)
+    return grads[0 if which == "input" else 1]
+
+
+def _input_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, stride: List[int],
+                padding: List[int], dilation: List[int], groups: int) -> torch.Tensor:
+    """dX: lesson 06's mapping (a stride-1 conv of dY per phase of dX), each conv through the
+    forward's runtime (a plan per shape, the heuristic's or a tuned config), or torch's."""
+    reason = lesson06_reason(grad_output, input, weight, groups)
+    if reason is not None:
+        _say_once(reason)
+        dx = _torch_gradient("input", grad_output, input, weight, stride, padding, dilation, groups)
+    else:
+        from .kernel import lesson06
+        w_nhwc = nhwc_view(weight)                       # weight [Co, Ci, R, S] -> [Co, R, S, Ci]
+        x_shape = (input.shape[0], input.shape[2], input.shape[3], input.shape[1])
+        geometry = common.conv_geometry(x_shape, tuple(w_nhwc.shape), stride, padding, dilation)
+        dx = lesson06.dgrad_by_phases(nhwc_view(grad_output), w_nhwc, geometry, _fprop).permute(0, 3, 1, 2)
+    return dx.contiguous(memory_format=torch.channels_last)      # the layout the fake below promises
+
+
+def _weight_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, stride: List[int],
+                 padding: List[int], dilation: List[int], groups: int) -> torch.Tensor:
+    """dW: lesson 06's wgrad kernel through its plain launcher, or torch's."""
+    reason = lesson06_reason(grad_output, input, weight, groups)
+    if reason is not None:
+        _say_once(reason)
+        dw = _torch_gradient("weight", grad_output, input, weight, stride, padding, dilation, groups)
+    else:
+        from .kernel import lesson06
+        w_shape = (weight.shape[0], weight.shape[2], weight.shape[3], weight.shape[1])
+        dw = lesson06.conv2d_wgrad_launch(nhwc_view(input), nhwc_view(grad_output), w_shape, tuple(stride),
+                                          tuple(padding), tuple(dilation)).permute(0, 3, 1, 2)
+    return dw.contiguous(memory_format=torch.channels_last)
+
+
+_LIBRARY = torch.library.Library("conv_tutorial", "FRAGMENT")
+for _name, _function, _like in (("conv2d_input_grad", _input_grad, "input"),
+                                ("conv2d_weight_grad", _weight_grad, "weight")):
+    _LIBRARY.define(_name + torch.library.infer_schema(_function, mutates_args=()),
+                    tags=(torch.Tag.pt2_compliant_tag,))
+    _LIBRARY.impl(_name, _function, "CompositeExplicitAutograd")
+
+    def _fake(grad_output, input, weight, stride, padding, dilation, groups, _like=_like):
+        like = input if _like == "input" else weight
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device, memory_format=torch.channels_last)
+    torch.library.register_fake("conv_tutorial::" + _name, _fake)

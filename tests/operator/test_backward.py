@@ -58,21 +58,22 @@ def test_cpu_tensors_fall_back_to_torch_with_one_warning(lesson06_backend):
         torch.testing.assert_close(got, want.to(got.dtype))
 
 
-def test_lesson06_path_gets_nhwc_tensors_and_gives_nchw_gradients(lesson06_backend, monkeypatch):
-    """What the operator hands lesson 06 and what it makes of the results, on a CPU: lesson 06's own
-    phases for dgrad with torch's conv standing in for each phase's kernel, and torch standing in
-    for the wgrad launcher (same signature: NHWC x and dY, [Co, R, S, Ci] weight shape)."""
+@pytest.fixture
+def lesson06_stand_ins(lesson06_backend, monkeypatch):
+    """Lesson 06's own phases for dgrad with torch's conv standing in for each phase's kernel, and
+    torch standing in for the wgrad launcher (same signature: NHWC x and dY, [Co, R, S, Ci] weight
+    shape), on a CPU. Yields the list of what they were handed."""
     seen = []
 
     def phase_fprop(dy, w_phase, padding, dilation):
-        seen.append(("dgrad phase", dy.shape, w_phase.shape))
+        seen.append(("dgrad phase", dy.shape, w_phase.shape, type(dy)))
         assert dy.is_contiguous() and w_phase.is_contiguous()
         out = torch.nn.functional.conv2d(dy.permute(0, 3, 1, 2), w_phase.permute(0, 3, 1, 2), None, 1, padding,
                                          dilation)
         return out.permute(0, 2, 3, 1).contiguous()
 
     def wgrad(x, dy, w_shape, stride, padding, dilation):
-        seen.append(("wgrad", x.shape, dy.shape, w_shape))
+        seen.append(("wgrad", x.shape, dy.shape, w_shape, type(x)))
         assert x.is_contiguous() and dy.is_contiguous()
         dw = torch.nn.grad.conv2d_weight(x.permute(0, 3, 1, 2), (w_shape[0], w_shape[3], w_shape[1], w_shape[2]),
                                          dy.permute(0, 3, 1, 2), stride, padding, dilation)
@@ -83,16 +84,43 @@ def test_lesson06_path_gets_nhwc_tensors_and_gives_nchw_gradients(lesson06_backe
                                                                   conv2d_wgrad_launch=wgrad), raising=False)
     monkeypatch.setattr(backward, "_fprop", phase_fprop)
     monkeypatch.setattr(backward, "lesson06_reason", lambda *args: None)
+    yield seen
+
+
+def stand_in_inputs():
     x = torch.randn(2, 5, 9, 8, dtype=torch.float64, requires_grad=True)
     w = torch.randn(6, 5, 3, 2, dtype=torch.float64, requires_grad=True)
     b = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    return x, w, b
+
+
+def test_lesson06_path_gets_nhwc_tensors_and_gives_nchw_gradients(lesson06_stand_ins):
+    seen = lesson06_stand_ins
+    x, w, b = stand_in_inputs()
     grads = operator_gradients(x, w, b, 2, 1, activation="relu")
     assert [s[0] for s in seen] == ["dgrad phase"] * 4 + ["wgrad"]        # stride 2: four phases of dX
     assert all(s[1] == (2, 5, 5, 6) for s in seen[:4])                      # dY, NHWC
-    assert seen[4][1:] == ((2, 9, 8, 5), (2, 5, 5, 6), (6, 3, 2, 5))
+    assert seen[4][1:4] == ((2, 9, 8, 5), (2, 5, 5, 6), (6, 3, 2, 5))
     for got, want in zip(grads, torch_gradients(x, w, b, 2, 1, activation="relu")):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want.to(got.dtype))
+
+
+def test_under_torch_compile_lesson06_runs_on_every_step_with_real_tensors(lesson06_stand_ins):
+    """torch.compile traces the backward once with tensors that hold no data; the gradients are
+    operators of their own, so lesson 06's launchers run when a step runs, on that step's tensors."""
+    torch._dynamo.reset()
+    seen = lesson06_stand_ins
+    x, w, b = stand_in_inputs()
+    step = torch.compile(lambda x, w, b: torch.ops.conv_tutorial.conv2d(x, w, b, [2, 2], [1, 1], [1, 1], 1,
+                                                                         activation="relu").square().sum())
+    expected = torch_gradients(x, w, b, 2, 1, activation="relu")
+    for steps in (1, 2, 3):
+        grads = torch.autograd.grad(step(x, w, b), (x, w, b))
+        assert len(seen) == 5 * steps                               # 4 dgrad phases and a wgrad per step
+        assert all(s[-1] is torch.Tensor for s in seen)             # real tensors, not the tracer's
+        for got, want in zip(grads, expected):
+            torch.testing.assert_close(got, want.to(got.dtype))
 
 
 # (N, H, W, Ci, Co, R, S, stride, padding, dilation): Ci=3, Co not a multiple of the tile, stride 2,
