@@ -13,6 +13,8 @@ the same initial weights). Variants:
   ours             conv_tutorial.convert_conv2d, then torch.compile: forward convs on lesson 05's
                    kernel, their gradients from torch (the default backward)
   ours-lesson06    the same with conv_tutorial.set_backward("lesson06"): dgrad and wgrad on lesson 06
+  ...-cudagraphs   compile, ours, ours-lesson06 under torch.compile(mode="reduce-overhead"): each
+                   compiled forward and backward replayed as a CUDA graph (kernels without host time)
 For each: images/s over the timed steps (after warm-up steps that compile; CUDA-synchronized wall
 time per step, the median), the loss of each of `--steps` steps, and the first step's gradients'
 error against an fp32 reference (the same initial weights and batch, eager fp32, TF32 off):
@@ -37,7 +39,8 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import torch  # noqa: E402
 
-VARIANTS = ("eager", "compile", "compile-max-autotune", "ours", "ours-lesson06")
+VARIANTS = ("eager", "compile", "compile-max-autotune", "ours", "ours-lesson06", "compile-cudagraphs",
+            "ours-cudagraphs", "ours-lesson06-cudagraphs")
 
 
 def initial_model(net, seed=0):
@@ -61,12 +64,13 @@ def batches(steps, batch, size, classes, device, seed=1):
 def prepared(variant, model):
     """The model (and the callable a step runs) of one variant."""
     import conv_tutorial
-    conv_tutorial.set_backward("lesson06" if variant == "ours-lesson06" else "torch")
+    conv_tutorial.set_backward("lesson06" if variant.startswith("ours-lesson06") else "torch")
     if variant.startswith("ours"):
         model = conv_tutorial.convert_conv2d(model)
     if variant == "eager":
         return model, model
-    mode = "max-autotune" if variant == "compile-max-autotune" else None
+    mode = {"compile-max-autotune": "max-autotune"}.get(variant)
+    mode = "reduce-overhead" if variant.endswith("-cudagraphs") else mode
     return model, torch.compile(model, mode=mode)
 
 
@@ -121,7 +125,8 @@ def plot(rows, outdir):
     for column, net in enumerate(nets):
         mine = [r for r in rows if r["net"] == net]
         first = mine[0]
-        for style, row in zip(styles, mine):
+        for i, row in enumerate(mine):
+            style = styles[i % len(styles)]
             steps = range(1, len(row["losses"]) + 1)
             axes[0][column].plot(steps, row["losses"], style, label=row["variant"], linewidth=1.4)
             axes[1][column].plot(steps, [a - b for a, b in zip(row["losses"], first["losses"])], style,
