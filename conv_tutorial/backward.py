@@ -76,22 +76,28 @@ def _fprop(dy_nhwc, w_phase, padding, dilation):
 
 def conv_gradients(grad_conv, input, weight, stride, padding, dilation, groups, needs_input, needs_weight):
     """(grad_input or None, grad_weight or None) of conv2d(input, weight) for the gradient
-    grad_conv of its output: NCHW-shaped tensors, in the inputs' memory format where torch's
-    backend computes them, channels_last with "lesson06".
+    grad_conv of its output: NCHW-shaped tensors in channels_last memory (a layout fixed ahead of
+    the call, as the operators' fake implementations must promise one).
 
-    With "lesson06" each gradient is an operator of its own (torch.ops.conv_tutorial.conv2d_input_grad
-    and conv2d_weight_grad, below), so that torch.compile, which traces this function once with
-    tensors that hold no data, records the operators and the choice between lesson 06 and torch
-    is made when they run, on the real tensors."""
-    if backward_backend() == "torch":
-        grad_input, grad_weight, _ = torch.ops.aten.convolution_backward(
-            grad_conv, input, weight, None, stride, padding, dilation, False, [0, 0], groups,
-            [needs_input, needs_weight, False])
-        return grad_input, grad_weight
+    Each gradient is an operator of its own (torch.ops.conv_tutorial.conv2d_input_grad and
+    conv2d_weight_grad, below) that reads the backend when it runs. torch.compile traces this
+    function once, with tensors that hold no data, and keeps what it traced in its caches, in
+    memory and on disk, keyed by the forward graph: with the choice made here, a model compiled
+    under one backend would keep it after set_backward. Recorded as operators, the choice and the
+    launches happen at every call, on the real tensors."""
     args = (grad_conv, input, weight, list(stride), list(padding), list(dilation), groups)
     grad_input = torch.ops.conv_tutorial.conv2d_input_grad(*args) if needs_input else None
     grad_weight = torch.ops.conv_tutorial.conv2d_weight_grad(*args) if needs_weight else None
     return grad_input, grad_weight
+
+
+def _why_torch(grad_output, input, weight, groups):
+    if backward_backend() == "torch":
+        return "the default backend"
+    reason = lesson06_reason(grad_output, input, weight, groups)
+    if reason is not None:
+        _say_once(reason)
+    return reason
 
 
 def _torch_gradient(which, grad_conv, input, weight, stride, padding, dilation, groups):
@@ -105,9 +111,7 @@ def _input_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Te
                 padding: List[int], dilation: List[int], groups: int) -> torch.Tensor:
     """dX: lesson 06's mapping (a stride-1 conv of dY per phase of dX), each conv through the
     forward's runtime (a plan per shape, the heuristic's or a tuned config), or torch's."""
-    reason = lesson06_reason(grad_output, input, weight, groups)
-    if reason is not None:
-        _say_once(reason)
+    if _why_torch(grad_output, input, weight, groups):
         dx = _torch_gradient("input", grad_output, input, weight, stride, padding, dilation, groups)
     else:
         from .kernel import lesson06
@@ -115,15 +119,13 @@ def _input_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Te
         x_shape = (input.shape[0], input.shape[2], input.shape[3], input.shape[1])
         geometry = common.conv_geometry(x_shape, tuple(w_nhwc.shape), stride, padding, dilation)
         dx = lesson06.dgrad_by_phases(nhwc_view(grad_output), w_nhwc, geometry, _fprop).permute(0, 3, 1, 2)
-    return dx.contiguous(memory_format=torch.channels_last)      # the layout the fake below promises
+    return dx.contiguous(memory_format=torch.channels_last)            # the layout the fake promises
 
 
 def _weight_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, stride: List[int],
                  padding: List[int], dilation: List[int], groups: int) -> torch.Tensor:
     """dW: lesson 06's wgrad kernel through its plain launcher, or torch's."""
-    reason = lesson06_reason(grad_output, input, weight, groups)
-    if reason is not None:
-        _say_once(reason)
+    if _why_torch(grad_output, input, weight, groups):
         dw = _torch_gradient("weight", grad_output, input, weight, stride, padding, dilation, groups)
     else:
         from .kernel import lesson06

@@ -106,16 +106,20 @@ def test_lesson06_path_gets_nhwc_tensors_and_gives_nchw_gradients(lesson06_stand
         torch.testing.assert_close(got, want.to(got.dtype))
 
 
-def test_under_torch_compile_lesson06_runs_on_every_step_with_real_tensors(lesson06_stand_ins):
-    """torch.compile traces the backward once with tensors that hold no data; the gradients are
-    operators of their own, so lesson 06's launchers run when a step runs, on that step's tensors."""
+def test_under_torch_compile_the_backend_is_chosen_when_a_step_runs(lesson06_stand_ins):
+    """torch.compile traces the backward once, with tensors that hold no data, and caches it by the
+    forward graph; the gradients are operators of their own that read the backend when they run:
+    lesson 06's launchers run at every step on that step's tensors, and set_backward after the
+    compile takes effect."""
     torch._dynamo.reset()
     seen = lesson06_stand_ins
     x, w, b = stand_in_inputs()
     step = torch.compile(lambda x, w, b: torch.ops.conv_tutorial.conv2d(x, w, b, [2, 2], [1, 1], [1, 1], 1,
                                                                          activation="relu").square().sum())
     expected = torch_gradients(x, w, b, 2, 1, activation="relu")
-    for steps in (1, 2, 3):
+    conv_tutorial.set_backward("torch")
+    for backend, steps in (("torch", 0), ("lesson06", 1), ("lesson06", 2), ("torch", 2), ("lesson06", 3)):
+        conv_tutorial.set_backward(backend)
         grads = torch.autograd.grad(step(x, w, b), (x, w, b))
         assert len(seen) == 5 * steps                               # 4 dgrad phases and a wgrad per step
         assert all(s[-1] is torch.Tensor for s in seen)             # real tensors, not the tracer's
