@@ -283,28 +283,23 @@ class TileOutput:
         if work.partial:
             store_partial_tile(acc, self.partial_ptr, work.split, self.M, self.Co, m0, co0)
         else:
-            store_output_tile(acc, c_smem, out_desc, self, m0, co0, STORES_IN_FLIGHT)
-
-
-@gluon.jit
-def store_output_tile(acc, c_smem, out_desc, output, m0, co0, STORES_IN_FLIGHT: gl.constexpr):
-    # y = act(acc * scale[co] + bias[co] + residual[m, co]) in fp32 (section 5), each part only if its switch asks for
-    # it; cast, and an asynchronous TMA store of the tile.
-    BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
-    cols = co0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
-    residual = 0.0
-    if output.EPILOGUE.residual:
-        # the residual tile, read in the accumulator's own layout: no shuffle through shared memory
-        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
-        offsets = gl.expand_dims(rows.to(gl.int64) * output.Co, 1) + gl.expand_dims(cols, 0)
-        inside = gl.expand_dims(rows < output.M, 1) & gl.expand_dims(cols < output.Co, 0)
-        residual = gl.load(output.residual_ptr + offsets, mask=inside, other=0.0)
-    acc = apply_epilogue(acc, cols, output.Co, output.scale_ptr, output.bias_ptr, residual, output.EPILOGUE)
-    tma.store_wait(pendings=STORES_IN_FLIGHT)
-    c_smem.store(acc.to(out_desc.dtype))
-    fence_async_shared()
-    tma.async_store(out_desc, [m0, co0], c_smem)
+            # y = act(acc * scale[co] + bias[co] + residual[m, co]) in fp32 (section 5), each part only if its
+            # switch asks for it; cast, and an asynchronous TMA store of the tile.
+            BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
+            BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
+            cols = co0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+            residual = 0.0
+            if self.EPILOGUE.residual:
+                # the residual tile, read in the accumulator's own layout: no shuffle through shared memory
+                rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
+                offsets = gl.expand_dims(rows.to(gl.int64) * self.Co, 1) + gl.expand_dims(cols, 0)
+                inside = gl.expand_dims(rows < self.M, 1) & gl.expand_dims(cols < self.Co, 0)
+                residual = gl.load(self.residual_ptr + offsets, mask=inside, other=0.0)
+            y = apply_epilogue(acc, cols, self.Co, self.scale_ptr, self.bias_ptr, residual, self.EPILOGUE)
+            tma.store_wait(pendings=STORES_IN_FLIGHT)
+            c_smem.store(y.to(out_desc.dtype))
+            fence_async_shared()
+            tma.async_store(out_desc, [m0, co0], c_smem)
 
 
 # %%
@@ -424,7 +419,6 @@ def blackwell_mma_partition(ring, schedule, acc):
 
 @gluon.jit
 def blackwell_epilogue_partition(schedule, acc, output):
-    BLOCK_M: gl.constexpr = output.out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = output.out_desc.block_type.shape[1]
     acc_state = common.Counter(gl.to_tensor(0), acc.NUM_ACC)
     for unit in range(gl.program_id(0), schedule.num_units(), gl.num_programs(0)):
@@ -435,10 +429,10 @@ def blackwell_epilogue_partition(schedule, acc, output):
         if schedule.TILE_N > BLOCK_N:
             tile_tail = acc.tail_tmem.index(buf).load()
         mbarrier.arrive(acc.empty.index(buf))      # the MMA warp may reuse it now
-        co0 = work.pid_n * schedule.TILE_N
-        output.store(tile, work, work.pid_m * BLOCK_M, co0, False)
+        m0, co0 = work.pid_m * schedule.TILE_M, work.pid_n * schedule.TILE_N
+        output.store(tile, work, m0, co0, False)
         if schedule.TILE_N > BLOCK_N:
-            output.store(tile_tail, work, work.pid_m * BLOCK_M, co0 + BLOCK_N, True, STORES_IN_FLIGHT=1)
+            output.store(tile_tail, work, m0, co0 + BLOCK_N, True, STORES_IN_FLIGHT=1)
         acc_state = acc_state.next()
     tma.store_wait(pendings=0)
 
@@ -478,25 +472,24 @@ class TileSchedule:
 
     @gluon.jit
     def num_units(self):
-        return num_work_units(self.num_pid_m * self.num_pid_n, self.SPLIT_K)
+        # How many units the tiles make: whole tiles, plus SPLIT_K slices of each split one.
+        num_tiles = self.num_pid_m * self.num_pid_n
+        if self.SPLIT_K == 1:
+            return num_tiles
+        whole_tiles = whole_tile_count(num_tiles, gl.num_programs(0), self.SPLIT_K)
+        return whole_tiles + (num_tiles - whole_tiles) * self.SPLIT_K
 
     @gluon.jit
     def work(self, unit):
         tile_id, split, k_begin, k_end, partial = work_unit(unit, self.num_pid_m * self.num_pid_n,
                                                             self.k_steps, self.SPLIT_K)
-        pid_m, pid_n = grouped_tile(tile_id, self.num_pid_m, self.num_pid_n)
+        # (pid_m, pid_n) of the linear tile id, GROUP_M row-tiles at a time (the L2-friendly order)
+        tiles_per_group = GROUP_M * self.num_pid_n
+        first_m = (tile_id // tiles_per_group) * GROUP_M
+        rows_in_group = gl.minimum(self.num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile_id % tiles_per_group) % rows_in_group
+        pid_n = (tile_id % tiles_per_group) // rows_in_group
         return WorkUnit(pid_m, pid_n, k_begin, k_end, split, partial)
-
-
-@gluon.jit
-def grouped_tile(tile_id, num_pid_m, num_pid_n):
-    # (pid_m, pid_n) of a linear tile id, GROUP_M row-tiles at a time (L2-friendly order).
-    tiles_per_group = GROUP_M * num_pid_n
-    first_m = (tile_id // tiles_per_group) * GROUP_M
-    rows_in_group = gl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile_id % tiles_per_group) % rows_in_group
-    pid_n = (tile_id % tiles_per_group) // rows_in_group
-    return pid_m, pid_n
 
 
 @gluon.jit
@@ -517,15 +510,6 @@ def work_unit(unit, num_tiles, k_steps, SPLIT_K: gl.constexpr):
     k_begin = partial * (split * k_steps // SPLIT_K)
     k_end = k_steps + partial * ((split + 1) * k_steps // SPLIT_K - k_steps)
     return tile_id, split, k_begin, k_end, partial
-
-
-@gluon.jit
-def num_work_units(num_tiles, SPLIT_K: gl.constexpr):
-    # How many units the tiles make: whole tiles, plus SPLIT_K slices of each split one.
-    if SPLIT_K == 1:
-        return num_tiles
-    whole_tiles = whole_tile_count(num_tiles, gl.num_programs(0), SPLIT_K)
-    return whole_tiles + (num_tiles - whole_tiles) * SPLIT_K
 
 
 @triton.jit
@@ -574,7 +558,7 @@ def whole_tile_count(num_tiles, programs, SPLIT_K: tl.constexpr):
 # ~0.18 ms at the H100's 3.35 TB/s, on a layer whose conv itself takes ~0.1 ms. Even
 # torch.compile, which fuses the three into one kernel, cannot fuse them into a cuDNN call.
 #
-# Our epilogue holds the tile in registers anyway. `store_output_tile` (section 2) loads, each only
+# Our epilogue holds the tile in registers anyway. `TileOutput.store` (section 2) loads, each only
 # if its switch asks for it so the plain kernel is unchanged, a per-channel fp32 scale, the bias
 # (or shift) and the residual tile (read straight into the accumulator's register layout), and
 # `apply_epilogue` combines them with the tile and applies ReLU or SiLU before the one store. It is
@@ -620,7 +604,6 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
                         CONFIG: gl.constexpr, EPILOGUE: gl.constexpr, IS_BLACKWELL: gl.constexpr):
     (M, Co, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group,
      S, k_steps, channel_blocks) = shape
-    bias_ptr, scale_ptr, residual_ptr, partial_ptr = epilogue_ptrs
     dtype: gl.constexpr = in_desc.dtype
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
@@ -630,8 +613,6 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
     BLOCK_M_TAIL: gl.constexpr = CONFIG.block_m_tail                  # section 6
     BLOCK_N_TAIL: gl.constexpr = CONFIG.block_n_tail                  # section 6
     STORE_BY_ROW_BLOCKS: gl.constexpr = stores_by_row_blocks(CONFIG)  # section 6
-    gl.static_assert(BLOCK_M_TAIL == 0 or BLOCK_N_TAIL == 0, "a tail in M or in N, not both")
-    gl.static_assert(BLOCK_M_TAIL == 0 or not IS_BLACKWELL, "row tails are a Hopper schedule")
     # A is BLOCK_M pixels deep even when a row tail makes the im2col box shorter (section 6)
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_M, BLOCK_K], in_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + w_desc.block_type.shape, w_desc.layout)
@@ -659,8 +640,9 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
                             CONFIG.split_k)
     window = Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group, S,
                           channel_blocks)
-    output = TileOutput(out_desc, out_tail_desc, c_smem, c_tail_smem, bias_ptr, scale_ptr, residual_ptr,
-                        partial_ptr, M, Co, EPILOGUE, STORE_BY_ROW_BLOCKS)
+    # (epilogue_ptrs: the bias, scale, residual and partial-sum pointers, in TileOutput's order)
+    output = TileOutput(out_desc, out_tail_desc, c_smem, c_tail_smem, *epilogue_ptrs, M, Co, EPILOGUE,
+                        STORE_BY_ROW_BLOCKS)
     if IS_BLACKWELL:
         NUM_ACC: gl.constexpr = 2
         acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N],
@@ -734,13 +716,13 @@ class KernelConfig(NamedTuple):
         return self.block_n + self.block_n_tail
 
     def __str__(self):
-        extras = ([f"{self.programs_per_sm}/SM"] if self.programs_per_sm > 1 else []) + \
-                 (["ping-pong"] if self.consumers > 1 else []) + \
-                 ([f"split-K {self.split_k}"] if self.split_k > 1 else [])
-        width = f"({self.block_n}+{self.block_n_tail})" if self.block_n_tail else f"{self.block_n}"
+        # e.g. "(128+64)x128x64 5 stages 4 warps, ping-pong" (benchmarks/fit_heuristic.py parses it back)
         height = f"({self.block_m}+{self.block_m_tail})" if self.block_m_tail else f"{self.block_m}"
-        return (f"{height}x{width}x{self.block_k} {self.num_buffers} stages "
-                f"{self.num_warps} warps" + "".join(f", {e}" for e in extras))
+        width = f"({self.block_n}+{self.block_n_tail})" if self.block_n_tail else f"{self.block_n}"
+        extras = {f"{self.programs_per_sm}/SM": self.programs_per_sm > 1, "ping-pong": self.consumers > 1,
+                  f"split-K {self.split_k}": self.split_k > 1}
+        return f"{height}x{width}x{self.block_k} {self.num_buffers} stages {self.num_warps} warps" + "".join(
+            f", {extra}" for extra, applies in extras.items() if applies)
 
 
 FIXED_CONFIG = KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4)  # both archs
@@ -816,11 +798,10 @@ def check_groups_fit(config, geometry, element_size=2):
     if geometry.groups > 1 and element_size == 1:
         raise ValueError(f"{geometry.describe()}: grouped convs run in fp16 or bf16 (section 10), not e4m3")
     if geometry.groups > 1 and not groups_fit(config, geometry.Ci_group, geometry.Co_group, element_size):
+        block_k = block_k_channels(config, geometry.Ci_group, element_size)
         raise ValueError(f"config {config}: {geometry.describe()} has {geometry.Ci_group} input and "
-                         f"{geometry.Co_group} output channels per group; a tile must stay in one group, so "
-                         f"they must be multiples of the K block "
-                         f"({block_k_channels(config, geometry.Ci_group, element_size)}) and of the tile's "
-                         f"{config.tile_n} columns")
+                         f"{geometry.Co_group} output channels per group; a tile must stay in one group, so they "
+                         f"must be multiples of the K block ({block_k}) and of the tile's {config.tile_n} columns")
 
 
 def tile_counts(config, M, Co, num_sms):
@@ -882,9 +863,8 @@ class ConvLaunch(NamedTuple):
 
 def output_nhwc(geometry, out_2d):
     # The kernel's output [M, Co rounded up to 16 bytes] as NHWC [N, out_h, out_w, Co].
-    g, Co_alloc = geometry, out_2d.shape[1]
-    out = out_2d.view(g.N, g.out_h, g.out_w, Co_alloc)
-    return out if Co_alloc == g.Co else out[..., :g.Co].contiguous()
+    out = out_2d.view(geometry.N, geometry.out_h, geometry.out_w, out_2d.shape[1])
+    return out if out_2d.shape[1] == geometry.Co else out[..., :geometry.Co].contiguous()
 
 
 def kernel_constexprs(config, arch, epilogue=Epilogue()):
@@ -897,7 +877,6 @@ def kernel_constexprs(config, arch, epilogue=Epilogue()):
 
 def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None, residual=None, out_dtype=None):
     # A ConvLaunch for these tensors (CPU tensors work too: the ahead-of-time compile uses them).
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     config = KernelConfig(*config)
     check_config(config, arch)
     g = geometry
@@ -906,24 +885,22 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     Ci_group = Ci_padded // g.groups
     BLOCK_M, BLOCK_N = config[:2]
     BLOCK_K = block_k_channels(config, Ci_group, x_nhwc.element_size())    # 128 bytes: 128 e4m3 (section 9)
-    settings = common.conv_im2col_settings(
-        common.conv_geometry(x_nhwc.shape, w.shape, g.stride, g.padding, g.dilation, g.groups))
+    settings = common.conv_im2col_settings(g)      # (padded channels move no pixel)
     out_dtype = out_dtype or x_nhwc.dtype
     lanes = 16 // out_dtype.itemsize
     out_2d = torch.empty(g.M, -(-g.Co // lanes) * lanes, device=x_nhwc.device, dtype=out_dtype)
     # section 6: a row tail loads the pixels in boxes of the tail's height (two for the main rows)
     in_desc, w_desc, out_desc = common.conv_tma_descriptors(x_nhwc, w, out_2d, settings, BLOCK_M, BLOCK_N,
                                                             BLOCK_K, pixel_box=config.block_m_tail or BLOCK_M)
+    # section 6: the tail's boxes are the main boxes of a tile block_n_tail wide (the column tail's weights
+    # and output) or block_m_tail tall (its output; stored by row blocks, half the main rows)
     w_tail_desc = out_tail_desc = None    # a constexpr None: nothing for the launcher to encode
-    if config.block_n_tail:               # section 6: the column tail's weights and output
-        w_layout = common.conv_tma_layouts(x_nhwc.dtype, BLOCK_M, config.block_n_tail, BLOCK_K)[1]
-        out_layout = common.conv_tma_layouts(out_dtype, BLOCK_M, config.block_n_tail, BLOCK_K)[2]
-        w_tail_desc = TensorDescriptor.from_tensor(w.view(g.Co, -1), [config.block_n_tail, BLOCK_K], w_layout)
-        out_tail_desc = TensorDescriptor.from_tensor(out_2d, [BLOCK_M, config.block_n_tail], out_layout)
-    if config.block_m_tail or stores_by_row_blocks(config):   # section 6: a box of the tail's rows
+    if config.block_n_tail:
+        _, w_tail_desc, out_tail_desc = common.conv_tma_descriptors(x_nhwc, w, out_2d, settings, BLOCK_M,
+                                                                    config.block_n_tail, BLOCK_K)
+    if config.block_m_tail or stores_by_row_blocks(config):
         rows = config.block_m_tail or BLOCK_M // 2
-        out_layout = common.conv_tma_layouts(out_dtype, rows, BLOCK_N, BLOCK_K)[2]
-        out_tail_desc = TensorDescriptor.from_tensor(out_2d, [rows, BLOCK_N], out_layout)
+        out_tail_desc = common.conv_tma_descriptors(x_nhwc, w, out_2d, settings, rows, BLOCK_N, BLOCK_K)[2]
     num_pid_m, num_pid_n = triton.cdiv(g.M, config.tile_m), triton.cdiv(g.Co, config.tile_n)
     channel_blocks = triton.cdiv(Ci_group, BLOCK_K)
     k_steps = g.R * g.S * channel_blocks
@@ -1147,7 +1124,7 @@ def test_row_tail_boxes_read_what_one_tall_box_would(N, H, W, R, S, stride, padd
 # %%
 # 7. Split-K for layers with too few tiles
 # ----------------------------------------
-# Lines it adds: the split branch of `work_unit` and `num_work_units` (section 3, where the tile
+# Lines it adds: the split branches of `work_unit` and `TileSchedule.num_units` (section 3, where the tile
 # order lives), `store_partial_tile` behind `TileOutput.store`, and a second, plain Triton kernel.
 #
 # A layer of a UNet's 8x8 stage (batch 8: M = 512 pixels, Co = 1280) has 40 tiles of 128x128 for
@@ -1489,7 +1466,7 @@ def test_grouped_configs_that_straddle_groups_are_refused():
 # SD UNet and Inception v3. What it recorded on an H100:
 
 
-def show_recorded_ladder(outdir=None):
+def show_recorded_ladder(outdir):
     """The ladder as a GPU recorded it, printed and drawn (marked RECORDED, with device and date)."""
     recorded = common.announce_recorded("05_tflops_per_shape", "The ladder (TFLOPS, bf16)")
     if recorded is None:
@@ -1497,8 +1474,7 @@ def show_recorded_ladder(outdir=None):
     data, info = recorded
     for row in data["rows"]:
         print(f"   {row['shape']:<30}" + "".join(f"  {name} {row[name]['tflops']:5.0f}" for name in common.LADDER_SERIES))
-    common.plot_ladder(data["rows"], info, data["dtype"], outdir or common.output_dir(announce=False), None,
-                       recorded=info)
+    common.plot_ladder(data["rows"], info, data["dtype"], outdir, None, recorded=info)
 
 
 # %%
