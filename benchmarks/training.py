@@ -122,7 +122,9 @@ def gradient_error(grads, reference):
     return statistics.median(errors), errors[-1]
 
 
-def plot(rows, outdir):
+def plot(rows, outdir, info):
+    """The loss per step of every variant, and its difference from the first variant's; `info`
+    names the device and versions the rows were measured on (common.versions())."""
     nets = sorted({row["net"] for row in rows})
     fig, axes = common.new_figure(2, len(nets), figsize=(6 * len(nets), 7), squeeze=False, sharex="col")
     styles = ["-", "--", ":", "-.", (0, (5, 1))]
@@ -132,15 +134,14 @@ def plot(rows, outdir):
         for i, row in enumerate(mine):
             style = styles[i % len(styles)]
             steps = range(1, len(row["losses"]) + 1)
-            axes[0][column].plot(steps, row["losses"], style, label=row["variant"], linewidth=1.4)
-            axes[1][column].plot(steps, [a - b for a, b in zip(row["losses"], first["losses"])], style,
-                                 label=row["variant"], linewidth=1.4)
+            axes[0][column].plot(steps, row["losses"], linestyle=style, label=row["variant"], linewidth=1.4)
+            axes[1][column].plot(steps, [a - b for a, b in zip(row["losses"], first["losses"])],
+                                 linestyle=style, label=row["variant"], linewidth=1.4)
         axes[0][column].set(ylabel="cross-entropy loss", title=f"{net}, batch {first['batch']}")
         axes[1][column].set(xlabel="training step", ylabel=f"loss minus {first['variant']}'s")
         for ax in axes[:, column]:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-    info = common.versions()
     fig.suptitle(f"The loss per step of each variant from the same weights and batches (bf16 autocast, SGD)\n"
                  f"{info['device']}, torch {info['torch']}, Triton {info['triton']}", fontsize=10)
     fig.tight_layout()
@@ -188,8 +189,9 @@ def main(argv=None):
             if not all(math.isfinite(v) for v in losses):
                 print(f"  {net} {variant}: the loss is not finite", flush=True)
     outdir = common.output_dir(args.outdir)
-    common.save_json(outdir, "training", {**common.versions(), "rows": rows})
-    plot(rows, outdir)
+    info = common.versions()
+    common.save_json(outdir, "training", {**info, "rows": rows})
+    plot(rows, outdir, info)
     return rows
 
 

@@ -23,3 +23,10 @@ def test_smoke_run_writes_rows_and_plot(tmp_path):
     # same weights, same batches: the first step's loss is the same forward in both (bf16 convs)
     assert abs(rows[0]["losses"][0] - rows[1]["losses"][0]) < 1e-2
     assert (tmp_path / "training_loss.png").exists()
+
+
+def test_plot_draws_every_variant(tmp_path):
+    rows = [{"net": "resnet50", "batch": 8, "variant": variant, "losses": [7.0 + 0.01 * i, 6.9, 6.95]}
+            for i, variant in enumerate(training.VARIANTS)]
+    training.plot(rows, tmp_path, {"device": "a GPU", "torch": "2", "triton": "3"})
+    assert (tmp_path / "training_loss.png").stat().st_size > 0
