@@ -1207,19 +1207,16 @@ if __name__ == "__main__" and on_gpu:
 # common.bench_tflops: do_bench's median, L2 flushed before each call, host time included (our
 # launchers build their descriptors on every call). FLOPs are the forward pass's, useful products
 # only. `python benchmarks/backward_layers.py` runs it over every distinct conv of ResNet-50 at batch
-# 128; `--bench` here times three of them. What that benchmark recorded for those three on an H100
-# (2026-11-25, bf16, TFLOPS; results/h100-2026-11-25/backward_layers.json)::
+# 128; `--bench` here times three of them, and with `--cuda-graphs` it replays each call in a CUDA
+# graph, which times the kernels without the host's Python. What it recorded for those three on an
+# H100 (2026-11-25, bf16, TFLOPS; results/h100-2026-11-25/backward_layers_cuda_graphs.json and
+# backward_layers.json)::
 #
-#     layer                        dgrad  dgrad cuDNN   wgrad  wgrad cuDNN  wgrad split_k
-#     RN50 14x14 256->256 3x3      116.8        226.3   196.3        497.2              7
-#     RN50 56x56 128->128 3x3 s2    15.9        114.1    47.1        383.4             14
-#     RN50 56x56 64->256 1x1        29.3          8.2    20.9        125.3             61
-#
-# Over all 23 layers, the geometric mean of ours / cuDNN was 0.64x for dgrad and 0.19x for wgrad.
-# Those cuDNN figures came from torch.nn.grad.conv2d_input and conv2d_weight, which hand cuDNN a
-# stride-0 stand-in for the input (dgrad) or the weight (wgrad) instead of the channels_last tensor
-# a training step has; whether that changed cuDNN's choice is not measured. The bench now calls
-# convolution_backward as autograd does; its figures are to be taken again.
+#                                  kernels alone (CUDA graph)       host time included
+#     layer                        dgrad  cuDNN  wgrad  cuDNN     dgrad  cuDNN  wgrad  cuDNN
+#     RN50 14x14 256->256 3x3      531.8  612.1  530.1  519.4      46.7  661.1   75.0  498.6
+#     RN50 56x56 128->128 3x3 s2   112.5  331.2  486.8  442.7      22.6  323.0  220.3  386.5
+#     RN50 56x56 64->256 1x1       142.8  141.7  141.4  141.7      48.7  133.5   95.0  125.2
 
 BENCH_LAYERS = [   # (label, N, H, W, Ci, Co, R, S, stride, padding), ResNet-50 at batch 128
     ("RN50 14x14 256->256 3x3", 128, 14, 14, 256, 256, 3, 3, 1, 1),
@@ -1274,76 +1271,38 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # %%
 # What this lesson measured, what limits it, what comes next
 # ----------------------------------------------------------
-# Measured on an H100 on 2026-11-25 (`python benchmarks/backward_layers.py`: bf16, batch 128, every
-# distinct conv of ResNet-50, results/h100-2026-11-25/backward_layers.json): both gradients matched
-# torch.nn.grad on every layer, and against cuDNN (geometric means over the 23 layers) dgrad ran at
-# 0.64x and wgrad at 0.19x.
+# Measured on an H100 on 2026-11-25 (`python benchmarks/backward_layers.py --cuda-graphs`, and
+# without the flag: bf16, batch 128, every distinct conv of ResNet-50; RESULTS.md, "The backward"):
+# both gradients matched torch.nn.grad on every layer. Against cuDNN's convolution_backward, as
+# geometric means over the 23 layers, the kernels alone ran at 0.68x (dgrad) and 0.87x (wgrad);
+# with the host's time included at 0.12x and 0.26x.
 #
-# - dgrad ranged from 0.06x to 3.6x of cuDNN. The 3x3 stride-2 layers were the slowest, 0.06-0.14x
-#   (56x56 128->128: 15.9 against 114.1 TFLOPS); eight 1x1 layers were faster than cuDNN
-#   (56x56 64->256: 29.3 against 8.2; 56x56 256->128: 77.8 against 33.4).
-# - wgrad was slower than cuDNN on every layer, 0.09-0.44x (2.2 to 12 times slower): 56x56 64->64
-#   3x3 42.1 against 319.4 TFLOPS, 7x7 512->512 3x3 232.8 against 523.7.
-#
-# What limits it. The causes below are reasoned from these numbers, from earlier measurements
-# named with their source, and from the code; none was isolated by a measurement of its own (no
-# profile, no timing of the parts):
-#
-# - dgrad pays per launch. No dgrad call took under 0.23 ms, whatever its work (7x7 512->2048 1x1:
-#   13 GFLOP in 0.29 ms), and lesson 05's plain launcher alone costs 170-190 us of host time per
-#   call (H100, 2026-11-24, results/h100-2026-11-24/bench.log). The kernel is not what is slow: by
-#   section 1 the dgrad of 7x7 512->512 3x3 is a forward conv of the same shape, which the same
-#   kernel, tuned and called through the operator's runtime, ran at 691 TFLOPS (RESULTS.md, network
-#   suite, H100, 2026-11-24). At that rate its 29.6 GFLOP take 0.04 ms; our call took 0.23 ms (127
-#   TFLOPS), and the other 0.19 ms are about the plain launcher's host time.
-# - At stride 2 the launches multiply. The three 3x3 stride-2 layers do the same 29.6 GFLOP with
-#   dX of 26 to 103 MB, and each took 1.7-1.9 ms, where the stride-1 layer with the same dY and
-#   filter took 0.23-0.39 ms in one launch: their time follows the four phases, not the work or the
-#   bytes, about 0.4 ms per phase. Each phase also copies its taps of the filter, copies its output
-#   into dX's strided rows, and runs K loops of 1, 2 or 4 taps where the stride-1 conv has 9; which
-#   of these costs most is not measured. A scatter epilogue (each phase's tile stored straight into
-#   its strided rows of dX, as a masked `gl.store`) would save the copy, at the price of TMA's
-#   stores; one launch for all phases, and the runtime's cheaper launch, would save the rest.
-# - The 1x1 dgrads that beat cuDNN say more about cuDNN's choice than about ours: with
-#   cudnn.benchmark off, its dgrad of 56x56 64->256 ran at 8.2 TFLOPS, where its forward conv of
-#   56x56 256->64, the same GEMM (401,408 x 64 x 256), ran at 134 (RESULTS.md, H100, 2026-11-24).
-#   `--cudnn-benchmark` lets cuDNN time its algorithms first; that baseline is not measured yet,
-#   nor is cuDNN called with the real channels_last input, as the bench now does (section 9).
-# - wgrad's time is mostly not its k-steps, by this reasoning (not yet profiled). The four
-#   stride-1 1x1 layers at 56x56 took 0.52-0.63 ms with 64x64 and 128x128 tiles alike, and the 3x3
-#   64->64 layer, nine times their MMA work, only 13% more: the time follows something other than
-#   the work. One 128x128x64 k-step is 0.28 us of tensor-core work at the H100's dense peak, and
-#   those layers' loads would take 0.03-0.12 ms at 3.35 TB/s. What does grow on those layers is the
-#   launcher's host time, which do_bench counts: `prepare_wgrad` builds two descriptors and a
-#   workspace per call, and `choose_split_k` called `triton.cdiv` (a few microseconds a call in
-#   Triton 3.9) for each of up to 64 candidate splits. On a 2-core CPU `prepare_wgrad` took 245 us
-#   per call for a 56x56 layer, 216 of them in `choose_split_k`, and 51 us for a 7x7 one
-#   (`choose_split_k` now divides with plain integers and finds the best fill once: ~10 us). Timing each layer in a
-#   CUDA graph, and a profile of one, will separate the two. What the design gives away in any
-#   case: a 64-wide tile (BLOCK_M = 64 where Co is 64, BLOCK_N = 64 where Ci is) does half of a
-#   128x128 tile's MMA work per pair of loads, a 64x64 tile a quarter; a tile covers one tap and
-#   one channel block, so every k-step loads a dY tile and an im2col box for one MMA, and dY is
-#   read again for each tap and channel block (a tile spanning several taps would load its dY tile
-#   once for all of them); one consumer warpgroup stores each tile before it starts the next
-#   (lesson 05's ping-pong, or an epilogue partition fed through shared memory, would overlap
-#   them). And the split rule's cap of 64 slices leaves those four layers, with 1 or 2 tiles, 61 or
-#   122 units for 132 SMs.
-# - The fp32 workspace is a small part: the largest, 27 MB (7x7 512->512 3x3, split 3), written and
-#   read back is about 17 us of HBM traffic against that layer's 0.13 ms. A whole tile could still
-#   be cast and stored directly where split_k is 1.
-# - The stem (Ci = 3): dgrad's 3 output channels sit in 64-wide tiles, and wgrad's 3 input channels,
-#   padded to 8, in a 16-channel box, so most of the MMA work is on zeros (0.82x and 0.25x of
-#   cuDNN); for wgrad, a case for lesson 05's fold (section 8).
+# - The host is most of the gap in a plain call. The launchers above check their arguments, choose
+#   a split, build descriptors and a workspace on every call, and dgrad runs that once per phase
+#   through lesson 05's plain launcher: a 56x56 64->64 1x1 dgrad, 3.3 GFLOP, took 0.5 ms (6.6
+#   TFLOPS) where its kernel alone takes 43 us. The operator's backward pays less per phase (the
+#   forward's runtime keeps a plan per shape), and a training step under CUDA graphs pays none:
+#   ResNet-50 training with these kernels ran at 0.90x torch.compile's images/s with CUDA graphs on
+#   both sides, 0.36x without (RESULTS.md, "Training").
+# - wgrad's kernel is at cuDNN's level or faster on 11 of 23 layers, up to 1.13x, by the split
+#   rule above that gives every SM work. It loses most on the stem, 0.25x: 3 input channels padded
+#   to a 16-channel box, so most of its MMA work is on zeros (a case for lesson 05's fold, section
+#   8), and on the 56x56 64->64 3x3, 0.65x, whose 64x64 tiles do a quarter of a 128x128 tile's MMA
+#   work per pair of loads and read dY again for each tap.
+# - dgrad's kernel loses most at stride 2 (0.34-0.55x): one launch per phase of dX, each writing a
+#   conv output that is then copied into every second row and column of dX; the 1x1 stride-2 layers
+#   also zero the three phases no tap reaches, a dX four times their output's size. A phase whose
+#   tiles are stored straight into its rows of dX (a store descriptor over the strided view, or a
+#   masked `gl.store`) saves the copy; one launch for all phases saves the rest. At stride 1 the
+#   same kernel is lesson 05's forward with the heuristic's config: 0.78-1.01x of cuDNN at 14x14 and
+#   above, 0.52-0.63x on the 7x7 layers, whose few tiles leave SMs idle.
 # - No grouped or depthwise convs, no fp8 (section 3).
 #
-# Next: the operator (`conv_tutorial`) can take its conv gradients from these two launchers
-# (`conv_tutorial.set_backward("lesson06")`: NHWC views of its channels_last tensors, torch for
-# what they do not cover), so that a model trained on lesson 05's forward kernel gets its gradients
-# from the same machinery; it keeps PyTorch's convolution backward by default, because the
-# measurements above say the launchers do not pay yet: wgrad nowhere, dgrad only on 1x1 layers
-# against cuDNN's default choice. What they point to first: both launchers through a per-shape plan
-# (a cheap launch, as the forward's runtime; dgrad with a tuned config), the phases in one launch,
-# and a profile of the wgrad kernel's k-step.
+# Next: the operator (`conv_tutorial`) takes its conv gradients from these launchers with
+# `conv_tutorial.set_backward("lesson06")` (NHWC views of its channels_last tensors, torch for what
+# they do not cover); it keeps PyTorch's convolution backward by default, because the figures above
+# say it does not pay yet. What they point to first: the launch through a per-shape plan for wgrad
+# too, the phases of a strided dgrad stored in place and in one launch, and the stem's fold.
 
 # %%
 if __name__ == "__main__":

@@ -4,8 +4,9 @@
     conv_tutorial.set_backward("torch")      # the default: aten.convolution_backward (cuDNN)
 
 The default stays torch's until lesson 06's kernels measure faster: on an H100 (ResNet-50's convs
-at batch 128, bf16, 2026-11-25, results/h100-2026-11-25/backward_layers.json) they ran at 0.64x
-(dgrad) and 0.19x (wgrad) cuDNN's speed, geometric means, with host time included. With
+at batch 128, bf16, 2026-11-25; RESULTS.md, "The backward" and "Training") their kernels ran at
+0.68x (dgrad) and 0.87x (wgrad) cuDNN's speed, geometric means, and a ResNet-50 training step at
+0.90x torch.compile's with CUDA graphs (0.36x without: the launchers' host time). With
 "lesson06", each gradient a call needs runs on the lesson's launchers where they cover the call
 (fp16 or bf16, groups 1, input, weight and gradient on one Hopper or data-centre Blackwell GPU) and
 on torch's convolution_backward otherwise, with one warning per reason (dgrad: lesson 06's phases, each a conv through this package's
