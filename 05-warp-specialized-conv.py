@@ -278,15 +278,20 @@ class TileOutput:
         # A unit's result at (m0, co0): through the tail's box and buffer if TAIL (section 6), as an fp32 partial sum
         # if the unit is a split-K slice (section 7), else the whole tile. (Without split-K `work.partial` is a
         # constexpr 0: the branch is decided at compile time.)
-        c_smem = self.c_tail_smem if TAIL else self.c_smem
-        out_desc = self.out_tail_desc if TAIL else self.out_desc
+        BLOCK_M: gl.constexpr = acc.type.shape[0]      # the box's rows and columns
+        BLOCK_N: gl.constexpr = acc.type.shape[1]
         if work.partial:
-            store_partial_tile(acc, self.partial_ptr, work.split, self.M, self.Co, m0, co0)
+            # this unit's fp32 partial sum of the tile, to partial[split, m, co] (section 7)
+            rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
+            cols = co0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+            offsets = gl.expand_dims((rows + work.split * self.M).to(gl.int64) * self.Co, 1) + gl.expand_dims(cols, 0)
+            inside = gl.expand_dims(rows < self.M, 1) & gl.expand_dims(cols < self.Co, 0)
+            gl.store(self.partial_ptr + offsets, acc, mask=inside)
         else:
             # y = act(acc * scale[co] + bias[co] + residual[m, co]) in fp32 (section 5), each part only if its
             # switch asks for it; cast, and an asynchronous TMA store of the tile.
-            BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
-            BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
+            c_smem = self.c_tail_smem if TAIL else self.c_smem
+            out_desc = self.out_tail_desc if TAIL else self.out_desc
             cols = co0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
             residual = 0.0
             if self.EPILOGUE.residual:
@@ -356,8 +361,9 @@ def hopper_mma_epilogue_partition(ring, schedule, output, turn, CONSUMER: gl.con
         acc, mma = mma.take_result()
         m0, co0 = work.pid_m * schedule.TILE_M, work.pid_n * schedule.TILE_N
         if output.STORE_BY_ROW_BLOCKS:
-            # section 6: the main block leaves in two halves of its rows through the tail's buffer
-            top, bottom = split_rows(acc)
+            # section 6: the main block leaves in two halves of its rows through the tail's buffer (no data
+            # moves where each warpgroup holds two 64-row WGMMA blocks: 128 rows on 4 warps, 256 on 8)
+            top, bottom = gl.split(acc.reshape([2, BLOCK_M // 2, BLOCK_N]).permute((1, 2, 0)))
             output.store(top, work, m0, co0, True)
             output.store(bottom, work, m0 + BLOCK_M // 2, co0, True)
         else:
@@ -419,6 +425,7 @@ def blackwell_mma_partition(ring, schedule, acc):
 
 @gluon.jit
 def blackwell_epilogue_partition(schedule, acc, output):
+    BLOCK_M: gl.constexpr = output.out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = output.out_desc.block_type.shape[1]
     acc_state = common.Counter(gl.to_tensor(0), acc.NUM_ACC)
     for unit in range(gl.program_id(0), schedule.num_units(), gl.num_programs(0)):
@@ -429,10 +436,10 @@ def blackwell_epilogue_partition(schedule, acc, output):
         if schedule.TILE_N > BLOCK_N:
             tile_tail = acc.tail_tmem.index(buf).load()
         mbarrier.arrive(acc.empty.index(buf))      # the MMA warp may reuse it now
-        m0, co0 = work.pid_m * schedule.TILE_M, work.pid_n * schedule.TILE_N
-        output.store(tile, work, m0, co0, False)
+        co0 = work.pid_n * schedule.TILE_N
+        output.store(tile, work, work.pid_m * BLOCK_M, co0, False)
         if schedule.TILE_N > BLOCK_N:
-            output.store(tile_tail, work, m0, co0 + BLOCK_N, True, STORES_IN_FLIGHT=1)
+            output.store(tile_tail, work, work.pid_m * BLOCK_M, co0 + BLOCK_N, True, STORES_IN_FLIGHT=1)
         acc_state = acc_state.next()
     tma.store_wait(pendings=0)
 
@@ -481,8 +488,21 @@ class TileSchedule:
 
     @gluon.jit
     def work(self, unit):
-        tile_id, split, k_begin, k_end, partial = work_unit(unit, self.num_pid_m * self.num_pid_n,
-                                                            self.k_steps, self.SPLIT_K)
+        # A unit of work: a whole tile, or (section 7) one of SPLIT_K slices of a tile's K loop (partial = 1). The
+        # first whole_tiles = num_tiles // P * P tiles (P programs) run whole, the rest in slices, the slices of one
+        # part of the K loop together, so tiles that run side by side still share strips of A and B in L2.
+        tile_id, split, k_begin, k_end, partial = unit, 0, 0, self.k_steps, 0
+        if self.SPLIT_K > 1:
+            num_tiles = self.num_pid_m * self.num_pid_n
+            whole_tiles = whole_tile_count(num_tiles, gl.num_programs(0), self.SPLIT_K)
+            partial = (unit >= whole_tiles).to(gl.int32)
+            split_unit = gl.maximum(unit - whole_tiles, 0)
+            split_tiles = gl.maximum(num_tiles - whole_tiles, 1)
+            split = split_unit // split_tiles
+            # whole: (unit, 0, 0, k_steps); split: (a tile past whole_tiles, its slice's k-steps)
+            tile_id = unit + partial * (whole_tiles + split_unit % split_tiles - unit)
+            k_begin = partial * (split * self.k_steps // self.SPLIT_K)
+            k_end = self.k_steps + partial * ((split + 1) * self.k_steps // self.SPLIT_K - self.k_steps)
         # (pid_m, pid_n) of the linear tile id, GROUP_M row-tiles at a time (the L2-friendly order)
         tiles_per_group = GROUP_M * self.num_pid_n
         first_m = (tile_id // tiles_per_group) * GROUP_M
@@ -490,26 +510,6 @@ class TileSchedule:
         pid_m = first_m + (tile_id % tiles_per_group) % rows_in_group
         pid_n = (tile_id % tiles_per_group) // rows_in_group
         return WorkUnit(pid_m, pid_n, k_begin, k_end, split, partial)
-
-
-@gluon.jit
-def work_unit(unit, num_tiles, k_steps, SPLIT_K: gl.constexpr):
-    # (tile_id, split, first k-step, end k-step, partial) of a unit of work: a whole tile, or one of SPLIT_K slices of
-    # a tile's K loop (partial = 1). The first whole_tiles = num_tiles // P * P tiles (P programs) run whole, the rest
-    # in slices, the slices of one part of the K loop together, so tiles that run side by side still share strips of A
-    # and B in L2.
-    if SPLIT_K == 1:
-        return unit, 0, 0, k_steps, 0
-    whole_tiles = whole_tile_count(num_tiles, gl.num_programs(0), SPLIT_K)
-    partial = (unit >= whole_tiles).to(gl.int32)
-    split_unit = gl.maximum(unit - whole_tiles, 0)
-    split_tiles = gl.maximum(num_tiles - whole_tiles, 1)
-    split = split_unit // split_tiles
-    # whole: (unit, 0, 0, k_steps); split: (a tile past whole_tiles, its slice's k-steps)
-    tile_id = unit + partial * (whole_tiles + split_unit % split_tiles - unit)
-    k_begin = partial * (split * k_steps // SPLIT_K)
-    k_end = k_steps + partial * ((split + 1) * k_steps // SPLIT_K - k_steps)
-    return tile_id, split, k_begin, k_end, partial
 
 
 @triton.jit
@@ -1078,18 +1078,9 @@ if __name__ == "__main__":
 # one 16 KB buffer: the main accumulator's top 64 rows, its bottom 64 rows, then the tail, each
 # TMA store waited for before the next block overwrites the buffer (`stores_by_row_blocks`
 # decides it from shared memory alone). Where a warpgroup holds two 64-row WGMMA blocks of the
-# accumulator, side by side in each thread's registers, the split moves no data: `split_rows` is
-# a reshape and a split. The fifth stage hides HBM latency on layers that read a cold input:
+# accumulator, side by side in each thread's registers, the split moves no data: it is a reshape
+# and a split. The fifth stage hides HBM latency on layers that read a cold input:
 # ResNet-50's 7x7 2048->512 1x1 went from 437 to 471 TFLOPS (cuDNN: 499).
-
-
-@gluon.jit
-def split_rows(acc):
-    # The top and bottom halves of a tile's rows, as two tiles (no data moves where each warpgroup holds two 64-row
-    # WGMMA blocks: 128 rows on 4 warps, 256 on 8).
-    ROWS: gl.constexpr = acc.shape[0]
-    COLS: gl.constexpr = acc.shape[1]
-    return gl.split(acc.reshape([2, ROWS // 2, COLS]).permute((1, 2, 0)))
 
 
 @pytest.mark.parametrize("N, H, W, R, S, stride, padding", [
@@ -1124,8 +1115,8 @@ def test_row_tail_boxes_read_what_one_tall_box_would(N, H, W, R, S, stride, padd
 # %%
 # 7. Split-K for layers with too few tiles
 # ----------------------------------------
-# Lines it adds: the split branches of `work_unit` and `TileSchedule.num_units` (section 3, where the tile
-# order lives), `store_partial_tile` behind `TileOutput.store`, and a second, plain Triton kernel.
+# Lines it adds: the split branches of `TileSchedule.work` and `num_units` (section 3, where the tile
+# order lives), the partial-sum branch of `TileOutput.store`, and a second, plain Triton kernel.
 #
 # A layer of a UNet's 8x8 stage (batch 8: M = 512 pixels, Co = 1280) has 40 tiles of 128x128 for
 # 132 SMs, each with a K loop of 180 steps: 70% of the GPU idles while 40 SMs grind. Splitting
@@ -1142,21 +1133,9 @@ def test_row_tail_boxes_read_what_one_tall_box_would(N, H, W, R, S, stride, padd
 # A layer with more tiles than SMs has the same problem in its last wave: ResNet-50's 7x7
 # 2048->512 layer at batch 128 has 196 tiles of 128x128 for 132 SMs. Splitting every tile would
 # pay the workspace for all 196; instead only the tiles past the last full wave are split
-# (`work_unit`): 132 tiles run whole and store through the epilogue as usual, the other 64 run as
-# 2 x 64 half-tiles in what was the second wave, and the second kernel finishes only those (it
-# works out from the tile order which of its elements belong to split tiles).
-
-
-@gluon.jit
-def store_partial_tile(acc, partial_ptr, split, M, Co, m0, co0):
-    # This unit's fp32 partial sum of the tile, to partial[split, m, co].
-    BLOCK_M: gl.constexpr = acc.type.shape[0]
-    BLOCK_N: gl.constexpr = acc.type.shape[1]
-    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
-    cols = co0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
-    offsets = gl.expand_dims((rows + split * M).to(gl.int64) * Co, 1) + gl.expand_dims(cols, 0)
-    inside = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < Co, 0)
-    gl.store(partial_ptr + offsets, acc, mask=inside)
+# (`TileSchedule.work`): 132 tiles run whole and store through the epilogue as usual, the other
+# 64 run as 2 x 64 half-tiles in what was the second wave, and the second kernel finishes only
+# those (it works out from the tile order which of its elements belong to split tiles).
 
 
 @triton.jit
