@@ -356,7 +356,7 @@ def test_split_k_last_wave_with_fused_epilogue(epilogue):
 
 def tile_order(num_pid_m, num_pid_n, group_m=GROUP_M):
     """[(pid_m, pid_n) of tile 0, 1, ...]: the grouped order, written out in plain Python as the
-    tests' independent model of grouped_tile."""
+    tests' independent model of TileSchedule.work (grouped tile order)."""
     order = []
     for first_m in range(0, num_pid_m, group_m):
         rows_in_group = min(num_pid_m - first_m, group_m)
@@ -371,7 +371,7 @@ def tile_order(num_pid_m, num_pid_n, group_m=GROUP_M):
 ])
 def test_split_k_epilogue_finishes_only_split_tiles(M, Co, tile_m, tile_n, whole_tiles, split_k):
     """The second kernel sums the slices (and applies the epilogue) exactly on the tiles that
-    work_unit split, found from the tile order, and leaves the whole tiles' output alone. On a
+    TileSchedule.work split, found from the tile order, and leaves the whole tiles' output alone. On a
     CPU it runs in the interpreter."""
     generator = torch.Generator().manual_seed(0)
     num_pid_m, num_pid_n = triton.cdiv(M, tile_m), triton.cdiv(Co, tile_n)
