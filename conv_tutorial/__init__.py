@@ -15,9 +15,9 @@ importing only those above it: kernel (the lesson), geometry (arguments, device)
 backward (the conv's gradients: torch's, or lesson 06's kernels), ops (torch.library operators),
 fusion (the fx pass), fp8 (the e4m3 pass).
 
-Importing the package registers its operators (conv2d, conv2d_fp8, and the backward's conv2d_input_grad and
-conv2d_weight_grad) and changes nothing else: no environment
-variable, no Triton mode, no stream redirected.
+Importing the package registers its operators (conv2d, conv2d_fp8, and the backward's
+conv2d_input_grad and conv2d_weight_grad) and changes nothing else: no environment variable, no
+Triton mode, no stream redirected.
 """
 from .backward import backward_backend, set_backward
 from .configs import CANDIDATES, FIXED_CONFIG, KernelConfig
