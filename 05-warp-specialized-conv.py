@@ -33,8 +33,6 @@ Tests: pytest 05-warp-specialized-conv.py
 """
 
 # %%
-import collections
-import types
 from typing import NamedTuple
 
 import common  # first: on a machine without a GPU it turns on the Triton interpreter
@@ -729,32 +727,29 @@ FIXED_CONFIG = KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=4,
 
 
 def check_config(config, arch):
-    """Combinations the kernel does not implement get a ValueError naming the config."""
-    def refuse(why):
-        raise ValueError(f"config {config}: {why}")
-    if config.consumers > 2 or (config.consumers > 1 and arch != "sm_90"):
-        refuse(f"consumers={config.consumers}; ping-pong (2 consumers) is a Hopper schedule, elsewhere 1")
-    if config.programs_per_sm > 1 and arch != "sm_90":
-        refuse("programs_per_sm > 1 is offered on Hopper only")
-    if arch == "sm_100" and config.block_m not in (64, 128):
-        refuse("on Blackwell block_m must be 64 or 128 (a TMEM accumulator has 128 lanes)")
-    if arch == "sm_100" and 2 * config.tile_n > 512:
-        refuse(f"two fp32 accumulators of {config.tile_n} columns exceed the 512 columns of tensor memory")
-    if config.split_k < 1 or (config.split_k > 1 and config.consumers > 1):
-        refuse("split_k must be >= 1, and split-K runs with one consumer (section 7)")
-    if config.block_m_tail:                                                  # section 6
-        if arch != "sm_90" or config.block_n_tail:
-            refuse("a row tail (block_m_tail) is a Hopper schedule, and a tile has a tail in rows or "
-                   "in columns, not both")
-        if config.block_m_tail not in (64, 128) or config.block_m not in (config.block_m_tail, 2 * config.block_m_tail):
-            refuse("block_m_tail must be 64 or 128 (whole WGMMA row blocks) and block_m once or twice "
-                   "that (the pixels are loaded in boxes of the tail's height)")
-    if stores_by_row_blocks(config) and (
-            config.consumers != 1 or config.block_n_tail or config.block_m // (16 * config.num_warps) < 2
-            or config.block_m_tail not in (0, config.block_m // 2) or arch != "sm_90"):
-        refuse(f"{config.num_buffers} stages leave no room for a staging buffer of the whole tile, and "
-               f"storing it by row blocks (section 6) needs Hopper, one consumer of block_m / 32 warps or "
-               f"fewer, no column tail, and a row tail (if any) of block_m / 2; use fewer stages")
+    """Combinations the kernel does not implement get a ValueError naming the config and the rule."""
+    c, hopper = config, arch == "sm_90"
+    rules = [   # (broken, the rule)
+        (c.consumers > 2 or (c.consumers > 1 and not hopper),
+         f"consumers={c.consumers}; ping-pong (2 consumers) is a Hopper schedule, elsewhere 1"),
+        (c.programs_per_sm > 1 and not hopper, "programs_per_sm > 1 is offered on Hopper only"),
+        (not hopper and c.block_m not in (64, 128), "on Blackwell block_m must be 64 or 128 (TMEM has 128 lanes)"),
+        (not hopper and 2 * c.tile_n > 512, f"two fp32 accumulators of {c.tile_n} columns exceed TMEM's 512 columns"),
+        (c.split_k < 1 or (c.split_k > 1 and c.consumers > 1),
+         "split_k must be >= 1, and split-K runs with one consumer (section 7)"),
+        (c.block_m_tail and (not hopper or c.block_n_tail),      # section 6
+         "a row tail (block_m_tail) is a Hopper schedule, and a tile has a tail in rows or in columns, not both"),
+        (c.block_m_tail and (c.block_m_tail not in (64, 128) or c.block_m not in (c.block_m_tail, 2 * c.block_m_tail)),
+         "block_m_tail must be 64 or 128 (whole WGMMA row blocks) and block_m once or twice that (the pixels are "
+         "loaded in boxes of the tail's height)"),
+        (stores_by_row_blocks(c) and (c.consumers != 1 or c.block_n_tail or c.block_m // (16 * c.num_warps) < 2
+                                      or c.block_m_tail not in (0, c.block_m // 2) or not hopper),
+         f"{c.num_buffers} stages leave no room for a staging buffer of the whole tile, and storing it by row "
+         f"blocks (section 6) needs Hopper, one consumer of block_m / 32 warps or fewer, no column tail, and a "
+         f"row tail (if any) of block_m / 2; use fewer stages")]
+    for broken, rule in rules:
+        if broken:
+            raise ValueError(f"config {config}: {rule}")
 
 
 SHARED_MEMORY_PER_PROGRAM = 232448    # bytes: the opt-in maximum of a program on an H100 or B200
@@ -832,8 +827,8 @@ class Epilogue(NamedTuple):
 
 # The conv's run-time integers, named, in the order the kernel's first line unpacks them (section 10:
 # Ci_group, the input channels per group padded to 16 bytes; channel_blocks: BLOCK_K blocks per tap).
-ConvShape = collections.namedtuple("ConvShape", "M Co num_pid_m num_pid_n out_h out_w stride_h stride_w pad_h pad_w "
-                                                "dil_h dil_w Ci_group Co_group S k_steps channel_blocks")
+ConvShape = NamedTuple("ConvShape", [(name, int) for name in "M Co num_pid_m num_pid_n out_h out_w stride_h stride_w "
+                                    "pad_h pad_w dil_h dil_w Ci_group Co_group S k_steps channel_blocks".split()])
 
 DESCRIPTORS = ("in_desc", "w_desc", "w_tail_desc", "out_desc", "out_tail_desc")   # the kernel's first parameters
 
@@ -935,8 +930,9 @@ def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, c
                             common.output_dtype(x_nhwc.dtype, out_dtype))
     epilogue = Epilogue(bias is not None, scale is not None, residual is not None, activation)
     conv2d_fprop_kernel[launch.grid](*launch.kernel_args(), **kernel_constexprs(KernelConfig(*config), arch, epilogue))
-    if launch.partial is not None:                 # split-K's second kernel (section 7)
-        finish_split_k(launch, bias, scale, residual, activation)
+    if launch.partial is not None:                 # split-K's second kernel (section 7): sum the slices
+        grid, args, constexprs = split_k_epilogue_launch(launch, bias, scale, residual, activation)
+        split_k_epilogue_kernel[grid](*args, **constexprs)
     return launch.result()
 
 
@@ -1093,6 +1089,7 @@ def test_row_tail_boxes_read_what_one_tall_box_would(N, H, W, R, S, stride, padd
     kernel's own method, run here as plain Python), read exactly the pixels of one 192-pixel im2col box
     started at the tile's first pixel: checked with lesson 03's model of the TMA im2col walk, for
     every tile and tap, the last tile's rows past M included."""
+    import types
     walk = common.load_lesson("03-tma-im2col-modes").im2col_walk
     geometry = common.conv_geometry((N, H, W, 8), (8, R, S, 8), stride, padding)
     settings = common.conv_im2col_settings(geometry)
@@ -1174,12 +1171,6 @@ def split_k_epilogue_launch(launch, bias=None, scale=None, residual=None, activa
     return grid, args, dict(SPLIT_K=partial.shape[0], EPILOGUE=epilogue, BLOCK=64, enable_fp_fusion=True)
 
 
-def finish_split_k(launch, bias=None, scale=None, residual=None, activation="none"):
-    # Split-K's second kernel, launched plainly: the output from the partial sums.
-    grid, args, constexprs = split_k_epilogue_launch(launch, bias, scale, residual, activation)
-    split_k_epilogue_kernel[grid](*args, **constexprs)
-
-
 @pytest.mark.parametrize("split_k, epilogue", [(2, Epilogue()), (3, Epilogue(True, True, True, "relu")),
                                                (4, Epilogue(True, False, False, "silu"))])
 def test_split_k_epilogue_kernel_against_torch(split_k, epilogue):
@@ -1193,7 +1184,8 @@ def test_split_k_epilogue_kernel_against_torch(split_k, epilogue):
     geometry = common.conv_geometry((1, 7, 11, 8), (Co, 1, 1, 8))
     launch = ConvLaunch(None, None, None, None, None, None, None, None, out_2d, geometry, partial,
                         (64, 64, 2, 2, 0))    # every tile split
-    finish_split_k(launch, bias, scale, residual, epilogue.activation)
+    grid, args, constexprs = split_k_epilogue_launch(launch, bias, scale, residual, epilogue.activation)
+    split_k_epilogue_kernel[grid](*args, **constexprs)
     expected = common.reference_epilogue(partial.sum(0), bias, scale, residual, epilogue.activation)
     torch.testing.assert_close(out_2d[:, :Co], expected, rtol=1e-5, atol=1e-5)
     assert out_2d[:, Co:].isnan().all()          # the row padding is not written
@@ -1327,6 +1319,7 @@ def test_grouped_tiles_read_their_groups(N, H, W, groups, Ci_group, Co_group, R,
     """The loader's own arithmetic (Im2colWindow's pixel_box_origin, group_channel and k_step, run
     as plain Python) with lesson 03's model of TMA im2col loads, and weight boxes cut from w2d,
     computes torch's grouped conv2d: every tile, every k-step."""
+    import types
     reference = common.load_lesson("03-tma-im2col-modes").im2col_reference
     generator = torch.Generator().manual_seed(0)
     x = torch.randint(-3, 4, (N, H, W, groups * Ci_group), generator=generator).float()
@@ -1445,20 +1438,9 @@ def test_grouped_configs_that_straddle_groups_are_refused():
 # SD UNet and Inception v3. What it recorded on an H100:
 
 
-def show_recorded_ladder(outdir):
-    """The ladder as a GPU recorded it, printed and drawn (marked RECORDED, with device and date)."""
-    recorded = common.announce_recorded("05_tflops_per_shape", "The ladder (TFLOPS, bf16)")
-    if recorded is None:
-        return
-    data, info = recorded
-    for row in data["rows"]:
-        print(f"   {row['shape']:<30}" + "".join(f"  {name} {row[name]['tflops']:5.0f}" for name in common.LADDER_SERIES))
-    common.plot_ladder(data["rows"], info, data["dtype"], outdir, None, recorded=info)
-
-
 # %%
 if __name__ == "__main__":
-    show_recorded_ladder(outdir)
+    common.show_recorded_ladder(outdir, lambda fields: KernelConfig(*fields))
     print(f"\nlesson 05: all checks passed on {common.gpu_name()}" if on_gpu else "\n" + common.cpu_closing_line(
         "05", "input validation, config rules, and the sm_90 and sm_100 builds of the kernel (the "
         "instructions above)", "running the kernel and comparing it with torch, the benchmark "

@@ -672,17 +672,10 @@ def save_json(outdir, name: str, data) -> Path:
     return path
 
 
-def lesson_args(description: str, argv=None, suites=None):
-    """The small command line every lesson shares: --bench, --outdir, --quick (and, for a lesson
-    with several benchmark suites, --suite and --tune)."""
+def lesson_args(description: str, argv=None):
+    """The small command line every lesson shares: --bench, --outdir, --quick, --verbose."""
     import argparse
     parser = argparse.ArgumentParser(description=description)
-    if suites:
-        parser.add_argument("--suite", choices=suites, default=suites[0],
-                            help="which benchmark --bench runs (default %(default)s)")
-        parser.add_argument("--heuristic", action="store_true",
-                            help="take the runtime's heuristic config per layer instead of "
-                                 "autotuning each layer first (the default, as for the shapes)")
     parser.add_argument("--bench", action="store_true", help="run the GPU benchmark (needs a GPU)")
     parser.add_argument("--outdir", default=None, help="folder for plots and data (default ./out)")
     parser.add_argument("--quick", action="store_true", help="fewer shapes, for a fast look")
@@ -1039,6 +1032,23 @@ def plot_ladder(rows, info, dtype, outdir, data, recorded=None):
                  f"{headline['geometry']}\n{info['device']}, Triton {info['triton']}, torch {info['torch']}, "
                  f"cuDNN {cudnn_version_text(info.get('cudnn'))}", fontsize=9)
     save_figure(fig, outdir, "05_ladder" + suffix)
+
+
+def show_recorded_ladder(outdir, describe_config=str):
+    """Without a GPU: the ladder as a GPU recorded it (benchmarks/network_suite.py --ladder), printed
+    and drawn, marked RECORDED with its device and date; None where no record exists.
+    `describe_config` turns a row's recorded lesson-05 config (a list of its fields) into text."""
+    recorded = announce_recorded("05_tflops_per_shape", "The ladder (TFLOPS, bf16)")
+    if recorded is None:
+        return None
+    data, info = recorded
+    print(f"  {'shape':<30}{'02':>7}{'04':>7}{'05':>7}{'cuDNN':>7}  05/cuDNN  05 config")
+    for row in data["rows"]:
+        print(f"  {row['shape']:<30}" + "".join(f"{row[n]['tflops']:7.1f}" for n in LADDER_SERIES)
+              + f"  {row['ratio_05_cudnn']:7.2f}x  {describe_config(row['config_05'])}")
+    print(f"  geometric mean of 05/cuDNN over the 3x3 shapes: {data['geomean_3x3_ratio']:.3f}x")
+    plot_ladder(data["rows"], info, data["dtype"], outdir, None, recorded=info)
+    return data
 
 
 # %% TMA im2col: descriptor limits and the settings of a convolution (lessons 03-05) ---------------

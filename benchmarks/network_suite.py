@@ -484,21 +484,6 @@ def run_ladder(outdir, quick=False, dtype=torch.bfloat16):
     return rows, geomean
 
 
-def show_recorded_ladder(outdir, quick=False):
-    """Without a GPU: the latest recorded benchmark, printed and drawn, marked as recorded."""
-    recorded = common.announce_recorded("05_tflops_per_shape", "The ladder")
-    if recorded is None:
-        return None
-    data, info = recorded
-    print(f"  {'shape':<30}{'02':>7}{'04':>7}{'05':>7}{'cuDNN':>7}  05/cuDNN  05 config")
-    for row in data["rows"][:3] if quick else data["rows"]:
-        print(f"  {row['shape']:<30}" + "".join(f"{row[n]['tflops']:7.1f}" for n in LADDER_SERIES)
-              + f"  {row['ratio_05_cudnn']:7.2f}x  {KernelConfig(*row['config_05'])}")
-    print(f"  geometric mean of 05/cuDNN over the 3x3 shapes: {data['geomean_3x3_ratio']:.3f}x")
-    plot_ladder(data["rows"], info, data["dtype"], outdir, None, recorded=info)
-    return data
-
-
 # fp8 (lesson 05, section 9): each layer in e4m3 against our bf16 and cuDNN's bf16 -----------------------
 
 FP8_CANDIDATES = [KernelConfig(256, 128, 64, 3, 8), KernelConfig(128, 256, 64, 3, 8),

@@ -15,8 +15,14 @@ lesson05 = common.load_lesson("05-warp-specialized-conv")
 from conv_tutorial import configs, runtime  # noqa: E402
 from conv_tutorial.configs import KernelConfig, FIXED_CONFIG, PINGPONG_CONFIG, check_config, ring_bytes, \
     stores_by_row_blocks, SHARED_MEMORY_PER_PROGRAM  # noqa: E402
-Epilogue, ConvLaunch, finish_split_k = lesson05.Epilogue, lesson05.ConvLaunch, lesson05.finish_split_k
+Epilogue, ConvLaunch = lesson05.Epilogue, lesson05.ConvLaunch
 conv2d_fprop_launch, needs_gpu = lesson05.conv2d_fprop_launch, lesson05.needs_gpu
+
+
+def finish_split_k(launch, bias=None, scale=None, residual=None, activation="none"):
+    """Split-K's second kernel, launched plainly as lesson 05's launcher does."""
+    grid, args, constexprs = lesson05.split_k_epilogue_launch(launch, bias, scale, residual, activation)
+    lesson05.split_k_epilogue_kernel[grid](*args, **constexprs)
 
 
 def conv2d_fprop_fixed(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG, **epilogue):
