@@ -276,12 +276,11 @@ class TileOutput:
         # A unit's result at (m0, co0): through the tail's box and buffer if TAIL (section 6), as an fp32 partial sum
         # if the unit is a split-K slice (section 7), else the whole tile. (Without split-K `work.partial` is a
         # constexpr 0: the branch is decided at compile time.)
-        BLOCK_M: gl.constexpr = acc.type.shape[0]      # the box's rows and columns
-        BLOCK_N: gl.constexpr = acc.type.shape[1]
         if work.partial:
-            # this unit's fp32 partial sum of the tile, to partial[split, m, co] (section 7)
-            rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
-            cols = co0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+            # this unit's fp32 partial sum of the tile, to partial[split, m, co] (section 7): the box's rows and
+            # columns (acc.type.shape) in the accumulator's layout, and which of them lie inside the output
+            rows = m0 + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
+            cols = co0 + gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
             offsets = gl.expand_dims((rows + work.split * self.M).to(gl.int64) * self.Co, 1) + gl.expand_dims(cols, 0)
             inside = gl.expand_dims(rows < self.M, 1) & gl.expand_dims(cols < self.Co, 0)
             gl.store(self.partial_ptr + offsets, acc, mask=inside)
@@ -290,11 +289,11 @@ class TileOutput:
             # switch asks for it; cast, and an asynchronous TMA store of the tile.
             c_smem = self.c_tail_smem if TAIL else self.c_smem
             out_desc = self.out_tail_desc if TAIL else self.out_desc
-            cols = co0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+            cols = co0 + gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
             residual = 0.0
             if self.EPILOGUE.residual:
                 # the residual tile, read in the accumulator's own layout: no shuffle through shared memory
-                rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
+                rows = m0 + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
                 offsets = gl.expand_dims(rows.to(gl.int64) * self.Co, 1) + gl.expand_dims(cols, 0)
                 inside = gl.expand_dims(rows < self.M, 1) & gl.expand_dims(cols < self.Co, 0)
                 residual = gl.load(self.residual_ptr + offsets, mask=inside, other=0.0)
