@@ -478,8 +478,6 @@ class TileSchedule:
     def num_units(self):
         # How many units the tiles make: whole tiles, plus SPLIT_K slices of each split one.
         num_tiles = self.num_pid_m * self.num_pid_n
-        if self.SPLIT_K == 1:
-            return num_tiles
         whole_tiles = whole_tile_count(num_tiles, gl.num_programs(0), self.SPLIT_K)
         return whole_tiles + (num_tiles - whole_tiles) * self.SPLIT_K
 
