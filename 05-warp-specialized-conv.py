@@ -511,9 +511,7 @@ class TileSchedule:
 def whole_tile_count(num_tiles, programs, SPLIT_K: tl.constexpr):
     # How many tiles run whole: with split-K, those of the full waves (the rest are split, section 7). The kernel,
     # the host (`tile_counts`, which the second kernel and the runtime take it from) call this one function.
-    if SPLIT_K == 1:
-        return num_tiles
-    return num_tiles // programs * programs
+    return num_tiles // programs * programs if SPLIT_K > 1 else num_tiles
 
 
 # %%
@@ -791,9 +789,8 @@ def check_groups_fit(config, geometry, element_size=2):
         raise ValueError(f"{geometry.describe()}: grouped convs run in fp16 or bf16 (section 10), not e4m3")
     if geometry.groups > 1 and not groups_fit(config, geometry.Ci_group, geometry.Co_group, element_size):
         block_k = block_k_channels(config, geometry.Ci_group, element_size)
-        raise ValueError(f"config {config}: {geometry.describe()} has {geometry.Ci_group} input and "
-                         f"{geometry.Co_group} output channels per group; a tile must stay in one group, so they "
-                         f"must be multiples of the K block ({block_k}) and of the tile's {config.tile_n} columns")
+        raise ValueError(f"config {config}: {geometry.describe()}: a tile must stay in one group, so the K block "
+                         f"({block_k}) must divide Ci / groups and the tile's width ({config.tile_n}) Co / groups")
 
 
 def tile_counts(config, M, Co, num_sms):
@@ -878,27 +875,25 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     BLOCK_M, BLOCK_N = config[:2]
     BLOCK_K = block_k_channels(config, Ci_group, x_nhwc.element_size())    # 128 bytes: 128 e4m3 (section 9)
     settings = common.conv_im2col_settings(g)      # (padded channels move no pixel)
-    out_dtype = out_dtype or x_nhwc.dtype
-    lanes = 16 // out_dtype.itemsize
-    out_2d = torch.empty(g.M, -(-g.Co // lanes) * lanes, device=x_nhwc.device, dtype=out_dtype)
+    lanes = 16 // (out_dtype or x_nhwc.dtype).itemsize        # the output's rows: Co rounded up to 16 bytes
+    out_2d = torch.empty(g.M, -(-g.Co // lanes) * lanes, device=x_nhwc.device, dtype=out_dtype or x_nhwc.dtype)
+
+    def descriptors(rows, columns, **pixel_box):    # of x, w and out_2d, for output boxes of rows x columns
+        return common.conv_tma_descriptors(x_nhwc, w, out_2d, settings, rows, columns, BLOCK_K, **pixel_box)
     # section 6: a row tail loads the pixels in boxes of the tail's height (two for the main rows)
-    in_desc, w_desc, out_desc = common.conv_tma_descriptors(x_nhwc, w, out_2d, settings, BLOCK_M, BLOCK_N,
-                                                            BLOCK_K, pixel_box=config.block_m_tail or BLOCK_M)
+    in_desc, w_desc, out_desc = descriptors(BLOCK_M, BLOCK_N, pixel_box=config.block_m_tail or BLOCK_M)
     # section 6: the tail's boxes are the main boxes of a tile block_n_tail wide (the column tail's weights
     # and output) or block_m_tail tall (its output; stored by row blocks, half the main rows)
     w_tail_desc = out_tail_desc = None    # a constexpr None: nothing for the launcher to encode
     if config.block_n_tail:
-        _, w_tail_desc, out_tail_desc = common.conv_tma_descriptors(x_nhwc, w, out_2d, settings, BLOCK_M,
-                                                                    config.block_n_tail, BLOCK_K)
+        _, w_tail_desc, out_tail_desc = descriptors(BLOCK_M, config.block_n_tail)
     if config.block_m_tail or stores_by_row_blocks(config):
-        rows = config.block_m_tail or BLOCK_M // 2
-        out_tail_desc = common.conv_tma_descriptors(x_nhwc, w, out_2d, settings, rows, BLOCK_N, BLOCK_K)[2]
+        out_tail_desc = descriptors(config.block_m_tail or BLOCK_M // 2, BLOCK_N)[2]
     num_pid_m, num_pid_n = triton.cdiv(g.M, config.tile_m), triton.cdiv(g.Co, config.tile_n)
     channel_blocks = triton.cdiv(Ci_group, BLOCK_K)
     k_steps = g.R * g.S * channel_blocks
     if config.split_k > k_steps:
-        raise ValueError(f"config {config}: split_k={config.split_k} exceeds the {k_steps} k-steps "
-                         f"of {g.describe()}")
+        raise ValueError(f"config {config}: split_k={config.split_k} exceeds the {k_steps} k-steps of {g.describe()}")
     partial = (torch.empty(config.split_k, g.M, g.Co, device=x_nhwc.device, dtype=torch.float32)
                if config.split_k > 1 else None)
     # absent epilogue tensors: any pointer will do, the constexprs compile their loads away
@@ -973,6 +968,8 @@ def test_fixed_config_grid(N, Ci_Co, R, stride, padding):
 # handed to the MMA warps) and the TMA store. The counts are instructions in the program text, not
 # executions. The Blackwell build is checked against what a line-by-line review of its
 # synchronization expects (RESULTS.md, "The Blackwell path"), since no Blackwell GPU has run it.
+# The warps it reports: on sm_90 the 4 MMA/epilogue warps and the 1-warp loader, padded to a
+# warpgroup; on sm_100 the 4 epilogue warps, the 1-warp MMA issuer and the 1-warp loader, padded.
 
 IM2COL_LOAD, WEIGHT_LOAD, TMA_STORE = common.PTX_IM2COL_LOAD, common.PTX_TILED_LOAD, common.PTX_TMA_STORE
 REGISTERS_GIVEN_BACK = "setmaxnreg moves registers between whole warpgroups: a worker lowers its limit to 24"
@@ -998,8 +995,6 @@ TAUGHT_PTX = {
         (TMA_STORE, "The epilogue's TMA store, as on sm_90."),
     ],
 }
-PARTITION_WARPS = {"sm_90": "4 MMA/epilogue warps + the 1-warp loader, padded to a warpgroup",
-                   "sm_100": "4 epilogue warps + the 1-warp MMA issuer + the 1-warp loader, padded"}
 
 
 def aot_conv2d_fprop(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, padding=1,
@@ -1023,8 +1018,7 @@ def test_kernel_compiles_with_expected_instructions(arch):
 
 def run_show_ptx():
     return common.show_ptx("05-warp-specialized-conv", "aot_conv2d_fprop", TAUGHT_PTX,
-                           lambda arch, compiled: f"conv2d_fprop_kernel, config {FIXED_CONFIG}: "
-                                                  f"{compiled['num_warps']} warps in all = {PARTITION_WARPS[arch]}")
+                           lambda arch, compiled: f"conv2d_fprop_kernel, {FIXED_CONFIG}: {compiled['num_warps']} warps")
 
 
 # %%
