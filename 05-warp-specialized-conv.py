@@ -845,10 +845,6 @@ class ConvLaunch(NamedTuple):
         # The kernel's run-time arguments, in its signature's order.
         return tuple(getattr(self, name) for name in DESCRIPTORS) + (self.pointers, self.shape)
 
-    def result(self):
-        # The output as NHWC [N, out_h, out_w, Co].
-        return output_nhwc(self.geometry, self.out_2d)
-
 
 def output_nhwc(geometry, out_2d):
     # The kernel's output [M, Co rounded up to 16 bytes] as NHWC [N, out_h, out_w, Co].
@@ -925,7 +921,7 @@ def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, c
     if launch.partial is not None:                 # split-K's second kernel (section 7): sum the slices
         grid, args, constexprs = split_k_epilogue_launch(launch, bias, scale, residual, activation)
         split_k_epilogue_kernel[grid](*args, **constexprs)
-    return launch.result()
+    return output_nhwc(geometry, launch.out_2d)
 
 
 def run_core_kernel():

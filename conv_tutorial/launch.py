@@ -195,7 +195,7 @@ class ConvPlan:
             grid, args, kwargs = lesson05.split_k_epilogue_launch(launch, bias, scale, residual, activation)
             self.reduces[variant] = DirectLaunch.first_launch(lesson05.split_k_epilogue_kernel, grid, args, kwargs)
             self.reduce_grid, self.reduce_scalars = grid, args[3:]
-        return launch.result()
+        return lesson05.output_nhwc(self.geometry, launch.out_2d)
 
 
     def _compile_only(self, launch, kwargs, bias, scale, residual, activation):
@@ -206,7 +206,7 @@ class ConvPlan:
         if launch.partial is not None:
             grid, args, reduce_kwargs = lesson05.split_k_epilogue_launch(launch, bias, scale, residual, activation)
             lesson05.split_k_epilogue_kernel.warmup(*args, grid=grid, **reduce_kwargs)
-        return launch.result()
+        return lesson05.output_nhwc(self.geometry, launch.out_2d)
 
 
 _COMPILE_ONLY = contextvars.ContextVar("conv_tutorial_compile_only", default=False)
