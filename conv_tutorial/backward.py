@@ -9,8 +9,9 @@ at batch 128, bf16, 2026-11-25; RESULTS.md, "The backward" and "Training") their
 0.90x torch.compile's with CUDA graphs (0.36x without: the launchers' host time). With
 "lesson06", each gradient a call needs runs on the lesson's launchers where they cover the call
 (fp16 or bf16, groups 1, input, weight and gradient on one Hopper or data-centre Blackwell GPU) and
-on torch's convolution_backward otherwise, with one warning per reason (dgrad: lesson 06's phases, each a conv through this package's
-runtime; wgrad: lesson 06's kernel through a plan per shape, wgrad.py). `$CONV_TUTORIAL_BACKWARD`
+on torch's convolution_backward otherwise, with one warning per reason (dgrad: lesson 06's phases,
+each a conv through this package's runtime; wgrad: lesson 06's kernel through a plan per shape,
+wgrad.py, built after the figures above and not yet measured on a GPU). `$CONV_TUTORIAL_BACKWARD`
 sets the choice for a process. Lesson 06 is loaded (kernel.lesson06) on the first call that uses it.
 """
 import os

@@ -77,7 +77,8 @@ class StandInLaunch:
             assert list(desc.base.shape) == list(desc.shape) and desc.base.is_contiguous()
         x = x_desc.base[..., :shape.Ci]
         g = common.conv_geometry(x.shape, (shape.Co, shape.taps // shape.S, shape.S, shape.Ci),
-                                 (shape.stride_h, shape.stride_w), (shape.pad_h, shape.pad_w), (shape.dil_h, shape.dil_w))
+                                 (shape.stride_h, shape.stride_w), (shape.pad_h, shape.pad_w),
+                                 (shape.dil_h, shape.dil_w))
         dy_2d, block_k = dy_desc.base[:, :shape.Co].float(), dy_desc.block_shape[0]
         if isinstance(partial, int):
             partial = at_address(partial, torch.float32, shape.split_k * shape.Co * shape.taps * shape.Ci)
