@@ -1318,7 +1318,8 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # `conv_tutorial.set_backward("lesson06")` (NHWC views of its channels_last tensors, torch for what
 # they do not cover); it keeps PyTorch's convolution backward by default, because the figures above
 # say it does not pay yet. What they point to first: the launch through a per-shape plan for wgrad
-# too, the phases of a strided dgrad stored in place and in one launch, and the stem's fold.
+# too (built since in the package, conv_tutorial/wgrad.py; not yet measured), the phases of a strided
+# dgrad stored in place and in one launch, and the stem's fold.
 
 # %%
 if __name__ == "__main__":
