@@ -168,31 +168,37 @@ def dgrad_axis_phase(phase, size, out_size, R, stride, padding, dilation):
     return AxisPhase(rows, slice(hits[0], hits[-1] + 1, step), pad, sub_dilation, first + pad)
 
 
-def dgrad_by_phases(dy_nhwc, w, geometry, fprop):
+def dgrad_phases(geometry):
+    """(py, px, along_h, along_w) of each phase of dX that holds pixels: arithmetic on the shape
+    alone, so a caller that meets one shape often (the operator's backward) may keep it."""
+    g = geometry
+    return [(py, px, along_h, along_w) for py in range(g.stride[0]) for px in range(g.stride[1])
+            for along_h in [dgrad_axis_phase(py, g.H, g.out_h, g.R, g.stride[0], g.padding[0], g.dilation[0])]
+            for along_w in [dgrad_axis_phase(px, g.W, g.out_w, g.S, g.stride[1], g.padding[1], g.dilation[1])]
+            if along_h.rows and along_w.rows]     # (a phase past the image's edge has no rows of dX)
+
+
+def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None):
     """dX of the conv `geometry` from dY: per phase of dX a stride-1 conv `fprop(dy, w_phase,
     padding=, dilation=)` (lesson 05's kernel on a GPU, torch's conv on a CPU) of dY with that
-    phase's taps, flipped and channel-swapped, cropped and copied into the phase's rows and columns."""
+    phase's taps, flipped and channel-swapped, cropped and copied into the phase's rows and columns.
+    `phases`: dgrad_phases(geometry), if the caller keeps it."""
     g = geometry
     dx = None
-    for py in range(g.stride[0]):
-        for px in range(g.stride[1]):
-            along_h = dgrad_axis_phase(py, g.H, dy_nhwc.shape[1], g.R, g.stride[0], g.padding[0], g.dilation[0])
-            along_w = dgrad_axis_phase(px, g.W, dy_nhwc.shape[2], g.S, g.stride[1], g.padding[1], g.dilation[1])
-            if along_h.rows == 0 or along_w.rows == 0:
-                continue                          # a phase past the image's edge: no rows of dX
-            out = None                            # no tap reaches these pixels: their gradient is 0
-            if along_h.taps is not None and along_w.taps is not None:
-                # w'[ci, r', s', co] = w[co, the phase's taps reversed, ci]
-                w_phase = w[:, along_h.taps, along_w.taps, :].flip((1, 2)).permute(3, 1, 2, 0).contiguous()
-                out = fprop(dy_nhwc, w_phase, padding=(along_h.padding, along_w.padding),
-                            dilation=(along_h.dilation, along_w.dilation))
-                out = out[:, along_h.crop:along_h.crop + along_h.rows, along_w.crop:along_w.crop + along_w.rows]
-                if g.stride == (1, 1) and out.is_contiguous():
-                    return out                    # stride 1, nothing cropped: the conv's output is dX
-            if dx is None:
-                dx = torch.empty(g.N, g.H, g.W, g.Ci, device=dy_nhwc.device, dtype=dy_nhwc.dtype)
-            phase_pixels = dx[:, py::g.stride[0], px::g.stride[1]]
-            phase_pixels.zero_() if out is None else phase_pixels.copy_(out)
+    for py, px, along_h, along_w in dgrad_phases(g) if phases is None else phases:
+        out = None                                # no tap reaches these pixels: their gradient is 0
+        if along_h.taps is not None and along_w.taps is not None:
+            # w'[ci, r', s', co] = w[co, the phase's taps reversed, ci]
+            w_phase = w[:, along_h.taps, along_w.taps, :].flip((1, 2)).permute(3, 1, 2, 0).contiguous()
+            out = fprop(dy_nhwc, w_phase, padding=(along_h.padding, along_w.padding),
+                        dilation=(along_h.dilation, along_w.dilation))
+            out = out[:, along_h.crop:along_h.crop + along_h.rows, along_w.crop:along_w.crop + along_w.rows]
+            if g.stride == (1, 1) and out.is_contiguous():
+                return out                        # stride 1, nothing cropped: the conv's output is dX
+        if dx is None:
+            dx = torch.empty(g.N, g.H, g.W, g.Ci, device=dy_nhwc.device, dtype=dy_nhwc.dtype)
+        phase_pixels = dx[:, py::g.stride[0], px::g.stride[1]]
+        phase_pixels.zero_() if out is None else phase_pixels.copy_(out)
     return dx
 
 
@@ -269,13 +275,10 @@ def run_dgrad_phases(R=3, stride=2, padding=1, outdir=None):
     """The phases of a ResNet-50 style strided conv (which taps serve which rows), checked on a CPU."""
     g = common.conv_geometry((1, 8, 8, 1), (1, R, R, 1), stride, padding)
     print(f"\nthe phases of dgrad for a {R}x{R} conv, stride {stride}, padding {padding}:")
-    for py in range(stride):
-        for px in range(stride):
-            along_h = dgrad_axis_phase(py, g.H, g.out_h, R, stride, padding, 1)
-            along_w = dgrad_axis_phase(px, g.W, g.out_w, R, stride, padding, 1)
-            taps = [(r, s) for r in range(R)[along_h.taps or slice(0)] for s in range(R)[along_w.taps or slice(0)]]
-            print(f"   dX rows {py}::{stride}, columns {px}::{stride}: taps (r, s) {taps or 'none: zeros'}; "
-                  f"padding ({along_h.padding}, {along_w.padding}), crop ({along_h.crop}, {along_w.crop})")
+    for py, px, along_h, along_w in dgrad_phases(g):
+        taps = [(r, s) for r in range(R)[along_h.taps or slice(0)] for s in range(R)[along_w.taps or slice(0)]]
+        print(f"   dX rows {py}::{stride}, columns {px}::{stride}: taps (r, s) {taps or 'none: zeros'}; "
+              f"padding ({along_h.padding}, {along_w.padding}), crop ({along_h.crop}, {along_w.crop})")
     run_dgrad_mapping(N=2, H=9, W=10, Ci=5, Co=6, R=R, S=R, stride=stride, padding=padding)
     if outdir is not None:
         plot_phases(R, stride, padding, outdir)
@@ -729,12 +732,18 @@ def wgrad_split_k_sum_kernel(partial_ptr, dw_ptr, numel, split_k, BLOCK: tl.cons
     tl.store(dw_ptr + offsets, acc.to(dw_ptr.dtype.element_ty), mask=inside)
 
 
+def sum_partials_launch(partial, dw):
+    """(grid, args, constexprs) of the second kernel adding the workspace's slices into dw."""
+    # 256 values per program, so that a small dW still spreads over many SMs (64x64: 16 programs,
+    # where 1024 per program gave 4, each looping over every slice); not timed against 1024 yet
+    return (-(-dw.numel() // 256),), (partial, dw, dw.numel(), partial.shape[0]), dict(BLOCK=256)
+
+
 def sum_partials(partial, dtype):
     """dW [Co, R*S*Ci] in `dtype` from the workspace [split_k, Co, R*S*Ci] (the interpreter on a CPU)."""
     dw = torch.empty(partial.shape[1:], device=partial.device, dtype=dtype)
-    # 256 values per program, so that a small dW still spreads over many SMs (64x64: 16 programs,
-    # where 1024 per program gave 4, each looping over every slice); not timed against 1024 yet
-    wgrad_split_k_sum_kernel[(-(-dw.numel() // 256),)](partial, dw, dw.numel(), partial.shape[0], BLOCK=256)
+    grid, args, constexprs = sum_partials_launch(partial, dw)
+    wgrad_split_k_sum_kernel[grid](*args, **constexprs)
     return dw
 
 
@@ -819,11 +828,20 @@ def wgrad_tiles(geometry, config):
     return num_pid_m, ci_blocks, num_pid_m * g.R * g.S * ci_blocks, triton.cdiv(g.M, config.block_k)
 
 
+def wgrad_operands(x_nhwc, dy_nhwc, geometry):
+    # (x, dY as [pixels, Co]), each padded to 16-byte rows where it needs it: what the descriptors point at
+    return padded_to_16_bytes(x_nhwc), padded_to_16_bytes(dy_nhwc.reshape(geometry.M, geometry.Co))
+
+
+def wgrad_kernel_options(config, arch):
+    # the kernel's constexprs and its warps, for a launch or an ahead-of-time compile
+    return dict(NUM_BUFFERS=config.num_buffers, IS_BLACKWELL=arch == "sm_100", num_warps=config.num_warps)
+
+
 def prepare_wgrad(x_nhwc, dy_nhwc, geometry, config, arch, num_sms):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
     g = geometry
-    x_nhwc = padded_to_16_bytes(x_nhwc)
-    dy_2d = padded_to_16_bytes(dy_nhwc.reshape(g.M, g.Co))
+    x_nhwc, dy_2d = wgrad_operands(x_nhwc, dy_nhwc, g)
     config = config or wgrad_config(g.Co, x_nhwc.shape[-1])
     gl_dtype = common.GL_DTYPES[x_nhwc.dtype]
     settings = common.conv_im2col_settings(
@@ -854,8 +872,7 @@ def conv2d_wgrad_launch(x_nhwc, dy_nhwc, w_shape, stride=1, padding=0, dilation=
     arch, num_sms = common.tma_mma_arch_and_sms("conv2d_wgrad_launch")
     launch = prepare_wgrad(x_nhwc, dy_nhwc, g, config, arch, num_sms)
     check_wgrad_config(launch.config, arch)
-    conv2d_wgrad_kernel[launch.grid](*launch.kernel_args(), NUM_BUFFERS=launch.config.num_buffers,
-                                     IS_BLACKWELL=arch == "sm_100", num_warps=launch.config.num_warps)
+    conv2d_wgrad_kernel[launch.grid](*launch.kernel_args(), **wgrad_kernel_options(launch.config, arch))
     return sum_partials(launch.partial, x_nhwc.dtype).view(g.Co, g.R, g.S, g.Ci)
 
 
@@ -932,7 +949,7 @@ def run_wgrad_model(N=2, H=6, W=7, Ci=12, Co=20, R=3, S=2, stride=1, padding=1, 
     config = config or WgradConfig(block_m=16, block_n=8, block_k=8, num_buffers=2, split_k=3)
     launch = prepare_wgrad(x, dy, g, config, "sm_90", num_sms=132)
     shape, (BM, BN, BK) = launch.shape, launch.config[:3]
-    x_padded, dy_2d = padded_to_16_bytes(x), padded_to_16_bytes(dy.reshape(g.M, g.Co))
+    x_padded, dy_2d = wgrad_operands(x, dy, g)
     corners = (launch.settings.pixel_box_lower_corner, launch.settings.pixel_box_upper_corner,
                launch.settings.element_strides)
     partial = torch.full_like(launch.partial, float("nan")).view(shape.split_k, g.Co, shape.taps, g.Ci)
@@ -1028,8 +1045,7 @@ def aot_conv2d_wgrad(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, p
     """(kernel, args, kwargs) on CPU tensors, for common.aot_compile."""
     x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, 1, torch.bfloat16, device_name="cpu")
     launch = prepare_wgrad(x, dy, g, wgrad_config(Co, Ci)._replace(split_k=split_k), arch, 132)
-    return conv2d_wgrad_kernel, launch.kernel_args(), dict(NUM_BUFFERS=launch.config.num_buffers,
-                                                           IS_BLACKWELL=arch == "sm_100", num_warps=4)
+    return conv2d_wgrad_kernel, launch.kernel_args(), wgrad_kernel_options(launch.config, arch)
 
 
 def transposed_operands(ptx, arch):
@@ -1302,7 +1318,8 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # `conv_tutorial.set_backward("lesson06")` (NHWC views of its channels_last tensors, torch for what
 # they do not cover); it keeps PyTorch's convolution backward by default, because the figures above
 # say it does not pay yet. What they point to first: the launch through a per-shape plan for wgrad
-# too, the phases of a strided dgrad stored in place and in one launch, and the stem's fold.
+# too (built since in the package, conv_tutorial/wgrad.py; not yet measured), the phases of a strided
+# dgrad stored in place and in one launch, and the stem's fold.
 
 # %%
 if __name__ == "__main__":

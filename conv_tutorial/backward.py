@@ -9,8 +9,9 @@ at batch 128, bf16, 2026-11-25; RESULTS.md, "The backward" and "Training") their
 0.90x torch.compile's with CUDA graphs (0.36x without: the launchers' host time). With
 "lesson06", each gradient a call needs runs on the lesson's launchers where they cover the call
 (fp16 or bf16, groups 1, input, weight and gradient on one Hopper or data-centre Blackwell GPU) and
-on torch's convolution_backward otherwise, with one warning per reason (dgrad: lesson 06's phases, each a conv through this package's
-runtime; wgrad: lesson 06's kernel through its plain launcher). `$CONV_TUTORIAL_BACKWARD`
+on torch's convolution_backward otherwise, with one warning per reason (dgrad: lesson 06's phases,
+each a conv through this package's runtime; wgrad: lesson 06's kernel through a plan per shape,
+wgrad.py, built after the figures above and not yet measured on a GPU). `$CONV_TUTORIAL_BACKWARD`
 sets the choice for a process. Lesson 06 is loaded (kernel.lesson06) on the first call that uses it.
 """
 import os
@@ -19,13 +20,14 @@ from typing import List
 
 import torch
 
-from . import runtime, selection
+from . import runtime, selection, wgrad
 from .geometry import current_arch, nhwc_view
 from .kernel import common
 
 BACKENDS = ("torch", "lesson06")
 _BACKEND = os.environ.get("CONV_TUTORIAL_BACKWARD", "torch")
 _WARNED = set()
+_DGRAD_PHASES = {}     # geometry -> lesson 06's dgrad_phases (shape arithmetic only)
 
 
 def set_backward(backend: str):
@@ -111,7 +113,9 @@ def _torch_gradient(which, grad_conv, input, weight, stride, padding, dilation, 
 def _input_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, stride: List[int],
                 padding: List[int], dilation: List[int], groups: int) -> torch.Tensor:
     """dX: lesson 06's mapping (a stride-1 conv of dY per phase of dX), each conv through the
-    forward's runtime (a plan per shape, the heuristic's or a tuned config), or torch's."""
+    forward's runtime (a plan per shape, the heuristic's or a tuned config), or torch's. The
+    phases' arithmetic depends on the shape alone and is kept per shape; the flipped weights of
+    each phase are the weights' values, computed on every call."""
     if _why_torch(grad_output, input, weight, groups):
         dx = _torch_gradient("input", grad_output, input, weight, stride, padding, dilation, groups)
     else:
@@ -119,20 +123,22 @@ def _input_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Te
         w_nhwc = nhwc_view(weight)                       # weight [Co, Ci, R, S] -> [Co, R, S, Ci]
         x_shape = (input.shape[0], input.shape[2], input.shape[3], input.shape[1])
         geometry = common.conv_geometry(x_shape, tuple(w_nhwc.shape), stride, padding, dilation)
-        dx = lesson06.dgrad_by_phases(nhwc_view(grad_output), w_nhwc, geometry, _fprop).permute(0, 3, 1, 2)
+        phases = _DGRAD_PHASES.get(geometry)
+        if phases is None:
+            phases = _DGRAD_PHASES[geometry] = lesson06.dgrad_phases(geometry)
+        dx = lesson06.dgrad_by_phases(nhwc_view(grad_output), w_nhwc, geometry, _fprop, phases).permute(0, 3, 1, 2)
     return dx.contiguous(memory_format=torch.channels_last)            # the layout the fake promises
 
 
 def _weight_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, stride: List[int],
                  padding: List[int], dilation: List[int], groups: int) -> torch.Tensor:
-    """dW: lesson 06's wgrad kernel through its plain launcher, or torch's."""
+    """dW: lesson 06's wgrad kernel through a plan per shape (wgrad.py), or torch's."""
     if _why_torch(grad_output, input, weight, groups):
         dw = _torch_gradient("weight", grad_output, input, weight, stride, padding, dilation, groups)
     else:
-        from .kernel import lesson06
         w_shape = (weight.shape[0], weight.shape[2], weight.shape[3], weight.shape[1])
-        dw = lesson06.conv2d_wgrad_launch(nhwc_view(input), nhwc_view(grad_output), w_shape, tuple(stride),
-                                          tuple(padding), tuple(dilation)).permute(0, 3, 1, 2)
+        dw = wgrad.conv2d_weight_grad(nhwc_view(input), nhwc_view(grad_output), w_shape, tuple(stride),
+                                      tuple(padding), tuple(dilation)).permute(0, 3, 1, 2)
     return dw.contiguous(memory_format=torch.channels_last)
 
 

@@ -249,20 +249,23 @@ def _check_tma_aligned(tensor):
                          f"{tensor.data_ptr():#x} (a view into another tensor?); pass .clone()")
 
 
-def _tensorless(launch):
-    """A plan's template of a ConvLaunch: its descriptors without their tensors, its output and
-    workspace as shapes (meta tensors). A template holding the first call's tensors would keep
-    them alive as long as the plan: an activation per layer of a network, and during
-    autotuning one per candidate."""
-    descriptors = {name: None if getattr(launch, name) is None else _with_base(getattr(launch, name), None)
-                   for name in lesson05.DESCRIPTORS}
+def _tensorless(launch, descriptors=lesson05.DESCRIPTORS, buffers=("out_2d", "partial"), cleared=("pointers",)):
+    """A plan's template of a launch (lesson 05's ConvLaunch by default; wgrad.py passes lesson
+    06's WgradLaunch and its field names): its descriptors without their tensors, its output and
+    workspace `buffers` as shapes (meta tensors), its `cleared` fields None. A template holding
+    the first call's tensors would keep them alive as long as the plan: an activation per layer
+    of a network, and during autotuning one per candidate."""
+    fields = {name: None if getattr(launch, name) is None else _with_base(getattr(launch, name), None)
+              for name in descriptors}
     as_meta = lambda t: None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")  # noqa: E731
-    return launch._replace(**descriptors, pointers=None, out_2d=as_meta(launch.out_2d), partial=as_meta(launch.partial))
+    fields.update({name: as_meta(getattr(launch, name)) for name in buffers})
+    fields.update({name: None for name in cleared})
+    return launch._replace(**fields)
 
 
-def _descriptors(launch):
-    """A ConvLaunch's descriptors, in the kernel's order (None where it has none)."""
-    return tuple(getattr(launch, name) for name in lesson05.DESCRIPTORS)
+def _descriptors(launch, names=lesson05.DESCRIPTORS):
+    """A launch's descriptors, in the kernel's order (None where it has none)."""
+    return tuple(getattr(launch, name) for name in names)
 
 
 def _new_like(template_tensor, device):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import conv_tutorial
-from conv_tutorial import backward, kernel
+from conv_tutorial import backward, kernel, wgrad
 
 needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
 
@@ -61,7 +61,8 @@ def test_cpu_tensors_fall_back_to_torch_with_one_warning(lesson06_backend):
 @pytest.fixture
 def lesson06_stand_ins(lesson06_backend, monkeypatch):
     """Lesson 06's own phases for dgrad with torch's conv standing in for each phase's kernel, and
-    torch standing in for the wgrad launcher (same signature: NHWC x and dY, [Co, R, S, Ci] weight
+    torch standing in for the package's wgrad (wgrad.conv2d_weight_grad, whose plan
+    tests/operator/test_wgrad_plan.py tests; same signature: NHWC x and dY, [Co, R, S, Ci] weight
     shape), on a CPU. Yields the list of what they were handed."""
     seen = []
 
@@ -72,7 +73,7 @@ def lesson06_stand_ins(lesson06_backend, monkeypatch):
                                          dilation)
         return out.permute(0, 2, 3, 1).contiguous()
 
-    def wgrad(x, dy, w_shape, stride, padding, dilation):
+    def wgrad_stand_in(x, dy, w_shape, stride, padding, dilation):
         seen.append(("wgrad", x.shape, dy.shape, w_shape, type(x)))
         assert x.is_contiguous() and dy.is_contiguous()
         dw = torch.nn.grad.conv2d_weight(x.permute(0, 3, 1, 2), (w_shape[0], w_shape[3], w_shape[1], w_shape[2]),
@@ -81,7 +82,8 @@ def lesson06_stand_ins(lesson06_backend, monkeypatch):
 
     lesson06 = common.load_lesson("06-conv-backward")
     monkeypatch.setattr(kernel, "lesson06", types.SimpleNamespace(dgrad_by_phases=lesson06.dgrad_by_phases,
-                                                                  conv2d_wgrad_launch=wgrad), raising=False)
+                                                                  dgrad_phases=lesson06.dgrad_phases), raising=False)
+    monkeypatch.setattr(wgrad, "conv2d_weight_grad", wgrad_stand_in)
     monkeypatch.setattr(backward, "_fprop", phase_fprop)
     monkeypatch.setattr(backward, "lesson06_reason", lambda *args: None)
     yield seen

@@ -1,0 +1,124 @@
+"""dW through a per-shape plan: lesson 06's wgrad kernel behind the forward's cheap host path.
+
+Why: lesson 06's plain launcher, `conv2d_wgrad_launch`, does on every call what depends only on
+the shape: it validates, chooses the split, builds two TMA descriptors (Triton validates each,
+~30 us of Python) and launches the kernel and the split-K sum through Triton's generic launcher
+(~50 us each, binding and re-specializing their arguments). On an H100 (2026-11-25, ResNet-50 at
+batch 128) its kernels ran at 0.87x cuDNN's speed but whole calls at 0.26x. The forward solved
+the same problem with plans (launch.py); this module does the same for wgrad:
+
+- `WgradPlan`, one per (geometry, dtype, device): the first call runs lesson 06's own
+  `prepare_wgrad` (config, split-K, grid, shared layouts, validated descriptors) and launches both
+  kernels through Triton's launcher (compiling them); the plan keeps that launch without its
+  tensors (launch.py's `_tensorless`) and a `DirectLaunch` of each compiled kernel.
+- Later calls pad x's channels and dY's Co to 16-byte rows where the shape needs it (lesson 06's
+  `wgrad_operands`), allocate the fp32 workspace and dW, and launch both kernels directly: the
+  descriptors are the templates re-based on this call's tensors (DirectLaunch encodes a tensor
+  map per new address from the validated template), pointers are passed as addresses.
+- The workspace is allocated per call, not kept by the plan: PyTorch's caching allocator hands it
+  out on the current stream in a few microseconds, so two streams, or a CUDA graph captured while
+  another replays, never share one; a kept workspace would need a stream and graph discipline of
+  its own, and would hold up to 27 MB per layer (ResNet-50's 7x7 layers) between calls.
+- `conv2d_weight_grad` finds a call's plan by what it shows at a glance (shapes, dtypes, devices,
+  hyper-parameters), as runtime.conv2d does: a hit skips lesson 06's `check_backward_call`, which
+  the first call of that key passed; contiguity is checked on every call.
+
+Not run on a GPU yet (built and tested on a CPU with stand-ins for the compiled kernels,
+tests/operator/test_wgrad_plan.py). Calls launch on the current device's current stream, as
+Triton's launcher does (autograd runs a backward with its tensors' device current).
+"""
+import torch
+
+from .geometry import device_facts
+from .launch import DirectLaunch, _check_tma_aligned, _descriptors, _new_like, _tensorless
+
+DESCRIPTORS = ("dy_desc", "x_desc")     # lesson 06's WgradLaunch fields, in conv2d_wgrad_kernel's order
+
+
+class WgradPlan:
+    """Everything about one wgrad (geometry, dtype, device) that does not depend on the tensors."""
+
+    def __init__(self, geometry, dtype, arch, num_sms):
+        self.geometry, self.dtype, self.arch, self.num_sms = geometry, dtype, arch, num_sms
+        self.template = None      # the first call's WgradLaunch without its tensors: descriptors, grid, shape, split
+        self.kernel = None        # DirectLaunch of conv2d_wgrad_kernel
+        self.sum = None           # DirectLaunch of wgrad_split_k_sum_kernel (split-K's ordered sum)
+        self.sum_grid = self.sum_scalars = None    # the sum's grid and (numel, split_k): fixed by the plan
+
+    def run(self, x_nhwc, dy_nhwc):
+        """dW [Co, R, S, Ci] in the plan's dtype of x [N, H, W, Ci] and dY [N, out_h, out_w, Co]:
+        contiguous, of the plan's shapes, dtype and device (the caller has checked)."""
+        from .kernel import lesson06
+        g = self.geometry
+        dw = torch.empty(g.Co, g.R * g.S * g.Ci, device=x_nhwc.device, dtype=self.dtype)
+        if self.kernel is None:
+            self._first_launch(lesson06, x_nhwc, dy_nhwc, dw)
+        else:
+            x_nhwc, dy_2d = lesson06.wgrad_operands(x_nhwc, dy_nhwc, g)
+            _check_tma_aligned(x_nhwc)
+            _check_tma_aligned(dy_2d)
+            template = self.template
+            partial = _new_like(template.partial, x_nhwc.device)
+            # the kernel's arguments in its order: dy_desc, x_desc (tensors: DirectLaunch re-bases
+            # the templates on them), partial_ptr, shape
+            self.kernel(template.grid, dy_2d, x_nhwc, partial.data_ptr(), template.shape)
+            self.sum(self.sum_grid, partial.data_ptr(), dw.data_ptr(), *self.sum_scalars)
+        return dw.view(g.Co, g.R, g.S, g.Ci)
+
+    def _first_launch(self, lesson06, x_nhwc, dy_nhwc, dw):
+        """Lesson 06's launch, through Triton's launcher (which compiles); keeps its template and a
+        DirectLaunch of each kernel for the calls after it."""
+        launch = lesson06.prepare_wgrad(x_nhwc, dy_nhwc, self.geometry, None, self.arch, self.num_sms)
+        lesson06.check_wgrad_config(launch.config, self.arch)
+        template = _tensorless(launch, DESCRIPTORS, buffers=("partial",), cleared=())
+        kernel = DirectLaunch.first_launch(lesson06.conv2d_wgrad_kernel, launch.grid, launch.kernel_args(),
+                                           lesson06.wgrad_kernel_options(launch.config, self.arch),
+                                           _descriptors(template, DESCRIPTORS))
+        grid, args, constexprs = lesson06.sum_partials_launch(launch.partial, dw)
+        sum_launch = DirectLaunch.first_launch(lesson06.wgrad_split_k_sum_kernel, grid, args, constexprs)
+        self.template, self.kernel, self.sum, self.sum_grid, self.sum_scalars = (template, kernel, sum_launch, grid,
+                                                                                 args[2:])
+
+
+_PLANS = {}          # (geometry, dtype, device) -> WgradPlan
+_FAST_PLANS = {}     # call key -> WgradPlan
+
+
+def plan_for(geometry, dtype, device):
+    """The plan of a checked call, built on the first call of its (geometry, dtype, device)."""
+    key = (geometry, dtype, device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        arch, num_sms, _ = device_facts()
+        plan = _PLANS[key] = WgradPlan(geometry, dtype, arch, num_sms)
+    return plan
+
+
+def _call_key(x_nhwc, dy_nhwc, w_shape, stride, padding, dilation, groups):
+    """A hashable key of what a call shows at a glance, or None (then the full check runs)."""
+    if not (isinstance(x_nhwc, torch.Tensor) and isinstance(dy_nhwc, torch.Tensor)):
+        return None
+    key = (x_nhwc.shape, dy_nhwc.shape, x_nhwc.dtype, dy_nhwc.dtype, x_nhwc.device, dy_nhwc.device, w_shape,
+           stride, padding, dilation, type(groups), groups)
+    try:
+        hash(key)
+    except TypeError:                    # list-valued arguments: no fast path
+        return None
+    return key
+
+
+def conv2d_weight_grad(x_nhwc, dy_nhwc, w_shape, stride=1, padding=0, dilation=1, groups=1):
+    """dW [Co, R, S, Ci] (w_shape) of a conv of x [N, H, W, Ci] from dY [N, out_h, out_w, Co] (fp16
+    or bf16, contiguous NHWC, on a Hopper or Blackwell GPU), in x's dtype: lesson 06's
+    `conv2d_wgrad_launch` with its default config, the same arguments, errors and result, through a
+    plan per shape. groups must be 1."""
+    key = _call_key(x_nhwc, dy_nhwc, w_shape, stride, padding, dilation, groups)
+    plan = _FAST_PLANS.get(key) if key is not None else None
+    if plan is None or not (x_nhwc.is_contiguous() and dy_nhwc.is_contiguous()):
+        from .kernel import lesson06       # the full check, with its errors
+        geometry = lesson06.check_backward_call({"x_nhwc": x_nhwc, "dy_nhwc": dy_nhwc}, getattr(x_nhwc, "shape", None),
+                                                w_shape, stride, padding, dilation, groups)
+        plan = plan_for(geometry, x_nhwc.dtype, x_nhwc.device)
+        if key is not None:
+            _FAST_PLANS[key] = plan
+    return plan.run(x_nhwc, dy_nhwc)

@@ -1,0 +1,305 @@
+"""The operator's wgrad plan (conv_tutorial/wgrad.py): built once per shape, its descriptors re-based on
+each call's tensors, its kernel arguments in the kernel's order, lesson 06's split and grid, lesson 06's
+errors for bad calls.
+
+On a CPU, a stand-in takes the place of the compiled kernels (`StandInLaunch`, patched over DirectLaunch):
+it computes what each kernel computes from exactly what the plan hands it (descriptors, pointers as
+addresses, the shape tuple), so a wrong tensor, address, slice or scalar shows up as a wrong dW, compared
+with torch.nn.grad. The split-K sum is lesson 06's Triton kernel itself, in the interpreter. On a Hopper or
+Blackwell GPU: the plan's dW against torch's and against lesson 06's plain launcher, bit for bit."""
+import ctypes
+import inspect
+import re
+import warnings
+
+import common
+
+import pytest
+import torch
+
+import conv_tutorial
+from conv_tutorial import backward, kernel, launch, wgrad
+
+needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
+lesson06 = kernel.lesson06
+
+
+def at_address(address, dtype, numel):
+    """The CPU tensor of `numel` values of `dtype` at a host address: how the stand-in follows a pointer."""
+    return torch.frombuffer((ctypes.c_char * (numel * dtype.itemsize)).from_address(address), dtype=dtype, count=numel)
+
+
+def run_parameters(jit_function):
+    """A kernel's run-time parameters (constexprs left out), by inspect, in its signature's order."""
+    return [name for name, p in inspect.signature(jit_function.fn).parameters.items()
+            if "constexpr" not in str(p.annotation) and name not in ("BLOCK",)]
+
+
+class StandInLaunch:
+    """launch.DirectLaunch's place on a CPU. `first_launch` gets Triton's real launch (validated
+    descriptors, tensors); a call after it gets what the plan hands DirectLaunch (tensors where the
+    kernel takes descriptors, which DirectLaunch re-bases its templates on, as here; addresses for
+    pointers). Both compute the kernel's result from what they were handed."""
+    made = []
+
+    def __init__(self, kernel_fn, constexprs, templates):
+        self.kernel_fn, self.constexprs, self.templates, self.calls = kernel_fn, constexprs, templates, []
+
+    @classmethod
+    def first_launch(cls, kernel_fn, grid, args, kwargs, templates=()):
+        made = cls(kernel_fn, kwargs, [t for t in templates if t is not None])
+        made.first = (grid, args)
+        made.out_dtype = args[1].dtype if kernel_fn is lesson06.wgrad_split_k_sum_kernel else None
+        made.compute(grid, args)
+        cls.made.append(made)
+        return made
+
+    def __call__(self, grid, *args):
+        rebased = [launch._with_base(template, args[i]) for i, template in enumerate(self.templates)]
+        self.calls.append((grid, args, rebased))
+        self.compute(grid, rebased + list(args[len(rebased):]))
+
+    def compute(self, grid, args):
+        if self.kernel_fn is lesson06.conv2d_wgrad_kernel:
+            self.wgrad(*args)
+        else:                         # the split-K sum: lesson 06's kernel, in the interpreter
+            partial, dw, numel, split_k = args
+            if isinstance(partial, int):
+                partial, dw = at_address(partial, torch.float32, numel * split_k), at_address(dw, self.out_dtype, numel)
+            lesson06.wgrad_split_k_sum_kernel[grid](partial, dw, numel, split_k, **self.constexprs)
+
+    @staticmethod
+    def wgrad(dy_desc, x_desc, partial, shape):
+        """partial[split] = dY^T @ im2col(x) over the split's pixels (the k-steps lesson 06's
+        wgrad_work_unit gives it), from the descriptors' tensors: lesson 06's wgrad_reference on a
+        dY whose other pixels are zeroed."""
+        for desc in (dy_desc, x_desc):        # TMA reads the descriptor's shape from its base address
+            assert list(desc.base.shape) == list(desc.shape) and desc.base.is_contiguous()
+        x = x_desc.base[..., :shape.Ci]
+        g = common.conv_geometry(x.shape, (shape.Co, shape.taps // shape.S, shape.S, shape.Ci),
+                                 (shape.stride_h, shape.stride_w), (shape.pad_h, shape.pad_w),
+                                 (shape.dil_h, shape.dil_w))
+        dy_2d, block_k = dy_desc.base[:, :shape.Co].float(), dy_desc.block_shape[0]
+        if isinstance(partial, int):
+            partial = at_address(partial, torch.float32, shape.split_k * shape.Co * shape.taps * shape.Ci)
+        partial = partial.view(shape.split_k, shape.Co, -1)
+        for split in range(shape.split_k):
+            k_begin, k_end = split * shape.k_blocks // shape.split_k, (split + 1) * shape.k_blocks // shape.split_k
+            in_slice = torch.zeros_like(dy_2d)
+            in_slice[k_begin * block_k:k_end * block_k] = dy_2d[k_begin * block_k:k_end * block_k]
+            partial[split] = lesson06.wgrad_reference(x, in_slice.view(g.output_shape_nhwc), g).view(g.Co, -1)
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """The plan on a CPU: StandInLaunch for DirectLaunch, an H100's facts for the device's, lesson 06's
+    check_backward_call with every check but the last (the device) kept, empty plan caches."""
+    StandInLaunch.made = []
+    monkeypatch.setattr(wgrad, "DirectLaunch", StandInLaunch)
+    monkeypatch.setattr(wgrad, "device_facts", lambda: ("sm_90", 132, 232448))
+    monkeypatch.setattr(wgrad, "_PLANS", {})
+    monkeypatch.setattr(wgrad, "_FAST_PLANS", {})
+    checked = lesson06.check_backward_call
+
+    def checked_but_on_a_cpu(tensors, x_shape, w_shape, stride, padding, dilation, groups):
+        try:
+            return checked(tensors, x_shape, w_shape, stride, padding, dilation, groups)
+        except ValueError as error:
+            if "CUDA GPU" not in str(error):
+                raise
+            return common.conv_geometry(tuple(x_shape), tuple(w_shape), stride, padding, dilation)
+    monkeypatch.setattr(lesson06, "check_backward_call", checked_but_on_a_cpu)
+    return StandInLaunch
+
+
+def small_integer_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype=torch.float16, seed=0):
+    """x, w, dY of small integers: every product and sum below is exact in fp32 and in fp16 (|dW| < 2048)."""
+    x, w, dy, g = lesson06.backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, torch.float32, seed,
+                                           device_name="cpu")
+    x, dy = ((t * 2).round().clamp(-2, 2).to(dtype) for t in (x, dy))
+    return x, w, dy, g
+
+
+def expected_dw(x, w, dy, g):
+    return lesson06.reference_gradients(x.float(), w.float(), dy.float(), g)[1]
+
+
+# (N, H, W, Ci, Co, R, S, stride, padding, dilation): Ci=3 (x padded), Co=20 (dY padded), stride 2, 1x1,
+# non-square, per-axis dilation; the last has 72 k-steps: two slices
+SHAPES = [(1, 9, 8, 3, 20, 3, 3, 1, 1, 1), (2, 9, 11, 8, 16, 3, 3, 2, 1, 1), (2, 6, 7, 16, 24, 1, 1, 2, 0, 1),
+          (1, 10, 9, 8, 8, 3, 2, (1, 2), (2, 1), (2, 1)), (2, 48, 48, 8, 16, 3, 3, 1, 1, 1)]
+
+
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", SHAPES)
+def test_two_calls_of_one_shape_give_their_own_dw(stand_ins, N, H, W, Ci, Co, R, S, stride, padding, dilation):
+    for seed in (0, 1):          # the first call (Triton's launch), then the direct one, on other tensors
+        x, w, dy, g = small_integer_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, seed=seed)
+        dw = wgrad.conv2d_weight_grad(x, dy, w.shape, stride, padding, dilation)
+        assert dw.shape == w.shape and dw.dtype == x.dtype
+        assert torch.equal(dw.float(), expected_dw(x, w, dy, g))       # integers: exact
+    assert [len(made.calls) for made in stand_ins.made] == [1, 1]     # one plan: two first launches, one call each
+
+
+def test_the_plan_is_built_once_per_shape(stand_ins):
+    x, w, dy, _ = small_integer_inputs(2, 9, 11, 8, 16, 3, 3, 2, 1, 1)
+    for stride in (2, 2, (2, 2), [2, 2]):     # a list: no fast key, the same plan by its geometry
+        wgrad.conv2d_weight_grad(x.clone(), dy.clone(), w.shape, stride, 1)
+    assert len(wgrad._PLANS) == 1 and len(stand_ins.made) == 2 and len(stand_ins.made[0].calls) == 3
+    x2, w2, dy2, _ = small_integer_inputs(2, 9, 11, 8, 24, 3, 3, 2, 1, 1)
+    wgrad.conv2d_weight_grad(x2, dy2, w2.shape, 2, 1)
+    assert len(wgrad._PLANS) == 2 and len(stand_ins.made) == 4
+
+
+@pytest.mark.parametrize("Ci, Co", [(8, 16), (3, 20)])
+def test_a_later_call_rebases_the_descriptors_on_its_tensors(stand_ins, Ci, Co):
+    wgrad.conv2d_weight_grad(*small_integer_inputs(2, 7, 6, Ci, Co, 3, 3, 1, 1, 1)[::2], (Co, 3, 3, Ci), 1, 1)
+    x, w, dy, g = small_integer_inputs(2, 7, 6, Ci, Co, 3, 3, 1, 1, 1, seed=5)
+    wgrad.conv2d_weight_grad(x, dy, w.shape, 1, 1)
+    (_, _, (dy_desc, x_desc)), = stand_ins.made[0].calls
+    fresh = lesson06.prepare_wgrad(x, dy, g, None, "sm_90", 132)        # what Triton validates for these tensors
+    for rebased, built in ((dy_desc, fresh.dy_desc), (x_desc, fresh.x_desc)):
+        assert {k: v for k, v in vars(rebased).items() if k != "base"} == {k: v for k, v in vars(built).items()
+                                                                          if k != "base"}
+        assert torch.equal(rebased.base, built.base)
+    if Ci == 8:      # 16-byte rows already: the descriptors point at the call's own tensors, no copy
+        assert x_desc.base.data_ptr() == x.data_ptr() and dy_desc.base.data_ptr() == dy.data_ptr()
+    else:            # Ci=3 and Co=20 in fp16: padded copies, zeros past the real channels
+        assert x_desc.base.shape[-1] == 8 and dy_desc.base.shape[-1] == 24
+        assert torch.equal(x_desc.base[..., :Ci], x) and not x_desc.base[..., Ci:].any()
+
+
+def test_kernel_arguments_follow_the_kernels_signatures(stand_ins):
+    x, w, dy, g = small_integer_inputs(2, 48, 48, 8, 16, 3, 3, 1, 1, 1)      # two slices
+    wgrad.conv2d_weight_grad(x, dy, w.shape, 1, 1)
+    x, w, dy, g = small_integer_inputs(2, 48, 48, 8, 16, 3, 3, 1, 1, 1, seed=3)
+    dw = wgrad.conv2d_weight_grad(x, dy, w.shape, 1, 1)
+    kernel_launch, sum_launch = stand_ins.made
+    ((_, args, _),), ((_, sum_args, _),) = kernel_launch.calls, sum_launch.calls
+    by_name = dict(zip(run_parameters(lesson06.conv2d_wgrad_kernel), args, strict=True))
+    assert list(by_name) == ["dy_desc", "x_desc", "partial_ptr", "shape"]
+    assert by_name["dy_desc"].data_ptr() == dy.data_ptr() and by_name["x_desc"].data_ptr() == x.data_ptr()
+    assert by_name["shape"] == lesson06.prepare_wgrad(x, dy, g, None, "sm_90", 132).shape
+    kernel_constexprs = [p.name for p in lesson06.conv2d_wgrad_kernel.params if p.is_constexpr]
+    assert set(kernel_constexprs) <= set(kernel_launch.constexprs)
+    sum_by_name = dict(zip(["partial_ptr", "dw_ptr", "numel", "split_k"], sum_args, strict=True))
+    assert list(inspect.signature(lesson06.wgrad_split_k_sum_kernel.fn).parameters)[:4] == list(sum_by_name)
+    assert sum_by_name["partial_ptr"] == by_name["partial_ptr"] and sum_by_name["dw_ptr"] == dw.data_ptr()
+    assert (sum_by_name["numel"], sum_by_name["split_k"]) == (dw.numel(), by_name["shape"].split_k) == (dw.numel(), 2)
+
+
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", SHAPES)
+def test_split_and_grid_are_prepare_wgrads(stand_ins, N, H, W, Ci, Co, R, S, stride, padding, dilation):
+    x, w, dy, g = small_integer_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation)
+    for _ in range(2):
+        wgrad.conv2d_weight_grad(x, dy, w.shape, stride, padding, dilation)
+    lesson = lesson06.prepare_wgrad(x, dy, g, None, "sm_90", 132)
+    plan, = wgrad._PLANS.values()
+    assert (plan.template.grid, plan.template.shape, plan.template.config) == (lesson.grid, lesson.shape, lesson.config)
+    kernel_launch, sum_launch = stand_ins.made
+    assert kernel_launch.first[0] == kernel_launch.calls[0][0] == lesson.grid
+    assert sum_launch.first[0] == sum_launch.calls[0][0] == lesson06.sum_partials_launch(lesson.partial, w)[0]
+    if (N, H) == (2, 48):
+        assert lesson.shape.split_k == 2                # the case with slices is one
+
+
+@pytest.mark.parametrize("changes, error, message", [(changes, error, message) for launcher, changes, error, message
+                                                      in lesson06.BAD_CALLS if launcher == "wgrad"])
+def test_bad_calls_get_lesson_06s_errors(changes, error, message):
+    x, w, dy, _ = lesson06.backward_inputs(1, 8, 8, 8, 16, 3, 3, 1, 1, 1, torch.bfloat16, device_name="cpu")
+    valid = dict(x_nhwc=x, dy_nhwc=dy, w_shape=w.shape, padding=1)
+    with pytest.raises(error, match=re.escape(message)):
+        wgrad.conv2d_weight_grad(**{**valid, **changes(x, w, dy)})
+
+
+def test_a_planned_shape_still_refuses_what_is_not_contiguous(stand_ins):
+    x, w, dy, _ = small_integer_inputs(1, 8, 8, 8, 16, 3, 3, 1, 1, 1)
+    wgrad.conv2d_weight_grad(x, dy, w.shape, 1, 1)                    # planned and in the fast key
+    transposed = dy.transpose(1, 2).contiguous().transpose(1, 2)      # the same shape, other strides
+    with pytest.raises(ValueError, match="dy_nhwc must be contiguous"):
+        wgrad.conv2d_weight_grad(x, transposed, w.shape, 1, 1)
+    with pytest.raises(TypeError, match="groups must be an int"):
+        wgrad.conv2d_weight_grad(x, dy, w.shape, 1, 1, groups=True)
+
+
+def test_the_operators_backward_runs_the_plan(stand_ins, monkeypatch):
+    """conv_tutorial.set_backward("lesson06") on a CPU with the stand-ins: dW through the plan (dgrad's
+    phases with torch's conv for each phase's kernel), an NCHW-shaped channels_last gradient."""
+    monkeypatch.setattr(backward, "lesson06_reason", lambda *args: None)
+    monkeypatch.setattr(backward, "_fprop", lambda dy, w_phase, padding, dilation: torch.nn.functional.conv2d(
+        dy.permute(0, 3, 1, 2), w_phase.permute(0, 3, 1, 2), None, 1, padding, dilation).permute(0, 2, 3, 1))
+    before = backward.backward_backend()
+    conv_tutorial.set_backward("lesson06")
+    try:
+        x_nhwc, w_nhwc, _, _ = small_integer_inputs(2, 9, 11, 8, 16, 3, 3, 2, 1, 1)
+        x = x_nhwc.permute(0, 3, 1, 2)
+        w = w_nhwc.to(torch.float16).permute(0, 3, 1, 2).requires_grad_()
+        for _ in range(2):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")      # the forward falls back to torch on a CPU
+                out = torch.ops.conv_tutorial.conv2d(x, w, None, [2, 2], [1, 1], [1, 1], 1)
+            dw, = torch.autograd.grad(out.float().square().sum(), (w,))
+            x64, w64 = x.double(), w.detach().double().requires_grad_()
+            want, = torch.autograd.grad(torch.nn.functional.conv2d(x64, w64, None, 2, 1).square().sum(), (w64,))
+            assert dw.is_contiguous(memory_format=torch.channels_last) and dw.shape == w.shape
+            # dY = 2 * out, rounded to fp16 (11 bits) before the sum: that rounding, not the plan, sets the tolerance
+            torch.testing.assert_close(dw.double(), want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
+    finally:
+        conv_tutorial.set_backward(before)
+    assert len(wgrad._PLANS) == 1 and [len(made.calls) for made in stand_ins.made] == [1, 1]
+
+
+# --- GPU: the plan against torch and against lesson 06's plain launcher --------------------------------------
+
+GPU_SHAPES = [    # N, H, W, Ci, Co, R, S, stride, padding, dilation
+    (2, 20, 18, 3, 64, 7, 7, 2, 3, 1),            # the stem: Ci = 3
+    (2, 15, 17, 32, 48, 3, 3, 2, 1, 1),           # stride 2, Co = 48 (not a multiple of the tile)
+    (4, 14, 14, 64, 256, 1, 1, 1, 0, 1),          # 1x1
+    (2, 13, 11, 24, 200, 3, 5, (2, 1), (1, 2), (1, 2)),  # non-square, per-axis stride and dilation, Co = 200
+    (2, 16, 16, 40, 36, 3, 3, 1, 2, 2),           # dilation 2, Co = 36 (dY's rows padded)
+    (8, 28, 28, 128, 128, 3, 3, 1, 1, 1),         # 6272 pixels: several slices
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", GPU_SHAPES)
+def test_plan_matches_torch_and_the_plain_launcher(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype):
+    for seed in (0, 1, 2):         # the first call, then two direct ones on new tensors
+        x, w, dy, g = lesson06.backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, seed)
+        dw = wgrad.conv2d_weight_grad(x, dy, w.shape, stride, padding, dilation)
+        # common.assert_close_to_reference's tolerance: each dW element a sum of K = g.M products
+        common.assert_close_to_reference(dw, lesson06.reference_gradients(x, w, dy, g)[1], dtype=dtype, K=g.M)
+        # the same kernel, split and sum as the plain launcher: the same bits
+        assert torch.equal(dw, lesson06.conv2d_wgrad_launch(x, dy, w.shape, stride, padding, dilation))
+
+
+@needs_gpu
+def test_plan_on_a_second_stream_and_in_a_cuda_graph():
+    x, w, dy, g = lesson06.backward_inputs(4, 14, 14, 64, 64, 3, 3, 1, 1, 1, torch.bfloat16)
+    expected = wgrad.conv2d_weight_grad(x, dy, w.shape, 1, 1)         # the first call compiles
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        on_stream = wgrad.conv2d_weight_grad(x, dy, w.shape, 1, 1)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert torch.equal(on_stream, expected)
+    graph, static_x, static_dy = torch.cuda.CUDAGraph(), x.clone(), dy.clone()
+    with torch.cuda.graph(graph):
+        static_dw = wgrad.conv2d_weight_grad(static_x, static_dy, w.shape, 1, 1)
+    x2, _, dy2, _ = lesson06.backward_inputs(4, 14, 14, 64, 64, 3, 3, 1, 1, 1, torch.bfloat16, seed=7)
+    static_x.copy_(x2)
+    static_dy.copy_(dy2)
+    graph.replay()
+    assert torch.equal(static_dw, wgrad.conv2d_weight_grad(x2, dy2, w.shape, 1, 1))
+
+
+def test_stand_in_notices_a_wrong_tensor(stand_ins, monkeypatch):
+    """The tests above can fail: a plan that kept the first call's dY (as a stale template would)
+    gives the first call's dW for the second call's tensors, and the comparison catches it."""
+    x, w, dy, g = small_integer_inputs(2, 9, 11, 8, 16, 3, 3, 2, 1, 1)
+    wgrad.conv2d_weight_grad(x, dy, w.shape, 2, 1)
+    plan, = wgrad._PLANS.values()
+    real_kernel = plan.kernel
+    plan.kernel = lambda grid, dy_2d, *rest: real_kernel(grid, dy.reshape(dy_2d.shape), *rest)   # the stale dY
+    x2, _, dy2, _ = small_integer_inputs(2, 9, 11, 8, 16, 3, 3, 2, 1, 1, seed=4)
+    assert not torch.equal(wgrad.conv2d_weight_grad(x2, dy2, w.shape, 2, 1).float(), expected_dw(x2, w, dy2, g))
