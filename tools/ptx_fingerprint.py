@@ -1,12 +1,15 @@
 """The PTX fingerprint of every candidate config of lesson 05's kernel, compiled ahead of time for
 sm_90 and sm_100 on a machine without a GPU: each PTX opcode's count, shared memory, registers,
-stack frame and tensor-memory columns, for the plain and the fused epilogue.
+stack frame and tensor-memory columns, and a hash of the PTX text itself (without its debug
+information: line numbers and file paths), for the plain and the fused epilogue, plus a build with
+a single k-step (a 1x1 layer of 64 channels: Triton passes k_steps == 1 as a constant).
 
     python tools/ptx_fingerprint.py out.json          # then diff two of them (--compare a.json b.json)
 
 A refactoring that must not change the kernel (moving code between files) compares the
 fingerprints before and after.
 """
+import hashlib
 import json
 import os
 import re
@@ -28,23 +31,34 @@ def _child(arch):
     except ImportError:             # the layout before the package
         from conv_runtime import CANDIDATES
     results = {}
-    for config in CANDIDATES[arch]:
-        for name, epilogue in EPILOGUES.items():
-            Ci = 128 if config.split_k == 1 else 256
-            kernel, args, kwargs = lesson05.aot_conv2d_fprop(arch, Ci=Ci, Co=256, config=config, epilogue=epilogue)
-            compiled = common.compile_kernel_for_target(kernel, args, kwargs, arch)
-            opcodes = Counter()
-            for line in compiled.asm["ptx"].splitlines():
-                line = re.sub(r"^@!?%\w+\s+", "", line.strip())
-                match = re.match(r"([a-z][\w.:]*)\s", line)
-                if match and not line.startswith(("//", ".")):
-                    opcodes[match.group(1)] += 1
-            meta = compiled.metadata
-            results[f"{arch} {tuple(config)} {name}"] = {
-                "shared": meta.shared, "tmem": getattr(meta, "tmem_size", 0), "num_warps": meta.num_warps,
-                **common.cubin_resources(compiled.asm.get("cubin")), "opcodes": dict(sorted(opcodes.items()))}
-            print(f"{arch} {config} {name}: shared {meta.shared}", file=sys.stderr, flush=True)
+    builds = [(f"{tuple(config)} {name}", dict(Ci=128 if config.split_k == 1 else 256, Co=256, config=config,
+                                                 epilogue=epilogue))
+              for config in CANDIDATES[arch] for name, epilogue in EPILOGUES.items()]
+    builds.append(("one k-step", dict(Ci=64, Co=128, R=1, S=1, padding=0)))
+    for label, build in builds:
+        kernel, args, kwargs = lesson05.aot_conv2d_fprop(arch, **build)
+        compiled = common.compile_kernel_for_target(kernel, args, kwargs, arch)
+        opcodes = Counter()
+        for line in compiled.asm["ptx"].splitlines():
+            line = re.sub(r"^@!?%\w+\s+", "", line.strip())
+            match = re.match(r"([a-z][\w.:]*)\s", line)
+            if match and not line.startswith(("//", ".")):
+                opcodes[match.group(1)] += 1
+        meta = compiled.metadata
+        results[f"{arch} {label}"] = {
+            "shared": meta.shared, "tmem": getattr(meta, "tmem_size", 0), "num_warps": meta.num_warps,
+            **common.cubin_resources(compiled.asm.get("cubin")), "opcodes": dict(sorted(opcodes.items())),
+            "ptx_text": ptx_text_hash(compiled.asm["ptx"])}
+        print(f"{arch} {label}: shared {meta.shared}", file=sys.stderr, flush=True)
     print("FINGERPRINT:" + json.dumps(results))
+
+
+def ptx_text_hash(ptx):
+    """sha256 of the PTX without what only says where the source was: the debug sections, .loc
+    and .file lines (the same kernel from another checkout, or with its lines moved, hashes the same)."""
+    code = ptx.split(".section\t.debug")[0]
+    lines = [line for line in code.splitlines() if not re.match(r"\s*(\.loc|\.file)\b", line)]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
 def fingerprint():
@@ -64,9 +78,10 @@ def compare(before, after):
     lines = [f"only before: {key}" for key in before.keys() - after.keys()]
     lines += [f"only after: {key}" for key in after.keys() - before.keys()]
     for key in sorted(before.keys() & after.keys()):
-        if before[key] != after[key]:
-            changed = {field: (before[key].get(field), after[key].get(field)) for field in before[key]
-                       if before[key].get(field) != after[key].get(field)}
+        # the fields both record (an older fingerprint may lack the PTX text's hash)
+        changed = {field: (before[key][field], after[key][field]) for field in before[key].keys() & after[key].keys()
+                   if before[key][field] != after[key][field]}
+        if changed:
             lines.append(f"{key}: {changed}")
     return lines
 
@@ -78,7 +93,7 @@ if __name__ == "__main__":
         a, b = (json.loads(Path(p).read_text()) for p in sys.argv[2:4])
         differences = compare(a, b)
         print("\n".join(differences) or f"the same: {len(a)} builds, every opcode count, shared memory, "
-                                          f"registers, stack and TMEM columns")
+                                          f"registers, stack, TMEM columns and (where both record it) the PTX text")
         sys.exit(1 if differences else 0)
     else:
         Path(sys.argv[1]).write_text(json.dumps(fingerprint(), indent=1))
