@@ -908,10 +908,11 @@ if __name__ == "__main__":
 # %%
 # What you should see (host arithmetic, the same on any machine)::
 #
-#     RN50 56x56 64->64 3x3         9 tiles of 64x64,  6272 k-steps: split_k 14 ->  126 units, workspace   2.0 MiB
-#     RN50 28x28 128->128 3x3       9 tiles of 128x128,  1568 k-steps: split_k 14 ->  126 units, workspace   7.9 MiB
-#     RN50 14x14 256->256 3x3      36 tiles of 128x128,   392 k-steps: split_k  7 ->  252 units, workspace  15.8 MiB
-#     RN50 7x7 512->512 3x3       144 tiles of 128x128,    98 k-steps: split_k  3 ->  432 units, workspace  27.0 MiB
+#     wgrad's slices per tile on 132 SMs (ResNet-50's 3x3 convs, batch 128):
+#        RN50 56x56 64->64 3x3         9 tiles of 64x64,  6272 k-steps: split_k 14 ->  126 units, workspace   2.0 MiB
+#        RN50 28x28 128->128 3x3       9 tiles of 128x128,  1568 k-steps: split_k 14 ->  126 units, workspace   7.9 MiB
+#        RN50 14x14 256->256 3x3      36 tiles of 128x128,   392 k-steps: split_k  7 ->  252 units, workspace  15.8 MiB
+#        RN50 7x7 512->512 3x3       144 tiles of 128x128,    98 k-steps: split_k  3 ->  432 units, workspace  27.0 MiB
 #
 # The 7x7 layer is the case split-K serves least: slices of 32 k-steps allow 3, and 432 units
 # make 3.3 waves of 132; whole tiles would make 1.09 waves, run as two.
