@@ -241,9 +241,11 @@ if __name__ == "__main__":
 # first, t = sh / gcd(sh, dh), and consecutive ones reach dY rows dh / gcd(sh, dh) apart. So
 # phase p of dX is section 1's conv with fewer taps: a stride-1 conv of dY with the phase's taps,
 # flipped, at dilation dh / gcd(sh, dh). With both axes, sh x sw phases, each a launch of lesson
-# 05's kernel writing a dense [N, rows, cols, Ci] tensor, copied into its strided slice of dX,
-# `dx[:, p::sh, q::sw]`. (The kernel cannot store there itself: its epilogue stores a tile as one
-# TMA box of a dense [pixels, channels] matrix, and a phase's pixels are not evenly spaced in dX.)
+# 05's kernel writing a dense [N, rows, cols, Ci] tensor (the phase's rows and columns, and any that
+# its padding adds and the crop drops), copied into its strided slice of dX, `dx[:, p::sh, q::sw]`.
+# (Lesson 05's epilogue cannot store there itself: it stores a tile as one TMA box of a dense
+# [pixels, channels] matrix, and a phase's pixels are not evenly spaced in dX; the closing cell
+# says what would.)
 # `dgrad_axis_phase` works out one axis of one phase; `dgrad_by_phases` above runs them.
 #
 # The far edge now needs care too: a phase's conv must have at least as many output rows as the
@@ -292,7 +294,7 @@ def plot_phases(R, stride, padding, outdir):
     for iy in range(2 * stride + 2):
         for ix in range(2 * stride + 2):
             axes[0].add_patch(square(ix, iy, colors[phase_of(iy, ix)]))
-    axes[0].set_title("dX, by phase", fontsize=9)
+    axes[0].set_title(f"dX, phase (iy%{stride}, ix%{stride})\nrows iy down, cols ix across", fontsize=9)
     for py in range(stride):
         for px in range(stride):
             ax = axes[1 + py * stride + px]
@@ -302,7 +304,7 @@ def plot_phases(R, stride, padding, outdir):
             for r in range(R):
                 for s in range(R):
                     ax.add_patch(square(s, r, colors[py * stride + px] if (r, s) in used else "#eeeeee"))
-            ax.set_title(f"phase ({py}, {px}): {len(used)} tap{'s' if len(used) != 1 else ''}", fontsize=9)
+            ax.set_title(f"phase ({py}, {px}), taps used: {len(used)}\nw[r, s]: r down, s across", fontsize=9)
     for ax in axes:
         ax.set_aspect("equal")
         ax.autoscale_view()
@@ -357,9 +359,10 @@ if __name__ == "__main__":
 #
 # ResNet-50's 3x3 stride-2 convs: four phases of 1, 2, 2 and 4 taps, nine in all, each used once,
 # so together they do the forward pass's MMA work (aside from tile rounding and the rows that a
-# phase's padding adds and its crop drops). The odd rows read dY[j] and dY[j + 1] (padding 1 on
-# both sides, crop 1: the conv's first output row, which would read dY[-1], is dropped); the even
-# rows read dY[j] with the centre tap alone.
+# phase's padding adds and its crop drops). The odd rows 2j+1 read dY[j] and dY[j + 1]: the last
+# of them (row 7 of this 8-row dX) reads dY[4], one past dY's 4 rows, so the phase's conv gets
+# padding 1, on both sides as lesson 05 pads, and crop 1 drops its first output row, which would
+# read dY[-1]. The even rows 2j read dY[j] with the centre tap alone.
 #
 # The dgrad launcher
 # ------------------
@@ -451,7 +454,8 @@ def conv2d_dgrad_launch(dy_nhwc, w, x_shape, stride=1, padding=0, dilation=1, gr
 #
 # The compiled kernel shows both (section 7): its WGMMAs end in `1, 1, 1, 1` (imm-scale-a,
 # imm-scale-b, imm-trans-a, imm-trans-b) where lesson 05's end in `1, 1, 0, 0`, and on sm_100 the
-# descriptor that Triton moves into a register before each `tcgen05.mma` has bits 15 and 16 set.
+# instruction descriptor, an immediate that Triton moves into a register once and names in each of
+# a k-step's four `tcgen05.mma`, has bits 15 and 16 set.
 #
 # 4. The wgrad kernel
 # -------------------
@@ -693,12 +697,13 @@ def conv2d_wgrad_kernel(dy_desc, x_desc, partial_ptr, shape, NUM_BUFFERS: gl.con
 #
 # How many slices: a unit's partial tile costs 4 bytes per element to write and 4 to read back,
 # against 2 * BLOCK_K = 128 FLOPs per element and k-step, so a slice of 32 k-steps or more does at
-# least 512 FLOPs per byte of workspace traffic, above an H100's ratio of bf16 FLOPs to HBM bytes
-# (989 TFLOPS / 3.35 TB/s = 295). Among the split counts that keep slices that long (and at most
-# 64), `choose_split_k` takes the one whose units fill the SMs' waves best (units / (waves * SMs)):
-# the fewest slices within 5% of the best fill. That is arithmetic, not a measurement: no other
-# split has been timed against it, so whether 32 k-steps, 64 slices and 5% are good choices is not
-# measured yet (benchmarks/backward_layers.py records the split each layer got, `wgrad_split_k`).
+# least 512 FLOPs per byte of workspace traffic, above an H100 SXM's ratio of bf16 FLOPs to HBM
+# bytes (its datasheet's dense 989 TFLOPS / 3.35 TB/s = 295). Among the split counts that keep
+# slices that long (and at most 64), `choose_split_k` takes the one whose units fill the SMs' waves
+# best (units / (waves * SMs)): the fewest slices within 5% of the best fill. That is arithmetic,
+# not a measurement: no other split has been timed against it, so whether 32 k-steps, 64 slices
+# and 5% are good choices is not measured yet (benchmarks/backward_layers.py records the split each
+# layer got, `wgrad_split_k`).
 #
 # The second kernel adds partial[0] + partial[1] + ... in that order, for every element.
 # Floating-point addition is not associative, so the order is what makes the result reproducible:
@@ -734,8 +739,8 @@ def wgrad_split_k_sum_kernel(partial_ptr, dw_ptr, numel, split_k, BLOCK: tl.cons
 
 def sum_partials_launch(partial, dw):
     """(grid, args, constexprs) of the second kernel adding the workspace's slices into dw."""
-    # 256 values per program, so that a small dW still spreads over many SMs (64x64: 16 programs,
-    # where 1024 per program gave 4, each looping over every slice); not timed against 1024 yet
+    # 256 values per program, so that a small dW still spreads over many SMs (a 1x1 conv's 64x64 dW:
+    # 16 programs, where 1024 per program gave 4, each looping over every slice); not timed against 1024
     return (-(-dw.numel() // 256),), (partial, dw, dw.numel(), partial.shape[0]), dict(BLOCK=256)
 
 
@@ -886,7 +891,7 @@ def run_split_k_choices(num_sms=132, batch=128):
         split_k = choose_split_k(tiles, k_blocks, num_sms)
         print(f"   {label:<26} {tiles:4d} tiles of {config.block_m}x{config.block_n}, {k_blocks:5d} k-steps: "
               f"split_k {split_k:2d} -> {tiles * split_k:4d} units, workspace "
-              f"{split_k * Co * R * S * Ci * 4 / 2**20:5.1f} MB")
+              f"{split_k * Co * R * S * Ci * 4 / 2**20:5.1f} MiB")
 
 
 def test_split_k_choices():
@@ -903,10 +908,11 @@ if __name__ == "__main__":
 # %%
 # What you should see (host arithmetic, the same on any machine)::
 #
-#     RN50 56x56 64->64 3x3         9 tiles of 64x64,  6272 k-steps: split_k 14 ->  126 units, workspace   2.0 MB
-#     RN50 28x28 128->128 3x3       9 tiles of 128x128,  1568 k-steps: split_k 14 ->  126 units, workspace   7.9 MB
-#     RN50 14x14 256->256 3x3      36 tiles of 128x128,   392 k-steps: split_k  7 ->  252 units, workspace  15.8 MB
-#     RN50 7x7 512->512 3x3       144 tiles of 128x128,    98 k-steps: split_k  3 ->  432 units, workspace  27.0 MB
+#     wgrad's slices per tile on 132 SMs (ResNet-50's 3x3 convs, batch 128):
+#        RN50 56x56 64->64 3x3         9 tiles of 64x64,  6272 k-steps: split_k 14 ->  126 units, workspace   2.0 MiB
+#        RN50 28x28 128->128 3x3       9 tiles of 128x128,  1568 k-steps: split_k 14 ->  126 units, workspace   7.9 MiB
+#        RN50 14x14 256->256 3x3      36 tiles of 128x128,   392 k-steps: split_k  7 ->  252 units, workspace  15.8 MiB
+#        RN50 7x7 512->512 3x3       144 tiles of 128x128,    98 k-steps: split_k  3 ->  432 units, workspace  27.0 MiB
 #
 # The 7x7 layer is the case split-K serves least: slices of 32 k-steps allow 3, and 432 units
 # make 3.3 waves of 132; whole tiles would make 1.09 waves, run as two.
@@ -1016,19 +1022,23 @@ if __name__ == "__main__":
 # ---------------------------------------------
 # The wgrad kernel compiled ahead of time for a ResNet-like layer (N=2, 16x16, 64 -> 128 channels,
 # 3x3, bf16; tiles of 128 output x 64 input channels, 64 pixels per k-step, 4 stages, 2 slices).
-# Counts are instructions in the program text, not executions.
+# Counts are instructions in the program text, not executions. The heading counts warps as lesson
+# 05 does: the 4 of the MMA/epilogue partition and the 1-warp workers (Hopper: the loader;
+# Blackwell: loader and MMA issuer), padded to a whole warpgroup, 8. `setmaxnreg` works on whole
+# warpgroups, so its `dec` (to 24 registers) belongs to that padded worker warpgroup, in two places
+# of its code; the 4 MMA warps raise their limit with `setmaxnreg.inc`, which the PTX holds too.
 
 IM2COL_LOAD, TILED_LOAD = common.PTX_IM2COL_LOAD, common.PTX_TILED_LOAD
 TAUGHT_PTX = {
     "sm_90": [
         (TILED_LOAD, "A, dY as [pixels, Co]: a tiled box of 64 pixels x 128 output channels, as two messages "
-                     "of 64 channels (the 128-byte swizzle's width)."),
+                     "of 64 channels (the 128-byte swizzle's width, 64 bf16)."),
         (IM2COL_LOAD, "B, x's im2col box for the unit's tap: 64 pixels x 64 channels, lesson 05's instruction "
                       "with the tap's offsets last, now on the GEMM's B side."),
         ("wgmma.mma_async", "m64n64k16, 2 row blocks x 4 K steps = 8 per k-step. The last four values are "
                             "imm-scale-a, imm-scale-b, imm-trans-a, imm-trans-b: 1, 1, 1, 1, both operands read "
                             "transposed (MN-major). Lesson 05's forward WGMMAs end in 1, 1, 0, 0."),
-        ("setmaxnreg.dec", "The loader gives registers back to the MMA warpgroup, as in lesson 05."),
+        ("setmaxnreg.dec", "The loader's warpgroup gives registers back to the MMA warpgroup, as in lesson 05."),
     ],
     "sm_100": [
         (TILED_LOAD, "A, dY's tiled box, as on sm_90."),
@@ -1222,10 +1232,11 @@ if __name__ == "__main__" and on_gpu:
 # torch.backends.cudnn.benchmark being off, torch's default), with
 # common.bench_tflops: do_bench's median, L2 flushed before each call, host time included (our
 # launchers build their descriptors on every call). FLOPs are the forward pass's, useful products
-# only. `python benchmarks/backward_layers.py` runs it over every distinct conv of ResNet-50 at batch
-# 128; `--bench` here times three of them, and with `--cuda-graphs` it replays each call in a CUDA
-# graph, which times the kernels without the host's Python. What it recorded for those three on an
-# H100 (2026-11-25, bf16, TFLOPS; results/h100-2026-11-25/backward_layers_cuda_graphs.json and
+# only. `--bench` here times three layers that way. `python benchmarks/backward_layers.py` runs it
+# over every distinct conv of ResNet-50 at batch 128 (`--quick`: the same three), and that script's
+# `--cuda-graphs` replays each call in a CUDA graph (do_bench_cudagraph, L2 not flushed), which times
+# the kernels without the host's Python. What the script recorded for those three on an H100 SXM
+# (2026-11-25, bf16, TFLOPS; results/h100-2026-11-25/backward_layers_cuda_graphs.json and
 # backward_layers.json)::
 #
 #                                  kernels alone (CUDA graph)       host time included
@@ -1296,22 +1307,27 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # - The host is most of the gap in a plain call. The launchers above check their arguments, choose
 #   a split, build descriptors and a workspace on every call, and dgrad runs that once per phase
 #   through lesson 05's plain launcher: a 56x56 64->64 1x1 dgrad, 3.3 GFLOP, took 0.5 ms (6.6
-#   TFLOPS) where its kernel alone takes 43 us. The operator's backward pays less per phase (the
-#   forward's runtime keeps a plan per shape), and a training step under CUDA graphs pays none:
+#   TFLOPS) where its kernel alone takes 43 us. The operator's backward is built to pay less per
+#   phase (the forward's runtime keeps a plan per shape; its host time per call is not measured
+#   yet: `backward_layers.py --operator`), and a training step under CUDA graphs pays none:
 #   ResNet-50 training with these kernels ran at 0.90x torch.compile's images/s with CUDA graphs on
 #   both sides, 0.36x without (RESULTS.md, "Training").
-# - wgrad's kernel is at cuDNN's level or faster on 11 of 23 layers, up to 1.13x, by the split
-#   rule above that gives every SM work. It loses most on the stem, 0.25x: 3 input channels padded
-#   to a 16-channel box, so most of its MMA work is on zeros (a case for lesson 05's fold, section
-#   8), and on the 56x56 64->64 3x3, 0.65x, whose 64x64 tiles do a quarter of a 128x128 tile's MMA
-#   work per pair of loads and read dY again for each tap.
+# - wgrad's kernel is within 6% of cuDNN or faster on 11 of 23 layers (faster on 7, up to 1.13x),
+#   with the split rule above giving every SM work (no other split was timed). It loses most on the
+#   stem, 0.25x: 3 input channels padded to a 16-channel box, so 13/16 of its MMA work is on zeros
+#   (a case for lesson 05's fold, section 8), and on the 56x56 64->64 3x3, 0.65x, whose 64x64 tiles
+#   do a quarter of a 128x128 tile's MMA work per pair of loads and read dY again for each tap
+#   (reasoning from the design; neither layer has been profiled).
 # - dgrad's kernel loses most at stride 2 (0.34-0.55x): one launch per phase of dX, each writing a
 #   conv output that is then copied into every second row and column of dX; the 1x1 stride-2 layers
 #   also zero the three phases no tap reaches, a dX four times their output's size. A phase whose
 #   tiles are stored straight into its rows of dX (a store descriptor over the strided view, or a
-#   masked `gl.store`) saves the copy; one launch for all phases saves the rest. At stride 1 the
-#   same kernel is lesson 05's forward with the heuristic's config: 0.78-1.01x of cuDNN at 14x14 and
-#   above, 0.52-0.63x on the 7x7 layers, whose few tiles leave SMs idle.
+#   masked `gl.store`) saves the copy; one launch for all phases saves the rest. At stride 1 it is
+#   one launch of lesson 05's forward with the launcher's fixed config above (128x128 tiles, 128x64
+#   for 64 channels; not tuned per layer): 0.78-1.01x of cuDNN at 14x14 and above, 0.52-0.63x on
+#   the 7x7 layers. Their dX has 128 x 7 x 7 = 6272 pixels, 49 rows of tiles: the 3x3 and the
+#   512->2048 1x1 make 196 tiles, 1.5 waves of 132 SMs; the 2048->512 1x1 makes 784, but each has
+#   8 k-steps only (not profiled).
 # - No grouped or depthwise convs, no fp8 (section 3).
 #
 # Next: the operator (`conv_tutorial`) takes its conv gradients from these launchers with
