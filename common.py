@@ -147,7 +147,7 @@ def has_tma_mma_gpu() -> bool:
 
 
 def gpu_name() -> str:
-    return torch.cuda.get_device_name() if HAS_CUDA else "no GPU (CPU)"
+    return torch.cuda.get_device_name() if HAS_CUDA else "no GPU"
 
 
 GLUON_SKIP_REASON = (
