@@ -19,7 +19,7 @@ Importing the package registers its operators (conv2d, conv2d_fp8, and the backw
 conv2d_input_grad and conv2d_weight_grad) and changes nothing else: no environment variable, no
 Triton mode, no stream redirected.
 """
-from .backward import backward_backend, set_backward
+from .backward import backward_backend, backward_fallbacks, reset_backward_fallbacks, set_backward
 from .configs import CANDIDATES, FIXED_CONFIG, KernelConfig
 from .depthwise import depthwise_conv2d
 from .fp8 import quantize_fp8
@@ -30,6 +30,6 @@ from .runtime import conv2d as conv2d_nhwc
 from .selection import autotune_enabled, set_autotune, tuning_cache_path
 
 __all__ = ["CANDIDATES", "FIXED_CONFIG", "FusedConv2d", "KernelConfig", "TorchConvEpilogue", "TutorialConv2d",
-           "autotune_enabled", "backward_backend", "conv2d", "conv2d_fp8", "conv2d_nhwc", "convert_conv2d",
+           "autotune_enabled", "backward_backend", "backward_fallbacks", "conv2d", "conv2d_fp8", "conv2d_nhwc", "convert_conv2d",
            "depthwise_conv2d", "fuse_conv_bn_act", "keep_faster_convs", "quantize_fp8", "quantize_tensor",
-           "set_autotune", "set_backward", "tuning_cache_path"]
+           "reset_backward_fallbacks", "set_autotune", "set_backward", "tuning_cache_path"]

@@ -8,10 +8,12 @@ at batch 128, bf16, 2026-11-25; RESULTS.md, "The backward" and "Training") their
 0.68x (dgrad) and 0.87x (wgrad) cuDNN's speed, geometric means, and a ResNet-50 training step at
 0.90x torch.compile's with CUDA graphs (0.36x without: the launchers' host time). With
 "lesson06", each gradient a call needs runs on the lesson's launchers where they cover the call
-(fp16 or bf16, groups 1, input, weight and gradient on one Hopper or data-centre Blackwell GPU) and
-on torch's convolution_backward otherwise, with one warning per reason (dgrad: lesson 06's phases,
-each a conv through this package's runtime; wgrad: lesson 06's kernel through a plan per shape,
-wgrad.py, built after the figures above and not yet measured on a GPU). `$CONV_TUTORIAL_BACKWARD`
+(fp16 or bf16, groups 1, input, weight and gradient on one Hopper or data-centre Blackwell GPU):
+dgrad as lesson 06's phases, each a conv through this package's runtime; wgrad as lesson 06's
+kernel through a plan per shape (wgrad.py, built after the figures above and not yet measured on a
+GPU). Elsewhere torch's convolution_backward computes it, with one warning per reason, and
+`backward_fallbacks()` counts every such gradient: what a model's backward left to torch, and why.
+`$CONV_TUTORIAL_BACKWARD`
 sets the choice for a process. Lesson 06 is loaded (kernel.lesson06) on the first call that uses it.
 """
 import os
@@ -26,7 +28,7 @@ from .kernel import common
 
 BACKENDS = ("torch", "lesson06")
 _BACKEND = os.environ.get("CONV_TUTORIAL_BACKWARD", "torch")
-_WARNED = set()
+_FALLBACKS = {}        # reason -> gradients torch computed for that reason, with "lesson06" chosen
 _DGRAD_PHASES = {}     # geometry -> lesson 06's dgrad_phases (shape arithmetic only)
 
 
@@ -65,11 +67,24 @@ def lesson06_reason(grad_output, input, weight, groups):
     return None
 
 
-def _say_once(reason):
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(f"conv_tutorial::conv2d backward: {reason}; using torch's convolution_backward instead",
-                      stacklevel=4)
+def backward_fallbacks() -> dict:
+    """{reason: how many gradients (dX or dW, one per call) torch's convolution_backward computed
+    for that reason} since the process started or the last reset, with "lesson06" chosen: what
+    lesson 06's kernels did not cover in a model (grouped convs, fp32, CPU tensors, ...). The
+    warning comes once per reason; this counts every call."""
+    return dict(_FALLBACKS)
+
+
+def reset_backward_fallbacks():
+    """Start the count (and the once-per-reason warnings) afresh: before a model's first step, say."""
+    _FALLBACKS.clear()
+
+
+def _count_fallback(reason):
+    if reason not in _FALLBACKS:
+        warnings.warn(f"conv_tutorial::conv2d backward: {reason}; using torch's convolution_backward instead "
+                      f"(said once; conv_tutorial.backward_fallbacks() counts every such gradient)", stacklevel=4)
+    _FALLBACKS[reason] = _FALLBACKS.get(reason, 0) + 1
 
 
 def _fprop(dy_nhwc, w_phase, padding, dilation):
@@ -99,7 +114,7 @@ def _why_torch(grad_output, input, weight, groups):
         return "the default backend"
     reason = lesson06_reason(grad_output, input, weight, groups)
     if reason is not None:
-        _say_once(reason)
+        _count_fallback(reason)
     return reason
 
 

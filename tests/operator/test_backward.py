@@ -20,7 +20,7 @@ needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON
 def lesson06_backend():
     before = backward.backward_backend()
     conv_tutorial.set_backward("lesson06")
-    backward._WARNED.clear()
+    conv_tutorial.reset_backward_fallbacks()
     yield
     conv_tutorial.set_backward(before)
 
@@ -54,6 +54,14 @@ def test_cpu_tensors_fall_back_to_torch_with_one_warning(lesson06_backend):
             grads = operator_gradients(x, w, b, 2, 1)
     said = [str(w.message) for w in caught if "backward" in str(w.message)]
     assert len(said) == 1 and "float64" in said[0], said       # the first reason that applies, once
+    # ... and counted every time: dX and dW of each of the two calls (the bias's gradient is torch's own sum)
+    (reason, count), = conv_tutorial.backward_fallbacks().items()
+    assert "float64" in reason and reason in said[0] and count == 4
+    conv_tutorial.set_backward("torch")                         # the default backend is no fallback
+    operator_gradients(x, w, b, 2, 1)
+    assert conv_tutorial.backward_fallbacks() == {reason: 4}
+    conv_tutorial.reset_backward_fallbacks()
+    assert conv_tutorial.backward_fallbacks() == {}
     for got, want in zip(grads, torch_gradients(x, w, b, 2, 1)):
         torch.testing.assert_close(got, want.to(got.dtype))
 
