@@ -13,8 +13,8 @@ dgrad as lesson 06's phases, each a conv through this package's runtime; wgrad a
 kernel through a plan per shape (wgrad.py, built after the figures above and not yet measured on a
 GPU). Elsewhere torch's convolution_backward computes it, with one warning per reason, and
 `backward_fallbacks()` counts every such gradient: what a model's backward left to torch, and why.
-`$CONV_TUTORIAL_BACKWARD`
-sets the choice for a process. Lesson 06 is loaded (kernel.lesson06) on the first call that uses it.
+`$CONV_TUTORIAL_BACKWARD` sets the choice for a process. Lesson 06 is loaded (kernel.lesson06) on
+the first call that uses it.
 """
 import os
 import warnings
