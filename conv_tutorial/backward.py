@@ -59,8 +59,7 @@ def lesson06_reason(grad_output, input, weight, groups):
     devices = {grad_output.device, input.device, weight.device}
     if len(devices) != 1 or input.device.type != "cuda":
         return f"tensors on {', '.join(sorted(map(str, devices)))} (lesson 06's kernels run on one CUDA GPU)"
-    with torch.cuda.device(input.device):
-        arch = current_arch()
+    arch = current_arch(input.device)
     if arch is None:
         return (f"GPU {torch.cuda.get_device_name(input.device)} (lesson 06's kernels need Hopper sm_90 or "
                 f"data-centre Blackwell sm_100)")

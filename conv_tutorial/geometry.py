@@ -145,9 +145,12 @@ def device_facts():
     return _device_facts_of(torch.cuda.current_device())
 
 
-def current_arch():
-    """"sm_90" or "sm_100" where this machine has the kernel's GPU, else None (once per device)."""
-    return _arch_of_device(torch.cuda.current_device() if common.HAS_CUDA else None)
+def current_arch(device=None):
+    """"sm_90" or "sm_100" where the current GPU (or `device`, a torch.device) is the kernel's,
+    else None (looked up once per device)."""
+    if not common.HAS_CUDA or (device is not None and device.type != "cuda"):
+        return None
+    return _arch_of_device(torch.cuda.current_device() if device is None or device.index is None else device.index)
 
 
 @functools.lru_cache(maxsize=None)
