@@ -53,7 +53,6 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)    # e4m3: 
 # A run-time integer in an aggregate: a tensor, or a constexpr where Triton specialized the
 # argument (it compiles a value of 1 in as a constant).
 Int = gl.tensor | gl.constexpr
-Descriptor = tma.tensor_descriptor | gl.constexpr     # a TMA descriptor, or None where unused
 
 # %%
 # The lesson runs section by section: each `if __name__ == "__main__"` cell runs the demo of the
@@ -251,8 +250,8 @@ def loader_partition(in_desc, w_desc, w_tail_desc, ring, schedule, window):
 class TileOutput:
     # Where a tile goes: the output's TMA descriptors and staging buffers, and the fused epilogue's operands and
     # switches (section 5). The tail descriptor and buffer serve section 6; the partial sums, section 7.
-    out_desc: Descriptor
-    out_tail_desc: Descriptor
+    out_desc: tma.tensor_descriptor | gl.constexpr
+    out_tail_desc: tma.tensor_descriptor | gl.constexpr   # a TMA descriptor, or a constexpr None without a tail
     c_smem: gl.shared_memory_descriptor        # one staging buffer per consumer
     c_tail_smem: gl.shared_memory_descriptor
     bias_ptr: gl.tensor
@@ -419,8 +418,7 @@ def blackwell_mma_partition(ring, schedule, acc):
 
 @gluon.jit
 def blackwell_epilogue_partition(schedule, acc, output):
-    BLOCK_M: gl.constexpr = output.out_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = output.out_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = output.out_desc.block_type.shape[1]     # (its rows: TILE_M; Blackwell has no row tail)
     acc_state = common.Counter(gl.to_tensor(0), acc.NUM_ACC)
     for unit in range(gl.program_id(0), schedule.num_units(), gl.num_programs(0)):
         work = schedule.work(unit)
@@ -431,9 +429,9 @@ def blackwell_epilogue_partition(schedule, acc, output):
             tile_tail = acc.tail_tmem.index(buf).load()
         mbarrier.arrive(acc.empty.index(buf))      # the MMA warp may reuse it now
         co0 = work.pid_n * schedule.TILE_N
-        output.store(tile, work, work.pid_m * BLOCK_M, co0, False)
+        output.store(tile, work, work.pid_m * schedule.TILE_M, co0, False)
         if schedule.TILE_N > BLOCK_N:
-            output.store(tile_tail, work, work.pid_m * BLOCK_M, co0 + BLOCK_N, True, STORES_IN_FLIGHT=1)
+            output.store(tile_tail, work, work.pid_m * schedule.TILE_M, co0 + BLOCK_N, True, STORES_IN_FLIGHT=1)
         acc_state = acc_state.next()
     tma.store_wait(pendings=0)
 
@@ -813,11 +811,6 @@ class Epilogue(NamedTuple):
     activation: str = "none"    # one of common.ACTIVATIONS: "none", "relu", "silu"
 
 
-# The conv's run-time integers, named, in the order the kernel's first line unpacks them (section 10:
-# Ci_group, the input channels per group padded to 16 bytes; channel_blocks: BLOCK_K blocks per tap).
-ConvShape = NamedTuple("ConvShape", [(name, int) for name in "M Co num_pid_m num_pid_n out_h out_w stride_h stride_w "
-                                    "pad_h pad_w dil_h dil_w Ci_group Co_group S k_steps channel_blocks".split()])
-
 DESCRIPTORS = ("in_desc", "w_desc", "w_tail_desc", "out_desc", "out_tail_desc")   # the kernel's first parameters
 
 
@@ -829,7 +822,7 @@ class ConvLaunch(NamedTuple):
     out_desc: object               # tiled descriptor of out_2d
     out_tail_desc: object          # section 6: a tail's (or a row block's) output box; else None
     pointers: tuple                # the epilogue's bias, scale, residual and (section 7) partial-sum pointers
-    shape: ConvShape
+    shape: tuple                   # the conv's run-time integers, named by the kernel's first line
     out_2d: torch.Tensor           # [M, Co rounded up to 16 bytes], written by the kernel
     partial: torch.Tensor = None   # section 7: the fp32 workspace [split_k, M, Co]; else None
     tiles: tuple = None            # section 7: (tile_m, tile_n, num_pid_m, num_pid_n, whole_tiles)
@@ -880,12 +873,14 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     k_steps = g.R * g.S * channel_blocks
     if config.split_k > k_steps:
         raise ValueError(f"config {config}: split_k={config.split_k} exceeds the {k_steps} k-steps of {g.describe()}")
-    partial = (torch.empty(config.split_k, g.M, g.Co, device=x_nhwc.device, dtype=torch.float32)
-               if config.split_k > 1 else None)
+    # section 7: the fp32 workspace partial[split, m, co], on the output's device
+    partial = out_2d.new_empty(config.split_k, g.M, g.Co, dtype=torch.float32) if config.split_k > 1 else None
     # absent epilogue tensors: any pointer will do, the constexprs compile their loads away
     pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual, partial))
-    shape = ConvShape(g.M, g.Co, num_pid_m, num_pid_n, g.out_h, g.out_w, *g.stride, *g.padding, *g.dilation,
-                      Ci_group, g.Co_group, g.S, k_steps, channel_blocks)
+    # the conv's run-time integers, in the order the kernel's first line unpacks them (section 10: Ci_group, the
+    # input channels per group padded to 16 bytes; channel_blocks: BLOCK_K blocks per tap)
+    shape = (g.M, g.Co, num_pid_m, num_pid_n, g.out_h, g.out_w, *g.stride, *g.padding, *g.dilation,
+             Ci_group, g.Co_group, g.S, k_steps, channel_blocks)
     programs, _, whole_tiles = tile_counts(config, g.M, g.Co, num_sms)
     tiles = (config.tile_m, config.tile_n, num_pid_m, num_pid_n, whole_tiles) if partial is not None else None
     return ConvLaunch((programs, 1, 1), in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, pointers, shape,
@@ -990,7 +985,7 @@ def aot_conv2d_fprop(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, p
     x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, getattr(torch, dtype), device_name="cpu")
     geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
     per_channel, residual = torch.zeros(Co), torch.zeros(*geometry.output_shape_nhwc, dtype=torch.bfloat16)
-    bias, scale, residual = (t if on else None for t, on in zip((per_channel, per_channel, residual), epilogue[:3]))
+    bias, scale, residual = (t if on else None for t, on in zip((per_channel, per_channel, residual), epilogue))
     launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, 132, scale, residual, torch.bfloat16)
     return conv2d_fprop_kernel, launch.kernel_args(), kernel_constexprs(config, arch, epilogue)
 
