@@ -349,6 +349,12 @@ def conv2d_tma_im2col(x_nhwc, w, stride=1, padding=0, dilation=1, BLOCK_M=None, 
             config[name] = value
     grid, args, kwargs, out_2d = prepare_launch(x_nhwc, w, geometry, mma_impl, **config)
     conv2d_tma_im2col_kernel[grid](*args, **kwargs)
+    return output_nhwc(geometry, out_2d)
+
+
+def output_nhwc(geometry, out_2d):
+    """The kernel's output, the [M, Co rounded up to 16 bytes] matrix, as NHWC [N, out_h, out_w, Co]
+    (lesson 05's launcher returns its output the same way)."""
     out = out_2d.view(geometry.N, geometry.out_h, geometry.out_w, out_2d.shape[1])
     return out if out_2d.shape[1] == geometry.Co else out[..., :geometry.Co].contiguous()
 

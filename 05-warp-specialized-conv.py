@@ -53,7 +53,6 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)    # e4m3: 
 # A run-time integer in an aggregate: a tensor, or a constexpr where Triton specialized the
 # argument (it compiles a value of 1 in as a constant).
 Int = gl.tensor | gl.constexpr
-Descriptor = tma.tensor_descriptor | gl.constexpr     # a TMA descriptor, or None where unused
 
 # %%
 # The lesson runs section by section: each `if __name__ == "__main__"` cell runs the demo of the
@@ -204,21 +203,20 @@ def loader_partition(in_desc, w_desc, w_tail_desc, ring, schedule, window):
             slot = state.slot()
             # wait until the MMA that last read this stage is done (first pass: returns at once)
             mbarrier.wait(ring.empty.index(slot), state.phase() ^ 1)
-            mbarrier.expect(ring.ready.index(slot), stage_bytes)
+            ready = ring.ready.index(slot)      # the stage's ready barrier: its loads arrive on it
+            mbarrier.expect(ready, stage_bytes)
             # A = im2col_load(x, [n, oy*sh-ph, ox*sw-pw, c0], offsets=[r*dh, s*dw])
-            tma.async_load_im2col(in_desc, [n, start_h, start_w, c0], tap_offsets, ring.ready.index(slot),
+            tma.async_load_im2col(in_desc, [n, start_h, start_w, c0], tap_offsets, ready,
                                   ring.a_bufs.index(slot).slice(0, PIXEL_BOX))
             if PIXEL_BOX < BLOCK_M:
-                tma.async_load_im2col(in_desc, [n_1, h_1, w_1, c0], tap_offsets, ring.ready.index(slot),
+                tma.async_load_im2col(in_desc, [n_1, h_1, w_1, c0], tap_offsets, ready,
                                       ring.a_bufs.index(slot).slice(PIXEL_BOX, PIXEL_BOX))
             if schedule.TILE_M > BLOCK_M:
-                tma.async_load_im2col(in_desc, [n_t, h_t, w_t, c0], tap_offsets, ring.ready.index(slot),
-                                      ring.a_tail_bufs.index(slot))
+                tma.async_load_im2col(in_desc, [n_t, h_t, w_t, c0], tap_offsets, ready, ring.a_tail_bufs.index(slot))
             # B = load(w2d, [co0, (r*S + s)*Ci + c0]), and a column tail's rows after it
-            tma.async_load(w_desc, [co0, w_column], ring.ready.index(slot), ring.b_bufs.index(slot))
+            tma.async_load(w_desc, [co0, w_column], ready, ring.b_bufs.index(slot))
             if schedule.TILE_N > BLOCK_N:
-                tma.async_load(w_tail_desc, [co0 + BLOCK_N, w_column], ring.ready.index(slot),
-                               ring.b_tail_bufs.index(slot))
+                tma.async_load(w_tail_desc, [co0 + BLOCK_N, w_column], ready, ring.b_tail_bufs.index(slot))
             state = state.next()
 
 
@@ -252,8 +250,8 @@ def loader_partition(in_desc, w_desc, w_tail_desc, ring, schedule, window):
 class TileOutput:
     # Where a tile goes: the output's TMA descriptors and staging buffers, and the fused epilogue's operands and
     # switches (section 5). The tail descriptor and buffer serve section 6; the partial sums, section 7.
-    out_desc: Descriptor
-    out_tail_desc: Descriptor
+    out_desc: tma.tensor_descriptor | gl.constexpr
+    out_tail_desc: tma.tensor_descriptor | gl.constexpr   # a TMA descriptor, or a constexpr None without a tail
     c_smem: gl.shared_memory_descriptor        # one staging buffer per consumer
     c_tail_smem: gl.shared_memory_descriptor
     bias_ptr: gl.tensor
@@ -351,11 +349,10 @@ def hopper_mma_epilogue_partition(ring, schedule, output, turn, CONSUMER: gl.con
             state = state.next()
         if NUM_CONSUMERS == 2:
             mbarrier.arrive(turn.index(1 - CONSUMER))   # your turn: my MMAs are all issued
-        mma = mma.wait_num_outstanding(0)
+        acc, mma = mma.wait_num_outstanding(0).take_result()      # every MMA of the tile done
         if HAS_TAIL:
-            mma_tail = mma_tail.wait_num_outstanding(0)
+            acc_tail, mma_tail = mma_tail.wait_num_outstanding(0).take_result()
         mbarrier.arrive(ring.empty.index(state.previous_slot()))
-        acc, mma = mma.take_result()
         m0, co0 = work.pid_m * schedule.TILE_M, work.pid_n * schedule.TILE_N
         if output.STORE_BY_ROW_BLOCKS:
             # section 6: the main block leaves in two halves of its rows through the tail's buffer (no data
@@ -367,7 +364,6 @@ def hopper_mma_epilogue_partition(ring, schedule, output, turn, CONSUMER: gl.con
             output.store(acc, work, m0, co0, False)
         if HAS_TAIL:
             # the tail's block: after the main block's columns (N tail) or below its rows (M tail)
-            acc_tail, mma_tail = mma_tail.take_result()
             output.store(acc_tail, work, m0 + schedule.TILE_M - TAIL_M, co0 + schedule.TILE_N - TAIL_N, True,
                          STORES_IN_FLIGHT=0 if output.STORE_BY_ROW_BLOCKS else 1)
         state = state.next((NUM_CONSUMERS - 1) * schedule.k_steps)      # skip the other consumer's tile
@@ -422,8 +418,7 @@ def blackwell_mma_partition(ring, schedule, acc):
 
 @gluon.jit
 def blackwell_epilogue_partition(schedule, acc, output):
-    BLOCK_M: gl.constexpr = output.out_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = output.out_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = output.out_desc.block_type.shape[1]     # (its rows: TILE_M; Blackwell has no row tail)
     acc_state = common.Counter(gl.to_tensor(0), acc.NUM_ACC)
     for unit in range(gl.program_id(0), schedule.num_units(), gl.num_programs(0)):
         work = schedule.work(unit)
@@ -434,9 +429,9 @@ def blackwell_epilogue_partition(schedule, acc, output):
             tile_tail = acc.tail_tmem.index(buf).load()
         mbarrier.arrive(acc.empty.index(buf))      # the MMA warp may reuse it now
         co0 = work.pid_n * schedule.TILE_N
-        output.store(tile, work, work.pid_m * BLOCK_M, co0, False)
+        output.store(tile, work, work.pid_m * schedule.TILE_M, co0, False)
         if schedule.TILE_N > BLOCK_N:
-            output.store(tile_tail, work, work.pid_m * BLOCK_M, co0 + BLOCK_N, True, STORES_IN_FLIGHT=1)
+            output.store(tile_tail, work, work.pid_m * schedule.TILE_M, co0 + BLOCK_N, True, STORES_IN_FLIGHT=1)
         acc_state = acc_state.next()
     tma.store_wait(pendings=0)
 
@@ -612,12 +607,10 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
     # one epilogue staging tile per consumer (section 6: and one for the tail's box; storing by row
     # blocks, the tail's box of half the main rows is the only one)
     if not STORE_BY_ROW_BLOCKS:
-        c_smem = gl.allocate_shared_memory(out_desc.dtype, [NUM_CONSUMERS] + out_desc.block_type.shape,
-                                           out_desc.layout)
+        c_smem = gl.allocate_shared_memory(out_desc.dtype, [NUM_CONSUMERS] + out_desc.block_type.shape, out_desc.layout)
     a_tail_bufs, b_tail_bufs = a_bufs, b_bufs      # without a tail the main buffers stand in
     if BLOCK_N_TAIL > 0:
-        b_tail_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + w_tail_desc.block_type.shape,
-                                                w_tail_desc.layout)
+        b_tail_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + w_tail_desc.block_type.shape, w_tail_desc.layout)
     elif BLOCK_M_TAIL > 0:
         a_tail_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + in_desc.block_type.shape, in_desc.layout)
     if BLOCK_N_TAIL > 0 or BLOCK_M_TAIL > 0 or STORE_BY_ROW_BLOCKS:
@@ -625,8 +618,7 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
                                                 out_tail_desc.layout)
     else:   # no tail: the main buffers stand in
         c_tail_smem = c_smem
-    if STORE_BY_ROW_BLOCKS:
-        c_smem = c_tail_smem
+    c_smem = c_tail_smem if STORE_BY_ROW_BLOCKS else c_smem
     ready, empty = common.allocate_barrier_pairs(NUM_BUFFERS)
     ring = Ring(a_bufs, b_bufs, a_tail_bufs, b_tail_bufs, ready, empty, NUM_BUFFERS)
     schedule = TileSchedule(num_pid_m, num_pid_n, k_steps, BLOCK_M + BLOCK_M_TAIL, BLOCK_N + BLOCK_N_TAIL,
@@ -819,11 +811,6 @@ class Epilogue(NamedTuple):
     activation: str = "none"    # one of common.ACTIVATIONS: "none", "relu", "silu"
 
 
-# The conv's run-time integers, named, in the order the kernel's first line unpacks them (section 10:
-# Ci_group, the input channels per group padded to 16 bytes; channel_blocks: BLOCK_K blocks per tap).
-ConvShape = NamedTuple("ConvShape", [(name, int) for name in "M Co num_pid_m num_pid_n out_h out_w stride_h stride_w "
-                                    "pad_h pad_w dil_h dil_w Ci_group Co_group S k_steps channel_blocks".split()])
-
 DESCRIPTORS = ("in_desc", "w_desc", "w_tail_desc", "out_desc", "out_tail_desc")   # the kernel's first parameters
 
 
@@ -835,9 +822,8 @@ class ConvLaunch(NamedTuple):
     out_desc: object               # tiled descriptor of out_2d
     out_tail_desc: object          # section 6: a tail's (or a row block's) output box; else None
     pointers: tuple                # the epilogue's bias, scale, residual and (section 7) partial-sum pointers
-    shape: ConvShape
+    shape: tuple                   # the conv's run-time integers, named by the kernel's first line
     out_2d: torch.Tensor           # [M, Co rounded up to 16 bytes], written by the kernel
-    geometry: common.ConvGeometry
     partial: torch.Tensor = None   # section 7: the fp32 workspace [split_k, M, Co]; else None
     tiles: tuple = None            # section 7: (tile_m, tile_n, num_pid_m, num_pid_n, whole_tiles)
 
@@ -846,10 +832,7 @@ class ConvLaunch(NamedTuple):
         return tuple(getattr(self, name) for name in DESCRIPTORS) + (self.pointers, self.shape)
 
 
-def output_nhwc(geometry, out_2d):
-    # The kernel's output [M, Co rounded up to 16 bytes] as NHWC [N, out_h, out_w, Co].
-    out = out_2d.view(geometry.N, geometry.out_h, geometry.out_w, out_2d.shape[1])
-    return out if out_2d.shape[1] == geometry.Co else out[..., :geometry.Co].contiguous()
+output_nhwc = lesson04.output_nhwc    # the kernel's output [M, Co rounded up to 16 bytes] as NHWC [N, out_h, out_w, Co]
 
 
 def kernel_constexprs(config, arch, epilogue=Epilogue()):
@@ -868,7 +851,6 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     check_groups_fit(config, g, x_nhwc.element_size())                     # section 10
     x_nhwc, w, Ci_padded = common.pad_channels_for_tma(x_nhwc, w)
     Ci_group = Ci_padded // g.groups
-    BLOCK_M, BLOCK_N = config[:2]
     BLOCK_K = block_k_channels(config, Ci_group, x_nhwc.element_size())    # 128 bytes: 128 e4m3 (section 9)
     settings = common.conv_im2col_settings(g)      # (padded channels move no pixel)
     lanes = 16 // (out_dtype or x_nhwc.dtype).itemsize        # the output's rows: Co rounded up to 16 bytes
@@ -876,30 +858,33 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
 
     def descriptors(rows, columns, **pixel_box):    # of x, w and out_2d, for output boxes of rows x columns
         return common.conv_tma_descriptors(x_nhwc, w, out_2d, settings, rows, columns, BLOCK_K, **pixel_box)
-    # section 6: a row tail loads the pixels in boxes of the tail's height (two for the main rows)
-    in_desc, w_desc, out_desc = descriptors(BLOCK_M, BLOCK_N, pixel_box=config.block_m_tail or BLOCK_M)
+    # section 6: a row tail loads the pixels in boxes of the tail's height (two for the main rows; without
+    # a row tail, block_m_tail = 0, one box of block_m)
+    in_desc, w_desc, out_desc = descriptors(config.block_m, config.block_n, pixel_box=config.block_m_tail)
     # section 6: the tail's boxes are the main boxes of a tile block_n_tail wide (the column tail's weights
     # and output) or block_m_tail tall (its output; stored by row blocks, half the main rows)
     w_tail_desc = out_tail_desc = None    # a constexpr None: nothing for the launcher to encode
     if config.block_n_tail:
-        _, w_tail_desc, out_tail_desc = descriptors(BLOCK_M, config.block_n_tail)
+        _, w_tail_desc, out_tail_desc = descriptors(config.block_m, config.block_n_tail)
     if config.block_m_tail or stores_by_row_blocks(config):
-        out_tail_desc = descriptors(config.block_m_tail or BLOCK_M // 2, BLOCK_N)[2]
+        out_tail_desc = descriptors(config.block_m_tail or config.block_m // 2, config.block_n)[2]
     num_pid_m, num_pid_n = triton.cdiv(g.M, config.tile_m), triton.cdiv(g.Co, config.tile_n)
     channel_blocks = triton.cdiv(Ci_group, BLOCK_K)
     k_steps = g.R * g.S * channel_blocks
     if config.split_k > k_steps:
         raise ValueError(f"config {config}: split_k={config.split_k} exceeds the {k_steps} k-steps of {g.describe()}")
-    partial = (torch.empty(config.split_k, g.M, g.Co, device=x_nhwc.device, dtype=torch.float32)
-               if config.split_k > 1 else None)
+    # section 7: the fp32 workspace partial[split, m, co], on the output's device
+    partial = out_2d.new_empty(config.split_k, g.M, g.Co, dtype=torch.float32) if config.split_k > 1 else None
     # absent epilogue tensors: any pointer will do, the constexprs compile their loads away
     pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual, partial))
-    shape = ConvShape(g.M, g.Co, num_pid_m, num_pid_n, g.out_h, g.out_w, *g.stride, *g.padding, *g.dilation,
-                      Ci_group, g.Co_group, g.S, k_steps, channel_blocks)
+    # the conv's run-time integers, in the order the kernel's first line unpacks them (section 10: Ci_group, the
+    # input channels per group padded to 16 bytes; channel_blocks: BLOCK_K blocks per tap)
+    shape = (g.M, g.Co, num_pid_m, num_pid_n, g.out_h, g.out_w, *g.stride, *g.padding, *g.dilation,
+             Ci_group, g.Co_group, g.S, k_steps, channel_blocks)
     programs, _, whole_tiles = tile_counts(config, g.M, g.Co, num_sms)
     tiles = (config.tile_m, config.tile_n, num_pid_m, num_pid_n, whole_tiles) if partial is not None else None
     return ConvLaunch((programs, 1, 1), in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, pointers, shape,
-                      out_2d, geometry, partial, tiles)
+                      out_2d, partial, tiles)
 
 
 def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG,
@@ -910,9 +895,8 @@ def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, c
     + residual) in fp32 before the cast: optional bias and scale [Co] (fp32 or x's dtype), residual
     of the output's shape and dtype, activation "none", "relu" or "silu". groups > 1 (section 10):
     w is [Co, R, S, Ci / groups]."""
-    geometry = common.check_conv_call(x_nhwc, w, bias, stride, padding, dilation, dtypes=KERNEL_DTYPES,
-                                      scale=scale, residual=residual, activation=activation, out_dtype=out_dtype,
-                                      groups=groups)
+    geometry = common.check_conv_call(x_nhwc, w, bias, stride, padding, dilation, dtypes=KERNEL_DTYPES, scale=scale,
+                                      residual=residual, activation=activation, out_dtype=out_dtype, groups=groups)
     arch, num_sms = common.tma_mma_arch_and_sms("conv2d_fprop_launch")
     launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale, residual,
                             common.output_dtype(x_nhwc.dtype, out_dtype))
@@ -1001,9 +985,8 @@ def aot_conv2d_fprop(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, p
     x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, getattr(torch, dtype), device_name="cpu")
     geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
     per_channel, residual = torch.zeros(Co), torch.zeros(*geometry.output_shape_nhwc, dtype=torch.bfloat16)
-    launch = prepare_launch(x_nhwc, w, per_channel if epilogue.bias else None, geometry, config, arch, 132,
-                            per_channel if epilogue.scale else None, residual if epilogue.residual else None,
-                            torch.bfloat16)
+    bias, scale, residual = (t if on else None for t, on in zip((per_channel, per_channel, residual), epilogue))
+    launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, 132, scale, residual, torch.bfloat16)
     return conv2d_fprop_kernel, launch.kernel_args(), kernel_constexprs(config, arch, epilogue)
 
 
@@ -1150,12 +1133,12 @@ def split_k_epilogue_kernel(partial_ptr, out_ptr, epilogue_ptrs, M, Co, out_stri
 
 def split_k_epilogue_launch(launch, bias=None, scale=None, residual=None, activation="none"):
     # (grid, args, constexprs) of split-K's second kernel: sum the slices, apply the epilogue
-    g, out_2d, partial = launch.geometry, launch.out_2d, launch.partial
-    grid = (triton.cdiv(g.M, 64), triton.cdiv(g.Co, 64), 1)     # 3-d: the direct launch takes no less
+    (split_k, M, Co), out_2d = launch.partial.shape, launch.out_2d     # the workspace: partial[split, m, co]
+    grid = (triton.cdiv(M, 64), triton.cdiv(Co, 64), 1)     # 3-d: the direct launch takes no less
     pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual))
-    args = (partial, out_2d, pointers, g.M, g.Co, out_2d.stride(0), launch.tiles)
+    args = (launch.partial, out_2d, pointers, M, Co, out_2d.stride(0), launch.tiles)
     epilogue = Epilogue(bias is not None, scale is not None, residual is not None, activation)
-    return grid, args, dict(SPLIT_K=partial.shape[0], EPILOGUE=epilogue, BLOCK=64, enable_fp_fusion=True)
+    return grid, args, dict(SPLIT_K=split_k, EPILOGUE=epilogue, BLOCK=64, enable_fp_fusion=True)
 
 
 @pytest.mark.parametrize("split_k, epilogue", [(2, Epilogue()), (3, Epilogue(True, True, True, "relu")),
@@ -1168,8 +1151,7 @@ def test_split_k_epilogue_kernel_against_torch(split_k, epilogue):
     partial, bias, scale, residual = rand(split_k, M, Co), rand(Co), rand(Co), rand(M, Co)
     bias, scale, residual = (t if on else None for t, on in zip((bias, scale, residual), epilogue[:3]))
     out_2d = torch.full((M, 104), float("nan"), device=partial.device)
-    geometry = common.conv_geometry((1, 7, 11, 8), (Co, 1, 1, 8))
-    launch = ConvLaunch(None, None, None, None, None, None, None, None, out_2d, geometry, partial,
+    launch = ConvLaunch(None, None, None, None, None, None, None, None, out_2d, partial,
                         (64, 64, 2, 2, 0))    # every tile split
     grid, args, constexprs = split_k_epilogue_launch(launch, bias, scale, residual, epilogue.activation)
     split_k_epilogue_kernel[grid](*args, **constexprs)

@@ -384,8 +384,7 @@ def test_split_k_epilogue_finishes_only_split_tiles(M, Co, tile_m, tile_n, whole
     partial = torch.randn(split_k, M, Co, generator=generator)
     bias = torch.randn(Co, generator=generator)
     out = torch.full((M, Co), 7.0)                     # what the conv kernel stored for whole tiles
-    geometry = common.conv_geometry((1, M, 1, 16), (Co, 1, 1, 16))          # M pixels, Co channels
-    launch = ConvLaunch((1, 1, 1), None, None, None, None, None, None, None, out.to(common.device()), geometry,
+    launch = ConvLaunch((1, 1, 1), None, None, None, None, None, None, None, out.to(common.device()),
                         partial.to(common.device()), (tile_m, tile_n, num_pid_m, num_pid_n, whole_tiles))
     finish_split_k(launch, bias.to(common.device()), activation="relu")
     expected = out.clone()
