@@ -264,10 +264,9 @@ class TileOutput:
     STORE_BY_ROW_BLOCKS: gl.constexpr
 
     @gluon.jit
-    def for_consumer(self, consumer: gl.constexpr):
-        # This output with consumer `consumer`'s own staging buffers.
-        return gl.aggregate_replace(self, c_smem=self.c_smem.index(consumer),
-                                    c_tail_smem=self.c_tail_smem.index(consumer))
+    def for_consumer(self, i: gl.constexpr):
+        # This output with consumer i's own staging buffers.
+        return gl.aggregate_replace(self, c_smem=self.c_smem.index(i), c_tail_smem=self.c_tail_smem.index(i))
 
     @gluon.jit
     def store(self, acc, work, m0, co0, TAIL: gl.constexpr, STORES_IN_FLIGHT: gl.constexpr = 0):
@@ -391,7 +390,6 @@ class TmemAccumulators:
 
 @gluon.jit
 def blackwell_mma_partition(ring, schedule, acc):
-    BLOCK_N: gl.constexpr = ring.b_bufs.shape[1]
     state = common.Counter(gl.to_tensor(0), ring.NUM_BUFFERS)
     acc_state = common.Counter(gl.to_tensor(0), acc.NUM_ACC)
     for unit in range(gl.program_id(0), schedule.num_units(), gl.num_programs(0)):
@@ -405,7 +403,7 @@ def blackwell_mma_partition(ring, schedule, acc):
             # acc += A @ B^T (and a column tail's into its own accumulator, section 6)
             tcgen05_mma(ring.a_bufs.index(slot), ring.b_bufs.index(slot).permute((1, 0)), acc.tmem.index(buf),
                         use_acc=k > work.k_begin)
-            if schedule.TILE_N > BLOCK_N:
+            if schedule.TILE_N > ring.b_bufs.shape[1]:      # a column tail: wider than the main B tile
                 tcgen05_mma(ring.a_bufs.index(slot), ring.b_tail_bufs.index(slot).permute((1, 0)),
                             acc.tail_tmem.index(buf), use_acc=k > work.k_begin)
             # the hardware arrives on empty[slot] once these MMAs (and all earlier ones) are done
@@ -811,6 +809,12 @@ class Epilogue(NamedTuple):
     activation: str = "none"    # one of common.ACTIVATIONS: "none", "relu", "silu"
 
 
+# The conv's run-time integers, named, in the order the kernel's first line unpacks them (section 10:
+# Ci_group, the input channels per group padded to 16 bytes; channel_blocks: BLOCK_K blocks per tap).
+ConvShape = NamedTuple("ConvShape", [(name, int) for name in "M Co num_pid_m num_pid_n out_h out_w stride_h stride_w "
+                                    "pad_h pad_w dil_h dil_w Ci_group Co_group S k_steps channel_blocks".split()])
+
+
 DESCRIPTORS = ("in_desc", "w_desc", "w_tail_desc", "out_desc", "out_tail_desc")   # the kernel's first parameters
 
 
@@ -822,7 +826,7 @@ class ConvLaunch(NamedTuple):
     out_desc: object               # tiled descriptor of out_2d
     out_tail_desc: object          # section 6: a tail's (or a row block's) output box; else None
     pointers: tuple                # the epilogue's bias, scale, residual and (section 7) partial-sum pointers
-    shape: tuple                   # the conv's run-time integers, named by the kernel's first line
+    shape: ConvShape
     out_2d: torch.Tensor           # [M, Co rounded up to 16 bytes], written by the kernel
     partial: torch.Tensor = None   # section 7: the fp32 workspace [split_k, M, Co]; else None
     tiles: tuple = None            # section 7: (tile_m, tile_n, num_pid_m, num_pid_n, whole_tiles)
@@ -877,10 +881,8 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     partial = out_2d.new_empty(config.split_k, g.M, g.Co, dtype=torch.float32) if config.split_k > 1 else None
     # absent epilogue tensors: any pointer will do, the constexprs compile their loads away
     pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual, partial))
-    # the conv's run-time integers, in the order the kernel's first line unpacks them (section 10: Ci_group, the
-    # input channels per group padded to 16 bytes; channel_blocks: BLOCK_K blocks per tap)
-    shape = (g.M, g.Co, num_pid_m, num_pid_n, g.out_h, g.out_w, *g.stride, *g.padding, *g.dilation,
-             Ci_group, g.Co_group, g.S, k_steps, channel_blocks)
+    shape = ConvShape(g.M, g.Co, num_pid_m, num_pid_n, g.out_h, g.out_w, *g.stride, *g.padding, *g.dilation,
+                      Ci_group, g.Co_group, g.S, k_steps, channel_blocks)
     programs, _, whole_tiles = tile_counts(config, g.M, g.Co, num_sms)
     tiles = (config.tile_m, config.tile_n, num_pid_m, num_pid_n, whole_tiles) if partial is not None else None
     return ConvLaunch((programs, 1, 1), in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, pointers, shape,
@@ -1239,8 +1241,8 @@ def run_fp8_demo():
     x_q, w_q = (x / x_scale).to(torch.float8_e4m3fn), (w / w_scale.view(-1, 1, 1, 1)).to(torch.float8_e4m3fn)
     out = conv2d_fprop_launch(x_q, w_q, padding=1, scale=x_scale * w_scale)     # dequantized by the epilogue
     exact = common.reference_conv2d_nhwc(x_q.float() * x_scale, w_q.float() * w_scale.view(-1, 1, 1, 1), padding=1)
-    print(f"\nfp8 on 128 x 14x14 256->256 3x3: relative error {(out.float() - exact).norm() / exact.norm():.1e} "
-          "against torch on the dequantized operands")
+    error = (out.float() - exact).norm() / exact.norm()
+    print(f"\nfp8 on 128 x 14x14 256->256 3x3: relative error {error:.1e} against torch on the dequantized operands")
 
 
 # %%
@@ -1297,8 +1299,9 @@ def test_grouped_tiles_read_their_groups(N, H, W, groups, Ci_group, Co_group, R,
     settings = common.conv_im2col_settings(g)
     corners = (settings.pixel_box_lower_corner, settings.pixel_box_upper_corner, settings.element_strides)
     window = types.SimpleNamespace(out_h=g.out_h, out_w=g.out_w, stride_h=g.stride[0], stride_w=g.stride[1],
-                                   pad_h=g.padding[0], pad_w=g.padding[1], dil_h=common.PlainInt(1), dil_w=common.PlainInt(1),
-                                   Ci_group=Ci_group, Co_group=Co_group, S=R, channel_blocks=Ci_group // BLOCK_K)
+                                   pad_h=g.padding[0], pad_w=g.padding[1], dil_h=common.PlainInt(1),
+                                   dil_w=common.PlainInt(1), Ci_group=Ci_group, Co_group=Co_group, S=R,
+                                   channel_blocks=Ci_group // BLOCK_K)
     w2d, BLOCK_M, out = w.reshape(g.Co, -1), 32, torch.zeros(g.M, g.Co)
     for m0 in range(0, g.M, BLOCK_M):
         n, y, x0 = Im2colWindow.pixel_box_origin.fn(window, m0)
@@ -1389,10 +1392,11 @@ def test_grouped_configs_that_straddle_groups_are_refused():
 # ==============================================  ========================================  =========
 #
 # Clusters. A pair of CTAs sharing its pixels (or its weights) loads them once with TMA multicast:
-# on Triton 3.9 that load assembles and runs correctly (a probe kernel; results/notebook.md, 2026-11-24). What a pipelined
-# pair lacks is the way back: before the leader refills a shared stage, the second CTA's consumer
-# must arrive on the leader's barrier, and Gluon 3.9 on Hopper has only the leader's broadcast (the
-# both-ways arrive exists for Blackwell and later). So this kernel is not clustered.
+# on Triton 3.9 that load assembles and runs correctly (a probe kernel; results/notebook.md,
+# 2026-11-24). What a pipelined pair lacks is the way back: before the leader refills a shared
+# stage, the second CTA's consumer must arrive on the leader's barrier, and Gluon 3.9 on Hopper has
+# only the leader's broadcast (the both-ways arrive exists for Blackwell and later). So this kernel
+# is not clustered.
 #
 # What no schedule reaches: much more on the headline shape. Both kernels hold the H100 at its
 # 700 W limit there, where the SM clock drops to ~1440 MHz and the dense bf16 peak to ~780 TFLOPS;
