@@ -250,8 +250,8 @@ def loader_partition(in_desc, w_desc, w_tail_desc, ring, schedule, window):
 class TileOutput:
     # Where a tile goes: the output's TMA descriptors and staging buffers, and the fused epilogue's operands and
     # switches (section 5). The tail descriptor and buffer serve section 6; the partial sums, section 7.
-    out_desc: tma.tensor_descriptor | gl.constexpr
-    out_tail_desc: tma.tensor_descriptor | gl.constexpr   # a TMA descriptor, or a constexpr None without a tail
+    out_desc: tma.tensor_descriptor | gl.constexpr        # the main box's (the aggregate takes either type, as
+    out_tail_desc: tma.tensor_descriptor | gl.constexpr   # this field, a constexpr None without a tail, needs)
     c_smem: gl.shared_memory_descriptor        # one staging buffer per consumer
     c_tail_smem: gl.shared_memory_descriptor
     bias_ptr: gl.tensor
@@ -265,7 +265,7 @@ class TileOutput:
 
     @gluon.jit
     def for_consumer(self, i: gl.constexpr):
-        # This output with consumer i's own staging buffers.
+        # This output with consumer number i's own staging buffers (i: 0, or 1 in ping-pong).
         return gl.aggregate_replace(self, c_smem=self.c_smem.index(i), c_tail_smem=self.c_tail_smem.index(i))
 
     @gluon.jit
@@ -416,7 +416,7 @@ def blackwell_mma_partition(ring, schedule, acc):
 
 @gluon.jit
 def blackwell_epilogue_partition(schedule, acc, output):
-    BLOCK_N: gl.constexpr = output.out_desc.block_type.shape[1]     # (its rows: TILE_M; Blackwell has no row tail)
+    BLOCK_N: gl.constexpr = output.out_desc.block_type.shape[1]  # the main box's columns (rows: TILE_M, no row tail)
     acc_state = common.Counter(gl.to_tensor(0), acc.NUM_ACC)
     for unit in range(gl.program_id(0), schedule.num_units(), gl.num_programs(0)):
         work = schedule.work(unit)
@@ -616,6 +616,7 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
                                                 out_tail_desc.layout)
     else:   # no tail: the main buffers stand in
         c_tail_smem = c_smem
+    # (a constexpr condition: only the branch taken is compiled, so c_smem needs no value when storing by row blocks)
     c_smem = c_tail_smem if STORE_BY_ROW_BLOCKS else c_smem
     ready, empty = common.allocate_barrier_pairs(NUM_BUFFERS)
     ring = Ring(a_bufs, b_bufs, a_tail_bufs, b_tail_bufs, ready, empty, NUM_BUFFERS)
@@ -795,10 +796,10 @@ def tile_counts(config, M, Co, num_sms):
 # The plain launcher
 # ------------------
 # Everything a launch needs, built from scratch on every call: pad the channels to 16 bytes if
-# needed (lesson 04), the TMA descriptors (the
-# tail's two only when there is a tail), the grid (one program per SM, or fewer when there are
-# fewer tiles), the run-time integers and the constexprs. `conv2d_fprop_launch` is the whole kernel
-# behind one call; the runtime (after Part II) makes the same launch cheaper on the host.
+# needed (lesson 04), the TMA descriptors (the tail's two only when there is a tail), the grid (one
+# program per SM, or fewer when there are fewer tiles), the run-time integers and the constexprs.
+# `conv2d_fprop_launch` is the whole kernel behind one call; the runtime (after Part II) makes the
+# same launch cheaper on the host.
 
 
 class Epilogue(NamedTuple):
@@ -857,11 +858,11 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     Ci_group = Ci_padded // g.groups
     BLOCK_K = block_k_channels(config, Ci_group, x_nhwc.element_size())    # 128 bytes: 128 e4m3 (section 9)
     settings = common.conv_im2col_settings(g)      # (padded channels move no pixel)
-    lanes = 16 // (out_dtype or x_nhwc.dtype).itemsize        # the output's rows: Co rounded up to 16 bytes
+    lanes = 16 // (out_dtype or x_nhwc.dtype).itemsize        # output elements per 16 bytes: out_2d's row length
     out_2d = torch.empty(g.M, -(-g.Co // lanes) * lanes, device=x_nhwc.device, dtype=out_dtype or x_nhwc.dtype)
 
-    def descriptors(rows, columns, **pixel_box):    # of x, w and out_2d, for output boxes of rows x columns
-        return common.conv_tma_descriptors(x_nhwc, w, out_2d, settings, rows, columns, BLOCK_K, **pixel_box)
+    def descriptors(rows, columns, pixel_box=0):    # of x, w and out_2d, for output boxes of rows x columns
+        return common.conv_tma_descriptors(x_nhwc, w, out_2d, settings, rows, columns, BLOCK_K, pixel_box=pixel_box)
     # section 6: a row tail loads the pixels in boxes of the tail's height (two for the main rows; without
     # a row tail, block_m_tail = 0, one box of block_m)
     in_desc, w_desc, out_desc = descriptors(config.block_m, config.block_n, pixel_box=config.block_m_tail)
@@ -987,7 +988,7 @@ def aot_conv2d_fprop(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, p
     x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, getattr(torch, dtype), device_name="cpu")
     geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
     per_channel, residual = torch.zeros(Co), torch.zeros(*geometry.output_shape_nhwc, dtype=torch.bfloat16)
-    bias, scale, residual = (t if on else None for t, on in zip((per_channel, per_channel, residual), epilogue))
+    bias, scale, residual = (t if on else None for t, on in zip((per_channel, per_channel, residual), epilogue[:3]))
     launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, 132, scale, residual, torch.bfloat16)
     return conv2d_fprop_kernel, launch.kernel_args(), kernel_constexprs(config, arch, epilogue)
 
@@ -998,8 +999,8 @@ def test_kernel_compiles_with_expected_instructions(arch):
 
 
 def run_show_ptx():
-    return common.show_ptx("05-warp-specialized-conv", "aot_conv2d_fprop", TAUGHT_PTX,
-                           lambda arch, compiled: f"conv2d_fprop_kernel, {FIXED_CONFIG}: {compiled['num_warps']} warps")
+    return common.show_ptx("05-warp-specialized-conv", "aot_conv2d_fprop", TAUGHT_PTX, lambda arch, compiled: (
+        f"conv2d_fprop_kernel, {FIXED_CONFIG}; {compiled['num_warps']} warps in all, padded to whole warpgroups"))
 
 
 # %%
@@ -1413,7 +1414,7 @@ def test_grouped_configs_that_straddle_groups_are_refused():
 
 # %%
 if __name__ == "__main__":
-    common.show_recorded_ladder(outdir, lambda fields: KernelConfig(*fields))
+    common.show_recorded_ladder(outdir, lambda fields: str(KernelConfig(*fields)))
     print(f"\nlesson 05: all checks passed on {common.gpu_name()}" if on_gpu else "\n" + common.cpu_closing_line(
         "05", "input validation, config rules, and the sm_90 and sm_100 builds of the kernel (the "
         "instructions above)", "running the kernel and comparing it with torch, the benchmark "

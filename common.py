@@ -1035,8 +1035,8 @@ def plot_ladder(rows, info, dtype, outdir, data, recorded=None):
 
 
 def show_recorded_ladder(outdir, describe_config=str):
-    """Without a GPU: the ladder as a GPU recorded it (benchmarks/network_suite.py --ladder), printed
-    and drawn, marked RECORDED with its device and date; None where no record exists.
+    """The ladder as a GPU recorded it (benchmarks/network_suite.py --ladder), printed and drawn,
+    marked RECORDED with its device and date; None where no record exists.
     `describe_config` turns a row's recorded lesson-05 config (a list of its fields) into text."""
     recorded = announce_recorded("05_tflops_per_shape", "The ladder (TFLOPS, bf16)")
     if recorded is None:
@@ -1187,7 +1187,7 @@ def conv_tma_descriptors(x_nhwc, w, out_2d, settings: ConvIm2ColSettings, BLOCK_
                          layouts=None, pixel_box=None):
     """The three TMA descriptors of a TMA-im2col convolution (lessons 04-05).
 
-    - input: im2col descriptor on x [N, H, W, Ci], box [pixel_box (default BLOCK_M) pixels, BLOCK_K
+    - input: im2col descriptor on x [N, H, W, Ci], box [pixel_box (0 or None: BLOCK_M) pixels, BLOCK_K
       channels] (lesson 05's row tails load a tile's pixels in several shorter boxes);
     - weight: tiled descriptor on w viewed as [Co, R*S*Ci], box [BLOCK_N, BLOCK_K];
     - output: tiled descriptor on out_2d [M, Co_alloc], box [BLOCK_M, BLOCK_N] (TMA clips the edges).
