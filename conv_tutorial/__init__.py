@@ -30,6 +30,7 @@ from .runtime import conv2d as conv2d_nhwc
 from .selection import autotune_enabled, set_autotune, tuning_cache_path
 
 __all__ = ["CANDIDATES", "FIXED_CONFIG", "FusedConv2d", "KernelConfig", "TorchConvEpilogue", "TutorialConv2d",
-           "autotune_enabled", "backward_backend", "backward_fallbacks", "conv2d", "conv2d_fp8", "conv2d_nhwc", "convert_conv2d",
+           "autotune_enabled", "backward_backend", "backward_fallbacks", "conv2d", "conv2d_fp8", "conv2d_nhwc",
+           "convert_conv2d",
            "depthwise_conv2d", "fuse_conv_bn_act", "keep_faster_convs", "quantize_fp8", "quantize_tensor",
            "reset_backward_fallbacks", "set_autotune", "set_backward", "tuning_cache_path"]

@@ -164,3 +164,21 @@ def nhwc_view(t):
     """The NHWC view of an NCHW-shaped tensor: free in channels_last memory, else one copy."""
     view = t.permute(0, 2, 3, 1)
     return view if view.is_contiguous() else view.contiguous()
+
+
+def call_key(tensors, *arguments):
+    """A hashable key of what a call shows at a glance, for a dictionary of plans: each tensor's
+    shape, dtype and device (None for an optional tensor that is absent) and the other arguments.
+    None where an argument that should be a tensor is not one, or one is unhashable (a list-valued
+    stride, say): then the caller takes its full path, which checks and explains everything."""
+    key = []
+    for tensor in tensors:
+        if tensor is not None and not isinstance(tensor, torch.Tensor):
+            return None
+        key.append(None if tensor is None else (tensor.shape, tensor.dtype, tensor.device))
+    key = (*key, *arguments)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key

@@ -17,27 +17,12 @@ import triton
 import triton.language as tl
 
 from .configs import KernelConfig, grouped_conv_fits
-from .geometry import FP8, KERNEL_DTYPES, check_conv_call, conv_geometry, device_facts
+from .geometry import FP8, KERNEL_DTYPES, call_key, check_conv_call, conv_geometry, device_facts
 from .launch import plan_for
 from .selection import epilogue_tag, known_or_heuristic_config, tuned_config
 
 
 _FAST_PLANS = {}     # call key -> (ConvPlan, FoldedConv or None)
-
-
-def _call_key(x_nhwc, w, bias, stride, padding, dilation, config, scale, residual, activation, out_dtype, groups):
-    """A hashable key of what a call can see at a glance, or None (then the slow path runs)."""
-    if not (isinstance(x_nhwc, torch.Tensor) and isinstance(w, torch.Tensor)
-            and all(t is None or isinstance(t, torch.Tensor) for t in (bias, scale, residual))):
-        return None
-    key = (x_nhwc.shape, w.shape, x_nhwc.dtype, w.dtype, x_nhwc.device, w.device,
-           *(None if t is None else (t.shape, t.dtype, t.device) for t in (bias, scale, residual)),
-           stride, padding, dilation, config, activation, out_dtype, groups)
-    try:
-        hash(key)
-    except TypeError:                    # list-valued stride/padding: no fast path
-        return None
-    return key
 
 
 def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, tune=True,
@@ -52,8 +37,8 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
     a fraction of a K step (a network's RGB stem) take the folded path (`FoldedConv`).
     groups > 1: w is [Co, R, S, Ci / groups], and a group's channel counts must fit a config's
     tiles (`grouped_conv_fits`; lesson 05, section 10)."""
-    key = _call_key(x_nhwc, w, bias, stride, padding, dilation, config if config is not None else tune,
-                    scale, residual, activation, out_dtype, groups)
+    key = call_key((x_nhwc, w, bias, scale, residual), stride, padding, dilation,
+                   config if config is not None else tune, activation, out_dtype, groups)
     entry = _FAST_PLANS.get(key) if key is not None else None
     if entry is None or not (x_nhwc.is_contiguous() and w.is_contiguous()
                              and all(t is None or t.is_contiguous() for t in (bias, scale, residual))):

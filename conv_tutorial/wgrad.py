@@ -29,7 +29,7 @@ Triton's launcher does (autograd runs a backward with its tensors' device curren
 """
 import torch
 
-from .geometry import device_facts
+from .geometry import call_key, device_facts
 from .launch import DirectLaunch, _check_tma_aligned, _descriptors, _new_like, _tensorless
 
 DESCRIPTORS = ("dy_desc", "x_desc")     # lesson 06's WgradLaunch fields, in conv2d_wgrad_kernel's order
@@ -94,25 +94,12 @@ def plan_for(geometry, dtype, device):
     return plan
 
 
-def _call_key(x_nhwc, dy_nhwc, w_shape, stride, padding, dilation, groups):
-    """A hashable key of what a call shows at a glance, or None (then the full check runs)."""
-    if not (isinstance(x_nhwc, torch.Tensor) and isinstance(dy_nhwc, torch.Tensor)):
-        return None
-    key = (x_nhwc.shape, dy_nhwc.shape, x_nhwc.dtype, dy_nhwc.dtype, x_nhwc.device, dy_nhwc.device, w_shape,
-           stride, padding, dilation, type(groups), groups)
-    try:
-        hash(key)
-    except TypeError:                    # list-valued arguments: no fast path
-        return None
-    return key
-
-
 def conv2d_weight_grad(x_nhwc, dy_nhwc, w_shape, stride=1, padding=0, dilation=1, groups=1):
     """dW [Co, R, S, Ci] (w_shape) of a conv of x [N, H, W, Ci] from dY [N, out_h, out_w, Co] (fp16
     or bf16, contiguous NHWC, on a Hopper or Blackwell GPU), in x's dtype: lesson 06's
     `conv2d_wgrad_launch` with its default config, the same arguments, errors and result, through a
     plan per shape. groups must be 1."""
-    key = _call_key(x_nhwc, dy_nhwc, w_shape, stride, padding, dilation, groups)
+    key = call_key((x_nhwc, dy_nhwc), w_shape, stride, padding, dilation, type(groups), groups)
     plan = _FAST_PLANS.get(key) if key is not None else None
     if plan is None or not (x_nhwc.is_contiguous() and dy_nhwc.is_contiguous()):
         from .kernel import lesson06       # the full check, with its errors
