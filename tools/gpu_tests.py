@@ -3,6 +3,7 @@
     python tools/gpu_tests.py                         # every test, 14 processes, 540 s
     python tools/gpu_tests.py --part 1/2              # the first half of the chunks (a second call: --part 2/2)
     python tools/gpu_tests.py --workers 8 --deadline 300 tests/operator   # a pytest selection
+    python tools/gpu_tests.py --workers 26 --gpus 2   # a host of two GPUs: processes alternate between them
 
 Why not one pytest: most of a GPU run is Triton compiling kernels on the CPU (an H100 host ran the
 suite's ~1,500 tests in about 8,000 process-seconds), so it takes many processes. Why not fixed
@@ -83,14 +84,15 @@ def collect(selection):
     return ids
 
 
-def run_chunks(chunks, workers, deadline, out, tag):
-    """Runs the chunks in `workers` processes until `deadline` (time.monotonic()); returns
-    {node id: (outcome, first error line)} of the tests that reported."""
+def run_chunks(chunks, workers, deadline, out, tag, gpus=1):
+    """Runs the chunks in `workers` processes until `deadline` (time.monotonic()), the k-th process on
+    GPU k % `gpus` (CUDA_VISIBLE_DEVICES); returns {node id: (outcome, first error line)} of the
+    tests that reported."""
     queue, results = deque(enumerate(chunks)), {}
     (out / "chunks").mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "tools"), os.environ.get("PYTHONPATH")])))
 
-    def worker():
+    def worker(gpu):
         while queue and deadline - time.monotonic() > 30:      # no chunk starts in the last 30 s
             index, ids = queue.popleft()
             log, record = out / "chunks" / f"{tag}{index:03d}.log", out / "chunks" / f"{tag}{index:03d}.tsv"
@@ -99,7 +101,8 @@ def run_chunks(chunks, workers, deadline, out, tag):
                        "faulthandler_timeout=300", *ids]
             with open(log, "w") as handle:
                 process = subprocess.Popen(command, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
-                                           env=dict(env, GPU_TESTS_RECORD=str(record)))
+                                           env=dict(env, GPU_TESTS_RECORD=str(record),
+                                                    **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpus > 1 else {})))
                 try:
                     process.wait(timeout=max(1.0, deadline - time.monotonic() - 20))
                 except subprocess.TimeoutExpired:      # Ctrl-C first: pytest ends its session and says so
@@ -113,8 +116,8 @@ def run_chunks(chunks, workers, deadline, out, tag):
             results.update(recorded(record))
 
     with ThreadPoolExecutor(workers) as pool:
-        for _ in range(workers):
-            pool.submit(worker)
+        for k in range(workers):
+            pool.submit(worker, k % gpus)
     return results
 
 
@@ -129,6 +132,8 @@ def main():
     parser.add_argument("selection", nargs="*", help="what pytest should collect (default: everything)")
     parser.add_argument("--workers", type=int, default=14, help="pytest processes at once (default 14)")
     parser.add_argument("--deadline", type=float, default=540, help="seconds for the whole run (default 540)")
+    parser.add_argument("--gpus", type=int, default=1,
+                        help="GPUs to spread the processes over (default 1: the processes see what CUDA_VISIBLE_DEVICES allows)")
     parser.add_argument("--chunk", type=int, default=24, help="tests per chunk (default 24)")
     parser.add_argument("--part", default="1/1", help="i/n: the i-th of n interleaved parts of the chunks")
     parser.add_argument("--rerun-failed", type=int, default=0, metavar="WORKERS",
@@ -138,22 +143,25 @@ def main():
     match = re.fullmatch(r"(\d+)/(\d+)", args.part)
     if not match or not 1 <= int(match[1]) <= int(match[2]):
         parser.error(f"--part must be i/n with 1 <= i <= n, got {args.part!r}")
+    if args.gpus < 1:
+        parser.error(f"--gpus must be at least 1, got {args.gpus}")
     start, out = time.monotonic(), Path(args.out)
     deadline = start + args.deadline
     ids = collect(args.selection)
     part, parts = int(match[1]), int(match[2])
     chunks = chunks_of(ids, args.chunk)[part - 1::parts]
     ids = [node_id for chunk in chunks for node_id in chunk]
-    results = run_chunks(chunks, args.workers, deadline, out, "main-")
+    results = run_chunks(chunks, args.workers, deadline, out, "main-", args.gpus)
     failed = [i for i in ids if results.get(i, ("",))[0] in ("FAILED", "ERROR")]
     rerun = {}
     if failed and args.rerun_failed and deadline - time.monotonic() > 60:
         size = -(-len(failed) // args.rerun_failed)
         rerun = run_chunks([failed[i:i + size] for i in range(0, len(failed), size)], args.rerun_failed,
-                           deadline, out, "rerun-")
+                           deadline, out, "rerun-", args.gpus)
     counts = Counter(results.get(i, ("UNREPORTED",))[0] for i in ids)
     lines = [f"GPU tests: {versions()}", f"command: {' '.join([Path(sys.argv[0]).name] + sys.argv[1:])}",
-             f"{len(ids)} tests in {len(chunks)} chunks (part {args.part}), {args.workers} processes, "
+             f"{len(ids)} tests in {len(chunks)} chunks (part {args.part}), {args.workers} processes "
+             f"on {args.gpus} GPU{'s' * (args.gpus > 1)}, "
              f"{time.monotonic() - start:.0f} s of {args.deadline:.0f}",
              "counts: " + ", ".join(f"{n} {outcome.lower()}" for outcome, n in counts.most_common())]
     if rerun:
