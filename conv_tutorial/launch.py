@@ -95,8 +95,9 @@ class DirectLaunch:
         return encoded
 
     def __call__(self, grid, *args):
-        """Launch on the current stream. `args`: the kernel's run-time arguments in signature order
-        (constexprs left out), a tensor (or None) where the kernel takes a descriptor."""
+        """Launch on the current stream. `grid`: 1 to 3 program counts, as Triton takes it; `args`:
+        the kernel's run-time arguments in signature order (constexprs left out), a tensor (or None)
+        where the kernel takes a descriptor."""
         if not self.lean or _launch_hooks_set():
             # scratch space to allocate, or a profiler listening: Triton's path, real descriptors
             args = list(args)
@@ -113,7 +114,8 @@ class DirectLaunch:
         expanded += args[self.descriptors_end:]
         expanded += self.constexprs
         stream = self.current_stream(self.current_device())
-        self.launch(grid[0], grid[1], grid[2], stream, *self.launch_head, None, None, None, None, None,
+        grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
+        self.launch(grid_x, grid_y, grid_z, stream, *self.launch_head, None, None, None, None, None,
                     *self.launch_tail, expanded)
 
 

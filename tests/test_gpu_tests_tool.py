@@ -31,10 +31,9 @@ def _report(nodeid, when, outcome, text=""):
     return types.SimpleNamespace(nodeid=nodeid, when=when, outcome=outcome, longreprtext=text)
 
 
-def test_plugin_records_each_outcome_and_the_first_error_line(tmp_path, monkeypatch):
+def test_plugin_records_each_outcome_and_the_first_error_line(tmp_path):
     record = tmp_path / "record.tsv"
-    monkeypatch.setenv("GPU_TESTS_RECORD", str(record))
-    hook = gpu_tests.pytest_runtest_logreport
+    hook = lambda report: gpu_tests.record_outcome(report, str(record))      # noqa: E731
     hook(_report("x.py::test_ok", "setup", "passed"))                 # setup passing: nothing yet
     hook(_report("x.py::test_ok", "call", "passed"))
     hook(_report("x.py::test_bad[a b]", "call", "failed", "    def f():\nE   AssertionError: 1 != 2\nE   more"))
@@ -50,9 +49,21 @@ def test_plugin_records_each_outcome_and_the_first_error_line(tmp_path, monkeypa
 
 
 def test_without_a_record_the_plugin_does_nothing(tmp_path, monkeypatch):
-    monkeypatch.delenv("GPU_TESTS_RECORD", raising=False)
+    monkeypatch.chdir(tmp_path)
+    gpu_tests.record_outcome(_report("x.py::test_ok", "call", "passed"), None)
+    monkeypatch.setattr(gpu_tests, "_RECORD", None)             # a pytest run without the variable
     gpu_tests.pytest_runtest_logreport(_report("x.py::test_ok", "call", "passed"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_plugin_records_a_test_that_changes_the_variable(tmp_path, monkeypatch):
+    """The runner's own tests set GPU_TESTS_RECORD: the plugin keeps the path the session began with."""
+    record = tmp_path / "chunk.tsv"
+    monkeypatch.setenv("GPU_TESTS_RECORD", str(record))
+    gpu_tests.pytest_configure(None)
+    monkeypatch.setenv("GPU_TESTS_RECORD", str(tmp_path / "elsewhere.tsv"))
+    gpu_tests.pytest_runtest_logreport(_report("x.py::test_ok", "call", "passed"))
+    assert gpu_tests.recorded(record) == {"x.py::test_ok": ("PASSED", "")}
 
 
 @pytest.mark.parametrize("part", ["0/2", "3/2", "1", "a/b"])

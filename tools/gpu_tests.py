@@ -52,11 +52,24 @@ def chunks_of(node_ids, size):
     return chunks
 
 
+_RECORD = None      # the chunk's record: $GPU_TESTS_RECORD as the session began (a test may change the variable)
+
+
+def pytest_configure(config):
+    global _RECORD
+    _RECORD = os.environ.get("GPU_TESTS_RECORD")
+
+
 def pytest_runtest_logreport(report):
     """Loaded into each chunk's pytest as a plugin (`-p gpu_tests`): appends every test's outcome,
-    and a failure's first error line, to $GPU_TESTS_RECORD the moment it is known, so a chunk
+    and a failure's first error line, to the chunk's record the moment it is known, so a chunk
     stopped at the deadline has recorded all it finished."""
-    record = os.environ.get("GPU_TESTS_RECORD")
+    record_outcome(report, _RECORD)
+
+
+def record_outcome(report, record):
+    """Appends a report's outcome to the file `record` (nothing if None): a call's outcome, or a
+    setup's or teardown's that did not pass."""
     if not record or not (report.when == "call" or report.outcome != "passed"):
         return
     outcome = {"passed": "PASSED", "skipped": "SKIPPED"}.get(report.outcome,

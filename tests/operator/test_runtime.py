@@ -399,3 +399,58 @@ def test_autotune_is_never_slower_than_the_heuristic_on_the_gpu(N, H, W, Ci, Co,
     _, run_geometry, x, w = runtime.run_operands(common.conv_geometry(x.shape, w.shape, stride, padding), x, w)
     best, tflops, heuristic, heuristic_tflops = selection.autotune(run_geometry, x, w, None, details=True)
     assert heuristic_tflops is not None and tflops >= heuristic_tflops
+
+
+class RecordedDriverLaunch:
+    """What DirectLaunch hands the driver's launch, recorded instead of launched (a CPU check of its
+    argument layout; the GPU tests run the real one)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, grid_x, grid_y, grid_z, stream, *rest):
+        self.calls.append(((grid_x, grid_y, grid_z), stream, rest))
+
+
+class TemplateDescriptor:
+    """A stand-in for a validated descriptor: DirectLaunch copies it and swaps its base."""
+
+    def __init__(self):
+        self.base, self.shape, self.strides = None, [4, 8], [8, 1]
+
+
+def direct_launch_on_a_cpu(descriptor_positions=(), constexprs=(256,)):
+    """A DirectLaunch whose compiled kernel, driver and encoder are stand-ins."""
+    direct = object.__new__(plans.DirectLaunch)
+    templates = [TemplateDescriptor() for _ in descriptor_positions]
+    encoded = []
+    direct.constexprs, direct.tensor_maps, direct.lean = constexprs, {}, True
+    direct.encode = lambda descriptor, meta, _: encoded.append(descriptor.base.data_ptr()) or [
+        f"map of {descriptor.base.data_ptr():#x}", *descriptor.shape, *descriptor.strides]
+    direct.current_device, direct.current_stream = (lambda: 0), (lambda device: "stream")
+    direct.descriptor_at = dict(zip(descriptor_positions, (("meta", t) for t in templates)))
+    direct.descriptors_end = max(descriptor_positions, default=-1) + 1
+    direct.launch, direct.launch_head, direct.launch_tail = RecordedDriverLaunch(), ("function",), ("annotations",)
+    return direct, encoded
+
+
+@pytest.mark.parametrize("grid, expected", [((5,), (5, 1, 1)), ((5, 3), (5, 3, 1)), ((5, 3, 2), (5, 3, 2))])
+def test_direct_launch_takes_a_grid_of_one_to_three_counts(grid, expected):
+    """Triton takes a grid of 1-3 counts (lesson 06's kernels launch on 1-D grids): the driver gets three."""
+    direct, _ = direct_launch_on_a_cpu()
+    direct(grid, 0x1000, 7)
+    (launched_grid, stream, rest), = direct.launch.calls
+    assert launched_grid == expected and stream == "stream" and rest[-1] == [0x1000, 7, 256]
+
+
+def test_direct_launch_expands_descriptors_and_encodes_an_address_once():
+    """A descriptor argument becomes [tensor map, *shape, *strides] (Triton's expansion), the map
+    encoded once per address; other arguments and then the constexprs follow in order."""
+    direct, encoded = direct_launch_on_a_cpu(descriptor_positions=(0, 2))
+    a, b, c = (torch.empty(32, dtype=torch.float16) for _ in range(3))
+    direct((1,), a, 0x2000, b, ("shape",))
+    direct((1,), a, 0x2000, c, ("shape",))
+    first, second = (call[2][-1] for call in direct.launch.calls)
+    map_of = lambda t: f"map of {t.data_ptr():#x}"      # noqa: E731
+    assert first == [map_of(a), 4, 8, 8, 1, 0x2000, map_of(b), 4, 8, 8, 1, ("shape",), 256]
+    assert second[6] == map_of(c) and encoded == [a.data_ptr(), b.data_ptr(), c.data_ptr()]

@@ -5,7 +5,8 @@ errors for bad calls.
 On a CPU, a stand-in takes the place of the compiled kernels (`StandInLaunch`, patched over DirectLaunch):
 it computes what each kernel computes from exactly what the plan hands it (descriptors, pointers as
 addresses, the shape tuple), so a wrong tensor, address, slice or scalar shows up as a wrong dW, compared
-with torch.nn.grad. The split-K sum is lesson 06's Triton kernel itself, in the interpreter. On a Hopper or
+with torch.nn.grad. The split-K sum is lesson 06's Triton kernel itself, in the interpreter (on a GPU
+machine, compiled, on copies). On a Hopper or
 Blackwell GPU: the plan's dW against torch's and against lesson 06's plain launcher, bit for bit."""
 import ctypes
 import inspect
@@ -66,7 +67,12 @@ class StandInLaunch:
             partial, dw, numel, split_k = args
             if isinstance(partial, int):
                 partial, dw = at_address(partial, torch.float32, numel * split_k), at_address(dw, self.out_dtype, numel)
-            lesson06.wgrad_split_k_sum_kernel[grid](partial, dw, numel, split_k, **self.constexprs)
+            if common.interpreter_mode():
+                lesson06.wgrad_split_k_sum_kernel[grid](partial, dw, numel, split_k, **self.constexprs)
+            else:            # a GPU machine: the compiled kernel on copies of the CPU tensors
+                on_gpu = torch.empty_like(dw, device="cuda")
+                lesson06.wgrad_split_k_sum_kernel[grid](partial.cuda(), on_gpu, numel, split_k, **self.constexprs)
+                dw.copy_(on_gpu.cpu())
 
     @staticmethod
     def wgrad(dy_desc, x_desc, partial, shape):
