@@ -23,9 +23,11 @@ the same problem with plans (launch.py); this module does the same for wgrad:
   hyper-parameters), as runtime.conv2d does: a hit skips lesson 06's `check_backward_call`, which
   the first call of that key passed; contiguity is checked on every call.
 
-Not run on a GPU yet (built and tested on a CPU with stand-ins for the compiled kernels,
-tests/operator/test_wgrad_plan.py). Calls launch on the current device's current stream, as
-Triton's launcher does (autograd runs a backward with its tensors' device current).
+On an H100 (2026-11-25, ResNet-50's 23 convs at batch 128) a call's host time fell from ~290 us
+(lesson 06's launcher) to ~52 us, the kernels unchanged (RESULTS.md, "The operator's gradients");
+tests/operator/test_wgrad_plan.py checks it on a GPU bit for bit against the plain launcher and on
+a CPU with stand-ins for the compiled kernels. Calls launch on the current device's current
+stream, as Triton's launcher does (autograd runs a backward with its tensors' device current).
 """
 import torch
 
