@@ -1307,11 +1307,12 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # - The host is most of the gap in a plain call. The launchers above check their arguments, choose
 #   a split, build descriptors and a workspace on every call, and dgrad runs that once per phase
 #   through lesson 05's plain launcher: a 56x56 64->64 1x1 dgrad, 3.3 GFLOP, took 0.5 ms (6.6
-#   TFLOPS) where its kernel alone takes 43 us. The operator's backward is built to pay less per
-#   phase (the forward's runtime keeps a plan per shape; its host time per call is not measured
-#   yet: `backward_layers.py --operator`), and a training step under CUDA graphs pays none:
-#   ResNet-50 training with these kernels ran at 0.90x torch.compile's images/s with CUDA graphs on
-#   both sides, 0.36x without (RESULTS.md, "Training").
+#   TFLOPS) where its kernel alone takes 43 us. The operator's backward pays less: a plan per shape
+#   for each phase's conv (the forward's runtime) and for wgrad (conv_tutorial/wgrad.py), 152 us
+#   per dgrad and 88 us per wgrad (medians over the 23 layers, against 433 and 286 here and cuDNN's
+#   ~40; `backward_layers.py --operator`, RESULTS.md, "The operator's gradients"). A training step
+#   under CUDA graphs pays none: ResNet-50 training with these kernels ran at 0.90x
+#   torch.compile's images/s with CUDA graphs on both sides, 0.59x without (RESULTS.md, "Training").
 # - wgrad's kernel is within 6% of cuDNN or faster on 11 of 23 layers (faster on 7, up to 1.13x),
 #   with the split rule above giving every SM work (no other split was timed). It loses most on the
 #   stem, 0.25x: 3 input channels padded to a 16-channel box, so 13/16 of its MMA work is on zeros
@@ -1333,9 +1334,8 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # Next: the operator (`conv_tutorial`) takes its conv gradients from these launchers with
 # `conv_tutorial.set_backward("lesson06")` (NHWC views of its channels_last tensors, torch for what
 # they do not cover); it keeps PyTorch's convolution backward by default, because the figures above
-# say it does not pay yet. What they point to first: the launch through a per-shape plan for wgrad
-# too (built since in the package, conv_tutorial/wgrad.py; not yet measured), the phases of a strided
-# dgrad stored in place and in one launch, and the stem's fold.
+# say it does not pay yet. What they point to first: the phases of a strided dgrad stored in place
+# and in one launch, the stem's fold, and dgrad's host time per phase.
 
 # %%
 if __name__ == "__main__":
