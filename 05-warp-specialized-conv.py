@@ -1137,7 +1137,7 @@ def split_k_epilogue_kernel(partial_ptr, out_ptr, epilogue_ptrs, M, Co, out_stri
 def split_k_epilogue_launch(launch, bias=None, scale=None, residual=None, activation="none"):
     # (grid, args, constexprs) of split-K's second kernel: sum the slices, apply the epilogue
     (split_k, M, Co), out_2d = launch.partial.shape, launch.out_2d     # the workspace: partial[split, m, co]
-    grid = (triton.cdiv(M, 64), triton.cdiv(Co, 64), 1)     # 3-d: the direct launch takes no less
+    grid = (triton.cdiv(M, 64), triton.cdiv(Co, 64))
     pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual))
     args = (launch.partial, out_2d, pointers, M, Co, out_2d.stride(0), launch.tiles)
     epilogue = Epilogue(bias is not None, scale is not None, residual is not None, activation)
