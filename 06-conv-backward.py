@@ -13,6 +13,8 @@ What you will learn:
 - wgrad as a new warp-specialized Gluon kernel built from lesson 05's parts, whose two operands
   reach the tensor cores transposed relative to the forward pass (what WGMMA and tcgen05 allow
   for that, and where the PTX shows it);
+- the stride folded into the channels (space-to-depth) where a strided conv has few channels,
+  as ResNet-50's stem does;
 - split-K over the pixels with fp32 partial sums, added in a fixed order by a second kernel, so
   that the filter's gradient comes out the same, bit for bit, on every run;
 - both mappings in plain PyTorch on a CPU, checked against torch's own gradients.
@@ -418,6 +420,9 @@ def conv2d_dgrad_launch(dy_nhwc, w, x_shape, stride=1, padding=0, dilation=1, gr
 
     def fprop(dy, w_phase, padding, dilation):
         return lesson05.conv2d_fprop_launch(dy, w_phase, padding=padding, dilation=dilation, config=config)
+    fold = stride_fold(g, dy_nhwc.element_size())    # few channels at a stride: fold it (end of section 6)
+    if fold is not None:
+        return unfold_input_grad(dgrad_by_phases(dy_nhwc, fold_weight(w, fold), fold.geometry, fprop), g, fold)
     return dgrad_by_phases(dy_nhwc, w, g, fprop)
 
 
@@ -772,7 +777,8 @@ def test_split_k_sum_adds_the_slices_in_order():
 # A config fixes the tile (BLOCK_M output channels x BLOCK_N input channels x BLOCK_K pixels), the
 # ring's depth and the warps of the MMA/epilogue partition; `wgrad_config` picks 64-row tiles for
 # 64 output channels or fewer (else 128), and a channel block of the padded Ci rounded up to a
-# power of two, 16 to 128 wide (the stem's 3 channels, padded to 8, get a 16-channel box).
+# power of two, 16 to 128 wide (the stem's 3 channels, padded to 8, would get a 16-channel box;
+# the end of this section folds its stride into the channels first).
 # `prepare_wgrad` builds what a launch needs (on CPU tensors too: the ahead-of-time compile and the
 # CPU model use it): x with its channels padded to 16 bytes (lesson 04) and its im2col descriptor,
 # dY as a 2-D [pixels, Co] tensor and its tiled descriptor (Co padded the same way where needed),
@@ -871,14 +877,18 @@ def prepare_wgrad(x_nhwc, dy_nhwc, geometry, config, arch, num_sms):
 def conv2d_wgrad_launch(x_nhwc, dy_nhwc, w_shape, stride=1, padding=0, dilation=1, groups=1, config=None):
     """dW [Co, R, S, Ci] (w_shape) of a conv of x [N, H, W, Ci] from dY [N, out_h, out_w, Co] (fp16
     or bf16, contiguous NHWC, on a Hopper or Blackwell GPU), in x's dtype: the wgrad kernel, then the
-    ordered sum of its slices. groups must be 1; `config` a WgradConfig (default: wgrad_config's)."""
+    ordered sum of its slices. groups must be 1; `config` a WgradConfig (default: wgrad_config's), of
+    the folded conv where the stride is folded into the channels (stride_fold)."""
     g = check_backward_call({"x_nhwc": x_nhwc, "dy_nhwc": dy_nhwc}, getattr(x_nhwc, "shape", None), w_shape,
                             stride, padding, dilation, groups)
     arch, num_sms = common.tma_mma_arch_and_sms("conv2d_wgrad_launch")
-    launch = prepare_wgrad(x_nhwc, dy_nhwc, g, config, arch, num_sms)
+    fold = stride_fold(g, x_nhwc.element_size())     # few channels at a stride: fold it (end of this section)
+    g_run = g if fold is None else fold.geometry
+    launch = prepare_wgrad(x_nhwc if fold is None else fold_input(x_nhwc, fold), dy_nhwc, g_run, config, arch, num_sms)
     check_wgrad_config(launch.config, arch)
     conv2d_wgrad_kernel[launch.grid](*launch.kernel_args(), **wgrad_kernel_options(launch.config, arch))
-    return sum_partials(launch.partial, x_nhwc.dtype).view(g.Co, g.R, g.S, g.Ci)
+    dw = sum_partials(launch.partial, x_nhwc.dtype).view(g_run.Co, g_run.R, g_run.S, g_run.Ci)
+    return dw if fold is None else unfold_weight_grad(dw, g, fold)
 
 
 def run_split_k_choices(num_sms=132, batch=128):
@@ -1017,6 +1027,170 @@ if __name__ == "__main__":
 # %%
 # What you should see: a difference of exactly 0 (small integers: every sum is exact, so the
 # order of summation cannot show).
+
+# %%
+# Few input channels at a stride: the stride folded into the channels
+# ---------------------------------------------------------------------
+# One layer of ResNet-50 fits these tiles badly: the stem, 7x7 at stride 2 on 3 channels. TMA
+# moves rows of 16 bytes, so 3 bf16 channels travel as 8, and a wgrad tile holds 16 of them (the
+# smallest `block_n`): 49 taps x 16 channels for 49 x 3 useful columns of dW, and dY read once
+# per tap. dgrad fares no better: its phases (section 2) run 49 taps in four launches, each
+# writing 3 channels padded to 8.
+#
+# A stride s can be folded into the channels ("space-to-depth"). Pad x by ph above (and enough
+# below), cut the rows into groups of s, and stack each group's s rows as channels: row I of the
+# folded input holds padded rows s*I ... s*I + s - 1. Then, along one axis, with tap r = s*a + b::
+#
+#     y[oy] = sum over r of w[r] * x_padded[s*oy + r]
+#           = sum over a, b of w[s*a + b] * x_padded[s*(oy + a) + b]  =  sum over a of w'[a] . x'[oy + a]
+#
+# a stride-1 conv without padding, of ceil(R/s) taps, on s*Ci channels (taps past R get weight 0).
+# Folded along both axes, the stem becomes a 4x4 conv on 2*2*3 = 12 channels: 16 taps of one
+# 16-channel box where there were 49. Its gradients are the folded conv's gradients, unfolded:
+# dW' back to [Co, R, S, Ci] (dropping the zero taps), dX' back to rows and columns (dropping the
+# padding's rows). Both launchers fold where it at least halves `folded_cost`, the columns of MMA
+# work a tile spends per output channel (taps x the channel box): the fold itself costs a copy or
+# two of x (wgrad) and of dX' (dgrad), so a small saving is not worth it. ResNet-50 folds its stem
+# only.
+# Dilation stays unfolded: a dilated tap's rows are not neighbours.
+
+
+class StrideFold(NamedTuple):
+    geometry: object      # the folded conv: stride 1, padding 0, sh*sw*Ci channels (its Ci: Ci_padded)
+    stride: tuple         # (sh, sw), the stride folded
+    pads: tuple           # (top, bottom, left, right) rows and columns added to x before folding (< 0: cut)
+    Ci_padded: int        # sh*sw*Ci rounded up to 16 bytes (zero channels: x's TMA row)
+
+
+def channel_box(Ci, element_size=2):
+    # the channels a tile spends per tap: Ci padded to 16 bytes, rounded up to a power of two, 16 at least
+    return max(16, triton.next_power_of_2(-(-Ci * element_size // 16) * 16 // element_size))
+
+
+def folded_cost(R, S, Ci):
+    return R * S * channel_box(Ci)
+
+
+def stride_fold(geometry, element_size=2):
+    """The folded conv (a StrideFold) where folding the stride into the channels at least halves
+    folded_cost, else None. Arithmetic on the shape alone."""
+    g = geometry
+    (sh, sw), (ph, pw) = g.stride, g.padding
+    if g.groups != 1 or g.dilation != (1, 1) or g.stride == (1, 1):
+        return None
+    R2, S2 = -(-g.R // sh), -(-g.S // sw)
+    if 2 * folded_cost(R2, S2, sh * sw * g.Ci) > folded_cost(g.R, g.S, g.Ci):
+        return None
+    H2, W2 = g.out_h + R2 - 1, g.out_w + S2 - 1            # the folded input's rows and columns
+    lanes = 16 // element_size
+    Ci_padded = -(-sh * sw * g.Ci // lanes) * lanes
+    folded = common.conv_geometry((g.N, H2, W2, Ci_padded), (g.Co, R2, S2, Ci_padded), 1, 0, 1)
+    return StrideFold(folded, g.stride, (ph, sh * H2 - g.H - ph, pw, sw * W2 - g.W - pw), Ci_padded)
+
+
+def fold_input(x_nhwc, fold):
+    """x [N, H, W, Ci] -> x' [N, H', W', sh*sw*Ci padded]: padded, rows and columns grouped by the stride."""
+    top, bottom, left, right = fold.pads
+    g = fold.geometry
+    x_padded = torch.nn.functional.pad(x_nhwc, (0, 0, left, right, top, bottom))   # (negative pads cut)
+    N, _, _, Ci = x_padded.shape
+    sh, sw = fold.stride
+    folded = x_nhwc.new_zeros(N, g.H, g.W, fold.Ci_padded)
+    folded[..., :sh * sw * Ci].view(N, g.H, g.W, sh, sw, Ci).copy_(
+        x_padded.view(N, g.H, sh, g.W, sw, Ci).permute(0, 1, 3, 2, 4, 5))
+    return folded
+
+
+def fold_weight(w, fold):
+    """w [Co, R, S, Ci] -> w' [Co, R', S', sh*sw*Ci padded]: tap (r, s) = (sh*a + b, sw*a' + b')
+    goes to tap (a, a'), channels (b, b', ci); taps past R and S are zeros."""
+    Co, R, S, Ci = w.shape
+    (sh, sw), g = fold.stride, fold.geometry
+    w_padded = torch.nn.functional.pad(w, (0, 0, 0, sw * g.S - S, 0, sh * g.R - R))
+    folded = w_padded.view(Co, g.R, sh, g.S, sw, Ci).permute(0, 1, 3, 2, 4, 5).reshape(Co, g.R, g.S, sh * sw * Ci)
+    return torch.nn.functional.pad(folded, (0, fold.Ci_padded - sh * sw * Ci)).contiguous()
+
+
+def unfold_weight_grad(dw_folded, geometry, fold):
+    """dW' of the folded conv -> dW [Co, R, S, Ci] of the conv `geometry`."""
+    g, (sh, sw), f = geometry, geometry.stride, fold.geometry
+    dw = dw_folded[..., :sh * sw * g.Ci].reshape(g.Co, f.R, f.S, sh, sw, g.Ci).permute(0, 1, 3, 2, 4, 5)
+    return dw.reshape(g.Co, f.R * sh, f.S * sw, g.Ci)[:, :g.R, :g.S].contiguous()
+
+
+def unfold_input_grad(dx_folded, geometry, fold):
+    """dX' of the folded conv -> dX [N, H, W, Ci] of the conv `geometry` (the padding's rows dropped;
+    rows the cut removed, which no output reads, get 0)."""
+    g, (sh, sw), f = geometry, geometry.stride, fold.geometry
+    top, bottom, left, right = fold.pads
+    dx = dx_folded[..., :sh * sw * g.Ci].reshape(g.N, f.H, f.W, sh, sw, g.Ci).permute(0, 1, 3, 2, 4, 5)
+    dx = dx.reshape(g.N, f.H * sh, f.W * sw, g.Ci)
+    return torch.nn.functional.pad(dx, (0, 0, -left, -right, -top, -bottom)).contiguous()
+
+
+def run_stride_fold(show=True):
+    """The stem's gradients through the fold, on a CPU against torch.nn.grad (fp32)."""
+    x, w, dy, g = backward_inputs(2, 20, 18, 3, 8, 7, 7, 2, 3, 1, torch.float32, device_name="cpu")
+    fold = stride_fold(g, element_size=2)
+    expected_dx, expected_dw = reference_gradients(x, w, dy, g)
+    x_folded, w_folded = fold_input(x, fold), fold_weight(w, fold)
+    dw = unfold_weight_grad(wgrad_reference(x_folded, dy, fold.geometry), g, fold)
+    dx = unfold_input_grad(dgrad_by_phases(dy, w_folded, fold.geometry, reference_fprop), g, fold)
+    if show:
+        print(f"{g.describe()}\n  folds into {fold.geometry.describe()} (pads {fold.pads}); "
+              f"MMA columns per output channel: {folded_cost(g.R, g.S, g.Ci)} -> "
+              f"{folded_cost(fold.geometry.R, fold.geometry.S, fold.Ci_padded)}")
+        print(f"  largest difference from torch.nn.grad: dW {(dw - expected_dw).abs().max():.2e}, "
+              f"dX {(dx - expected_dx).abs().max():.2e}")
+    return (dx, expected_dx), (dw, expected_dw)
+
+
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding", [
+    (2, 20, 18, 3, 8, 7, 7, 2, 3),            # the stem, odd-sized
+    (1, 23, 17, 3, 5, 7, 7, 2, 3),            # the stem, odd sizes: the last rows cut
+    (2, 11, 12, 3, 4, 3, 3, 2, 1),            # 3x3 stride 2 on an RGB image
+    (1, 13, 10, 1, 6, 5, 3, (3, 2), (2, 0)),  # per-axis stride and padding, one channel
+    (1, 16, 15, 1, 3, 4, 4, 4, 5),            # stride 4, padding past the filter
+    (1, 9, 9, 2, 3, 3, 5, 3, (0, 2)),         # stride 3: nine channel groups
+])
+def test_folded_gradients_match_torch(N, H, W, Ci, Co, R, S, stride, padding):
+    x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, 1, torch.float32, device_name="cpu")
+    fold = stride_fold(g)
+    assert fold is not None, g.describe()
+    expected_dx, expected_dw = reference_gradients(x, w, dy, g)
+    x_folded, w_folded = fold_input(x, fold), fold_weight(w, fold)
+    # the folded conv is the same conv: its output is y
+    y = common.reference_conv2d_nhwc(x, w, None, g.stride, g.padding, 1, out_dtype=torch.float32)
+    torch.testing.assert_close(common.reference_conv2d_nhwc(x_folded, w_folded, None, 1, 0, 1, out_dtype=torch.float32),
+                               y, rtol=1e-4, atol=1e-4)
+    dw = unfold_weight_grad(wgrad_reference(x_folded, dy, fold.geometry), g, fold)
+    dx = unfold_input_grad(dgrad_by_phases(dy, w_folded, fold.geometry, reference_fprop), g, fold)
+    torch.testing.assert_close(dw, expected_dw, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dx, expected_dx, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("Ci, R, stride, dilation, folds", [
+    (3, 7, 2, 1, True),      # the stem: 49 x 16 columns -> 16 x 16
+    (3, 3, 2, 1, True),      # 9 x 16 -> 4 x 16
+    (8, 3, 2, 1, False),     # 9 x 16 -> 4 x 32: less, but not half
+    (64, 3, 2, 1, False),    # ResNet-50's 3x3 stride 2: 9 x 64 < 4 x 256
+    (3, 1, 2, 1, False),     # 1x1: nothing to fold (1 x 16 either way)
+    (3, 7, 1, 1, False),     # stride 1
+    (3, 7, 2, 2, False),     # dilation 2
+])
+def test_stride_fold_where_it_pays(Ci, R, stride, dilation, folds):
+    g = common.conv_geometry((2, 32, 32, Ci), (8, R, R, Ci), stride, R // 2, dilation)
+    assert (stride_fold(g) is not None) == folds
+
+
+# %%
+if __name__ == "__main__":
+    run_stride_fold()
+
+# %%
+# What you should see: the stem of 3 channels folds into a 4x4 conv of 16 channels (12 of them
+# x's), 784 -> 256 MMA columns per output channel, and gradients that match torch.nn.grad to
+# fp32 rounding.
 #
 # 7. What the compiler produced (no GPU needed)
 # ---------------------------------------------

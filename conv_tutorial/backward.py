@@ -29,7 +29,7 @@ from .kernel import common
 BACKENDS = ("torch", "lesson06")
 _BACKEND = os.environ.get("CONV_TUTORIAL_BACKWARD", "torch")
 _FALLBACKS = {}        # reason -> gradients torch computed for that reason, with "lesson06" chosen
-_DGRAD_PHASES = {}     # geometry -> lesson 06's dgrad_phases (shape arithmetic only)
+_DGRAD_PLANS = {}      # geometry -> (lesson 06's stride_fold, dgrad_phases): shape arithmetic only
 
 
 def set_backward(backend: str):
@@ -126,10 +126,11 @@ def _torch_gradient(which, grad_conv, input, weight, stride, padding, dilation, 
 
 def _input_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, stride: List[int],
                 padding: List[int], dilation: List[int], groups: int) -> torch.Tensor:
-    """dX: lesson 06's mapping (a stride-1 conv of dY per phase of dX), each conv through the
-    forward's runtime (a plan per shape, the heuristic's or a tuned config), or torch's. The
-    phases' arithmetic depends on the shape alone and is kept per shape; the flipped weights of
-    each phase are the weights' values, computed on every call."""
+    """dX: lesson 06's mapping (a stride-1 conv of dY per phase of dX; with few channels at a
+    stride, of the conv with the stride folded into the channels), each conv through the forward's
+    runtime (a plan per shape, the heuristic's or a tuned config), or torch's. The phases' and the
+    fold's arithmetic depends on the shape alone and is kept per shape; the flipped weights of each
+    phase are the weights' values, computed on every call."""
     if _why_torch(grad_output, input, weight, groups):
         dx = _torch_gradient("input", grad_output, input, weight, stride, padding, dilation, groups)
     else:
@@ -137,10 +138,18 @@ def _input_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Te
         w_nhwc = nhwc_view(weight)                       # weight [Co, Ci, R, S] -> [Co, R, S, Ci]
         x_shape = (input.shape[0], input.shape[2], input.shape[3], input.shape[1])
         geometry = common.conv_geometry(x_shape, tuple(w_nhwc.shape), stride, padding, dilation)
-        phases = _DGRAD_PHASES.get(geometry)
-        if phases is None:
-            phases = _DGRAD_PHASES[geometry] = lesson06.dgrad_phases(geometry)
-        dx = lesson06.dgrad_by_phases(nhwc_view(grad_output), w_nhwc, geometry, _fprop, phases).permute(0, 3, 1, 2)
+        plan = _DGRAD_PLANS.get(geometry)
+        if plan is None:
+            fold = lesson06.stride_fold(geometry, input.element_size())
+            plan = _DGRAD_PLANS[geometry] = (fold, lesson06.dgrad_phases(geometry if fold is None else fold.geometry))
+        fold, phases = plan
+        if fold is None:
+            dx = lesson06.dgrad_by_phases(nhwc_view(grad_output), w_nhwc, geometry, _fprop, phases)
+        else:       # few channels at a stride (the stem): the folded conv's dX, unfolded
+            dx = lesson06.dgrad_by_phases(nhwc_view(grad_output), lesson06.fold_weight(w_nhwc, fold), fold.geometry,
+                                          _fprop, phases)
+            dx = lesson06.unfold_input_grad(dx, geometry, fold)
+        dx = dx.permute(0, 3, 1, 2)
     return dx.contiguous(memory_format=torch.channels_last)            # the layout the fake promises
 
 

@@ -11,6 +11,8 @@ the same problem with plans (launch.py); this module does the same for wgrad:
   `prepare_wgrad` (config, split-K, grid, shared layouts, validated descriptors) and launches both
   kernels through Triton's launcher (compiling them); the plan keeps that launch without its
   tensors (launch.py's `_tensorless`) and a `DirectLaunch` of each compiled kernel.
+- A conv with few channels at a stride (ResNet-50's stem) runs as lesson 06's launcher runs it:
+  the stride folded into the channels (`stride_fold`), x folded on each call, dW unfolded.
 - Later calls pad x's channels and dY's Co to 16-byte rows where the shape needs it (lesson 06's
   `wgrad_operands`), allocate the fp32 workspace and dW, and launch both kernels directly: the
   descriptors are the templates re-based on this call's tensors (DirectLaunch encodes a tensor
@@ -41,7 +43,11 @@ class WgradPlan:
     """Everything about one wgrad (geometry, dtype, device) that does not depend on the tensors."""
 
     def __init__(self, geometry, dtype, arch, num_sms):
+        from .kernel import lesson06
         self.geometry, self.dtype, self.arch, self.num_sms = geometry, dtype, arch, num_sms
+        # few channels at a stride (the stem): the folded conv's dW, unfolded (lesson 06's stride_fold)
+        self.fold = lesson06.stride_fold(geometry, dtype.itemsize)
+        self.run_geometry = geometry if self.fold is None else self.fold.geometry
         self.template = None      # the first call's WgradLaunch without its tensors: descriptors, grid, shape, split
         self.kernel = None        # DirectLaunch of conv2d_wgrad_kernel
         self.sum = None           # DirectLaunch of wgrad_split_k_sum_kernel (split-K's ordered sum)
@@ -51,7 +57,9 @@ class WgradPlan:
         """dW [Co, R, S, Ci] in the plan's dtype of x [N, H, W, Ci] and dY [N, out_h, out_w, Co]:
         contiguous, of the plan's shapes, dtype and device (the caller has checked)."""
         from .kernel import lesson06
-        g = self.geometry
+        if self.fold is not None:
+            x_nhwc = lesson06.fold_input(x_nhwc, self.fold)
+        g = self.run_geometry
         dw = torch.empty(g.Co, g.R * g.S * g.Ci, device=x_nhwc.device, dtype=self.dtype)
         if self.kernel is None:
             self._first_launch(lesson06, x_nhwc, dy_nhwc, dw)
@@ -65,12 +73,13 @@ class WgradPlan:
             # the templates on them), partial_ptr, shape
             self.kernel(template.grid, dy_2d, x_nhwc, partial.data_ptr(), template.shape)
             self.sum(self.sum_grid, partial.data_ptr(), dw.data_ptr(), *self.sum_scalars)
-        return dw.view(g.Co, g.R, g.S, g.Ci)
+        dw = dw.view(g.Co, g.R, g.S, g.Ci)
+        return dw if self.fold is None else lesson06.unfold_weight_grad(dw, self.geometry, self.fold)
 
     def _first_launch(self, lesson06, x_nhwc, dy_nhwc, dw):
         """Lesson 06's launch, through Triton's launcher (which compiles); keeps its template and a
         DirectLaunch of each kernel for the calls after it."""
-        launch = lesson06.prepare_wgrad(x_nhwc, dy_nhwc, self.geometry, None, self.arch, self.num_sms)
+        launch = lesson06.prepare_wgrad(x_nhwc, dy_nhwc, self.run_geometry, None, self.arch, self.num_sms)
         lesson06.check_wgrad_config(launch.config, self.arch)
         template = _tensorless(launch, DESCRIPTORS, buffers=("partial",), cleared=())
         kernel = DirectLaunch.first_launch(lesson06.conv2d_wgrad_kernel, launch.grid, launch.kernel_args(),

@@ -89,8 +89,8 @@ def lesson06_stand_ins(lesson06_backend, monkeypatch):
         return dw.permute(0, 2, 3, 1).contiguous()
 
     lesson06 = common.load_lesson("06-conv-backward")
-    monkeypatch.setattr(kernel, "lesson06", types.SimpleNamespace(dgrad_by_phases=lesson06.dgrad_by_phases,
-                                                                  dgrad_phases=lesson06.dgrad_phases), raising=False)
+    monkeypatch.setattr(kernel, "lesson06", types.SimpleNamespace(**{name: getattr(lesson06, name) for name in (
+        "dgrad_by_phases", "dgrad_phases", "stride_fold", "fold_weight", "unfold_input_grad")}), raising=False)
     monkeypatch.setattr(wgrad, "conv2d_weight_grad", wgrad_stand_in)
     monkeypatch.setattr(backward, "_fprop", phase_fprop)
     monkeypatch.setattr(backward, "lesson06_reason", lambda *args: None)
@@ -116,6 +116,19 @@ def test_lesson06_path_gets_nhwc_tensors_and_gives_nchw_gradients(lesson06_stand
         torch.testing.assert_close(got, want.to(got.dtype))
 
 
+def test_a_stem_runs_its_dgrad_folded(lesson06_stand_ins):
+    """Few channels at a stride: dX is the folded conv's (one stride-1 conv on 2*2*3 channels), unfolded."""
+    seen = lesson06_stand_ins
+    x = torch.randn(2, 3, 13, 12, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, 3, 7, 7, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    grads = operator_gradients(x, w, b, 2, 3)
+    assert [s[0] for s in seen] == ["dgrad phase", "wgrad"]
+    assert seen[0][2] == (12, 4, 4, 8)        # the folded, flipped weights: 2*2*3 channels (fp64 rows: no padding), 4x4, Co
+    for got, want in zip(grads, torch_gradients(x, w, b, 2, 3)):
+        torch.testing.assert_close(got, want.to(got.dtype))
+
+
 def test_under_torch_compile_the_backend_is_chosen_when_a_step_runs(lesson06_stand_ins):
     """torch.compile traces the backward once, with tensors that hold no data, and caches it by the
     forward graph; the gradients are operators of their own that read the backend when they run:
@@ -138,9 +151,10 @@ def test_under_torch_compile_the_backend_is_chosen_when_a_step_runs(lesson06_sta
 
 
 # (N, H, W, Ci, Co, R, S, stride, padding, dilation): Ci=3, Co not a multiple of the tile, stride 2,
-# 1x1, non-square, dilation
+# 1x1, non-square, dilation, a stem
 GPU_CASES = [(2, 16, 16, 3, 40, 3, 3, 1, 1, 1), (2, 17, 13, 64, 200, 3, 3, 2, 1, 1), (4, 14, 14, 128, 64, 1, 1, 1, 0, 1),
-             (2, 15, 19, 32, 48, 3, 5, 1, 2, 2), (2, 28, 28, 64, 128, 1, 1, 2, 0, 1)]
+             (2, 15, 19, 32, 48, 3, 5, 1, 2, 2), (2, 28, 28, 64, 128, 1, 1, 2, 0, 1),
+             (2, 37, 30, 3, 64, 7, 7, 2, 3, 1)]    # a stem: its stride folded into the channels
 
 
 @needs_gpu

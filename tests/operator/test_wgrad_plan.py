@@ -131,9 +131,11 @@ def expected_dw(x, w, dy, g):
 
 
 # (N, H, W, Ci, Co, R, S, stride, padding, dilation): Ci=3 (x padded), Co=20 (dY padded), stride 2, 1x1,
-# non-square, per-axis dilation; the last has 72 k-steps: two slices
+# non-square, per-axis dilation, a stem (its stride folded into the channels); the last has 72 k-steps:
+# two slices
 SHAPES = [(1, 9, 8, 3, 20, 3, 3, 1, 1, 1), (2, 9, 11, 8, 16, 3, 3, 2, 1, 1), (2, 6, 7, 16, 24, 1, 1, 2, 0, 1),
-          (1, 10, 9, 8, 8, 3, 2, (1, 2), (2, 1), (2, 1)), (2, 48, 48, 8, 16, 3, 3, 1, 1, 1)]
+          (1, 10, 9, 8, 8, 3, 2, (1, 2), (2, 1), (2, 1)), (1, 13, 12, 3, 8, 7, 7, 2, 3, 1),
+          (2, 48, 48, 8, 16, 3, 3, 1, 1, 1)]
 
 
 @pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", SHAPES)
@@ -198,12 +200,16 @@ def test_split_and_grid_are_prepare_wgrads(stand_ins, N, H, W, Ci, Co, R, S, str
     x, w, dy, g = small_integer_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation)
     for _ in range(2):
         wgrad.conv2d_weight_grad(x, dy, w.shape, stride, padding, dilation)
+    fold = lesson06.stride_fold(g, x.element_size())       # the stem's: lesson 06's launcher folds it too
+    assert (fold is not None) == (Ci == 3 and R == 7)
+    if fold is not None:
+        x, g = lesson06.fold_input(x, fold), fold.geometry
     lesson = lesson06.prepare_wgrad(x, dy, g, None, "sm_90", 132)
     plan, = wgrad._PLANS.values()
     assert (plan.template.grid, plan.template.shape, plan.template.config) == (lesson.grid, lesson.shape, lesson.config)
     kernel_launch, sum_launch = stand_ins.made
     assert kernel_launch.first[0] == kernel_launch.calls[0][0] == lesson.grid
-    assert sum_launch.first[0] == sum_launch.calls[0][0] == lesson06.sum_partials_launch(lesson.partial, w)[0]
+    assert sum_launch.first[0] == sum_launch.calls[0][0] == lesson06.sum_partials_launch(lesson.partial, w.new_empty(g.Co, g.R, g.S, g.Ci))[0]
     if (N, H) == (2, 48):
         assert lesson.shape.split_k == 2                # the case with slices is one
 
