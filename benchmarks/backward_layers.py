@@ -1,6 +1,7 @@
 """Lesson 06's backward on ResNet-50's convs: dgrad and wgrad per layer, ours against cuDNN.
 
-    python benchmarks/backward_layers.py [--outdir out] [--batch 128] [--quick] [--zero-insertion] [--cuda-graphs]
+    python benchmarks/backward_layers.py [--outdir out] [--batch 128] [--quick] [--layers TEXT ...]
+                                         [--zero-insertion] [--cuda-graphs]
                                          [--cudnn-benchmark] [--operator]
 
 For every distinct conv of ResNet-50 (network_suite.resnet50_layers: torchvision's v1.5, the stem,
@@ -11,7 +12,7 @@ as autograd calls it, on the channels_last tensors of the same dtype) with commo
 median, L2 flushed before every call, launch and host time included. TFLOPS count the forward
 pass's useful FLOPs, 2*N*out_h*out_w*Co*Ci*R*S, for both gradients. --zero-insertion also times
 the strided layers' dgrad as one stride-1 conv over dY with zeros inserted (lesson 06, section 2).
---quick: lesson 06's three --bench layers only. --cudnn-benchmark: cuDNN picks its algorithms by
+--quick: lesson 06's three --bench layers only; --layers: those whose label holds a given text. --cudnn-benchmark: cuDNN picks its algorithms by
 timing them (torch.backends.cudnn.benchmark; off by default, as network_suite.py times cuDNN).
 --operator: also the operator's gradients as training calls them (conv_tutorial.set_backward("lesson06"):
 torch.ops.conv_tutorial.conv2d_input_grad, dgrad's phases through the forward's runtime, and
@@ -80,6 +81,8 @@ def main(argv=None):
     parser.add_argument("--outdir", default=None, help="folder for backward_layers.json (default ./out)")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--quick", action="store_true", help="lesson 06's three --bench layers only")
+    parser.add_argument("--layers", nargs="+", metavar="TEXT",
+                        help="only the layers whose label contains one of these texts (e.g. 'stem' 's2')")
     parser.add_argument("--zero-insertion", action="store_true",
                         help="also time dgrad of the strided layers as one conv over zero-inserted dY")
     parser.add_argument("--cuda-graphs", action="store_true",
@@ -95,6 +98,10 @@ def main(argv=None):
     lesson06 = common.load_lesson("06-conv-backward")
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     layers = lesson06.BENCH_LAYERS if args.quick else network_suite.resnet50_layers(args.batch)
+    if args.layers:
+        layers = [layer for layer in layers if any(text in layer[0] for text in args.layers)]
+        if not layers:
+            raise SystemExit(f"--layers {args.layers}: no layer's label contains any of them")
     how = "do_bench_cudagraph medians, kernels alone" if args.cuda_graphs else "do_bench medians, host time included"
     print(f"dgrad and wgrad, bf16, {common.gpu_name()}, TFLOPS of useful FLOPs ({how}):")
     rows = [lesson06.bench_backward(*layer, zero_insertion=args.zero_insertion, cuda_graph=args.cuda_graphs)
