@@ -878,17 +878,17 @@ def conv2d_wgrad_launch(x_nhwc, dy_nhwc, w_shape, stride=1, padding=0, dilation=
     """dW [Co, R, S, Ci] (w_shape) of a conv of x [N, H, W, Ci] from dY [N, out_h, out_w, Co] (fp16
     or bf16, contiguous NHWC, on a Hopper or Blackwell GPU), in x's dtype: the wgrad kernel, then the
     ordered sum of its slices. groups must be 1; `config` a WgradConfig (default: wgrad_config's), of
-    the folded conv where the stride is folded into the channels (stride_fold)."""
+    the conv the kernel runs (wgrad_problem: the conv, or folded where it has few channels)."""
     g = check_backward_call({"x_nhwc": x_nhwc, "dy_nhwc": dy_nhwc}, getattr(x_nhwc, "shape", None), w_shape,
                             stride, padding, dilation, groups)
     arch, num_sms = common.tma_mma_arch_and_sms("conv2d_wgrad_launch")
-    fold = stride_fold(g, x_nhwc.element_size())     # few channels at a stride: fold it (end of this section)
-    g_run = g if fold is None else fold.geometry
-    launch = prepare_wgrad(x_nhwc if fold is None else fold_input(x_nhwc, fold), dy_nhwc, g_run, config, arch, num_sms)
+    problem = wgrad_problem(g, x_nhwc.element_size())   # few channels: the conv folded (end of this section)
+    g_run = problem.geometry
+    launch = prepare_wgrad(wgrad_input(x_nhwc, problem), dy_nhwc, g_run, config, arch, num_sms)
     check_wgrad_config(launch.config, arch)
     conv2d_wgrad_kernel[launch.grid](*launch.kernel_args(), **wgrad_kernel_options(launch.config, arch))
-    dw = sum_partials(launch.partial, x_nhwc.dtype).view(g_run.Co, g_run.R, g_run.S, g_run.Ci)
-    return dw if fold is None else unfold_weight_grad(dw, g, fold)
+    return wgrad_result(sum_partials(launch.partial, x_nhwc.dtype).view(g_run.Co, g_run.R, g_run.S, g_run.Ci), g,
+                        problem)
 
 
 def run_split_k_choices(num_sms=132, batch=128):
@@ -1184,13 +1184,78 @@ def test_stride_fold_where_it_pays(Ci, R, stride, dilation, folds):
 
 
 # %%
+# wgrad goes one step further. A tile of the folded stem is still one tap's 16 channels, so the
+# kernel reads dY once per tap, 16 times over, for MMAs 16 columns wide. A stride-1 conv without
+# padding can move its column taps into the channels as well: lesson 02's im2col along one axis,
+# x''[n, y, x, (s, c)] = x'[n, y, x + s, c], a copy S' times the size of x'. The conv of x'' with
+# R' x 1 taps is the same conv, and its dW'' is dW' with the (s, c) axis split in two. The folded
+# stem's 4 x 16 channels make one 64-channel tile per row of taps: dY is read 4 times, by MMAs
+# 64 columns wide. dgrad does not take this step: its dX'' would have to be added back into dX'
+# (the windows overlap), where the fold's dX' is only moved.
+
+
+class WgradProblem(NamedTuple):
+    # the conv wgrad's kernel runs for a conv: the conv itself, or folded, its column taps maybe in the channels
+    geometry: object       # the conv the kernel runs
+    fold: StrideFold       # the stride folded into the channels, or None
+    taps_in_channels: int  # the S column taps moved into the channels (0: none)
+
+
+def wgrad_problem(geometry, element_size=2):
+    """What conv wgrad's kernel runs for the conv `geometry`: folded where stride_fold says so; then,
+    at stride 1 without padding or dilation, the column taps in the channels where one tap's channel
+    box is 32 or less and a row of taps fits a box of 128. Arithmetic on the shape alone."""
+    fold = stride_fold(geometry, element_size)
+    g = geometry if fold is None else fold.geometry
+    if (g.stride, g.padding, g.dilation, g.groups) != ((1, 1), (0, 0), (1, 1), 1) or g.S == 1 or \
+            channel_box(g.Ci, element_size) > 32 or channel_box(g.S * g.Ci, element_size) > 128:
+        return WgradProblem(g, fold, 0)
+    widened = common.conv_geometry((g.N, g.H, g.W - g.S + 1, g.S * g.Ci), (g.Co, g.R, 1, g.S * g.Ci), 1, 0, 1)
+    return WgradProblem(widened, fold, g.S)
+
+
+def wgrad_input(x_nhwc, problem):
+    """x as the problem's conv reads it: x itself, folded, and/or with its column taps in the channels."""
+    if problem.fold is not None:
+        x_nhwc = fold_input(x_nhwc, problem.fold)
+    if problem.taps_in_channels:
+        N, H, W, C = x_nhwc.shape
+        S = problem.taps_in_channels          # unfold: [N, H, W - S + 1, C, S], window s last
+        x_nhwc = x_nhwc.unfold(2, S, 1).permute(0, 1, 2, 4, 3).contiguous().view(N, H, W - S + 1, S * C)
+    return x_nhwc
+
+
+def wgrad_result(dw_run, geometry, problem):
+    """The problem's dW [Co, R', S', C'] -> the conv's dW [Co, R, S, Ci]."""
+    if problem.taps_in_channels:
+        Co, R, _, SC = dw_run.shape
+        dw_run = dw_run.view(Co, R, problem.taps_in_channels, SC // problem.taps_in_channels)
+    return dw_run if problem.fold is None else unfold_weight_grad(dw_run, geometry, problem.fold)
+
+
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, taps_in_channels", [
+    (2, 20, 18, 3, 8, 7, 7, 2, 3, 4),       # the stem: folded, then 4 column taps of 16 channels in one box of 64
+    (1, 12, 11, 8, 5, 3, 3, 1, 0, 3),       # unfolded, unpadded: 3 taps of 8 channels
+    (1, 12, 11, 8, 5, 3, 3, 1, 1, 0),       # padded: left alone
+    (1, 12, 11, 64, 5, 3, 3, 1, 0, 0),      # 64 channels: a tap fills a tile already
+])
+def test_wgrad_problem_gives_torchs_dw(N, H, W, Ci, Co, R, S, stride, padding, taps_in_channels):
+    x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, 1, torch.float32, device_name="cpu")
+    problem = wgrad_problem(g, element_size=2)
+    assert problem.taps_in_channels == taps_in_channels
+    dw = wgrad_result(wgrad_reference(wgrad_input(x, problem), dy, problem.geometry), g, problem)
+    torch.testing.assert_close(dw, reference_gradients(x, w, dy, g)[1], rtol=1e-4, atol=1e-4)
+
+
+# %%
 if __name__ == "__main__":
     run_stride_fold()
 
 # %%
 # What you should see: the stem of 3 channels folds into a 4x4 conv of 16 channels (12 of them
 # x's), 784 -> 256 MMA columns per output channel, and gradients that match torch.nn.grad to
-# fp32 rounding.
+# fp32 rounding. (`run_stride_fold` checks the fold alone; `test_wgrad_problem_gives_torchs_dw`
+# the column taps in the channels after it.)
 #
 # 7. What the compiler produced (no GPU needed)
 # ---------------------------------------------

@@ -11,8 +11,9 @@ the same problem with plans (launch.py); this module does the same for wgrad:
   `prepare_wgrad` (config, split-K, grid, shared layouts, validated descriptors) and launches both
   kernels through Triton's launcher (compiling them); the plan keeps that launch without its
   tensors (launch.py's `_tensorless`) and a `DirectLaunch` of each compiled kernel.
-- A conv with few channels at a stride (ResNet-50's stem) runs as lesson 06's launcher runs it:
-  the stride folded into the channels (`stride_fold`), x folded on each call, dW unfolded.
+- A conv with few channels (ResNet-50's stem) runs as lesson 06's launcher runs it
+  (`wgrad_problem`): the stride folded into the channels, the column taps too, x folded on each
+  call, dW unfolded.
 - Later calls pad x's channels and dY's Co to 16-byte rows where the shape needs it (lesson 06's
   `wgrad_operands`), allocate the fp32 workspace and dW, and launch both kernels directly: the
   descriptors are the templates re-based on this call's tensors (DirectLaunch encodes a tensor
@@ -45,9 +46,9 @@ class WgradPlan:
     def __init__(self, geometry, dtype, arch, num_sms):
         from .kernel import lesson06
         self.geometry, self.dtype, self.arch, self.num_sms = geometry, dtype, arch, num_sms
-        # few channels at a stride (the stem): the folded conv's dW, unfolded (lesson 06's stride_fold)
-        self.fold = lesson06.stride_fold(geometry, dtype.itemsize)
-        self.run_geometry = geometry if self.fold is None else self.fold.geometry
+        # few channels (the stem): the conv lesson 06's launcher runs for it, folded (lesson 06's wgrad_problem)
+        self.problem = lesson06.wgrad_problem(geometry, dtype.itemsize)
+        self.run_geometry = self.problem.geometry
         self.template = None      # the first call's WgradLaunch without its tensors: descriptors, grid, shape, split
         self.kernel = None        # DirectLaunch of conv2d_wgrad_kernel
         self.sum = None           # DirectLaunch of wgrad_split_k_sum_kernel (split-K's ordered sum)
@@ -57,8 +58,7 @@ class WgradPlan:
         """dW [Co, R, S, Ci] in the plan's dtype of x [N, H, W, Ci] and dY [N, out_h, out_w, Co]:
         contiguous, of the plan's shapes, dtype and device (the caller has checked)."""
         from .kernel import lesson06
-        if self.fold is not None:
-            x_nhwc = lesson06.fold_input(x_nhwc, self.fold)
+        x_nhwc = lesson06.wgrad_input(x_nhwc, self.problem)       # x itself, unless folded
         g = self.run_geometry
         dw = torch.empty(g.Co, g.R * g.S * g.Ci, device=x_nhwc.device, dtype=self.dtype)
         if self.kernel is None:
@@ -73,8 +73,7 @@ class WgradPlan:
             # the templates on them), partial_ptr, shape
             self.kernel(template.grid, dy_2d, x_nhwc, partial.data_ptr(), template.shape)
             self.sum(self.sum_grid, partial.data_ptr(), dw.data_ptr(), *self.sum_scalars)
-        dw = dw.view(g.Co, g.R, g.S, g.Ci)
-        return dw if self.fold is None else lesson06.unfold_weight_grad(dw, self.geometry, self.fold)
+        return lesson06.wgrad_result(dw.view(g.Co, g.R, g.S, g.Ci), self.geometry, self.problem)
 
     def _first_launch(self, lesson06, x_nhwc, dy_nhwc, dw):
         """Lesson 06's launch, through Triton's launcher (which compiles); keeps its template and a

@@ -200,10 +200,9 @@ def test_split_and_grid_are_prepare_wgrads(stand_ins, N, H, W, Ci, Co, R, S, str
     x, w, dy, g = small_integer_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation)
     for _ in range(2):
         wgrad.conv2d_weight_grad(x, dy, w.shape, stride, padding, dilation)
-    fold = lesson06.stride_fold(g, x.element_size())       # the stem's: lesson 06's launcher folds it too
-    assert (fold is not None) == (Ci == 3 and R == 7)
-    if fold is not None:
-        x, g = lesson06.fold_input(x, fold), fold.geometry
+    problem = lesson06.wgrad_problem(g, x.element_size())      # the stem's: lesson 06's launcher folds it too
+    assert (problem.geometry != g) == (Ci == 3 and R == 7)
+    x, g = lesson06.wgrad_input(x, problem), problem.geometry
     lesson = lesson06.prepare_wgrad(x, dy, g, None, "sm_90", 132)
     plan, = wgrad._PLANS.values()
     assert (plan.template.grid, plan.template.shape, plan.template.config) == (lesson.grid, lesson.shape, lesson.config)
