@@ -1186,7 +1186,8 @@ def test_stride_fold_where_it_pays(Ci, R, stride, dilation, folds):
 # %%
 # wgrad goes one step further. A tile of the folded stem is still one tap's 16 channels, so the
 # kernel reads dY once per tap, 16 times over, for MMAs 16 columns wide. A stride-1 conv without
-# padding can move its column taps into the channels as well: lesson 02's im2col along one axis,
+# padding can move its column taps into the channels as well, as the operator's forward pass does
+# for the stem (lesson 05, section 8): lesson 02's im2col along one axis,
 # x''[n, y, x, (s, c)] = x'[n, y, x + s, c], a copy S' times the size of x'. The conv of x'' with
 # R' x 1 taps is the same conv, and its dW'' is dW' with the (s, c) axis split in two. The folded
 # stem's 4 x 16 channels make one 64-channel tile per row of taps: dY is read 4 times, by MMAs
