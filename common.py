@@ -1150,16 +1150,30 @@ def conv_im2col_settings(geometry: ConvGeometry) -> ConvIm2ColSettings:
     return ConvIm2ColSettings(g, (1, g.stride[0], g.stride[1], 1), lower, upper)
 
 
+def tma_view(t):
+    """t itself, or, where a dimension of size 1 carries an odd stride, the same elements with a
+    contiguous tensor's strides. PyTorch lets a size-1 dimension hold any stride and still calls the
+    tensor contiguous (an NCHW [N, C, 1, 1] tensor seen as NHWC has strides (C, 1, 1, 1)); a TMA
+    descriptor checks every stride for 16-byte alignment, though a size-1 dimension's is never used."""
+    if not t.is_contiguous():
+        return t
+    strides = [1] * t.dim()
+    for i in range(t.dim() - 2, -1, -1):
+        strides[i] = strides[i + 1] * t.shape[i + 1]
+    return t if list(t.stride()) == strides else t.as_strided(t.shape, strides)
+
+
 def pad_channels_for_tma(x_nhwc, w):
     """Zero-pad Ci so each pixel's channels span a multiple of 16 bytes, as TMA requires.
 
     Returns (x_nhwc, w, Ci_padded). Zero channels add zero products, so the convolution is unchanged;
-    the copy costs one pass over the input and happens only when Ci is misaligned (e.g. Ci=3)."""
+    the copy costs one pass over the input and happens only when Ci is misaligned (e.g. Ci=3).
+    Aligned tensors come back as `tma_view`s of themselves (no copy)."""
     lanes = 16 // x_nhwc.element_size()
     Ci = x_nhwc.shape[-1]
     Ci_padded = -(-Ci // lanes) * lanes
     if Ci_padded == Ci:
-        return x_nhwc, w, Ci
+        return tma_view(x_nhwc), tma_view(w), Ci
     pad = (0, Ci_padded - Ci)
     return (torch.nn.functional.pad(x_nhwc, pad).contiguous(),
             torch.nn.functional.pad(w, pad).contiguous(), Ci_padded)

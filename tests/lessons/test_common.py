@@ -126,3 +126,28 @@ def test_a_pytorch_layout_weight_gets_the_permute_that_fixes_it():
     assert "permute" not in str(error.value)
 
 
+
+
+def test_tma_view_gives_size_one_dimensions_a_contiguous_tensors_strides():
+    # an NCHW [N, C, 1, 1] tensor (a squeeze-excitation conv's input) seen as NHWC: contiguous for
+    # PyTorch, strides (C, 1, 1, 1); TMA would refuse the 2-byte strides of H and W
+    x = torch.randn(4, 72, 1, 1).permute(0, 2, 3, 1)
+    assert x.is_contiguous() and x.stride() == (72, 1, 1, 1)
+    view = common.tma_view(x)
+    assert view.stride() == (72, 72, 72, 1) and view.data_ptr() == x.data_ptr() and torch.equal(view, x)
+    same = torch.randn(2, 3, 4, 8)
+    assert common.tma_view(same) is same                              # already canonical: itself
+    strided = same[:, :, ::2]
+    assert common.tma_view(strided) is strided                        # not contiguous: left to the caller's check
+
+
+def test_launches_build_descriptors_for_a_1x1_input_with_odd_strides():
+    # the regression: lessons 05's and 06's descriptors on such a tensor raised Triton's
+    # "strides must be 16-byte aligned" (a RegNetY training step hit it in squeeze-excitation convs)
+    lesson05, lesson06 = common.load_lesson("05-warp-specialized-conv"), common.load_lesson("06-conv-backward")
+    x = torch.randn(4, 72, 1, 1).bfloat16().permute(0, 2, 3, 1)
+    w = torch.randn(24, 1, 1, 72).bfloat16()
+    g = common.conv_geometry(x.shape, w.shape, 1, 0, 1)
+    lesson05.prepare_launch(x, w, None, g, lesson05.FIXED_CONFIG, "sm_90", 132)
+    dy = torch.randn(4, 24, 1, 1).bfloat16().permute(0, 2, 3, 1)
+    lesson06.prepare_wgrad(x, dy, g, None, "sm_90", 132)
