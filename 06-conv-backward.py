@@ -1551,12 +1551,16 @@ if __name__ == "__main__" and on_gpu and args.bench:
 #   for each phase's conv (the forward's runtime) and for wgrad (conv_tutorial/wgrad.py), 152 us
 #   per dgrad and 88 us per wgrad (medians over the 23 layers, against 433 and 286 here and cuDNN's
 #   ~40; `backward_layers.py --operator`, RESULTS.md, "The operator's gradients"). A training step
-#   under CUDA graphs pays none: ResNet-50 training with these kernels ran at 0.90x
-#   torch.compile's images/s with CUDA graphs on both sides, 0.59x without (RESULTS.md, "Training").
+#   under CUDA graphs pays none: ResNet-50 training with these kernels ran at 0.96x
+#   torch.compile's images/s with CUDA graphs on both sides (0.90x before the stem's fold), 0.59x
+#   without (measured before the fold), and RegNetY-3.2GF at 0.94x with graphs (RESULTS.md,
+#   "Training").
 # - wgrad's kernel is within 6% of cuDNN or faster on 11 of 23 layers (faster on 7, up to 1.13x),
-#   with the split rule above giving every SM work (no other split was timed). It loses most on the
-#   stem, 0.25x: 3 input channels padded to a 16-channel box, so 13/16 of its MMA work is on zeros
-#   (a case for lesson 05's fold, section 8), and on the 56x56 64->64 3x3, 0.65x, whose 64x64 tiles
+#   with the split rule above giving every SM work (no other split was timed). The stem was its
+#   worst, 0.25x (3 input channels padded to a 16-channel box, dY read once per each of 49 taps);
+#   folded as section 6 ends, stride and column taps into the channels, it runs at 1.01x, and its
+#   dgrad at 2.11x (from 0.69x; `backward_layers.py --operator --cuda-graphs --layers stem`, the
+#   same day). It loses most now on the 56x56 64->64 3x3, 0.65x, whose 64x64 tiles
 #   do a quarter of a 128x128 tile's MMA work per pair of loads and read dY again for each tap
 #   (reasoning from the design; neither layer has been profiled).
 # - dgrad's kernel loses most at stride 2 (0.34-0.55x): one launch per phase of dX, each writing a
@@ -1575,7 +1579,7 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # `conv_tutorial.set_backward("lesson06")` (NHWC views of its channels_last tensors, torch for what
 # they do not cover); it keeps PyTorch's convolution backward by default, because the figures above
 # say it does not pay yet. What they point to first: the phases of a strided dgrad stored in place
-# and in one launch, the stem's fold, and dgrad's host time per phase.
+# and in one launch, and dgrad's host time per phase.
 
 # %%
 if __name__ == "__main__":
