@@ -104,16 +104,18 @@ def reference_gradients(x_nhwc, w, dy_nhwc, geometry):
     g = geometry
     x, w_kcrs, dy = (t.permute(0, 3, 1, 2).float() for t in (x_nhwc, w, dy_nhwc))
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
-        dx = torch.nn.grad.conv2d_input(x.shape, w_kcrs, dy, g.stride, g.padding, g.dilation)
-        dw = torch.nn.grad.conv2d_weight(x, w_kcrs.shape, dy, g.stride, g.padding, g.dilation)
+        dx = torch.nn.grad.conv2d_input(x.shape, w_kcrs, dy, g.stride, g.padding, g.dilation, g.groups)
+        dw = torch.nn.grad.conv2d_weight(x, w_kcrs.shape, dy, g.stride, g.padding, g.dilation, g.groups)
     return dx.permute(0, 2, 3, 1).contiguous(), dw.permute(0, 2, 3, 1).contiguous()
 
 
 def backward_inputs(N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1, dtype=torch.bfloat16, seed=0,
-                    device_name=None):
-    """Random x, w (lesson 05's scale) and dY of the conv's output shape, and the conv's geometry."""
+                    device_name=None, groups=1):
+    """Random x, w (lesson 05's scale; [Co, R, S, Ci / groups]) and dY of the conv's output shape, and the
+    conv's geometry."""
     x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, dtype, device_name=device_name, seed=seed)
-    g = common.conv_geometry(x.shape, w.shape, stride, padding, dilation)
+    w = w[..., :Ci // groups].contiguous() * groups ** 0.5 if groups > 1 else w
+    g = common.conv_geometry(x.shape, w.shape, stride, padding, dilation, groups)
     dy = torch.randn(g.output_shape_nhwc, generator=torch.Generator().manual_seed(seed + 1))
     return x, w, dy.to(x.device, dtype), g
 
@@ -182,18 +184,23 @@ def dgrad_phases(geometry):
 
 def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None):
     """dX of the conv `geometry` from dY: per phase of dX a stride-1 conv `fprop(dy, w_phase,
-    padding=, dilation=)` (lesson 05's kernel on a GPU, torch's conv on a CPU) of dY with that
-    phase's taps, flipped and channel-swapped, cropped and copied into the phase's rows and columns.
-    `phases`: dgrad_phases(geometry), if the caller keeps it."""
+    padding=, dilation=, groups=)` (lesson 05's kernel on a GPU, torch's conv on a CPU) of dY with
+    that phase's taps, flipped and channel-swapped (within each group), cropped and copied into the
+    phase's rows and columns. `phases`: dgrad_phases(geometry), if the caller keeps it."""
     g = geometry
+    G = g.groups
     dx = None
     for py, px, along_h, along_w in dgrad_phases(g) if phases is None else phases:
         out = None                                # no tap reaches these pixels: their gradient is 0
         if along_h.taps is not None and along_w.taps is not None:
-            # w'[ci, r', s', co] = w[co, the phase's taps reversed, ci]
-            w_phase = w[:, along_h.taps, along_w.taps, :].flip((1, 2)).permute(3, 1, 2, 0).contiguous()
+            # w'[ci, r', s', co] = w[co, the phase's taps reversed, ci]; grouped (section 10 of lesson 05),
+            # group k's filters swap their channels among themselves: w' is [Ci, r', s', Co / groups]
+            w_phase = w[:, along_h.taps, along_w.taps, :].flip((1, 2))
+            _, R2, S2, Ci_group = w_phase.shape
+            w_phase = w_phase.reshape(G, g.Co // G, R2, S2, Ci_group).permute(0, 4, 2, 3, 1).reshape(
+                G * Ci_group, R2, S2, g.Co // G).contiguous()
             out = fprop(dy_nhwc, w_phase, padding=(along_h.padding, along_w.padding),
-                        dilation=(along_h.dilation, along_w.dilation))
+                        dilation=(along_h.dilation, along_w.dilation), groups=G)
             out = out[:, along_h.crop:along_h.crop + along_h.rows, along_w.crop:along_w.crop + along_w.rows]
             if g.stride == (1, 1) and out.is_contiguous():
                 return out                        # stride 1, nothing cropped: the conv's output is dX
@@ -204,14 +211,16 @@ def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None):
     return dx
 
 
-def reference_fprop(dy_nhwc, w_phase, padding, dilation):
+def reference_fprop(dy_nhwc, w_phase, padding, dilation, groups=1):
     # The CPU's stand-in for lesson 05's kernel: torch's conv in fp32.
-    return common.reference_conv2d_nhwc(dy_nhwc, w_phase, None, 1, padding, dilation, out_dtype=torch.float32)
+    return common.reference_conv2d_nhwc(dy_nhwc, w_phase, None, 1, padding, dilation, out_dtype=torch.float32,
+                                        groups=groups)
 
 
-def run_dgrad_mapping(N=2, H=9, W=8, Ci=5, Co=6, R=3, S=3, stride=1, padding=1, dilation=1, show=True):
+def run_dgrad_mapping(N=2, H=9, W=8, Ci=5, Co=6, R=3, S=3, stride=1, padding=1, dilation=1, show=True, groups=1):
     """dgrad by the phases, each conv computed by torch's forward conv, against torch.nn.grad."""
-    x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, torch.float32, device_name="cpu")
+    x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, torch.float32, device_name="cpu",
+                                  groups=groups)
     dx = dgrad_by_phases(dy, w, g, reference_fprop)
     expected, _ = reference_gradients(x, w, dy, g)
     error = (dx - expected).abs().max().item()
@@ -224,6 +233,13 @@ def run_dgrad_mapping(N=2, H=9, W=8, Ci=5, Co=6, R=3, S=3, stride=1, padding=1, 
 
 def test_dgrad_at_stride_1_is_a_flipped_forward_conv():
     run_dgrad_mapping(show=False)
+
+
+@pytest.mark.parametrize("Ci, Co, groups, stride", [(6, 9, 3, 1), (8, 12, 4, 2), (4, 6, 2, (2, 1))])
+def test_grouped_dgrad_swaps_channels_within_each_group(Ci, Co, groups, stride):
+    # grouped: dY's group k of Co / groups channels makes dX's group k of Ci / groups, through the
+    # flipped filters of that group alone (a grouped forward conv of dY)
+    run_dgrad_mapping(2, 9, 8, Ci, Co, 3, 3, stride, 1, 1, show=False, groups=groups)
     run_dgrad_mapping(Ci=4, Co=8, R=1, S=1, padding=1, show=False)     # padding past the filter: cropped
 
 
@@ -379,8 +395,6 @@ def check_backward_call(tensors, x_shape, w_shape, stride, padding, dilation, gr
     checked last, so every other mistake is reported on a machine without a GPU too."""
     if not isinstance(groups, int) or isinstance(groups, bool):
         raise TypeError(f"groups must be an int, got {groups!r}")
-    if groups != 1:
-        raise ValueError(f"groups={groups}: lesson 06's dgrad and wgrad run dense convs only (groups=1)")
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -399,7 +413,10 @@ def check_backward_call(tensors, x_shape, w_shape, stride, padding, dilation, gr
                 isinstance(v, int) and not isinstance(v, bool) for v in shape):
             raise TypeError(f"{name} must be 4 ints ({'[N, H, W, Ci]' if name == 'x_shape' else '[Co, R, S, Ci]'}), "
                             f"got {shape!r}")
-    geometry = common.conv_geometry(tuple(x_shape), tuple(w_shape), stride, padding, dilation)
+    geometry = common.conv_geometry(tuple(x_shape), tuple(w_shape), stride, padding, dilation, groups)
+    reason = backward_groups_reason(geometry, "dgrad" if "w" in tensors else "wgrad")
+    if reason is not None:
+        raise ValueError(f"groups={groups}: {reason}")
     dy = tensors["dy_nhwc"]
     if tuple(dy.shape) != geometry.output_shape_nhwc:
         raise ValueError(f"dy_nhwc has shape {tuple(dy.shape)}, but the output of {geometry.describe()} "
@@ -409,17 +426,42 @@ def check_backward_call(tensors, x_shape, w_shape, stride, padding, dilation, gr
     return geometry
 
 
+def dgrad_config(geometry):
+    # lesson 05's fixed config, 64 columns wide where dX has 64 channels (per group) or fewer
+    return lesson05.FIXED_CONFIG._replace(block_n=64) if geometry.Ci_group <= 64 else lesson05.FIXED_CONFIG
+
+
+def backward_groups_reason(geometry, kind):
+    """Why lesson 06's `kind` ("dgrad" or "wgrad") does not run this grouped conv, or None. Both keep a
+    tile inside one group: dgrad as lesson 05's grouped conv of dY (section 10 there: Co / groups
+    channels in, Ci / groups out), wgrad with a tile's rows in one group's output channels."""
+    g = geometry
+    if g.groups == 1:
+        return None
+    if kind == "wgrad" and (g.Co_group % 64 or g.Ci_group % 8):
+        return (f"wgrad takes a grouped conv whose groups hold a multiple of 64 output channels and of 8 input "
+                f"channels (a tile's rows in one group, its boxes 16-byte aligned); got {g.Co_group} and "
+                f"{g.Ci_group} per group")
+    if kind == "dgrad" and not lesson05.groups_fit(dgrad_config(g), g.Co_group, g.Ci_group):
+        return (f"dgrad runs as lesson 05's grouped conv of dY, {g.Co_group} -> {g.Ci_group} channels per group, "
+                f"whose tiles must stay in one group (lesson 05, section 10: K blocks dividing {g.Co_group}, "
+                f"tiles of {dgrad_config(g).tile_n} columns dividing {g.Ci_group})")
+    return None
+
+
 def conv2d_dgrad_launch(dy_nhwc, w, x_shape, stride=1, padding=0, dilation=1, groups=1):
     """dX [N, H, W, Ci] of a conv of x (shape `x_shape`, NHWC) with w [Co, R, S, Ci], from dY
     [N, out_h, out_w, Co] (fp16 or bf16, contiguous, on a Hopper or Blackwell GPU): lesson 05's
-    kernel, once per phase of dX (one launch at stride 1). groups must be 1."""
+    kernel, once per phase of dX (one launch at stride 1). groups > 1: w is [Co, R, S, Ci / groups],
+    where backward_groups_reason allows it."""
     g = check_backward_call({"dy_nhwc": dy_nhwc, "w": w}, x_shape, getattr(w, "shape", None), stride, padding,
                             dilation, groups)
     common.require_tma_mma_gpu("conv2d_dgrad_launch")
-    config = lesson05.FIXED_CONFIG._replace(block_n=64) if g.Ci <= 64 else lesson05.FIXED_CONFIG
+    config = dgrad_config(g)
 
-    def fprop(dy, w_phase, padding, dilation):
-        return lesson05.conv2d_fprop_launch(dy, w_phase, padding=padding, dilation=dilation, config=config)
+    def fprop(dy, w_phase, padding, dilation, groups):
+        return lesson05.conv2d_fprop_launch(dy, w_phase, padding=padding, dilation=dilation, config=config,
+                                            groups=groups)
     fold = stride_fold(g, dy_nhwc.element_size())    # few channels at a stride: fold it (end of section 6)
     if fold is not None:
         return unfold_input_grad(dgrad_by_phases(dy_nhwc, fold_weight(w, fold), fold.geometry, fprop), g, fold)
@@ -488,8 +530,9 @@ def conv2d_dgrad_launch(dy_nhwc, w, x_shape, stride=1, padding=0, dilation=1, gr
 # 04's channel padding) and are masked in the store, as are rows past Co.
 
 WgradShape = collections.namedtuple(
-    "WgradShape",   # the kernel's run-time integers, by name; Im2colWindow reads out_h ... pad_w
-    "Co Ci taps S num_pid_m num_pid_n ci_blocks k_blocks split_k out_h out_w stride_h stride_w pad_h pad_w dil_h dil_w")
+    "WgradShape",   # the kernel's run-time integers, by name; Im2colWindow reads Ci_group, Co_group, out_h ... pad_w
+    "Co Ci_group Co_group taps S num_pid_m num_pid_n ci_blocks k_blocks split_k out_h out_w stride_h stride_w pad_h "
+    "pad_w dil_h dil_w")
 
 
 @gluon.aggregate
@@ -505,7 +548,7 @@ class WgradRing:
 class WgradUnit:
     co0: Int          # first output channel (row of dW)
     tap: Int          # r * S + s
-    c0: Int           # first input channel
+    c0: Int           # first input channel (within its group: dW's column)
     k_begin: Int      # the unit's pixel blocks, BLOCK_K pixels each
     k_end: Int
     split: Int        # which slice of the pixels (section 5)
@@ -537,7 +580,7 @@ class WgradSchedule:
     # shape tuple held whole in an aggregate, hung on an H100 when Triton passed one of the tuple's
     # integers as a constant (results/notebook.md, 2026-11-25); neither kernel holds one now
     Co: Int
-    Ci: Int
+    Ci_group: Int     # input channels per group: Ci (groups = 1)
     taps: Int
     S: Int
     num_pid_m: Int
@@ -578,8 +621,10 @@ def wgrad_loader_partition(dy_desc, x_desc, ring, schedule, window):
             mbarrier.expect(ring.ready.index(slot), stage_bytes)
             # A^T = load(dy2d, [p0, co0])
             tma.async_load(dy_desc, [p0, work.co0], ring.ready.index(slot), ring.dy_bufs.index(slot))
-            # B = im2col_load(x, [n, y, x, c0], offsets=[r*dh, s*dw])
-            tma.async_load_im2col(x_desc, [n, y, x, work.c0], offsets, ring.ready.index(slot), ring.x_bufs.index(slot))
+            # B = im2col_load(x, [n, y, x, c0], offsets=[r*dh, s*dw]); grouped, c0 counts from the group's first
+            # channel (lesson 05's section 10)
+            x_channel = window.group_channel(work.co0) + work.c0
+            tma.async_load_im2col(x_desc, [n, y, x, x_channel], offsets, ring.ready.index(slot), ring.x_bufs.index(slot))
             state = state.next()
 
 
@@ -591,9 +636,9 @@ def store_partial_tile(acc, partial_ptr, shape, work):
     BLOCK_N: gl.constexpr = acc.type.shape[1]
     rows = work.co0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
     channels = work.c0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
-    row_starts = (work.split * shape.Co + rows).to(gl.int64) * (shape.taps * shape.Ci)
-    offsets = gl.expand_dims(row_starts, 1) + gl.expand_dims(work.tap * shape.Ci + channels, 0)
-    inside = gl.expand_dims(rows < shape.Co, 1) & gl.expand_dims(channels < shape.Ci, 0)
+    row_starts = (work.split * shape.Co + rows).to(gl.int64) * (shape.taps * shape.Ci_group)
+    offsets = gl.expand_dims(row_starts, 1) + gl.expand_dims(work.tap * shape.Ci_group + channels, 0)
+    inside = gl.expand_dims(rows < shape.Co, 1) & gl.expand_dims(channels < shape.Ci_group, 0)
     gl.store(partial_ptr + offsets, acc, mask=inside)
 
 
@@ -666,12 +711,13 @@ def conv2d_wgrad_kernel(dy_desc, x_desc, partial_ptr, shape, NUM_BUFFERS: gl.con
     x_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_N], x_desc.layout)
     ready, empty = common.allocate_barrier_pairs(NUM_BUFFERS)
     ring = WgradRing(dy_bufs, x_bufs, ready, empty, NUM_BUFFERS)
-    (Co, Ci, taps, S, num_pid_m, num_pid_n, ci_blocks, k_blocks, split_k, out_h, out_w, stride_h, stride_w,
-     pad_h, pad_w, dil_h, dil_w) = shape
-    schedule = WgradSchedule(Co, Ci, taps, S, num_pid_m, num_pid_n, ci_blocks, k_blocks, split_k, dil_h, dil_w,
+    (Co, Ci_group, Co_group, taps, S, num_pid_m, num_pid_n, ci_blocks, k_blocks, split_k, out_h, out_w, stride_h,
+     stride_w, pad_h, pad_w, dil_h, dil_w) = shape
+    schedule = WgradSchedule(Co, Ci_group, taps, S, num_pid_m, num_pid_n, ci_blocks, k_blocks, split_k, dil_h, dil_w,
                              BLOCK_M, BLOCK_N)
-    # lesson 05's window (only its pixel_box_origin is used: its channel fields get Ci, Co, S, ci_blocks)
-    window = lesson05.Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci, Co, S, ci_blocks)
+    # lesson 05's window: its pixel_box_origin, and (grouped convs) its group_channel
+    window = lesson05.Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group, S,
+                                   ci_blocks)
     if IS_BLACKWELL:
         NUM_ACC: gl.constexpr = 2
         acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N],
@@ -794,8 +840,11 @@ class WgradConfig(NamedTuple):
     split_k: int = 0        # slices of the pixels; 0: choose_split_k's choice
 
 
-def wgrad_config(Co, Ci_padded):
-    return WgradConfig(64 if Co <= 64 else 128, min(128, max(16, triton.next_power_of_2(Ci_padded))))
+def wgrad_config(Co, Ci_padded, groups=1):
+    # grouped (Co / groups a multiple of 64: check_backward_call), a tile's rows stay in one group
+    Co_group = Co // groups
+    block_m = 64 if Co_group <= 64 or (groups > 1 and Co_group % 128) else 128
+    return WgradConfig(block_m, min(128, max(16, triton.next_power_of_2(Ci_padded // groups))))
 
 
 def check_wgrad_config(config, arch):
@@ -835,7 +884,7 @@ def padded_to_16_bytes(t):
 def wgrad_tiles(geometry, config):
     # (tiles along Co, channel blocks per tap, tiles in all, k-steps along the pixels)
     g = geometry
-    num_pid_m, ci_blocks = triton.cdiv(g.Co, config.block_m), triton.cdiv(g.Ci, config.block_n)
+    num_pid_m, ci_blocks = triton.cdiv(g.Co, config.block_m), triton.cdiv(g.Ci_group, config.block_n)
     return num_pid_m, ci_blocks, num_pid_m * g.R * g.S * ci_blocks, triton.cdiv(g.M, config.block_k)
 
 
@@ -853,7 +902,7 @@ def prepare_wgrad(x_nhwc, dy_nhwc, geometry, config, arch, num_sms):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
     g = geometry
     x_nhwc, dy_2d = wgrad_operands(x_nhwc, dy_nhwc, g)
-    config = config or wgrad_config(g.Co, x_nhwc.shape[-1])
+    config = config or wgrad_config(g.Co, x_nhwc.shape[-1], g.groups)
     gl_dtype = common.GL_DTYPES[x_nhwc.dtype]
     settings = common.conv_im2col_settings(
         common.conv_geometry(x_nhwc.shape, (g.Co, g.R, g.S, x_nhwc.shape[-1]), g.stride, g.padding, g.dilation))
@@ -867,9 +916,9 @@ def prepare_wgrad(x_nhwc, dy_nhwc, geometry, config, arch, num_sms):
     split_k = config.split_k or choose_split_k(tiles, k_blocks, num_sms)
     if not 1 <= split_k <= k_blocks:
         raise ValueError(f"split_k={split_k}: must lie in [1, {k_blocks}], the k-steps of {g.describe()}")
-    partial = torch.empty(split_k, g.Co, g.R * g.S * g.Ci, device=x_nhwc.device, dtype=torch.float32)
-    shape = WgradShape(g.Co, g.Ci, g.R * g.S, g.S, num_pid_m, g.R * g.S * ci_blocks, ci_blocks, k_blocks, split_k,
-                       g.out_h, g.out_w, *g.stride, *g.padding, *g.dilation)
+    partial = torch.empty(split_k, g.Co, g.R * g.S * g.Ci_group, device=x_nhwc.device, dtype=torch.float32)
+    shape = WgradShape(g.Co, g.Ci_group, g.Co_group, g.R * g.S, g.S, num_pid_m, g.R * g.S * ci_blocks, ci_blocks,
+                       k_blocks, split_k, g.out_h, g.out_w, *g.stride, *g.padding, *g.dilation)
     return WgradLaunch((min(num_sms, tiles * split_k),), dy_desc, x_desc, partial, shape,
                        config._replace(split_k=split_k), settings)
 
@@ -877,7 +926,8 @@ def prepare_wgrad(x_nhwc, dy_nhwc, geometry, config, arch, num_sms):
 def conv2d_wgrad_launch(x_nhwc, dy_nhwc, w_shape, stride=1, padding=0, dilation=1, groups=1, config=None):
     """dW [Co, R, S, Ci] (w_shape) of a conv of x [N, H, W, Ci] from dY [N, out_h, out_w, Co] (fp16
     or bf16, contiguous NHWC, on a Hopper or Blackwell GPU), in x's dtype: the wgrad kernel, then the
-    ordered sum of its slices. groups must be 1; `config` a WgradConfig (default: wgrad_config's), of
+    ordered sum of its slices. groups > 1 where backward_groups_reason allows it (w_shape [Co, R, S,
+    Ci / groups]); `config` a WgradConfig (default: wgrad_config's), of
     the conv the kernel runs (wgrad_problem: the conv, or folded where it has few channels)."""
     g = check_backward_call({"x_nhwc": x_nhwc, "dy_nhwc": dy_nhwc}, getattr(x_nhwc, "shape", None), w_shape,
                             stride, padding, dilation, groups)
@@ -887,8 +937,8 @@ def conv2d_wgrad_launch(x_nhwc, dy_nhwc, w_shape, stride=1, padding=0, dilation=
     launch = prepare_wgrad(wgrad_input(x_nhwc, problem), dy_nhwc, g_run, config, arch, num_sms)
     check_wgrad_config(launch.config, arch)
     conv2d_wgrad_kernel[launch.grid](*launch.kernel_args(), **wgrad_kernel_options(launch.config, arch))
-    return wgrad_result(sum_partials(launch.partial, x_nhwc.dtype).view(g_run.Co, g_run.R, g_run.S, g_run.Ci), g,
-                        problem)
+    dw = sum_partials(launch.partial, x_nhwc.dtype).view(g_run.Co, g_run.R, g_run.S, g_run.Ci_group)
+    return wgrad_result(dw, g, problem)
 
 
 def run_split_k_choices(num_sms=132, batch=128):
@@ -943,24 +993,27 @@ if __name__ == "__main__":
 
 
 def wgrad_reference(x_nhwc, dy_nhwc, geometry, split_k=1):
-    """dW [Co, R, S, Ci] = dY^T @ im2col(x), the pixels in split_k slices, partials added in order."""
-    g = geometry
-    columns = torch.nn.functional.unfold(x_nhwc.permute(0, 3, 1, 2).float(), (g.R, g.S), g.dilation, g.padding,
-                                         g.stride)                         # [N, Ci*R*S, out_h*out_w], (ci, r, s)
-    columns = columns.view(g.N, g.Ci, g.R * g.S, -1).permute(0, 3, 2, 1).reshape(g.M, -1)   # [pixels, (r, s, ci)]
-    dy_2d = dy_nhwc.reshape(g.M, g.Co).float()
+    """dW [Co, R, S, Ci / groups] = dY^T @ im2col(x) (group by group), the pixels in split_k slices,
+    partials added in order."""
+    g, G = geometry, geometry.groups
+    columns = torch.nn.functional.unfold(x_nhwc[..., :g.Ci].permute(0, 3, 1, 2).float(), (g.R, g.S), g.dilation,
+                                         g.padding, g.stride)               # [N, Ci*R*S, out_h*out_w], (ci, r, s)
+    columns = columns.view(g.N, g.Ci, g.R * g.S, -1).permute(0, 3, 2, 1)   # [N, pixels, (r, s), ci]
+    columns = columns.reshape(g.M, g.R * g.S, G, g.Ci_group)               # [pixels, (r, s), group, ci]
+    dy_2d = dy_nhwc.reshape(g.M, G, g.Co_group).float()                    # [pixels, group, co]
     bounds = [split * g.M // split_k for split in range(split_k + 1)]
-    partials = [dy_2d[a:b].T @ columns[a:b] for a, b in zip(bounds, bounds[1:])]
+    partials = [torch.einsum("pkc,ptki->kcti", dy_2d[a:b], columns[a:b]) for a, b in zip(bounds, bounds[1:])]
     total = partials[0]
     for partial in partials[1:]:
         total = total + partial
-    return total.view(g.Co, g.R, g.S, g.Ci)
+    return total.reshape(g.Co, g.R, g.S, g.Ci_group)
 
 
 def run_wgrad_model(N=2, H=6, W=7, Ci=12, Co=20, R=3, S=2, stride=1, padding=1, dilation=1, config=None,
-                    show=True):
+                    show=True, groups=1):
     im2col_reference = common.load_lesson("03-tma-im2col-modes").im2col_reference
-    x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, torch.float32, device_name="cpu")
+    x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, torch.float32, device_name="cpu",
+                                  groups=groups)
     x, dy = x.round(), dy.round()          # small integers: every sum below is exact, in any order
     config = config or WgradConfig(block_m=16, block_n=8, block_k=8, num_buffers=2, split_k=3)
     launch = prepare_wgrad(x, dy, g, config, "sm_90", num_sms=132)
@@ -968,7 +1021,7 @@ def run_wgrad_model(N=2, H=6, W=7, Ci=12, Co=20, R=3, S=2, stride=1, padding=1, 
     x_padded, dy_2d = wgrad_operands(x, dy, g)
     corners = (launch.settings.pixel_box_lower_corner, launch.settings.pixel_box_upper_corner,
                launch.settings.element_strides)
-    partial = torch.full_like(launch.partial, float("nan")).view(shape.split_k, g.Co, shape.taps, g.Ci)
+    partial = torch.full_like(launch.partial, float("nan")).view(shape.split_k, g.Co, shape.taps, g.Ci_group)
     P = common.PlainInt
     for unit in range(shape.num_pid_m * shape.num_pid_n * shape.split_k):
         co0, tap, c0, k_begin, k_end, split = wgrad_work_unit.fn(P(unit), shape, BM, BN)
@@ -979,12 +1032,13 @@ def run_wgrad_model(N=2, H=6, W=7, Ci=12, Co=20, R=3, S=2, stride=1, padding=1, 
             a_t = torch.zeros(BK, BM)                         # the tiled load: zeros outside dY
             box = dy_2d[k * BK:(k + 1) * BK, co0:co0 + BM]
             a_t[:box.shape[0], :box.shape[1]] = box
-            b, _ = im2col_reference(x_padded, BK, BN, *corners, [n, y, x0, c0], offsets)
+            x_channel = lesson05.Im2colWindow.group_channel.fn(shape, P(co0)) + c0    # the loader's
+            b, _ = im2col_reference(x_padded, BK, BN, *corners, [n, y, x0, x_channel], offsets)
             acc += a_t.T @ b
-        rows, channels = min(BM, g.Co - co0), min(BN, g.Ci - c0)
+        rows, channels = min(BM, g.Co - co0), min(BN, g.Ci_group - c0)
         partial[split, co0:co0 + rows, tap, c0:c0 + channels] = acc[:rows, :channels]
     assert not partial.isnan().any(), "some element of the workspace was never written"
-    dw = sum_partials(partial.view(shape.split_k, g.Co, -1).to(common.device()), torch.float32).view(g.Co, R, S, Ci)
+    dw = sum_partials(partial.view(shape.split_k, g.Co, -1).to(common.device()), torch.float32).view(w.shape)
     _, expected = reference_gradients(x, w, dy, g)
     if show:
         print(f"\nwgrad of {g.describe()}, the kernel's arithmetic on lesson 03's TMA model: {shape.num_pid_m} x "
@@ -1006,6 +1060,14 @@ def test_wgrad_kernel_arithmetic_on_the_tma_model(N, H, W, Ci, Co, R, S, stride,
     run_wgrad_model(N, H, W, Ci, Co, R, S, stride, padding, dilation, config, show=False)
 
 
+@pytest.mark.parametrize("Ci, Co, groups, config", [
+    (16, 32, 2, WgradConfig(16, 8, 8, num_buffers=2, split_k=3)),    # 8 -> 16 channels per group, a group 1 row tile
+    (24, 64, 4, WgradConfig(16, 8, 8, num_buffers=2, split_k=2)),    # 6 per group: a box reads 2 of the next group's
+])                                                                   # channels, which the store masks
+def test_wgrad_kernel_arithmetic_on_grouped_convs(Ci, Co, groups, config):
+    run_wgrad_model(2, 6, 7, Ci, Co, 3, 3, 2, 1, 1, config, show=False, groups=groups)
+
+
 @pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation, split_k", [
     (2, 8, 8, 3, 16, 7, 7, 2, 3, 1, 1),                 # a stem
     (3, 9, 7, 6, 5, 3, 3, 2, 1, 1, 5),                  # stride 2, slices of uneven length
@@ -1016,6 +1078,13 @@ def test_wgrad_kernel_arithmetic_on_the_tma_model(N, H, W, Ci, Co, R, S, stride,
 ])
 def test_wgrad_reference_matches_torch(N, H, W, Ci, Co, R, S, stride, padding, dilation, split_k):
     x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, torch.float32, device_name="cpu")
+    torch.testing.assert_close(wgrad_reference(x, dy, g, split_k), reference_gradients(x, w, dy, g)[1],
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("Ci, Co, groups, stride, split_k", [(6, 9, 3, 1, 1), (8, 12, 4, 2, 3), (12, 8, 2, (1, 2), 2)])
+def test_grouped_wgrad_reference_matches_torch(Ci, Co, groups, stride, split_k):
+    x, w, dy, g = backward_inputs(2, 9, 8, Ci, Co, 3, 3, stride, 1, 1, torch.float32, device_name="cpu", groups=groups)
     torch.testing.assert_close(wgrad_reference(x, dy, g, split_k), reference_gradients(x, w, dy, g)[1],
                                rtol=1e-4, atol=1e-4)
 
@@ -1352,13 +1421,13 @@ if __name__ == "__main__":
 # Input checks
 # ------------
 # Both launchers refuse what they do not run with an error that names the argument: other dtypes,
-# a dY whose shape is not the conv's output, grouped convs (groups > 1: not implemented here),
+# a dY whose shape is not the conv's output, grouped convs whose groups a tile cannot keep to,
 # non-contiguous tensors, tensors off the GPU (checked last).
 
 
 BAD_CALLS = [   # (launcher, arguments changed from a valid call: a function of (x, w, dy), error, message)
-    ("dgrad", lambda x, w, dy: {"groups": 2}, ValueError, "groups=2"),
-    ("wgrad", lambda x, w, dy: {"groups": 2}, ValueError, "groups=2"),
+    ("dgrad", lambda x, w, dy: {"groups": 2, "w": w[..., :4].contiguous()}, ValueError, "groups=2: dgrad runs"),
+    ("wgrad", lambda x, w, dy: {"groups": 2, "w_shape": (16, 3, 3, 4)}, ValueError, "groups=2: wgrad takes"),
     ("dgrad", lambda x, w, dy: {"dy_nhwc": dy.float()}, TypeError, "dy_nhwc has dtype torch.float32"),
     ("wgrad", lambda x, w, dy: {"x_nhwc": x.half()}, TypeError, "x_nhwc is torch.float16"),
     ("dgrad", lambda x, w, dy: {"padding": 0}, ValueError, "dy_nhwc has shape"),
@@ -1369,6 +1438,19 @@ BAD_CALLS = [   # (launcher, arguments changed from a valid call: a function of 
     ("dgrad", lambda x, w, dy: {}, ValueError, "CUDA GPU"),         # CPU tensors: refused last
     ("wgrad", lambda x, w, dy: {}, ValueError, "CUDA GPU"),
 ]
+
+
+@pytest.mark.parametrize("Ci, Co, groups, dgrad_runs, wgrad_runs", [
+    (256, 256, 2, True, True),       # 128 -> 128 per group
+    (128, 512, 4, False, True),      # 32 -> 128: wgrad's 128-row tiles fit; dgrad's conv writes 32 per group,
+                                     # less than a tile's 64 columns
+    (72, 72, 3, False, False),       # RegNetY-3.2GF's 24 per group
+    (512, 128, 2, True, True),       # 256 -> 64: dgrad's conv reads 64 per group (one K block), writes 256
+])
+def test_which_grouped_convs_the_backward_runs(Ci, Co, groups, dgrad_runs, wgrad_runs):
+    g = common.conv_geometry((2, 8, 8, Ci), (Co, 3, 3, Ci // groups), 1, 1, 1, groups)
+    assert (backward_groups_reason(g, "dgrad") is None) == dgrad_runs
+    assert (backward_groups_reason(g, "wgrad") is None) == wgrad_runs
 
 
 @pytest.mark.parametrize("launcher, changes, error, message", BAD_CALLS)
@@ -1398,15 +1480,16 @@ def test_rejects_bad_calls(launcher, changes, error, message):
 
 
 def check_backward(kind, N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1, dtype=torch.bfloat16,
-                   config=None, seed=0):
+                   config=None, seed=0, groups=1):
     """Run conv2d_dgrad_launch (kind "dgrad") or conv2d_wgrad_launch ("wgrad") and compare it with torch."""
-    x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, seed)
+    x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, seed, groups=groups)
     expected_dx, expected_dw = reference_gradients(x, w, dy, g)
     # K: the length of each output's sum, which sets the tolerance (see above)
     if kind == "dgrad":
-        out, expected, K = conv2d_dgrad_launch(dy, w, x.shape, stride, padding, dilation), expected_dx, Co * R * S
+        out = conv2d_dgrad_launch(dy, w, x.shape, stride, padding, dilation, groups)
+        expected, K = expected_dx, g.Co_group * R * S
     else:
-        out = conv2d_wgrad_launch(x, dy, w.shape, stride, padding, dilation, config=config)
+        out = conv2d_wgrad_launch(x, dy, w.shape, stride, padding, dilation, groups, config=config)
         expected, K = expected_dw, g.M
     assert out.shape == expected.shape and out.dtype == dtype, (out.shape, out.dtype)
     common.assert_close_to_reference(out, expected, dtype=dtype, K=K)
@@ -1431,6 +1514,17 @@ AWKWARD_SHAPES = [    # N, H, W, Ci, Co, R, S, stride, padding, dilation
 @pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", AWKWARD_SHAPES)
 def test_backward_matches_torch(kind, N, H, W, Ci, Co, R, S, stride, padding, dilation):
     check_backward(kind, N, H, W, Ci, Co, R, S, stride, padding, dilation)
+
+
+@needs_gpu
+@pytest.mark.parametrize("kind", ["dgrad", "wgrad"])
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, groups", [
+    (2, 14, 14, 256, 256, 3, 3, 1, 1, 2),          # 128 channels per group
+    (2, 15, 13, 128, 256, 3, 3, 2, 1, 2),          # 64 -> 128 per group, stride 2: four phases
+    (2, 9, 10, 256, 512, 1, 1, 1, 0, 4),           # 1x1, four groups of 64 -> 128
+])
+def test_grouped_backward_matches_torch(kind, N, H, W, Ci, Co, R, S, stride, padding, groups):
+    check_backward(kind, N, H, W, Ci, Co, R, S, stride, padding, groups=groups)
 
 
 @needs_gpu

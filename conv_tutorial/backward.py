@@ -8,11 +8,12 @@ at batch 128, bf16, 2026-11-25; RESULTS.md, "The operator's gradients" and "Trai
 operator's gradients ran at 0.75x (dgrad) and 0.93x (wgrad) cuDNN's speed, kernels alone,
 geometric means, and a training step at 0.96x torch.compile's with CUDA graphs (ResNet-50; RegNetY-
 3.2GF 0.94x), 0.59x without (ResNet-50: host time). With "lesson06", each gradient a call needs
-runs on the lesson's kernels where they cover the call (fp16 or bf16, groups 1, input, weight and
-gradient on one Hopper or data-centre Blackwell GPU): dgrad as lesson 06's phases (or, with few
-channels at a stride, its folded conv), each a conv through this package's runtime; wgrad as
-lesson 06's kernel through a plan per shape (wgrad.py). Elsewhere torch's convolution_backward computes it, with one warning per reason, and
-`backward_fallbacks()` counts every such gradient: what a model's backward left to torch, and why.
+runs on the lesson's kernels where they cover the call (fp16 or bf16; groups 1, or groups whose
+channels the kernels' tiles keep to; input, weight and gradient on one Hopper or data-centre
+Blackwell GPU): dgrad as lesson 06's phases (or, with few channels at a
+stride, its folded conv), each a conv through this package's runtime; wgrad as lesson 06's
+kernel through a plan per shape (wgrad.py). Elsewhere torch's convolution_backward computes it,
+with one warning per reason, and `backward_fallbacks()` counts every such gradient: what a model's backward left to torch, and why.
 `$CONV_TUTORIAL_BACKWARD` sets the choice for a process. Lesson 06 is loaded (kernel.lesson06) on
 the first call that uses it.
 """
@@ -23,6 +24,7 @@ from typing import List
 import torch
 
 from . import runtime, selection, wgrad
+from .configs import grouped_conv_fits
 from .geometry import current_arch, nhwc_view
 from .kernel import common
 
@@ -48,10 +50,9 @@ def backward_backend() -> str:
     return _BACKEND
 
 
-def lesson06_reason(grad_output, input, weight, groups):
-    """Why lesson 06's kernels cannot compute this call's gradients, or None if they can."""
-    if groups != 1:
-        return f"groups={groups} (lesson 06's kernels take groups=1)"
+def lesson06_reason(grad_output, input, weight, groups, kind="input", stride=1, padding=0, dilation=1):
+    """Why lesson 06's kernels cannot compute this call's gradient `kind` ("input": dX, "weight": dW),
+    or None if they can."""
     dtypes = {grad_output.dtype, input.dtype, weight.dtype}
     if len(dtypes) != 1 or input.dtype not in (torch.float16, torch.bfloat16):
         return (f"dtypes {grad_output.dtype}/{input.dtype}/{weight.dtype} of grad_output/input/weight (lesson 06's "
@@ -63,6 +64,17 @@ def lesson06_reason(grad_output, input, weight, groups):
     if arch is None:
         return (f"GPU {torch.cuda.get_device_name(input.device)} (lesson 06's kernels need Hopper sm_90 or "
                 f"data-centre Blackwell sm_100)")
+    if groups != 1:
+        from .kernel import lesson06
+        N, Ci, H, W = input.shape
+        g = common.conv_geometry((N, H, W, Ci), (weight.shape[0], *weight.shape[2:], weight.shape[1]), stride,
+                                 padding, dilation, groups)
+        if kind == "input" and not grouped_conv_fits(g.Co_group, g.Ci_group, arch):
+            return ("a grouped conv whose dX, a grouped conv of dY (Co / groups channels in, Ci / groups out), the "
+                    "forward's kernel does not run (its tiles must keep to one group: lesson 05, section 10)")
+        if kind == "weight" and lesson06.backward_groups_reason(g, "wgrad") is not None:
+            return ("a grouped conv whose groups lesson 06's wgrad tiles cannot keep to (it takes a multiple of 64 "
+                    "output and of 8 input channels per group)")
     return None
 
 
@@ -86,9 +98,10 @@ def _count_fallback(reason):
     _FALLBACKS[reason] = _FALLBACKS.get(reason, 0) + 1
 
 
-def _fprop(dy_nhwc, w_phase, padding, dilation):
+def _fprop(dy_nhwc, w_phase, padding, dilation, groups=1):
     """One phase's stride-1 conv for lesson 06's dgrad_by_phases, through the forward's runtime."""
-    return runtime.conv2d(dy_nhwc, w_phase, None, 1, padding, dilation, tune=selection.autotune_enabled())
+    return runtime.conv2d(dy_nhwc, w_phase, None, 1, padding, dilation, tune=selection.autotune_enabled(),
+                          groups=groups)
 
 
 def conv_gradients(grad_conv, input, weight, stride, padding, dilation, groups, needs_input, needs_weight):
@@ -108,10 +121,10 @@ def conv_gradients(grad_conv, input, weight, stride, padding, dilation, groups, 
     return grad_input, grad_weight
 
 
-def _why_torch(grad_output, input, weight, groups):
+def _why_torch(kind, grad_output, input, weight, stride, padding, dilation, groups):
     if backward_backend() == "torch":
         return "the default backend"
-    reason = lesson06_reason(grad_output, input, weight, groups)
+    reason = lesson06_reason(grad_output, input, weight, groups, kind, stride, padding, dilation)
     if reason is not None:
         _count_fallback(reason)
     return reason
@@ -131,13 +144,13 @@ def _input_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Te
     runtime (a plan per shape, the heuristic's or a tuned config), or torch's. The phases' and the
     fold's arithmetic depends on the shape alone and is kept per shape; the flipped weights of each
     phase are the weights' values, computed on every call."""
-    if _why_torch(grad_output, input, weight, groups):
+    if _why_torch("input", grad_output, input, weight, stride, padding, dilation, groups):
         dx = _torch_gradient("input", grad_output, input, weight, stride, padding, dilation, groups)
     else:
         from .kernel import lesson06
         w_nhwc = nhwc_view(weight)                       # weight [Co, Ci, R, S] -> [Co, R, S, Ci]
         x_shape = (input.shape[0], input.shape[2], input.shape[3], input.shape[1])
-        geometry = common.conv_geometry(x_shape, tuple(w_nhwc.shape), stride, padding, dilation)
+        geometry = common.conv_geometry(x_shape, tuple(w_nhwc.shape), stride, padding, dilation, groups)
         plan = _DGRAD_PLANS.get(geometry)
         if plan is None:
             fold = lesson06.stride_fold(geometry, input.element_size())
@@ -156,12 +169,12 @@ def _input_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Te
 def _weight_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, stride: List[int],
                  padding: List[int], dilation: List[int], groups: int) -> torch.Tensor:
     """dW: lesson 06's wgrad kernel through a plan per shape (wgrad.py), or torch's."""
-    if _why_torch(grad_output, input, weight, groups):
+    if _why_torch("weight", grad_output, input, weight, stride, padding, dilation, groups):
         dw = _torch_gradient("weight", grad_output, input, weight, stride, padding, dilation, groups)
     else:
         w_shape = (weight.shape[0], weight.shape[2], weight.shape[3], weight.shape[1])
         dw = wgrad.conv2d_weight_grad(nhwc_view(input), nhwc_view(grad_output), w_shape, tuple(stride),
-                                      tuple(padding), tuple(dilation)).permute(0, 3, 1, 2)
+                                      tuple(padding), tuple(dilation), groups).permute(0, 3, 1, 2)
     return dw.contiguous(memory_format=torch.channels_last)
 
 

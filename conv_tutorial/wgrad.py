@@ -60,7 +60,7 @@ class WgradPlan:
         from .kernel import lesson06
         x_nhwc = lesson06.wgrad_input(x_nhwc, self.problem)       # x itself, unless folded
         g = self.run_geometry
-        dw = torch.empty(g.Co, g.R * g.S * g.Ci, device=x_nhwc.device, dtype=self.dtype)
+        dw = torch.empty(g.Co, g.R * g.S * g.Ci_group, device=x_nhwc.device, dtype=self.dtype)
         if self.kernel is None:
             self._first_launch(lesson06, x_nhwc, dy_nhwc, dw)
         else:
@@ -73,7 +73,7 @@ class WgradPlan:
             # the templates on them), partial_ptr, shape
             self.kernel(template.grid, dy_2d, x_nhwc, partial.data_ptr(), template.shape)
             self.sum(self.sum_grid, partial.data_ptr(), dw.data_ptr(), *self.sum_scalars)
-        return lesson06.wgrad_result(dw.view(g.Co, g.R, g.S, g.Ci), self.geometry, self.problem)
+        return lesson06.wgrad_result(dw.view(g.Co, g.R, g.S, g.Ci_group), self.geometry, self.problem)
 
     def _first_launch(self, lesson06, x_nhwc, dy_nhwc, dw):
         """Lesson 06's launch, through Triton's launcher (which compiles); keeps its template and a
@@ -108,7 +108,7 @@ def conv2d_weight_grad(x_nhwc, dy_nhwc, w_shape, stride=1, padding=0, dilation=1
     """dW [Co, R, S, Ci] (w_shape) of a conv of x [N, H, W, Ci] from dY [N, out_h, out_w, Co] (fp16
     or bf16, contiguous NHWC, on a Hopper or Blackwell GPU), in x's dtype: lesson 06's
     `conv2d_wgrad_launch` with its default config, the same arguments, errors and result, through a
-    plan per shape. groups must be 1."""
+    plan per shape. groups > 1 where lesson 06's backward_groups_reason allows it."""
     key = call_key((x_nhwc, dy_nhwc), w_shape, stride, padding, dilation, type(groups), groups)
     plan = _FAST_PLANS.get(key) if key is not None else None
     if plan is None or not (x_nhwc.is_contiguous() and dy_nhwc.is_contiguous()):

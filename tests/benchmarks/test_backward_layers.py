@@ -24,17 +24,17 @@ def test_operator_figures_check_then_time_every_path(monkeypatch):
         timed.append("bench")
         return {"ms": 1.0, "tflops": flops / 1e9, "tflops_p20": 0.0, "tflops_p80": 0.0}
 
-    def wgrad_stand_in(x, dy, w_shape, stride, padding, dilation=1):     # torch in the plan's place (no GPU)
+    def wgrad_stand_in(x, dy, w_shape, stride, padding, dilation=1, groups=1):   # torch in the plan's place (no GPU)
         dw = torch.nn.grad.conv2d_weight(x.permute(0, 3, 1, 2).float(), (w_shape[0], w_shape[3], *w_shape[1:3]),
-                                         dy.permute(0, 3, 1, 2).float(), stride, padding, dilation)
+                                         dy.permute(0, 3, 1, 2).float(), stride, padding, dilation, groups)
         return dw.permute(0, 2, 3, 1).to(x.dtype).contiguous()
 
     monkeypatch.setattr(common, "bench_tflops", fake_bench)
     monkeypatch.setattr(host_time, "median_host_us", lambda call, calls: 7.0)
     monkeypatch.setattr(wgrad, "conv2d_weight_grad", wgrad_stand_in)
     monkeypatch.setattr(backward, "lesson06_reason", lambda *args: None)
-    monkeypatch.setattr(backward, "_fprop", lambda dy, w_phase, padding, dilation: torch.nn.functional.conv2d(
-        dy.permute(0, 3, 1, 2), w_phase.permute(0, 3, 1, 2), None, 1, padding, dilation).permute(0, 2, 3, 1))
+    monkeypatch.setattr(backward, "_fprop", lambda dy, w_phase, padding, dilation, groups=1: torch.nn.functional.conv2d(
+        dy.permute(0, 3, 1, 2), w_phase.permute(0, 3, 1, 2), None, 1, padding, dilation, groups).permute(0, 2, 3, 1))
     before = backward.backward_backend()
     try:
         row = backward_layers.operator_figures(kernel.lesson06, ("tiny", 2, 9, 9, 8, 16, 3, 3, 2, 1), cuda_graph=False)

@@ -74,18 +74,18 @@ def lesson06_stand_ins(lesson06_backend, monkeypatch):
     shape), on a CPU. Yields the list of what they were handed."""
     seen = []
 
-    def phase_fprop(dy, w_phase, padding, dilation):
+    def phase_fprop(dy, w_phase, padding, dilation, groups=1):
         seen.append(("dgrad phase", dy.shape, w_phase.shape, type(dy)))
         assert dy.is_contiguous() and w_phase.is_contiguous()
         out = torch.nn.functional.conv2d(dy.permute(0, 3, 1, 2), w_phase.permute(0, 3, 1, 2), None, 1, padding,
-                                         dilation)
+                                         dilation, groups)
         return out.permute(0, 2, 3, 1).contiguous()
 
-    def wgrad_stand_in(x, dy, w_shape, stride, padding, dilation):
+    def wgrad_stand_in(x, dy, w_shape, stride, padding, dilation, groups=1):
         seen.append(("wgrad", x.shape, dy.shape, w_shape, type(x)))
         assert x.is_contiguous() and dy.is_contiguous()
         dw = torch.nn.grad.conv2d_weight(x.permute(0, 3, 1, 2), (w_shape[0], w_shape[3], w_shape[1], w_shape[2]),
-                                         dy.permute(0, 3, 1, 2), stride, padding, dilation)
+                                         dy.permute(0, 3, 1, 2), stride, padding, dilation, groups)
         return dw.permute(0, 2, 3, 1).contiguous()
 
     lesson06 = common.load_lesson("06-conv-backward")
@@ -176,5 +176,30 @@ def test_operator_gradients_on_lesson06_match_torch(lesson06_backend, N, H, W, C
     # (~4e-3 relative), so its error grows like sqrt(K) times the typical term; relative to the
     # gradient's own scale 3e-2 leaves room (the forward tests use 2e-2 for one rounding).
     for got, want in zip(grads[:2], expected[:2]):
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2 * scale)
+
+
+@needs_gpu
+@pytest.mark.parametrize("Ci, Co, groups, stride, runs_ours", [
+    (256, 256, 2, 1, True),          # 128 -> 128 per group: both gradients on lesson 06
+    (128, 256, 2, 2, True),          # 64 -> 128 per group, stride 2: dgrad's phases as grouped convs
+    (72, 72, 3, 1, False),           # RegNetY-3.2GF's 24 per group: torch's, with the warning
+])
+def test_grouped_convs_take_lesson06_where_their_groups_fit(lesson06_backend, Ci, Co, groups, stride, runs_ours):
+    gen = torch.Generator().manual_seed(Ci + Co + groups)
+    x = torch.randn(2, Ci, 14, 13, generator=gen).cuda().bfloat16().to(memory_format=torch.channels_last)
+    w = (torch.randn(Co, Ci // groups, 3, 3, generator=gen) * (9 * Ci // groups) ** -0.5).cuda().bfloat16()
+    x, w = x.requires_grad_(), w.to(memory_format=torch.channels_last).requires_grad_()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.ops.conv_tutorial.conv2d(x, w, None, [stride] * 2, [1, 1], [1, 1], groups)
+        grads = torch.autograd.grad(out.float().square().sum(), (x, w))
+    fell_back = [str(c.message) for c in caught if "backward" in str(c.message)]
+    assert (not fell_back) == runs_ours, fell_back
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    expected = torch.autograd.grad(torch.nn.functional.conv2d(x64, w64, None, stride, 1, 1, groups).square().sum(),
+                                   (x64, w64))
+    for got, want in zip(grads, expected):           # the tolerance of the test above, for the same reason
         scale = want.abs().max().item()
         torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2 * scale)

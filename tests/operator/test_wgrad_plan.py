@@ -81,13 +81,14 @@ class StandInLaunch:
         dY whose other pixels are zeroed."""
         for desc in (dy_desc, x_desc):        # TMA reads the descriptor's shape from its base address
             assert list(desc.base.shape) == list(desc.shape) and desc.base.is_contiguous()
-        x = x_desc.base[..., :shape.Ci]
-        g = common.conv_geometry(x.shape, (shape.Co, shape.taps // shape.S, shape.S, shape.Ci),
+        groups = shape.Co // shape.Co_group
+        x = x_desc.base[..., :groups * shape.Ci_group]
+        g = common.conv_geometry(x.shape, (shape.Co, shape.taps // shape.S, shape.S, shape.Ci_group),
                                  (shape.stride_h, shape.stride_w), (shape.pad_h, shape.pad_w),
-                                 (shape.dil_h, shape.dil_w))
+                                 (shape.dil_h, shape.dil_w), groups)
         dy_2d, block_k = dy_desc.base[:, :shape.Co].float(), dy_desc.block_shape[0]
         if isinstance(partial, int):
-            partial = at_address(partial, torch.float32, shape.split_k * shape.Co * shape.taps * shape.Ci)
+            partial = at_address(partial, torch.float32, shape.split_k * shape.Co * shape.taps * shape.Ci_group)
         partial = partial.view(shape.split_k, shape.Co, -1)
         for split in range(shape.split_k):
             k_begin, k_end = split * shape.k_blocks // shape.split_k, (split + 1) * shape.k_blocks // shape.split_k
@@ -113,15 +114,15 @@ def stand_ins(monkeypatch):
         except ValueError as error:
             if "CUDA GPU" not in str(error):
                 raise
-            return common.conv_geometry(tuple(x_shape), tuple(w_shape), stride, padding, dilation)
+            return common.conv_geometry(tuple(x_shape), tuple(w_shape), stride, padding, dilation, groups)
     monkeypatch.setattr(lesson06, "check_backward_call", checked_but_on_a_cpu)
     return StandInLaunch
 
 
-def small_integer_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype=torch.float16, seed=0):
+def small_integer_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype=torch.float16, seed=0, groups=1):
     """x, w, dY of small integers: every product and sum below is exact in fp32 and in fp16 (|dW| < 2048)."""
     x, w, dy, g = lesson06.backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, torch.float32, seed,
-                                           device_name="cpu")
+                                           device_name="cpu", groups=groups)
     x, dy = ((t * 2).round().clamp(-2, 2).to(dtype) for t in (x, dy))
     return x, w, dy, g
 
@@ -146,6 +147,17 @@ def test_two_calls_of_one_shape_give_their_own_dw(stand_ins, N, H, W, Ci, Co, R,
         assert dw.shape == w.shape and dw.dtype == x.dtype
         assert torch.equal(dw.float(), expected_dw(x, w, dy, g))       # integers: exact
     assert [len(made.calls) for made in stand_ins.made] == [1, 1]     # one plan: two first launches, one call each
+
+
+def test_a_grouped_conv_runs_through_the_plan(stand_ins):
+    # two groups of 8 -> 64 channels: each tile's boxes start at its group's first channel of x
+    for seed in (0, 1):
+        x, w, dy, g = small_integer_inputs(2, 9, 8, 16, 128, 3, 3, 2, 1, 1, seed=seed, groups=2)
+        dw = wgrad.conv2d_weight_grad(x, dy, w.shape, 2, 1, 1, groups=2)
+        assert dw.shape == w.shape == (128, 3, 3, 8)
+        assert torch.equal(dw.float(), expected_dw(x, w, dy, g))
+    plan, = wgrad._PLANS.values()
+    assert plan.template.shape.Co_group == 64 and plan.template.shape.Ci_group == 8
 
 
 def test_the_plan_is_built_once_per_shape(stand_ins):
@@ -236,8 +248,8 @@ def test_the_operators_backward_runs_the_plan(stand_ins, monkeypatch):
     """conv_tutorial.set_backward("lesson06") on a CPU with the stand-ins: dW through the plan (dgrad's
     phases with torch's conv for each phase's kernel), an NCHW-shaped channels_last gradient."""
     monkeypatch.setattr(backward, "lesson06_reason", lambda *args: None)
-    monkeypatch.setattr(backward, "_fprop", lambda dy, w_phase, padding, dilation: torch.nn.functional.conv2d(
-        dy.permute(0, 3, 1, 2), w_phase.permute(0, 3, 1, 2), None, 1, padding, dilation).permute(0, 2, 3, 1))
+    monkeypatch.setattr(backward, "_fprop", lambda dy, w_phase, padding, dilation, groups=1: torch.nn.functional.conv2d(
+        dy.permute(0, 3, 1, 2), w_phase.permute(0, 3, 1, 2), None, 1, padding, dilation, groups).permute(0, 2, 3, 1))
     before = backward.backward_backend()
     conv_tutorial.set_backward("lesson06")
     try:
