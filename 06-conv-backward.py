@@ -14,7 +14,7 @@ What you will learn:
   reach the tensor cores transposed relative to the forward pass (what WGMMA and tcgen05 allow
   for that, and where the PTX shows it);
 - the stride folded into the channels (space-to-depth) where a strided conv has few channels,
-  as ResNet-50's stem does;
+  as ResNet-50's stem does; grouped convs where a tile keeps to one group;
 - split-K over the pixels with fp32 partial sums, added in a fixed order by a second kernel, so
   that the filter's gradient comes out the same, bit for bit, on every run;
 - both mappings in plain PyTorch on a CPU, checked against torch's own gradients.
@@ -829,6 +829,18 @@ def test_split_k_sum_adds_the_slices_in_order():
 # CPU model use it): x with its channels padded to 16 bytes (lesson 04) and its im2col descriptor,
 # dY as a 2-D [pixels, Co] tensor and its tiled descriptor (Co padded the same way where needed),
 # the slices, the workspace and the persistent grid.
+#
+# Grouped convs (lesson 05, section 10) take one line more. Group k's filters read only x's
+# channels k*Ci/groups ... (k+1)*Ci/groups - 1, so dW is groups small wgrads side by side: rows
+# co of dW (a tile's M) belong to group co // (Co/groups), and a tile's im2col boxes start at that
+# group's first channel, `group_channel(co0)` of lesson 05's window, plus the tile's own c0. A tile
+# must not straddle two groups, so Co/groups must be a multiple of the tile's 64 or 128 rows, and
+# Ci/groups of 8 (boxes start on 16-byte channel boundaries); a channel block wider than
+# Ci/groups reads the next group's first channels, which the store masks. dgrad needs no new code:
+# swapping the channel axes within each group (section 2's `dgrad_by_phases`) makes each phase a
+# grouped conv of dY, Co/groups channels in and Ci/groups out, which lesson 05's kernel runs where
+# its tiles keep to one group. `backward_groups_reason` says which grouped convs each launcher
+# takes; RegNetY-3.2GF's groups of 24 channels fit neither.
 
 
 class WgradConfig(NamedTuple):
@@ -1667,7 +1679,9 @@ if __name__ == "__main__" and on_gpu and args.bench:
 #   the 7x7 layers. Their dX has 128 x 7 x 7 = 6272 pixels, 49 rows of tiles: the 3x3 and the
 #   512->2048 1x1 make 196 tiles, 1.5 waves of 132 SMs; the 2048->512 1x1 makes 784, but each has
 #   8 k-steps only (not profiled).
-# - No grouped or depthwise convs, no fp8 (section 3).
+# - Grouped convs only where a tile keeps to one group (64 or more output channels per group for
+#   wgrad; section 6), no depthwise convs, no fp8 (section 3). The grouped gradients match torch on
+#   an H100 (three layers, both gradients, and the operator's on two more); not timed.
 #
 # Next: the operator (`conv_tutorial`) takes its conv gradients from these launchers with
 # `conv_tutorial.set_backward("lesson06")` (NHWC views of its channels_last tensors, torch for what
