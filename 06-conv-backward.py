@@ -38,6 +38,7 @@ Tests: pytest 06-conv-backward.py
 # %%
 import collections
 import dataclasses
+import functools
 import math
 import re
 from typing import NamedTuple
@@ -240,7 +241,6 @@ def test_grouped_dgrad_swaps_channels_within_each_group(Ci, Co, groups, stride):
     # grouped: dY's group k of Co / groups channels makes dX's group k of Ci / groups, through the
     # flipped filters of that group alone (a grouped forward conv of dY)
     run_dgrad_mapping(2, 9, 8, Ci, Co, 3, 3, stride, 1, 1, show=False, groups=groups)
-    run_dgrad_mapping(Ci=4, Co=8, R=1, S=1, padding=1, show=False)     # padding past the filter: cropped
 
 
 # %%
@@ -439,9 +439,8 @@ def backward_groups_reason(geometry, kind):
     if g.groups == 1:
         return None
     if kind == "wgrad" and (g.Co_group % 64 or g.Ci_group % 8):
-        return (f"wgrad takes a grouped conv whose groups hold a multiple of 64 output channels and of 8 input "
-                f"channels (a tile's rows in one group, its boxes 16-byte aligned); got {g.Co_group} and "
-                f"{g.Ci_group} per group")
+        return (f"wgrad takes a grouped conv whose groups hold a multiple of 64 output channels (a tile's rows "
+                f"in one group) and of 8 input channels (section 6); got {g.Co_group} and {g.Ci_group} per group")
     if kind == "dgrad" and not lesson05.groups_fit(dgrad_config(g), g.Co_group, g.Ci_group):
         return (f"dgrad runs as lesson 05's grouped conv of dY, {g.Co_group} -> {g.Ci_group} channels per group, "
                 f"whose tiles must stay in one group (lesson 05, section 10: K blocks dividing {g.Co_group}, "
@@ -464,6 +463,7 @@ def conv2d_dgrad_launch(dy_nhwc, w, x_shape, stride=1, padding=0, dilation=1, gr
                                             groups=groups)
     fold = stride_fold(g, dy_nhwc.element_size())    # few channels at a stride: fold it (end of section 6)
     if fold is not None:
+        config = dgrad_config(fold.geometry)
         return unfold_input_grad(dgrad_by_phases(dy_nhwc, fold_weight(w, fold), fold.geometry, fprop), g, fold)
     return dgrad_by_phases(dy_nhwc, w, g, fprop)
 
@@ -830,13 +830,16 @@ def test_split_k_sum_adds_the_slices_in_order():
 # dY as a 2-D [pixels, Co] tensor and its tiled descriptor (Co padded the same way where needed),
 # the slices, the workspace and the persistent grid.
 #
-# Grouped convs (lesson 05, section 10) take one line more. Group k's filters read only x's
+# Grouped convs (lesson 05, section 10) take one line more in the kernel. Group k's filters read only x's
 # channels k*Ci/groups ... (k+1)*Ci/groups - 1, so dW is groups small wgrads side by side: rows
 # co of dW (a tile's M) belong to group co // (Co/groups), and a tile's im2col boxes start at that
 # group's first channel, `group_channel(co0)` of lesson 05's window, plus the tile's own c0. A tile
-# must not straddle two groups, so Co/groups must be a multiple of the tile's 64 or 128 rows, and
-# Ci/groups of 8 (boxes start on 16-byte channel boundaries); a channel block wider than
-# Ci/groups reads the next group's first channels, which the store masks. dgrad needs no new code:
+# must not straddle two groups, so Co/groups must be a multiple of the tile's 64 or 128 rows. We
+# also ask Ci/groups to be a multiple of 8, so that every box starts on a 16-byte channel boundary:
+# a choice, not a TMA rule we know of (TMA's documented alignment concerns the tensor's address,
+# its strides and the box's size; the start coordinate may be any integer, negative at a padded
+# edge), and the GPU runs so far had only such groups. A channel block wider than Ci/groups reads
+# the next group's first channels, which the store masks. dgrad needs no new kernel:
 # swapping the channel axes within each group (section 2's `dgrad_by_phases`) makes each phase a
 # grouped conv of dY, Co/groups channels in and Ci/groups out, which lesson 05's kernel runs where
 # its tiles keep to one group. `backward_groups_reason` says which grouped convs each launcher
@@ -1073,9 +1076,11 @@ def test_wgrad_kernel_arithmetic_on_the_tma_model(N, H, W, Ci, Co, R, S, stride,
 
 
 @pytest.mark.parametrize("Ci, Co, groups, config", [
-    (16, 32, 2, WgradConfig(16, 8, 8, num_buffers=2, split_k=3)),    # 8 -> 16 channels per group, a group 1 row tile
+    (16, 32, 2, WgradConfig(16, 8, 8, num_buffers=2, split_k=3)),    # 8 -> 16 channels per group: one row tile each
     (24, 64, 4, WgradConfig(16, 8, 8, num_buffers=2, split_k=2)),    # 6 per group: a box reads 2 of the next group's
-])                                                                   # channels, which the store masks
+                                                                     # channels, which the store masks
+    (32, 64, 2, WgradConfig(16, 8, 8, num_buffers=2, split_k=2)),    # 16 -> 32 per group: two row tiles and two
+])                                                                   # channel blocks in each group
 def test_wgrad_kernel_arithmetic_on_grouped_convs(Ci, Co, groups, config):
     run_wgrad_model(2, 6, 7, Ci, Co, 3, 3, 2, 1, 1, config, show=False, groups=groups)
 
@@ -1112,28 +1117,34 @@ if __name__ == "__main__":
 # %%
 # Few input channels at a stride: the stride folded into the channels
 # ---------------------------------------------------------------------
-# One layer of ResNet-50 fits these tiles badly: the stem, 7x7 at stride 2 on 3 channels. TMA
-# moves rows of 16 bytes, so 3 bf16 channels travel as 8, and a wgrad tile holds 16 of them (the
-# smallest `block_n`): 49 taps x 16 channels for 49 x 3 useful columns of dW, and dY read once
-# per tap. dgrad fares no better: its phases (section 2) run 49 taps in four launches, each
-# writing 3 channels padded to 8.
+# One layer of ResNet-50 fits these tiles badly: the stem, 7x7 at stride 2 on 3 channels. A
+# pixel's channels must span a multiple of 16 bytes for TMA, so 3 bf16 channels travel as 8, and
+# a wgrad tile holds 16 of them (the smallest `block_n`, its "channel box"): 49 taps x 16 channels
+# for 49 x 3 useful columns of dW, and dY read once per tap. dgrad fares no better: its phases
+# (section 2) run 49 taps in four launches, whose convs write 3 channels in tiles 64 columns wide
+# (`dgrad_config`): 3 of 64 columns do useful work.
 #
-# A stride s can be folded into the channels ("space-to-depth"). Pad x by ph above (and enough
-# below), cut the rows into groups of s, and stack each group's s rows as channels: row I of the
-# folded input holds padded rows s*I ... s*I + s - 1. Then, along one axis, with tap r = s*a + b::
+# A stride s can be folded into the channels ("space-to-depth"). Pad x by ph rows above and cut
+# the rows into groups of s, stacking each group's s rows as channels: row I of the folded input
+# holds padded rows s*I ... s*I + s - 1. Then, along one axis, with tap r = s*a + b::
 #
 #     y[oy] = sum over r of w[r] * x_padded[s*oy + r]
 #           = sum over a, b of w[s*a + b] * x_padded[s*(oy + a) + b]  =  sum over a of w'[a] . x'[oy + a]
 #
-# a stride-1 conv without padding, of ceil(R/s) taps, on s*Ci channels (taps past R get weight 0).
-# Folded along both axes, the stem becomes a 4x4 conv on 2*2*3 = 12 channels: 16 taps of one
-# 16-channel box where there were 49. Its gradients are the folded conv's gradients, unfolded:
-# dW' back to [Co, R, S, Ci] (dropping the zero taps), dX' back to rows and columns (dropping the
-# padding's rows). Both launchers fold where it at least halves `folded_cost`, the columns of MMA
-# work a tile spends per output channel (taps x the channel box): the fold itself costs a copy or
-# two of x (wgrad) and of dX' (dgrad), so a small saving is not worth it. ResNet-50 folds its stem
-# only.
-# Dilation stays unfolded: a dilated tap's rows are not neighbours.
+# a stride-1 conv without padding, of R' = ceil(R/s) taps, on s*Ci channels (taps past R get
+# weight 0). Its output rows oy = 0 ... out_h - 1 read folded rows up to out_h + R' - 2, so the
+# folded input has H' = out_h + R' - 1 rows: s*H' padded rows, ph above x and s*H' - H - ph below
+# (a negative count cuts x's last rows, which no output reads). Folded along both axes, the stem
+# becomes a 4x4 conv on 2*2*3 = 12 channels: 16 taps of one 16-channel box where there were 49.
+# The fold only re-indexes x and adds zeros, so the gradients are the folded conv's, re-indexed
+# back: dW' to [Co, R, S, Ci] (dropping the zero taps), dX' to rows and columns (dropping the
+# padding's rows; rows the cut removed get 0). Both launchers fold where it at least halves
+# `folded_cost`, the columns of MMA work a wgrad tile spends per output channel (taps x the
+# channel box): the fold itself costs copies of x (wgrad) and of dX' (dgrad), so a small saving
+# is not worth it. The rule is wgrad's; dgrad, whose tiles are wider (64 columns), would gain from
+# more folds than it takes (a 7x7 stride-2 conv on 16 channels: 49 -> 16 taps), not measured
+# here. ResNet-50 folds its stem only. Dilation stays unfolded: a dilated tap's rows are not
+# neighbours.
 
 
 class StrideFold(NamedTuple):
@@ -1148,8 +1159,8 @@ def channel_box(Ci, element_size=2):
     return max(16, triton.next_power_of_2(-(-Ci * element_size // 16) * 16 // element_size))
 
 
-def folded_cost(R, S, Ci):
-    return R * S * channel_box(Ci)
+def folded_cost(R, S, Ci, element_size=2):
+    return R * S * channel_box(Ci, element_size)
 
 
 def stride_fold(geometry, element_size=2):
@@ -1160,7 +1171,7 @@ def stride_fold(geometry, element_size=2):
     if g.groups != 1 or g.dilation != (1, 1) or g.stride == (1, 1):
         return None
     R2, S2 = -(-g.R // sh), -(-g.S // sw)
-    if 2 * folded_cost(R2, S2, sh * sw * g.Ci) > folded_cost(g.R, g.S, g.Ci):
+    if 2 * folded_cost(R2, S2, sh * sw * g.Ci, element_size) > folded_cost(g.R, g.S, g.Ci, element_size):
         return None
     H2, W2 = g.out_h + R2 - 1, g.out_w + S2 - 1            # the folded input's rows and columns
     lanes = 16 // element_size
@@ -1218,17 +1229,20 @@ def run_stride_fold(show=True):
     dw = unfold_weight_grad(wgrad_reference(x_folded, dy, fold.geometry), g, fold)
     dx = unfold_input_grad(dgrad_by_phases(dy, w_folded, fold.geometry, reference_fprop), g, fold)
     if show:
-        print(f"{g.describe()}\n  folds into {fold.geometry.describe()} (pads {fold.pads}); "
+        print(f"\n{g.describe()}\n  folds into {fold.geometry.describe()} (pads {fold.pads}); "
               f"MMA columns per output channel: {folded_cost(g.R, g.S, g.Ci)} -> "
               f"{folded_cost(fold.geometry.R, fold.geometry.S, fold.Ci_padded)}")
         print(f"  largest difference from torch.nn.grad: dW {(dw - expected_dw).abs().max():.2e}, "
               f"dX {(dx - expected_dx).abs().max():.2e}")
-    return (dx, expected_dx), (dw, expected_dw)
+    torch.testing.assert_close(dw, expected_dw, rtol=1e-4, atol=1e-4)     # fp32, two summation orders
+    torch.testing.assert_close(dx, expected_dx, rtol=1e-4, atol=1e-4)
+    return dx, dw
 
 
 @pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding", [
-    (2, 20, 18, 3, 8, 7, 7, 2, 3),            # the stem, odd-sized
-    (1, 23, 17, 3, 5, 7, 7, 2, 3),            # the stem, odd sizes: the last rows cut
+    (2, 20, 18, 3, 8, 7, 7, 2, 3),            # the stem
+    (1, 23, 17, 3, 5, 7, 7, 2, 3),            # the stem, odd sizes: pads (3, 4, 3, 4)
+    (1, 11, 13, 2, 5, 4, 3, (2, 3), 0),       # no padding: pads (0, -1, 0, -1), x's last row and column cut
     (2, 11, 12, 3, 4, 3, 3, 2, 1),            # 3x3 stride 2 on an RGB image
     (1, 13, 10, 1, 6, 5, 3, (3, 2), (2, 0)),  # per-axis stride and padding, one channel
     (1, 16, 15, 1, 3, 4, 4, 4, 5),            # stride 4, padding past the filter
@@ -1254,7 +1268,7 @@ def test_folded_gradients_match_torch(N, H, W, Ci, Co, R, S, stride, padding):
     (3, 7, 2, 1, True),      # the stem: 49 x 16 columns -> 16 x 16
     (3, 3, 2, 1, True),      # 9 x 16 -> 4 x 16
     (8, 3, 2, 1, False),     # 9 x 16 -> 4 x 32: less, but not half
-    (64, 3, 2, 1, False),    # ResNet-50's 3x3 stride 2: 9 x 64 < 4 x 256
+    (128, 3, 2, 1, False),   # ResNet-50's first 3x3 stride 2: 9 x 128 < 4 x 512
     (3, 1, 2, 1, False),     # 1x1: nothing to fold (1 x 16 either way)
     (3, 7, 1, 1, False),     # stride 1
     (3, 7, 2, 2, False),     # dilation 2
@@ -1266,14 +1280,18 @@ def test_stride_fold_where_it_pays(Ci, R, stride, dilation, folds):
 
 # %%
 # wgrad goes one step further. A tile of the folded stem is still one tap's 16 channels, so the
-# kernel reads dY once per tap, 16 times over, for MMAs 16 columns wide. A stride-1 conv without
-# padding can move its column taps into the channels as well, as the operator's forward pass does
-# for the stem (lesson 05, section 8): lesson 02's im2col along one axis,
-# x''[n, y, x, (s, c)] = x'[n, y, x + s, c], a copy S' times the size of x'. The conv of x'' with
-# R' x 1 taps is the same conv, and its dW'' is dW' with the (s, c) axis split in two. The folded
-# stem's 4 x 16 channels make one 64-channel tile per row of taps: dY is read 4 times, by MMAs
-# 64 columns wide. dgrad does not take this step: its dX'' would have to be added back into dX'
-# (the windows overlap), where the fold's dX' is only moved.
+# kernel reads dY once per tap, 16 times over, for MMAs 16 columns wide. A conv can move its
+# column taps (the S taps s of one filter row r) into the channels as well, as the operator's
+# forward pass does for the stem (lesson 05, section 8, at any stride and padding). The folded
+# conv has stride 1 and no padding, so here it is lesson 02's im2col along one axis with
+# `Tensor.unfold`: x''[n, y, x, (s, c)] = x'[n, y, x + s, c], a copy S' times the size of x'. The
+# conv of x'' with R' x 1 taps is the same conv, and its dW'' is dW' with the (s, c) axis split in
+# two. The folded stem's 4 x 16 channels make one 64-channel tile per row of taps: dY is read 4
+# times instead of 16, by MMAs 64 columns wide, for the same MMA columns (4 x 16 = 64). The gain
+# is fewer reads of dY and wider MMAs, paid for with the larger copy of x; `wgrad_problem` takes
+# the step after a fold only (the case measured) and only where it adds no MMA columns. dgrad does
+# not take it: its dX'' would have to be added back into dX' (the windows overlap), where the
+# fold's dX' is only moved.
 
 
 class WgradProblem(NamedTuple):
@@ -1285,12 +1303,13 @@ class WgradProblem(NamedTuple):
 
 def wgrad_problem(geometry, element_size=2):
     """What conv wgrad's kernel runs for the conv `geometry`: folded where stride_fold says so; then,
-    at stride 1 without padding or dilation, the column taps in the channels where one tap's channel
-    box is 32 or less and a row of taps fits a box of 128. Arithmetic on the shape alone."""
+    after a fold, its column taps in the channels where that adds no MMA columns (S boxes of the
+    folded channels hold at least one box of S times as many) and a row of taps fits a box of 128.
+    Arithmetic on the shape alone."""
     fold = stride_fold(geometry, element_size)
     g = geometry if fold is None else fold.geometry
-    if (g.stride, g.padding, g.dilation, g.groups) != ((1, 1), (0, 0), (1, 1), 1) or g.S == 1 or \
-            channel_box(g.Ci, element_size) > 32 or channel_box(g.S * g.Ci, element_size) > 128:
+    box = functools.partial(channel_box, element_size=element_size)
+    if fold is None or g.S == 1 or box(g.S * g.Ci) > min(128, g.S * box(g.Ci)):
         return WgradProblem(g, fold, 0)
     widened = common.conv_geometry((g.N, g.H, g.W - g.S + 1, g.S * g.Ci), (g.Co, g.R, 1, g.S * g.Ci), 1, 0, 1)
     return WgradProblem(widened, fold, g.S)
@@ -1317,9 +1336,10 @@ def wgrad_result(dw_run, geometry, problem):
 
 @pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, taps_in_channels", [
     (2, 20, 18, 3, 8, 7, 7, 2, 3, 4),       # the stem: folded, then 4 column taps of 16 channels in one box of 64
-    (1, 12, 11, 8, 5, 3, 3, 1, 0, 3),       # unfolded, unpadded: 3 taps of 8 channels
-    (1, 12, 11, 8, 5, 3, 3, 1, 1, 0),       # padded: left alone
-    (1, 12, 11, 64, 5, 3, 3, 1, 0, 0),      # 64 channels: a tap fills a tile already
+    (2, 11, 12, 3, 4, 3, 3, 2, 1, 2),       # 3x3 stride 2 on RGB: folded to 2x2 taps of 16, then 2 x 16 in one box
+    (1, 12, 11, 8, 5, 3, 3, 1, 0, 0),       # not folded: left alone (the step follows a fold only)
+    (1, 15, 13, 3, 4, 5, 5, 2, 2, 0),       # 5x5 stride 2 on RGB: folded to 3x3 taps of 16; a row of taps,
+                                            # 3 x 16 columns, would take a box of 64: left folded only
 ])
 def test_wgrad_problem_gives_torchs_dw(N, H, W, Ci, Co, R, S, stride, padding, taps_in_channels):
     x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, 1, torch.float32, device_name="cpu")
@@ -1534,6 +1554,7 @@ def test_backward_matches_torch(kind, N, H, W, Ci, Co, R, S, stride, padding, di
     (2, 14, 14, 256, 256, 3, 3, 1, 1, 2),          # 128 channels per group
     (2, 15, 13, 128, 256, 3, 3, 2, 1, 2),          # 64 -> 128 per group, stride 2: four phases
     (2, 9, 10, 256, 512, 1, 1, 1, 0, 4),           # 1x1, four groups of 64 -> 128
+    (2, 8, 8, 512, 512, 3, 3, 1, 1, 2),            # 256 per group: two tiles along each group's rows and columns
 ])
 def test_grouped_backward_matches_torch(kind, N, H, W, Ci, Co, R, S, stride, padding, groups):
     check_backward(kind, N, H, W, Ci, Co, R, S, stride, padding, groups=groups)
