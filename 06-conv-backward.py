@@ -893,7 +893,7 @@ class WgradLaunch(NamedTuple):
 def padded_to_16_bytes(t):
     # t with its last dimension zero-padded to a multiple of 16 bytes, lesson 04's rule for TMA rows
     extra = -t.shape[-1] % (16 // t.element_size())
-    return torch.nn.functional.pad(t, (0, extra)).contiguous() if extra else common.tma_view(t)
+    return torch.nn.functional.pad(t, (0, extra)).contiguous() if extra else common.canonical_strides(t)
 
 
 def wgrad_tiles(geometry, config):

@@ -487,8 +487,8 @@ def reference_conv2d_nhwc(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1,
     result is cast to `out_dtype` (default: the input dtype)."""
     stride, padding, dilation = (pair(stride, "stride", 1), pair(padding, "padding", 0),
                                  pair(dilation, "dilation", 1))
-    x_nchw = x_nhwc.permute(0, 3, 1, 2).float()
-    w_kcrs = w.permute(0, 3, 1, 2).float()
+    x_nchw = canonical_strides(x_nhwc.permute(0, 3, 1, 2).float())     # (Ci = 1: see canonical_strides)
+    w_kcrs = canonical_strides(w.permute(0, 3, 1, 2).float())
     # cuDNN would use TF32 (10-bit mantissa) for fp32 convolutions by default: not a reference.
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
         out = torch.nn.functional.conv2d(x_nchw, w_kcrs, None if bias is None else bias.float(),
@@ -1150,11 +1150,13 @@ def conv_im2col_settings(geometry: ConvGeometry) -> ConvIm2ColSettings:
     return ConvIm2ColSettings(g, (1, g.stride[0], g.stride[1], 1), lower, upper)
 
 
-def tma_view(t):
+def canonical_strides(t):
     """t itself, or, where a dimension of size 1 carries an odd stride, the same elements with a
-    contiguous tensor's strides. PyTorch lets a size-1 dimension hold any stride and still calls the
-    tensor contiguous (an NCHW [N, C, 1, 1] tensor seen as NHWC has strides (C, 1, 1, 1)); a TMA
-    descriptor checks every stride for 16-byte alignment, though a size-1 dimension's is never used."""
+    contiguous tensor's strides (a view: no copy). PyTorch lets a size-1 dimension hold any stride
+    and still calls the tensor contiguous, so `.contiguous()` keeps it (an NCHW [N, C, 1, 1] tensor
+    seen as NHWC has strides (C, 1, 1, 1)). A TMA descriptor checks every stride for 16-byte
+    alignment, though a size-1 dimension's is never used; and torch 2.14's CPU conv2d returned
+    garbage for an NHWC input of 1 channel seen as NCHW (strides (54, 1, 6, 1) for [1, 1, 9, 6])."""
     if not t.is_contiguous():
         return t
     strides = [1] * t.dim()
@@ -1168,12 +1170,12 @@ def pad_channels_for_tma(x_nhwc, w):
 
     Returns (x_nhwc, w, Ci_padded). Zero channels add zero products, so the convolution is unchanged;
     the copy costs one pass over the input and happens only when Ci is misaligned (e.g. Ci=3).
-    Aligned tensors come back as `tma_view`s of themselves (no copy)."""
+    Aligned tensors come back as `canonical_strides`s of themselves (no copy)."""
     lanes = 16 // x_nhwc.element_size()
     Ci = x_nhwc.shape[-1]
     Ci_padded = -(-Ci // lanes) * lanes
     if Ci_padded == Ci:
-        return tma_view(x_nhwc), tma_view(w), Ci
+        return canonical_strides(x_nhwc), canonical_strides(w), Ci
     pad = (0, Ci_padded - Ci)
     return (torch.nn.functional.pad(x_nhwc, pad).contiguous(),
             torch.nn.functional.pad(w, pad).contiguous(), Ci_padded)

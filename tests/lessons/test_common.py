@@ -128,17 +128,17 @@ def test_a_pytorch_layout_weight_gets_the_permute_that_fixes_it():
 
 
 
-def test_tma_view_gives_size_one_dimensions_a_contiguous_tensors_strides():
+def test_canonical_strides_gives_size_one_dimensions_a_contiguous_tensors_strides():
     # an NCHW [N, C, 1, 1] tensor (a squeeze-excitation conv's input) seen as NHWC: contiguous for
     # PyTorch, strides (C, 1, 1, 1); TMA would refuse the 2-byte strides of H and W
     x = torch.randn(4, 72, 1, 1).permute(0, 2, 3, 1)
     assert x.is_contiguous() and x.stride() == (72, 1, 1, 1)
-    view = common.tma_view(x)
+    view = common.canonical_strides(x)
     assert view.stride() == (72, 72, 72, 1) and view.data_ptr() == x.data_ptr() and torch.equal(view, x)
     same = torch.randn(2, 3, 4, 8)
-    assert common.tma_view(same) is same                              # already canonical: itself
+    assert common.canonical_strides(same) is same                              # already canonical: itself
     strided = same[:, :, ::2]
-    assert common.tma_view(strided) is strided                        # not contiguous: left to the caller's check
+    assert common.canonical_strides(strided) is strided                        # not contiguous: left to the caller's check
 
 
 def test_launches_build_descriptors_for_a_1x1_input_with_odd_strides():
@@ -151,3 +151,16 @@ def test_launches_build_descriptors_for_a_1x1_input_with_odd_strides():
     lesson05.prepare_launch(x, w, None, g, lesson05.FIXED_CONFIG, "sm_90", 132)
     dy = torch.randn(4, 24, 1, 1).bfloat16().permute(0, 2, 3, 1)
     lesson06.prepare_wgrad(x, dy, g, None, "sm_90", 132)
+
+
+def test_reference_conv_of_one_channel_matches_a_fresh_copy():
+    # torch 2.14's CPU conv2d returned garbage (up to 1e36) for this NHWC input of one channel seen
+    # as NCHW, strides (54, 1, 6, 1); the reference hands it canonical strides (common.canonical_strides)
+    torch.manual_seed(0)
+    x, w = torch.randn(1, 9, 6, 1), torch.randn(3, 7, 8, 1)
+
+    def fresh(t):        # the same values in new, NCHW-contiguous float64 memory
+        return torch.tensor(t.permute(0, 3, 1, 2).tolist(), dtype=torch.float64)
+    expected = torch.nn.functional.conv2d(fresh(x), fresh(w), None, (1, 3), 2).permute(0, 2, 3, 1)
+    got = common.reference_conv2d_nhwc(x, w, None, (1, 3), 2, out_dtype=torch.float32)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
