@@ -10,10 +10,10 @@ geometric means, and a training step at 0.96x torch.compile's with CUDA graphs (
 3.2GF 0.94x), 0.59x without (ResNet-50: host time). With "lesson06", each gradient a call needs
 runs on the lesson's kernels where they cover the call (fp16 or bf16; groups 1, or groups whose
 channels the kernels' tiles keep to; input, weight and gradient on one Hopper or data-centre
-Blackwell GPU): dgrad as lesson 06's phases (or, with few channels at a
-stride, its folded conv), each a conv through this package's runtime; wgrad as lesson 06's
-kernel through a plan per shape (wgrad.py). Elsewhere torch's convolution_backward computes it,
-with one warning per reason, and `backward_fallbacks()` counts every such gradient: what a model's backward left to torch, and why.
+Blackwell GPU): dgrad as lesson 06's phases (or, with few channels at a stride, its folded conv),
+each a conv through this package's runtime; wgrad as lesson 06's kernel through a plan per shape
+(wgrad.py). Elsewhere torch's convolution_backward computes it, with one warning per reason, and
+`backward_fallbacks()` counts every such gradient: what a model's backward left to torch, and why.
 `$CONV_TUTORIAL_BACKWARD` sets the choice for a process. Lesson 06 is loaded (kernel.lesson06) on
 the first call that uses it.
 """
