@@ -624,7 +624,8 @@ def wgrad_loader_partition(dy_desc, x_desc, ring, schedule, window):
             # B = im2col_load(x, [n, y, x, c0], offsets=[r*dh, s*dw]); grouped, c0 counts from the group's first
             # channel (lesson 05's section 10)
             x_channel = window.group_channel(work.co0) + work.c0
-            tma.async_load_im2col(x_desc, [n, y, x, x_channel], offsets, ring.ready.index(slot), ring.x_bufs.index(slot))
+            tma.async_load_im2col(x_desc, [n, y, x, x_channel], offsets, ring.ready.index(slot),
+                                  ring.x_bufs.index(slot))
             state = state.next()
 
 
