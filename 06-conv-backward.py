@@ -612,6 +612,8 @@ def wgrad_loader_partition(dy_desc, x_desc, ring, schedule, window):
     for unit in range(gl.program_id(0), schedule.num_units(), gl.num_programs(0)):
         work = schedule.work(unit)
         offsets = tap_offsets(work.tap, schedule)
+        # the box's first channel: c0, counted from the group's first channel if grouped (section 6)
+        x_channel = window.group_channel(work.co0) + work.c0
         for k in range(work.k_begin, work.k_end):
             # a new box of pixels every k-step, so its origin every k-step (three integer divisions)
             p0 = k * BLOCK_K
@@ -621,9 +623,7 @@ def wgrad_loader_partition(dy_desc, x_desc, ring, schedule, window):
             mbarrier.expect(ring.ready.index(slot), stage_bytes)
             # A^T = load(dy2d, [p0, co0])
             tma.async_load(dy_desc, [p0, work.co0], ring.ready.index(slot), ring.dy_bufs.index(slot))
-            # B = im2col_load(x, [n, y, x, c0], offsets=[r*dh, s*dw]); grouped, c0 counts from the group's first
-            # channel (lesson 05's section 10)
-            x_channel = window.group_channel(work.co0) + work.c0
+            # B = im2col_load(x, [n, y, x, c0], offsets=[r*dh, s*dw])
             tma.async_load_im2col(x_desc, [n, y, x, x_channel], offsets, ring.ready.index(slot),
                                   ring.x_bufs.index(slot))
             state = state.next()
