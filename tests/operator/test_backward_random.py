@@ -1,9 +1,10 @@
 """The operator's backward on lesson 06's kernels (conv_tutorial.set_backward("lesson06")) against
 torch's float64 gradients over 208 random layers on a GPU: odd and non-square sizes from 1 to 40,
 Ci = 3 to 160, Co = 1 to 300, filters 1x1 to 7x7 with R and S apart, stride 1 to 3, padding and
-dilation per axis, fp16 and bf16, with and without ReLU. Every case lies where lesson 06 covers the
-call (fp16/bf16, groups 1, one Hopper or Blackwell GPU), so none may fall back to torch. On a CPU
-the GPU cases skip and one test checks what the generator draws.
+dilation per axis, fp16 and bf16, with and without ReLU; and 16 random grouped layers (2-4 groups of
+64-256 channels in and out). Every case lies where lesson 06 covers the call (fp16/bf16, groups 1
+or groups a tile keeps to, one Hopper or Blackwell GPU), so none may fall back to torch. On a CPU
+the GPU cases skip and two tests check what the generators draw.
 
 Cost: Triton specializes each shape integer the kernels take on being 1 or a multiple of 16, so
 208 distinct shapes compile about 770 kernel variants (the forward, the dgrad phases' convs and
@@ -67,6 +68,33 @@ def random_cases(count=208, seed=606):
 
 
 CASES = random_cases()
+
+
+class GroupedCase(collections.namedtuple("GroupedCase", "N H W groups Ci_group Co_group R S stride padding dtype")):
+    """A grouped layer whose groups both gradients take (64-256 channels per group)."""
+
+    @property
+    def id(self):
+        return (f"n{self.N}-{self.H}x{self.W}-g{self.groups}x{self.Ci_group}to{self.Co_group}-k{self.R}x{self.S}"
+                f"-s{self.stride[0]}x{self.stride[1]}-p{self.padding[0]}x{self.padding[1]}-{self.dtype}")
+
+
+def grouped_cases(count=16, seed=607):
+    """`count` distinct grouped layers: 2-4 groups of 64, 128 or 256 channels in and out, 1x1 to 3x3,
+    stride 1-2 per axis, odd sizes."""
+    rng, cases = random.Random(seed), []
+    while len(cases) < count:
+        R, S = rng.choice((1, 3)), rng.choice((1, 3))
+        case = GroupedCase(rng.randint(1, 2), rng.randint(3, 17), rng.randint(3, 17), rng.randint(2, 4),
+                           rng.choice((64, 128, 256)), rng.choice((64, 128, 256)), R, S,
+                           (rng.randint(1, 2), rng.randint(1, 2)), (rng.randint(0, R // 2), rng.randint(0, S // 2)),
+                           rng.choice(list(DTYPES)))
+        if case not in cases:
+            cases.append(case)
+    return cases
+
+
+GROUPED_CASES = grouped_cases()
 
 
 def test_random_cases_are_many_distinct_and_cover_the_awkward_shapes():
@@ -147,6 +175,51 @@ def test_random_layers_gradients_on_lesson06_match_torch(lesson06_backend, monke
     u = UNIT_ROUNDOFF[case.dtype]
     for name, got, want in zip(("dX", "dW", "db"), grads, expected):
         assert got.shape == want.shape, (name, got.shape, want.shape)
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got.double(), want, rtol=RTOL_UNITS * u, atol=ATOL_UNITS * u * scale,
+                                   msg=lambda text, name=name, scale=scale: f"{name} (max |ref| {scale:.3g}): {text}")
+
+
+def test_grouped_cases_fit_both_gradients():
+    """Runs on a CPU: every grouped case is one lesson 06 takes (so none may fall back below)."""
+    from conv_tutorial.kernel import lesson06
+    assert len(set(GROUPED_CASES)) == len(GROUPED_CASES) == 16
+    for case in GROUPED_CASES:
+        g = conv_geometry((case.N, case.H, case.W, case.groups * case.Ci_group),
+                          (case.groups * case.Co_group, case.R, case.S, case.Ci_group), case.stride, case.padding, 1,
+                          case.groups)
+        assert lesson06.backward_groups_reason(g, "wgrad") is None
+        assert lesson06.backward_groups_reason(g, "dgrad") is None
+    assert {case.stride for case in GROUPED_CASES} >= {(1, 1), (2, 2)}
+    assert {case.groups for case in GROUPED_CASES} >= {2, 3, 4}
+
+
+@needs_gpu
+@pytest.mark.parametrize("seed, case", [pytest.param(seed, case, id=case.id)
+                                        for seed, case in enumerate(GROUPED_CASES)])
+def test_random_grouped_layers_gradients_on_lesson06_match_torch(lesson06_backend, monkeypatch, seed, case):
+    """As above, grouped, without bias or activation: the tolerance above holds (K = Co/groups*R*S for
+    dX, N*P*Q for dW)."""
+    monkeypatch.setattr(ops, "_WARNED", set())
+    dtype, cl = DTYPES[case.dtype], torch.channels_last
+    gen = torch.Generator().manual_seed(1000 + seed)
+    x = torch.randn(case.N, case.groups * case.Ci_group, case.H, case.W, generator=gen)
+    x = x.cuda().to(dtype, memory_format=cl)
+    w = torch.randn(case.groups * case.Co_group, case.Ci_group, case.R, case.S, generator=gen)
+    w = (w * (case.R * case.S * case.Ci_group) ** -0.5).cuda().to(dtype, memory_format=cl)
+    x, w = x.requires_grad_(), w.requires_grad_()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.ops.conv_tutorial.conv2d(x, w, None, list(case.stride), list(case.padding), [1, 1], case.groups)
+        grads = torch.autograd.grad(out.float().square().sum(), (x, w))
+    fell_back = [str(c.message) for c in caught if "conv_tutorial::conv2d" in str(c.message)]
+    assert not fell_back, fell_back
+    x64, w64 = (t.detach().double().requires_grad_() for t in (x, w))
+    reference = torch.nn.functional.conv2d(x64, w64, None, case.stride, case.padding, 1, case.groups)
+    expected = torch.autograd.grad(reference.square().sum(), (x64, w64))
+    u = UNIT_ROUNDOFF[case.dtype]
+    for name, got, want in zip(("dX", "dW"), grads, expected):
+        assert got.shape == want.shape and got.dtype == dtype, (name, got.shape, got.dtype)
         scale = want.abs().max().item()
         torch.testing.assert_close(got.double(), want, rtol=RTOL_UNITS * u, atol=ATOL_UNITS * u * scale,
                                    msg=lambda text, name=name, scale=scale: f"{name} (max |ref| {scale:.3g}): {text}")
