@@ -24,7 +24,9 @@ ResNet-50 at batch 8, 96x96: a 1e-3 relative change of the input moves it by 80%
 the parameters; fp32 against fp64 differ by 2.6%), so every bf16 variant, eager's included, is far
 from fp32 there: compare a variant's figure with eager's, and the loss curves. Writes training.json
 ({"device", "torch", "triton", "rows": [{"net", "batch", "variant", "img_s", "loss_50", "losses",
-"grad_rel_err_median", "grad_rel_err_max"}]}) and training_loss.png (the loss per step of every variant) to --outdir.
+"grad_rel_err_median", "grad_rel_err_max", "backward_fallbacks"}]}; the last: with lesson 06's
+gradients chosen, the conv gradients torch computed instead, by reason, over all of the variant's
+steps) and training_loss.png (the loss per step of every variant) to --outdir.
 Each variant runs in this process one after the other; `--smoke` runs a tiny network on a CPU (the
 operator falls back to torch there) to check the script itself.
 """
@@ -169,12 +171,14 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False   # the fp32 reference
     if args.steps <= args.warmup:
         raise ValueError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): no step would be timed")
+    import conv_tutorial
     rows = []
     for net in nets:
         fp32_model = initial_model(net)
         data = batches(args.steps, args.batch, size, classes, device)
         reference = first_step_gradients(None, fp32_model, *data[0], device)
         for variant in variants:
+            conv_tutorial.reset_backward_fallbacks()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 torch._dynamo.reset()
@@ -182,10 +186,14 @@ def main(argv=None):
                 error = gradient_error(first_step_gradients(variant, fp32_model, *data[0], device), reference)
             row = {"net": net, "batch": args.batch, "variant": variant,
                    "img_s": args.batch / statistics.median(seconds), "loss_50": losses[-1], "losses": losses,
-                   "grad_rel_err_median": error[0], "grad_rel_err_max": error[1]}
+                   "grad_rel_err_median": error[0], "grad_rel_err_max": error[1],
+                   "backward_fallbacks": conv_tutorial.backward_fallbacks()}
             rows.append(row)
             print(f"  {net:<16} {variant:<22} {row['img_s']:8.0f} img/s   loss after {len(losses)} steps "
                   f"{losses[-1]:.4f}   first step's gradients: rel. error median {error[0]:.1e}, largest {error[1]:.1e}", flush=True)
+            if row["backward_fallbacks"]:
+                print(f"  {net} {variant}: conv gradients left to torch, by reason: {row['backward_fallbacks']}",
+                      flush=True)
             if not all(math.isfinite(v) for v in losses):
                 print(f"  {net} {variant}: the loss is not finite", flush=True)
     outdir = common.output_dir(args.outdir)

@@ -25,6 +25,15 @@ def test_smoke_run_writes_rows_and_plot(tmp_path):
     assert (tmp_path / "training_loss.png").exists()
 
 
+def test_rows_count_the_gradients_left_to_torch(tmp_path):
+    # on a CPU lesson 06's kernels cover nothing: every conv gradient of "ours-lesson06" is torch's, counted
+    rows = training.main(["--smoke", "--batch", "2", "--steps", "2", "--warmup", "1", "--variants", "ours",
+                          "ours-lesson06", "--outdir", str(tmp_path)])
+    assert rows[0]["backward_fallbacks"] == {}                 # torch's backward chosen: nothing fell back
+    (reason, count), = rows[1]["backward_fallbacks"].items()
+    assert "cpu" in reason and count > 0
+
+
 def test_plot_draws_every_variant(tmp_path):
     rows = [{"net": "resnet50", "batch": 8, "variant": variant, "losses": [7.0 + 0.01 * i, 6.9, 6.95]}
             for i, variant in enumerate(training.VARIANTS)]
