@@ -456,16 +456,22 @@ def conv2d_dgrad_launch(dy_nhwc, w, x_shape, stride=1, padding=0, dilation=1, gr
     g = check_backward_call({"dy_nhwc": dy_nhwc, "w": w}, x_shape, getattr(w, "shape", None), stride, padding,
                             dilation, groups)
     common.require_tma_mma_gpu("conv2d_dgrad_launch")
-    config = dgrad_config(g)
+    fold = stride_fold(g, dy_nhwc.element_size())    # few channels at a stride: fold it (end of section 6)
+    config = dgrad_config(g if fold is None else fold.geometry)
 
     def fprop(dy, w_phase, padding, dilation, groups):
         return lesson05.conv2d_fprop_launch(dy, w_phase, padding=padding, dilation=dilation, config=config,
                                             groups=groups)
-    fold = stride_fold(g, dy_nhwc.element_size())    # few channels at a stride: fold it (end of section 6)
-    if fold is not None:
-        config = dgrad_config(fold.geometry)
-        return unfold_input_grad(dgrad_by_phases(dy_nhwc, fold_weight(w, fold), fold.geometry, fprop), g, fold)
-    return dgrad_by_phases(dy_nhwc, w, g, fprop)
+    return dgrad(dy_nhwc, w, g, fprop, fold)
+
+
+def dgrad(dy_nhwc, w, geometry, fprop, fold=None, phases=None):
+    """dX by `dgrad_by_phases`: of the conv `geometry`, or, given its `stride_fold`, of the folded
+    conv, unfolded (end of section 6). `phases`: dgrad_phases of the conv the phases run."""
+    if fold is None:
+        return dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases)
+    dx_folded = dgrad_by_phases(dy_nhwc, fold_weight(w, fold), fold.geometry, fprop, phases)
+    return unfold_input_grad(dx_folded, geometry, fold)
 
 
 # %%
@@ -856,11 +862,16 @@ class WgradConfig(NamedTuple):
     split_k: int = 0        # slices of the pixels; 0: choose_split_k's choice
 
 
+def channel_box(Ci, element_size=2):
+    # the channels a tile spends per tap: Ci padded to 16 bytes, rounded up to a power of two, 16 at least
+    return max(16, triton.next_power_of_2(-(-Ci * element_size // 16) * 16 // element_size))
+
+
 def wgrad_config(Co, Ci_padded, groups=1):
     # grouped (Co / groups a multiple of 64: check_backward_call), a tile's rows stay in one group
     Co_group = Co // groups
     block_m = 64 if Co_group <= 64 or (groups > 1 and Co_group % 128) else 128
-    return WgradConfig(block_m, min(128, max(16, triton.next_power_of_2(Ci_padded // groups))))
+    return WgradConfig(block_m, min(128, channel_box(Ci_padded // groups)))
 
 
 def check_wgrad_config(config, arch):
@@ -1155,11 +1166,6 @@ class StrideFold(NamedTuple):
     Ci_padded: int        # sh*sw*Ci rounded up to 16 bytes (zero channels: x's TMA row)
 
 
-def channel_box(Ci, element_size=2):
-    # the channels a tile spends per tap: Ci padded to 16 bytes, rounded up to a power of two, 16 at least
-    return max(16, triton.next_power_of_2(-(-Ci * element_size // 16) * 16 // element_size))
-
-
 def folded_cost(R, S, Ci, element_size=2):
     return R * S * channel_box(Ci, element_size)
 
@@ -1226,9 +1232,8 @@ def run_stride_fold(show=True):
     x, w, dy, g = backward_inputs(2, 20, 18, 3, 8, 7, 7, 2, 3, 1, torch.float32, device_name="cpu")
     fold = stride_fold(g, element_size=2)
     expected_dx, expected_dw = reference_gradients(x, w, dy, g)
-    x_folded, w_folded = fold_input(x, fold), fold_weight(w, fold)
-    dw = unfold_weight_grad(wgrad_reference(x_folded, dy, fold.geometry), g, fold)
-    dx = unfold_input_grad(dgrad_by_phases(dy, w_folded, fold.geometry, reference_fprop), g, fold)
+    dw = unfold_weight_grad(wgrad_reference(fold_input(x, fold), dy, fold.geometry), g, fold)
+    dx = dgrad(dy, w, g, reference_fprop, fold)         # the folded conv's phase, its dX' unfolded
     if show:
         print(f"\n{g.describe()}\n  folds into {fold.geometry.describe()} (pads {fold.pads}); "
               f"MMA columns per output channel: {folded_cost(g.R, g.S, g.Ci)} -> "
@@ -1260,7 +1265,7 @@ def test_folded_gradients_match_torch(N, H, W, Ci, Co, R, S, stride, padding):
     torch.testing.assert_close(common.reference_conv2d_nhwc(x_folded, w_folded, None, 1, 0, 1, out_dtype=torch.float32),
                                y, rtol=1e-4, atol=1e-4)
     dw = unfold_weight_grad(wgrad_reference(x_folded, dy, fold.geometry), g, fold)
-    dx = unfold_input_grad(dgrad_by_phases(dy, w_folded, fold.geometry, reference_fprop), g, fold)
+    dx = dgrad(dy, w, g, reference_fprop, fold)
     torch.testing.assert_close(dw, expected_dw, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(dx, expected_dx, rtol=1e-4, atol=1e-4)
 

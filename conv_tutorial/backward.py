@@ -155,14 +155,7 @@ def _input_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Te
         if plan is None:
             fold = lesson06.stride_fold(geometry, input.element_size())
             plan = _DGRAD_PLANS[geometry] = (fold, lesson06.dgrad_phases(geometry if fold is None else fold.geometry))
-        fold, phases = plan
-        if fold is None:
-            dx = lesson06.dgrad_by_phases(nhwc_view(grad_output), w_nhwc, geometry, _fprop, phases)
-        else:       # few channels at a stride (the stem): the folded conv's dX, unfolded
-            dx = lesson06.dgrad_by_phases(nhwc_view(grad_output), lesson06.fold_weight(w_nhwc, fold), fold.geometry,
-                                          _fprop, phases)
-            dx = lesson06.unfold_input_grad(dx, geometry, fold)
-        dx = dx.permute(0, 3, 1, 2)
+        dx = lesson06.dgrad(nhwc_view(grad_output), w_nhwc, geometry, _fprop, *plan).permute(0, 3, 1, 2)
     return dx.contiguous(memory_format=torch.channels_last)            # the layout the fake promises
 
 

@@ -90,7 +90,7 @@ def lesson06_stand_ins(lesson06_backend, monkeypatch):
 
     lesson06 = common.load_lesson("06-conv-backward")
     monkeypatch.setattr(kernel, "lesson06", types.SimpleNamespace(**{name: getattr(lesson06, name) for name in (
-        "dgrad_by_phases", "dgrad_phases", "stride_fold", "fold_weight", "unfold_input_grad")}), raising=False)
+        "dgrad", "dgrad_by_phases", "dgrad_phases", "stride_fold", "fold_weight", "unfold_input_grad")}), raising=False)
     monkeypatch.setattr(wgrad, "conv2d_weight_grad", wgrad_stand_in)
     monkeypatch.setattr(backward, "_fprop", phase_fprop)
     monkeypatch.setattr(backward, "lesson06_reason", lambda *args: None)
