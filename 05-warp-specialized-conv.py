@@ -262,6 +262,7 @@ class TileOutput:
     Co: Int
     EPILOGUE: gl.tuple                 # which parts of the epilogue to apply (an `Epilogue`, constexprs)
     STORE_BY_ROW_BLOCKS: gl.constexpr
+    window: common.WindowStore | gl.constexpr    # lesson 06's: into a window of a larger tensor; else None
 
     @gluon.jit
     def for_consumer(self, i: gl.constexpr):
@@ -286,19 +287,24 @@ class TileOutput:
             # switch asks for it; cast, and an asynchronous TMA store of the tile.
             c_smem = self.c_tail_smem if TAIL else self.c_smem
             out_desc = self.out_tail_desc if TAIL else self.out_desc
+            rows = m0 + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
             cols = co0 + gl.arange(0, acc.type.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
             residual = 0.0
             if self.EPILOGUE.residual:
                 # the residual tile, read in the accumulator's own layout: no shuffle through shared memory
-                rows = m0 + gl.arange(0, acc.type.shape[0], layout=gl.SliceLayout(1, acc.type.layout))
                 offsets = gl.expand_dims(rows.to(gl.int64) * self.Co, 1) + gl.expand_dims(cols, 0)
                 inside = gl.expand_dims(rows < self.M, 1) & gl.expand_dims(cols < self.Co, 0)
                 residual = gl.load(self.residual_ptr + offsets, mask=inside, other=0.0)
             y = apply_epilogue(acc, cols, self.Co, self.scale_ptr, self.bias_ptr, residual, self.EPILOGUE)
-            tma.store_wait(pendings=STORES_IN_FLIGHT)
-            c_smem.store(y.to(out_desc.dtype))
-            fence_async_shared()
-            tma.async_store(out_desc, [m0, co0], c_smem)
+            if self.window is not None:
+                # lesson 06: into a window of a larger tensor, element by element (its pixels are no TMA box)
+                offsets, inside = self.window.offsets(rows, cols, self.M, self.Co)
+                gl.store(self.window.ptr + offsets, y.to(self.window.ptr.dtype.element_ty), mask=inside)
+            else:
+                tma.store_wait(pendings=STORES_IN_FLIGHT)
+                c_smem.store(y.to(out_desc.dtype))
+                fence_async_shared()
+                tma.async_store(out_desc, [m0, co0], c_smem)
 
 
 # %%
@@ -586,7 +592,7 @@ def apply_epilogue(acc, cols, Co, scale_ptr, bias_ptr, residual, EPILOGUE: tl.co
 
 
 @gluon.jit
-def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, epilogue_ptrs, shape,
+def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, epilogue_ptrs, shape, out_window,
                         CONFIG: gl.constexpr, EPILOGUE: gl.constexpr, IS_BLACKWELL: gl.constexpr):
     (M, Co, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group,
      S, k_steps, channel_blocks) = shape
@@ -625,8 +631,11 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
     window = Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group, S,
                           channel_blocks)
     # (epilogue_ptrs: the bias, scale, residual and partial-sum pointers, in TileOutput's order)
+    store_window = None     # out_window: None, or (lesson 06) an OutputWindow's kernel_args, for its WindowStore
+    if out_window is not None:
+        store_window = common.WindowStore(out_window[0], out_h, out_w, *out_window[1:])
     output = TileOutput(out_desc, out_tail_desc, c_smem, c_tail_smem, *epilogue_ptrs, M, Co, EPILOGUE,
-                        STORE_BY_ROW_BLOCKS)
+                        STORE_BY_ROW_BLOCKS, store_window)
     if IS_BLACKWELL:
         NUM_ACC: gl.constexpr = 2
         acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N],
@@ -831,10 +840,11 @@ class ConvLaunch(NamedTuple):
     out_2d: torch.Tensor           # [M, Co rounded up to 16 bytes], written by the kernel
     partial: torch.Tensor = None   # section 7: the fp32 workspace [split_k, M, Co]; else None
     tiles: tuple = None            # section 7: (tile_m, tile_n, num_pid_m, num_pid_n, whole_tiles)
+    out_window: tuple = None       # lesson 06: an OutputWindow's kernel_args (the output stored there); else None
 
     def kernel_args(self):
         # The kernel's run-time arguments, in its signature's order.
-        return tuple(getattr(self, name) for name in DESCRIPTORS) + (self.pointers, self.shape)
+        return tuple(getattr(self, name) for name in DESCRIPTORS) + (self.pointers, self.shape, self.out_window)
 
 
 output_nhwc = lesson04.output_nhwc    # the kernel's output [M, Co rounded up to 16 bytes] as NHWC [N, out_h, out_w, Co]
@@ -848,18 +858,25 @@ def kernel_constexprs(config, arch, epilogue=Epilogue()):
                 **({"maxnreg": 128} if config.programs_per_sm > 1 else {}))
 
 
-def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None, residual=None, out_dtype=None):
-    # A ConvLaunch for these tensors (CPU tensors work too: the ahead-of-time compile uses them).
+def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None, residual=None, out_dtype=None,
+                   out_window=None):
+    # A ConvLaunch for these tensors (CPU tensors work too: the ahead-of-time compile uses them). out_window: a
+    # common.OutputWindow (lesson 06) to store the output into, pixel by pixel, instead of out_2d.
     config = KernelConfig(*config)
     check_config(config, arch)
     g = geometry
+    if out_window is not None:
+        common.check_output_window(out_window, g, out_dtype or x_nhwc.dtype, x_nhwc.device)
+        if config.split_k > 1:      # (split-K's second kernel stores densely)
+            raise ValueError(f"config {config}: an output window takes configs without split-K (split_k=1)")
     check_groups_fit(config, g, x_nhwc.element_size())                     # section 10
     x_nhwc, w, Ci_padded = common.pad_channels_for_tma(x_nhwc, w)
     Ci_group = Ci_padded // g.groups
     BLOCK_K = block_k_channels(config, Ci_group, x_nhwc.element_size())    # 128 bytes: 128 e4m3 (section 9)
     settings = common.conv_im2col_settings(g)      # (padded channels move no pixel)
     lanes = 16 // (out_dtype or x_nhwc.dtype).itemsize        # output elements per 16 bytes: out_2d's row length
-    out_2d = torch.empty(g.M, -(-g.Co // lanes) * lanes, device=x_nhwc.device, dtype=out_dtype or x_nhwc.dtype)
+    out_2d = torch.empty(g.M if out_window is None else 1, -(-g.Co // lanes) * lanes, device=x_nhwc.device,
+                         dtype=out_dtype or x_nhwc.dtype)     # (with a window, only its descriptor's shape is used)
 
     def descriptors(rows, columns, pixel_box=0):    # of x, w and out_2d, for output boxes of rows x columns
         return common.conv_tma_descriptors(x_nhwc, w, out_2d, settings, rows, columns, BLOCK_K, pixel_box=pixel_box)
@@ -887,28 +904,28 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     programs, _, whole_tiles = tile_counts(config, g.M, g.Co, num_sms)
     tiles = (config.tile_m, config.tile_n, num_pid_m, num_pid_n, whole_tiles) if partial is not None else None
     return ConvLaunch((programs, 1, 1), in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, pointers, shape,
-                      out_2d, partial, tiles)
+                      out_2d, partial, tiles, None if out_window is None else out_window.kernel_args())
 
 
 def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG,
-                        scale=None, residual=None, activation="none", groups=1, out_dtype=None):
+                        scale=None, residual=None, activation="none", groups=1, out_dtype=None, out_window=None):
     """The warp-specialized conv, launched plainly. x_nhwc [N, H, W, Ci], w [Co, R, S, Ci] (fp16,
     bf16 or, section 9, e4m3; CUDA, contiguous); returns NHWC [N, out_h, out_w, Co] in x's dtype
     (e4m3 operands: bf16, or e4m3 if out_dtype asks). The epilogue computes act(conv * scale + bias
     + residual) in fp32 before the cast: optional bias and scale [Co] (fp32 or x's dtype), residual
     of the output's shape and dtype, activation "none", "relu" or "silu". groups > 1 (section 10):
-    w is [Co, R, S, Ci / groups]."""
+    w is [Co, R, S, Ci / groups]. out_window (lesson 06): store into its view instead, and return that."""
     geometry = common.check_conv_call(x_nhwc, w, bias, stride, padding, dilation, dtypes=KERNEL_DTYPES, scale=scale,
                                       residual=residual, activation=activation, out_dtype=out_dtype, groups=groups)
     arch, num_sms = common.tma_mma_arch_and_sms("conv2d_fprop_launch")
     launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale, residual,
-                            common.output_dtype(x_nhwc.dtype, out_dtype))
+                            common.output_dtype(x_nhwc.dtype, out_dtype), out_window)
     epilogue = Epilogue(bias is not None, scale is not None, residual is not None, activation)
     conv2d_fprop_kernel[launch.grid](*launch.kernel_args(), **kernel_constexprs(KernelConfig(*config), arch, epilogue))
     if launch.partial is not None:                 # split-K's second kernel (section 7): sum the slices
         grid, args, constexprs = split_k_epilogue_launch(launch, bias, scale, residual, activation)
         split_k_epilogue_kernel[grid](*args, **constexprs)
-    return output_nhwc(geometry, launch.out_2d)
+    return output_nhwc(geometry, launch.out_2d) if out_window is None else out_window.view
 
 
 def run_core_kernel():
@@ -981,15 +998,20 @@ TAUGHT_PTX = {
 
 
 def aot_conv2d_fprop(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, padding=1,
-                     config=FIXED_CONFIG, epilogue=Epilogue(), dtype="bfloat16"):
+                     config=FIXED_CONFIG, epilogue=Epilogue(), dtype="bfloat16", window=False):
     # (kernel, args, kwargs) on CPU tensors, for common.aot_compile (`epilogue` as a list too;
-    # dtype "float8_e4m3fn": the fp8 build of section 9, bf16 out).
+    # dtype "float8_e4m3fn": the fp8 build of section 9, bf16 out; window: lesson 06's build, which
+    # stores into every second row and column of a larger tensor, from the output's second row on).
     epilogue = Epilogue(*epilogue)
     x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, getattr(torch, dtype), device_name="cpu")
     geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
     per_channel, residual = torch.zeros(Co), torch.zeros(*geometry.output_shape_nhwc, dtype=torch.bfloat16)
     bias, scale, residual = (t if on else None for t, on in zip((per_channel, per_channel, residual), epilogue[:3]))
-    launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, 132, scale, residual, torch.bfloat16)
+    out_window = None
+    if window:
+        larger = torch.empty(N, 2 * geometry.out_h, 2 * geometry.out_w, Co, dtype=torch.bfloat16)
+        out_window = common.OutputWindow(larger[:, ::2, ::2][:, :geometry.out_h - 1], crop_h=1)
+    launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, 132, scale, residual, torch.bfloat16, out_window)
     return conv2d_fprop_kernel, launch.kernel_args(), kernel_constexprs(config, arch, epilogue)
 
 

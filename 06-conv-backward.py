@@ -186,36 +186,46 @@ def dgrad_phases(geometry):
 def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None):
     """dX of the conv `geometry` from dY: per phase of dX a stride-1 conv `fprop(dy, w_phase,
     padding=, dilation=, groups=)` (lesson 05's kernel on a GPU, torch's conv on a CPU) of dY with
-    that phase's taps, flipped and channel-swapped (within each group), cropped and copied into the
-    phase's rows and columns. `phases`: dgrad_phases(geometry), if the caller keeps it."""
+    that phase's taps, flipped and channel-swapped (within each group), its output cropped into
+    the phase's rows and columns of dX: stored there by the conv itself, handed the phase as
+    `out_window=` (a common.OutputWindow), where dX's pixels are 16-byte aligned, else copied.
+    `phases`: dgrad_phases(geometry), if the caller keeps it."""
     g = geometry
     G = g.groups
-    dx = None
+    strided = g.stride != (1, 1)
+    dx = torch.empty(g.N, g.H, g.W, g.Ci, device=dy_nhwc.device, dtype=dy_nhwc.dtype) if strided else None
     for py, px, along_h, along_w in dgrad_phases(g) if phases is None else phases:
-        out = None                                # no tap reaches these pixels: their gradient is 0
-        if along_h.taps is not None and along_w.taps is not None:
-            # w'[ci, r', s', co] = w[co, the phase's taps reversed, ci]; grouped (section 10 of lesson 05),
-            # group k's filters swap their channels among themselves: w' is [Ci, r', s', Co / groups]
-            w_phase = w[:, along_h.taps, along_w.taps, :].flip((1, 2))
-            _, R2, S2, Ci_group = w_phase.shape
-            w_phase = w_phase.reshape(G, g.Co // G, R2, S2, Ci_group).permute(0, 4, 2, 3, 1).reshape(
-                G * Ci_group, R2, S2, g.Co // G).contiguous()
-            out = fprop(dy_nhwc, w_phase, padding=(along_h.padding, along_w.padding),
-                        dilation=(along_h.dilation, along_w.dilation), groups=G)
-            out = out[:, along_h.crop:along_h.crop + along_h.rows, along_w.crop:along_w.crop + along_w.rows]
-            if g.stride == (1, 1) and out.is_contiguous():
-                return out                        # stride 1, nothing cropped: the conv's output is dX
+        if along_h.taps is None or along_w.taps is None:
+            dx[:, py::g.stride[0], px::g.stride[1]].zero_()    # no tap reaches these pixels: their gradient is 0
+            continue
+        # w'[ci, r', s', co] = w[co, the phase's taps reversed, ci]; grouped (section 10 of lesson 05),
+        # group k's filters swap their channels among themselves: w' is [Ci, r', s', Co / groups]
+        w_phase = w[:, along_h.taps, along_w.taps, :].flip((1, 2))
+        _, R2, S2, Ci_group = w_phase.shape
+        w_phase = w_phase.reshape(G, g.Co // G, R2, S2, Ci_group).permute(0, 4, 2, 3, 1).reshape(
+            G * Ci_group, R2, S2, g.Co // G).contiguous()
+        conv = dict(padding=(along_h.padding, along_w.padding), dilation=(along_h.dilation, along_w.dilation),
+                    groups=G)
+        if strided and common.window_storable(dx[:, py::g.stride[0], px::g.stride[1]]):
+            # the conv stores its pixels into the phase's rows and columns of dX itself
+            window = common.OutputWindow(dx[:, py::g.stride[0], px::g.stride[1]], along_h.crop, along_w.crop)
+            fprop(dy_nhwc, w_phase, **conv, out_window=window)
+            continue
+        out = fprop(dy_nhwc, w_phase, **conv)
+        if not strided and out.shape[1:3] == (g.H, g.W):
+            return out                            # stride 1, nothing cropped: the conv's output is dX
         if dx is None:
             dx = torch.empty(g.N, g.H, g.W, g.Ci, device=dy_nhwc.device, dtype=dy_nhwc.dtype)
-        phase_pixels = dx[:, py::g.stride[0], px::g.stride[1]]
-        phase_pixels.zero_() if out is None else phase_pixels.copy_(out)
+        # a crop at stride 1, or pixels not 16-byte aligned in dX: the phase's output is copied in
+        common.OutputWindow(dx[:, py::g.stride[0], px::g.stride[1]], along_h.crop, along_w.crop).write(out)
     return dx
 
 
-def reference_fprop(dy_nhwc, w_phase, padding, dilation, groups=1):
-    # The CPU's stand-in for lesson 05's kernel: torch's conv in fp32.
-    return common.reference_conv2d_nhwc(dy_nhwc, w_phase, None, 1, padding, dilation, out_dtype=torch.float32,
-                                        groups=groups)
+def reference_fprop(dy_nhwc, w_phase, padding, dilation, groups=1, out_window=None):
+    # The CPU's stand-in for lesson 05's kernel: torch's conv in fp32 (into out_window, if given, by a copy).
+    out = common.reference_conv2d_nhwc(dy_nhwc, w_phase, None, 1, padding, dilation, out_dtype=torch.float32,
+                                       groups=groups)
+    return out if out_window is None else out_window.write(out)
 
 
 def run_dgrad_mapping(N=2, H=9, W=8, Ci=5, Co=6, R=3, S=3, stride=1, padding=1, dilation=1, show=True, groups=1):
@@ -459,9 +469,9 @@ def conv2d_dgrad_launch(dy_nhwc, w, x_shape, stride=1, padding=0, dilation=1, gr
     fold = stride_fold(g, dy_nhwc.element_size())    # few channels at a stride: fold it (end of section 6)
     config = dgrad_config(g if fold is None else fold.geometry)
 
-    def fprop(dy, w_phase, padding, dilation, groups):
+    def fprop(dy, w_phase, padding, dilation, groups, out_window=None):
         return lesson05.conv2d_fprop_launch(dy, w_phase, padding=padding, dilation=dilation, config=config,
-                                            groups=groups)
+                                            groups=groups, out_window=out_window)
     return dgrad(dy_nhwc, w, g, fprop, fold)
 
 
@@ -1444,6 +1454,19 @@ def test_forward_kernel_reads_its_operands_untransposed(arch):
     assert transposed_operands(compiled["ptx"], arch) == (0, 0)
 
 
+@pytest.mark.parametrize("arch", list(TAUGHT_PTX))
+def test_phase_build_stores_its_pixels_without_tma(arch):
+    # section 2: with an out_window, lesson 05's epilogue stores each thread's elements with st.global (4 bytes,
+    # two bf16, on sm_90's WGMMA layout; a row's 16-byte pieces on sm_100) and issues no TMA store
+    windowed = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch, window=True)["ptx"]
+    dense = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch)["ptx"]
+    stores = [common.PTX_TMA_STORE, "st.global"]
+    assert common.ptx_instructions(windowed, stores) == {common.PTX_TMA_STORE: 0, "st.global": 64 if arch == "sm_90" else 16}
+    assert common.ptx_instructions(dense, stores) == {common.PTX_TMA_STORE: 1, "st.global": 0}
+    width = "st.global.b32 " if arch == "sm_90" else "st.global.v4.b32 "      # (predicated: masked)
+    assert width in common.first_ptx_instruction(windowed, "st.global")
+
+
 def test_kernel_compiles_for_small_channels_and_strides():
     # Ci = 3 (padded to 8, a 16-channel box), Co = 48 (64-row tiles), a 7x7 stride-2 stem, 8 k-steps in 5 slices
     compiled = common.aot_compile_or_skip("06-conv-backward", "aot_conv2d_wgrad", "sm_90", H=32, W=32, Ci=3, Co=48,
@@ -1579,6 +1602,25 @@ def test_backward_dtypes_and_splits(kind, dtype, config):
 
 
 @needs_gpu
+@pytest.mark.parametrize("config", [lesson05.FIXED_CONFIG, lesson05.FIXED_CONFIG._replace(block_n=64)], ids=str)
+@pytest.mark.parametrize("crop", [(0, 0), (1, 2)])
+def test_phase_conv_stores_into_its_rows_and_columns_of_dx(config, crop):
+    # section 2's out_window: lesson 05's kernel stores a conv's output, cropped, into every second row and
+    # third column of a larger tensor (Co = 72: a tile's columns past the channels), and nothing else
+    N, H, W, Ci, Co = 3, 13, 11, 64, 72
+    x, w = common.random_conv_inputs(N, H, W, Ci, Co, 3, 3, torch.bfloat16)
+    rows, cols = H - crop[0] - 1, W - crop[1]
+    dx = torch.full((N, 2 * rows + 1, 3 * cols, Co), float("nan"), dtype=x.dtype, device=x.device)
+    phase = dx[:, 1::2, ::3][:, :rows, :cols]
+    out = lesson05.conv2d_fprop_launch(x, w, padding=1, config=config, out_window=common.OutputWindow(phase, *crop))
+    expected = common.reference_conv2d_nhwc(x, w, None, 1, 1)[:, crop[0]:crop[0] + rows, crop[1]:crop[1] + cols]
+    assert out is phase
+    common.assert_close_to_reference(phase, expected, dtype=x.dtype, K=Ci * 9)
+    phase.fill_(0.0)
+    assert dx.nan_to_num(0.0).eq(0).all() and dx.isnan().sum() == dx.numel() - phase.numel()
+
+
+@needs_gpu
 def test_wgrad_gives_the_same_bits_every_run():
     x, w, dy, g = backward_inputs(8, 28, 28, 64, 64, 3, 3, 1, 1)
     first = conv2d_wgrad_launch(x, dy, w.shape, 1, 1)
@@ -1643,9 +1685,8 @@ def bench_backward(label, N, H, W, Ci, Co, R, S, stride, padding, dtype=torch.bf
             dy_nchw, x_nchw, w_kcrs, None, g.stride, g.padding, g.dilation, False, [0, 0], 1, (False, True, False))[1],
     }
     if zero_insertion and max(g.stride) > 1:
-        config = lesson05.FIXED_CONFIG._replace(block_n=64) if Ci <= 64 else lesson05.FIXED_CONFIG
-        fprop = lambda spread, w_flipped, padding, dilation: lesson05.conv2d_fprop_launch(  # noqa: E731
-            spread, w_flipped, padding=padding, dilation=dilation, config=config)
+        fprop = lambda spread, w_flipped, **conv: lesson05.conv2d_fprop_launch(  # noqa: E731
+            spread, w_flipped, config=dgrad_config(g), **conv)
         expected, _ = reference_gradients(x, w, dy, g)
         common.assert_close_to_reference(zero_insertion_dgrad(dy, w, g, fprop), expected, dtype=dtype, K=Co * R * S)
         calls["dgrad zero-insertion"] = lambda: zero_insertion_dgrad(dy, w, g, fprop)

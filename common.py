@@ -43,7 +43,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Union
+from typing import NamedTuple, Union
 
 import torch
 
@@ -1265,3 +1265,80 @@ def allocate_barrier_pairs(COUNT: gl.constexpr):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     return ready, empty
+
+
+# %% An output window (lesson 05's epilogue, for lesson 06's strided dgrad) ----------------------
+
+class OutputWindow(NamedTuple):
+    """A conv's output stored into part of a larger NHWC tensor, not a tensor of its own: pixel
+    (n, y, x) of the output goes to view[n, y - crop_h, x - crop_w], and pixels that fall outside
+    `view` are dropped. `view` is a 4-d view with contiguous channels, e.g. dX[:, p::sh, q::sw]:
+    lesson 06's strided dgrad, whose phases store their pixels straight into dX's rows and columns."""
+    view: torch.Tensor
+    crop_h: int = 0
+    crop_w: int = 0
+
+    def write(self, out_nhwc):
+        """torch's way to the same result (a CPU's, or a kernel that stores densely): crop, then copy."""
+        rows, cols = self.view.shape[1:3]
+        self.view.copy_(out_nhwc[:, self.crop_h:self.crop_h + rows, self.crop_w:self.crop_w + cols])
+
+    def kernel_args(self):
+        """The kernel's `out_window` tuple: (view, its n, y and x strides in elements, its rows and
+        columns, crop_h, crop_w)."""
+        view = self.view
+        return (view, *view.stride()[:3], view.shape[1], view.shape[2], self.crop_h, self.crop_w)
+
+
+def window_storable(view):
+    """Whether a kernel can store into `view` pixel by pixel: channels contiguous, every pixel 16-byte aligned."""
+    lanes = 16 // view.element_size()
+    return view.stride(-1) == 1 and not any(s % lanes for s in view.stride()[:-1]) and view.data_ptr() % 16 == 0
+
+
+def check_output_window(window, geometry, dtype, device):
+    """ValueError/TypeError unless `window` can take the output of the conv `geometry` in `dtype`
+    on `device`: a view [N, rows, cols, Co] with contiguous channels and 16-byte aligned pixels,
+    rows and columns that the output covers from (crop_h, crop_w) on."""
+    g = geometry
+    if not isinstance(window, OutputWindow) or not isinstance(window.view, torch.Tensor):
+        raise TypeError(f"out_window must be a common.OutputWindow of a tensor view, got {type(window).__name__}")
+    view, crop = window.view, (window.crop_h, window.crop_w)
+    if view.dim() != 4 or view.shape[0] != g.N or view.shape[3] != g.Co:
+        raise ValueError(f"out_window.view has shape {tuple(view.shape)}; the output of {g.describe()} needs "
+                         f"[{g.N}, rows, cols, {g.Co}]")
+    if view.dtype != dtype or view.device != device:
+        raise ValueError(f"out_window.view is {view.dtype} on {view.device}; the output is {dtype} on {device}")
+    if not window_storable(view):
+        raise ValueError(f"out_window.view has strides {view.stride()} at address {view.data_ptr():#x}: its "
+                         f"channels must be contiguous and its pixels 16-byte aligned")
+    if min(crop) < 0 or crop[0] + view.shape[1] > g.out_h or crop[1] + view.shape[2] > g.out_w:
+        raise ValueError(f"out_window crops ({crop[0]}, {crop[1]}) and {view.shape[1]} x {view.shape[2]} pixels "
+                         f"from an output of {g.out_h} x {g.out_w}; they must lie inside it")
+
+
+@gluon.aggregate
+class WindowStore:
+    """The kernel's side of an `OutputWindow`: where each element of an output tile goes."""
+    ptr: gl.tensor
+    out_h: Union[gl.tensor, gl.constexpr]      # the conv's output size: a tile's rows are its pixels
+    out_w: Union[gl.tensor, gl.constexpr]
+    stride_n: Union[gl.tensor, gl.constexpr]   # the view's strides and size, in elements and pixels
+    stride_h: Union[gl.tensor, gl.constexpr]
+    stride_w: Union[gl.tensor, gl.constexpr]
+    rows: Union[gl.tensor, gl.constexpr]
+    cols: Union[gl.tensor, gl.constexpr]
+    crop_h: Union[gl.tensor, gl.constexpr]
+    crop_w: Union[gl.tensor, gl.constexpr]
+
+    @gluon.jit
+    def offsets(self, pixels, channels, M, Co):
+        """(offsets into the view, inside) of the elements (pixels[i], channels[j]) of a tile: output
+        pixels m = (n * out_h + y) * out_w + x (m < M) along its rows, channels (< Co) along its columns."""
+        y = pixels // self.out_w % self.out_h - self.crop_h
+        x = pixels % self.out_w - self.crop_w
+        n = pixels // (self.out_w * self.out_h)
+        at = n.to(gl.int64) * self.stride_n + y.to(gl.int64) * self.stride_h + x.to(gl.int64) * self.stride_w
+        kept = (pixels < M) & (y >= 0) & (y < self.rows) & (x >= 0) & (x < self.cols)
+        return (gl.expand_dims(at, 1) + gl.expand_dims(channels, 0),
+                gl.expand_dims(kept, 1) & gl.expand_dims(channels < Co, 0))

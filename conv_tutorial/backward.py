@@ -98,10 +98,11 @@ def _count_fallback(reason):
     _FALLBACKS[reason] = _FALLBACKS.get(reason, 0) + 1
 
 
-def _fprop(dy_nhwc, w_phase, padding, dilation, groups=1):
-    """One phase's stride-1 conv for lesson 06's dgrad_by_phases, through the forward's runtime."""
+def _fprop(dy_nhwc, w_phase, padding, dilation, groups=1, out_window=None):
+    """One phase's stride-1 conv for lesson 06's dgrad_by_phases, through the forward's runtime
+    (into dX's phase itself, given its out_window)."""
     return runtime.conv2d(dy_nhwc, w_phase, None, 1, padding, dilation, tune=selection.autotune_enabled(),
-                          groups=groups)
+                          groups=groups, out_window=out_window)
 
 
 def conv_gradients(grad_conv, input, weight, stride, padding, dilation, groups, needs_input, needs_weight):

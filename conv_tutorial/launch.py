@@ -127,22 +127,28 @@ class ConvPlan:
         self.out_dtype = out_dtype or dtype      # e4m3 operands: a bf16 or an e4m3 output
         self.config = KernelConfig(*config)
         check_config(self.config, arch)
-        self.template = None      # the first call's ConvLaunch: validated descriptors, grid, constexprs
+        self.templates = {}       # windowed (bool) -> the first such call's ConvLaunch without its tensors
         self.launches = {}        # epilogue variant -> DirectLaunch of the conv kernel
         self.reduces = {}         # epilogue variant -> DirectLaunch of split-K's second kernel
         self.reduce_grid = self.reduce_scalars = None   # split-K's second kernel: fixed by the plan
 
-    def launch_for(self, x_nhwc, w, bias, scale=None, residual=None):
-        """The lesson's ConvLaunch for these tensors; after the first call, built from templates."""
-        if self.template is None:
+    @property
+    def template(self):
+        """The template of calls that store a whole output (lesson 05's out_2d)."""
+        return self.templates.get(False)
+
+    def launch_for(self, x_nhwc, w, bias, scale=None, residual=None, out_window=None):
+        """The lesson's ConvLaunch for these tensors; after the first call, built from templates (one
+        for calls that store a whole output, one for those with an `out_window`: its out_2d is a stand-in)."""
+        template = self.templates.get(out_window is not None)
+        if template is None:
             launch = lesson05.prepare_launch(x_nhwc, w, bias, self.geometry, self.config,
-                                           self.arch, self.num_sms, scale, residual, self.out_dtype)
-            self.template = _tensorless(launch)
+                                           self.arch, self.num_sms, scale, residual, self.out_dtype, out_window)
+            self.templates[out_window is not None] = _tensorless(launch)
             return launch
         # Same shapes, strides, boxes and layouts: only the base pointers change. Copy the
         # validated descriptors and swap the tensors in.
         x_nhwc, w, _ = common.pad_channels_for_tma(x_nhwc, w)
-        template = self.template
         out_2d = _new_like(template.out_2d, x_nhwc.device)
         w_2d = w.view(w.shape[0], -1)
         tensors = dict(in_desc=x_nhwc, w_desc=w_2d, w_tail_desc=w_2d, out_desc=out_2d, out_tail_desc=out_2d)
@@ -150,26 +156,36 @@ class ConvPlan:
                        for name, tensor in tensors.items()}
         partial = _new_like(template.partial, x_nhwc.device)
         pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual, partial))
-        return template._replace(**descriptors, pointers=pointers, out_2d=out_2d, partial=partial)
+        return template._replace(**descriptors, pointers=pointers, out_2d=out_2d, partial=partial,
+                                 out_window=None if out_window is None else out_window.kernel_args())
 
-    def run(self, x_nhwc, w, bias=None, scale=None, residual=None, activation="none"):
+    def run(self, x_nhwc, w, bias=None, scale=None, residual=None, activation="none", out_window=None):
+        """The conv's NHWC output, or, given an `out_window` (common.OutputWindow, checked by the
+        caller; not with split-K), its view, where the kernel stored the output's pixels."""
         # The specialization Triton compiled for: the epilogue, and whether each of its pointers
-        # is 16-byte aligned (Triton specializes pointer alignment) and of which dtype. Everything
-        # else is fixed by the plan.
+        # is 16-byte aligned (Triton specializes pointer alignment) and of which dtype; with a
+        # window, which of its integers are 1 or multiples of 16 (Triton specializes those too).
+        # Everything else is fixed by the plan.
+        window_args = None if out_window is None else out_window.kernel_args()
         variant = (activation,) + tuple(None if t is None else (t.dtype, t.data_ptr() % 16 == 0)
                                         for t in (bias, scale, residual))
+        if window_args is not None:
+            variant += (window_args[0].dtype,) + tuple((v == 1, v % 16 == 0) for v in window_args[1:])
         direct = self.launches.get(variant)
         if direct is None:
             # First launch of this variant: the generic path (binds, specializes, compiles), then
             # a DirectLaunch of the compiled kernel for the calls after it.
-            launch = self.launch_for(x_nhwc, w, bias, scale, residual)
+            launch = self.launch_for(x_nhwc, w, bias, scale, residual, out_window)
             epilogue = lesson05.Epilogue(bias is not None, scale is not None, residual is not None, activation)
             kwargs = lesson05.kernel_constexprs(self.config, self.arch, epilogue)
             if _COMPILE_ONLY.get():
-                return self._compile_only(launch, kwargs, bias, scale, residual, activation)
+                out = self._compile_only(launch, kwargs, bias, scale, residual, activation)
+                return out if out_window is None else out_window.view
             self.launches[variant] = DirectLaunch.first_launch(lesson05.conv2d_fprop_kernel, launch.grid,
                                                                launch.kernel_args(), kwargs,
-                                                               _descriptors(self.template))
+                                                               _descriptors(self.templates[out_window is not None]))
+            if out_window is not None:
+                return out_window.view
         else:
             # Later launches: the tensors themselves where the kernel takes descriptors (their
             # tensor maps are remembered by address), addresses for the pointers, the run-time
@@ -177,15 +193,19 @@ class ConvPlan:
             x_nhwc, w, _ = common.pad_channels_for_tma(x_nhwc, w)
             _check_tma_aligned(x_nhwc)
             _check_tma_aligned(w)
-            template = self.template
+            template = self.templates[out_window is not None]
             out_2d = _new_like(template.out_2d, x_nhwc.device)
             partial = _new_like(template.partial, x_nhwc.device)
             # the tails' descriptors, where the plan has them (weights: a column tail; output: either)
             w_tail, out_tail = (None if desc is None else tensor
                                 for desc, tensor in ((template.w_tail_desc, w), (template.out_tail_desc, out_2d)))
             pointers = tuple(t.data_ptr() if t is not None else out_2d.data_ptr() for t in (bias, scale, residual))
+            if window_args is not None:
+                window_args = (window_args[0].data_ptr(), *window_args[1:])
             direct(template.grid, x_nhwc, w, w_tail, out_2d, out_tail,
-                   (*pointers, (partial if partial is not None else out_2d).data_ptr()), template.shape)
+                   (*pointers, (partial if partial is not None else out_2d).data_ptr()), template.shape, window_args)
+            if out_window is not None:
+                return out_window.view
             reduce = self.reduces.get(variant) if partial is not None else None
             if reduce is not None:
                 # split-K's second kernel: its grid and scalars are the plan's, only pointers change
@@ -208,7 +228,7 @@ class ConvPlan:
         if launch.partial is not None:
             grid, args, reduce_kwargs = lesson05.split_k_epilogue_launch(launch, bias, scale, residual, activation)
             lesson05.split_k_epilogue_kernel.warmup(*args, grid=grid, **reduce_kwargs)
-        return lesson05.output_nhwc(self.geometry, launch.out_2d)
+        return lesson05.output_nhwc(self.geometry, launch.out_2d) if launch.out_window is None else None
 
 
 _COMPILE_ONLY = contextvars.ContextVar("conv_tutorial_compile_only", default=False)
@@ -251,7 +271,8 @@ def _check_tma_aligned(tensor):
                          f"{tensor.data_ptr():#x} (a view into another tensor?); pass .clone()")
 
 
-def _tensorless(launch, descriptors=lesson05.DESCRIPTORS, buffers=("out_2d", "partial"), cleared=("pointers",)):
+def _tensorless(launch, descriptors=lesson05.DESCRIPTORS, buffers=("out_2d", "partial"),
+                cleared=("pointers", "out_window")):
     """A plan's template of a launch (lesson 05's ConvLaunch by default; wgrad.py passes lesson
     06's WgradLaunch and its field names): its descriptors without their tensors, its output and
     workspace `buffers` as shapes (meta tensors), its `cleared` fields None. A template holding

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from .configs import KernelConfig, grouped_conv_fits
 from .geometry import FP8, KERNEL_DTYPES, call_key, check_conv_call, conv_geometry, device_facts
+from .kernel import common
 from .launch import plan_for
 from .selection import epilogue_tag, known_or_heuristic_config, tuned_config
 
@@ -26,7 +27,7 @@ _FAST_PLANS = {}     # call key -> (ConvPlan, FoldedConv or None)
 
 
 def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, tune=True,
-           scale=None, residual=None, activation="none", out_dtype=None, groups=1):
+           scale=None, residual=None, activation="none", out_dtype=None, groups=1, out_window=None):
     """Lesson 05's convolution through the runtime. Same arguments and result as the plain
     launcher `conv2d_fprop_launch` (epilogue included: act(conv * scale + bias + residual)).
     e4m3 operands (lesson 05, section 9) come already scaled: `scale` carries their dequantizing
@@ -36,7 +37,9 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
     `tune`, else the heuristic (no timing). Channel counts so small that one tap's channels fill
     a fraction of a K step (a network's RGB stem) take the folded path (`FoldedConv`).
     groups > 1: w is [Co, R, S, Ci / groups], and a group's channel counts must fit a config's
-    tiles (`grouped_conv_fits`; lesson 05, section 10)."""
+    tiles (`grouped_conv_fits`; lesson 05, section 10). out_window (a common.OutputWindow: lesson
+    06's dgrad phases): the output's pixels go into its view, which is returned; a config with
+    split-K stores densely and the window takes a copy."""
     key = call_key((x_nhwc, w, bias, scale, residual), stride, padding, dilation,
                    config if config is not None else tune, activation, out_dtype, groups)
     entry = _FAST_PLANS.get(key) if key is not None else None
@@ -70,7 +73,13 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
     plan, fold = entry
     if fold is not None:
         x_nhwc, w = fold.apply(x_nhwc, w)
-    return plan.run(x_nhwc, w, bias, scale, residual, activation)
+    if out_window is None:
+        return plan.run(x_nhwc, w, bias, scale, residual, activation)
+    common.check_output_window(out_window, plan.geometry, plan.out_dtype, x_nhwc.device)   # (a fold keeps the output's shape)
+    if plan.config.split_k > 1:      # split-K's second kernel stores densely: copy its output in
+        out_window.write(plan.run(x_nhwc, w, bias, scale, residual, activation))
+        return out_window.view
+    return plan.run(x_nhwc, w, bias, scale, residual, activation, out_window)
 
 
 

@@ -164,3 +164,34 @@ def test_reference_conv_of_one_channel_matches_a_fresh_copy():
     expected = torch.nn.functional.conv2d(fresh(x), fresh(w), None, (1, 3), 2).permute(0, 2, 3, 1)
     got = common.reference_conv2d_nhwc(x, w, None, (1, 3), 2, out_dtype=torch.float32)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_output_window_write_crops_into_its_view():
+    out = torch.arange(2 * 5 * 4 * 8, dtype=torch.float32).reshape(2, 5, 4, 8)
+    larger = torch.full((2, 7, 6, 8), float("nan"))
+    view = larger[:, 1::2, ::2][:, :3, :2]
+    common.OutputWindow(view, crop_h=1, crop_w=2).write(out)
+    assert torch.equal(larger[:, 1:7:2, 0:4:2], out[:, 1:4, 2:4])
+    assert larger.isnan().sum() == larger.numel() - view.numel()
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(view="a tensor"), TypeError, "common.OutputWindow of a tensor view"),
+    (dict(view=torch.zeros(2, 3, 2, 8)[..., :7]), ValueError, r"needs \[2, rows, cols, 8\]"),
+    (dict(view=torch.zeros(2, 3, 2, 8, dtype=torch.float16)), ValueError, "torch.float16 on cpu; the output is torch.float32 on cpu"),
+    (dict(view=torch.zeros(2, 3, 4, 8)[:, :, ::2].transpose(1, 2).transpose(1, 2)[..., :8].as_strided(
+        (2, 3, 2, 8), (48, 16, 9, 1))), ValueError, "16-byte aligned"),
+    (dict(crop_h=3), ValueError, r"out_window crops \(3, 0\) and 3 x 2 pixels from an output of 5 x 4"),
+    (dict(crop_w=-1), ValueError, "must lie inside it"),
+])
+def test_output_window_checks(change, error, message):
+    geometry = common.conv_geometry((2, 5, 4, 16), (8, 1, 1, 16))          # output [2, 5, 4, 8]
+    window = common.OutputWindow(torch.zeros(2, 7, 6, 8)[:, 1::2, ::2][:, :3, :2])._replace(**change)
+    with pytest.raises(error, match=message):
+        common.check_output_window(window, geometry, torch.float32, torch.device("cpu"))
+
+
+def test_output_window_takes_a_strided_cropped_view():
+    geometry = common.conv_geometry((2, 5, 4, 16), (8, 1, 1, 16))          # output [2, 5, 4, 8]
+    view = torch.zeros(2, 7, 6, 8)[:, 1::2, ::2][:, :3, :2]
+    common.check_output_window(common.OutputWindow(view, 2, 2), geometry, torch.float32, torch.device("cpu"))

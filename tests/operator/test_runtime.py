@@ -207,6 +207,50 @@ def test_every_hopper_candidate_is_correct():
                           4, 20, 20, 136, 200, 3, 3, 1, 1, with_bias=True)
 
 
+def window_case(N=2, H=13, W=11, Ci=64, Co=200, step=(2, 3), crop=(1, 2), dtype=torch.bfloat16, seed=0):
+    """(x, w, its reference output, a larger NaN tensor, an OutputWindow into every step-th row and
+    column of it, the reference's part that window must receive) for a 3x3 conv at padding 1."""
+    x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, 3, 3, dtype, seed=seed)
+    expected = common.reference_conv2d_nhwc(x_nhwc, w, None, 1, 1)
+    rows, cols = H - crop[0] - 1, W - crop[1]
+    larger = torch.full((N, rows * step[0] + 1, cols * step[1], Co), float("nan"), dtype=dtype, device=x_nhwc.device)
+    window = common.OutputWindow(larger[:, 1::step[0], ::step[1]][:, :rows, :cols], *crop)
+    return x_nhwc, w, larger, window, expected[:, crop[0]:crop[0] + rows, crop[1]:crop[1] + cols]
+
+
+@needs_hopper
+@pytest.mark.parametrize("config", [c for c in configs.HOPPER_CANDIDATES if c.split_k == 1], ids=str)
+def test_every_hopper_candidate_stores_into_a_window(config):
+    """Lesson 06's dgrad phases: the output stored pixel by pixel into a strided, cropped window
+    of a larger tensor, through every candidate's epilogue (tails, row blocks, ping-pong), twice
+    (Triton's launcher, then the direct launch, on new data); nothing outside the window written."""
+    for seed in (0, 1):
+        x_nhwc, w, larger, window, expected = window_case(seed=seed)
+        out = runtime.conv2d(x_nhwc, w, None, 1, 1, config=tuple(config), out_window=window)
+        assert out is window.view
+        common.assert_close_to_reference(out, expected, dtype=x_nhwc.dtype, K=64 * 9)
+        outside = torch.ones_like(larger, dtype=torch.bool)
+        outside[:, 1::2, ::3][:, :window.view.shape[1], :window.view.shape[2]] = False
+        assert larger[outside].isnan().all()
+
+
+@needs_gpu
+def test_a_window_and_a_whole_output_share_a_plan():
+    """The same plan stores into a window and into an output of its own, in either order (each keeps
+    its own template: a window's out_2d is a one-row stand-in); a split-K config takes a copy."""
+    x_nhwc, w, _, window, expected = window_case()
+    dense = common.reference_conv2d_nhwc(x_nhwc, w, None, 1, 1)
+    for config in (lesson05.FIXED_CONFIG, KernelConfig(128, 128, 64, 4, 4, split_k=2)):
+        for _ in range(2):
+            window.view.fill_(float("nan"))
+            got = runtime.conv2d(x_nhwc, w, None, 1, 1, config=tuple(config), out_window=window)
+            common.assert_close_to_reference(got, expected, dtype=x_nhwc.dtype, K=64 * 9)
+            common.assert_close_to_reference(runtime.conv2d(x_nhwc, w, None, 1, 1, config=tuple(config)), dense,
+                                             dtype=x_nhwc.dtype, K=64 * 9)
+    with pytest.raises(ValueError, match="out_window crops"):
+        runtime.conv2d(x_nhwc, w, None, 1, 1, out_window=window._replace(crop_h=5))
+
+
 def _stand_in_tuner(monkeypatch, tmp_path, plan_class, do_bench):
     """The autotuner without a GPU: a tuning file in tmp_path, an sm_90 device of 132 SMs, plans
     of `plan_class`, timings from `do_bench`."""
