@@ -138,6 +138,15 @@ def backward_inputs(N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1, dtyp
 # and its output size is out_h + 2*(dh*(R-1) - ph) - dh*(R-1) = H: dX exactly. So lesson 05's
 # `conv2d_fprop_launch` computes dgrad as it is, on dY and w'.
 #
+# w' is a transpose of each tap's [Co, Ci] matrix, and a transpose is where a copy is easy to make
+# slow: read along ci and write along co, and one side of it strides through memory. torch's flip
+# and permute take two such passes; on the 7x7 512->512 3x3 layer of ResNet-50 at batch 128 they
+# took 24 us, against 39 us for the dgrad conv itself (H200, 2026-11-25, torch.profiler). One small
+# Triton kernel does it in one pass (`flipped_weights_kernel`): each program loads a [co, ci] tile
+# of one tap along ci and stores it along co, and Triton's coalescing pass moves the tile between
+# the two orders through shared memory. Section 2 hands it a subset of the taps, and grouped convs
+# (lesson 05, section 10) swap their channels within each group.
+#
 # One edge needs care: when the forward pass padded more than its filter reaches (a 1x1 conv with
 # padding 1), dh*(R-1) - ph is negative, and lesson 05 takes no negative padding. Then dX's first row
 # reads dY from row ph - dh*(R-1) on: we run the conv with padding 0, whose output has
@@ -183,6 +192,35 @@ def dgrad_phases(geometry):
             if along_h.rows and along_w.rows]     # (a phase past the image's edge has no rows of dX)
 
 
+@triton.jit
+def flipped_weights_kernel(w_ptr, out_ptr, Co, R, S, Ci_group, Co_group, r0, r_step, s0, s_step, R2, S2,
+                           BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr):
+    """out[k*Ci_group + ci, r', s', co] = w[k*Co_group + co, r0 + (R2-1-r')*r_step, s0 + (S2-1-s')*s_step, ci]
+    for group k: one program per tap (r', s') and [BLOCK_CO, BLOCK_CI] tile of w's channels."""
+    r_out, s_out = tl.program_id(0) // S2, tl.program_id(0) % S2
+    r, s = r0 + (R2 - 1 - r_out) * r_step, s0 + (S2 - 1 - s_out) * s_step       # the tap it reads, flipped
+    co = tl.program_id(1) * BLOCK_CO + tl.arange(0, BLOCK_CO)      # w's output channel (dY's channel)
+    ci = tl.program_id(2) * BLOCK_CI + tl.arange(0, BLOCK_CI)      # w's input channel, within its group
+    inside = (co[:, None] < Co) & (ci[None, :] < Ci_group)
+    tile = tl.load(w_ptr + ((co[:, None] * R + r) * S + s) * Ci_group + ci[None, :], mask=inside)
+    group, co_in_group = co // Co_group, co % Co_group
+    out_row = group[:, None] * Ci_group + ci[None, :]               # dX's channel: the conv's output channel
+    tl.store(out_ptr + ((out_row * R2 + r_out) * S2 + s_out) * Co_group + co_in_group[:, None], tile, mask=inside)
+
+
+def flipped_weights(w, taps_h, taps_w, groups=1):
+    """w' [Ci, R2, S2, Co / groups] of w [Co, R, S, Ci / groups] for the taps w[:, taps_h, taps_w]
+    (slices), flipped, channel axes swapped within each group: one flipped_weights_kernel launch."""
+    Co, R, S, Ci_group = w.shape
+    rows, cols = range(R)[taps_h], range(S)[taps_w]
+    out = w.new_empty(groups * Ci_group, len(rows), len(cols), Co // groups)
+    BLOCK = 32
+    grid = (len(rows) * len(cols), triton.cdiv(Co, BLOCK), triton.cdiv(Ci_group, BLOCK))
+    flipped_weights_kernel[grid](w.contiguous(), out, Co, R, S, Ci_group, Co // groups, rows.start, rows.step,
+                                 cols.start, cols.step, len(rows), len(cols), BLOCK_CO=BLOCK, BLOCK_CI=BLOCK)
+    return out
+
+
 def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None):
     """dX of the conv `geometry` from dY: per phase of dX a stride-1 conv `fprop(dy, w_phase,
     padding=, dilation=, groups=)` (lesson 05's kernel on a GPU, torch's conv on a CPU) of dY with
@@ -193,17 +231,20 @@ def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None):
     g = geometry
     G = g.groups
     strided = g.stride != (1, 1)
-    dx = torch.empty(g.N, g.H, g.W, g.Ci, device=dy_nhwc.device, dtype=dy_nhwc.dtype) if strided else None
-    for py, px, along_h, along_w in dgrad_phases(g) if phases is None else phases:
+    phases = dgrad_phases(g) if phases is None else phases
+    # pixels no tap reaches have a gradient of 0 (a 1x1 conv at stride 2: three phases of four); one
+    # memset of the whole of dX costs less than filling them phase by phase (every stride-th pixel)
+    tapless = any(along_h.taps is None or along_w.taps is None for _, _, along_h, along_w in phases)
+    dx = None
+    if strided:
+        dx = (torch.zeros if tapless else torch.empty)(g.N, g.H, g.W, g.Ci, device=dy_nhwc.device,
+                                                       dtype=dy_nhwc.dtype)
+    for py, px, along_h, along_w in phases:
         if along_h.taps is None or along_w.taps is None:
-            dx[:, py::g.stride[0], px::g.stride[1]].zero_()    # no tap reaches these pixels: their gradient is 0
-            continue
+            continue                              # zeros already
         # w'[ci, r', s', co] = w[co, the phase's taps reversed, ci]; grouped (section 10 of lesson 05),
         # group k's filters swap their channels among themselves: w' is [Ci, r', s', Co / groups]
-        w_phase = w[:, along_h.taps, along_w.taps, :].flip((1, 2))
-        _, R2, S2, Ci_group = w_phase.shape
-        w_phase = w_phase.reshape(G, g.Co // G, R2, S2, Ci_group).permute(0, 4, 2, 3, 1).reshape(
-            G * Ci_group, R2, S2, g.Co // G).contiguous()
+        w_phase = flipped_weights(w, along_h.taps, along_w.taps, G)
         conv = dict(padding=(along_h.padding, along_w.padding), dilation=(along_h.dilation, along_w.dilation),
                     groups=G)
         if strided and common.window_storable(dx[:, py::g.stride[0], px::g.stride[1]]):
@@ -240,6 +281,21 @@ def run_dgrad_mapping(N=2, H=9, W=8, Ci=5, Co=6, R=3, S=3, stride=1, padding=1, 
               f"largest difference from torch.nn.grad.conv2d_input {error:.1e}")
     torch.testing.assert_close(dx, expected, rtol=1e-4, atol=1e-4)    # fp32, two summation orders
     return dx
+
+
+@pytest.mark.parametrize("Co, R, S, Ci_group, groups, taps_h, taps_w", [
+    (6, 3, 3, 5, 1, slice(0, 3), slice(0, 3)),        # all taps: section 1
+    (70, 3, 3, 40, 1, slice(1, 2), slice(0, 3, 2)),   # one phase's taps (section 2); tiles past the channels
+    (12, 5, 2, 3, 4, slice(0, 5, 2), slice(1, 2)),    # four groups of 3 -> 3 channels
+    (64, 1, 1, 33, 2, slice(0, 1), slice(0, 1)),      # a 1x1 filter: only the channels swap
+])
+def test_flipped_weights_match_torchs_flip_and_permute(Co, R, S, Ci_group, groups, taps_h, taps_w):
+    w = torch.randn(Co, R, S, Ci_group).to(common.device())
+    expected = w[:, taps_h, taps_w].flip((1, 2))
+    R2, S2 = expected.shape[1:3]
+    expected = expected.reshape(groups, Co // groups, R2, S2, Ci_group).permute(0, 4, 2, 3, 1).reshape(
+        groups * Ci_group, R2, S2, Co // groups)
+    assert torch.equal(flipped_weights(w, taps_h, taps_w, groups), expected)
 
 
 def test_dgrad_at_stride_1_is_a_flipped_forward_conv():
