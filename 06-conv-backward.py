@@ -208,9 +208,20 @@ def flipped_weights_kernel(w_ptr, out_ptr, Co, R, S, Ci_group, Co_group, r0, r_s
     tl.store(out_ptr + ((out_row * R2 + r_out) * S2 + s_out) * Co_group + co_in_group[:, None], tile, mask=inside)
 
 
+def flipped_weights_by_torch(w, taps_h, taps_w, groups=1):
+    # What flipped_weights computes, in torch's flip and permute (two passes); where Triton cannot run it (CPU
+    # tensors on a machine with a GPU: no interpreter there)
+    w_phase = w[:, taps_h, taps_w].flip((1, 2))
+    Co, R2, S2, Ci_group = w_phase.shape
+    return w_phase.reshape(groups, Co // groups, R2, S2, Ci_group).permute(0, 4, 2, 3, 1).reshape(
+        groups * Ci_group, R2, S2, Co // groups).contiguous()
+
+
 def flipped_weights(w, taps_h, taps_w, groups=1):
     """w' [Ci, R2, S2, Co / groups] of w [Co, R, S, Ci / groups] for the taps w[:, taps_h, taps_w]
     (slices), flipped, channel axes swapped within each group: one flipped_weights_kernel launch."""
+    if w.device.type != "cuda" and not common.interpreter_mode():
+        return flipped_weights_by_torch(w, taps_h, taps_w, groups)
     Co, R, S, Ci_group = w.shape
     rows, cols = range(R)[taps_h], range(S)[taps_w]
     out = w.new_empty(groups * Ci_group, len(rows), len(cols), Co // groups)
@@ -290,12 +301,8 @@ def run_dgrad_mapping(N=2, H=9, W=8, Ci=5, Co=6, R=3, S=3, stride=1, padding=1, 
     (64, 1, 1, 33, 2, slice(0, 1), slice(0, 1)),      # a 1x1 filter: only the channels swap
 ])
 def test_flipped_weights_match_torchs_flip_and_permute(Co, R, S, Ci_group, groups, taps_h, taps_w):
-    w = torch.randn(Co, R, S, Ci_group).to(common.device())
-    expected = w[:, taps_h, taps_w].flip((1, 2))
-    R2, S2 = expected.shape[1:3]
-    expected = expected.reshape(groups, Co // groups, R2, S2, Ci_group).permute(0, 4, 2, 3, 1).reshape(
-        groups * Ci_group, R2, S2, Co // groups)
-    assert torch.equal(flipped_weights(w, taps_h, taps_w, groups), expected)
+    w = torch.randn(Co, R, S, Ci_group).to(common.device())       # (a CPU: the kernel runs in the interpreter)
+    assert torch.equal(flipped_weights(w, taps_h, taps_w, groups), flipped_weights_by_torch(w, taps_h, taps_w, groups))
 
 
 def test_dgrad_at_stride_1_is_a_flipped_forward_conv():

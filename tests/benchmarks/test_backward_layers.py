@@ -33,8 +33,12 @@ def test_operator_figures_check_then_time_every_path(monkeypatch):
     monkeypatch.setattr(host_time, "median_host_us", lambda call, calls: 7.0)
     monkeypatch.setattr(wgrad, "conv2d_weight_grad", wgrad_stand_in)
     monkeypatch.setattr(backward, "lesson06_reason", lambda *args: None)
-    monkeypatch.setattr(backward, "_fprop", lambda dy, w_phase, padding, dilation, groups=1: torch.nn.functional.conv2d(
-        dy.permute(0, 3, 1, 2), w_phase.permute(0, 3, 1, 2), None, 1, padding, dilation, groups).permute(0, 2, 3, 1))
+    def fprop_stand_in(dy, w_phase, padding, dilation, groups=1, out_window=None):     # torch's conv per phase
+        out = torch.nn.functional.conv2d(dy.permute(0, 3, 1, 2), w_phase.permute(0, 3, 1, 2), None, 1, padding,
+                                         dilation, groups).permute(0, 2, 3, 1)
+        return out if out_window is None else out_window.write(out)
+
+    monkeypatch.setattr(backward, "_fprop", fprop_stand_in)
     before = backward.backward_backend()
     try:
         row = backward_layers.operator_figures(kernel.lesson06, ("tiny", 2, 9, 9, 8, 16, 3, 3, 2, 1), cuda_graph=False)
