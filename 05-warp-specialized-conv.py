@@ -296,10 +296,8 @@ class TileOutput:
                 inside = gl.expand_dims(rows < self.M, 1) & gl.expand_dims(cols < self.Co, 0)
                 residual = gl.load(self.residual_ptr + offsets, mask=inside, other=0.0)
             y = apply_epilogue(acc, cols, self.Co, self.scale_ptr, self.bias_ptr, residual, self.EPILOGUE)
-            if self.window is not None:
-                # lesson 06: into a window of a larger tensor, element by element (its pixels are no TMA box)
-                offsets, inside = self.window.offsets(rows, cols, self.M, self.Co)
-                gl.store(self.window.ptr + offsets, y.to(self.window.ptr.dtype.element_ty), mask=inside)
+            if self.window is not None:     # lesson 06: into a window of a larger tensor, pixel by pixel
+                self.window.store(y, rows, cols, self.M, self.Co)
             else:
                 tma.store_wait(pendings=STORES_IN_FLIGHT)
                 c_smem.store(y.to(out_desc.dtype))
@@ -631,9 +629,8 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
     window = Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group, S,
                           channel_blocks)
     # (epilogue_ptrs: the bias, scale, residual and partial-sum pointers, in TileOutput's order)
-    store_window = None     # out_window: None, or (lesson 06) an OutputWindow's kernel_args, for its WindowStore
-    if out_window is not None:
-        store_window = common.WindowStore(out_window[0], out_h, out_w, *out_window[1:])
+    # out_window: None, or (lesson 06) an OutputWindow's kernel_args, for its WindowStore
+    store_window = None if out_window is None else common.WindowStore(out_window[0], out_h, out_w, *out_window[1:])
     output = TileOutput(out_desc, out_tail_desc, c_smem, c_tail_smem, *epilogue_ptrs, M, Co, EPILOGUE,
                         STORE_BY_ROW_BLOCKS, store_window)
     if IS_BLACKWELL:
@@ -866,9 +863,7 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     check_config(config, arch)
     g = geometry
     if out_window is not None:
-        common.check_output_window(out_window, g, out_dtype or x_nhwc.dtype, x_nhwc.device)
-        if config.split_k > 1:      # (split-K's second kernel stores densely)
-            raise ValueError(f"config {config}: an output window takes configs without split-K (split_k=1)")
+        common.check_output_window(out_window, g, out_dtype or x_nhwc.dtype, x_nhwc.device, config.split_k)
     check_groups_fit(config, g, x_nhwc.element_size())                     # section 10
     x_nhwc, w, Ci_padded = common.pad_channels_for_tma(x_nhwc, w)
     Ci_group = Ci_padded // g.groups
@@ -998,19 +993,14 @@ TAUGHT_PTX = {
 
 
 def aot_conv2d_fprop(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, padding=1,
-                     config=FIXED_CONFIG, epilogue=Epilogue(), dtype="bfloat16", window=False):
+                     config=FIXED_CONFIG, epilogue=Epilogue(), dtype="bfloat16", out_window=None):
     # (kernel, args, kwargs) on CPU tensors, for common.aot_compile (`epilogue` as a list too;
-    # dtype "float8_e4m3fn": the fp8 build of section 9, bf16 out; window: lesson 06's build, which
-    # stores into every second row and column of a larger tensor, from the output's second row on).
+    # dtype "float8_e4m3fn": the fp8 build of section 9, bf16 out; out_window: lesson 06's builds).
     epilogue = Epilogue(*epilogue)
     x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, getattr(torch, dtype), device_name="cpu")
     geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
     per_channel, residual = torch.zeros(Co), torch.zeros(*geometry.output_shape_nhwc, dtype=torch.bfloat16)
     bias, scale, residual = (t if on else None for t, on in zip((per_channel, per_channel, residual), epilogue[:3]))
-    out_window = None
-    if window:
-        larger = torch.empty(N, 2 * geometry.out_h, 2 * geometry.out_w, Co, dtype=torch.bfloat16)
-        out_window = common.OutputWindow(larger[:, ::2, ::2][:, :geometry.out_h - 1], crop_h=1)
     launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, 132, scale, residual, torch.bfloat16, out_window)
     return conv2d_fprop_kernel, launch.kernel_args(), kernel_constexprs(config, arch, epilogue)
 

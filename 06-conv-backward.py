@@ -1517,11 +1517,20 @@ def test_forward_kernel_reads_its_operands_untransposed(arch):
     assert transposed_operands(compiled["ptx"], arch) == (0, 0)
 
 
+def aot_phase_conv(arch, N=2, H=16, W=16, Ci=64, Co=128):
+    """(kernel, args, kwargs) of lesson 05's kernel with section 2's out_window, on CPU tensors: a 3x3 conv
+    stored into every second row and column of a larger tensor, from its output's second row on."""
+    x, w = common.random_conv_inputs(N, H, W, Ci, Co, 3, 3, torch.bfloat16, device_name="cpu")
+    dx = torch.empty(N, 2 * H, 2 * W, Co, dtype=torch.bfloat16)
+    window = common.OutputWindow(dx[:, ::2, ::2][:, :H - 1], crop_h=1)
+    return lesson05.aot_conv2d_fprop(arch, N, H, W, Ci, Co, out_window=window)
+
+
 @pytest.mark.parametrize("arch", list(TAUGHT_PTX))
 def test_phase_build_stores_its_pixels_without_tma(arch):
     # section 2: with an out_window, lesson 05's epilogue stores each thread's elements with st.global (4 bytes,
     # two bf16, on sm_90's WGMMA layout; a row's 16-byte pieces on sm_100) and issues no TMA store
-    windowed = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch, window=True)["ptx"]
+    windowed = common.aot_compile_or_skip("06-conv-backward", "aot_phase_conv", arch)["ptx"]
     dense = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch)["ptx"]
     stores = [common.PTX_TMA_STORE, "st.global"]
     assert common.ptx_instructions(windowed, stores) == {common.PTX_TMA_STORE: 0, "st.global": 64 if arch == "sm_90" else 16}

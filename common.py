@@ -1296,11 +1296,14 @@ def window_storable(view):
     return view.stride(-1) == 1 and not any(s % lanes for s in view.stride()[:-1]) and view.data_ptr() % 16 == 0
 
 
-def check_output_window(window, geometry, dtype, device):
+def check_output_window(window, geometry, dtype, device, split_k=1):
     """ValueError/TypeError unless `window` can take the output of the conv `geometry` in `dtype`
     on `device`: a view [N, rows, cols, Co] with contiguous channels and 16-byte aligned pixels,
-    rows and columns that the output covers from (crop_h, crop_w) on."""
+    rows and columns that the output covers from (crop_h, crop_w) on; a kernel config without
+    split-K (lesson 05's split-K sums its slices in a second kernel, which stores densely)."""
     g = geometry
+    if split_k > 1:
+        raise ValueError(f"an out_window takes a config without split-K (split_k=1), got split_k={split_k}")
     if not isinstance(window, OutputWindow) or not isinstance(window.view, torch.Tensor):
         raise TypeError(f"out_window must be a common.OutputWindow of a tensor view, got {type(window).__name__}")
     view, crop = window.view, (window.crop_h, window.crop_w)
@@ -1342,3 +1345,10 @@ class WindowStore:
         kept = (pixels < M) & (y >= 0) & (y < self.rows) & (x >= 0) & (x < self.cols)
         return (gl.expand_dims(at, 1) + gl.expand_dims(channels, 0),
                 gl.expand_dims(kept, 1) & gl.expand_dims(channels < Co, 0))
+
+    @gluon.jit
+    def store(self, values, pixels, channels, M, Co):
+        """Store a tile (pixels along its rows, channels along its columns) where the window puts it,
+        element by element from the registers that hold it: its pixels make no TMA box."""
+        offsets, inside = self.offsets(pixels, channels, M, Co)
+        gl.store(self.ptr + offsets, values.to(self.ptr.dtype.element_ty), mask=inside)

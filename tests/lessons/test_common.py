@@ -183,12 +183,15 @@ def test_output_window_write_crops_into_its_view():
         (2, 3, 2, 8), (48, 16, 9, 1))), ValueError, "16-byte aligned"),
     (dict(crop_h=3), ValueError, r"out_window crops \(3, 0\) and 3 x 2 pixels from an output of 5 x 4"),
     (dict(crop_w=-1), ValueError, "must lie inside it"),
+    ("split_k", ValueError, r"takes a config without split-K \(split_k=1\), got split_k=2"),
 ])
 def test_output_window_checks(change, error, message):
     geometry = common.conv_geometry((2, 5, 4, 16), (8, 1, 1, 16))          # output [2, 5, 4, 8]
-    window = common.OutputWindow(torch.zeros(2, 7, 6, 8)[:, 1::2, ::2][:, :3, :2])._replace(**change)
+    window = common.OutputWindow(torch.zeros(2, 7, 6, 8)[:, 1::2, ::2][:, :3, :2])
+    split_k = 2 if change == "split_k" else 1
     with pytest.raises(error, match=message):
-        common.check_output_window(window, geometry, torch.float32, torch.device("cpu"))
+        common.check_output_window(window if split_k > 1 else window._replace(**change), geometry, torch.float32,
+                                   torch.device("cpu"), split_k)
 
 
 def test_output_window_takes_a_strided_cropped_view():
