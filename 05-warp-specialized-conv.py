@@ -243,7 +243,9 @@ def loader_partition(in_desc, w_desc, w_tail_desc, ring, schedule, window):
 # and starts an asynchronous TMA store from a staging buffer. The store is not waited for: it
 # drains while the next tile computes, and before the staging buffer is written again we wait
 # until the previous store from it has read it (stores finish in order; STORES_IN_FLIGHT newer
-# ones, from other buffers, may stay in flight).
+# ones, from other buffers, may stay in flight). (Lesson 06 adds one switch, an output window: the
+# tile stored element by element into a strided view of a larger tensor, which no TMA box covers.
+# Without one it is a constexpr None, and that branch is not compiled.)
 
 
 @gluon.aggregate

@@ -7,9 +7,9 @@ What you will learn:
 - where a convolution's two gradients come from, and why each is an implicit GEMM again: dgrad
   (the input's gradient: M = N*H*W input pixels, N_GEMM = Ci, K = R*S*Co) and wgrad (the
   filter's: M = Co, N_GEMM = R*S*Ci, K = N*out_h*out_w pixels);
-- dgrad as lesson 05's forward kernel, unchanged, run on the output's gradient with the filter
-  flipped and its channel axes swapped; at stride > 1 one such conv per phase of dX (its rows and
-  columns taken modulo the stride);
+- dgrad as lesson 05's forward kernel run on the output's gradient with the filter flipped and
+  its channel axes swapped; at stride > 1 one such conv per phase of dX (its rows and columns
+  taken modulo the stride), each storing its tiles straight into those rows and columns of dX;
 - wgrad as a new warp-specialized Gluon kernel built from lesson 05's parts, whose two operands
   reach the tensor cores transposed relative to the forward pass (what WGMMA and tcgen05 allow
   for that, and where the PTX shows it);
@@ -21,8 +21,9 @@ What you will learn:
 
 Builds on: lesson 05 (its kernel and plain launcher, `Im2colWindow`, `TmemAccumulators`),
 lesson 04 (`HopperWGMMA`) and lesson 03 (the im2col descriptor and its model). What changed since
-lesson 05: nothing in the forward kernel; the backward runs it for dgrad and reuses its pieces
-for wgrad.
+lesson 05: its kernel takes an output window (section 2), a switch that stores the output into a
+strided view of a larger tensor; otherwise the backward runs it as it is for dgrad and reuses its
+pieces for wgrad.
 
 Requires: sm_90 (H100/H200) or sm_100 (B200/GB200) for the GPU runs. On a CPU: both mappings
 against torch.nn.grad, the wgrad kernel's own index arithmetic on lesson 03's model of the TMA
@@ -332,11 +333,21 @@ if __name__ == "__main__":
 # first, t = sh / gcd(sh, dh), and consecutive ones reach dY rows dh / gcd(sh, dh) apart. So
 # phase p of dX is section 1's conv with fewer taps: a stride-1 conv of dY with the phase's taps,
 # flipped, at dilation dh / gcd(sh, dh). With both axes, sh x sw phases, each a launch of lesson
-# 05's kernel writing a dense [N, rows, cols, Ci] tensor (the phase's rows and columns, and any that
-# its padding adds and the crop drops), copied into its strided slice of dX, `dx[:, p::sh, q::sw]`.
-# (Lesson 05's epilogue cannot store there itself: it stores a tile as one TMA box of a dense
-# [pixels, channels] matrix, and a phase's pixels are not evenly spaced in dX; the closing cell
-# says what would.)
+# 05's kernel whose output pixels are dX's pixels of that phase, the strided view
+# `dx[:, p::sh, q::sw]`, after a crop of the rows and columns that the phase's padding adds.
+#
+# Where does the kernel store them? Lesson 05's epilogue stores a tile as one TMA box of a dense
+# [pixels, channels] matrix. In the strided view a tile's 128 pixels are not evenly spaced (they
+# step by sw*Ci elements along a row of dX and jump further at the row's end), so no box covers
+# them; a dense phase output copied into the view afterwards costs a write and a read of that
+# output (on ResNet-50's 3x3 stride-2 layers, dropping the copy made the dgrad 29-33% faster:
+# RESULTS.md, "The operator's gradients"). So lesson 05's kernel takes an *output window*
+# (`common.OutputWindow`: the view and the crop). With one, `TileOutput.store` skips the TMA store
+# and stores the tile straight from the registers that hold it, each element at the address of its
+# pixel (n, y, x) in the view, elements outside the view masked off (`common.WindowStore`). That
+# is many more instructions than one TMA store (on sm_90, 64 four-byte stores per thread for a
+# 128 x 128 tile; a test in section 7 checks the build), but no phase output and no copy. Where dX's pixels are not 16-byte aligned (Ci * element size not a multiple of 16), the
+# phase's output is computed densely and copied in.
 # `dgrad_axis_phase` works out one axis of one phase; `dgrad_by_phases` above runs them.
 #
 # The far edge now needs care too: a phase's conv must have at least as many output rows as the
@@ -348,7 +359,7 @@ if __name__ == "__main__":
 # The alternative is to insert sh-1 zero rows between dY's rows (and sw-1 columns) and run one
 # stride-1 conv with all R*S taps (`zero_insertion_dgrad`): one launch, but sh*sw times the MMA
 # work, most of it on zeros (4x at stride 2). The phases do only the products that count, in sh*sw
-# launches, each a quarter of the pixels at stride 2, plus one pass over dX for the copies.
+# launches, each a quarter of the pixels at stride 2.
 # Which of the two is faster on a GPU is not measured yet: `python benchmarks/backward_layers.py
 # --zero-insertion` times zero insertion beside the phases on ResNet-50's strided layers. (What the
 # phases themselves measured is in the closing cell.)
@@ -1784,50 +1795,48 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # %%
 # What this lesson measured, what limits it, what comes next
 # ----------------------------------------------------------
-# Measured on an H100 on 2026-11-25 (`python benchmarks/backward_layers.py --cuda-graphs`, and
-# without the flag: bf16, batch 128, every distinct conv of ResNet-50; RESULTS.md, "The backward"):
-# both gradients matched torch.nn.grad on every layer. Against cuDNN's convolution_backward, as
-# geometric means over the 23 layers, the kernels alone ran at 0.68x (dgrad) and 0.87x (wgrad);
-# with the host's time included at 0.12x and 0.26x.
+# Measured on an H100 on 2026-11-25 (`python benchmarks/backward_layers.py --operator --cuda-graphs`:
+# bf16, batch 128, every distinct conv of ResNet-50; RESULTS.md, "The backward"): both gradients
+# matched torch.nn.grad on every layer. Against cuDNN's convolution_backward, as geometric means
+# over the 23 layers, kernels alone, this lesson's launchers ran at 0.86x (dgrad) and 0.94x
+# (wgrad), and the operator's gradients (`conv_tutorial`, below) at 0.90x and 0.93x.
 #
 # - The host is most of the gap in a plain call. The launchers above check their arguments, choose
 #   a split, build descriptors and a workspace on every call, and dgrad runs that once per phase
-#   through lesson 05's plain launcher: a 56x56 64->64 1x1 dgrad, 3.3 GFLOP, took 0.5 ms (6.6
-#   TFLOPS) where its kernel alone takes 43 us. The operator's backward pays less: a plan per shape
-#   for each phase's conv (the forward's runtime) and for wgrad (conv_tutorial/wgrad.py), 152 us
-#   per dgrad and 88 us per wgrad (medians over the 23 layers, against 433 and 286 here and cuDNN's
-#   ~40; `backward_layers.py --operator`, RESULTS.md, "The operator's gradients"). A training step
-#   under CUDA graphs pays none: ResNet-50 training with these kernels ran at 0.96x
-#   torch.compile's images/s with CUDA graphs on both sides (0.90x before the stem's fold), 0.59x
-#   without (measured before the fold), and RegNetY-3.2GF at 0.94x with graphs (RESULTS.md,
-#   "Training").
-# - wgrad's kernel is within 6% of cuDNN or faster on 11 of 23 layers (faster on 7, up to 1.13x),
+#   through lesson 05's plain launcher: 290 us per dgrad and 193 us per wgrad (medians over the
+#   layers; cuDNN's: 24 us), where a 1x1 layer's kernels take ~40 us. The operator's backward pays
+#   less: a plan per shape for each phase's conv (the forward's runtime) and for wgrad
+#   (conv_tutorial/wgrad.py), 109 us per dgrad and 60 us per wgrad, 375-650 us for the 3x3
+#   stride-2 dgrads (two launches per phase: its weights and its conv). A training step under CUDA
+#   graphs pays none of it: ResNet-50 training with these kernels ran at 0.97x torch.compile's
+#   images/s with CUDA graphs on both sides, 0.46x without, and RegNetY-3.2GF at 0.94x with graphs
+#   in an earlier run (RESULTS.md, "Training").
+# - wgrad's kernel is within 6% of cuDNN or faster on 14 of 23 layers (faster on 9, up to 1.12x),
 #   with the split rule above giving every SM work (no other split was timed). The stem was its
 #   worst, 0.25x (3 input channels padded to a 16-channel box, dY read once per each of 49 taps);
 #   folded as section 6 ends, stride and column taps into the channels, it runs at 1.01x, and its
-#   dgrad at 2.11x (from 0.69x; `backward_layers.py --operator --cuda-graphs --layers stem`, the
-#   same day). It loses most now on the 56x56 64->64 3x3, 0.65x, whose 64x64 tiles
-#   do a quarter of a 128x128 tile's MMA work per pair of loads and read dY again for each tap
-#   (reasoning from the design; neither layer has been profiled).
-# - dgrad's kernel loses most at stride 2 (0.34-0.55x): one launch per phase of dX, each writing a
-#   conv output that is then copied into every second row and column of dX; the 1x1 stride-2 layers
-#   also zero the three phases no tap reaches, a dX four times their output's size. A phase whose
-#   tiles are stored straight into its rows of dX (a store descriptor over the strided view, or a
-#   masked `gl.store`) saves the copy; one launch for all phases saves the rest. At stride 1 it is
-#   one launch of lesson 05's forward with the launcher's fixed config above (128x128 tiles, 128x64
-#   for 64 channels; not tuned per layer): 0.78-1.01x of cuDNN at 14x14 and above, 0.52-0.63x on
-#   the 7x7 layers. Their dX has 128 x 7 x 7 = 6272 pixels, 49 rows of tiles: the 3x3 and the
-#   512->2048 1x1 make 196 tiles, 1.5 waves of 132 SMs; the 2048->512 1x1 makes 784, but each has
-#   8 k-steps only (not profiled).
+#   dgrad at 2.12x (from 0.69x). It loses most now on the 56x56 64->64 3x3, 0.67x, whose 64x64
+#   tiles do a quarter of a 128x128 tile's MMA work per pair of loads and read dY again for each
+#   tap, and on the two 3x3 layers with a 7x7 output (0.72-0.73x) (reasoning from the design; not
+#   profiled).
+# - dgrad: section 1's one-pass flipped weights and section 2's phases stored in place moved the
+#   operator's dgrad from 0.75x to 0.90x. At stride 1 it now runs at 0.86-1.13x of cuDNN on all
+#   16 layers (the 7x7 512->512 3x3 at 1.13x, where torch's flip and permute had cost more than
+#   half the conv's time). The 1x1 stride-2 layers run at 0.77-0.89x: one phase and a memset
+#   of dX, three quarters of it zeros. It loses most on the 3x3 stride-2 layers, 0.50-0.61x: four
+#   launches of small K (128 to 512 per phase), each a persistent kernel over the whole of dY's
+#   pixels; one launch for all four phases (a tile's phase chosen from its number, as split-K
+#   chooses its slice) is what is left to try. The plain launcher's fixed config (128x128 tiles,
+#   128x64 for 64 channels) is not tuned per layer; the operator takes the runtime's heuristic.
 # - Grouped convs only where a tile keeps to one group (64 or more output channels per group for
 #   wgrad; section 6), no depthwise convs, no fp8 (section 3). The grouped gradients match torch on
-#   an H100 (three layers, both gradients, and the operator's on two more); not timed.
+#   an H100 (four layers, both gradients, and the operator's on 16 random grouped layers); not timed.
 #
 # Next: the operator (`conv_tutorial`) takes its conv gradients from these launchers with
 # `conv_tutorial.set_backward("lesson06")` (NHWC views of its channels_last tensors, torch for what
 # they do not cover); it keeps PyTorch's convolution backward by default, because the figures above
-# say it does not pay yet. What they point to first: the phases of a strided dgrad stored in place
-# and in one launch, and dgrad's host time per phase.
+# say it does not pay yet. What they point to first: the 3x3 stride-2 dgrads in one launch, wgrad's
+# 3x3 layers on small channel counts and small images, and the host time of a strided dgrad.
 
 # %%
 if __name__ == "__main__":
