@@ -264,7 +264,7 @@ class TileOutput:
     Co: Int
     EPILOGUE: gl.tuple                 # which parts of the epilogue to apply (an `Epilogue`, constexprs)
     STORE_BY_ROW_BLOCKS: gl.constexpr
-    window: common.WindowStore | gl.constexpr    # lesson 06's: into a window of a larger tensor; else None
+    out_window: common.WindowStore | gl.constexpr    # lesson 06's: into a window of a larger tensor; else None
 
     @gluon.jit
     def for_consumer(self, i: gl.constexpr):
@@ -298,8 +298,8 @@ class TileOutput:
                 inside = gl.expand_dims(rows < self.M, 1) & gl.expand_dims(cols < self.Co, 0)
                 residual = gl.load(self.residual_ptr + offsets, mask=inside, other=0.0)
             y = apply_epilogue(acc, cols, self.Co, self.scale_ptr, self.bias_ptr, residual, self.EPILOGUE)
-            if self.window is not None:     # lesson 06: into a window of a larger tensor, pixel by pixel
-                self.window.store(y, rows, cols, self.M, self.Co)
+            if self.out_window is not None:     # lesson 06: into a window of a larger tensor, pixel by pixel
+                self.out_window.store(y, rows, cols, self.M, self.Co)
             else:
                 tma.store_wait(pendings=STORES_IN_FLIGHT)
                 c_smem.store(y.to(out_desc.dtype))
@@ -631,10 +631,10 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
     window = Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group, S,
                           channel_blocks)
     # (epilogue_ptrs: the bias, scale, residual and partial-sum pointers, in TileOutput's order)
-    # out_window: None, or (lesson 06) an OutputWindow's kernel_args, for its WindowStore
-    store_window = None if out_window is None else common.WindowStore(out_window[0], out_h, out_w, *out_window[1:])
+    # out_window: None, or (lesson 06) an OutputWindow's kernel_args, for a WindowStore
+    out_window = None if out_window is None else common.WindowStore(out_window[0], out_h, out_w, *out_window[1:])
     output = TileOutput(out_desc, out_tail_desc, c_smem, c_tail_smem, *epilogue_ptrs, M, Co, EPILOGUE,
-                        STORE_BY_ROW_BLOCKS, store_window)
+                        STORE_BY_ROW_BLOCKS, out_window)
     if IS_BLACKWELL:
         NUM_ACC: gl.constexpr = 2
         acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N],

@@ -238,7 +238,8 @@ def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None):
     padding=, dilation=, groups=)` (lesson 05's kernel on a GPU, torch's conv on a CPU) of dY with
     that phase's taps, flipped and channel-swapped (within each group), its output cropped into
     the phase's rows and columns of dX: stored there by the conv itself, handed the phase as
-    `out_window=` (a common.OutputWindow), where dX's pixels are 16-byte aligned, else copied.
+    `out_window=` (a common.OutputWindow), where the stride is > 1 and dX's pixels are 16-byte
+    aligned; else copied (the only phase at stride 1 is the whole of dX unless a crop is needed).
     `phases`: dgrad_phases(geometry), if the caller keeps it."""
     g = geometry
     G = g.groups
@@ -340,14 +341,18 @@ if __name__ == "__main__":
 # [pixels, channels] matrix. In the strided view a tile's 128 pixels are not evenly spaced (they
 # step by sw*Ci elements along a row of dX and jump further at the row's end), so no box covers
 # them; a dense phase output copied into the view afterwards costs a write and a read of that
-# output (on ResNet-50's 3x3 stride-2 layers, dropping the copy made the dgrad 29-33% faster:
-# RESULTS.md, "The operator's gradients"). So lesson 05's kernel takes an *output window*
+# output (on ResNet-50's 3x3 stride-2 layers, dropping the copy, together with section 1's one-pass
+# weights, cut the dgrad's time by 29-33%: RESULTS.md, "The operator's gradients"). So lesson 05's
+# kernel takes an *output window*
 # (`common.OutputWindow`: the view and the crop). With one, `TileOutput.store` skips the TMA store
 # and stores the tile straight from the registers that hold it, each element at the address of its
 # pixel (n, y, x) in the view, elements outside the view masked off (`common.WindowStore`). That
 # is many more instructions than one TMA store (on sm_90, 64 four-byte stores per thread for a
-# 128 x 128 tile; a test in section 7 checks the build), but no phase output and no copy. Where dX's pixels are not 16-byte aligned (Ci * element size not a multiple of 16), the
-# phase's output is computed densely and copied in.
+# 128 x 128 tile; a test in section 7 checks the build), but no phase output and no copy. Where
+# dX's pixels are not 16-byte aligned (Ci * element size not a multiple of 16), or the config
+# splits K (section 7 of lesson 05: its second kernel stores densely), the phase's output is
+# computed densely and copied in. Pixels that no tap reaches are zeros, written by one memset of
+# dX before the phases run: cheaper than filling every stride-th pixel phase by phase.
 # `dgrad_axis_phase` works out one axis of one phase; `dgrad_by_phases` above runs them.
 #
 # The far edge now needs care too: a phase's conv must have at least as many output rows as the
@@ -1796,7 +1801,8 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # What this lesson measured, what limits it, what comes next
 # ----------------------------------------------------------
 # Measured on an H100 on 2026-11-25 (`python benchmarks/backward_layers.py --operator --cuda-graphs`:
-# bf16, batch 128, every distinct conv of ResNet-50; RESULTS.md, "The backward"): both gradients
+# bf16, batch 128, every distinct conv of ResNet-50; RESULTS.md, "The backward" and "The
+# operator's gradients"): both gradients
 # matched torch.nn.grad on every layer. Against cuDNN's convolution_backward, as geometric means
 # over the 23 layers, kernels alone, this lesson's launchers ran at 0.86x (dgrad) and 0.94x
 # (wgrad), and the operator's gradients (`conv_tutorial`, below) at 0.90x and 0.93x.
@@ -1824,10 +1830,11 @@ if __name__ == "__main__" and on_gpu and args.bench:
 #   16 layers (the 7x7 512->512 3x3 at 1.13x, where torch's flip and permute had cost more than
 #   half the conv's time). The 1x1 stride-2 layers run at 0.77-0.89x: one phase and a memset
 #   of dX, three quarters of it zeros. It loses most on the 3x3 stride-2 layers, 0.50-0.61x: four
-#   launches of small K (128 to 512 per phase), each a persistent kernel over the whole of dY's
-#   pixels; one launch for all four phases (a tile's phase chosen from its number, as split-K
+#   launches of small K (1, 2, 2 and 4 taps of Co channels: 128 to 512 on the 56x56 layer, 512 to
+#   2048 on the 14x14 one), each a persistent kernel over the whole of dY's pixels; one launch for all four phases (a tile's phase chosen from its number, as split-K
 #   chooses its slice) is what is left to try. The plain launcher's fixed config (128x128 tiles,
-#   128x64 for 64 channels) is not tuned per layer; the operator takes the runtime's heuristic.
+#   128x64 for 64 channels) is not tuned per layer; the operator takes the runtime's heuristic,
+#   whose configs were chosen by timing dense stores, not the window's.
 # - Grouped convs only where a tile keeps to one group (64 or more output channels per group for
 #   wgrad; section 6), no depthwise convs, no fp8 (section 3). The grouped gradients match torch on
 #   an H100 (four layers, both gradients, and the operator's on 16 random grouped layers); not timed.

@@ -1279,9 +1279,10 @@ class OutputWindow(NamedTuple):
     crop_w: int = 0
 
     def write(self, out_nhwc):
-        """torch's way to the same result (a CPU's, or a kernel that stores densely): crop, then copy."""
+        """torch's way to the same result (a CPU's, or a kernel that stores densely): crop, then copy.
+        Returns the view, as a kernel that stores into the window does."""
         rows, cols = self.view.shape[1:3]
-        self.view.copy_(out_nhwc[:, self.crop_h:self.crop_h + rows, self.crop_w:self.crop_w + cols])
+        return self.view.copy_(out_nhwc[:, self.crop_h:self.crop_h + rows, self.crop_w:self.crop_w + cols])
 
     def kernel_args(self):
         """The kernel's `out_window` tuple: (view, its n, y and x strides in elements, its rows and

@@ -164,13 +164,15 @@ class ConvPlan:
         caller; not with split-K), its view, where the kernel stored the output's pixels."""
         # The specialization Triton compiled for: the epilogue, and whether each of its pointers
         # is 16-byte aligned (Triton specializes pointer alignment) and of which dtype; with a
-        # window, which of its integers are 1 or multiples of 16 (Triton specializes those too).
+        # window, which of its integers are 1, multiples of 16 or past 32 bits (Triton specializes
+        # those too: a constexpr, an alignment, an i64 parameter).
         # Everything else is fixed by the plan.
         window_args = None if out_window is None else out_window.kernel_args()
         variant = (activation,) + tuple(None if t is None else (t.dtype, t.data_ptr() % 16 == 0)
                                         for t in (bias, scale, residual))
         if window_args is not None:
-            variant += (window_args[0].dtype,) + tuple((v == 1, v % 16 == 0) for v in window_args[1:])
+            variant += (window_args[0].dtype,) + tuple((v == 1, v % 16 == 0, -2**31 <= v < 2**31)
+                                                       for v in window_args[1:])
         direct = self.launches.get(variant)
         if direct is None:
             # First launch of this variant: the generic path (binds, specializes, compiles), then

@@ -240,13 +240,22 @@ def test_a_window_and_a_whole_output_share_a_plan():
     its own template: a window's out_2d is a one-row stand-in); a split-K config takes a copy."""
     x_nhwc, w, _, window, expected = window_case()
     dense = common.reference_conv2d_nhwc(x_nhwc, w, None, 1, 1)
-    for config in (lesson05.FIXED_CONFIG, KernelConfig(128, 128, 64, 4, 4, split_k=2)):
+
+    def windowed(config):
+        window.view.fill_(float("nan"))
+        got = runtime.conv2d(x_nhwc, w, None, 1, 1, config=tuple(config), out_window=window)
+        common.assert_close_to_reference(got, expected, dtype=x_nhwc.dtype, K=64 * 9)
+
+    def whole(config):
+        common.assert_close_to_reference(runtime.conv2d(x_nhwc, w, None, 1, 1, config=tuple(config)), dense,
+                                         dtype=x_nhwc.dtype, K=64 * 9)
+    # plans of their own (configs no other test uses), each met first with a window or first without
+    for config, order in ((KernelConfig(128, 64, 64, 5, 4), (windowed, whole)),
+                          (KernelConfig(64, 128, 64, 5, 4), (whole, windowed)),
+                          (KernelConfig(128, 128, 64, 4, 4, split_k=2), (windowed, whole))):
         for _ in range(2):
-            window.view.fill_(float("nan"))
-            got = runtime.conv2d(x_nhwc, w, None, 1, 1, config=tuple(config), out_window=window)
-            common.assert_close_to_reference(got, expected, dtype=x_nhwc.dtype, K=64 * 9)
-            common.assert_close_to_reference(runtime.conv2d(x_nhwc, w, None, 1, 1, config=tuple(config)), dense,
-                                             dtype=x_nhwc.dtype, K=64 * 9)
+            for call in order:
+                call(config)
     with pytest.raises(ValueError, match="out_window crops"):
         runtime.conv2d(x_nhwc, w, None, 1, 1, out_window=window._replace(crop_h=5))
 
