@@ -260,18 +260,18 @@ def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None):
         w_phase = flipped_weights(w, along_h.taps, along_w.taps, G)
         conv = dict(padding=(along_h.padding, along_w.padding), dilation=(along_h.dilation, along_w.dilation),
                     groups=G)
-        if strided and common.window_storable(dx[:, py::g.stride[0], px::g.stride[1]]):
-            # the conv stores its pixels into the phase's rows and columns of dX itself
-            window = common.OutputWindow(dx[:, py::g.stride[0], px::g.stride[1]], along_h.crop, along_w.crop)
-            fprop(dy_nhwc, w_phase, **conv, out_window=window)
-            continue
-        out = fprop(dy_nhwc, w_phase, **conv)
-        if not strided and out.shape[1:3] == (g.H, g.W):
-            return out                            # stride 1, nothing cropped: the conv's output is dX
-        if dx is None:
+        out = None
+        if not strided:                           # one phase: the conv's output is dX, unless cropped
+            out = fprop(dy_nhwc, w_phase, **conv)
+            if out.shape[1:3] == (g.H, g.W):
+                return out
             dx = torch.empty(g.N, g.H, g.W, g.Ci, device=dy_nhwc.device, dtype=dy_nhwc.dtype)
-        # a crop at stride 1, or pixels not 16-byte aligned in dX: the phase's output is copied in
-        common.OutputWindow(dx[:, py::g.stride[0], px::g.stride[1]], along_h.crop, along_w.crop).write(out)
+        window = common.OutputWindow(dx[:, py::g.stride[0], px::g.stride[1]], along_h.crop, along_w.crop)
+        if out is None and common.window_storable(window.view):
+            fprop(dy_nhwc, w_phase, **conv, out_window=window)    # the conv stores into dX's phase itself
+        else:
+            # a crop at stride 1, or pixels not 16-byte aligned in dX: the phase's output is copied in
+            window.write(fprop(dy_nhwc, w_phase, **conv) if out is None else out)
     return dx
 
 

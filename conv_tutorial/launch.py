@@ -132,11 +132,6 @@ class ConvPlan:
         self.reduces = {}         # epilogue variant -> DirectLaunch of split-K's second kernel
         self.reduce_grid = self.reduce_scalars = None   # split-K's second kernel: fixed by the plan
 
-    @property
-    def template(self):
-        """The template of calls that store a whole output (lesson 05's out_2d)."""
-        return self.templates.get(False)
-
     def launch_for(self, x_nhwc, w, bias, scale=None, residual=None, out_window=None):
         """The lesson's ConvLaunch for these tensors; after the first call, built from templates (one
         for calls that store a whole output, one for those with an `out_window`: its out_2d is a stand-in)."""
