@@ -243,9 +243,10 @@ def loader_partition(in_desc, w_desc, w_tail_desc, ring, schedule, window):
 # and starts an asynchronous TMA store from a staging buffer. The store is not waited for: it
 # drains while the next tile computes, and before the staging buffer is written again we wait
 # until the previous store from it has read it (stores finish in order; STORES_IN_FLIGHT newer
-# ones, from other buffers, may stay in flight). (Lesson 06 adds one switch, an output window: the
-# tile stored element by element into a strided view of a larger tensor, which no TMA box covers.
-# Without one it is a constexpr None, and that branch is not compiled.)
+# ones, from other buffers, may stay in flight). (Lesson 06 adds two switches: an output window,
+# the tile stored element by element into a strided view of a larger tensor, which no TMA box
+# covers; and per-channel sums of the tile added into a small fp32 tensor, for BatchNorm in
+# training. Without them they are constexpr Nones, and those branches are not compiled.)
 
 
 @gluon.aggregate
@@ -265,6 +266,7 @@ class TileOutput:
     EPILOGUE: gl.tuple                 # which parts of the epilogue to apply (an `Epilogue`, constexprs)
     STORE_BY_ROW_BLOCKS: gl.constexpr
     out_window: common.WindowStore | gl.constexpr    # lesson 06's: into a window of a larger tensor; else None
+    channel_stats: gl.tensor | gl.constexpr          # lesson 06's: fp32 [2, Co] sums for BatchNorm; else None
 
     @gluon.jit
     def for_consumer(self, i: gl.constexpr):
@@ -298,6 +300,8 @@ class TileOutput:
                 inside = gl.expand_dims(rows < self.M, 1) & gl.expand_dims(cols < self.Co, 0)
                 residual = gl.load(self.residual_ptr + offsets, mask=inside, other=0.0)
             y = apply_epilogue(acc, cols, self.Co, self.scale_ptr, self.bias_ptr, residual, self.EPILOGUE)
+            if self.channel_stats is not None:  # lesson 06: each channel's sum and sum of squares, for BatchNorm
+                common.add_channel_stats(self.channel_stats, y, rows, cols, self.M, self.Co)
             if self.out_window is not None:     # lesson 06: into a window of a larger tensor, pixel by pixel
                 self.out_window.store(y, rows, cols, self.M, self.Co)
             else:
@@ -593,7 +597,7 @@ def apply_epilogue(acc, cols, Co, scale_ptr, bias_ptr, residual, EPILOGUE: tl.co
 
 @gluon.jit
 def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, epilogue_ptrs, shape, out_window,
-                        CONFIG: gl.constexpr, EPILOGUE: gl.constexpr, IS_BLACKWELL: gl.constexpr):
+                        channel_stats, CONFIG: gl.constexpr, EPILOGUE: gl.constexpr, IS_BLACKWELL: gl.constexpr):
     (M, Co, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group,
      S, k_steps, channel_blocks) = shape
     dtype: gl.constexpr = in_desc.dtype
@@ -631,10 +635,11 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
     window = Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group, S,
                           channel_blocks)
     # (epilogue_ptrs: the bias, scale, residual and partial-sum pointers, in TileOutput's order)
-    # out_window: None, or (lesson 06) an OutputWindow's kernel_args, for a WindowStore
+    # out_window: None, or (lesson 06) an OutputWindow's kernel_args, for a WindowStore; channel_stats: None, or
+    # (lesson 06) the fp32 [2, Co] tensor the epilogue adds each channel's sum and sum of squares into
     out_window = None if out_window is None else common.WindowStore(out_window[0], out_h, out_w, *out_window[1:])
     output = TileOutput(out_desc, out_tail_desc, c_smem, c_tail_smem, *epilogue_ptrs, M, Co, EPILOGUE,
-                        STORE_BY_ROW_BLOCKS, out_window)
+                        STORE_BY_ROW_BLOCKS, out_window, channel_stats)
     if IS_BLACKWELL:
         NUM_ACC: gl.constexpr = 2
         acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N],
@@ -840,10 +845,12 @@ class ConvLaunch(NamedTuple):
     partial: torch.Tensor = None   # section 7: the fp32 workspace [split_k, M, Co]; else None
     tiles: tuple = None            # section 7: (tile_m, tile_n, num_pid_m, num_pid_n, whole_tiles)
     out_window: tuple = None       # lesson 06: an OutputWindow's kernel_args (the output stored there); else None
+    channel_stats: torch.Tensor = None   # lesson 06: fp32 [2, Co], zeroed, for each channel's sum and sum of squares
 
     def kernel_args(self):
         # The kernel's run-time arguments, in its signature's order.
-        return tuple(getattr(self, name) for name in DESCRIPTORS) + (self.pointers, self.shape, self.out_window)
+        return tuple(getattr(self, name) for name in DESCRIPTORS) + (self.pointers, self.shape, self.out_window,
+                                                                                self.channel_stats)
 
 
 output_nhwc = lesson04.output_nhwc    # the kernel's output [M, Co rounded up to 16 bytes] as NHWC [N, out_h, out_w, Co]
@@ -858,14 +865,17 @@ def kernel_constexprs(config, arch, epilogue=Epilogue()):
 
 
 def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None, residual=None, out_dtype=None,
-                   out_window=None):
+                   out_window=None, channel_stats=None):
     # A ConvLaunch for these tensors (CPU tensors work too: the ahead-of-time compile uses them). out_window: a
-    # common.OutputWindow (lesson 06) to store the output into, pixel by pixel, instead of out_2d.
+    # common.OutputWindow (lesson 06) to store the output into, pixel by pixel, instead of out_2d; channel_stats
+    # (lesson 06): a zeroed fp32 [2, Co] tensor that the epilogue adds the output's per-channel sums into.
     config = KernelConfig(*config)
     check_config(config, arch)
     g = geometry
     if out_window is not None:
         common.check_output_window(out_window, g, out_dtype or x_nhwc.dtype, x_nhwc.device, config.split_k)
+    if channel_stats is not None:
+        common.check_channel_stats(channel_stats, g.Co, x_nhwc.device, config.split_k, out_window)
     check_groups_fit(config, g, x_nhwc.element_size())                     # section 10
     x_nhwc, w, Ci_padded = common.pad_channels_for_tma(x_nhwc, w)
     Ci_group = Ci_padded // g.groups
@@ -901,22 +911,25 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     programs, _, whole_tiles = tile_counts(config, g.M, g.Co, num_sms)
     tiles = (config.tile_m, config.tile_n, num_pid_m, num_pid_n, whole_tiles) if partial is not None else None
     return ConvLaunch((programs, 1, 1), in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, pointers, shape,
-                      out_2d, partial, tiles, None if out_window is None else out_window.kernel_args())
+                      out_2d, partial, tiles, None if out_window is None else out_window.kernel_args(), channel_stats)
 
 
 def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG,
-                        scale=None, residual=None, activation="none", groups=1, out_dtype=None, out_window=None):
+                        scale=None, residual=None, activation="none", groups=1, out_dtype=None, out_window=None,
+                        channel_stats=None):
     """The warp-specialized conv, launched plainly. x_nhwc [N, H, W, Ci], w [Co, R, S, Ci] (fp16,
     bf16 or, section 9, e4m3; CUDA, contiguous); returns NHWC [N, out_h, out_w, Co] in x's dtype
     (e4m3 operands: bf16, or e4m3 if out_dtype asks). The epilogue computes act(conv * scale + bias
     + residual) in fp32 before the cast: optional bias and scale [Co] (fp32 or x's dtype), residual
     of the output's shape and dtype, activation "none", "relu" or "silu". groups > 1 (section 10):
-    w is [Co, R, S, Ci / groups]. out_window (lesson 06): store into its view instead, and return that."""
+    w is [Co, R, S, Ci / groups]. out_window (lesson 06): store into its view instead, and return that.
+    channel_stats (lesson 06): a zeroed fp32 [2, Co] tensor; the epilogue adds each output channel's sum and
+    sum of squares (of the fp32 values before the cast) into it."""
     geometry = common.check_conv_call(x_nhwc, w, bias, stride, padding, dilation, dtypes=KERNEL_DTYPES, scale=scale,
                                       residual=residual, activation=activation, out_dtype=out_dtype, groups=groups)
     arch, num_sms = common.tma_mma_arch_and_sms("conv2d_fprop_launch")
     launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale, residual,
-                            common.output_dtype(x_nhwc.dtype, out_dtype), out_window)
+                            common.output_dtype(x_nhwc.dtype, out_dtype), out_window, channel_stats)
     epilogue = Epilogue(bias is not None, scale is not None, residual is not None, activation)
     conv2d_fprop_kernel[launch.grid](*launch.kernel_args(), **kernel_constexprs(KernelConfig(*config), arch, epilogue))
     if launch.partial is not None:                 # split-K's second kernel (section 7): sum the slices
@@ -995,15 +1008,16 @@ TAUGHT_PTX = {
 
 
 def aot_conv2d_fprop(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, padding=1,
-                     config=FIXED_CONFIG, epilogue=Epilogue(), dtype="bfloat16", out_window=None):
+                     config=FIXED_CONFIG, epilogue=Epilogue(), dtype="bfloat16", out_window=None, channel_stats=False):
     # (kernel, args, kwargs) on CPU tensors, for common.aot_compile (`epilogue` as a list too;
-    # dtype "float8_e4m3fn": the fp8 build of section 9, bf16 out; out_window: lesson 06's builds).
+    # dtype "float8_e4m3fn": the fp8 build of section 9, bf16 out; out_window, channel_stats: lesson 06's builds).
     epilogue = Epilogue(*epilogue)
     x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, getattr(torch, dtype), device_name="cpu")
     geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
     per_channel, residual = torch.zeros(Co), torch.zeros(*geometry.output_shape_nhwc, dtype=torch.bfloat16)
     bias, scale, residual = (t if on else None for t, on in zip((per_channel, per_channel, residual), epilogue[:3]))
-    launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, 132, scale, residual, torch.bfloat16, out_window)
+    launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, 132, scale, residual, torch.bfloat16, out_window,
+                            torch.zeros(2, Co) if channel_stats else None)
     return conv2d_fprop_kernel, launch.kernel_args(), kernel_constexprs(config, arch, epilogue)
 
 

@@ -1798,6 +1798,175 @@ if __name__ == "__main__" and on_gpu and args.bench:
     run_bench(outdir)
 
 # %%
+# 10. Training: BatchNorm's statistics from the forward's epilogue
+# ----------------------------------------------------------------
+# In training, the BatchNorm after a conv cannot be folded into its weights (lesson 05, section
+# 5): it normalizes with the batch's own mean and variance per channel, a reduction over N, H and
+# W of the conv's output. torch.compile computes that reduction in a kernel of its own, which
+# reads the whole output once more before the kernel that normalizes it reads it again. The
+# forward kernel already holds each tile of the output in fp32 registers in its epilogue, so it
+# can sum there: lesson 05's `TileOutput.store` takes one more switch, `channel_stats` (an fp32
+# [2, Co] tensor, zeroed), and `common.add_channel_stats` adds the tile's column sums of y and of
+# y^2 into its two rows. Rows past the last pixel (a partial tile) are masked out; the values
+# summed are the fp32 ones before the cast to bf16. From the two sums::
+#
+#     mean = sum / count        var = sum_sq / count - mean^2        (count = N * out_h * out_w)
+#
+# How the sums travel. The tile's 128 rows are spread over the epilogue's warps (four on either
+# architecture), so `gl.sum(axis=0)` reduces in three steps: within each thread's registers, across
+# the lanes of a warp by shuffles, and across warps through shared memory, with `bar.sync`s among
+# the epilogue's own 128 threads (the build has dozens more than the plain one; the test below
+# checks that it has more). Then one thread per channel adds the
+# result into global memory: `red.global.add.f32`, an atomic add that returns nothing, with relaxed
+# ordering, because nothing else waits on it (the kernel's end is what the host waits for). Many
+# tiles add into the same channel, in whatever order they finish, so the sums' last bits vary
+# from run to run: a BatchNorm computed this way is not bit-for-bit reproducible, unlike
+# cuDNN's. The adds are few: two per channel per tile, 256 against the 16,384 values a 128 x 128
+# tile stores.
+#
+# Two limits. A split-K config (section 7 of lesson 05) holds partial sums in its epilogue, and
+# the squares of partial sums do not add up to the square of the whole: `prepare_launch` refuses
+# the combination (the operator's runtime sums such an output with torch instead). And E[y^2] -
+# E[y]^2 in fp32 loses digits when a channel's mean is large against its spread, a relative error
+# of about 2^-24 * (mean / std)^2 in the variance (`test_variance_from_sums_loses_digits_with_large_means`
+# shows it): negligible for the activations BatchNorm sees, whose means are of the order of
+# their spread, and the reason Welford's update exists where they are not.
+#
+# The operator (`conv_tutorial.fuse_conv_batchnorm_for_training`) puts this into a model; whether it
+# pays in a training step is measured in RESULTS.md ("Training fusions").
+
+
+def conv2d_with_channel_stats(x_nhwc, w, stride=1, padding=0, dilation=1, config=lesson05.FIXED_CONFIG):
+    """(y NHWC, stats): lesson 05's conv, its epilogue adding each output channel's sum (stats[0]) and
+    sum of squares (stats[1]), fp32 [2, Co], as it stores y."""
+    stats = torch.zeros(2, w.shape[0], device=x_nhwc.device, dtype=torch.float32)
+    y = lesson05.conv2d_fprop_launch(x_nhwc, w, None, stride, padding, dilation, config=config, channel_stats=stats)
+    return y, stats
+
+
+def batch_norm_from_sums(y_nhwc, stats, gamma, beta, eps=1e-5):
+    """BatchNorm's training-mode output (batch mean, biased variance) from a conv's channel sums."""
+    count = y_nhwc.numel() // y_nhwc.shape[-1]
+    mean = stats[0] / count
+    var = (stats[1] / count - mean * mean).clamp_min(0.0)
+    scale = gamma.float() * torch.rsqrt(var + eps)
+    return (y_nhwc.float() * scale + (beta.float() - mean * scale)).to(y_nhwc.dtype)
+
+
+def channel_sums_by_tiles(y_2d, block_m=128, seed=0):
+    """The epilogue's arithmetic on a CPU: y [M, Co] cut into tiles of block_m rows, each tile's column
+    sums of y and y^2 in fp32, added into [2, Co] in a random order (the tiles' finishing order)."""
+    tiles = list(torch.split(y_2d.float(), block_m))
+    order = torch.randperm(len(tiles), generator=torch.Generator().manual_seed(seed))
+    stats = torch.zeros(2, y_2d.shape[1])
+    for i in order.tolist():
+        stats += torch.stack((tiles[i].sum(0), (tiles[i] * tiles[i]).sum(0)))
+    return stats
+
+
+def test_tile_sums_give_batch_norms_statistics():
+    # the CPU model against torch's own batch statistics: mean, and the biased variance BatchNorm normalizes with
+    y = torch.randn(1000, 24, generator=torch.Generator().manual_seed(3)) * 2.0 + 0.5
+    stats = channel_sums_by_tiles(y, block_m=128)
+    mean, var = stats[0] / y.shape[0], stats[1] / y.shape[0] - (stats[0] / y.shape[0]) ** 2
+    torch.testing.assert_close(mean, y.mean(0), rtol=0, atol=1e-5)
+    torch.testing.assert_close(var, y.var(0, unbiased=False), rtol=1e-5, atol=0)
+    # another finishing order: the same statistics up to the last bits of fp32
+    torch.testing.assert_close(channel_sums_by_tiles(y, seed=1), stats, rtol=1e-6, atol=1e-4)
+
+
+@pytest.mark.parametrize("mean_over_std", [1.0, 1e3])
+def test_variance_from_sums_loses_digits_with_large_means(mean_over_std):
+    # E[y^2] - E[y]^2 in fp32 against the same in fp64: fine at a mean of the spread's order, and off by
+    # about 2^-24 * (mean / std)^2 * sqrt(tiles) relative when the mean dwarfs the spread
+    y = (torch.randn(65536, 8, generator=torch.Generator().manual_seed(4), dtype=torch.float64) + mean_over_std)
+    stats = channel_sums_by_tiles(y.float())
+    var32 = stats[1] / y.shape[0] - (stats[0] / y.shape[0]) ** 2
+    error = ((var32.double() - y.var(0, unbiased=False)).abs() / y.var(0, unbiased=False)).max().item()
+    if mean_over_std == 1.0:
+        assert error < 1e-5
+    else:
+        assert error > 1e-2            # (mean / std)^2 = 1e6: 2^-24 * 1e6 = 6e-2 per rounding
+
+
+def test_channel_stats_are_refused_where_they_would_be_wrong():
+    g = common.conv_geometry((2, 8, 8, 16), (32, 3, 3, 16), 1, 1)
+    good = torch.zeros(2, 32)
+    common.check_channel_stats(good, 32, good.device)
+    for bad, words in [(torch.zeros(2, 32, dtype=torch.float16), "torch.float32"), (torch.zeros(32, 2).t(), "contiguous"),
+                       (torch.zeros(2, 16), "(2, 32)")]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            common.check_channel_stats(bad, 32, bad.device)
+    with pytest.raises(TypeError, match="channel_stats must be a torch.Tensor"):
+        common.check_channel_stats([0.0] * 64, 32, good.device)
+    with pytest.raises(ValueError, match="without split-K"):
+        common.check_channel_stats(good, 32, good.device, split_k=2)
+    with pytest.raises(ValueError, match="out_window"):
+        common.check_channel_stats(good, 32, good.device, out_window=common.OutputWindow(torch.zeros(*g.output_shape_nhwc)))
+
+
+def aot_conv_with_channel_stats(arch):
+    """(kernel, args, kwargs) of lesson 05's kernel with channel_stats, on CPU tensors (lesson 05's build)."""
+    return lesson05.aot_conv2d_fprop(arch, channel_stats=True)
+
+
+@pytest.mark.parametrize("arch", list(TAUGHT_PTX))
+def test_stats_build_adds_with_relaxed_reductions(arch):
+    # the sums leave through red.global (an atomic add without a return value, relaxed ordering); the tile
+    # itself still leaves through one TMA store; the plain build has no reduction at all
+    built = common.aot_compile_or_skip("06-conv-backward", "aot_conv_with_channel_stats", arch)["ptx"]
+    plain = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch)["ptx"]
+    counts = common.ptx_instructions(built, ["red.global", common.PTX_TMA_STORE])
+    assert counts[common.PTX_TMA_STORE] == 1 and counts["red.global"] > 0
+    assert common.ptx_instructions(plain, ["red.global"])["red.global"] == 0
+    assert common.ptx_instructions(built, ["bar.sync"])["bar.sync"] > common.ptx_instructions(plain, ["bar.sync"])["bar.sync"]
+    assert ".relaxed.add" in common.first_ptx_instruction(built, "red.global") and ".f32" in \
+        common.first_ptx_instruction(built, "red.global")
+
+
+STATS_CASES = [   # (N, H, W, Ci, Co, R, S, stride, padding): partial tiles, Co not a multiple of the tile, Ci=3
+    (2, 20, 18, 3, 100, 7, 7, 2, 3),
+    (3, 13, 11, 64, 72, 1, 1, 1, 0),
+    (4, 28, 28, 128, 128, 3, 3, 2, 1),
+    (2, 9, 17, 32, 200, 3, 1, (1, 2), (1, 0)),
+]
+
+
+def check_channel_stats(N, H, W, Ci, Co, R, S, stride, padding, dtype=torch.bfloat16):
+    """The kernel's sums against fp32 sums of torch's fp32 conv, and BatchNorm from them against torch's.
+    Tolerance: each y differs from the reference by the fp32 accumulation order (~K * 2^-24 of its terms),
+    so a channel's sum is off by far less than 1e-4 of the sum of |y| (and sum_sq of itself); the
+    normalized output is rounded to bf16 once (2e-2, as in section 8)."""
+    x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, dtype)
+    y, stats = conv2d_with_channel_stats(x, w, stride, padding)
+    reference = common.reference_conv2d_nhwc(x, w, None, stride, padding, out_dtype=torch.float32)
+    flat = reference.reshape(-1, Co).double()
+    assert ((stats[0].double() - flat.sum(0)).abs() <= 1e-4 * flat.abs().sum(0) + 1e-3).all()
+    assert ((stats[1].double() - (flat * flat).sum(0)).abs() <= 1e-4 * (flat * flat).sum(0) + 1e-3).all()
+    gamma, beta = torch.rand(Co, device=x.device) + 0.5, torch.randn(Co, device=x.device)
+    expected = torch.nn.functional.batch_norm(y.permute(0, 3, 1, 2).float(), None, None, gamma, beta, training=True)
+    common.assert_close_to_reference(batch_norm_from_sums(y, stats, gamma, beta), expected.permute(0, 2, 3, 1),
+                                     dtype=dtype, K=1)
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", STATS_CASES)
+def test_channel_stats_match_torch(case):
+    check_channel_stats(*case)
+
+
+def run_channel_stats():
+    for case in STATS_CASES:
+        check_channel_stats(*case)
+    print(f"\nthe epilogue's channel sums and BatchNorm from them match torch on {len(STATS_CASES)} layers, "
+          f"{common.gpu_name()}")
+
+
+# %%
+if __name__ == "__main__" and on_gpu:
+    run_channel_stats()
+
+# %%
 # What this lesson measured, what limits it, what comes next
 # ----------------------------------------------------------
 # Measured on an H100 on 2026-11-25 (`python benchmarks/backward_layers.py --operator --cuda-graphs`:

@@ -1353,3 +1353,38 @@ class WindowStore:
         element by element from the registers that hold it: its pixels make no TMA box."""
         offsets, inside = self.offsets(pixels, channels, M, Co)
         gl.store(self.ptr + offsets, values.to(self.ptr.dtype.element_ty), mask=inside)
+
+
+# %% Per-channel statistics from the epilogue (lesson 05's epilogue, for lesson 06's BatchNorm) ---
+
+def check_channel_stats(stats, Co, device, split_k=1, out_window=None):
+    """ValueError/TypeError unless `stats` can take a conv's per-channel sums: an fp32 tensor
+    [2, Co], contiguous, on the output's device, that the epilogue adds each output channel's
+    sum (row 0) and sum of squares (row 1) into. A config without split-K (its slices are partial
+    sums: the squares of a whole sum are not the sum of their squares) and no out_window (a
+    window drops the pixels it crops, which the statistics would still count)."""
+    if not isinstance(stats, torch.Tensor):
+        raise TypeError(f"channel_stats must be a torch.Tensor (fp32, [2, Co]), got {type(stats).__name__}")
+    if stats.dtype != torch.float32 or tuple(stats.shape) != (2, Co) or not stats.is_contiguous():
+        raise ValueError(f"channel_stats is {stats.dtype} {tuple(stats.shape)} with strides {stats.stride()}; the "
+                         f"conv's {Co} output channels need a contiguous torch.float32 tensor of shape (2, {Co})")
+    if stats.device != device:
+        raise ValueError(f"channel_stats is on {stats.device}; the output is on {device}")
+    if split_k > 1:
+        raise ValueError(f"channel_stats takes a config without split-K (split_k=1), got split_k={split_k}")
+    if out_window is not None:
+        raise ValueError("channel_stats and an out_window together: a window's crop drops pixels that the "
+                         "statistics would count; pass one of them")
+
+
+@gluon.jit
+def add_channel_stats(stats_ptr, values, pixels, channels, M, Co):
+    """Add a tile's per-channel sum and sum of squares into stats[0, :Co] and stats[1, :Co] (fp32,
+    atomically: tiles of one channel block arrive in any order, so the last bits vary run to
+    run). The tile's rows are output pixels (those < M count), its columns channels (< Co)."""
+    counted = gl.where(gl.expand_dims(pixels < M, 1), values, 0.0)
+    inside = channels < Co
+    # (relaxed: nothing else is ordered by these adds; one thread adds each channel's value, Triton masks the
+    # threads that hold copies of it)
+    gl.atomic_add(stats_ptr + channels, gl.sum(counted, axis=0), mask=inside, sem="relaxed")
+    gl.atomic_add(stats_ptr + Co + channels, gl.sum(counted * counted, axis=0), mask=inside, sem="relaxed")

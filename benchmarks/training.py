@@ -13,7 +13,10 @@ the same initial weights). Variants:
   ours             conv_tutorial.convert_conv2d, then torch.compile: forward convs on lesson 05's
                    kernel, their gradients from torch (the default backward)
   ours-lesson06    the same with conv_tutorial.set_backward("lesson06"): dgrad and wgrad on lesson 06
-  ...-cudagraphs   compile, ours, ours-lesson06 under torch.compile(mode="reduce-overhead"): each
+  ours-lesson06-bnstats   the same after conv_tutorial.fuse_conv_batchnorm_for_training: each conv
+                   followed by a BatchNorm2d sums its output per channel in its epilogue (lesson 06,
+                   section 10), and BatchNorm normalizes with those statistics
+  ...-cudagraphs   compile, ours, ours-lesson06(-bnstats) under torch.compile(mode="reduce-overhead"): each
                    compiled forward and backward replayed as a CUDA graph (kernels without host time)
 For each: images/s over the timed steps (after warm-up steps that compile; CUDA-synchronized wall
 time per step, the median), the loss of each of `--steps` steps, and the first step's gradients'
@@ -45,8 +48,8 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import torch  # noqa: E402
 
-VARIANTS = ("eager", "compile", "compile-max-autotune", "ours", "ours-lesson06", "compile-cudagraphs",
-            "ours-cudagraphs", "ours-lesson06-cudagraphs")
+VARIANTS = ("eager", "compile", "compile-max-autotune", "ours", "ours-lesson06", "ours-lesson06-bnstats",
+            "compile-cudagraphs", "ours-cudagraphs", "ours-lesson06-cudagraphs", "ours-lesson06-bnstats-cudagraphs")
 
 
 def initial_model(net, seed=0):
@@ -71,6 +74,8 @@ def prepared(variant, model):
     """The model (and the callable a step runs) of one variant."""
     import conv_tutorial
     conv_tutorial.set_backward("lesson06" if variant.startswith("ours-lesson06") else "torch")
+    if "-bnstats" in variant:      # sharing the model's parameters (first_step_gradients finds them by storage)
+        model = conv_tutorial.fuse_conv_batchnorm_for_training(model, inplace=True)
     if variant.startswith("ours"):
         model = conv_tutorial.convert_conv2d(model)
     if variant == "eager":
@@ -104,17 +109,20 @@ def train(variant, fp32_model, data, warmup, device):
 
 def first_step_gradients(variant, fp32_model, x, y, device):
     """Every parameter's gradient after one step of `variant` on (x, y) (bf16 autocast), or of the
-    fp32 reference (variant None: eager fp32, TF32 off)."""
+    fp32 reference (variant None: eager fp32, TF32 off), in the order of fp32_model.parameters()
+    (a variant's module holds the same storage: matched by address)."""
     model = copy.deepcopy(fp32_model).to(device).to(memory_format=torch.channels_last)
-    step_model = model if variant is None else prepared(variant, model)[1]
-    model.train()
+    order = [p.data_ptr() for p in model.parameters()]
+    trained, step_model = (model, model) if variant is None else prepared(variant, model)
+    trained.train()
     if variant is None:
         loss = torch.nn.functional.cross_entropy(step_model(x), y)
     else:
         with torch.autocast(device_type=device, dtype=torch.bfloat16):
             loss = torch.nn.functional.cross_entropy(step_model(x), y)
     loss.backward()
-    return [p.grad.detach().float() for p in model.parameters()]
+    grads = {p.data_ptr(): p.grad.detach().float() for p in trained.parameters()}
+    return [grads[address] for address in order]
 
 
 def gradient_error(grads, reference):

@@ -13,11 +13,12 @@ importing only those above it: kernel (the lesson), geometry (arguments, device)
 (candidates, tile and shared-memory accounting), launch (plans, direct launch), selection
 (pruning, heuristic, autotuner, tuning file), runtime (`conv2d` on NHWC tensors), depthwise,
 backward (the conv's gradients: torch's, or lesson 06's kernels), ops (torch.library operators),
-fusion (the fx pass), fp8 (the e4m3 pass).
+fusion (the fx pass), fp8 (the e4m3 pass), training (BatchNorm's batch statistics from the
+forward's epilogue, and its fx pass).
 
-Importing the package registers its operators (conv2d, conv2d_fp8, and the backward's
-conv2d_input_grad and conv2d_weight_grad) and changes nothing else: no environment variable, no
-Triton mode, no stream redirected.
+Importing the package registers its operators (conv2d, conv2d_fp8, the backward's
+conv2d_input_grad and conv2d_weight_grad, and training's conv2d_channel_stats) and changes
+nothing else: no environment variable, no Triton mode, no stream redirected.
 """
 from .backward import backward_backend, backward_fallbacks, reset_backward_fallbacks, set_backward
 from .configs import CANDIDATES, FIXED_CONFIG, KernelConfig
@@ -28,9 +29,10 @@ from .geometry import quantize_tensor
 from .ops import TutorialConv2d, conv2d, conv2d_fp8, convert_conv2d
 from .runtime import conv2d as conv2d_nhwc
 from .selection import autotune_enabled, set_autotune, tuning_cache_path
+from .training import ConvBatchNorm2d, fuse_conv_batchnorm_for_training
 
-__all__ = ["CANDIDATES", "FIXED_CONFIG", "FusedConv2d", "KernelConfig", "TorchConvEpilogue", "TutorialConv2d",
-           "autotune_enabled", "backward_backend", "backward_fallbacks", "conv2d", "conv2d_fp8", "conv2d_nhwc",
-           "convert_conv2d",
-           "depthwise_conv2d", "fuse_conv_bn_act", "keep_faster_convs", "quantize_fp8", "quantize_tensor",
-           "reset_backward_fallbacks", "set_autotune", "set_backward", "tuning_cache_path"]
+__all__ = ["CANDIDATES", "ConvBatchNorm2d", "FIXED_CONFIG", "FusedConv2d", "KernelConfig", "TorchConvEpilogue",
+           "TutorialConv2d", "autotune_enabled", "backward_backend", "backward_fallbacks", "conv2d", "conv2d_fp8",
+           "conv2d_nhwc", "convert_conv2d", "depthwise_conv2d", "fuse_conv_batchnorm_for_training", "fuse_conv_bn_act",
+           "keep_faster_convs", "quantize_fp8", "quantize_tensor", "reset_backward_fallbacks", "set_autotune",
+           "set_backward", "tuning_cache_path"]

@@ -132,13 +132,14 @@ class ConvPlan:
         self.reduces = {}         # epilogue variant -> DirectLaunch of split-K's second kernel
         self.reduce_grid = self.reduce_scalars = None   # split-K's second kernel: fixed by the plan
 
-    def launch_for(self, x_nhwc, w, bias, scale=None, residual=None, out_window=None):
+    def launch_for(self, x_nhwc, w, bias, scale=None, residual=None, out_window=None, channel_stats=None):
         """The lesson's ConvLaunch for these tensors; after the first call, built from templates (one
         for calls that store a whole output, one for those with an `out_window`: its out_2d is a stand-in)."""
         template = self.templates.get(out_window is not None)
         if template is None:
             launch = lesson05.prepare_launch(x_nhwc, w, bias, self.geometry, self.config,
-                                           self.arch, self.num_sms, scale, residual, self.out_dtype, out_window)
+                                           self.arch, self.num_sms, scale, residual, self.out_dtype, out_window,
+                                           channel_stats)
             self.templates[out_window is not None] = _tensorless(launch)
             return launch
         # Same shapes, strides, boxes and layouts: only the base pointers change. Copy the
@@ -152,11 +153,15 @@ class ConvPlan:
         partial = _new_like(template.partial, x_nhwc.device)
         pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual, partial))
         return template._replace(**descriptors, pointers=pointers, out_2d=out_2d, partial=partial,
-                                 out_window=None if out_window is None else out_window.kernel_args())
+                                 out_window=None if out_window is None else out_window.kernel_args(),
+                                 channel_stats=channel_stats)
 
-    def run(self, x_nhwc, w, bias=None, scale=None, residual=None, activation="none", out_window=None):
+    def run(self, x_nhwc, w, bias=None, scale=None, residual=None, activation="none", out_window=None,
+            channel_stats=None):
         """The conv's NHWC output, or, given an `out_window` (common.OutputWindow, checked by the
-        caller; not with split-K), its view, where the kernel stored the output's pixels."""
+        caller; not with split-K), its view, where the kernel stored the output's pixels. Given
+        `channel_stats` (checked by the caller; not with split-K), the kernel also adds each output
+        channel's sum and sum of squares into it."""
         # The specialization Triton compiled for: the epilogue, and whether each of its pointers
         # is 16-byte aligned (Triton specializes pointer alignment) and of which dtype; with a
         # window, which of its integers are 1, multiples of 16 or past 32 bits (Triton specializes
@@ -168,11 +173,13 @@ class ConvPlan:
         if window_args is not None:
             variant += (window_args[0].dtype,) + tuple((v == 1, v % 16 == 0, -2**31 <= v < 2**31)
                                                        for v in window_args[1:])
+        if channel_stats is not None:
+            variant += ("channel_stats", channel_stats.data_ptr() % 16 == 0)
         direct = self.launches.get(variant)
         if direct is None:
             # First launch of this variant: the generic path (binds, specializes, compiles), then
             # a DirectLaunch of the compiled kernel for the calls after it.
-            launch = self.launch_for(x_nhwc, w, bias, scale, residual, out_window)
+            launch = self.launch_for(x_nhwc, w, bias, scale, residual, out_window, channel_stats)
             epilogue = lesson05.Epilogue(bias is not None, scale is not None, residual is not None, activation)
             kwargs = lesson05.kernel_constexprs(self.config, self.arch, epilogue)
             if _COMPILE_ONLY.get():
@@ -200,7 +207,8 @@ class ConvPlan:
             if window_args is not None:
                 window_args = (window_args[0].data_ptr(), *window_args[1:])
             direct(template.grid, x_nhwc, w, w_tail, out_2d, out_tail,
-                   (*pointers, (partial if partial is not None else out_2d).data_ptr()), template.shape, window_args)
+                   (*pointers, (partial if partial is not None else out_2d).data_ptr()), template.shape, window_args,
+                   None if channel_stats is None else channel_stats.data_ptr())
             if out_window is not None:
                 return out_window.view
             reduce = self.reduces.get(variant) if partial is not None else None
@@ -269,7 +277,7 @@ def _check_tma_aligned(tensor):
 
 
 def _tensorless(launch, descriptors=lesson05.DESCRIPTORS, buffers=("out_2d", "partial"),
-                cleared=("pointers", "out_window")):
+                cleared=("pointers", "out_window", "channel_stats")):
     """A plan's template of a launch (lesson 05's ConvLaunch by default; wgrad.py passes lesson
     06's WgradLaunch and its field names): its descriptors without their tensors, its output and
     workspace `buffers` as shapes (meta tensors), its `cleared` fields None. A template holding

@@ -27,7 +27,8 @@ _FAST_PLANS = {}     # call key -> (ConvPlan, FoldedConv or None)
 
 
 def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, tune=True,
-           scale=None, residual=None, activation="none", out_dtype=None, groups=1, out_window=None):
+           scale=None, residual=None, activation="none", out_dtype=None, groups=1, out_window=None,
+           channel_stats=None):
     """Lesson 05's convolution through the runtime. Same arguments and result as the plain
     launcher `conv2d_fprop_launch` (epilogue included: act(conv * scale + bias + residual)).
     e4m3 operands (lesson 05, section 9) come already scaled: `scale` carries their dequantizing
@@ -39,7 +40,9 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
     groups > 1: w is [Co, R, S, Ci / groups], and a group's channel counts must fit a config's
     tiles (`grouped_conv_fits`; lesson 05, section 10). out_window (a common.OutputWindow: lesson
     06's dgrad phases): the output's pixels go into its view, which is returned; a config with
-    split-K stores densely and the window takes a copy."""
+    split-K stores densely and the window takes a copy. channel_stats (a zeroed fp32 [2, Co]
+    tensor: lesson 06's BatchNorm statistics): each output channel's sum and sum of squares are
+    added into it, by the epilogue, or, after a config with split-K, by torch from the output."""
     key = call_key((x_nhwc, w, bias, scale, residual), stride, padding, dilation,
                    config if config is not None else tune, activation, out_dtype, groups)
     entry = _FAST_PLANS.get(key) if key is not None else None
@@ -73,6 +76,14 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
     plan, fold = entry
     if fold is not None:
         x_nhwc, w = fold.apply(x_nhwc, w)
+    if channel_stats is not None:
+        common.check_channel_stats(channel_stats, plan.geometry.Co, x_nhwc.device, out_window=out_window)
+        if plan.config.split_k > 1:      # split-K's slices are partial sums: the statistics from the output
+            out = plan.run(x_nhwc, w, bias, scale, residual, activation)
+            wide = out.reshape(-1, out.shape[-1]).float()
+            channel_stats += torch.stack((wide.sum(0), (wide * wide).sum(0)))
+            return out
+        return plan.run(x_nhwc, w, bias, scale, residual, activation, channel_stats=channel_stats)
     if out_window is None:
         return plan.run(x_nhwc, w, bias, scale, residual, activation)
     common.check_output_window(out_window, plan.geometry, plan.out_dtype, x_nhwc.device)   # (a fold keeps the output's shape)

@@ -1,0 +1,204 @@
+"""Training fusions: BatchNorm's batch statistics from the forward conv's epilogue.
+
+    model = conv_tutorial.fuse_conv_batchnorm_for_training(model)   # conv -> BatchNorm2d pairs fused
+    model = conv_tutorial.convert_conv2d(model)                      # the other convs on the kernel
+    step = torch.compile(model)                                      # train as usual
+
+In training, BatchNorm normalizes a conv's output with the batch's own mean and variance: a
+reduction over N, H and W per channel, which torch.compile computes in a kernel of its own that
+reads the whole output once more before the pass that normalizes it. Here lesson 05's epilogue
+adds each output channel's sum and sum of squares into an fp32 [2, Co] tensor as it stores the
+tile (lesson 06, "BatchNorm's statistics from the epilogue"), and the module below computes
+mean = sum / count and var = sum_sq / count - mean^2 from them: that read of the output is gone.
+The normalization, its gradient and the running statistics stay torch's (Inductor fuses them).
+
+- `torch.ops.conv_tutorial.conv2d_channel_stats(input, weight, bias, stride, padding, dilation,
+  groups) -> (out, stats)`: conv2d(input, weight, bias) in channels_last memory, and stats fp32
+  [2, Co] (fp64 for fp64 operands): each output channel's sum (row 0) and sum of squares (row 1)
+  over N, H, W, of the fp32 values the epilogue computes before rounding to the output's dtype. Its backward adds what the
+  statistics contribute (d sum / d out = 1, d sum_sq / d out = 2 out) to the output's gradient,
+  then takes the conv's gradients (backward.conv_gradients: torch's or lesson 06's). Where the
+  kernel does not run the conv (ops.unsupported_reason, depthwise, CPU tensors), torch computes
+  both, with the forward operator's warning. The kernel adds the statistics with atomics: their
+  last bits vary from run to run (tiles arrive in any order), unlike cuDNN's BatchNorm.
+- `ConvBatchNorm2d(conv, bn)`: a conv and the BatchNorm2d that follows it, as PyTorch computes
+  them in train and eval mode (batch statistics, running statistics with BatchNorm's momentum or
+  cumulative average and the unbiased variance, affine or not, track_running_stats or not).
+- `fuse_conv_batchnorm_for_training(model)`: a torch.fx pass that replaces every nn.Conv2d whose
+  only user is a BatchNorm2d over its channels by a ConvBatchNorm2d.
+
+E[y^2] - E[y]^2 in fp32 loses digits where a channel's mean is large against its spread (a
+relative error of about 1e-7 * (mean / std)^2 in the variance); BatchNorm's inputs in a network at
+work have means of the order of their spread.
+"""
+import copy
+import warnings
+from typing import List, Optional, Tuple
+
+import torch
+
+from . import backward, ops, runtime, selection
+from .fusion import _single_user, kernel_for
+from .geometry import FP8, nhwc_view
+
+_LIBRARY = torch.library.Library("conv_tutorial", "FRAGMENT")
+
+
+def _wide(t):
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def stats_dtype(dtype):
+    """The statistics' dtype: fp32, or fp64 for fp64 operands (torch's fallback runs those)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def torch_channel_stats(out):
+    """[2, Co] (stats_dtype): each channel's sum and sum of squares of an NCHW-shaped `out` over N, H, W."""
+    wide = out.to(stats_dtype(out.dtype))
+    return torch.stack((wide.sum((0, 2, 3)), (wide * wide).sum((0, 2, 3))))
+
+
+def _kernel_runs(input, weight, groups):
+    return (ops.unsupported_reason(input, weight, groups) is None and input.dtype != FP8
+            and not ops.is_depthwise(groups, input.shape[1], weight.shape[0], weight.shape))
+
+
+def _conv2d_channel_stats(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                          stride: List[int], padding: List[int], dilation: List[int],
+                          groups: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(conv2d(input, weight, bias), its per-channel sum and sum of squares, fp32 [2, Co])."""
+    ops.check_operand_dtypes(input, weight)
+    if not _kernel_runs(input, weight, groups):    # torch's conv (or depthwise.py), then torch's sums
+        out = ops._conv2d_with_epilogue(input, weight, bias, stride, padding, dilation, groups)
+        return out, torch_channel_stats(out)
+    stats = torch.zeros(2, weight.shape[0], device=input.device, dtype=torch.float32)
+    out_nhwc = runtime.conv2d(nhwc_view(input), nhwc_view(weight), bias, tuple(stride), tuple(padding),
+                              tuple(dilation), tune=selection.autotune_enabled(), groups=groups,
+                              channel_stats=stats)
+    return out_nhwc.permute(0, 3, 1, 2), stats
+
+
+_LIBRARY.define("conv2d_channel_stats" + torch.library.infer_schema(_conv2d_channel_stats, mutates_args=()),
+                tags=(torch.Tag.pt2_compliant_tag,))
+_LIBRARY.impl("conv2d_channel_stats", _conv2d_channel_stats, "CompositeExplicitAutograd")
+conv2d_channel_stats_op = torch.ops.conv_tutorial.conv2d_channel_stats.default
+
+
+@torch.library.register_fake("conv_tutorial::conv2d_channel_stats")
+def _(input, weight, bias, stride, padding, dilation, groups):
+    ops.check_operand_dtypes(input, weight)
+    out = input.new_empty(ops._out_shape(input, weight, stride, padding, dilation))
+    return (out.contiguous(memory_format=torch.channels_last),
+            input.new_empty(2, weight.shape[0], dtype=stats_dtype(input.dtype)))
+
+
+def _setup(ctx, inputs, output):
+    input, weight, bias, stride, padding, dilation, groups = inputs
+    if input.dtype == FP8:
+        raise NotImplementedError("conv_tutorial::conv2d_channel_stats has no backward for e4m3 operands")
+    ctx.save_for_backward(input, weight, output[0])
+    ctx.conv_args, ctx.has_bias = (stride, padding, dilation, groups), bias is not None
+
+
+def _backward(ctx, grad_out, grad_stats):
+    """The output's gradient plus what the statistics add (d sum = 1, d sum_sq = 2 out per element),
+    then the conv's gradients and the bias's."""
+    input, weight, out = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    grad = grad_out
+    if grad_stats is not None:
+        wide = _wide(grad_out) if grad_out is not None else 0.0
+        grad = (wide + grad_stats[0].view(1, -1, 1, 1) + 2 * _wide(out) * grad_stats[1].view(1, -1, 1, 1))
+        grad = grad.to(out.dtype).contiguous(memory_format=torch.channels_last)
+    grad_input, grad_weight = backward.conv_gradients(grad, input, weight, *ctx.conv_args, needs[0], needs[1])
+    grad_bias = _wide(grad).sum((0, 2, 3)) if ctx.has_bias and needs[2] else None
+    return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+torch.library.register_autograd("conv_tutorial::conv2d_channel_stats", _backward, setup_context=_setup)
+
+
+class ConvBatchNorm2d(torch.nn.Module):
+    """conv -> BatchNorm2d as one module: in training (batch statistics), the conv's epilogue sums
+    its output per channel (conv2d_channel_stats) and torch normalizes; in eval (running
+    statistics), the conv and F.batch_norm. Holds the conv's weight and bias (channels_last, as
+    TutorialConv2d) and the BatchNorm2d module itself (its parameters, buffers and settings)."""
+
+    def __init__(self, conv: torch.nn.Conv2d, bn: torch.nn.BatchNorm2d):
+        super().__init__()
+        if not isinstance(conv, torch.nn.Conv2d) or not isinstance(bn, torch.nn.BatchNorm2d):
+            raise TypeError(f"ConvBatchNorm2d takes an nn.Conv2d and an nn.BatchNorm2d, got "
+                            f"{type(conv).__name__} and {type(bn).__name__}")
+        if bn.num_features != conv.out_channels:
+            raise ValueError(f"the BatchNorm2d has {bn.num_features} features; the conv has {conv.out_channels} "
+                             f"output channels")
+        self.conv = ops.TutorialConv2d(conv)      # its weight, bias and resolved arguments
+        self.bn = bn
+
+    def forward(self, x):
+        conv, bn = self.conv, self.bn
+        weight = conv.weight
+        if torch.is_autocast_enabled(x.device.type):     # as nn.Conv2d under autocast
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight = x.to(dtype), weight.to(dtype)
+        if not (bn.training or bn.running_mean is None) or conv._op_args is None:
+            # running statistics (eval), or "same" padding the kernel does not do: the conv, then the module
+            return bn(conv(x))
+        y, stats = conv2d_channel_stats_op(x, weight, conv.bias, *conv._op_args)
+        count = y.numel() // y.shape[1]
+        if count <= 1:
+            raise ValueError(f"BatchNorm2d in training needs more than 1 value per channel, got an output of "
+                             f"shape {tuple(y.shape)}")
+        mean = stats[0] / count
+        var = (stats[1] / count - mean * mean).clamp_min(0.0)
+        if bn.training and bn.track_running_stats:
+            with torch.no_grad():
+                bn.num_batches_tracked.add_(1)
+                # BatchNorm's factor: its momentum, or 1 / steps seen (momentum=None: a cumulative average)
+                momentum = bn.momentum if bn.momentum is not None else 1.0 / bn.num_batches_tracked.to(mean.dtype)
+                bn.running_mean.lerp_(mean.detach().to(bn.running_mean.dtype), momentum)
+                bn.running_var.lerp_((var.detach() * (count / (count - 1))).to(bn.running_var.dtype), momentum)
+        scale = torch.rsqrt(var + bn.eps)
+        shift = -mean * scale
+        if bn.affine:
+            scale, shift = scale * bn.weight, shift * bn.weight + bn.bias
+        return (_wide(y) * scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1)).to(y.dtype)
+
+
+def fuse_conv_batchnorm_for_training(model: torch.nn.Module, inplace: bool = False) -> torch.fx.GraphModule:
+    """A torch.fx pass: every nn.Conv2d (zero padding, a kernel of ours for it: fusion.kernel_for)
+    whose only user is a BatchNorm2d over its channels becomes a ConvBatchNorm2d; `fused_pairs` on
+    the returned GraphModule counts them. It shares no module with `model` (a copy is traced), or,
+    inplace=True, traces `model` itself: then it shares its parameters (the convs' weights in
+    channels_last memory share their storage) and BatchNorms, and `model` is left unchanged."""
+    graph_module = torch.fx.symbolic_trace(model if inplace else copy.deepcopy(model))
+    modules = dict(graph_module.named_modules())
+    graph, count = graph_module.graph, 0
+    for node in list(graph.nodes):
+        conv = modules.get(node.target) if node.op == "call_module" else None
+        if not isinstance(conv, torch.nn.Conv2d) or conv.padding_mode != "zeros" or kernel_for(conv) is None:
+            continue
+        user = _single_user(node)
+        bn = modules.get(user.target) if user is not None and user.op == "call_module" else None
+        if not isinstance(bn, torch.nn.BatchNorm2d) or bn.num_features != conv.out_channels:
+            continue
+        try:
+            fused = ConvBatchNorm2d(conv, bn)
+        except ValueError as error:
+            warnings.warn(f"{node.target}: {error}; left as it is")
+            continue
+        name = f"conv_bn_{node.target.replace('.', '_')}"
+        graph_module.add_submodule(name, fused)
+        modules[name] = fused
+        with graph.inserting_after(user):
+            new_node = graph.call_module(name, node.args, node.kwargs)
+        user.replace_all_uses_with(new_node)
+        graph.erase_node(user)
+        graph.erase_node(node)
+        count += 1
+    graph.lint()
+    graph_module.delete_all_unused_submodules()
+    graph_module.recompile()
+    graph_module.fused_pairs = count
+    return graph_module

@@ -1,0 +1,300 @@
+"""Training fusions (conv_tutorial/training.py): conv2d_channel_stats, ConvBatchNorm2d and the fx
+pass against torch's Conv2d -> BatchNorm2d in training and eval mode: outputs, running statistics,
+gradients. On a CPU the operator falls back to torch's conv and torch's sums (the module's own
+arithmetic, its gradient through the statistics and the pass are what is checked, in fp64); on a
+GPU the kernel's epilogue sums, through every Hopper candidate config of the runtime."""
+import copy
+import warnings
+
+import common
+
+import pytest
+import torch
+
+import conv_tutorial
+from conv_tutorial import configs, runtime
+from conv_tutorial.training import ConvBatchNorm2d, fuse_conv_batchnorm_for_training, torch_channel_stats
+
+needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
+needs_hopper = pytest.mark.skipif(not common.has_tma_mma_gpu() or torch.cuda.get_device_capability()[0] != 9,
+                                  reason="needs an NVIDIA Hopper (sm_90) GPU: the candidates are Hopper's")
+
+LAYERS = [  # (Ci, Co, kernel, stride, padding, bias, input H x W): Ci=3, odd Co, 1x1, stride 2, non-square
+    (3, 10, 7, 2, 3, False, (19, 14)),
+    (8, 5, 1, 1, 0, True, (6, 9)),
+    (6, 12, (3, 1), (2, 1), (1, 0), False, (11, 7)),
+]
+
+
+def pair(layer, momentum=0.1, affine=True, track=True, dtype=torch.float64, device="cpu"):
+    Ci, Co, k, stride, padding, bias, _ = layer
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(Ci, Co, k, stride, padding, bias=bias)
+    bn = torch.nn.BatchNorm2d(Co, momentum=momentum, affine=affine, track_running_stats=track)
+    if affine:
+        with torch.no_grad():
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.normal_()
+    reference = torch.nn.Sequential(conv, bn).to(device, dtype).to(memory_format=torch.channels_last)
+    fused = ConvBatchNorm2d(*copy.deepcopy(reference))
+    return reference, fused
+
+
+def inputs(layer, N=3, dtype=torch.float64, device="cpu", seed=1):
+    H, W = layer[-1]
+    x = torch.randn(N, layer[0], H, W, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return x.to(device, dtype).contiguous(memory_format=torch.channels_last).requires_grad_()
+
+
+def named_grads(module):
+    """Gradients by the role of each parameter: conv weight and bias, BatchNorm's weight and bias."""
+    if isinstance(module, ConvBatchNorm2d):
+        conv, bn = module.conv, module.bn
+    else:
+        conv, bn = module[0], module[1]
+    return {name: None if p is None or p.grad is None else p.grad
+            for name, p in (("weight", conv.weight), ("bias", conv.bias), ("gamma", bn.weight), ("beta", bn.bias))}
+
+
+@pytest.mark.parametrize("layer", LAYERS, ids=str)
+@pytest.mark.parametrize("momentum, affine, track", [(0.1, True, True), (None, True, True), (0.3, False, True),
+                                                     (0.1, True, False)])
+def test_module_trains_as_conv_then_batchnorm(layer, momentum, affine, track):
+    """Three training steps then eval, fp64 on a CPU: outputs, every gradient (through the batch
+    statistics), running mean and unbiased variance, steps counted."""
+    reference, fused = pair(layer, momentum, affine, track)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")         # the operator's "using torch" warning on a CPU
+        for step in range(3):
+            x_ref, x = inputs(layer, seed=step), inputs(layer, seed=step)
+            for module in (reference, fused):
+                module.zero_grad()
+            out_ref, out = reference(x_ref), fused(x)
+            upstream = torch.randn(out_ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+            torch.testing.assert_close(out, out_ref, rtol=1e-10, atol=1e-10)
+            (out_ref * upstream).sum().backward()
+            (out * upstream).sum().backward()
+            torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-9, atol=1e-9)
+            for name, grad in named_grads(fused).items():
+                expected = named_grads(reference)[name]
+                assert (grad is None) == (expected is None), name
+                if grad is not None:
+                    torch.testing.assert_close(grad, expected, rtol=1e-9, atol=1e-9, msg=name)
+            if track:
+                bn_ref, bn = reference[1], fused.bn
+                torch.testing.assert_close(bn.running_mean, bn_ref.running_mean, rtol=1e-10, atol=1e-12)
+                torch.testing.assert_close(bn.running_var, bn_ref.running_var, rtol=1e-10, atol=1e-12)
+                assert bn.num_batches_tracked.item() == bn_ref.num_batches_tracked.item() == step + 1
+        reference.eval()
+        fused.eval()
+        x = inputs(layer, seed=7)
+        torch.testing.assert_close(fused(x), reference(x), rtol=1e-10, atol=1e-10)
+
+
+def test_op_falls_back_to_torch_with_its_sums():
+    layer = LAYERS[0]
+    x = inputs(layer).detach()
+    w = torch.randn(10, 3, 7, 7, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out, stats = torch.ops.conv_tutorial.conv2d_channel_stats(x, w, None, [2, 2], [3, 3], [1, 1], 1)
+    expected = torch.nn.functional.conv2d(x, w, None, 2, 3)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(stats, torch.stack((expected.sum((0, 2, 3)), (expected ** 2).sum((0, 2, 3)))))
+    assert stats.dtype == torch.float64 and stats.shape == (2, 10)       # fp32, or fp64 for fp64 operands
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, stats32 = torch.ops.conv_tutorial.conv2d_channel_stats(x.float(), w.float(), None, [2, 2], [3, 3], [1, 1], 1)
+    assert stats32.dtype == torch.float32
+
+
+def test_op_passes_opcheck():
+    """torch.library's checks of the schema, fake implementation and autograd registration (CPU)."""
+    x = torch.randn(2, 4, 7, 6).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(6, 4, 3, 3).contiguous(memory_format=torch.channels_last).requires_grad_()
+    b = torch.randn(6, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.library.opcheck(torch.ops.conv_tutorial.conv2d_channel_stats.default,
+                              (x.requires_grad_(), w, b, [1, 2], [1, 0], [1, 1], 1))
+
+
+def test_module_refuses_what_it_cannot_be():
+    conv = torch.nn.Conv2d(4, 8, 3)
+    with pytest.raises(ValueError, match="BatchNorm2d has 6 features; the conv has 8 output channels"):
+        ConvBatchNorm2d(conv, torch.nn.BatchNorm2d(6))
+    with pytest.raises(TypeError, match="takes an nn.Conv2d and an nn.BatchNorm2d, got Conv2d and BatchNorm1d"):
+        ConvBatchNorm2d(conv, torch.nn.BatchNorm1d(8))
+    fused = ConvBatchNorm2d(torch.nn.Conv2d(4, 8, 1), torch.nn.BatchNorm2d(8))
+    with pytest.raises(ValueError, match="more than 1 value per channel"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fused(torch.randn(1, 4, 1, 1))
+
+
+class Net(torch.nn.Module):
+    """conv -> bn pairs the pass fuses, and three it must not: a conv with two users, a conv whose
+    BatchNorm follows a ReLU, a BatchNorm of a conv's output added to something first."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = torch.nn.Conv2d(3, 8, 3, 2, 1, bias=False), torch.nn.BatchNorm2d(8)
+        self.c2, self.b2 = torch.nn.Conv2d(8, 8, 3, 1, 1, bias=False), torch.nn.BatchNorm2d(8)   # two users
+        self.c3, self.b3 = torch.nn.Conv2d(8, 8, 1, bias=True), torch.nn.BatchNorm2d(8)          # ReLU between
+        self.c4, self.b4 = torch.nn.Conv2d(8, 8, 1, bias=False), torch.nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        a = torch.relu(self.b1(self.c1(x)))
+        y = self.c2(a)
+        b = self.b2(y) + y
+        c = self.b3(torch.relu(self.c3(b)))
+        return self.b4(self.c4(c))
+
+
+def test_pass_fuses_only_conv_then_its_batchnorm():
+    torch.manual_seed(0)
+    model = Net().double().to(memory_format=torch.channels_last)
+    fused = fuse_conv_batchnorm_for_training(model)
+    assert fused.fused_pairs == 2
+    kinds = [type(m).__name__ for m in fused.children()]
+    assert kinds.count("ConvBatchNorm2d") == 2 and kinds.count("Conv2d") == 2 and kinds.count("BatchNorm2d") == 2
+    x = torch.randn(2, 3, 10, 12, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out, expected = fused(x), model(x)
+        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+    grads = {name: p.grad for name, p in fused.named_parameters()}
+    assert torch.allclose(grads["conv_bn_c1.conv.weight"], model.c1.weight.grad, rtol=1e-9, atol=1e-9)
+    assert torch.allclose(grads["conv_bn_c4.bn.weight"], model.b4.weight.grad, rtol=1e-9, atol=1e-9)
+    assert model.c1.weight.grad is not None and fused.conv_bn_c1.conv.weight is not model.c1.weight   # a copy
+
+
+def test_pass_in_place_shares_parameters_and_buffers():
+    model = Net().to(memory_format=torch.channels_last)
+    fused = fuse_conv_batchnorm_for_training(model, inplace=True)
+    assert fused.conv_bn_c1.bn is model.b1
+    assert fused.conv_bn_c1.conv.weight.data_ptr() == model.c1.weight.data_ptr()
+    assert type(model.c1) is torch.nn.Conv2d       # the model itself is not changed
+
+
+def test_fused_model_traces_whole_under_torch_compile():
+    """torch.compile captures the fused module in one graph, forward and backward (aot_eager: no
+    code generation), and computes what eager does."""
+    torch.manual_seed(0)
+    model = fuse_conv_batchnorm_for_training(Net().to(memory_format=torch.channels_last))
+    x = torch.randn(2, 3, 10, 12).contiguous(memory_format=torch.channels_last)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eager = copy.deepcopy(model)
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        out = compiled(x)
+        out.sum().backward()
+        expected = eager(x)
+        expected.sum().backward()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.conv_bn_c1.conv.weight.grad, eager.conv_bn_c1.conv.weight.grad,
+                               rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+def stats_case(N=3, H=13, W=11, Ci=64, Co=200, R=3, stride=1, dtype=torch.bfloat16):
+    x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, R, dtype)
+    reference = common.reference_conv2d_nhwc(x, w, None, stride, R // 2, out_dtype=torch.float32)
+    return x, w, reference.reshape(-1, Co).double()
+
+
+def assert_stats_close(stats, reference_2d):
+    """Kernel sums against fp64 sums of torch's fp32 conv: each y is off by fp32 accumulation order
+    (far below 1e-4 of itself), and split-K's path sums the bf16-rounded output (2^-8 of each value,
+    random in sign: well below 1e-2 of the sum of |y| over >= 400 pixels)."""
+    sums = torch.stack((reference_2d.sum(0), (reference_2d ** 2).sum(0)))
+    scale = torch.stack((reference_2d.abs().sum(0), (reference_2d ** 2).sum(0)))
+    assert ((stats.double() - sums).abs() <= 1e-2 * scale).all()
+
+
+@needs_hopper
+@pytest.mark.parametrize("config", configs.HOPPER_CANDIDATES, ids=str)
+def test_every_hopper_candidate_adds_channel_stats(config):
+    """The runtime's sums through every candidate's epilogue (tails, row blocks, ping-pong; split-K's
+    through torch), twice (Triton's launcher, then the direct launch, on new data)."""
+    for seed in (0, 1):
+        x, w, reference = stats_case(Ci=64 + 64 * seed)
+        stats = torch.zeros(2, w.shape[0], device=x.device)
+        out = runtime.conv2d(x, w, None, 1, 1, config=tuple(config), channel_stats=stats)
+        common.assert_close_to_reference(out, reference.float().reshape(out.shape), dtype=x.dtype, K=w[0].numel())
+        assert_stats_close(stats, reference)
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape", [(2, 20, 18, 3, 100, 7, 2), (4, 28, 28, 128, 128, 3, 2), (3, 9, 17, 32, 72, 1, 1)],
+                         ids=str)
+def test_heuristic_plans_add_channel_stats(shape):
+    """The runtime's own choice (a folded stem with Ci=3, stride 2, Co not a multiple of a tile)."""
+    N, H, W, Ci, Co, R, stride = shape
+    x, w, reference = stats_case(N, H, W, Ci, Co, R, stride)
+    stats = torch.zeros(2, Co, device=x.device)
+    runtime.conv2d(x, w, None, stride, R // 2, tune=False, channel_stats=stats)
+    assert_stats_close(stats, reference)
+
+
+@needs_gpu
+def test_runtime_refuses_bad_channel_stats():
+    x, w, _ = stats_case()
+    with pytest.raises(ValueError, match=r"shape \(2, 200\)"):
+        runtime.conv2d(x, w, None, 1, 1, tune=False, channel_stats=torch.zeros(2, 100, device=x.device))
+    with pytest.raises(ValueError, match="torch.float32"):
+        runtime.conv2d(x, w, None, 1, 1, tune=False, channel_stats=torch.zeros(2, 200, device=x.device).half())
+
+
+@needs_gpu
+@pytest.mark.parametrize("backend", ["torch", "lesson06"])
+@pytest.mark.parametrize("layer", [(64, 128, 3, 1, 1, False, (28, 20)), (3, 64, 7, 2, 3, False, (56, 56)),
+                                   (256, 72, 1, 2, 0, True, (14, 15))], ids=str)
+def test_module_on_the_kernel_trains_as_torch(layer, backend):
+    """bf16 autocast, as training runs it: the fused module against Conv2d -> BatchNorm2d (cuDNN),
+    outputs, the input's and parameters' gradients, running statistics. Both round to bf16 in
+    different places (the conv's output, the normalized output, the gradients), so the tolerance is
+    bf16's (2e-2 relative) on values of unit size."""
+    before = conv_tutorial.backward_backend()
+    conv_tutorial.set_backward(backend)
+    try:
+        reference, fused = pair(layer, dtype=torch.float32, device="cuda")
+        x_ref, x = inputs(layer, N=8, dtype=torch.float32, device="cuda"), inputs(layer, N=8, dtype=torch.float32,
+                                                                                 device="cuda")
+        with torch.autocast("cuda", torch.bfloat16):
+            out_ref, out = reference(x_ref), fused(x)
+        upstream = torch.randn_like(out_ref.float())
+        (out_ref.float() * upstream).sum().backward()
+        (out.float() * upstream).sum().backward()
+        torch.testing.assert_close(out.float(), out_ref.float(), rtol=2e-2, atol=5e-2)
+        for got, expected in [(x.grad, x_ref.grad)] + [(named_grads(fused)[k], named_grads(reference)[k])
+                                                        for k in ("weight", "bias", "gamma", "beta")]:
+            if expected is not None:
+                scale = expected.abs().max().item()
+                torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=3e-2 * scale)
+        torch.testing.assert_close(fused.bn.running_mean, reference[1].running_mean, rtol=2e-2, atol=2e-3)
+        torch.testing.assert_close(fused.bn.running_var, reference[1].running_var, rtol=2e-2, atol=2e-3)
+    finally:
+        conv_tutorial.set_backward(before)
+
+
+@needs_gpu
+def test_fused_resnet_block_compiles_and_matches_eager():
+    """A torchvision BasicBlock through the pass and torch.compile (Inductor): one training step's
+    output and gradients against the same block unfused, in bf16 autocast."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    block = torchvision.models.resnet.BasicBlock(64, 64).cuda().to(memory_format=torch.channels_last)
+    fused = conv_tutorial.fuse_conv_batchnorm_for_training(block)
+    assert fused.fused_pairs == 2
+    x = torch.randn(16, 64, 28, 28, device="cuda").contiguous(memory_format=torch.channels_last)
+    with torch.autocast("cuda", torch.bfloat16):
+        out = torch.compile(fused)(x)
+        expected = block(x)
+    out.float().sum().backward()
+    expected.float().sum().backward()
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=5e-2)
+    got, want = fused.conv_bn_conv1.conv.weight.grad, block.conv1.weight.grad
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=3e-2 * want.abs().max().item())
