@@ -269,11 +269,15 @@ def test_module_on_the_kernel_trains_as_torch(layer, backend):
         (out_ref.float() * upstream).sum().backward()
         (out.float() * upstream).sum().backward()
         torch.testing.assert_close(out.float(), out_ref.float(), rtol=2e-2, atol=5e-2)
-        for got, expected in [(x.grad, x_ref.grad)] + [(named_grads(fused)[k], named_grads(reference)[k])
-                                                        for k in ("weight", "bias", "gamma", "beta")]:
-            if expected is not None:
-                scale = expected.abs().max().item()
-                torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=3e-2 * scale)
+        ours, torchs = named_grads(fused), named_grads(reference)
+        for got, expected in [(x.grad, x_ref.grad)] + [(ours[k], torchs[k]) for k in ("weight", "gamma", "beta")]:
+            scale = expected.abs().max().item()
+            torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=3e-2 * scale)
+        if torchs["bias"] is not None:
+            # BatchNorm subtracts the batch mean, so the conv bias's true gradient is 0: both are rounding
+            # noise of sums over bf16 gradients, small against the gradient of BatchNorm's own shift
+            bound = 5e-2 * torchs["beta"].abs().max().item()
+            assert ours["bias"].abs().max().item() < bound and torchs["bias"].abs().max().item() < bound
         torch.testing.assert_close(fused.bn.running_mean, reference[1].running_mean, rtol=2e-2, atol=2e-3)
         torch.testing.assert_close(fused.bn.running_var, reference[1].running_var, rtol=2e-2, atol=2e-3)
     finally:
