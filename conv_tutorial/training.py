@@ -12,6 +12,11 @@ tile (lesson 06, "BatchNorm's statistics from the epilogue"), and the module bel
 mean = sum / count and var = sum_sq / count - mean^2 from them: that read of the output is gone.
 The normalization, its gradient and the running statistics stay torch's (Inductor fuses them).
 
+Measured before kept (RESULTS.md, "Training fusions"; an H200, 2026-11-25): the fused sums beat a
+separate reduction on 22 of ResNet-50's 23 convs, but slow the conv kernel itself (median 1.48x),
+and a ResNet-50 training step under CUDA graphs ran 5.6% slower with this pass than without. The
+pass is opt-in for that reason; nothing else in the package uses it.
+
 - `torch.ops.conv_tutorial.conv2d_channel_stats(input, weight, bias, stride, padding, dilation,
   groups) -> (out, stats)`: conv2d(input, weight, bias) in channels_last memory, and stats fp32
   [2, Co] (fp64 for fp64 operands): each output channel's sum (row 0) and sum of squares (row 1)
@@ -20,7 +25,7 @@ The normalization, its gradient and the running statistics stay torch's (Inducto
   then takes the conv's gradients (backward.conv_gradients: torch's or lesson 06's). Where the
   kernel does not run the conv (ops.unsupported_reason, depthwise, CPU tensors), torch computes
   both, with the forward operator's warning. The kernel adds the statistics with atomics: their
-  last bits vary from run to run (tiles arrive in any order), unlike cuDNN's BatchNorm.
+  last bits vary from run to run (tiles arrive in any order).
 - `ConvBatchNorm2d(conv, bn)`: a conv and the BatchNorm2d that follows it, as PyTorch computes
   them in train and eval mode (batch statistics, running statistics with BatchNorm's momentum or
   cumulative average and the unbiased variance, affine or not, track_running_stats or not).

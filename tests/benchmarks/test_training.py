@@ -39,3 +39,19 @@ def test_plot_draws_every_variant(tmp_path):
             for i, variant in enumerate(training.VARIANTS)]
     training.plot(rows, tmp_path, {"device": "a GPU", "torch": "2", "triton": "3"})
     assert (tmp_path / "training_loss.png").stat().st_size > 0
+
+
+def test_bnstats_variant_trains_as_ours_and_matches_gradients_by_storage(tmp_path):
+    # the fused-statistics variant rebuilds the model (a GraphModule), so its first-step gradients are found
+    # by their parameters' storage: they come out in the original model's order, as close to fp32 as "ours"
+    rows = training.main(["--smoke", "--batch", "4", "--steps", "3", "--warmup", "1", "--variants", "ours-lesson06",
+                          "ours-lesson06-bnstats", "--outdir", str(tmp_path)])
+    plain, fused = rows
+    assert abs(plain["losses"][0] - fused["losses"][0]) < 1e-2
+    assert fused["grad_rel_err_median"] < 0.05 and fused["grad_rel_err_max"] < 0.25
+
+
+def test_no_gradient_check_leaves_the_errors_out(tmp_path):
+    rows = training.main(["--smoke", "--batch", "2", "--steps", "2", "--warmup", "1", "--variants", "eager",
+                          "--no-gradient-check", "--outdir", str(tmp_path)])
+    assert rows[0]["grad_rel_err_median"] is None and rows[0]["grad_rel_err_max"] is None
