@@ -1377,33 +1377,14 @@ def check_channel_stats(stats, Co, device, split_k=1, out_window=None):
                          "statistics would count; pass one of them")
 
 
-@gluon.constexpr_function
-def warp_row_blocks(layout, rows, cols, warps):
-    """How an accumulator layout deals a tile's rows to its warps, as [blocks, warps, rows, columns]:
-    Hopper's WGMMA gives warp w rows 16w..16w+15 of every 64; tcgen05's TMEM loads give warp w the 32
-    consecutive rows of its lane quarter. Reshaped so, a sum over the other two axes stays in each warp."""
-    if isinstance(layout, gl.NVMMADistributedLayout) and rows % 64 == 0:
-        return [rows // 64, warps, 64 // warps, cols]
-    if rows % warps == 0:
-        return [1, warps, rows // warps, cols]
-    return [1, 1, rows, cols]       # (any shape sums right; these only decide where the sums travel)
-
-
 @gluon.jit
 def add_channel_stats(stats_ptr, values, pixels, channels, M, Co):
     """Add a tile's per-channel sum and sum of squares into stats[0, :Co] and stats[1, :Co] (fp32,
     atomically: tiles of one channel block arrive in any order, so the last bits vary run to
-    run). The tile's rows are output pixels (those < M count), its columns channels (< Co). Each
-    warp sums its own rows and adds them itself: four adds per channel and tile instead of one,
-    but no exchange between warps (which costs rounds of shared memory and barriers)."""
+    run). The tile's rows are output pixels (those < M count), its columns channels (< Co)."""
     counted = gl.where(gl.expand_dims(pixels < M, 1), values, 0.0)
-    shape: gl.constexpr = warp_row_blocks(values.type.layout, values.type.shape[0], values.type.shape[1],
-                                          gl.num_warps())
-    by_warp = gl.reshape(counted, shape)
-    sums = gl.sum(gl.sum(by_warp, axis=2), axis=0)                  # [warps, channels]
-    squares = gl.sum(gl.sum(by_warp * by_warp, axis=2), axis=0)
-    columns = gl.expand_dims(gl.convert_layout(channels, gl.SliceLayout(0, sums.type.layout)), 0) \
-        + gl.zeros(sums.type.shape, gl.int32, sums.type.layout)
-    # (relaxed: nothing else is ordered by these adds; Triton masks the threads holding copies of a value)
-    gl.atomic_add(stats_ptr + columns, sums, mask=columns < Co, sem="relaxed")
-    gl.atomic_add(stats_ptr + Co + columns, squares, mask=columns < Co, sem="relaxed")
+    inside = channels < Co
+    # (relaxed: nothing else is ordered by these adds; one thread adds each channel's value, Triton masks the
+    # threads that hold copies of it)
+    gl.atomic_add(stats_ptr + channels, gl.sum(counted, axis=0), mask=inside, sem="relaxed")
+    gl.atomic_add(stats_ptr + Co + channels, gl.sum(counted * counted, axis=0), mask=inside, sem="relaxed")
