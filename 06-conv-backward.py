@@ -1823,8 +1823,9 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # atomic add that returns nothing, with relaxed ordering, because nothing else waits on it (the
 # kernel's end is what the host waits for). Many tiles add into the same channel, in whatever
 # order they finish, so the sums' last bits vary from run to run, and so do those of a BatchNorm
-# computed from them. The adds are few: two per channel per tile, 256
-# against the 16,384 values a 128 x 128 tile stores.
+# computed from them. Two adds per channel per tile, 256 against the 16,384 values a 128 x 128
+# tile stores; yet measured, the adds are what costs (below): thousands of tiles add into the same
+# few hundred addresses.
 #
 # Two limits. A split-K config (section 7 of lesson 05) holds partial sums in its epilogue, and
 # the squares of partial sums do not add up to the square of the whole: `prepare_launch` refuses
@@ -1837,7 +1838,7 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # The operator (`conv_tutorial.fuse_conv_batchnorm_for_training`) puts this into a model. Measured on
 # an H200 (2026-11-25, bf16, batch 128; RESULTS.md, "Training fusions"): the fused sums beat a
 # separate reduction over the output on 22 of ResNet-50's 23 layers, but they slow the kernel itself
-# by a median 1.48x (up to 4.1x where a short K leaves the epilogue as the bound), and a ResNet-50
+# by a median 1.48x (up to 4.1x), and a ResNet-50
 # training step ran 5.6% slower with them than without. So the operator keeps it opt-in.
 
 
@@ -2010,10 +2011,12 @@ if __name__ == "__main__" and on_gpu:
 #   128x64 for 64 channels) is not tuned per layer; the operator takes the runtime's heuristic,
 #   whose configs were chosen by timing dense stores, not the window's.
 # - Section 10's BatchNorm statistics: on an H200 (2026-11-25) they slowed a ResNet-50 training
-#   step by 5.6% (5953 -> 5621 images/s under CUDA graphs). The reduction across the epilogue's
-#   warps adds 31 `bar.sync`s to each 128 x 128 tile on sm_90; a cheaper reduction is what is left
-#   to try. BatchNorm's apply and ReLU in the next conv's load, and ReLU's mask in dgrad's
-#   epilogue, the other two fusions, are not built.
+#   step by 5.6% (5953 -> 5621 images/s under CUDA graphs). The atomic adds are the cost: a variant
+#   in which each warp added its own rows' sums (four times the adds, none of the reduction's
+#   barriers) ran 2.3x slower over the layers. Per-CTA sums kept in shared memory across a
+#   persistent CTA's tiles, added once at its end, are what is left to try. BatchNorm's apply and
+#   ReLU in the next conv's load, and ReLU's mask in dgrad's epilogue, the other two fusions, are
+#   not built.
 # - Grouped convs only where a tile keeps to one group (64 or more output channels per group for
 #   wgrad; section 6), no depthwise convs, no fp8 (section 3). The grouped gradients match torch on
 #   an H100 (four layers, both gradients, and the operator's on 16 random grouped layers); not timed.
