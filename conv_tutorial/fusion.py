@@ -172,6 +172,15 @@ def kernel_for(conv: torch.nn.Conv2d) -> Optional[str]:
     return None
 
 
+def install_module(graph_module, modules, prefix, target, module):
+    """Add `module` to the graph module as prefix_<target with dots as underscores> (and to the
+    `modules` dictionary a pass keeps); returns its name."""
+    name = f"{prefix}_{target.replace('.', '_')}"
+    graph_module.add_submodule(name, module)
+    modules[name] = module
+    return name
+
+
 def fuse_conv_bn_act(model: torch.nn.Module, example_input: Optional[torch.Tensor] = None
                      ) -> torch.fx.GraphModule:
     """A torch.fx pass over any traceable model: every nn.Conv2d becomes a FusedConv2d that also
@@ -224,9 +233,7 @@ def fuse_conv_bn_act(model: torch.nn.Module, example_input: Optional[torch.Tenso
         except ValueError as error:
             warnings.warn(f"{conv_node.target}: {error}; left as it is")
             continue
-        name = f"fused_{conv_node.target.replace('.', '_')}"
-        graph_module.add_submodule(name, fused)
-        modules[name] = fused
+        name = install_module(graph_module, modules, "fused", conv_node.target, fused)
         with graph.inserting_after(chain[-1]):
             new_node = graph.call_module(name, (conv_node.args[0],) + ((residual,) if residual is not None else ()))
         chain[-1].replace_all_uses_with(new_node)

@@ -43,7 +43,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from . import backward, ops, runtime, selection
-from .fusion import _single_user, kernel_for
+from .fusion import _single_user, install_module, kernel_for
 from .geometry import FP8, nhwc_view
 
 _LIBRARY = torch.library.Library("conv_tutorial", "FRAGMENT")
@@ -193,9 +193,7 @@ def fuse_conv_batchnorm_for_training(model: torch.nn.Module, inplace: bool = Fal
         except ValueError as error:
             warnings.warn(f"{node.target}: {error}; left as it is")
             continue
-        name = f"conv_bn_{node.target.replace('.', '_')}"
-        graph_module.add_submodule(name, fused)
-        modules[name] = fused
+        name = install_module(graph_module, modules, "conv_bn", node.target, fused)
         with graph.inserting_after(user):
             new_node = graph.call_module(name, node.args, node.kwargs)
         user.replace_all_uses_with(new_node)
