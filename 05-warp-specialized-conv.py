@@ -872,10 +872,8 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     config = KernelConfig(*config)
     check_config(config, arch)
     g = geometry
-    if out_window is not None:
-        common.check_output_window(out_window, g, out_dtype or x_nhwc.dtype, x_nhwc.device, config.split_k)
-    if channel_stats is not None:
-        common.check_channel_stats(channel_stats, g.Co, x_nhwc.device, config.split_k, out_window)
+    common.check_epilogue_destinations(out_window, channel_stats, g, out_dtype or x_nhwc.dtype, x_nhwc.device,
+                                       config.split_k)
     check_groups_fit(config, g, x_nhwc.element_size())                     # section 10
     x_nhwc, w, Ci_padded = common.pad_channels_for_tma(x_nhwc, w)
     Ci_group = Ci_padded // g.groups
@@ -1008,16 +1006,17 @@ TAUGHT_PTX = {
 
 
 def aot_conv2d_fprop(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, padding=1,
-                     config=FIXED_CONFIG, epilogue=Epilogue(), dtype="bfloat16", out_window=None, channel_stats=False):
+                     config=FIXED_CONFIG, epilogue=Epilogue(), dtype="bfloat16", **destinations):
     # (kernel, args, kwargs) on CPU tensors, for common.aot_compile (`epilogue` as a list too;
-    # dtype "float8_e4m3fn": the fp8 build of section 9, bf16 out; out_window, channel_stats: lesson 06's builds).
+    # dtype "float8_e4m3fn": the fp8 build of section 9, bf16 out; destinations: lesson 06's out_window or
+    # channel_stats, for prepare_launch).
     epilogue = Epilogue(*epilogue)
     x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, getattr(torch, dtype), device_name="cpu")
     geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
     per_channel, residual = torch.zeros(Co), torch.zeros(*geometry.output_shape_nhwc, dtype=torch.bfloat16)
     bias, scale, residual = (t if on else None for t, on in zip((per_channel, per_channel, residual), epilogue[:3]))
-    launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, 132, scale, residual, torch.bfloat16, out_window,
-                            torch.zeros(2, Co) if channel_stats else None)
+    launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, 132, scale, residual, torch.bfloat16,
+                            **destinations)
     return conv2d_fprop_kernel, launch.kernel_args(), kernel_constexprs(config, arch, epilogue)
 
 

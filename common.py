@@ -1377,6 +1377,15 @@ def check_channel_stats(stats, Co, device, split_k=1, out_window=None):
                          "statistics would count; pass one of them")
 
 
+def check_epilogue_destinations(out_window, channel_stats, geometry, dtype, device, split_k=1):
+    """Lesson 06's two optional destinations of lesson 05's epilogue, each checked where given: an
+    out_window (check_output_window) and channel_stats (check_channel_stats)."""
+    if out_window is not None:
+        check_output_window(out_window, geometry, dtype, device, split_k)
+    if channel_stats is not None:
+        check_channel_stats(channel_stats, geometry.Co, device, split_k, out_window)
+
+
 @gluon.jit
 def add_channel_stats(stats_ptr, values, pixels, channels, M, Co):
     """Add a tile's per-channel sum and sum of squares into stats[0, :Co] and stats[1, :Co] (fp32,

@@ -29,11 +29,6 @@ import torch  # noqa: E402
 WAYS = ("ours", "ours+stats", "ours+reduce", "cuDNN+reduce")
 
 
-def channel_sums(y_nhwc):
-    wide = y_nhwc.reshape(-1, y_nhwc.shape[-1]).float()
-    return torch.stack((wide.sum(0), (wide * wide).sum(0)))
-
-
 def layer_times(layer, reduce):
     from conv_tutorial import runtime
     label, N, H, W, Ci, Co, R, S, stride, padding = layer
@@ -49,13 +44,13 @@ def layer_times(layer, reduce):
     cudnn = common.cudnn_conv2d(x, w, None, stride, padding)
     ours_stats()
     y = ours().reshape(-1, Co).float()
-    expected = channel_sums(y)
+    expected = runtime.channel_sums(y)
     # the epilogue sums fp32 values, torch the bf16-rounded output: 2^-8 of each |y| at most
     if not ((stats - expected).abs() <= 1e-2 * torch.stack((y.abs().sum(0), expected[1]))).all():
         raise AssertionError(f"{label}: the epilogue's sums differ from torch's")
     calls = {"ours": ours, "ours+stats": ours_stats, "ours+reduce": lambda: reduce(ours()),
              "cuDNN+reduce": lambda: reduce(cudnn().permute(0, 2, 3, 1))}
-    flops = 2 * N * Co * Ci * R * S * (H // stride) * (W // stride)
+    flops = common.conv_geometry(x.shape, w.shape, stride, padding).flops
     row = {"layer": label, **{name: common.bench_tflops(call, flops, cuda_graph=True)["ms"] * 1e3
                               for name, call in calls.items()}}
     print(f"   {label:<28}" + "".join(f"  {name} {row[name]:7.1f} us" for name in WAYS)
@@ -73,6 +68,7 @@ def main(argv=None):
     layers = network_suite.resnet50_layers(args.batch)
     if args.layers:
         layers = [layer for layer in layers if any(text in layer[0] for text in args.layers)]
+    from conv_tutorial.runtime import channel_sums
     reduce = torch.compile(channel_sums)
     print(f"microseconds per call (CUDA graphs), bf16, batch {args.batch}, {common.gpu_name()}:")
     rows = [layer_times(layer, reduce) for layer in layers]

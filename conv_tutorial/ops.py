@@ -319,13 +319,17 @@ class TutorialConv2d(torch.nn.Module):
         self._op_args = None if pads is None else (list(self.stride), list(pads), list(self.dilation),
                                                    self.groups)
 
-    def forward(self, x):
-        weight = self.weight
+    def operands(self, x):
+        """(x, weight) as the operator takes them: under autocast (mixed-precision training), what
+        autocast does to nn.Conv2d's, both in its lower precision (the bias may stay fp32 in the
+        epilogue)."""
         if torch.is_autocast_enabled(x.device.type):
-            # autocast (mixed-precision training) does to this conv what it does to nn.Conv2d's:
-            # input and weight in its lower precision (the bias may stay fp32 in the epilogue)
             dtype = torch.get_autocast_dtype(x.device.type)
-            x, weight = x.to(dtype), weight.to(dtype)
+            return x.to(dtype), self.weight.to(dtype)
+        return x, self.weight
+
+    def forward(self, x):
+        x, weight = self.operands(x)
         if self._op_args is None:          # "same" that needs asymmetric padding: the general path
             return conv2d(x, weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
         return conv2d_op(x, weight, self.bias, *self._op_args)

@@ -80,8 +80,7 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
         common.check_channel_stats(channel_stats, plan.geometry.Co, x_nhwc.device, out_window=out_window)
         if plan.config.split_k > 1:      # split-K's slices are partial sums: the statistics from the output
             out = plan.run(x_nhwc, w, bias, scale, residual, activation)
-            wide = out.reshape(-1, out.shape[-1]).float()
-            channel_stats += torch.stack((wide.sum(0), (wide * wide).sum(0)))
+            channel_stats += channel_sums(out)
             return out
         return plan.run(x_nhwc, w, bias, scale, residual, activation, channel_stats=channel_stats)
     if out_window is None:
@@ -92,6 +91,13 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
         return out_window.view
     return plan.run(x_nhwc, w, bias, scale, residual, activation, out_window)
 
+
+
+def channel_sums(out_nhwc, dtype=torch.float32):
+    """[2, C] in `dtype`: each channel's sum and sum of squares of an NHWC-shaped tensor, by torch
+    (what a `channel_stats` call's epilogue adds, where the kernel cannot)."""
+    wide = out_nhwc.reshape(-1, out_nhwc.shape[-1]).to(dtype)
+    return torch.stack((wide.sum(0), (wide * wide).sum(0)))
 
 
 # %% Small channel counts: fold the filter's columns into the channels ---------------------------

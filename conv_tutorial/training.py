@@ -45,12 +45,9 @@ import torch
 from . import backward, ops, runtime, selection
 from .fusion import _single_user, install_module, kernel_for
 from .geometry import FP8, nhwc_view
+from .ops import _wide
 
 _LIBRARY = torch.library.Library("conv_tutorial", "FRAGMENT")
-
-
-def _wide(t):
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def stats_dtype(dtype):
@@ -60,8 +57,7 @@ def stats_dtype(dtype):
 
 def torch_channel_stats(out):
     """[2, Co] (stats_dtype): each channel's sum and sum of squares of an NCHW-shaped `out` over N, H, W."""
-    wide = out.to(stats_dtype(out.dtype))
-    return torch.stack((wide.sum((0, 2, 3)), (wide * wide).sum((0, 2, 3))))
+    return runtime.channel_sums(out.permute(0, 2, 3, 1), stats_dtype(out.dtype))
 
 
 def _kernel_runs(input, weight, groups):
@@ -143,13 +139,10 @@ class ConvBatchNorm2d(torch.nn.Module):
 
     def forward(self, x):
         conv, bn = self.conv, self.bn
-        weight = conv.weight
-        if torch.is_autocast_enabled(x.device.type):     # as nn.Conv2d under autocast
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, weight = x.to(dtype), weight.to(dtype)
         if not (bn.training or bn.running_mean is None) or conv._op_args is None:
             # running statistics (eval), or "same" padding the kernel does not do: the conv, then the module
             return bn(conv(x))
+        x, weight = conv.operands(x)                    # (as nn.Conv2d's under autocast)
         y, stats = conv2d_channel_stats_op(x, weight, conv.bias, *conv._op_args)
         count = y.numel() // y.shape[1]
         if count <= 1:
