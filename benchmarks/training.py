@@ -1,7 +1,7 @@
 """Training steps of torchvision networks: eager cuDNN, torch.compile, and the operator under torch.compile.
 
     python benchmarks/training.py [--nets resnet50 regnet_y_3_2gf] [--batch 128] [--steps 50] [--max-autotune]
-                                  [--no-gradient-check]
+                                  [--no-gradient-check] [--profile STEPS]
                                   [--variants eager compile ours ours-lesson06] [--outdir DIR]
 
 Each network is torchvision's with its own random initialisation (seed 0), channels_last, trained
@@ -31,7 +31,11 @@ from fp32 there: compare a variant's figure with eager's, and the loss curves. W
 "grad_rel_err_median", "grad_rel_err_max", "backward_fallbacks"}]}; the last: with lesson 06's
 gradients chosen, the conv gradients torch computed instead, by reason, over all of the variant's
 steps) and training_loss.png (the loss per step of every variant) to --outdir.
-Each variant runs in this process one after the other; `--smoke` runs a tiny network on a CPU (the
+--profile STEPS adds, per row, "gpu_ms_by_kind": the GPU time of one step's kernels by what they do
+(our forward conv, dgrad, wgrad; cuDNN/cuBLAS; Inductor's kernels; the optimizer; copies and fills),
+the mean over STEPS steps profiled by torch.profiler after the timed ones (kernel durations only:
+a kernel in a CUDA graph takes as long as launched alone, so the graphs' variants are profiled
+as they replay). Each variant runs in this process one after the other; `--smoke` runs a tiny network on a CPU (the
 operator falls back to torch there) to check the script itself.
 """
 import argparse
@@ -86,26 +90,64 @@ def prepared(variant, model):
     return model, torch.compile(model, mode=mode)
 
 
-def train(variant, fp32_model, data, warmup, device):
-    """(losses of every step, seconds of each timed step) of one variant from the same weights."""
+def train(variant, fp32_model, data, warmup, device, profile=0):
+    """(losses of every step, seconds of each timed step, and with `profile` steps the GPU time per step
+    by kind of kernel, else None) of one variant from the same weights."""
     model, step_model = prepared(variant, copy.deepcopy(fp32_model).to(device).to(memory_format=torch.channels_last))
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     losses, seconds = [], []
     autocast = dict(device_type=device, dtype=torch.bfloat16)
-    for i, (x, y) in enumerate(data):
-        start = time.perf_counter()
+
+    def step(x, y):
         with torch.autocast(**autocast):
             loss = torch.nn.functional.cross_entropy(step_model(x), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        return loss
+    for i, (x, y) in enumerate(data):
+        start = time.perf_counter()
+        loss = step(x, y)
         if device == "cuda":
             torch.cuda.synchronize()
         if i >= warmup:
             seconds.append(time.perf_counter() - start)
         losses.append(loss.item())
-    return losses, seconds
+    by_kind = profile_steps(lambda: step(*data[-1]), profile) if profile and device == "cuda" else None
+    return losses, seconds, by_kind
+
+
+# kernel name fragment -> what the kernel does (the first match wins; lower-case)
+KERNEL_KINDS = (("conv2d_fprop_kernel", "conv forward (ours)"), ("split_k_epilogue", "conv forward (ours)"),
+                ("fold_columns", "conv forward (ours)"), ("flipped_weights", "dgrad weight flip (ours)"),
+                ("conv2d_wgrad", "wgrad (ours)"), ("wgrad_split_k_sum", "wgrad (ours)"),
+                ("triton_", "Inductor (BatchNorm, ReLU, add, pool, loss)"), ("dgrad", "cuDNN dgrad"), ("wgrad", "cuDNN wgrad"), ("fprop", "cuDNN forward"),
+                ("xmma", "cuDNN/cuBLAS other"), ("cudnn", "cuDNN/cuBLAS other"), ("cutlass", "cuDNN/cuBLAS other"),
+                ("nvjet", "cuDNN/cuBLAS other"), ("gemm", "cuDNN/cuBLAS other"), ("conv", "cuDNN/cuBLAS other"),
+                ("multi_tensor", "optimizer"),
+                ("foreach", "optimizer"), ("memset", "copies and fills"), ("memcpy", "copies and fills"),
+                ("copy", "copies and fills"), ("fill", "copies and fills"))
+
+
+def kernel_kind(name):
+    lowered = name.lower()
+    return next((kind for fragment, kind in KERNEL_KINDS if fragment in lowered), "other")
+
+
+def profile_steps(step, steps):
+    """{kind: GPU milliseconds per step} of the kernels `step()` runs, the mean over `steps` calls."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    totals = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kind = kernel_kind(event.name)
+            totals[kind] = totals.get(kind, 0.0) + event.device_time / 1000 / steps
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
 def first_step_gradients(variant, fp32_model, x, y, device):
@@ -170,6 +212,8 @@ def main(argv=None):
     parser.add_argument("--max-autotune", action="store_true", help="also torch.compile(mode='max-autotune')")
     parser.add_argument("--no-gradient-check", action="store_true",
                         help="skip the first step's gradients against fp32 (each variant compiles once less)")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="also profile STEPS steps: each row's GPU time per step by kind of kernel")
     parser.add_argument("--smoke", action="store_true", help="a tiny network on the CPU: checks the script")
     parser.add_argument("--outdir", default=None)
     args = parser.parse_args(argv)
@@ -193,17 +237,22 @@ def main(argv=None):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 torch._dynamo.reset()
-                losses, seconds = train(variant, fp32_model, data, args.warmup, device)
+                losses, seconds, by_kind = train(variant, fp32_model, data, args.warmup, device, args.profile)
                 error = (None, None) if reference is None else gradient_error(
                     first_step_gradients(variant, fp32_model, *data[0], device), reference)
             row = {"net": net, "batch": args.batch, "variant": variant,
                    "img_s": args.batch / statistics.median(seconds), "loss_50": losses[-1], "losses": losses,
                    "grad_rel_err_median": error[0], "grad_rel_err_max": error[1],
                    "backward_fallbacks": conv_tutorial.backward_fallbacks()}
+            if by_kind is not None:
+                row["gpu_ms_by_kind"] = by_kind
             rows.append(row)
             print(f"  {net:<16} {variant:<22} {row['img_s']:8.0f} img/s   loss after {len(losses)} steps "
                   f"{losses[-1]:.4f}" + ("" if reference is None else f"   first step's gradients: rel. error median "
                                          f"{error[0]:.1e}, largest {error[1]:.1e}"), flush=True)
+            if by_kind is not None:
+                print(f"  {net} {variant}: GPU ms per step by kind ({sum(by_kind.values()):.2f} in all): "
+                      + ", ".join(f"{kind} {ms:.2f}" for kind, ms in by_kind.items()), flush=True)
             if row["backward_fallbacks"]:
                 print(f"  {net} {variant}: conv gradients left to torch, by reason: {row['backward_fallbacks']}",
                       flush=True)

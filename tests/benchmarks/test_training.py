@@ -55,3 +55,19 @@ def test_no_gradient_check_leaves_the_errors_out(tmp_path):
     rows = training.main(["--smoke", "--batch", "2", "--steps", "2", "--warmup", "1", "--variants", "eager",
                           "--no-gradient-check", "--outdir", str(tmp_path)])
     assert rows[0]["grad_rel_err_median"] is None and rows[0]["grad_rel_err_max"] is None
+
+
+def test_kernel_kinds_sort_the_kernels_of_a_step():
+    # names as the profiler reports them: ours, cuDNN's and cuBLAS's, Inductor's, the optimizer's
+    assert training.kernel_kind("conv2d_fprop_kernel") == "conv forward (ours)"
+    assert training.kernel_kind("conv2d_wgrad_kernel") == "wgrad (ours)"
+    assert training.kernel_kind("flipped_weights_kernel") == "dgrad weight flip (ours)"
+    assert training.kernel_kind("sm90_xmma_dgrad_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc") == "cuDNN dgrad"
+    assert training.kernel_kind("sm90_xmma_wgrad_implicit_gemm_indexed_bf16") == "cuDNN wgrad"
+    assert training.kernel_kind("triton_red_fused__native_batch_norm_legit_functional_0") == \
+        "Inductor (BatchNorm, ReLU, add, pool, loss)"
+    assert training.kernel_kind("triton_poi_fused_convolution_backward_relu_threshold_backward_3") == \
+        "Inductor (BatchNorm, ReLU, add, pool, loss)"
+    assert training.kernel_kind("void at::native::(anonymous namespace)::multi_tensor_apply_kernel") == "optimizer"
+    assert training.kernel_kind("Memset (Device)") == "copies and fills"
+    assert training.kernel_kind("something_else") == "other"
