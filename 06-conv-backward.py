@@ -1842,12 +1842,15 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # training step ran 5.6% slower with them than without. So the operator keeps it opt-in.
 
 
-def conv2d_with_channel_stats(x_nhwc, w, stride=1, padding=0, dilation=1, config=lesson05.FIXED_CONFIG):
+def conv2d_with_channel_stats(x_nhwc, w, stride=1, padding=0, dilation=1, config=lesson05.FIXED_CONFIG,
+                              copies=None):
     """(y NHWC, stats): lesson 05's conv, its epilogue adding each output channel's sum (stats[0]) and
-    sum of squares (stats[1]), fp32 [2, Co], as it stores y."""
-    stats = torch.zeros(2, w.shape[0], device=x_nhwc.device, dtype=torch.float32)
-    y = lesson05.conv2d_fprop_launch(x_nhwc, w, None, stride, padding, dilation, config=config, channel_stats=stats)
-    return y, stats
+    sum of squares (stats[1]), fp32 [2, Co], as it stores y: program p into copy p % copies of the sums
+    (default: one copy per SM), added up here."""
+    copies = copies or torch.cuda.get_device_properties(x_nhwc.device).multi_processor_count
+    sums = torch.zeros(copies, 2, w.shape[0], device=x_nhwc.device, dtype=torch.float32)
+    y = lesson05.conv2d_fprop_launch(x_nhwc, w, None, stride, padding, dilation, config=config, channel_stats=sums)
+    return y, sums.sum(0)
 
 
 def batch_norm_from_sums(y_nhwc, stats, gamma, beta, eps=1e-5):
@@ -1899,8 +1902,11 @@ def test_channel_stats_are_refused_where_they_would_be_wrong():
     g = common.conv_geometry((2, 8, 8, 16), (32, 3, 3, 16), 1, 1)
     good = torch.zeros(2, 32)
     common.check_channel_stats(good, 32, good.device)
+    common.check_channel_stats(torch.zeros(132, 2, 32), 32, good.device)       # one copy per program (of 132)
+    assert common.channel_stats_args(torch.zeros(132, 2, 32))[1] == 132 and common.channel_stats_args(good)[1] == 1
     for bad, words in [(torch.zeros(2, 32, dtype=torch.float16), "torch.float32"), (torch.zeros(32, 2).t(), "contiguous"),
-                       (torch.zeros(2, 16), "(2, 32)")]:
+                       (torch.zeros(2, 16), "(2, 32)"), (torch.zeros(4, 3, 32), "(copies, 2, 32)"),
+                       (torch.zeros(0, 2, 32), "copies >= 1"), (torch.zeros(1, 1, 2, 32), "(2, 32)")]:
         with pytest.raises(ValueError, match=re.escape(words)):
             common.check_channel_stats(bad, 32, bad.device)
     with pytest.raises(TypeError, match="channel_stats must be a torch.Tensor"):
@@ -1913,7 +1919,7 @@ def test_channel_stats_are_refused_where_they_would_be_wrong():
 
 def aot_conv_with_channel_stats(arch):
     """(kernel, args, kwargs) of lesson 05's kernel with channel_stats, on CPU tensors (lesson 05's build)."""
-    return lesson05.aot_conv2d_fprop(arch, channel_stats=torch.zeros(2, 128))
+    return lesson05.aot_conv2d_fprop(arch, channel_stats=torch.zeros(132, 2, 128))    # a copy per program
 
 
 @pytest.mark.parametrize("arch", list(TAUGHT_PTX))
@@ -1938,13 +1944,13 @@ STATS_CASES = [   # (N, H, W, Ci, Co, R, S, stride, padding): partial tiles, Co 
 ]
 
 
-def check_channel_sums(N, H, W, Ci, Co, R, S, stride, padding, dtype=torch.bfloat16):
+def check_channel_sums(N, H, W, Ci, Co, R, S, stride, padding, dtype=torch.bfloat16, copies=None):
     """The kernel's sums against fp32 sums of torch's fp32 conv, and BatchNorm from them against torch's.
     Tolerance: each y differs from the reference by the fp32 accumulation order (~K * 2^-24 of its terms),
     so a channel's sum is off by far less than 1e-4 of the sum of |y| (and sum_sq of itself); the
     normalized output is rounded to bf16 once (2e-2, as in section 8)."""
     x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, dtype)
-    y, stats = conv2d_with_channel_stats(x, w, stride, padding)
+    y, stats = conv2d_with_channel_stats(x, w, stride, padding, copies=copies)
     reference = common.reference_conv2d_nhwc(x, w, None, stride, padding, out_dtype=torch.float32)
     flat = reference.reshape(-1, Co).double()
     assert ((stats[0].double() - flat.sum(0)).abs() <= 1e-4 * flat.abs().sum(0) + 1e-3).all()
@@ -1959,6 +1965,13 @@ def check_channel_sums(N, H, W, Ci, Co, R, S, stride, padding, dtype=torch.bfloa
 @pytest.mark.parametrize("case", STATS_CASES)
 def test_channel_stats_match_torch(case):
     check_channel_sums(*case)
+
+
+@needs_gpu
+@pytest.mark.parametrize("copies", [1, 3])
+def test_channel_stats_in_one_copy_or_a_few(copies):
+    # one copy (every program adds into the same sums), or fewer copies than programs (programs share them)
+    check_channel_sums(*STATS_CASES[2], copies=copies)
 
 
 def run_channel_stats():

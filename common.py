@@ -1358,16 +1358,20 @@ class WindowStore:
 # %% Per-channel statistics from the epilogue (lesson 05's epilogue, for lesson 06's BatchNorm) ---
 
 def check_channel_stats(stats, Co, device, split_k=1, out_window=None):
-    """ValueError/TypeError unless `stats` can take a conv's per-channel sums: an fp32 tensor
-    [2, Co], contiguous, on the output's device, that the epilogue adds each output channel's
-    sum (row 0) and sum of squares (row 1) into. A config without split-K (its slices are partial
-    sums: the squares of a whole sum are not the sum of their squares) and no out_window (a
-    window drops the pixels it crops, which the statistics would still count)."""
+    """ValueError/TypeError unless `stats` can take a conv's per-channel sums: an fp32 tensor, contiguous,
+    on the output's device, of shape [2, Co] or [copies, 2, Co], that the epilogue adds each output
+    channel's sum (row 0) and sum of squares (row 1) into: program p of the kernel into copy
+    p % copies (`ChannelSums`; the caller adds the copies up). A config without split-K (its slices
+    are partial sums: the squares of a whole sum are not the sum of their squares) and no out_window
+    (a window drops the pixels it crops, which the statistics would still count)."""
     if not isinstance(stats, torch.Tensor):
-        raise TypeError(f"channel_stats must be a torch.Tensor (fp32, [2, Co]), got {type(stats).__name__}")
-    if stats.dtype != torch.float32 or tuple(stats.shape) != (2, Co) or not stats.is_contiguous():
+        raise TypeError(f"channel_stats must be a torch.Tensor (fp32, [2, Co] or [copies, 2, Co]), got "
+                        f"{type(stats).__name__}")
+    if stats.dtype != torch.float32 or tuple(stats.shape[-2:]) != (2, Co) or stats.dim() not in (2, 3) \
+            or stats.numel() == 0 or not stats.is_contiguous():
         raise ValueError(f"channel_stats is {stats.dtype} {tuple(stats.shape)} with strides {stats.stride()}; the "
-                         f"conv's {Co} output channels need a contiguous torch.float32 tensor of shape (2, {Co})")
+                         f"conv's {Co} output channels need a contiguous torch.float32 tensor of shape (2, {Co}) "
+                         f"or (copies, 2, {Co}), copies >= 1")
     if stats.device != device:
         raise ValueError(f"channel_stats is on {stats.device}; the output is on {device}")
     if split_k > 1:
@@ -1375,6 +1379,11 @@ def check_channel_stats(stats, Co, device, split_k=1, out_window=None):
     if out_window is not None:
         raise ValueError("channel_stats and an out_window together: a window's crop drops pixels that the "
                          "statistics would count; pass one of them")
+
+
+def channel_stats_args(stats):
+    """The kernel's `channel_stats` argument for a checked stats tensor: (tensor, copies), or None."""
+    return None if stats is None else (stats, stats.shape[0] if stats.dim() == 3 else 1)
 
 
 def check_epilogue_destinations(out_window, channel_stats, geometry, dtype, device, split_k=1):
@@ -1386,14 +1395,23 @@ def check_epilogue_destinations(out_window, channel_stats, geometry, dtype, devi
         check_channel_stats(channel_stats, geometry.Co, device, split_k, out_window)
 
 
-@gluon.jit
-def add_channel_stats(stats_ptr, values, pixels, channels, M, Co):
-    """Add a tile's per-channel sum and sum of squares into stats[0, :Co] and stats[1, :Co] (fp32,
-    atomically: tiles of one channel block arrive in any order, so the last bits vary run to
-    run). The tile's rows are output pixels (those < M count), its columns channels (< Co)."""
-    counted = gl.where(gl.expand_dims(pixels < M, 1), values, 0.0)
-    inside = channels < Co
-    # (relaxed: nothing else is ordered by these adds; one thread adds each channel's value, Triton masks the
-    # threads that hold copies of it)
-    gl.atomic_add(stats_ptr + channels, gl.sum(counted, axis=0), mask=inside, sem="relaxed")
-    gl.atomic_add(stats_ptr + Co + channels, gl.sum(counted * counted, axis=0), mask=inside, sem="relaxed")
+@gluon.aggregate
+class ChannelSums:
+    """The kernel's side of `channel_stats`: fp32 [copies, 2, Co], zeroed. Program p adds its tiles'
+    per-channel sums into copy p % copies: spread over copies, the adds of many programs do not
+    queue on the same few addresses (lesson 06, section 10); the caller adds the copies up."""
+    ptr: gl.tensor
+    copies: Union[gl.tensor, gl.constexpr]
+
+    @gluon.jit
+    def add(self, values, pixels, channels, M, Co):
+        """Add a tile's per-channel sum and sum of squares into this program's copy, rows 0 and 1 (fp32,
+        atomically: tiles arrive in any order, so the last bits vary run to run). The tile's rows are
+        output pixels (those < M count), its columns channels (< Co)."""
+        counted = gl.where(gl.expand_dims(pixels < M, 1), values, 0.0)
+        inside = channels < Co
+        copy = self.ptr + (gl.program_id(0) % self.copies) * (2 * Co)
+        # (relaxed: nothing else is ordered by these adds; one thread adds each channel's value, Triton masks
+        # the threads that hold copies of it)
+        gl.atomic_add(copy + channels, gl.sum(counted, axis=0), mask=inside, sem="relaxed")
+        gl.atomic_add(copy + Co + channels, gl.sum(counted * counted, axis=0), mask=inside, sem="relaxed")

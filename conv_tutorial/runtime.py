@@ -40,9 +40,11 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
     groups > 1: w is [Co, R, S, Ci / groups], and a group's channel counts must fit a config's
     tiles (`grouped_conv_fits`; lesson 05, section 10). out_window (a common.OutputWindow: lesson
     06's dgrad phases): the output's pixels go into its view, which is returned; a config with
-    split-K stores densely and the window takes a copy. channel_stats (a zeroed fp32 [2, Co]
-    tensor: lesson 06's BatchNorm statistics): each output channel's sum and sum of squares are
-    added into it, by the epilogue, or, after a config with split-K, by torch from the output."""
+    split-K stores densely and the window takes a copy. channel_stats (a zeroed fp32 [2, Co] or
+    [copies, 2, Co] tensor: lesson 06's BatchNorm statistics): each output channel's sum and sum of
+    squares are added into it, by the epilogue (program p into copy p % copies: `stats_copies` for as
+    many as this GPU has SMs; add them up after), or, after a config with split-K, by torch from the
+    output (into the first copy)."""
     key = call_key((x_nhwc, w, bias, scale, residual), stride, padding, dilation,
                    config if config is not None else tune, activation, out_dtype, groups)
     entry = _FAST_PLANS.get(key) if key is not None else None
@@ -80,7 +82,7 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
         common.check_channel_stats(channel_stats, plan.geometry.Co, x_nhwc.device, out_window=out_window)
         if plan.config.split_k > 1:      # split-K's slices are partial sums: the statistics from the output
             out = plan.run(x_nhwc, w, bias, scale, residual, activation)
-            channel_stats += channel_sums(out)
+            channel_stats.view(-1, 2, plan.geometry.Co)[0] += channel_sums(out)      # (into the first copy)
             return out
         return plan.run(x_nhwc, w, bias, scale, residual, activation, channel_stats=channel_stats)
     if out_window is None:
@@ -91,6 +93,12 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
         return out_window.view
     return plan.run(x_nhwc, w, bias, scale, residual, activation, out_window)
 
+
+
+def stats_copies() -> int:
+    """How many copies of the channel sums a `channel_stats` tensor for the current GPU should hold: one
+    per SM, so that each persistent program adds into its own (lesson 06, section 10, says why)."""
+    return device_facts()[1]
 
 
 def channel_sums(out_nhwc, dtype=torch.float32):

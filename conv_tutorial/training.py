@@ -73,11 +73,12 @@ def _conv2d_channel_stats(input: torch.Tensor, weight: torch.Tensor, bias: Optio
     if not _kernel_runs(input, weight, groups):    # torch's conv (or depthwise.py), then torch's sums
         out = ops._conv2d_with_epilogue(input, weight, bias, stride, padding, dilation, groups)
         return out, torch_channel_stats(out)
-    stats = torch.zeros(2, weight.shape[0], device=input.device, dtype=torch.float32)
+    copies = torch.zeros(runtime.stats_copies(), 2, weight.shape[0], device=input.device,
+                         dtype=torch.float32)
     out_nhwc = runtime.conv2d(nhwc_view(input), nhwc_view(weight), bias, tuple(stride), tuple(padding),
                               tuple(dilation), tune=selection.autotune_enabled(), groups=groups,
-                              channel_stats=stats)
-    return out_nhwc.permute(0, 3, 1, 2), stats
+                              channel_stats=copies)
+    return out_nhwc.permute(0, 3, 1, 2), copies.sum(0)
 
 
 _LIBRARY.define("conv2d_channel_stats" + torch.library.infer_schema(_conv2d_channel_stats, mutates_args=()),
