@@ -300,8 +300,6 @@ class TileOutput:
                 inside = gl.expand_dims(rows < self.M, 1) & gl.expand_dims(cols < self.Co, 0)
                 residual = gl.load(self.residual_ptr + offsets, mask=inside, other=0.0)
             y = apply_epilogue(acc, cols, self.Co, self.scale_ptr, self.bias_ptr, residual, self.EPILOGUE)
-            if self.channel_stats is not None:  # lesson 06: each channel's sum and sum of squares, for BatchNorm
-                self.channel_stats.add(y, rows, cols, self.M, self.Co)
             if self.out_window is not None:     # lesson 06: into a window of a larger tensor, pixel by pixel
                 self.out_window.store(y, rows, cols, self.M, self.Co)
             else:
@@ -309,6 +307,8 @@ class TileOutput:
                 c_smem.store(y.to(out_desc.dtype))
                 fence_async_shared()
                 tma.async_store(out_desc, [m0, co0], c_smem)
+            if self.channel_stats is not None:  # lesson 06: each channel's sums, for BatchNorm (after the store:
+                self.channel_stats.add(y, rows, cols, self.M, self.Co)     # y's registers free up as it sums)
 
 
 # %%
