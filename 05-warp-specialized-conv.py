@@ -307,8 +307,8 @@ class TileOutput:
                 c_smem.store(y.to(out_desc.dtype))
                 fence_async_shared()
                 tma.async_store(out_desc, [m0, co0], c_smem)
-            if self.channel_stats is not None:  # lesson 06: each channel's sums, for BatchNorm (after the store:
-                self.channel_stats.add(y, rows, cols, self.M, self.Co)     # y's registers free up as it sums)
+                if self.channel_stats is not None:  # lesson 06: each channel's sums for BatchNorm, from the staged tile
+                    self.channel_stats.add(c_smem, m0, co0, self.M, self.Co)
 
 
 # %%

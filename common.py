@@ -1395,6 +1395,19 @@ def check_epilogue_destinations(out_window, channel_stats, geometry, dtype, devi
         check_channel_stats(channel_stats, geometry.Co, device, split_k, out_window)
 
 
+@gluon.constexpr_function
+def column_sum_layout(rows, columns, element_size, num_warps):
+    """A register layout for summing a staged [rows, columns] tile down its columns: each thread
+    reads 16-byte vectors of a row, the warps split the columns among themselves (so no sum crosses
+    a warp where there are columns enough), and a warp's lanes take the columns, then the rows."""
+    vector = 16 // element_size
+    warps_across = min(num_warps, max(1, columns // vector))
+    lanes_across = min(32, max(1, columns // warps_across // vector))
+    lanes_down, warps_down = 32 // lanes_across, num_warps // warps_across
+    return gl.BlockedLayout([max(1, rows // (lanes_down * warps_down)), vector], [lanes_down, lanes_across],
+                            [warps_down, warps_across], [1, 0])
+
+
 @gluon.aggregate
 class ChannelSums:
     """The kernel's side of `channel_stats`: fp32 [copies, 2, Co], zeroed. Program p adds its tiles'
@@ -1404,10 +1417,18 @@ class ChannelSums:
     copies: Union[gl.tensor, gl.constexpr]
 
     @gluon.jit
-    def add(self, values, pixels, channels, M, Co):
-        """Add a tile's per-channel sum and sum of squares into this program's copy, rows 0 and 1 (fp32,
-        atomically: tiles arrive in any order, so the last bits vary run to run). The tile's rows are
-        output pixels (those < M count), its columns channels (< Co)."""
+    def add(self, staged, m0, co0, M, Co):
+        """Add the per-channel sum and sum of squares of a tile of the output, staged in shared memory
+        (`staged`: rows are output pixels m0, m0+1, ... of which those < M count; columns channels
+        co0, co0+1, ... of which those < Co count), into this program's copy, rows 0 and 1: fp32,
+        atomically (tiles arrive in any order, so the last bits vary run to run). Read back in
+        `column_sum_layout`, each thread sums its rows, then a warp's lanes, seldom warps."""
+        ROWS: gl.constexpr = staged.shape[0]
+        COLUMNS: gl.constexpr = staged.shape[1]
+        layout: gl.constexpr = column_sum_layout(ROWS, COLUMNS, staged.dtype.primitive_bitwidth // 8, gl.num_warps())
+        values = staged.load(layout).to(gl.float32)
+        pixels = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        channels = co0 + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout))
         counted = gl.where(gl.expand_dims(pixels < M, 1), values, 0.0)
         inside = channels < Co
         copy = self.ptr + (gl.program_id(0) % self.copies) * (2 * Co)
