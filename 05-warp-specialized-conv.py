@@ -925,8 +925,8 @@ def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, c
     of the output's shape and dtype, activation "none", "relu" or "silu". groups > 1 (section 10):
     w is [Co, R, S, Ci / groups]. out_window (lesson 06): store into its view instead, and return that.
     channel_stats (lesson 06): a zeroed fp32 [2, Co] tensor, or [copies, 2, Co]; the epilogue adds each output
-    channel's sum and sum of squares (of the fp32 values before the cast) into it (into copy p % copies from
-    program p: add the copies up)."""
+    channel's sum and sum of squares (of the output as stored, summed in fp32) into it (into copy p % copies
+    from program p: add the copies up)."""
     geometry = common.check_conv_call(x_nhwc, w, bias, stride, padding, dilation, dtypes=KERNEL_DTYPES, scale=scale,
                                       residual=residual, activation=activation, out_dtype=out_dtype, groups=groups)
     arch, num_sms = common.tma_mma_arch_and_sms("conv2d_fprop_launch")

@@ -1806,26 +1806,41 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # 5): it normalizes with the batch's own mean and variance per channel, a reduction over N, H and
 # W of the conv's output. torch.compile computes that reduction in a kernel of its own, which
 # reads the whole output once more before the kernel that normalizes it reads it again. The
-# forward kernel already holds each tile of the output in fp32 registers in its epilogue, so it
-# can sum there: lesson 05's `TileOutput.store` takes one more switch, `channel_stats` (an fp32
-# [2, Co] tensor, zeroed), and `common.add_channel_stats` adds the tile's column sums of y and of
-# y^2 into its two rows. Rows past the last pixel (a partial tile) are masked out; the values
-# summed are the fp32 ones before the cast to bf16. From the two sums::
+# forward kernel already holds each tile of the output on chip in its epilogue, so it can sum
+# there: lesson 05's `TileOutput.store` takes one more switch, `channel_stats` (a zeroed fp32
+# tensor), and `common.ChannelSums.add` adds the tile's column sums of y and of y^2 into it. Rows
+# past the last pixel (a partial tile) are masked out. From the two sums::
 #
 #     mean = sum / count        var = sum_sq / count - mean^2        (count = N * out_h * out_w)
 #
-# How the sums travel. The tile's 128 rows are spread over the epilogue's warps (four on either
-# architecture), so `gl.sum(axis=0)` reduces in three steps: within each thread's registers,
-# across the lanes of a warp by shuffles, and across warps through shared memory, with `bar.sync`s
-# among the epilogue's own 128 threads (the build has dozens more than the plain one; the test
-# below checks that it has more). Then one thread per few channels adds the result into global
-# memory: `red.global.gpu.relaxed.add.v2.f32` on sm_90 (`.v4.f32`, four channels, on sm_100), an
-# atomic add that returns nothing, with relaxed ordering, because nothing else waits on it (the
-# kernel's end is what the host waits for). Many tiles add into the same channel, in whatever
-# order they finish, so the sums' last bits vary from run to run, and so do those of a BatchNorm
-# computed from them. Two adds per channel per tile, 256 against the 16,384 values a 128 x 128
-# tile stores; yet measured, the adds are what costs (below): thousands of tiles add into the same
-# few hundred addresses.
+# Where to sum. The obvious place is the accumulator's registers, before the cast; summed there,
+# the kernel ran up to 4x slower (measured below). The accumulator's layout is the MMA's: on
+# Hopper a thread holds two rows of the tile, so a column's 128 values sit in 64 threads of eight
+# warps, and `gl.sum(axis=0)` reduces them in rounds of shuffles and then across warps through
+# shared memory: on the 128 x 256 tile, 770 shuffles and 63 more `bar.sync`s in the build, and
+# with the fp32 tile live beside the partial sums, 456 bytes of registers spilled per thread
+# (8 bytes when the sums come after the tile's store, as the tile's registers then free up as
+# they are summed). Even without the spill, Nsight Compute counted 63 million instructions for
+# the kernel on ResNet-50's 56x56 64->256 1x1 layer, against 5.8 million without the sums (H200).
+#
+# The epilogue already writes the tile, cast to bf16, into a staging buffer for its TMA store. So
+# the sums read the tile back from there, in a layout of their own (`common.column_sum_layout`):
+# each thread loads 16-byte vectors of one row, the warps split the columns among themselves, a
+# warp's lanes take a few columns and the rows. A thread sums its rows in registers, three
+# shuffle rounds sum a warp's lanes, and no sum crosses a warp (but in a column tail too narrow
+# for the warps to split, 32 columns among eight): the 128 x 256 build has the plain build's
+# `bar.sync`s, 50 shuffles instead of 770, and no candidate config spills (sm_90 and sm_100). The TMA store already waits for every thread's writes to the buffer (a `bar.sync`
+# before it is issued), so the reads need no barrier of their own; the store and the reads only
+# read the buffer. What gets summed is the output as stored, in bf16: the values BatchNorm itself
+# would read from it.
+#
+# How the sums leave. Of the lanes that share a channel, one adds its sums into global memory,
+# four channels per `red.global.gpu.relaxed.add.v4.f32`: an atomic add that returns nothing, with relaxed ordering,
+# because nothing else waits on it (the kernel's end is what the host waits for). The tensor has
+# `copies` copies of the sums, [copies, 2, Co], and program p adds into copy p % copies: with a copy
+# per SM, each persistent program adds into sums of its own, and the caller adds the copies up
+# (one small reduction). Whatever the copies, tiles add in whatever order they finish, so the
+# sums' last bits vary from run to run, and so do those of a BatchNorm computed from them.
 #
 # Two limits. A split-K config (section 7 of lesson 05) holds partial sums in its epilogue, and
 # the squares of partial sums do not add up to the square of the whole: `prepare_launch` refuses
@@ -1836,10 +1851,10 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # their spread, and the reason Welford's update exists where they are not.
 #
 # The operator (`conv_tutorial.fuse_conv_batchnorm_for_training`) puts this into a model. Measured on
-# an H200 (2026-11-25, bf16, batch 128; RESULTS.md, "Training fusions"): the fused sums beat a
-# separate reduction over the output on 22 of ResNet-50's 23 layers, but they slow the kernel itself
-# by a median 1.48x (up to 4.1x), and a ResNet-50
-# training step ran 5.6% slower with them than without. So the operator keeps it opt-in.
+# an H200 (2026-11-25, bf16, batch 128; RESULTS.md, "Training fusions"): summed from the staging
+# buffer, the sums cost the kernel a median 1.18x its own time (1.09-1.52x; from registers it was
+# 1.48x, up to 4.1x), beat a separate reduction over the output on all 23 of ResNet-50's distinct
+# convs, and a ResNet-50 training step ran 3.9% faster with them than without.
 
 
 def conv2d_with_channel_stats(x_nhwc, w, stride=1, padding=0, dilation=1, config=lesson05.FIXED_CONFIG,

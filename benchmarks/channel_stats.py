@@ -7,7 +7,8 @@ ways to a conv's output and its per-channel sum and sum of squares (what BatchNo
 mode needs), each replayed in a CUDA graph (common.bench_tflops with cuda_graph=True: kernels
 alone, no host time), all in one run:
   ours           the operator's runtime (lesson 05's kernel), no statistics: the floor
-  ours+stats     the same kernel with channel_stats: the epilogue adds the sums (lesson 06, section 10)
+  ours+stats     the same kernel with channel_stats: the epilogue adds the sums (lesson 06, section 10),
+                 into a copy per SM, zeroed before and added up after (both timed)
   ours+reduce    ours, then the sums by a torch.compile'd reduction over the output (what Inductor
                  does in a training graph without the fusion)
   cuDNN+reduce   F.conv2d on channels_last (cuDNN), then the same reduction
@@ -45,7 +46,8 @@ def layer_times(layer, reduce):
     _, stats = ours_stats()
     y = ours().reshape(-1, Co).float()
     expected = runtime.channel_sums(y)
-    # the epilogue sums fp32 values, torch the bf16-rounded output: 2^-8 of each |y| at most
+    # the epilogue sums the output as stored, torch the same output: fp32's rounding in the adds, far under
+    # 2^-8 of each |y|
     if not ((stats - expected).abs() <= 1e-2 * torch.stack((y.abs().sum(0), expected[1]))).all():
         raise AssertionError(f"{label}: the epilogue's sums differ from torch's")
     calls = {"ours": ours, "ours+stats": ours_stats, "ours+reduce": lambda: reduce(ours()),

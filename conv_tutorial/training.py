@@ -7,20 +7,22 @@
 In training, BatchNorm normalizes a conv's output with the batch's own mean and variance: a
 reduction over N, H and W per channel, which torch.compile computes in a kernel of its own that
 reads the whole output once more before the pass that normalizes it. Here lesson 05's epilogue
-adds each output channel's sum and sum of squares into an fp32 [2, Co] tensor as it stores the
-tile (lesson 06, "BatchNorm's statistics from the epilogue"), and the module below computes
+adds each output channel's sum and sum of squares into fp32 sums as it stores the tile (one copy
+of them per SM, added up after: lesson 06, "BatchNorm's statistics from the epilogue"), and the
+module below computes
 mean = sum / count and var = sum_sq / count - mean^2 from them: that read of the output is gone.
 The normalization, its gradient and the running statistics stay torch's (Inductor fuses them).
 
-Measured before kept (RESULTS.md, "Training fusions"; an H200, 2026-11-25): the fused sums beat a
-separate reduction on 22 of ResNet-50's 23 convs, but slow the conv kernel itself (median 1.48x),
-and a ResNet-50 training step under CUDA graphs ran 5.6% slower with this pass than without. The
-pass is opt-in for that reason; nothing else in the package uses it.
+Measured before kept (RESULTS.md, "Training fusions"; an H200, 2026-11-25): the fused sums cost the
+conv kernel a median 1.18x its own time and beat a separate reduction on all 23 of ResNet-50's
+distinct convs; a ResNet-50 training step under CUDA graphs ran 3.9% faster with this pass than
+without (6199 against 5969 images/s; torch.compile 6188). The pass is opt-in: it changes a
+model's modules, and nothing else in the package uses it.
 
 - `torch.ops.conv_tutorial.conv2d_channel_stats(input, weight, bias, stride, padding, dilation,
   groups) -> (out, stats)`: conv2d(input, weight, bias) in channels_last memory, and stats fp32
   [2, Co] (fp64 for fp64 operands): each output channel's sum (row 0) and sum of squares (row 1)
-  over N, H, W, of the fp32 values the epilogue computes before rounding to the output's dtype. Its backward adds what the
+  over N, H, W of the output as stored, summed in fp32. Its backward adds what the
   statistics contribute (d sum / d out = 1, d sum_sq / d out = 2 out) to the output's gradient,
   then takes the conv's gradients (backward.conv_gradients: torch's or lesson 06's). Where the
   kernel does not run the conv (ops.unsupported_reason, depthwise, CPU tensors), torch computes
