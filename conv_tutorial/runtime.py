@@ -104,8 +104,10 @@ def stats_copies() -> int:
 def channel_sums(out_nhwc, dtype=torch.float32):
     """[2, C] in `dtype`: each channel's sum and sum of squares of an NHWC-shaped tensor, by torch
     (what a `channel_stats` call's epilogue adds, where the kernel cannot)."""
-    wide = out_nhwc.reshape(-1, out_nhwc.shape[-1]).to(dtype)
-    return torch.stack((wide.sum(0), (wide * wide).sum(0)))
+    # two passes that read the output as it is and add in `dtype` (no widened copy of it)
+    rows = tuple(range(out_nhwc.dim() - 1))
+    sums = torch.sum(out_nhwc, dim=rows, dtype=dtype)
+    return torch.stack((sums, torch.linalg.vector_norm(out_nhwc, 2, dim=rows, dtype=dtype).square()))
 
 
 # %% Small channel counts: fold the filter's columns into the channels ---------------------------

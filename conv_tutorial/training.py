@@ -45,8 +45,9 @@ from typing import List, Optional, Tuple
 import torch
 
 from . import backward, ops, runtime, selection
-from .fusion import _single_user, install_module, kernel_for
-from .geometry import FP8, nhwc_view
+from .configs import grouped_conv_fits
+from .fusion import _single_user, install_module
+from .geometry import FP8, current_arch, nhwc_view
 from .ops import _wide
 
 _LIBRARY = torch.library.Library("conv_tutorial", "FRAGMENT")
@@ -167,10 +168,24 @@ class ConvBatchNorm2d(torch.nn.Module):
         return (_wide(y) * scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1)).to(y.dtype)
 
 
+def stats_kernel_runs(conv: torch.nn.Conv2d) -> bool:
+    """Whether conv2d_channel_stats runs `conv` on lesson 05's kernel (on a Hopper or Blackwell GPU,
+    fp16/bf16 operands): groups 1, or groups whose channels fill the kernel's tiles (on this GPU's
+    architecture; on a machine without one, on both). Elsewhere (a depthwise conv, groups of 24
+    channels) torch would compute the conv and then the sums in a pass of its own over the output,
+    slower than leaving the pair to Inductor, which folds the sums into its BatchNorm: measured on
+    RegNetY-3.2GF (RESULTS.md, "Training fusions")."""
+    if conv.groups == 1:
+        return True
+    if ops.is_depthwise(conv.groups, conv.in_channels, conv.out_channels, conv.weight.shape):
+        return False
+    return grouped_conv_fits(conv.in_channels // conv.groups, conv.out_channels // conv.groups, current_arch())
+
+
 def fuse_conv_batchnorm_for_training(model: torch.nn.Module, inplace: bool = False) -> torch.fx.GraphModule:
-    """A torch.fx pass: every nn.Conv2d (zero padding, a kernel of ours for it: fusion.kernel_for)
-    whose only user is a BatchNorm2d over its channels becomes a ConvBatchNorm2d; `fused_pairs` on
-    the returned GraphModule counts them. It shares no module with `model` (a copy is traced), or,
+    """A torch.fx pass: every nn.Conv2d (zero padding, one the kernel runs: stats_kernel_runs) whose
+    only user is a BatchNorm2d over its channels becomes a ConvBatchNorm2d; `fused_pairs` on the
+    returned GraphModule counts them. It shares no module with `model` (a copy is traced), or,
     inplace=True, traces `model` itself: then it shares its parameters (the convs' weights in
     channels_last memory share their storage) and BatchNorms, and `model` is left unchanged."""
     graph_module = torch.fx.symbolic_trace(model if inplace else copy.deepcopy(model))
@@ -178,7 +193,7 @@ def fuse_conv_batchnorm_for_training(model: torch.nn.Module, inplace: bool = Fal
     graph, count = graph_module.graph, 0
     for node in list(graph.nodes):
         conv = modules.get(node.target) if node.op == "call_module" else None
-        if not isinstance(conv, torch.nn.Conv2d) or conv.padding_mode != "zeros" or kernel_for(conv) is None:
+        if not isinstance(conv, torch.nn.Conv2d) or conv.padding_mode != "zeros" or not stats_kernel_runs(conv):
             continue
         user = _single_user(node)
         bn = modules.get(user.target) if user is not None and user.op == "call_module" else None

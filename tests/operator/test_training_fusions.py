@@ -170,6 +170,32 @@ def test_pass_fuses_only_conv_then_its_batchnorm():
     assert model.c1.weight.grad is not None and fused.conv_bn_c1.conv.weight is not model.c1.weight   # a copy
 
 
+def test_pass_leaves_convs_the_kernel_would_not_run():
+    # a depthwise conv and groups of 24 channels (RegNetY's) would leave the sums to a pass of torch's over the
+    # output: the pass keeps them as they are; groups of 128 channels fill the kernel's tiles and are fused
+    class Grouped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.plain, self.b0 = torch.nn.Conv2d(3, 48, 3, padding=1, bias=False), torch.nn.BatchNorm2d(48)
+            self.by_24, self.b1 = torch.nn.Conv2d(48, 48, 3, padding=1, groups=2, bias=False), torch.nn.BatchNorm2d(48)
+            self.depthwise, self.b2 = torch.nn.Conv2d(48, 48, 3, padding=1, groups=48), torch.nn.BatchNorm2d(48)
+            self.widen = torch.nn.Conv2d(48, 256, 1, bias=False)
+            self.by_128, self.b3 = torch.nn.Conv2d(256, 256, 1, groups=2, bias=False), torch.nn.BatchNorm2d(256)
+
+        def forward(self, x):
+            x = self.b2(self.depthwise(self.b1(self.by_24(self.b0(self.plain(x))))))
+            return self.b3(self.by_128(self.widen(x)))
+    model = Grouped().double()
+    fused = fuse_conv_batchnorm_for_training(model)
+    assert fused.fused_pairs == 2
+    assert isinstance(fused.by_24, torch.nn.Conv2d) and isinstance(fused.depthwise, torch.nn.Conv2d)
+    assert {"conv_bn_plain", "conv_bn_by_128"} <= dict(fused.named_children()).keys()
+    x = torch.randn(2, 3, 6, 5, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(fused(x), model(x), rtol=1e-10, atol=1e-10)
+
+
 def test_pass_in_place_shares_parameters_and_buffers():
     model = Net().to(memory_format=torch.channels_last)
     fused = fuse_conv_batchnorm_for_training(model, inplace=True)
