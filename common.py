@@ -1399,8 +1399,12 @@ def check_epilogue_destinations(out_window, channel_stats, geometry, dtype, devi
 def column_sum_layout(rows, columns, element_size, num_warps):
     """A register layout for summing a staged [rows, columns] tile down its columns: each thread
     reads 16-byte vectors of a row, the warps split the columns among themselves (so no sum crosses
-    a warp where there are columns enough), and a warp's lanes take the columns, then the rows."""
+    a warp where there are columns enough), and a warp's lanes take the columns, then the rows.
+    (Shorter vectors where the tile is too small to give every thread a 16-byte one: no element
+    is held twice.)"""
     vector = 16 // element_size
+    while vector > 1 and rows * columns < vector * 32 * num_warps:
+        vector //= 2
     warps_across = min(num_warps, max(1, columns // vector))
     lanes_across = min(32, max(1, columns // warps_across // vector))
     lanes_down, warps_down = 32 // lanes_across, num_warps // warps_across
