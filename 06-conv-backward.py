@@ -1807,8 +1807,10 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # W of the conv's output. torch.compile computes that reduction in a kernel of its own, which
 # reads the whole output once more before the kernel that normalizes it reads it again. The
 # forward kernel already holds each tile of the output on chip in its epilogue, so it can sum
-# there: lesson 05's `TileOutput.store` takes one more switch, `channel_stats` (a zeroed fp32
-# tensor), and `common.ChannelSums.add` adds the tile's column sums of y and of y^2 into it. Rows
+# there. Lesson 05's `TileOutput` has one more field for it, `channel_stats`: None, or a
+# `common.ChannelSums`, which the kernel builds from its argument, a zeroed fp32 tensor of shape
+# [copies, 2, Co] and its number of copies (`common.channel_stats_args`; a [2, Co] tensor is one
+# copy). Its `add` adds a tile's column sums of y and of y^2 into rows 0 and 1 of a copy. Rows
 # past the last pixel (a partial tile) are masked out. From the two sums::
 #
 #     mean = sum / count        var = sum_sq / count - mean^2        (count = N * out_h * out_w)
@@ -1817,44 +1819,61 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # the kernel ran up to 4x slower (measured below). The accumulator's layout is the MMA's: on
 # Hopper a thread holds two rows of the tile, so a column's 128 values sit in 64 threads of eight
 # warps, and `gl.sum(axis=0)` reduces them in rounds of shuffles and then across warps through
-# shared memory: on the 128 x 256 tile, 770 shuffles and 63 more `bar.sync`s in the build, and
-# with the fp32 tile live beside the partial sums, 456 bytes of registers spilled per thread
+# shared memory: on the sm_90 128 x 256 tile, 770 shuffles and 63 more `bar.sync`s in the build,
+# and with the fp32 tile live beside the partial sums, 456 bytes of registers spilled per thread
 # (8 bytes when the sums come after the tile's store, as the tile's registers then free up as
 # they are summed). Even without the spill, Nsight Compute counted 63 million instructions for
-# the kernel on ResNet-50's 56x56 64->256 1x1 layer, against 5.8 million without the sums (H200).
+# the kernel on ResNet-50's 56x56 64->256 1x1 layer, against 5.8 million without the sums (H200;
+# results/notebook.md has these counts).
 #
-# The epilogue already writes the tile, cast to bf16, into a staging buffer for its TMA store. So
-# the sums read the tile back from there, in a layout of their own (`common.column_sum_layout`):
-# each thread loads 16-byte vectors of one row, the warps split the columns among themselves, a
-# warp's lanes take a few columns and the rows. A thread sums its rows in registers, three
-# shuffle rounds sum a warp's lanes, and no sum crosses a warp (but in a column tail too narrow
-# for the warps to split, 32 columns among eight): the 128 x 256 build has the plain build's
-# `bar.sync`s, 50 shuffles instead of 770, and no candidate config spills (sm_90 and sm_100). The TMA store already waits for every thread's writes to the buffer (a `bar.sync`
-# before it is issued), so the reads need no barrier of their own; the store and the reads only
-# read the buffer. What gets summed is the output as stored, in bf16: the values BatchNorm itself
-# would read from it.
+# The epilogue already writes the tile, cast to the output's dtype, into a staging buffer for its
+# TMA store. So the sums read the tile back from there, in a layout of their own
+# (`common.column_sum_layout`): each thread loads vectors of one row (16 bytes on sm_90; the
+# sm_100 build reads 4 at a time), the warps split the columns among themselves, and a warp's
+# lanes take a few columns and the rows. A thread sums its rows in registers, log2(lanes per
+# column) shuffle rounds sum a warp's lanes (3 on the 128 x 256 tile of eight warps, 5 on a
+# 32-column tail), and no sum crosses a warp, except in a column tail too narrow for the warps to
+# split (32 columns among eight warps: that build's `bar.sync`s go from 7 to 14). The sm_90
+# 128 x 256 build has the plain build's `bar.sync`s and about 50 shuffles instead of 770, and no
+# candidate config spills, on sm_90 or sm_100 (each compiled ahead of time; not a test). Two
+# hazards, both covered by barriers the plain kernel has already: the TMA store waits for every
+# thread's writes to the buffer (a `bar.sync` before it is issued), and these reads come after
+# that; the next tile writes the buffer only after `tma.store_wait` and a `bar.sync` of the
+# epilogue's warps, so after every warp's reads. What gets summed is the output as stored: the
+# values BatchNorm itself would read from it.
 #
-# How the sums leave. Of the lanes that share a channel, one adds its sums into global memory,
-# four channels per `red.global.gpu.relaxed.add.v4.f32`: an atomic add that returns nothing, with relaxed ordering,
-# because nothing else waits on it (the kernel's end is what the host waits for). The tensor has
-# `copies` copies of the sums, [copies, 2, Co], and program p adds into copy p % copies: with a copy
-# per SM, each persistent program adds into sums of its own, and the caller adds the copies up
-# (one small reduction). Whatever the copies, tiles add in whatever order they finish, so the
-# sums' last bits vary from run to run, and so do those of a BatchNorm computed from them.
+# How the sums leave. Of the lanes that share a channel, one adds its sums into global memory
+# with `red.global.gpu.relaxed.add`, four channels per instruction (`.v4.f32`) where Co is a
+# multiple of 16 (Triton then knows the addresses are aligned), else one: an atomic add that
+# returns nothing, with relaxed ordering, because nothing waits on the sums before the kernel
+# ends, and everything after it on the stream sees them. Program p adds into copy p % copies;
+# the operator gives a copy to each SM (two programs share one where a config runs two per SM)
+# and adds the copies up after, one small reduction. The idea was that thousands of tiles adding
+# into the same few hundred addresses would queue on them; measured, it was not so with the
+# sums from registers (a copy per SM ran no faster than one, RESULTS.md), and it was not measured
+# again for the sums from the staging buffer. Whatever the copies, tiles add in whatever order
+# they finish, so the sums' last bits vary from run to run, and so do those of a BatchNorm
+# computed from them.
 #
-# Two limits. A split-K config (section 7 of lesson 05) holds partial sums in its epilogue, and
+# The limits. A split-K config (section 7 of lesson 05) holds partial sums in its epilogue, and
 # the squares of partial sums do not add up to the square of the whole: `prepare_launch` refuses
-# the combination (the operator's runtime sums such an output with torch instead). And E[y^2] -
+# the combination (the operator's runtime sums such an output with torch instead, after the
+# conv). An output window (section 2) is refused too: its crop drops pixels the sums would count.
+# The configs are chosen for the conv without sums (the heuristic's or the tuner's), and a
+# config's tails pay more for them (more shuffle rounds, a cross-warp exchange). And E[y^2] -
 # E[y]^2 in fp32 loses digits when a channel's mean is large against its spread, a relative error
-# of about 2^-24 * (mean / std)^2 in the variance (`test_variance_from_sums_loses_digits_with_large_means`
-# shows it): negligible for the activations BatchNorm sees, whose means are of the order of
-# their spread, and the reason Welford's update exists where they are not.
+# of about 2^-24 * (mean / std)^2 in the variance per rounding
+# (`test_variance_from_sums_loses_digits_with_large_means` shows it): negligible for the
+# activations BatchNorm sees, whose means are of the order of their spread, and the reason
+# Welford's update exists where they are not.
 #
 # The operator (`conv_tutorial.fuse_conv_batchnorm_for_training`) puts this into a model. Measured on
 # an H200 (2026-11-25, bf16, batch 128; RESULTS.md, "Training fusions"): summed from the staging
-# buffer, the sums cost the kernel a median 1.18x its own time (1.09-1.52x; from registers it was
-# 1.48x, up to 4.1x), beat a separate reduction over the output on all 23 of ResNet-50's distinct
-# convs, and a ResNet-50 training step ran 3.9% faster with them than without.
+# buffer, the conv with its sums, their zeroing and the copies' reduction took a median 1.18x the
+# conv's time (1.09-1.52x; from registers it was 1.48x, up to 4.1x:
+# results/h200-2026-11-25/channel_stats_first_build.json), beat the conv plus a separate reduction
+# over the output on all 23 of ResNet-50's distinct convs, and a ResNet-50 training step ran 3.9%
+# faster with them than without.
 
 
 def conv2d_with_channel_stats(x_nhwc, w, stride=1, padding=0, dilation=1, config=lesson05.FIXED_CONFIG,

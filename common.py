@@ -1402,6 +1402,8 @@ def column_sum_layout(rows, columns, element_size, num_warps):
     a warp where there are columns enough), and a warp's lanes take the columns, then the rows.
     (Shorter vectors where the tile is too small to give every thread a 16-byte one: no element
     is held twice.)"""
+    if rows & (rows - 1) or columns & (columns - 1):
+        raise ValueError(f"column_sum_layout takes a tile of powers of two, got {rows} x {columns}")
     vector = 16 // element_size
     while vector > 1 and rows * columns < vector * 32 * num_warps:
         vector //= 2

@@ -8,9 +8,9 @@ In training, BatchNorm normalizes a conv's output with the batch's own mean and 
 reduction over N, H and W per channel, which torch.compile computes in a kernel of its own that
 reads the whole output once more before the pass that normalizes it. Here lesson 05's epilogue
 adds each output channel's sum and sum of squares into fp32 sums as it stores the tile (one copy
-of them per SM, added up after: lesson 06, "BatchNorm's statistics from the epilogue"), and the
-module below computes
-mean = sum / count and var = sum_sq / count - mean^2 from them: that read of the output is gone.
+of them per SM, added up after: lesson 06, section 10, "Training: BatchNorm's statistics from the
+forward's epilogue"), and the module below computes mean = sum / count and var = sum_sq / count -
+mean^2 from them: that read of the output is gone.
 The normalization, its gradient and the running statistics stay torch's (Inductor fuses them).
 
 Measured before kept (RESULTS.md, "Training fusions"; an H200, 2026-11-25): the fused sums cost the
@@ -32,11 +32,12 @@ model's modules, and nothing else in the package uses it.
   them in train and eval mode (batch statistics, running statistics with BatchNorm's momentum or
   cumulative average and the unbiased variance, affine or not, track_running_stats or not).
 - `fuse_conv_batchnorm_for_training(model)`: a torch.fx pass that replaces every nn.Conv2d whose
-  only user is a BatchNorm2d over its channels by a ConvBatchNorm2d.
+  only user is a BatchNorm2d over its channels, and which the kernel runs (`stats_kernel_runs`), by
+  a ConvBatchNorm2d.
 
 E[y^2] - E[y]^2 in fp32 loses digits where a channel's mean is large against its spread (a
-relative error of about 1e-7 * (mean / std)^2 in the variance); BatchNorm's inputs in a network at
-work have means of the order of their spread.
+relative error of about 2^-24 * (mean / std)^2 in the variance per rounding); BatchNorm's inputs
+in a network at work have means of the order of their spread.
 """
 import copy
 import warnings
