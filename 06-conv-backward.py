@@ -1819,8 +1819,8 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # the kernel ran up to 4x slower (measured below). The accumulator's layout is the MMA's: on
 # Hopper a thread holds two rows of the tile, so a column's 128 values sit in 64 threads of eight
 # warps, and `gl.sum(axis=0)` reduces them in rounds of shuffles and then across warps through
-# shared memory: on the sm_90 128 x 256 tile, 770 shuffles and 63 more `bar.sync`s in the build,
-# and with the fp32 tile live beside the partial sums, 456 bytes of registers spilled per thread
+# shared memory: on the sm_90 128 x 256 tile, 770 shuffles and 63 more `bar.sync` barriers in the
+# build, and with the fp32 tile live beside the partial sums, 456 bytes of registers spilled per thread
 # (8 bytes when the sums come after the tile's store, as the tile's registers then free up as
 # they are summed). Even without the spill, Nsight Compute counted 63 million instructions for
 # the kernel on ResNet-50's 56x56 64->256 1x1 layer, against 5.8 million without the sums (H200;
@@ -1833,9 +1833,10 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # lanes take a few columns and the rows. A thread sums its rows in registers, log2(lanes per
 # column) shuffle rounds sum a warp's lanes (3 on the 128 x 256 tile of eight warps, 5 on a
 # 32-column tail), and no sum crosses a warp, except in a column tail too narrow for the warps to
-# split (32 columns among eight warps: that build's `bar.sync`s go from 7 to 14). The sm_90
-# 128 x 256 build has the plain build's `bar.sync`s and about 50 shuffles instead of 770, and no
-# candidate config spills, on sm_90 or sm_100 (each compiled ahead of time; not a test). Two
+# split (32 columns among eight warps: that build's `bar.sync` count goes from 7 to 14). The
+# sm_90 128 x 256 build has the plain build's `bar.sync` count and about 50 shuffles instead of
+# 770, and no candidate config spills, on sm_90 or sm_100 (each compiled ahead of time; not a
+# test). Two
 # hazards, both covered by barriers the plain kernel has already: the TMA store waits for every
 # thread's writes to the buffer (a `bar.sync` before it is issued), and these reads come after
 # that; the next tile writes the buffer only after `tma.store_wait` and a `bar.sync` of the
@@ -2061,17 +2062,18 @@ if __name__ == "__main__" and on_gpu:
 #   half the conv's time). The 1x1 stride-2 layers run at 0.77-0.89x: one phase and a memset
 #   of dX, three quarters of it zeros. It loses most on the 3x3 stride-2 layers, 0.50-0.61x: four
 #   launches of small K (1, 2, 2 and 4 taps of Co channels: 128 to 512 on the 56x56 layer, 512 to
-#   2048 on the 14x14 one), each a persistent kernel over the whole of dY's pixels; one launch for all four phases (a tile's phase chosen from its number, as split-K
-#   chooses its slice) is what is left to try. The plain launcher's fixed config (128x128 tiles,
+#   2048 on the 14x14 one), each a persistent kernel over the whole of dY's pixels; one launch for
+#   all four phases (a tile's phase chosen from its number, as split-K chooses its slice) is what
+#   is left to try. The plain launcher's fixed config (128x128 tiles,
 #   128x64 for 64 channels) is not tuned per layer; the operator takes the runtime's heuristic,
 #   whose configs were chosen by timing dense stores, not the window's.
-# - Section 10's BatchNorm statistics: on an H200 (2026-11-25) they slowed a ResNet-50 training
-#   step by 5.6% (5953 -> 5621 images/s under CUDA graphs). The atomic adds are the cost: a variant
-#   in which each warp added its own rows' sums (four times the adds, none of the reduction's
-#   barriers) ran 2.3x slower over the layers. Per-CTA sums kept in shared memory across a
-#   persistent CTA's tiles, added once at its end, are what is left to try. BatchNorm's apply and
-#   ReLU in the next conv's load, and ReLU's mask in dgrad's epilogue, the other two fusions, are
-#   not built.
+# - Section 10's BatchNorm statistics: on an H200 (2026-11-25) a ResNet-50 training step ran 3.9%
+#   faster with them (5969 -> 6199 images/s under CUDA graphs, torch.compile 6188), RegNetY-3.2GF
+#   0.9% (its grouped convs left unfused). A profile of the step (RESULTS.md, "Training fusions")
+#   shows where the rest of the time goes: the convs, forward and backward, take about what
+#   cuDNN's take (8.2 against 8.4 ms of GPU time per step), and Inductor's BatchNorm, ReLU and
+#   residual kernels 10.7 of 19.7 ms. So a faster step needs BatchNorm's apply and the ReLU folded
+#   into the next conv's load; that fusion, and ReLU's mask in dgrad's epilogue, are not built.
 # - Grouped convs only where a tile keeps to one group (64 or more output channels per group for
 #   wgrad; section 6), no depthwise convs, no fp8 (section 3). The grouped gradients match torch on
 #   an H100 (four layers, both gradients, and the operator's on 16 random grouped layers); not timed.
