@@ -874,8 +874,8 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     config = KernelConfig(*config)
     check_config(config, arch)
     g = geometry
-    common.check_epilogue_destinations(out_window, channel_stats, g, out_dtype or x_nhwc.dtype, x_nhwc.device,
-                                       config.split_k)
+    destinations = common.check_epilogue_destinations(out_window, channel_stats, g, out_dtype or x_nhwc.dtype,
+                                                      x_nhwc.device, config.split_k)    # (their kernel arguments)
     check_groups_fit(config, g, x_nhwc.element_size())                     # section 10
     x_nhwc, w, Ci_padded = common.pad_channels_for_tma(x_nhwc, w)
     Ci_group = Ci_padded // g.groups
@@ -911,8 +911,7 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     programs, _, whole_tiles = tile_counts(config, g.M, g.Co, num_sms)
     tiles = (config.tile_m, config.tile_n, num_pid_m, num_pid_n, whole_tiles) if partial is not None else None
     return ConvLaunch((programs, 1, 1), in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, pointers, shape,
-                      out_2d, partial, tiles, None if out_window is None else out_window.kernel_args(),
-                      common.channel_stats_args(channel_stats))
+                      out_2d, partial, tiles, *destinations)
 
 
 def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG,

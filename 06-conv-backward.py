@@ -1882,7 +1882,7 @@ def conv2d_with_channel_stats(x_nhwc, w, stride=1, padding=0, dilation=1, config
     """(y NHWC, stats): lesson 05's conv, its epilogue adding each output channel's sum (stats[0]) and
     sum of squares (stats[1]), fp32 [2, Co], as it stores y: program p into copy p % copies of the sums
     (default: one copy per SM), added up here."""
-    copies = copies or torch.cuda.get_device_properties(x_nhwc.device).multi_processor_count
+    copies = copies or common.tma_mma_arch_and_sms("conv2d_with_channel_stats")[1]
     sums = torch.zeros(copies, 2, w.shape[0], device=x_nhwc.device, dtype=torch.float32)
     y = lesson05.conv2d_fprop_launch(x_nhwc, w, None, stride, padding, dilation, config=config, channel_stats=sums)
     return y, sums.sum(0)

@@ -1388,11 +1388,13 @@ def channel_stats_args(stats):
 
 def check_epilogue_destinations(out_window, channel_stats, geometry, dtype, device, split_k=1):
     """Lesson 06's two optional destinations of lesson 05's epilogue, each checked where given: an
-    out_window (check_output_window) and channel_stats (check_channel_stats)."""
+    out_window (check_output_window) and channel_stats (check_channel_stats). Returns the kernel's
+    arguments for them: (out_window.kernel_args() or None, channel_stats_args(channel_stats))."""
     if out_window is not None:
         check_output_window(out_window, geometry, dtype, device, split_k)
     if channel_stats is not None:
         check_channel_stats(channel_stats, geometry.Co, device, split_k, out_window)
+    return None if out_window is None else out_window.kernel_args(), channel_stats_args(channel_stats)
 
 
 @gluon.constexpr_function

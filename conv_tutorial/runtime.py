@@ -78,20 +78,18 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
     plan, fold = entry
     if fold is not None:
         x_nhwc, w = fold.apply(x_nhwc, w)
-    if channel_stats is not None:
-        common.check_channel_stats(channel_stats, plan.geometry.Co, x_nhwc.device, out_window=out_window)
-        if plan.config.split_k > 1:      # split-K's slices are partial sums: the statistics from the output
-            out = plan.run(x_nhwc, w, bias, scale, residual, activation)
-            channel_stats.view(-1, 2, plan.geometry.Co)[0] += channel_sums(out)      # (into the first copy)
-            return out
-        return plan.run(x_nhwc, w, bias, scale, residual, activation, channel_stats=channel_stats)
-    if out_window is None:
+    if out_window is None and channel_stats is None:
         return plan.run(x_nhwc, w, bias, scale, residual, activation)
-    common.check_output_window(out_window, plan.geometry, plan.out_dtype, x_nhwc.device)   # (a fold keeps the output's shape)
-    if plan.config.split_k > 1:      # split-K's second kernel stores densely: copy its output in
-        out_window.write(plan.run(x_nhwc, w, bias, scale, residual, activation))
-        return out_window.view
-    return plan.run(x_nhwc, w, bias, scale, residual, activation, out_window)
+    # (a fold keeps the output's shape: the plan's geometry checks the destinations)
+    common.check_epilogue_destinations(out_window, channel_stats, plan.geometry, plan.out_dtype, x_nhwc.device)
+    if plan.config.split_k > 1:
+        # split-K's second kernel stores densely, and its slices are partial sums: the window takes a copy of
+        # the output, and the statistics come from the output (into the first copy)
+        out = plan.run(x_nhwc, w, bias, scale, residual, activation)
+        if channel_stats is not None:
+            channel_stats.view(-1, 2, plan.geometry.Co)[0] += channel_sums(out)
+        return out if out_window is None else out_window.write(out)
+    return plan.run(x_nhwc, w, bias, scale, residual, activation, out_window, channel_stats)
 
 
 

@@ -65,8 +65,8 @@ def torch_channel_stats(out):
 
 
 def _kernel_runs(input, weight, groups):
-    return (ops.unsupported_reason(input, weight, groups) is None and input.dtype != FP8
-            and not ops.is_depthwise(groups, input.shape[1], weight.shape[0], weight.shape))
+    # (a depthwise conv, or groups that miss the tiles, have a reason too: stats_kernel_runs' shape test)
+    return ops.unsupported_reason(input, weight, groups) is None and input.dtype != FP8
 
 
 def _conv2d_channel_stats(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -176,11 +176,9 @@ def stats_kernel_runs(conv: torch.nn.Conv2d) -> bool:
     channels) torch would compute the conv and then the sums in a pass of its own over the output,
     slower than leaving the pair to Inductor, which folds the sums into its BatchNorm: measured on
     RegNetY-3.2GF (RESULTS.md, "Training fusions")."""
-    if conv.groups == 1:
-        return True
-    if ops.is_depthwise(conv.groups, conv.in_channels, conv.out_channels, conv.weight.shape):
-        return False
-    return grouped_conv_fits(conv.in_channels // conv.groups, conv.out_channels // conv.groups, current_arch())
+    # (a depthwise conv's groups of one channel fill no tile)
+    return conv.groups == 1 or grouped_conv_fits(conv.in_channels // conv.groups, conv.out_channels // conv.groups,
+                                                 current_arch())
 
 
 def fuse_conv_batchnorm_for_training(model: torch.nn.Module, inplace: bool = False) -> torch.fx.GraphModule:
