@@ -300,8 +300,9 @@ class TileOutput:
                 inside = gl.expand_dims(rows < self.M, 1) & gl.expand_dims(cols < self.Co, 0)
                 residual = gl.load(self.residual_ptr + offsets, mask=inside, other=0.0)
             y = apply_epilogue(acc, cols, self.Co, self.scale_ptr, self.bias_ptr, residual, self.EPILOGUE)
-            if self.out_window is not None:     # lesson 06: into a window of a larger tensor, pixel by pixel
-                self.out_window.store(y, rows, cols, self.M, self.Co)
+            if self.out_window is not None:     # lesson 06: staged, then into a window of a larger tensor, pixel by pixel
+                c_smem.store(y.to(out_desc.dtype))
+                self.out_window.store(c_smem, m0, co0, self.M, self.Co)
             else:
                 tma.store_wait(pendings=STORES_IN_FLIGHT)
                 c_smem.store(y.to(out_desc.dtype))

@@ -346,11 +346,17 @@ if __name__ == "__main__":
 # output (on ResNet-50's 3x3 stride-2 layers, dropping the copy, together with section 1's one-pass
 # weights, cut the dgrad's time by 29-33%: RESULTS.md, "The operator's gradients"). So lesson 05's
 # kernel takes an *output window*
-# (`common.OutputWindow`: the view and the crop). With one, `TileOutput.store` skips the TMA store
-# and stores the tile straight from the registers that hold it, each element at the address of its
-# pixel (n, y, x) in the view, elements outside the view masked off (`common.WindowStore`). That
-# is many more instructions than one TMA store (on sm_90, 64 four-byte stores per thread for a
-# 128 x 128 tile; a test in section 7 checks the build), but no phase output and no copy. Where
+# (`common.OutputWindow`: the view and the crop). With one, `TileOutput.store` stages the tile in
+# shared memory as before, but skips the TMA store: it reads the tile back in rows of 16-byte
+# vectors (`common.row_store_layout`: a warp's lanes cover a pixel's channels, two pixels of 128
+# bf16 channels per instruction) and stores each vector at the address of its pixel (n, y, x) in
+# the view, elements outside the view masked off (`common.WindowStore`). That is more
+# instructions than one TMA store (on a 128 x 128 tile over 4 warps, 16 `st.global.v4` per
+# thread; a test in section 7 checks the build), but no phase output and no copy. Why through
+# shared memory: the accumulator's own layout (sm_90's WGMMA fragment) gives each thread two
+# adjacent channels of a pixel, and storing from it took 64 four-byte stores per thread, each
+# warp instruction touching 8 pixels; on an H100 the 1-tap phase of ResNet-50's 56x56 3x3 stride-2
+# dgrad ran at 1.4 TB/s that way (results/notebook.md, 2026-11-26). Where
 # dX's pixels are not 16-byte aligned (Ci * element size not a multiple of 16), or the config
 # splits K (section 7 of lesson 05: its second kernel stores densely), the phase's output is
 # computed densely and copied in. Pixels that no tap reaches are zeros, written by one memset of
@@ -1546,15 +1552,19 @@ def aot_phase_conv(arch, N=2, H=16, W=16, Ci=64, Co=128):
 
 @pytest.mark.parametrize("arch", list(TAUGHT_PTX))
 def test_phase_build_stores_its_pixels_without_tma(arch):
-    # section 2: with an out_window, lesson 05's epilogue stores each thread's elements with st.global (4 bytes,
-    # two bf16, on sm_90's WGMMA layout; a row's 16-byte pieces on sm_100) and issues no TMA store
-    windowed = common.aot_compile_or_skip("06-conv-backward", "aot_phase_conv", arch)["ptx"]
+    # section 2: with an out_window, lesson 05's epilogue stages the tile in shared memory as for the TMA store,
+    # reads it back in 16-byte vectors along its rows and stores those with st.global.v4: a 128 x 128 bf16 tile
+    # over the epilogue partition's 4 warps (128 threads: its `bar.sync 0, 128`), 16 stores of 16 bytes each; no
+    # TMA store
+    built = common.aot_compile_or_skip("06-conv-backward", "aot_phase_conv", arch)
+    windowed = built["ptx"]
     dense = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch)["ptx"]
     stores = [common.PTX_TMA_STORE, "st.global"]
-    assert common.ptx_instructions(windowed, stores) == {common.PTX_TMA_STORE: 0, "st.global": 64 if arch == "sm_90" else 16}
+    assert "bar.sync \t0, 128;" in windowed
+    assert common.ptx_instructions(windowed, stores) == {common.PTX_TMA_STORE: 0, "st.global": 128 * 128 * 2 // (128 * 16)}
     assert common.ptx_instructions(dense, stores) == {common.PTX_TMA_STORE: 1, "st.global": 0}
-    width = "st.global.b32 " if arch == "sm_90" else "st.global.v4.b32 "      # (predicated: masked)
-    assert width in common.first_ptx_instruction(windowed, "st.global")
+    assert "st.global.v4.b32 " in common.first_ptx_instruction(windowed, "st.global")     # (predicated: masked)
+    assert "ld.shared.v4.b32" in windowed and built["stack"] == 0
 
 
 def test_kernel_compiles_for_small_channels_and_strides():

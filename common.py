@@ -1348,11 +1348,34 @@ class WindowStore:
                 gl.expand_dims(kept, 1) & gl.expand_dims(channels < Co, 0))
 
     @gluon.jit
-    def store(self, values, pixels, channels, M, Co):
-        """Store a tile (pixels along its rows, channels along its columns) where the window puts it,
-        element by element from the registers that hold it: its pixels make no TMA box."""
+    def store(self, staged, m0, co0, M, Co):
+        """Store a tile staged in shared memory (`staged`: rows are output pixels m0, m0+1, ...,
+        columns channels co0, co0+1, ...) where the window puts it: its pixels make no TMA box, so
+        it is read back in `row_store_layout` and stored a pixel's channels at a time."""
+        layout: gl.constexpr = row_store_layout(staged.shape[0], staged.shape[1],
+                                                staged.dtype.primitive_bitwidth // 8, gl.num_warps())
+        values = staged.load(layout)
+        pixels = m0 + gl.arange(0, staged.shape[0], layout=gl.SliceLayout(1, layout))
+        channels = co0 + gl.arange(0, staged.shape[1], layout=gl.SliceLayout(0, layout))
         offsets, inside = self.offsets(pixels, channels, M, Co)
-        gl.store(self.ptr + offsets, values.to(self.ptr.dtype.element_ty), mask=inside)
+        gl.store(self.ptr + offsets, values, mask=inside)
+
+
+@gluon.constexpr_function
+def row_store_layout(rows, columns, element_size, num_warps):
+    """A register layout for storing a staged [rows, columns] tile row by row to global memory:
+    each thread holds 16-byte vectors of a row, a warp's lanes cover a row's columns (128 bf16
+    channels: 16 lanes, two rows per instruction), the warps take rows. (Shorter vectors where the
+    tile is too small to give every thread a 16-byte one: no element is held twice.)"""
+    if rows & (rows - 1) or columns & (columns - 1):
+        raise ValueError(f"row_store_layout takes a tile of powers of two, got {rows} x {columns}")
+    vector = 16 // element_size
+    while vector > 1 and rows * columns < vector * 32 * num_warps:
+        vector //= 2
+    lanes_across = min(32, max(1, columns // vector))
+    lanes_down = 32 // lanes_across
+    return gl.BlockedLayout([max(1, rows // (lanes_down * num_warps)), vector], [lanes_down, lanes_across],
+                            [num_warps, 1], [1, 0])
 
 
 # %% Per-channel statistics from the epilogue (lesson 05's epilogue, for lesson 06's BatchNorm) ---
