@@ -637,9 +637,9 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
                           channel_blocks)
     # (epilogue_ptrs: the bias, scale, residual and partial-sum pointers, in TileOutput's order)
     # out_window: None, or (lesson 06) an OutputWindow's kernel_args, for a WindowStore; channel_stats: None, or
-    # (lesson 06) the fp32 [copies, 2, Co] tensor and its copies, that the epilogue adds each channel's sums into
+    # (lesson 06) the zeroed fp32 [2, Co] tensor that the epilogue adds each channel's sums into
     out_window = None if out_window is None else common.WindowStore(out_window[0], out_h, out_w, *out_window[1:])
-    channel_stats = None if channel_stats is None else common.ChannelSums(*channel_stats)
+    channel_stats = None if channel_stats is None else common.ChannelSums(channel_stats)
     output = TileOutput(out_desc, out_tail_desc, c_smem, c_tail_smem, *epilogue_ptrs, M, Co, EPILOGUE,
                         STORE_BY_ROW_BLOCKS, out_window, channel_stats)
     if IS_BLACKWELL:
@@ -847,7 +847,7 @@ class ConvLaunch(NamedTuple):
     partial: torch.Tensor = None   # section 7: the fp32 workspace [split_k, M, Co]; else None
     tiles: tuple = None            # section 7: (tile_m, tile_n, num_pid_m, num_pid_n, whole_tiles)
     out_window: tuple = None       # lesson 06: an OutputWindow's kernel_args (the output stored there); else None
-    channel_stats: tuple = None    # lesson 06: (fp32 [copies, 2, Co] zeroed, copies) for the per-channel sums
+    channel_stats: torch.Tensor = None   # lesson 06: fp32 [2, Co], zeroed, for the per-channel sums; else None
 
     def kernel_args(self):
         # The kernel's run-time arguments, in its signature's order.
@@ -870,8 +870,8 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
                    out_window=None, channel_stats=None):
     # A ConvLaunch for these tensors (CPU tensors work too: the ahead-of-time compile uses them). out_window: a
     # common.OutputWindow (lesson 06) to store the output into, pixel by pixel, instead of out_2d; channel_stats
-    # (lesson 06): a zeroed fp32 [2, Co] or [copies, 2, Co] tensor that the epilogue adds the output's
-    # per-channel sums into (common.check_channel_stats).
+    # (lesson 06): a zeroed fp32 [2, Co] tensor that the epilogue adds the output's per-channel sums into
+    # (common.check_channel_stats).
     config = KernelConfig(*config)
     check_config(config, arch)
     g = geometry
@@ -924,9 +924,8 @@ def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, c
     + residual) in fp32 before the cast: optional bias and scale [Co] (fp32 or x's dtype), residual
     of the output's shape and dtype, activation "none", "relu" or "silu". groups > 1 (section 10):
     w is [Co, R, S, Ci / groups]. out_window (lesson 06): store into its view instead, and return that.
-    channel_stats (lesson 06): a zeroed fp32 [2, Co] tensor, or [copies, 2, Co]; the epilogue adds each output
-    channel's sum and sum of squares (of the output as stored, summed in fp32) into it (into copy p % copies
-    from program p: add the copies up)."""
+    channel_stats (lesson 06): a zeroed fp32 [2, Co] tensor; the epilogue adds each output channel's sum and
+    sum of squares (of the output as stored, summed in fp32) into it, every program into the same tensor."""
     geometry = common.check_conv_call(x_nhwc, w, bias, stride, padding, dilation, dtypes=KERNEL_DTYPES, scale=scale,
                                       residual=residual, activation=activation, out_dtype=out_dtype, groups=groups)
     arch, num_sms = common.tma_mma_arch_and_sms("conv2d_fprop_launch")

@@ -147,7 +147,8 @@ def backward_inputs(N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1, dtyp
 # took 24 us, against 39 us for the dgrad conv itself (H200, 2026-11-25, torch.profiler). One small
 # Triton kernel does it in one pass (`flipped_weights_kernel`): each program loads a [co, ci] tile
 # of one tap along ci and stores it along co, and Triton's coalescing pass moves the tile between
-# the two orders through shared memory. Section 2 hands it a subset of the taps, and grouped convs
+# the two orders through shared memory. Section 2 hands it each phase's subset of the taps, all
+# phases in one launch (a table names each tap and where its copy goes), and grouped convs
 # (lesson 05, section 10) swap their channels within each group.
 #
 # One edge needs care: when the forward pass padded more than its filter reaches (a 1x1 conv with
@@ -196,43 +197,107 @@ def dgrad_phases(geometry):
 
 
 @triton.jit
-def flipped_weights_kernel(w_ptr, out_ptr, Co, R, S, Ci_group, Co_group, r0, r_step, s0, s_step, R2, S2,
+def flipped_weights_kernel(w_ptr, out_ptr, taps_ptr, Co, R, S, Ci_group, Co_group,
                            BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr):
-    """out[k*Ci_group + ci, r', s', co] = w[k*Co_group + co, r0 + (R2-1-r')*r_step, s0 + (S2-1-s')*s_step, ci]
-    for group k: one program per tap (r', s') and [BLOCK_CO, BLOCK_CI] tile of w's channels."""
-    r_out, s_out = tl.program_id(0) // S2, tl.program_id(0) % S2
-    r, s = r0 + (R2 - 1 - r_out) * r_step, s0 + (S2 - 1 - s_out) * s_step       # the tap it reads, flipped
+    """Row t of `taps` (int64 [taps, 4]: r, s, at, row_stride) is one tap (r, s) of w [Co, R, S, Ci_group]
+    and where its flipped copy goes: out[at + (k*Ci_group + ci) * row_stride + co] = w[k*Co_group + co, r, s, ci]
+    for group k. One program per row of `taps` and [BLOCK_CO, BLOCK_CI] tile of w's channels."""
+    row = taps_ptr + tl.program_id(0) * 4
+    r, s, at, row_stride = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
     co = tl.program_id(1) * BLOCK_CO + tl.arange(0, BLOCK_CO)      # w's output channel (dY's channel)
     ci = tl.program_id(2) * BLOCK_CI + tl.arange(0, BLOCK_CI)      # w's input channel, within its group
     inside = (co[:, None] < Co) & (ci[None, :] < Ci_group)
     tile = tl.load(w_ptr + ((co[:, None] * R + r) * S + s) * Ci_group + ci[None, :], mask=inside)
     group, co_in_group = co // Co_group, co % Co_group
     out_row = group[:, None] * Ci_group + ci[None, :]               # dX's channel: the conv's output channel
-    tl.store(out_ptr + ((out_row * R2 + r_out) * S2 + s_out) * Co_group + co_in_group[:, None], tile, mask=inside)
+    tl.store(out_ptr + at + out_row * row_stride + co_in_group[:, None], tile, mask=inside)
 
 
 def flipped_weights_by_torch(w, taps_h, taps_w, groups=1):
-    # What flipped_weights computes, in torch's flip and permute (two passes); where Triton cannot run it (CPU
-    # tensors on a machine with a GPU: no interpreter there)
+    # What flipped_weights computes for one phase, in torch's flip and permute (two passes); where Triton cannot
+    # run it (CPU tensors on a machine with a GPU: no interpreter there)
     w_phase = w[:, taps_h, taps_w].flip((1, 2))
     Co, R2, S2, Ci_group = w_phase.shape
     return w_phase.reshape(groups, Co // groups, R2, S2, Ci_group).permute(0, 4, 2, 3, 1).reshape(
         groups * Ci_group, R2, S2, Co // groups).contiguous()
 
 
-def flipped_weights(w, taps_h, taps_w, groups=1):
-    """w' [Ci, R2, S2, Co / groups] of w [Co, R, S, Ci / groups] for the taps w[:, taps_h, taps_w]
-    (slices), flipped, channel axes swapped within each group: one flipped_weights_kernel launch."""
+def flipped_taps(w_shape, phase_taps, groups=1):
+    """Shape arithmetic for `flipped_weights`: (the kernel's rows (r, s, at, row_stride), one per tap
+    of every phase; each phase's (offset, shape) in the one output buffer; the buffer's size)."""
+    Co, R, S, Ci_group = w_shape
+    rows, blocks, offset = [], [], 0
+    for taps_h, taps_w in phase_taps:
+        rs, ss = range(R)[taps_h], range(S)[taps_w]
+        shape = (groups * Ci_group, len(rs), len(ss), Co // groups)      # w' of this phase
+        for r_out, r in enumerate(reversed(rs)):                         # flipped: its first tap is the last
+            for s_out, s in enumerate(reversed(ss)):
+                rows.append((r, s, offset + (r_out * len(ss) + s_out) * shape[3], math.prod(shape[1:])))
+        blocks.append((offset, shape))
+        offset += math.prod(shape)
+    return rows, blocks, offset
+
+
+_TAP_TABLES = {}    # (rows, device) -> the kernel's int64 table, made once per shape
+
+
+def flipped_weights(w, phase_taps, groups=1):
+    """[w' of each phase]: for each (taps_h, taps_w) of `phase_taps` (slices of w's r and s), w'
+    [Ci, R2, S2, Co / groups] of w [Co, R, S, Ci / groups] for the taps w[:, taps_h, taps_w], flipped,
+    channel axes swapped within each group. All phases in one flipped_weights_kernel launch, into
+    one buffer (each w' a contiguous piece of it)."""
     if w.device.type != "cuda" and not common.interpreter_mode():
-        return flipped_weights_by_torch(w, taps_h, taps_w, groups)
+        return [flipped_weights_by_torch(w, taps_h, taps_w, groups) for taps_h, taps_w in phase_taps]
     Co, R, S, Ci_group = w.shape
-    rows, cols = range(R)[taps_h], range(S)[taps_w]
-    out = w.new_empty(groups * Ci_group, len(rows), len(cols), Co // groups)
+    rows, blocks, size = flipped_taps(w.shape, phase_taps, groups)
+    # The table is the same for every call of a shape. Made once and kept: a tensor built from a list on each
+    # call would be a copy from host memory, which a CUDA graph (a training step's) records but cannot redo.
+    key = (tuple(rows), w.device)
+    if key not in _TAP_TABLES:
+        _TAP_TABLES[key] = torch.tensor(rows, dtype=torch.int64, device=w.device)
+    out = w.new_empty(size)
     BLOCK = 32
-    grid = (len(rows) * len(cols), triton.cdiv(Co, BLOCK), triton.cdiv(Ci_group, BLOCK))
-    flipped_weights_kernel[grid](w.contiguous(), out, Co, R, S, Ci_group, Co // groups, rows.start, rows.step,
-                                 cols.start, cols.step, len(rows), len(cols), BLOCK_CO=BLOCK, BLOCK_CI=BLOCK)
-    return out
+    grid = (len(rows), triton.cdiv(Co, BLOCK), triton.cdiv(Ci_group, BLOCK))
+    flipped_weights_kernel[grid](w.contiguous(), out, _TAP_TABLES[key], Co, R, S, Ci_group, Co // groups,
+                                 BLOCK_CO=BLOCK, BLOCK_CI=BLOCK)
+    return [out[offset:offset + math.prod(shape)].view(shape) for offset, shape in blocks]
+
+
+@triton.jit
+def untapped_zeros_kernel(dx_ptr, H, W, C, stride_h, stride_w, rows_tapped, cols_tapped,
+                          BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Zeros into the pixels of dX [N, H, W, C] that no tap reaches: pixel (iy, ix) is reached where
+    bit iy % stride_h of `rows_tapped` and bit ix % stride_w of `cols_tapped` are both set. One
+    program per row of dX and BLOCK_P of its pixels; every other pixel is left as it is."""
+    row = tl.program_id(0)                                  # n * H + iy
+    row_reached = (rows_tapped >> (row % H % stride_h)) & 1
+    ix = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    reached = (cols_tapped >> (ix % stride_w)) & row_reached          # 1 where the pixel's phase has taps
+    zero = (ix < W) & (reached == 0)
+    pixel = (row.to(tl.int64) * W + ix) * C
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        tl.store(dx_ptr + pixel[:, None] + c[None, :], tl.zeros([BLOCK_P, BLOCK_C], dx_ptr.dtype.element_ty),
+                 mask=zero[:, None] & (c[None, :] < C))
+
+
+def untapped_zeros(dx, geometry, phases):
+    """Write zeros into the pixels of dX that none of `phases` (dgrad_phases) has taps for, and no others."""
+    g = geometry
+    # phase (py, px) has taps where both of its axes have: bit py of `rows`, bit px of `cols`
+    rows = sum({1 << py for py, _, along_h, _ in phases if along_h.taps is not None})
+    cols = sum({1 << px for _, px, _, along_w in phases if along_w.taps is not None})
+    if (dx.device.type != "cuda" and not common.interpreter_mode()) or max(g.stride) > 62:  # (62: the bits)
+        reached = torch.zeros(g.H, g.W, dtype=torch.bool, device=dx.device)
+        for py, px, along_h, along_w in phases:
+            if along_h.taps is not None and along_w.taps is not None:
+                reached[py::g.stride[0], px::g.stride[1]] = True
+        return dx.masked_fill_(~reached[None, :, :, None], 0)
+    BLOCK_P = 32
+    untapped_zeros_kernel[(g.N * g.H, triton.cdiv(g.W, BLOCK_P))](
+        dx, g.H, g.W, g.Ci, g.stride[0], g.stride[1], rows, cols, BLOCK_P=BLOCK_P,
+        BLOCK_C=min(128, triton.next_power_of_2(g.Ci)))
+    return dx
 
 
 def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None):
@@ -247,19 +312,19 @@ def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None):
     G = g.groups
     strided = g.stride != (1, 1)
     phases = dgrad_phases(g) if phases is None else phases
-    # pixels no tap reaches have a gradient of 0 (a 1x1 conv at stride 2: three phases of four); one
-    # memset of the whole of dX costs less than filling them phase by phase (every stride-th pixel)
+    # pixels no tap reaches have a gradient of 0 (a 1x1 conv at stride 2: three phases of four): one
+    # launch writes them, and only them (untapped_zeros)
     tapless = any(along_h.taps is None or along_w.taps is None for _, _, along_h, along_w in phases)
     dx = None
     if strided:
-        dx = (torch.zeros if tapless else torch.empty)(g.N, g.H, g.W, g.Ci, device=dy_nhwc.device,
-                                                       dtype=dy_nhwc.dtype)
-    for py, px, along_h, along_w in phases:
-        if along_h.taps is None or along_w.taps is None:
-            continue                              # zeros already
-        # w'[ci, r', s', co] = w[co, the phase's taps reversed, ci]; grouped (section 10 of lesson 05),
-        # group k's filters swap their channels among themselves: w' is [Ci, r', s', Co / groups]
-        w_phase = flipped_weights(w, along_h.taps, along_w.taps, G)
+        dx = torch.empty(g.N, g.H, g.W, g.Ci, device=dy_nhwc.device, dtype=dy_nhwc.dtype)
+        if tapless:
+            untapped_zeros(dx, g, phases)
+    tapped = [phase for phase in phases if phase[2].taps is not None and phase[3].taps is not None]
+    # w'[ci, r', s', co] = w[co, the phase's taps reversed, ci]; grouped (section 10 of lesson 05), group k's
+    # filters swap their channels among themselves: w' is [Ci, r', s', Co / groups]. Every phase's in one launch.
+    w_phases = flipped_weights(w, [(along_h.taps, along_w.taps) for _, _, along_h, along_w in tapped], G)
+    for (py, px, along_h, along_w), w_phase in zip(tapped, w_phases):
         conv = dict(padding=(along_h.padding, along_w.padding), dilation=(along_h.dilation, along_w.dilation),
                     groups=G)
         out = None
@@ -298,15 +363,44 @@ def run_dgrad_mapping(N=2, H=9, W=8, Ci=5, Co=6, R=3, S=3, stride=1, padding=1, 
     return dx
 
 
-@pytest.mark.parametrize("Co, R, S, Ci_group, groups, taps_h, taps_w", [
-    (6, 3, 3, 5, 1, slice(0, 3), slice(0, 3)),        # all taps: section 1
-    (70, 3, 3, 40, 1, slice(1, 2), slice(0, 3, 2)),   # one phase's taps (section 2); tiles past the channels
-    (12, 5, 2, 3, 4, slice(0, 5, 2), slice(1, 2)),    # four groups of 3 -> 3 channels
-    (64, 1, 1, 33, 2, slice(0, 1), slice(0, 1)),      # a 1x1 filter: only the channels swap
+@pytest.mark.parametrize("Co, R, S, Ci_group, groups, phase_taps", [
+    (6, 3, 3, 5, 1, [(slice(0, 3), slice(0, 3))]),          # all taps: section 1
+    (70, 3, 3, 40, 1, [(slice(1, 2), slice(0, 3, 2))]),     # one phase's taps (section 2); tiles past the channels
+    (12, 5, 2, 3, 4, [(slice(0, 5, 2), slice(1, 2))]),      # four groups of 3 -> 3 channels
+    (64, 1, 1, 33, 2, [(slice(0, 1), slice(0, 1))]),        # a 1x1 filter: only the channels swap
+    (40, 3, 3, 24, 1, [(slice(a, 3, 2), slice(b, 3, 2)) for a in (0, 1) for b in (0, 1)]),  # stride 2's four phases
+    (9, 5, 4, 6, 3, [(slice(a, 5, 3), slice(b, 4, 2)) for a in (2, 0, 1) for b in (1, 0)]),  # 3 x 2, groups, any order
 ])
-def test_flipped_weights_match_torchs_flip_and_permute(Co, R, S, Ci_group, groups, taps_h, taps_w):
+def test_flipped_weights_match_torchs_flip_and_permute(Co, R, S, Ci_group, groups, phase_taps):
     w = torch.randn(Co, R, S, Ci_group).to(common.device())       # (a CPU: the kernel runs in the interpreter)
-    assert torch.equal(flipped_weights(w, taps_h, taps_w, groups), flipped_weights_by_torch(w, taps_h, taps_w, groups))
+    got = flipped_weights(w, phase_taps, groups)
+    assert len(got) == len(phase_taps)
+    for w_phase, (taps_h, taps_w) in zip(got, phase_taps):
+        assert w_phase.is_contiguous() and torch.equal(w_phase, flipped_weights_by_torch(w, taps_h, taps_w, groups))
+
+
+@pytest.mark.parametrize("R, S, stride, padding, dilation, H, W", [
+    (1, 1, 2, 0, 1, 8, 10),     # a 1x1 conv at stride 2: three phases of four untapped
+    (1, 3, (2, 3), 0, 1, 7, 11),  # strides differ: whole rows untapped, and columns within the others
+    (3, 3, 2, 1, 2, 9, 9),      # dilation 2 at stride 2: only the even rows and columns are reached
+    (3, 3, 2, 1, 1, 8, 8),      # every phase reached: nothing to write
+])
+def test_untapped_zeros_write_exactly_the_pixels_no_tap_reaches(R, S, stride, padding, dilation, H, W):
+    g = common.conv_geometry((2, H, W, 24), (8, R, S, 24), stride, padding, dilation)
+    phases = dgrad_phases(g)
+    dx = torch.full((g.N, g.H, g.W, g.Ci), 7.0, device=common.device())
+    untapped_zeros(dx, g, phases)
+    reached = torch.zeros(g.H, g.W, dtype=torch.bool)
+    for py, px, along_h, along_w in phases:
+        if along_h.taps is not None and along_w.taps is not None:
+            reached[py::g.stride[0], px::g.stride[1]] = True
+    # a pixel is reached iff some tap (r, s) lands on it: iy + padding - r*dilation divisible by the stride
+    for iy in range(g.H):
+        for ix in range(g.W):
+            hit = any((iy + g.padding[0] - r * g.dilation[0]) % g.stride[0] == 0 for r in range(R)) and \
+                  any((ix + g.padding[1] - s * g.dilation[1]) % g.stride[1] == 0 for s in range(S))
+            assert reached[iy, ix] == hit
+    assert torch.equal(dx.cpu(), torch.where(reached[None, :, :, None], 7.0, 0.0).expand_as(dx))
 
 
 def test_dgrad_at_stride_1_is_a_flipped_forward_conv():
@@ -356,11 +450,15 @@ if __name__ == "__main__":
 # shared memory: the accumulator's own layout (sm_90's WGMMA fragment) gives each thread two
 # adjacent channels of a pixel, and storing from it took 64 four-byte stores per thread, each
 # warp instruction touching 8 pixels; on an H100 the 1-tap phase of ResNet-50's 56x56 3x3 stride-2
-# dgrad ran at 1.4 TB/s that way (results/notebook.md, 2026-11-26). Where
+# dgrad moved its 51 MB at about 1.3 TB/s that way (results/notebook.md, 2026-11-26). Where
 # dX's pixels are not 16-byte aligned (Ci * element size not a multiple of 16), or the config
 # splits K (section 7 of lesson 05: its second kernel stores densely), the phase's output is
-# computed densely and copied in. Pixels that no tap reaches are zeros, written by one memset of
-# dX before the phases run: cheaper than filling every stride-th pixel phase by phase.
+# computed densely and copied in. Pixels that no tap reaches are zeros, written by one launch of a
+# small kernel (`untapped_zeros`) that writes them and nothing else. A memset of all of dX did it
+# first, and on the 1x1 stride-2 layers it took as long as the conv (62 us beside the conv's 68 on
+# ResNet-50's 56x56 256->512, H100, 2026-11-26, torch.profiler): three quarters of dX are zeros
+# there, and the memset wrote the fourth quarter too. Filling the phases one by one with torch, every
+# stride-th pixel, had been slower still.
 # `dgrad_axis_phase` works out one axis of one phase; `dgrad_by_phases` above runs them.
 #
 # The far edge now needs care too: a phase's conv must have at least as many output rows as the
@@ -1819,9 +1917,8 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # forward kernel already holds each tile of the output on chip in its epilogue, so it can sum
 # there. Lesson 05's `TileOutput` has one more field for it, `channel_stats`: None, or a
 # `common.ChannelSums`, which the kernel builds from its argument, a zeroed fp32 tensor of shape
-# [copies, 2, Co] and its number of copies (`common.channel_stats_args`; a [2, Co] tensor is one
-# copy). Its `add` adds a tile's column sums of y and of y^2 into rows 0 and 1 of a copy. Rows
-# past the last pixel (a partial tile) are masked out. From the two sums::
+# [2, Co]. Its `add` adds a tile's column sums of y and of y^2 into rows 0 and 1. Rows past the
+# last pixel (a partial tile) are masked out. From the two sums::
 #
 #     mean = sum / count        var = sum_sq / count - mean^2        (count = N * out_h * out_w)
 #
@@ -1857,14 +1954,17 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # with `red.global.gpu.relaxed.add`, four channels per instruction (`.v4.f32`) where Co is a
 # multiple of 16 (Triton then knows the addresses are aligned), else one: an atomic add that
 # returns nothing, with relaxed ordering, because nothing waits on the sums before the kernel
-# ends, and everything after it on the stream sees them. Program p adds into copy p % copies;
-# the operator gives a copy to each SM (two programs share one where a config runs two per SM)
-# and adds the copies up after, one small reduction. The idea was that thousands of tiles adding
-# into the same few hundred addresses would queue on them; measured, it was not so with the
-# sums from registers (a copy per SM ran no faster than one, RESULTS.md), and it was not measured
-# again for the sums from the staging buffer. Whatever the copies, tiles add in whatever order
-# they finish, so the sums' last bits vary from run to run, and so do those of a BatchNorm
-# computed from them.
+# ends, and everything after it on the stream sees them. Every program adds into the same
+# [2, Co] tensor. A copy of the sums per SM (program p adding into copy p % copies, the copies
+# added up after the kernel) was tried and measured slower: the idea was that thousands of tiles
+# adding into the same few hundred addresses would queue on them, but the adds were not the cost,
+# and zeroing the copies and adding them up was. On an H100 (2026-11-26, bf16, batch 128, CUDA
+# graphs, ResNet-50's 23 distinct convs; results/notebook.md, 2026-11-26), one tensor took 1894 us
+# over the 23 layers against 1944 us with 132 copies, and was faster on 21 of them (by 4.8%,
+# geometric mean), most on the 7x7 layers (31.1 -> 25.6 us on 7x7 2048->512 1x1), whose kernels
+# are short enough for the copies' zeroing and reduction to be a large share. Tiles add in
+# whatever order they finish, so the sums' last bits vary from run to run, and so do those of a
+# BatchNorm computed from them.
 #
 # The limits. A split-K config (section 7 of lesson 05) holds partial sums in its epilogue, and
 # the squares of partial sums do not add up to the square of the whole: `prepare_launch` refuses
@@ -1880,22 +1980,19 @@ if __name__ == "__main__" and on_gpu and args.bench:
 #
 # The operator (`conv_tutorial.fuse_conv_batchnorm_for_training`) puts this into a model. Measured on
 # an H200 (2026-11-25, bf16, batch 128; RESULTS.md, "Training fusions"): summed from the staging
-# buffer, the conv with its sums, their zeroing and the copies' reduction took a median 1.18x the
-# conv's time (1.09-1.52x; from registers it was 1.48x, up to 4.1x:
-# results/h200-2026-11-25/channel_stats_first_build.json), beat the conv plus a separate reduction
-# over the output on all 23 of ResNet-50's distinct convs, and a ResNet-50 training step ran 3.9%
-# faster with them than without.
+# buffer (into a copy per SM, as it then was), the conv with its sums, their zeroing and the
+# copies' reduction took a median 1.18x the conv's time (1.09-1.52x; from registers it was 1.48x,
+# up to 4.1x: results/h200-2026-11-25/channel_stats_first_build.json), beat the conv plus a
+# separate reduction over the output on all 23 of ResNet-50's distinct convs, and a ResNet-50
+# training step ran 3.9% faster with them than without.
 
 
-def conv2d_with_channel_stats(x_nhwc, w, stride=1, padding=0, dilation=1, config=lesson05.FIXED_CONFIG,
-                              copies=None):
+def conv2d_with_channel_stats(x_nhwc, w, stride=1, padding=0, dilation=1, config=lesson05.FIXED_CONFIG):
     """(y NHWC, stats): lesson 05's conv, its epilogue adding each output channel's sum (stats[0]) and
-    sum of squares (stats[1]), fp32 [2, Co], as it stores y: program p into copy p % copies of the sums
-    (default: one copy per SM), added up here."""
-    copies = copies or common.tma_mma_arch_and_sms("conv2d_with_channel_stats")[1]
-    sums = torch.zeros(copies, 2, w.shape[0], device=x_nhwc.device, dtype=torch.float32)
-    y = lesson05.conv2d_fprop_launch(x_nhwc, w, None, stride, padding, dilation, config=config, channel_stats=sums)
-    return y, sums.sum(0)
+    sum of squares (stats[1]), fp32 [2, Co], as it stores y: every program into the same zeroed tensor."""
+    stats = torch.zeros(2, w.shape[0], device=x_nhwc.device, dtype=torch.float32)
+    y = lesson05.conv2d_fprop_launch(x_nhwc, w, None, stride, padding, dilation, config=config, channel_stats=stats)
+    return y, stats
 
 
 def batch_norm_from_sums(y_nhwc, stats, gamma, beta, eps=1e-5):
@@ -1947,13 +2044,14 @@ def test_channel_stats_are_refused_where_they_would_be_wrong():
     g = common.conv_geometry((2, 8, 8, 16), (32, 3, 3, 16), 1, 1)
     good = torch.zeros(2, 32)
     common.check_channel_stats(good, 32, good.device)
-    common.check_channel_stats(torch.zeros(132, 2, 32), 32, good.device)       # one copy per program (of 132)
-    assert common.channel_stats_args(torch.zeros(132, 2, 32))[1] == 132 and common.channel_stats_args(good)[1] == 1
-    for bad, words in [(torch.zeros(2, 32, dtype=torch.float16), "torch.float32"), (torch.zeros(32, 2).t(), "contiguous"),
-                       (torch.zeros(2, 16), "(2, 32)"), (torch.zeros(4, 3, 32), "(copies, 2, 32)"),
-                       (torch.zeros(0, 2, 32), "copies >= 1"), (torch.zeros(1, 1, 2, 32), "(2, 32)")]:
+    for bad, words in [(torch.zeros(2, 32, dtype=torch.float16), "torch.float32"),
+                       (torch.zeros(32, 2).t(), "contiguous"), (torch.zeros(2, 16), "(2, 32)"),
+                       (torch.zeros(1, 2, 32), "(2, 32)"), (torch.zeros(1, 1, 2, 32), "(2, 32)")]:
         with pytest.raises(ValueError, match=re.escape(words)):
             common.check_channel_stats(bad, 32, bad.device)
+    # one tensor for all programs: a copy of the sums per SM ([copies, 2, Co]) is refused, by its shape
+    with pytest.raises(ValueError, match=r"channel_stats is torch\.float32 \(132, 2, 32\).*shape \(2, 32\)"):
+        common.check_channel_stats(torch.zeros(132, 2, 32), 32, good.device)
     with pytest.raises(TypeError, match="channel_stats must be a torch.Tensor"):
         common.check_channel_stats([0.0] * 64, 32, good.device)
     with pytest.raises(ValueError, match="without split-K"):
@@ -1964,7 +2062,7 @@ def test_channel_stats_are_refused_where_they_would_be_wrong():
 
 def aot_conv_with_channel_stats(arch):
     """(kernel, args, kwargs) of lesson 05's kernel with channel_stats, on CPU tensors (lesson 05's build)."""
-    return lesson05.aot_conv2d_fprop(arch, channel_stats=torch.zeros(132, 2, 128))    # a copy per program
+    return lesson05.aot_conv2d_fprop(arch, channel_stats=torch.zeros(2, 128))
 
 
 @pytest.mark.parametrize("arch", list(TAUGHT_PTX))
@@ -1993,12 +2091,12 @@ STATS_CASES = [   # (N, H, W, Ci, Co, R, S, stride, padding): partial tiles, Co 
 ]
 
 
-def check_channel_sums(N, H, W, Ci, Co, R, S, stride, padding, dtype=torch.bfloat16, copies=None):
+def check_channel_sums(N, H, W, Ci, Co, R, S, stride, padding, dtype=torch.bfloat16):
     """The kernel's sums against the sums of its stored output y and of torch's fp32 conv, and BatchNorm
     from them against torch's. Tolerances beside each check; the normalized output is rounded to bf16
     once (2e-2, as in section 8)."""
     x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, dtype)
-    y, stats = conv2d_with_channel_stats(x, w, stride, padding, copies=copies)
+    y, stats = conv2d_with_channel_stats(x, w, stride, padding)
     # the sums of the values stored, y: up to fp32's rounding in the adds (~log2(count) * 2^-24 of the sum of |y|)
     stored = y.reshape(-1, Co).double()
     assert ((stats[0].double() - stored.sum(0)).abs() <= 1e-5 * stored.abs().sum(0) + 1e-4).all()
@@ -2021,10 +2119,17 @@ def test_channel_stats_match_torch(case):
 
 
 @needs_gpu
-@pytest.mark.parametrize("copies", [1, 3])
-def test_channel_stats_in_one_copy_or_a_few(copies):
-    # one copy (every program adds into the same sums), or fewer copies than programs (programs share them)
-    check_channel_sums(*STATS_CASES[2], copies=copies)
+def test_channel_stats_add_to_what_the_tensor_holds():
+    # every program adds into the one [2, Co] tensor, onto what it holds (so it starts zeroed): a second conv
+    # into the same tensor doubles the sums, up to fp32's rounding in the adds (as in check_channel_sums)
+    N, H, W, Ci, Co, R, S, stride, padding = STATS_CASES[2]
+    x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16)
+    y, stats = conv2d_with_channel_stats(x, w, stride, padding)
+    twice = stats.clone()
+    lesson05.conv2d_fprop_launch(x, w, None, stride, padding, channel_stats=twice)
+    stored = y.reshape(-1, Co).double()
+    scale = torch.stack((stored.abs().sum(0), (stored * stored).sum(0)))
+    assert ((twice.double() - 2 * stats.double()).abs() <= 2e-5 * scale + 1e-4).all()
 
 
 def run_channel_stats():

@@ -1381,20 +1381,19 @@ def row_store_layout(rows, columns, element_size, num_warps):
 # %% Per-channel statistics from the epilogue (lesson 05's epilogue, for lesson 06's BatchNorm) ---
 
 def check_channel_stats(stats, Co, device, split_k=1, out_window=None):
-    """ValueError/TypeError unless `stats` can take a conv's per-channel sums: an fp32 tensor, contiguous,
-    on the output's device, of shape [2, Co] or [copies, 2, Co], that the epilogue adds each output
-    channel's sum (row 0) and sum of squares (row 1) into: program p of the kernel into copy
-    p % copies (`ChannelSums`; the caller adds the copies up). A config without split-K (its slices
-    are partial sums: the squares of a whole sum are not the sum of their squares) and no out_window
-    (a window drops the pixels it crops, which the statistics would still count)."""
+    """ValueError/TypeError unless `stats` can take a conv's per-channel sums: an fp32 tensor of shape
+    [2, Co], contiguous, on the output's device, that the epilogue adds each output channel's sum
+    (row 0) and sum of squares (row 1) into, every program of the kernel into the same two rows
+    (`ChannelSums`). A config without split-K (its slices are partial sums: the squares of a whole
+    sum are not the sum of their squares) and no out_window (a window drops the pixels it crops,
+    which the statistics would still count)."""
     if not isinstance(stats, torch.Tensor):
-        raise TypeError(f"channel_stats must be a torch.Tensor (fp32, [2, Co] or [copies, 2, Co]), got "
+        raise TypeError(f"channel_stats must be a torch.Tensor (torch.float32, shape (2, {Co})), got "
                         f"{type(stats).__name__}")
-    if stats.dtype != torch.float32 or tuple(stats.shape[-2:]) != (2, Co) or stats.dim() not in (2, 3) \
-            or stats.numel() == 0 or not stats.is_contiguous():
+    if stats.dtype != torch.float32 or tuple(stats.shape) != (2, Co) or not stats.is_contiguous():
         raise ValueError(f"channel_stats is {stats.dtype} {tuple(stats.shape)} with strides {stats.stride()}; the "
-                         f"conv's {Co} output channels need a contiguous torch.float32 tensor of shape (2, {Co}) "
-                         f"or (copies, 2, {Co}), copies >= 1")
+                         f"conv's {Co} output channels need a contiguous torch.float32 tensor of shape (2, {Co}): "
+                         f"each channel's sum, then its sum of squares")
     if stats.device != device:
         raise ValueError(f"channel_stats is on {stats.device}; the output is on {device}")
     if split_k > 1:
@@ -1404,20 +1403,15 @@ def check_channel_stats(stats, Co, device, split_k=1, out_window=None):
                          "statistics would count; pass one of them")
 
 
-def channel_stats_args(stats):
-    """The kernel's `channel_stats` argument for a checked stats tensor: (tensor, copies), or None."""
-    return None if stats is None else (stats, stats.shape[0] if stats.dim() == 3 else 1)
-
-
 def check_epilogue_destinations(out_window, channel_stats, geometry, dtype, device, split_k=1):
     """Lesson 06's two optional destinations of lesson 05's epilogue, each checked where given: an
     out_window (check_output_window) and channel_stats (check_channel_stats). Returns the kernel's
-    arguments for them: (out_window.kernel_args() or None, channel_stats_args(channel_stats))."""
+    arguments for them: (out_window.kernel_args() or None, the channel_stats tensor or None)."""
     if out_window is not None:
         check_output_window(out_window, geometry, dtype, device, split_k)
     if channel_stats is not None:
         check_channel_stats(channel_stats, geometry.Co, device, split_k, out_window)
-    return None if out_window is None else out_window.kernel_args(), channel_stats_args(channel_stats)
+    return None if out_window is None else out_window.kernel_args(), channel_stats
 
 
 @gluon.constexpr_function
@@ -1441,19 +1435,17 @@ def column_sum_layout(rows, columns, element_size, num_warps):
 
 @gluon.aggregate
 class ChannelSums:
-    """The kernel's side of `channel_stats`: fp32 [copies, 2, Co], zeroed. Program p adds its tiles'
-    per-channel sums into copy p % copies: spread over copies, the adds of many programs do not
-    queue on the same few addresses (lesson 06, section 10); the caller adds the copies up."""
+    """The kernel's side of `channel_stats`: fp32 [2, Co], zeroed, that every program adds its tiles'
+    per-channel sums into (lesson 06, section 10)."""
     ptr: gl.tensor
-    copies: Union[gl.tensor, gl.constexpr]
 
     @gluon.jit
     def add(self, staged, m0, co0, M, Co):
         """Add the per-channel sum and sum of squares of a tile of the output, staged in shared memory
         (`staged`: rows are output pixels m0, m0+1, ... of which those < M count; columns channels
-        co0, co0+1, ... of which those < Co count), into this program's copy, rows 0 and 1: fp32,
-        atomically (tiles arrive in any order, so the last bits vary run to run). Read back in
-        `column_sum_layout`, each thread sums its rows, then a warp's lanes, seldom warps."""
+        co0, co0+1, ... of which those < Co count), into rows 0 and 1: fp32, atomically (tiles arrive
+        in any order, so the last bits vary run to run). Read back in `column_sum_layout`, each thread
+        sums its rows, then a warp's lanes, seldom warps."""
         ROWS: gl.constexpr = staged.shape[0]
         COLUMNS: gl.constexpr = staged.shape[1]
         layout: gl.constexpr = column_sum_layout(ROWS, COLUMNS, staged.dtype.primitive_bitwidth // 8, gl.num_warps())
@@ -1462,8 +1454,7 @@ class ChannelSums:
         channels = co0 + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout))
         counted = gl.where(gl.expand_dims(pixels < M, 1), values, 0.0)
         inside = channels < Co
-        copy = self.ptr + (gl.program_id(0) % self.copies) * (2 * Co)
         # (relaxed: nothing else is ordered by these adds; one thread adds each channel's value, Triton masks
         # the threads that hold copies of it)
-        gl.atomic_add(copy + channels, gl.sum(counted, axis=0), mask=inside, sem="relaxed")
-        gl.atomic_add(copy + Co + channels, gl.sum(counted * counted, axis=0), mask=inside, sem="relaxed")
+        gl.atomic_add(self.ptr + channels, gl.sum(counted, axis=0), mask=inside, sem="relaxed")
+        gl.atomic_add(self.ptr + Co + channels, gl.sum(counted * counted, axis=0), mask=inside, sem="relaxed")

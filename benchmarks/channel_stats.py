@@ -1,19 +1,19 @@
 """BatchNorm's batch statistics from the forward conv's epilogue, per layer: what the fusion saves.
 
-    python benchmarks/channel_stats.py [--outdir out] [--batch 128] [--layers TEXT ...] [--copies N]
+    python benchmarks/channel_stats.py [--outdir out] [--batch 128] [--layers TEXT ...]
 
 For every distinct conv of ResNet-50 (network_suite.resnet50_layers) at batch 128 in bf16, four
 ways to a conv's output and its per-channel sum and sum of squares (what BatchNorm's training
 mode needs), each replayed in a CUDA graph (common.bench_tflops with cuda_graph=True: kernels
 alone, no host time), all in one run:
   ours           the operator's runtime (lesson 05's kernel), no statistics: the floor
-  ours+stats     the same kernel with channel_stats: the epilogue adds the sums (lesson 06, section 10),
-                 into a copy per SM (or --copies N), zeroed before and added up after (both timed)
+  ours+stats     the same kernel with channel_stats: the epilogue adds the sums (lesson 06, section 10)
+                 into one fp32 [2, Co] tensor, zeroed before each call (timed)
   ours+reduce    ours, then the sums by a torch.compile'd reduction over the output (what Inductor
                  does in a training graph without the fusion)
   cuDNN+reduce   F.conv2d on channels_last (cuDNN), then the same reduction
 The fusion pays where ours+stats is faster than ours+reduce. The sums are checked against torch
-first. Writes channel_stats.json (channel_stats_copiesN.json with --copies; device, versions, one record per layer, microseconds) to --outdir.
+first. Writes channel_stats.json (device, versions, one record per layer, microseconds) to --outdir.
 """
 import argparse
 import math
@@ -30,18 +30,18 @@ import torch  # noqa: E402
 WAYS = ("ours", "ours+stats", "ours+reduce", "cuDNN+reduce")
 
 
-def layer_times(layer, reduce, copies=None):
+def layer_times(layer, reduce):
     from conv_tutorial import runtime
     label, N, H, W, Ci, Co, R, S, stride, padding = layer
     x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16)
-    copies = torch.zeros(copies or runtime.stats_copies(), 2, Co, device=x.device)   # added up after
+    sums = torch.zeros(2, Co, device=x.device)
 
     def ours():
         return runtime.conv2d(x, w, None, stride, padding, tune=False)
 
     def ours_stats():
-        copies.zero_()
-        return runtime.conv2d(x, w, None, stride, padding, tune=False, channel_stats=copies), copies.sum(0)
+        sums.zero_()
+        return runtime.conv2d(x, w, None, stride, padding, tune=False, channel_stats=sums), sums
     cudnn = common.cudnn_conv2d(x, w, None, stride, padding)
     _, stats = ours_stats()
     y = ours().reshape(-1, Co).float()
@@ -65,11 +65,7 @@ def main(argv=None):
     parser.add_argument("--outdir", default=None)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--layers", nargs="+", default=None, help="only layers whose label holds one of these")
-    parser.add_argument("--copies", type=int, default=None,
-                        help="copies of the sums the programs add into (default: one per SM, runtime.stats_copies)")
     args = parser.parse_args(argv)
-    if args.copies is not None and args.copies < 1:
-        parser.error(f"--copies must be at least 1, got {args.copies}")
     common.require_tma_mma_gpu("benchmarks/channel_stats.py")
     layers = network_suite.resnet50_layers(args.batch)
     if args.layers:
@@ -77,15 +73,14 @@ def main(argv=None):
     from conv_tutorial import runtime
     reduce = torch.compile(runtime.channel_sums)
     print(f"microseconds per call (CUDA graphs), bf16, batch {args.batch}, {common.gpu_name()}:")
-    rows = [layer_times(layer, reduce, args.copies) for layer in layers]
+    rows = [layer_times(layer, reduce) for layer in layers]
     total = {name: sum(row[name] for row in rows) for name in WAYS}
     ratio = math.exp(sum(math.log(row["ours+reduce"] / row["ours+stats"]) for row in rows) / len(rows))
     print(f"   total over the layers: " + ", ".join(f"{name} {us:.0f} us" for name, us in total.items())
           + f"; ours+reduce / ours+stats, geometric mean {ratio:.3f}")
-    name = "channel_stats" + (f"_copies{args.copies}" if args.copies else "")
-    common.save_json(common.output_dir(args.outdir), name,
-                     {**common.versions(), "batch": args.batch, "copies": args.copies or runtime.stats_copies(),
-                      "unit": "us", "rows": rows, "total_us": total, "reduce_over_fused_geomean": ratio})
+    common.save_json(common.output_dir(args.outdir), "channel_stats",
+                     {**common.versions(), "batch": args.batch, "unit": "us", "rows": rows, "total_us": total,
+                      "reduce_over_fused_geomean": ratio})
     return rows
 
 

@@ -154,14 +154,14 @@ class ConvPlan:
         pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual, partial))
         return template._replace(**descriptors, pointers=pointers, out_2d=out_2d, partial=partial,
                                  out_window=None if out_window is None else out_window.kernel_args(),
-                                 channel_stats=common.channel_stats_args(channel_stats))
+                                 channel_stats=channel_stats)
 
     def run(self, x_nhwc, w, bias=None, scale=None, residual=None, activation="none", out_window=None,
             channel_stats=None):
         """The conv's NHWC output, or, given an `out_window` (common.OutputWindow, checked by the
         caller; not with split-K), its view, where the kernel stored the output's pixels. Given
-        `channel_stats` (checked by the caller; not with split-K; [2, Co] or [copies, 2, Co]), the kernel
-        also adds each output channel's sum and sum of squares into it (into copy p % copies from program p)."""
+        `channel_stats` (checked by the caller; not with split-K; fp32 [2, Co]), the kernel also adds each
+        output channel's sum and sum of squares into it, every program into the same tensor."""
         # The specialization Triton compiled for: the epilogue, and whether each of its pointers
         # is 16-byte aligned (Triton specializes pointer alignment) and of which dtype; with a
         # window, which of its integers are 1, multiples of 16 or past 32 bits (Triton specializes
@@ -173,9 +173,8 @@ class ConvPlan:
         if window_args is not None:
             variant += (window_args[0].dtype,) + tuple((v == 1, v % 16 == 0, -2**31 <= v < 2**31)
                                                        for v in window_args[1:])
-        stats_args = common.channel_stats_args(channel_stats)
-        if stats_args is not None:       # (Triton specializes an integer 1 as a constant: one copy or many)
-            variant += ("channel_stats", channel_stats.data_ptr() % 16 == 0, stats_args[1] == 1)
+        if channel_stats is not None:
+            variant += ("channel_stats", channel_stats.data_ptr() % 16 == 0)
         direct = self.launches.get(variant)
         if direct is None:
             # First launch of this variant: the generic path (binds, specializes, compiles), then
@@ -209,7 +208,7 @@ class ConvPlan:
                 window_args = (window_args[0].data_ptr(), *window_args[1:])
             direct(template.grid, x_nhwc, w, w_tail, out_2d, out_tail,
                    (*pointers, (partial if partial is not None else out_2d).data_ptr()), template.shape, window_args,
-                   None if stats_args is None else (channel_stats.data_ptr(), stats_args[1]))
+                   None if channel_stats is None else channel_stats.data_ptr())
             if out_window is not None:
                 return out_window.view
             reduce = self.reduces.get(variant) if partial is not None else None

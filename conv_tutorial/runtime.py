@@ -40,11 +40,9 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
     groups > 1: w is [Co, R, S, Ci / groups], and a group's channel counts must fit a config's
     tiles (`grouped_conv_fits`; lesson 05, section 10). out_window (a common.OutputWindow: lesson
     06's dgrad phases): the output's pixels go into its view, which is returned; a config with
-    split-K stores densely and the window takes a copy. channel_stats (a zeroed fp32 [2, Co] or
-    [copies, 2, Co] tensor: lesson 06's BatchNorm statistics): each output channel's sum and sum of
-    squares are added into it, by the epilogue (program p into copy p % copies: `stats_copies` for as
-    many as this GPU has SMs; add them up after), or, after a config with split-K, by torch from the
-    output (into the first copy)."""
+    split-K stores densely and the window takes a copy. channel_stats (a zeroed fp32 [2, Co] tensor:
+    lesson 06's BatchNorm statistics): each output channel's sum (row 0) and sum of squares (row 1)
+    are added into it, by the epilogue, or, after a config with split-K, by torch from the output."""
     key = call_key((x_nhwc, w, bias, scale, residual), stride, padding, dilation,
                    config if config is not None else tune, activation, out_dtype, groups)
     entry = _FAST_PLANS.get(key) if key is not None else None
@@ -84,19 +82,12 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
     common.check_epilogue_destinations(out_window, channel_stats, plan.geometry, plan.out_dtype, x_nhwc.device)
     if plan.config.split_k > 1:
         # split-K's second kernel stores densely, and its slices are partial sums: the window takes a copy of
-        # the output, and the statistics come from the output (into the first copy)
+        # the output, and the statistics come from the output
         out = plan.run(x_nhwc, w, bias, scale, residual, activation)
         if channel_stats is not None:
-            channel_stats.view(-1, 2, plan.geometry.Co)[0] += channel_sums(out)
+            channel_stats += channel_sums(out)
         return out if out_window is None else out_window.write(out)
     return plan.run(x_nhwc, w, bias, scale, residual, activation, out_window, channel_stats)
-
-
-
-def stats_copies() -> int:
-    """How many copies of the channel sums a `channel_stats` tensor for the current GPU should hold: one
-    per SM, so that each persistent program adds into its own (lesson 06, section 10, says why)."""
-    return device_facts()[1]
 
 
 def channel_sums(out_nhwc, dtype=torch.float32):

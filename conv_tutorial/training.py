@@ -7,8 +7,8 @@
 In training, BatchNorm normalizes a conv's output with the batch's own mean and variance: a
 reduction over N, H and W per channel, which torch.compile computes in a kernel of its own that
 reads the whole output once more before the pass that normalizes it. Here lesson 05's epilogue
-adds each output channel's sum and sum of squares into fp32 sums as it stores the tile (one copy
-of them per SM, added up after: lesson 06, section 10, "Training: BatchNorm's statistics from the
+adds each output channel's sum and sum of squares into fp32 sums as it stores the tile (every
+program into one [2, Co] tensor: lesson 06, section 10, "Training: BatchNorm's statistics from the
 forward's epilogue"), and the module below computes mean = sum / count and var = sum_sq / count -
 mean^2 from them: that read of the output is gone.
 The normalization, its gradient and the running statistics stay torch's (Inductor fuses them).
@@ -77,12 +77,11 @@ def _conv2d_channel_stats(input: torch.Tensor, weight: torch.Tensor, bias: Optio
     if not _kernel_runs(input, weight, groups):    # torch's conv (or depthwise.py), then torch's sums
         out = ops._conv2d_with_epilogue(input, weight, bias, stride, padding, dilation, groups)
         return out, torch_channel_stats(out)
-    copies = torch.zeros(runtime.stats_copies(), 2, weight.shape[0], device=input.device,
-                         dtype=torch.float32)
+    stats = torch.zeros(2, weight.shape[0], device=input.device, dtype=torch.float32)   # the epilogue adds into it
     out_nhwc = runtime.conv2d(nhwc_view(input), nhwc_view(weight), bias, tuple(stride), tuple(padding),
                               tuple(dilation), tune=selection.autotune_enabled(), groups=groups,
-                              channel_stats=copies)
-    return out_nhwc.permute(0, 3, 1, 2), copies.sum(0)
+                              channel_stats=stats)
+    return out_nhwc.permute(0, 3, 1, 2), stats
 
 
 _LIBRARY.define("conv2d_channel_stats" + torch.library.infer_schema(_conv2d_channel_stats, mutates_args=()),
