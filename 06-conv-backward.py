@@ -148,7 +148,7 @@ def backward_inputs(N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1, dtyp
 # Triton kernel does it in one pass (`flipped_weights_kernel`): each program loads a [co, ci] tile
 # of one tap along ci and stores it along co, and Triton's coalescing pass moves the tile between
 # the two orders through shared memory. Section 2 hands it each phase's subset of the taps, all
-# phases in one launch (a table names each tap and where its copy goes), and grouped convs
+# phases in one launch (each phase's taps and where its w' goes passed as integers), and grouped convs
 # (lesson 05, section 10) swap their channels within each group.
 #
 # One edge needs care: when the forward pass padded more than its filter reaches (a 1x1 conv with
@@ -197,20 +197,34 @@ def dgrad_phases(geometry):
 
 
 @triton.jit
-def flipped_weights_kernel(w_ptr, out_ptr, taps_ptr, Co, R, S, Ci_group, Co_group,
+def flipped_weights_kernel(w_ptr, out_ptr, phases, Co, R, S, Ci_group, Co_group,
                            BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr):
-    """Row t of `taps` (int64 [taps, 4]: r, s, at, row_stride) is one tap (r, s) of w [Co, R, S, Ci_group]
-    and where its flipped copy goes: out[at + (k*Ci_group + ci) * row_stride + co] = w[k*Co_group + co, r, s, ci]
-    for group k. One program per row of `taps` and [BLOCK_CO, BLOCK_CI] tile of w's channels."""
-    row = taps_ptr + tl.program_id(0) * 4
-    r, s, at, row_stride = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
+    """Every phase's w' at once. Entry i of `phases` (a tuple of ints: first, r0, r_step, R2, s0, s_step,
+    S2, at) is a phase whose taps r0 + i*r_step (i < R2) and s0 + j*s_step (j < S2) are programs first,
+    first + 1, ... along axis 0 and whose w' [Ci, R2, S2, Co_group] starts at out_ptr + at: out[at +
+    ((k*Ci_group + ci) * R2 + r') * S2 + s') * Co_group + co] = w[k*Co_group + co, r0 + (R2-1-r')*r_step,
+    s0 + (S2-1-s')*s_step, ci] for group k. Axes 1 and 2: [BLOCK_CO, BLOCK_CI] tiles of w's channels."""
+    t = tl.program_id(0)
+    r = t * 0
+    s, at, r_out, s_out, R2, S2 = r, r.to(tl.int64), r, r, r, r
+    for i in tl.static_range(len(phases)):      # which phase program t's tap belongs to (phases: a few)
+        first, r0, r_step, R2_i, s0, s_step, S2_i, at_i = phases[i]
+        local = t - first
+        mine = (local >= 0) & (local < R2_i * S2_i)
+        r_out = tl.where(mine, local // S2_i, r_out)
+        s_out = tl.where(mine, local % S2_i, s_out)
+        r = tl.where(mine, r0 + (R2_i - 1 - local // S2_i) * r_step, r)    # the tap it reads, flipped
+        s = tl.where(mine, s0 + (S2_i - 1 - local % S2_i) * s_step, s)
+        R2, S2 = tl.where(mine, R2_i, R2), tl.where(mine, S2_i, S2)
+        at = tl.where(mine, at_i, at)
     co = tl.program_id(1) * BLOCK_CO + tl.arange(0, BLOCK_CO)      # w's output channel (dY's channel)
     ci = tl.program_id(2) * BLOCK_CI + tl.arange(0, BLOCK_CI)      # w's input channel, within its group
     inside = (co[:, None] < Co) & (ci[None, :] < Ci_group)
     tile = tl.load(w_ptr + ((co[:, None] * R + r) * S + s) * Ci_group + ci[None, :], mask=inside)
     group, co_in_group = co // Co_group, co % Co_group
     out_row = group[:, None] * Ci_group + ci[None, :]               # dX's channel: the conv's output channel
-    tl.store(out_ptr + at + out_row * row_stride + co_in_group[:, None], tile, mask=inside)
+    tl.store(out_ptr + at + ((out_row * R2 + r_out) * S2 + s_out) * Co_group + co_in_group[:, None], tile,
+             mask=inside)
 
 
 def flipped_weights_by_torch(w, taps_h, taps_w, groups=1):
@@ -222,45 +236,29 @@ def flipped_weights_by_torch(w, taps_h, taps_w, groups=1):
         groups * Ci_group, R2, S2, Co // groups).contiguous()
 
 
-def flipped_taps(w_shape, phase_taps, groups=1):
-    """Shape arithmetic for `flipped_weights`: (the kernel's rows (r, s, at, row_stride), one per tap
-    of every phase; each phase's (offset, shape) in the one output buffer; the buffer's size)."""
-    Co, R, S, Ci_group = w_shape
-    rows, blocks, offset = [], [], 0
-    for taps_h, taps_w in phase_taps:
-        rs, ss = range(R)[taps_h], range(S)[taps_w]
-        shape = (groups * Ci_group, len(rs), len(ss), Co // groups)      # w' of this phase
-        for r_out, r in enumerate(reversed(rs)):                         # flipped: its first tap is the last
-            for s_out, s in enumerate(reversed(ss)):
-                rows.append((r, s, offset + (r_out * len(ss) + s_out) * shape[3], math.prod(shape[1:])))
-        blocks.append((offset, shape))
-        offset += math.prod(shape)
-    return rows, blocks, offset
-
-
-_TAP_TABLES = {}    # (rows, device) -> the kernel's int64 table, made once per shape
-
-
 def flipped_weights(w, phase_taps, groups=1):
     """[w' of each phase]: for each (taps_h, taps_w) of `phase_taps` (slices of w's r and s), w'
     [Ci, R2, S2, Co / groups] of w [Co, R, S, Ci / groups] for the taps w[:, taps_h, taps_w], flipped,
     channel axes swapped within each group. All phases in one flipped_weights_kernel launch, into
-    one buffer (each w' a contiguous piece of it)."""
+    one buffer (each w' a contiguous piece of it); the phases go to the kernel as a tuple of
+    integers, not a table in GPU memory: a tensor made and kept here would outlive the CUDA graph
+    (a training step's) that first allocated it."""
     if w.device.type != "cuda" and not common.interpreter_mode():
         return [flipped_weights_by_torch(w, taps_h, taps_w, groups) for taps_h, taps_w in phase_taps]
     Co, R, S, Ci_group = w.shape
-    rows, blocks, size = flipped_taps(w.shape, phase_taps, groups)
-    # The table is the same for every call of a shape. Made once and kept: a tensor built from a list on each
-    # call would be a copy from host memory, which a CUDA graph (a training step's) records but cannot redo.
-    key = (tuple(rows), w.device)
-    if key not in _TAP_TABLES:
-        _TAP_TABLES[key] = torch.tensor(rows, dtype=torch.int64, device=w.device)
+    phases, shapes, taps, size = [], [], 0, 0
+    for taps_h, taps_w in phase_taps:
+        rows, cols = range(R)[taps_h], range(S)[taps_w]
+        phases.append((taps, rows.start, rows.step, len(rows), cols.start, cols.step, len(cols), size))
+        shapes.append((groups * Ci_group, len(rows), len(cols), Co // groups))
+        taps += len(rows) * len(cols)
+        size += math.prod(shapes[-1])
     out = w.new_empty(size)
     BLOCK = 32
-    grid = (len(rows), triton.cdiv(Co, BLOCK), triton.cdiv(Ci_group, BLOCK))
-    flipped_weights_kernel[grid](w.contiguous(), out, _TAP_TABLES[key], Co, R, S, Ci_group, Co // groups,
+    grid = (taps, triton.cdiv(Co, BLOCK), triton.cdiv(Ci_group, BLOCK))
+    flipped_weights_kernel[grid](w.contiguous(), out, tuple(phases), Co, R, S, Ci_group, Co // groups,
                                  BLOCK_CO=BLOCK, BLOCK_CI=BLOCK)
-    return [out[offset:offset + math.prod(shape)].view(shape) for offset, shape in blocks]
+    return [out[at:at + math.prod(shape)].view(shape) for (*_, at), shape in zip(phases, shapes)]
 
 
 @triton.jit
