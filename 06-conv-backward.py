@@ -2144,12 +2144,12 @@ if __name__ == "__main__" and on_gpu:
 # %%
 # What this lesson measured, what limits it, what comes next
 # ----------------------------------------------------------
-# Measured on an H100 on 2026-11-25 (`python benchmarks/backward_layers.py --operator --cuda-graphs`:
+# Measured on an H100 on 2026-11-26 (`python benchmarks/backward_layers.py --operator --cuda-graphs`:
 # bf16, batch 128, every distinct conv of ResNet-50; RESULTS.md, "The backward" and "The
 # operator's gradients"): both gradients
 # matched torch.nn.grad on every layer. Against cuDNN's convolution_backward, as geometric means
-# over the 23 layers, kernels alone, this lesson's launchers ran at 0.86x (dgrad) and 0.94x
-# (wgrad), and the operator's gradients (`conv_tutorial`, below) at 0.90x and 0.93x.
+# over the 23 layers, kernels alone, this lesson's launchers ran at 0.91x (dgrad) and 0.93x
+# (wgrad), and the operator's gradients (`conv_tutorial`, below) at 0.97x and 0.92x.
 #
 # - The host is most of the gap in a plain call. The launchers above check their arguments, choose
 #   a split, build descriptors and a workspace on every call, and dgrad runs that once per phase
@@ -2170,16 +2170,17 @@ if __name__ == "__main__" and on_gpu:
 #   tap, and on the two 3x3 layers with a 7x7 output (0.72-0.73x) (reasoning from the design; not
 #   profiled).
 # - dgrad: section 1's one-pass flipped weights and section 2's phases stored in place moved the
-#   operator's dgrad from 0.75x to 0.90x. At stride 1 it now runs at 0.86-1.13x of cuDNN on all
-#   16 layers (the 7x7 512->512 3x3 at 1.13x, where torch's flip and permute had cost more than
-#   half the conv's time). The 1x1 stride-2 layers run at 0.77-0.89x: one phase and a memset
-#   of dX, three quarters of it zeros. It loses most on the 3x3 stride-2 layers, 0.50-0.61x: four
-#   launches of small K (1, 2, 2 and 4 taps of Co channels: 128 to 512 on the 56x56 layer, 512 to
-#   2048 on the 14x14 one), each a persistent kernel over the whole of dY's pixels; one launch for
-#   all four phases (a tile's phase chosen from its number, as split-K chooses its slice) is what
-#   is left to try. The plain launcher's fixed config (128x128 tiles,
-#   128x64 for 64 channels) is not tuned per layer; the operator takes the runtime's heuristic,
-#   whose configs were chosen by timing dense stores, not the window's.
+#   operator's dgrad from 0.75x to 0.90x (H100, 2026-11-25), then the window store through the
+#   staging buffer, all phases' weights in one launch and zeros only where no tap reaches to
+#   **0.97x** (H100, 2026-11-26, `results/h100-2026-11-26/backward_layers_operator_cuda_graphs.json`).
+#   At stride 1 it runs at 0.87-1.11x of cuDNN, the 1x1 stride-2 layers at 1.03-1.08x (from
+#   0.77-0.89x: the memset of dX is gone), the 3x3 stride-2 layers at 0.71-0.80x (from 0.50-0.61x).
+#   Those are what is left: four launches of small K (1, 2, 2 and 4 taps of Co channels: 128 to
+#   512 on the 56x56 layer, 512 to 2048 on the 14x14 one), each a persistent kernel over the whole
+#   of dY's pixels, against cuDNN's one kernel; one launch for all four phases (a tile's phase
+#   chosen from its number, as split-K chooses its slice) is what is left to try. Not the configs:
+#   timing every candidate on every phase found the heuristic's within 0-15% of the best
+#   (results/notebook.md, 2026-11-26).
 # - Section 10's BatchNorm statistics: on an H200 (2026-11-25) a ResNet-50 training step ran 3.9%
 #   faster with them (5969 -> 6199 images/s under CUDA graphs, torch.compile 6188), RegNetY-3.2GF
 #   0.9% (its grouped convs left unfused). A profile of the step (RESULTS.md, "Training fusions")

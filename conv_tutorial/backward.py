@@ -4,10 +4,10 @@
     conv_tutorial.set_backward("torch")      # the default: aten.convolution_backward (cuDNN)
 
 The default stays torch's until lesson 06's kernels measure faster: on an H100 (ResNet-50's convs
-at batch 128, bf16, 2026-11-25; RESULTS.md, "The operator's gradients" and "Training") this
-operator's gradients ran at 0.90x (dgrad) and 0.93x (wgrad) cuDNN's speed, kernels alone,
-geometric means, and a training step at 0.97x torch.compile's with CUDA graphs (ResNet-50; RegNetY-
-3.2GF 0.94x in an earlier run), 0.46x without (ResNet-50: host time). With "lesson06", each gradient
+at batch 128, bf16, 2026-11-26; RESULTS.md, "The operator's gradients" and "Training") this
+operator's gradients ran at 0.97x (dgrad) and 0.92x (wgrad) cuDNN's speed, kernels alone,
+geometric means, and a training step at 0.98x torch.compile's with CUDA graphs (ResNet-50; RegNetY-
+3.2GF 0.94x in an earlier run), 0.46x without (ResNet-50, an earlier run: host time). With "lesson06", each gradient
 a call needs runs on the lesson's kernels where they cover the call (fp16 or bf16; groups 1, or
 groups whose channels the kernels' tiles keep to; input, weight and gradient on one Hopper or
 data-centre Blackwell GPU): dgrad as lesson 06's phases (or, with few channels at a stride, its
