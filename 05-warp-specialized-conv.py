@@ -244,7 +244,7 @@ def loader_partition(in_desc, w_desc, w_tail_desc, ring, schedule, window):
 # drains while the next tile computes, and before the staging buffer is written again we wait
 # until the previous store from it has read it (stores finish in order; STORES_IN_FLIGHT newer
 # ones, from other buffers, may stay in flight). (Lesson 06 adds two switches: an output window,
-# the tile stored element by element into a strided view of a larger tensor, which no TMA box
+# the tile stored pixel by pixel, in 16-byte vectors, into a strided view of a larger tensor, which no TMA box
 # covers; and per-channel sums of the tile added into a small fp32 tensor, for BatchNorm in
 # training. Without them they are constexpr Nones, and those branches are not compiled.)
 
@@ -300,7 +300,7 @@ class TileOutput:
                 inside = gl.expand_dims(rows < self.M, 1) & gl.expand_dims(cols < self.Co, 0)
                 residual = gl.load(self.residual_ptr + offsets, mask=inside, other=0.0)
             y = apply_epilogue(acc, cols, self.Co, self.scale_ptr, self.bias_ptr, residual, self.EPILOGUE)
-            if self.out_window is not None:     # lesson 06: staged, then into a window of a larger tensor, pixel by pixel
+            if self.out_window is not None:     # lesson 06: staged, then pixel by pixel into a window of a larger tensor
                 c_smem.store(y.to(out_desc.dtype))
                 self.out_window.store(c_smem, m0, co0, self.M, self.Co)
             else:

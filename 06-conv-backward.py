@@ -199,15 +199,17 @@ def dgrad_phases(geometry):
 @triton.jit
 def flipped_weights_kernel(w_ptr, out_ptr, phases, Co, R, S, Ci_group, Co_group,
                            BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr):
-    """Every phase's w' at once. Entry i of `phases` (a tuple of ints: first, r0, r_step, R2, s0, s_step,
-    S2, at) is a phase whose taps r0 + i*r_step (i < R2) and s0 + j*s_step (j < S2) are programs first,
-    first + 1, ... along axis 0 and whose w' [Ci, R2, S2, Co_group] starts at out_ptr + at: out[at +
-    ((k*Ci_group + ci) * R2 + r') * S2 + s') * Co_group + co] = w[k*Co_group + co, r0 + (R2-1-r')*r_step,
-    s0 + (S2-1-s')*s_step, ci] for group k. Axes 1 and 2: [BLOCK_CO, BLOCK_CI] tiles of w's channels."""
+    """Every phase's w' at once. Entry i of `phases` (ints: first, r0, r_step, R2, s0, s_step, S2, at) is a
+    phase whose taps r0 + a*r_step (a < R2) and s0 + b*s_step (b < S2) are programs first, first + 1, ...
+    along axis 0, and whose w' [Ci, R2, S2, Co_group] starts at out_ptr + at:
+    out[at + (((k*Ci_group + ci) * R2 + r') * S2 + s') * Co_group + co]
+        = w[k*Co_group + co, r0 + (R2-1-r')*r_step, s0 + (S2-1-s')*s_step, ci]     for group k.
+    Axes 1 and 2: [BLOCK_CO, BLOCK_CI] tiles of w's channels. The tuple's length is fixed when the
+    kernel compiles (the loop below unrolls over it); its entries are run-time integers."""
     t = tl.program_id(0)
-    r = t * 0
+    r = t * 0       # (a tensor: every tl.where of the unrolled loop below then yields the same type)
     s, at, r_out, s_out, R2, S2 = r, r.to(tl.int64), r, r, r, r
-    for i in tl.static_range(len(phases)):      # which phase program t's tap belongs to (phases: a few)
+    for i in tl.static_range(len(phases)):      # which phase program t's tap belongs to
         first, r0, r_step, R2_i, s0, s_step, S2_i, at_i = phases[i]
         local = t - first
         mine = (local >= 0) & (local < R2_i * S2_i)
@@ -239,26 +241,30 @@ def flipped_weights_by_torch(w, taps_h, taps_w, groups=1):
 def flipped_weights(w, phase_taps, groups=1):
     """[w' of each phase]: for each (taps_h, taps_w) of `phase_taps` (slices of w's r and s), w'
     [Ci, R2, S2, Co / groups] of w [Co, R, S, Ci / groups] for the taps w[:, taps_h, taps_w], flipped,
-    channel axes swapped within each group. All phases in one flipped_weights_kernel launch, into
-    one buffer (each w' a contiguous piece of it); the phases go to the kernel as a tuple of
-    integers, not a table in GPU memory: a tensor made and kept here would outlive the CUDA graph
-    (a training step's) that first allocated it."""
+    channel axes swapped within each group. Up to 16 phases per flipped_weights_kernel launch (a
+    stride of 2 in both axes has 4), into one buffer (each w' a contiguous piece of it). The phases
+    go to the kernel as integers, not as a table in GPU memory: a tensor made once and kept here
+    would outlive the CUDA graph (a training step's) that allocated it."""
     if w.device.type != "cuda" and not common.interpreter_mode():
         return [flipped_weights_by_torch(w, taps_h, taps_w, groups) for taps_h, taps_w in phase_taps]
     Co, R, S, Ci_group = w.shape
-    phases, shapes, taps, size = [], [], 0, 0
+    phases, shapes, size = [], [], 0
     for taps_h, taps_w in phase_taps:
         rows, cols = range(R)[taps_h], range(S)[taps_w]
-        phases.append((taps, rows.start, rows.step, len(rows), cols.start, cols.step, len(cols), size))
+        phases.append((rows.start, rows.step, len(rows), cols.start, cols.step, len(cols), size))
         shapes.append((groups * Ci_group, len(rows), len(cols), Co // groups))
-        taps += len(rows) * len(cols)
         size += math.prod(shapes[-1])
     out = w.new_empty(size)
     BLOCK = 32
-    grid = (taps, triton.cdiv(Co, BLOCK), triton.cdiv(Ci_group, BLOCK))
-    flipped_weights_kernel[grid](w.contiguous(), out, tuple(phases), Co, R, S, Ci_group, Co // groups,
-                                 BLOCK_CO=BLOCK, BLOCK_CI=BLOCK)
-    return [out[at:at + math.prod(shape)].view(shape) for (*_, at), shape in zip(phases, shapes)]
+    for chunk in range(0, len(phases), 16):     # (the kernel unrolls a loop over its phases: a few per launch)
+        launch, taps = [], 0
+        for r0, r_step, R2, s0, s_step, S2, at in phases[chunk:chunk + 16]:
+            launch.append((taps, r0, r_step, R2, s0, s_step, S2, at))
+            taps += R2 * S2
+        grid = (taps, triton.cdiv(Co, BLOCK), triton.cdiv(Ci_group, BLOCK))
+        flipped_weights_kernel[grid](w.contiguous(), out, tuple(launch), Co, R, S, Ci_group, Co // groups,
+                                     BLOCK_CO=BLOCK, BLOCK_CI=BLOCK)
+    return [out[phase[-1]:phase[-1] + math.prod(shape)].view(shape) for phase, shape in zip(phases, shapes)]
 
 
 @triton.jit
@@ -285,7 +291,8 @@ def untapped_zeros(dx, geometry, phases):
     # phase (py, px) has taps where both of its axes have: bit py of `rows`, bit px of `cols`
     rows = sum({1 << py for py, _, along_h, _ in phases if along_h.taps is not None})
     cols = sum({1 << px for _, px, _, along_w in phases if along_w.taps is not None})
-    if (dx.device.type != "cuda" and not common.interpreter_mode()) or max(g.stride) > 62:  # (62: the bits)
+    # (each phase a bit of an int64 argument: larger strides take torch's way)
+    if (dx.device.type != "cuda" and not common.interpreter_mode()) or max(g.stride) > 62:
         reached = torch.zeros(g.H, g.W, dtype=torch.bool, device=dx.device)
         for py, px, along_h, along_w in phases:
             if along_h.taps is not None and along_w.taps is not None:
@@ -368,6 +375,8 @@ def run_dgrad_mapping(N=2, H=9, W=8, Ci=5, Co=6, R=3, S=3, stride=1, padding=1, 
     (64, 1, 1, 33, 2, [(slice(0, 1), slice(0, 1))]),        # a 1x1 filter: only the channels swap
     (40, 3, 3, 24, 1, [(slice(a, 3, 2), slice(b, 3, 2)) for a in (0, 1) for b in (0, 1)]),  # stride 2's four phases
     (9, 5, 4, 6, 3, [(slice(a, 5, 3), slice(b, 4, 2)) for a in (2, 0, 1) for b in (1, 0)]),  # 3 x 2, groups, any order
+    (8, 5, 5, 6, 1, [(slice(a, 5, 5), slice(b, 5, 5)) for a in range(5) for b in range(5)]),  # 25 phases: 2 launches
+    (8, 3, 3, 6, 1, []),                                    # no phase has taps (a stride larger than the image)
 ])
 def test_flipped_weights_match_torchs_flip_and_permute(Co, R, S, Ci_group, groups, phase_taps):
     w = torch.randn(Co, R, S, Ci_group).to(common.device())       # (a CPU: the kernel runs in the interpreter)
@@ -377,27 +386,23 @@ def test_flipped_weights_match_torchs_flip_and_permute(Co, R, S, Ci_group, group
         assert w_phase.is_contiguous() and torch.equal(w_phase, flipped_weights_by_torch(w, taps_h, taps_w, groups))
 
 
-@pytest.mark.parametrize("R, S, stride, padding, dilation, H, W", [
-    (1, 1, 2, 0, 1, 8, 10),     # a 1x1 conv at stride 2: three phases of four untapped
-    (1, 3, (2, 3), 0, 1, 7, 11),  # strides differ: whole rows untapped, and columns within the others
-    (3, 3, 2, 1, 2, 9, 9),      # dilation 2 at stride 2: only the even rows and columns are reached
-    (3, 3, 2, 1, 1, 8, 8),      # every phase reached: nothing to write
+@pytest.mark.parametrize("R, S, stride, padding, dilation, H, W, C", [
+    (1, 1, 2, 0, 1, 8, 70, 300),   # a 1x1 conv at stride 2: three phases of four; blocks of pixels and of channels
+    (1, 1, (2, 3), 0, 1, 7, 11, 24),  # strides differ: whole rows untapped, and two columns of three in the others
+    (3, 3, 2, 1, 2, 9, 9, 24),     # dilation 2 at stride 2, padding 1: only the odd rows and columns have taps
+    (3, 3, 2, 1, 1, 8, 8, 24),     # every phase has taps: nothing to write
+    (1, 1, 63, 0, 1, 70, 5, 16),   # a stride past the kernel's bits: torch's way
 ])
-def test_untapped_zeros_write_exactly_the_pixels_no_tap_reaches(R, S, stride, padding, dilation, H, W):
-    g = common.conv_geometry((2, H, W, 24), (8, R, S, 24), stride, padding, dilation)
+def test_untapped_zeros_write_exactly_the_phases_no_tap_reaches(R, S, stride, padding, dilation, H, W, C):
+    g = common.conv_geometry((2, H, W, C), (8, R, S, C), stride, padding, dilation)
     phases = dgrad_phases(g)
     dx = torch.full((g.N, g.H, g.W, g.Ci), 7.0, device=common.device())
     untapped_zeros(dx, g, phases)
-    reached = torch.zeros(g.H, g.W, dtype=torch.bool)
-    for py, px, along_h, along_w in phases:
-        if along_h.taps is not None and along_w.taps is not None:
-            reached[py::g.stride[0], px::g.stride[1]] = True
-    # a pixel is reached iff some tap (r, s) lands on it: iy + padding - r*dilation divisible by the stride
-    for iy in range(g.H):
-        for ix in range(g.W):
-            hit = any((iy + g.padding[0] - r * g.dilation[0]) % g.stride[0] == 0 for r in range(R)) and \
-                  any((ix + g.padding[1] - s * g.dilation[1]) % g.stride[1] == 0 for s in range(S))
-            assert reached[iy, ix] == hit
+    # a row's phase has taps iff some tap r lands on its rows: (iy + padding - r*dilation) divisible by the stride
+    # (rows past the forward's last window still count: the phase's conv writes their zeros); columns alike
+    def tapped(i, axis, taps):
+        return any((i + g.padding[axis] - r * g.dilation[axis]) % g.stride[axis] == 0 for r in range(taps))
+    reached = torch.tensor([[tapped(iy, 0, R) and tapped(ix, 1, S) for ix in range(g.W)] for iy in range(g.H)])
     assert torch.equal(dx.cpu(), torch.where(reached[None, :, :, None], 7.0, 0.0).expand_as(dx))
 
 
@@ -439,24 +444,33 @@ if __name__ == "__main__":
 # weights, cut the dgrad's time by 29-33%: RESULTS.md, "The operator's gradients"). So lesson 05's
 # kernel takes an *output window*
 # (`common.OutputWindow`: the view and the crop). With one, `TileOutput.store` stages the tile in
-# shared memory as before, but skips the TMA store: it reads the tile back in rows of 16-byte
-# vectors (`common.row_store_layout`: a warp's lanes cover a pixel's channels, two pixels of 128
-# bf16 channels per instruction) and stores each vector at the address of its pixel (n, y, x) in
-# the view, elements outside the view masked off (`common.WindowStore`). That is more
-# instructions than one TMA store (on a 128 x 128 tile over 4 warps, 16 `st.global.v4` per
-# thread; a test in section 7 checks the build), but no phase output and no copy. Why through
-# shared memory: the accumulator's own layout (sm_90's WGMMA fragment) gives each thread two
-# adjacent channels of a pixel, and storing from it took 64 four-byte stores per thread, each
-# warp instruction touching 8 pixels; on an H100 the 1-tap phase of ResNet-50's 56x56 3x3 stride-2
-# dgrad moved its 51 MB at about 1.3 TB/s that way (results/notebook.md, 2026-11-26). Where
-# dX's pixels are not 16-byte aligned (Ci * element size not a multiple of 16), or the config
+# shared memory as the TMA path does, but skips the TMA store: it reads the tile back in rows of
+# 16-byte vectors (`common.row_store_layout`: a warp's lanes cover a pixel's channels, two pixels
+# of 128 bf16 channels per instruction) and stores each vector at the address of its pixel
+# (n, y, x) in the view, elements outside the view masked off (`common.WindowStore`). Other warps
+# read what a warp wrote, and the next tile overwrites the buffer: Triton puts a `bar.sync` of the
+# epilogue's warps between the writes and the reads, and another before the next tile's writes
+# (the test's `bar.sync 0, 128` in section 7). That is more instructions than one TMA store (on a
+# 128 x 128 tile over 4 warps, 16 `st.global.v4` per thread), but no phase output and no copy.
+# Why through shared memory: the accumulator's own layout (sm_90's WGMMA fragment) gives each
+# thread two adjacent channels of a pixel, and storing from it took 64 four-byte stores per
+# thread, each warp instruction touching 8 pixels. On an H100 the 1-tap phase of ResNet-50's 56x56
+# 3x3 stride-2 dgrad (dY read once, a quarter of dX written: 51 MB) moved about 1.3 TB/s that way,
+# some 40% of the memory's 3.35 TB/s; through the staging buffer the layer's four phases took 109
+# us where they had taken 168 (2026-11-26, torch.profiler; results/notebook.md). On sm_100 the
+# tensor-memory load already gave each thread 16-byte pieces of one pixel, but a warp instruction
+# spread over 32 pixels; it takes the same path (compiled and checked ahead of time, not run).
+# The 16-byte vectors need the compiler to know that Co is a multiple of 8 elements; it knows only
+# multiples of 16, so where dX has 8 (mod 16) channels (24, 40, 72, ...) the sm_90 build stores 2
+# bytes at a time (results/notebook.md, 2026-11-26, says how to tell it more; not yet measured).
+# Where dX's pixels are not 16-byte aligned (Ci * element size not a multiple of 16), or the config
 # splits K (section 7 of lesson 05: its second kernel stores densely), the phase's output is
-# computed densely and copied in. Pixels that no tap reaches are zeros, written by one launch of a
-# small kernel (`untapped_zeros`) that writes them and nothing else. A memset of all of dX did it
-# first, and on the 1x1 stride-2 layers it took as long as the conv (62 us beside the conv's 68 on
-# ResNet-50's 56x56 256->512, H100, 2026-11-26, torch.profiler): three quarters of dX are zeros
-# there, and the memset wrote the fourth quarter too. Filling the phases one by one with torch, every
-# stride-th pixel, had been slower still.
+# computed densely and copied in. The pixels of the phases that no tap reaches are zeros, written
+# by one launch of a small kernel (`untapped_zeros`) that writes them and nothing else. A memset
+# of all of dX did it first: 62 us beside the conv's 68 on ResNet-50's 56x56 256->512 1x1 stride
+# 2 (H100, 2026-11-26, torch.profiler), where three quarters of dX are zeros, so writing only those
+# saves a quarter of the memset's bytes. Filling the phases one by one with torch,
+# every stride-th pixel, had been slower still (three strided fills, 136 us, H200, 2026-11-25).
 # `dgrad_axis_phase` works out one axis of one phase; `dgrad_by_phases` above runs them.
 #
 # The far edge now needs care too: a phase's conv must have at least as many output rows as the
@@ -1657,7 +1671,8 @@ def test_phase_build_stores_its_pixels_without_tma(arch):
     dense = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch)["ptx"]
     stores = [common.PTX_TMA_STORE, "st.global"]
     assert "bar.sync \t0, 128;" in windowed
-    assert common.ptx_instructions(windowed, stores) == {common.PTX_TMA_STORE: 0, "st.global": 128 * 128 * 2 // (128 * 16)}
+    per_thread = 128 * 128 * 2 // (128 * 16)
+    assert common.ptx_instructions(windowed, stores) == {common.PTX_TMA_STORE: 0, "st.global": per_thread}
     assert common.ptx_instructions(dense, stores) == {common.PTX_TMA_STORE: 1, "st.global": 0}
     assert "st.global.v4.b32 " in common.first_ptx_instruction(windowed, "st.global")     # (predicated: masked)
     assert "ld.shared.v4.b32" in windowed and built["stack"] == 0
@@ -1954,13 +1969,15 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # returns nothing, with relaxed ordering, because nothing waits on the sums before the kernel
 # ends, and everything after it on the stream sees them. Every program adds into the same
 # [2, Co] tensor. A copy of the sums per SM (program p adding into copy p % copies, the copies
-# added up after the kernel) was tried and measured slower: the idea was that thousands of tiles
-# adding into the same few hundred addresses would queue on them, but the adds were not the cost,
-# and zeroing the copies and adding them up was. On an H100 (2026-11-26, bf16, batch 128, CUDA
-# graphs, ResNet-50's 23 distinct convs; results/notebook.md, 2026-11-26), one tensor took 1894 us
-# over the 23 layers against 1944 us with 132 copies, and was faster on 21 of them (by 4.8%,
-# geometric mean), most on the 7x7 layers (31.1 -> 25.6 us on 7x7 2048->512 1x1), whose kernels
-# are short enough for the copies' zeroing and reduction to be a large share. Tiles add in
+# added up after the kernel) was tried and measured slower overall: the idea was that thousands of
+# tiles adding into the same few hundred addresses would queue on them, and zeroing 132 copies
+# and adding them up cost more than any queueing saved. On an H100 (2026-11-26, bf16, batch 128,
+# CUDA graphs, ResNet-50's 23 distinct convs; results/notebook.md, 2026-11-26), one tensor took
+# 1894 us over the 23 layers against 1944 us with 132 copies, and was faster on 21 of them (by
+# 4.8%, geometric mean), most on the 7x7 layers (31.1 -> 25.6 us on 7x7 2048->512 1x1), whose
+# kernels are short enough for the copies' zeroing and reduction to be a large share; slower on
+# the 56x56 64->256 1x1 (109.1 -> 116.1 us), not explained. With one tensor the conv with its sums
+# took a median 1.14x the conv alone (1.04-1.25x). Tiles add in
 # whatever order they finish, so the sums' last bits vary from run to run, and so do those of a
 # BatchNorm computed from them.
 #
@@ -1982,7 +1999,8 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # copies' reduction took a median 1.18x the conv's time (1.09-1.52x; from registers it was 1.48x,
 # up to 4.1x: results/h200-2026-11-25/channel_stats_first_build.json), beat the conv plus a
 # separate reduction over the output on all 23 of ResNet-50's distinct convs, and a ResNet-50
-# training step ran 3.9% faster with them than without.
+# training step ran 3.9% faster with them than without; on an H100 (2026-11-26, one tensor) 2.3%
+# (5117 -> 5235 images/s under CUDA graphs, torch.compile 5223).
 
 
 def conv2d_with_channel_stats(x_nhwc, w, stride=1, padding=0, dilation=1, config=lesson05.FIXED_CONFIG):
@@ -2153,14 +2171,16 @@ if __name__ == "__main__" and on_gpu:
 #
 # - The host is most of the gap in a plain call. The launchers above check their arguments, choose
 #   a split, build descriptors and a workspace on every call, and dgrad runs that once per phase
-#   through lesson 05's plain launcher: 290 us per dgrad and 193 us per wgrad (medians over the
-#   layers; cuDNN's: 24 us), where a 1x1 layer's kernels take ~40 us. The operator's backward pays
-#   less: a plan per shape for each phase's conv (the forward's runtime) and for wgrad
-#   (conv_tutorial/wgrad.py), 109 us per dgrad and 60 us per wgrad, 375-650 us for the 3x3
-#   stride-2 dgrads (two launches per phase: its weights and its conv). A training step under CUDA
-#   graphs pays none of it: ResNet-50 training with these kernels ran at 0.97x torch.compile's
-#   images/s with CUDA graphs on both sides, 0.46x without, and RegNetY-3.2GF at 0.94x with graphs
-#   in an earlier run (RESULTS.md, "Training").
+#   through lesson 05's plain launcher: 403 us per dgrad and 205 us per wgrad (medians over the
+#   layers; cuDNN's: 26 and 29 us; host times moved by up to 40% between runs), where a 1x1
+#   layer's kernels take ~40 us. The operator's backward pays less: a plan per shape for each
+#   phase's conv (the forward's runtime) and for wgrad (conv_tutorial/wgrad.py), 149 us per dgrad
+#   and 62 us per wgrad, 295-391 us for the 3x3 stride-2 dgrads (one launch for every phase's
+#   weights, then a conv per phase). A training step under CUDA graphs pays none of it: ResNet-50
+#   training with these kernels ran at 0.98x torch.compile's images/s with CUDA graphs on both
+#   sides (5117 against 5223, H100, 2026-11-26; 1.00x with section 10's statistics), 0.46x without
+#   (2026-11-25), and RegNetY-3.2GF at 0.94x with graphs in an earlier run (RESULTS.md,
+#   "Training").
 # - wgrad's kernel is within 6% of cuDNN or faster on 14 of 23 layers (faster on 9, up to 1.12x),
 #   with the split rule above giving every SM work (no other split was timed). The stem was its
 #   worst, 0.25x (3 input channels padded to a 16-channel box, dY read once per each of 49 taps);
@@ -2174,16 +2194,19 @@ if __name__ == "__main__" and on_gpu:
 #   staging buffer, all phases' weights in one launch and zeros only where no tap reaches to
 #   **0.97x** (H100, 2026-11-26, `results/h100-2026-11-26/backward_layers_operator_cuda_graphs.json`).
 #   At stride 1 it runs at 0.87-1.11x of cuDNN, the 1x1 stride-2 layers at 1.03-1.08x (from
-#   0.77-0.89x: the memset of dX is gone), the 3x3 stride-2 layers at 0.71-0.80x (from 0.50-0.61x).
-#   Those are what is left: four launches of small K (1, 2, 2 and 4 taps of Co channels: 128 to
-#   512 on the 56x56 layer, 512 to 2048 on the 14x14 one), each a persistent kernel over the whole
-#   of dY's pixels, against cuDNN's one kernel; one launch for all four phases (a tile's phase
-#   chosen from its number, as split-K chooses its slice) is what is left to try. Not the configs:
-#   timing every candidate on every phase found the heuristic's within 0-15% of the best
-#   (results/notebook.md, 2026-11-26).
+#   0.77-0.89x: the staged window store and the zeros written only where they belong), the 3x3
+#   stride-2 layers at 0.71-0.80x (from 0.50-0.61x). Those are what is left: four launches, each a
+#   persistent kernel over the whole of dY's pixels (dY read four times), against cuDNN's one
+#   kernel; one launch for all four phases (a tile's phase chosen from its number, as split-K
+#   chooses its slice) is what is left to try. Before the staged store the phases' times did not
+#   follow K (1 tap 40.5 us, 4 taps 45.6 us on the 56x56 layer), and timing every candidate config
+#   on every phase found the heuristic's within 0-15% of the best (results/notebook.md,
+#   2026-11-26); neither was measured again since.
 # - Section 10's BatchNorm statistics: on an H200 (2026-11-25) a ResNet-50 training step ran 3.9%
 #   faster with them (5969 -> 6199 images/s under CUDA graphs, torch.compile 6188), RegNetY-3.2GF
-#   0.9% (its grouped convs left unfused). A profile of the step (RESULTS.md, "Training fusions")
+#   0.9% (its grouped convs left unfused); on an H100 (2026-11-26, the sums in one tensor) ResNet-50
+#   ran 2.3% faster, 5117 -> 5235 images/s, torch.compile 5223 and its max-autotune mode 5360 (a
+#   run of its own; it compiled in under five minutes). A profile of the step (RESULTS.md, "Training fusions")
 #   shows where the rest of the time goes: the convs, forward and backward, take about what
 #   cuDNN's take (8.2 against 8.4 ms of GPU time per step), and Inductor's BatchNorm, ReLU and
 #   residual kernels 10.7 of 19.7 ms. So a faster step needs BatchNorm's apply and the ReLU folded

@@ -121,6 +121,7 @@ def train(variant, fp32_model, data, warmup, device, profile=0):
 # kernel name fragment -> what the kernel does (the first match wins; lower-case)
 KERNEL_KINDS = (("conv2d_fprop_kernel", "conv forward (ours)"), ("split_k_epilogue", "conv forward (ours)"),
                 ("fold_columns", "conv forward (ours)"), ("flipped_weights", "dgrad weight flip (ours)"),
+                ("untapped_zeros", "copies and fills"),
                 ("conv2d_wgrad", "wgrad (ours)"), ("wgrad_split_k_sum", "wgrad (ours)"),
                 ("triton_", "Inductor (BatchNorm, ReLU, add, pool, loss)"), ("dgrad", "cuDNN dgrad"), ("wgrad", "cuDNN wgrad"), ("fprop", "cuDNN forward"),
                 ("xmma", "cuDNN/cuBLAS other"), ("cudnn", "cuDNN/cuBLAS other"), ("cutlass", "cuDNN/cuBLAS other"),
