@@ -27,8 +27,9 @@ random initialisation on random data the first step's gradient is ill-conditione
 ResNet-50 at batch 8, 96x96: a 1e-3 relative change of the input moves it by 80%, median over
 the parameters; fp32 against fp64 differ by 2.6%), so every bf16 variant, eager's included, is far
 from fp32 there: compare a variant's figure with eager's, and the loss curves. Writes training.json
-({"device", "torch", "triton", "rows": [{"net", "batch", "variant", "img_s", "loss_50", "losses",
-"grad_rel_err_median", "grad_rel_err_max", "backward_fallbacks"}]}; the last: with lesson 06's
+({"device", "torch", "triton", "steps", "rows": [{"net", "batch", "variant", "img_s", "loss_50", "loss_last",
+"losses", "grad_rel_err_median", "grad_rel_err_max", "backward_fallbacks"}]}; loss_50: the loss of the
+50th step, null in a run of fewer steps (loss_last: its last step's); backward_fallbacks: with lesson 06's
 gradients chosen, the conv gradients torch computed instead, by reason, over all of the variant's
 steps) and training_loss.png (the loss per step of every variant) to --outdir.
 --profile STEPS adds, per row, "gpu_ms_by_kind": the GPU time of one step's kernels by what they do
@@ -242,7 +243,8 @@ def main(argv=None):
                 error = (None, None) if reference is None else gradient_error(
                     first_step_gradients(variant, fp32_model, *data[0], device), reference)
             row = {"net": net, "batch": args.batch, "variant": variant,
-                   "img_s": args.batch / statistics.median(seconds), "loss_50": losses[-1], "losses": losses,
+                   "img_s": args.batch / statistics.median(seconds),
+                   "loss_50": losses[49] if len(losses) >= 50 else None, "loss_last": losses[-1], "losses": losses,
                    "grad_rel_err_median": error[0], "grad_rel_err_max": error[1],
                    "backward_fallbacks": conv_tutorial.backward_fallbacks()}
             if by_kind is not None:
@@ -261,7 +263,7 @@ def main(argv=None):
                 print(f"  {net} {variant}: the loss is not finite", flush=True)
     outdir = common.output_dir(args.outdir)
     info = common.versions()
-    common.save_json(outdir, "training", {**info, "rows": rows})
+    common.save_json(outdir, "training", {**info, "steps": args.steps, "rows": rows})
     plot(rows, outdir, info)
     return rows
 

@@ -13,10 +13,12 @@ def test_smoke_run_writes_rows_and_plot(tmp_path):
     rows = training.main(["--smoke", "--batch", "4", "--steps", "3", "--warmup", "1", "--variants", "eager", "ours",
                           "--outdir", str(tmp_path)])
     data = json.loads((tmp_path / "training.json").read_text())
-    assert {"device", "torch", "triton", "rows"} <= data.keys()
+    assert {"device", "torch", "triton", "rows"} <= data.keys() and data["steps"] == 3
     assert [r["variant"] for r in data["rows"]] == ["eager", "ours"]
     for row in rows:
         assert {"net", "batch", "variant", "img_s", "loss_50"} <= row.keys() and len(row["losses"]) == 3
+        # 3 steps: no 50th step's loss (the field), the last step's beside it
+        assert row["loss_50"] is None and row["loss_last"] == row["losses"][-1]
         # bf16 autocast against fp32: each operand rounded to 2^-8 relative, a few percent after
         # several layers; a gradient that is mostly cancellation (BatchNorm's) errs most
         assert row["img_s"] > 0 and row["grad_rel_err_median"] < 0.05 and row["grad_rel_err_max"] < 0.25
