@@ -266,7 +266,7 @@ class TileOutput:
     EPILOGUE: gl.tuple                 # which parts of the epilogue to apply (an `Epilogue`, constexprs)
     STORE_BY_ROW_BLOCKS: gl.constexpr
     out_window: common.WindowStore | gl.constexpr    # lesson 06's: into a window of a larger tensor; else None
-    channel_stats: common.ChannelSums | gl.constexpr  # lesson 06's: per-channel sums for BatchNorm; else None
+    channel_stats: gl.tensor | gl.constexpr          # lesson 06's: fp32 [2, Co] sums for BatchNorm; else None
 
     @gluon.jit
     def for_consumer(self, i: gl.constexpr):
@@ -300,16 +300,15 @@ class TileOutput:
                 inside = gl.expand_dims(rows < self.M, 1) & gl.expand_dims(cols < self.Co, 0)
                 residual = gl.load(self.residual_ptr + offsets, mask=inside, other=0.0)
             y = apply_epilogue(acc, cols, self.Co, self.scale_ptr, self.bias_ptr, residual, self.EPILOGUE)
-            if self.out_window is not None:     # lesson 06: staged, then pixel by pixel into a window of a larger tensor
-                c_smem.store(y.to(out_desc.dtype))
-                self.out_window.store(c_smem, m0, co0, self.M, self.Co)
+            if self.out_window is not None:     # lesson 06: via c_smem, pixel by pixel into a window of a larger tensor
+                self.out_window.store(y, c_smem, m0, co0, self.M, self.Co)
             else:
                 tma.store_wait(pendings=STORES_IN_FLIGHT)
                 c_smem.store(y.to(out_desc.dtype))
                 fence_async_shared()
                 tma.async_store(out_desc, [m0, co0], c_smem)
                 if self.channel_stats is not None:  # lesson 06: each channel's sums for BatchNorm, from the staged tile
-                    self.channel_stats.add(c_smem, m0, co0, self.M, self.Co)
+                    common.add_channel_sums(self.channel_stats, c_smem, m0, co0, self.M, self.Co)
 
 
 # %%
@@ -639,7 +638,6 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
     # out_window: None, or (lesson 06) an OutputWindow's kernel_args, for a WindowStore; channel_stats: None, or
     # (lesson 06) the zeroed fp32 [2, Co] tensor that the epilogue adds each channel's sums into
     out_window = None if out_window is None else common.WindowStore(out_window[0], out_h, out_w, *out_window[1:])
-    channel_stats = None if channel_stats is None else common.ChannelSums(channel_stats)
     output = TileOutput(out_desc, out_tail_desc, c_smem, c_tail_smem, *epilogue_ptrs, M, Co, EPILOGUE,
                         STORE_BY_ROW_BLOCKS, out_window, channel_stats)
     if IS_BLACKWELL:

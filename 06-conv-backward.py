@@ -317,15 +317,14 @@ def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None):
     G = g.groups
     strided = g.stride != (1, 1)
     phases = dgrad_phases(g) if phases is None else phases
-    # pixels no tap reaches have a gradient of 0 (a 1x1 conv at stride 2: three phases of four): one
-    # launch writes them, and only them (untapped_zeros)
-    tapless = any(along_h.taps is None or along_w.taps is None for _, _, along_h, along_w in phases)
+    tapped = [phase for phase in phases if phase[2].taps is not None and phase[3].taps is not None]
     dx = None
     if strided:
         dx = torch.empty(g.N, g.H, g.W, g.Ci, device=dy_nhwc.device, dtype=dy_nhwc.dtype)
-        if tapless:
+        if len(tapped) < len(phases):
+            # pixels no tap reaches have a gradient of 0 (a 1x1 conv at stride 2: three phases of four): one
+            # launch writes them, and only them
             untapped_zeros(dx, g, phases)
-    tapped = [phase for phase in phases if phase[2].taps is not None and phase[3].taps is not None]
     # w'[ci, r', s', co] = w[co, the phase's taps reversed, ci]; grouped (section 10 of lesson 05), group k's
     # filters swap their channels among themselves: w' is [Ci, r', s', Co / groups]. Every phase's in one launch.
     w_phases = flipped_weights(w, [(along_h.taps, along_w.taps) for _, _, along_h, along_w in tapped], G)
@@ -445,7 +444,7 @@ if __name__ == "__main__":
 # kernel takes an *output window*
 # (`common.OutputWindow`: the view and the crop). With one, `TileOutput.store` stages the tile in
 # shared memory as the TMA path does, but skips the TMA store: it reads the tile back in rows of
-# 16-byte vectors (`common.row_store_layout`: a warp's lanes cover a pixel's channels, two pixels
+# 16-byte vectors (`common.staged_tile_layout`: a warp's lanes cover a pixel's channels, two pixels
 # of 128 bf16 channels per instruction) and stores each vector at the address of its pixel
 # (n, y, x) in the view, elements outside the view masked off (`common.WindowStore`). Other warps
 # read what a warp wrote, and the next tile overwrites the buffer: Triton puts a `bar.sync` of the
@@ -1928,10 +1927,10 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # W of the conv's output. torch.compile computes that reduction in a kernel of its own, which
 # reads the whole output once more before the kernel that normalizes it reads it again. The
 # forward kernel already holds each tile of the output on chip in its epilogue, so it can sum
-# there. Lesson 05's `TileOutput` has one more field for it, `channel_stats`: None, or a
-# `common.ChannelSums`, which the kernel builds from its argument, a zeroed fp32 tensor of shape
-# [2, Co]. Its `add` adds a tile's column sums of y and of y^2 into rows 0 and 1. Rows past the
-# last pixel (a partial tile) are masked out. From the two sums::
+# there. Lesson 05's `TileOutput` has one more field for it, `channel_stats`: None, or a zeroed
+# fp32 tensor of shape [2, Co], into whose rows 0 and 1 `common.add_channel_sums` adds a tile's
+# column sums of y and of y^2. Rows past the last pixel (a partial tile) are masked out. From the
+# two sums::
 #
 #     mean = sum / count        var = sum_sq / count - mean^2        (count = N * out_h * out_w)
 #
@@ -1948,8 +1947,8 @@ if __name__ == "__main__" and on_gpu and args.bench:
 #
 # The epilogue already writes the tile, cast to the output's dtype, into a staging buffer for its
 # TMA store. So the sums read the tile back from there, in a layout of their own
-# (`common.column_sum_layout`): each thread loads vectors of one row (16 bytes on sm_90; the
-# sm_100 build reads 4 at a time), the warps split the columns among themselves, and a warp's
+# (`common.staged_tile_layout`, columns split): each thread loads vectors of one row (16 bytes on
+# sm_90; the sm_100 build reads 4 at a time), the warps split the columns among themselves, and a warp's
 # lanes take a few columns and the rows. A thread sums its rows in registers, log2(lanes per
 # column) shuffle rounds sum a warp's lanes (3 on the 128 x 256 tile of eight warps, 5 on a
 # 32-column tail), and no sum crosses a warp, except in a column tail too narrow for the warps to

@@ -1348,34 +1348,39 @@ class WindowStore:
                 gl.expand_dims(kept, 1) & gl.expand_dims(channels < Co, 0))
 
     @gluon.jit
-    def store(self, staged, m0, co0, M, Co):
-        """Store a tile staged in shared memory (`staged`: rows are output pixels m0, m0+1, ...,
-        columns channels co0, co0+1, ...) where the window puts it: its pixels make no TMA box, so
-        it is read back in `row_store_layout` and stored a pixel's channels at a time."""
-        layout: gl.constexpr = row_store_layout(staged.shape[0], staged.shape[1],
-                                                staged.dtype.primitive_bitwidth // 8, gl.num_warps())
-        values = staged.load(layout)
-        pixels = m0 + gl.arange(0, staged.shape[0], layout=gl.SliceLayout(1, layout))
-        channels = co0 + gl.arange(0, staged.shape[1], layout=gl.SliceLayout(0, layout))
+    def store(self, tile, staging, m0, co0, M, Co):
+        """Store a tile (rows: output pixels m0, m0+1, ...; columns: channels co0, co0+1, ...) where
+        the window puts it. Its pixels make no TMA box, so it goes through the TMA store's `staging`
+        buffer all the same: written there in its own layout, read back in `staged_tile_layout`'s
+        rows of 16-byte vectors and stored a pixel's channels at a time."""
+        staging.store(tile.to(staging.dtype))
+        layout: gl.constexpr = staged_tile_layout(staging.shape[0], staging.shape[1],
+                                                  staging.dtype.primitive_bitwidth // 8, gl.num_warps(), False)
+        values = staging.load(layout)
+        pixels = m0 + gl.arange(0, staging.shape[0], layout=gl.SliceLayout(1, layout))
+        channels = co0 + gl.arange(0, staging.shape[1], layout=gl.SliceLayout(0, layout))
         offsets, inside = self.offsets(pixels, channels, M, Co)
         gl.store(self.ptr + offsets, values, mask=inside)
 
 
 @gluon.constexpr_function
-def row_store_layout(rows, columns, element_size, num_warps):
-    """A register layout for storing a staged [rows, columns] tile row by row to global memory:
-    each thread holds 16-byte vectors of a row, a warp's lanes cover a row's columns (128 bf16
-    channels: 16 lanes, two rows per instruction), the warps take rows. (Shorter vectors where the
-    tile is too small to give every thread a 16-byte one: no element is held twice.)"""
+def staged_tile_layout(rows, columns, element_size, num_warps, split_columns):
+    """A register layout for reading a staged [rows, columns] tile back from shared memory: each
+    thread holds 16-byte vectors of a row (shorter where the tile is too small to give every thread
+    one: no element is held twice), and a warp's lanes take the columns, then the rows. The warps
+    take rows (`split_columns` False: to store the tile row by row, `WindowStore`; 128 bf16
+    channels are 16 lanes, two rows per instruction), or split the columns among themselves (True:
+    for sums down the columns that cross no warp where there are columns enough, `add_channel_sums`)."""
     if rows & (rows - 1) or columns & (columns - 1):
-        raise ValueError(f"row_store_layout takes a tile of powers of two, got {rows} x {columns}")
+        raise ValueError(f"staged_tile_layout takes a tile of powers of two, got {rows} x {columns}")
     vector = 16 // element_size
     while vector > 1 and rows * columns < vector * 32 * num_warps:
         vector //= 2
-    lanes_across = min(32, max(1, columns // vector))
-    lanes_down = 32 // lanes_across
-    return gl.BlockedLayout([max(1, rows // (lanes_down * num_warps)), vector], [lanes_down, lanes_across],
-                            [num_warps, 1], [1, 0])
+    warps_across = min(num_warps, max(1, columns // vector)) if split_columns else 1
+    lanes_across = min(32, max(1, columns // warps_across // vector))
+    lanes_down, warps_down = 32 // lanes_across, num_warps // warps_across
+    return gl.BlockedLayout([max(1, rows // (lanes_down * warps_down)), vector], [lanes_down, lanes_across],
+                            [warps_down, warps_across], [1, 0])
 
 
 # %% Per-channel statistics from the epilogue (lesson 05's epilogue, for lesson 06's BatchNorm) ---
@@ -1384,7 +1389,7 @@ def check_channel_stats(stats, Co, device, split_k=1, out_window=None):
     """ValueError/TypeError unless `stats` can take a conv's per-channel sums: an fp32 tensor of shape
     [2, Co], contiguous, on the output's device, that the epilogue adds each output channel's sum
     (row 0) and sum of squares (row 1) into, every program of the kernel into the same two rows
-    (`ChannelSums`). A config without split-K (its slices are partial sums: the squares of a whole
+    (`add_channel_sums`). A config without split-K (its slices are partial sums: the squares of a whole
     sum are not the sum of their squares) and no out_window (a window drops the pixels it crops,
     which the statistics would still count)."""
     if not isinstance(stats, torch.Tensor):
@@ -1414,47 +1419,24 @@ def check_epilogue_destinations(out_window, channel_stats, geometry, dtype, devi
     return None if out_window is None else out_window.kernel_args(), channel_stats
 
 
-@gluon.constexpr_function
-def column_sum_layout(rows, columns, element_size, num_warps):
-    """A register layout for summing a staged [rows, columns] tile down its columns: each thread
-    reads 16-byte vectors of a row, the warps split the columns among themselves (so no sum crosses
-    a warp where there are columns enough), and a warp's lanes take the columns, then the rows.
-    (Shorter vectors where the tile is too small to give every thread a 16-byte one: no element
-    is held twice.)"""
-    if rows & (rows - 1) or columns & (columns - 1):
-        raise ValueError(f"column_sum_layout takes a tile of powers of two, got {rows} x {columns}")
-    vector = 16 // element_size
-    while vector > 1 and rows * columns < vector * 32 * num_warps:
-        vector //= 2
-    warps_across = min(num_warps, max(1, columns // vector))
-    lanes_across = min(32, max(1, columns // warps_across // vector))
-    lanes_down, warps_down = 32 // lanes_across, num_warps // warps_across
-    return gl.BlockedLayout([max(1, rows // (lanes_down * warps_down)), vector], [lanes_down, lanes_across],
-                            [warps_down, warps_across], [1, 0])
-
-
-@gluon.aggregate
-class ChannelSums:
-    """The kernel's side of `channel_stats`: fp32 [2, Co], zeroed, that every program adds its tiles'
-    per-channel sums into (lesson 06, section 10)."""
-    ptr: gl.tensor
-
-    @gluon.jit
-    def add(self, staged, m0, co0, M, Co):
-        """Add the per-channel sum and sum of squares of a tile of the output, staged in shared memory
-        (`staged`: rows are output pixels m0, m0+1, ... of which those < M count; columns channels
-        co0, co0+1, ... of which those < Co count), into rows 0 and 1: fp32, atomically (tiles arrive
-        in any order, so the last bits vary run to run). Read back in `column_sum_layout`, each thread
-        sums its rows, then a warp's lanes, seldom warps."""
-        ROWS: gl.constexpr = staged.shape[0]
-        COLUMNS: gl.constexpr = staged.shape[1]
-        layout: gl.constexpr = column_sum_layout(ROWS, COLUMNS, staged.dtype.primitive_bitwidth // 8, gl.num_warps())
-        values = staged.load(layout).to(gl.float32)
-        pixels = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-        channels = co0 + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout))
-        counted = gl.where(gl.expand_dims(pixels < M, 1), values, 0.0)
-        inside = channels < Co
-        # (relaxed: nothing else is ordered by these adds; one thread adds each channel's value, Triton masks
-        # the threads that hold copies of it)
-        gl.atomic_add(self.ptr + channels, gl.sum(counted, axis=0), mask=inside, sem="relaxed")
-        gl.atomic_add(self.ptr + Co + channels, gl.sum(counted * counted, axis=0), mask=inside, sem="relaxed")
+@gluon.jit
+def add_channel_sums(stats_ptr, staged, m0, co0, M, Co):
+    """Add the per-channel sum and sum of squares of a tile of the output, staged in shared memory
+    (`staged`: rows are output pixels m0, m0+1, ... of which those < M count; columns channels co0,
+    co0+1, ... of which those < Co count), into rows 0 and 1 of `channel_stats`, fp32 [2, Co],
+    zeroed, that every program adds into (lesson 06, section 10): atomically (tiles arrive in any
+    order, so the last bits vary run to run). Read back in `staged_tile_layout` with the columns
+    split among the warps, each thread sums its rows, then a warp's lanes, seldom warps."""
+    ROWS: gl.constexpr = staged.shape[0]
+    COLUMNS: gl.constexpr = staged.shape[1]
+    layout: gl.constexpr = staged_tile_layout(ROWS, COLUMNS, staged.dtype.primitive_bitwidth // 8, gl.num_warps(),
+                                              True)
+    values = staged.load(layout).to(gl.float32)
+    pixels = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    channels = co0 + gl.arange(0, COLUMNS, layout=gl.SliceLayout(0, layout))
+    counted = gl.where(gl.expand_dims(pixels < M, 1), values, 0.0)
+    inside = channels < Co
+    # (relaxed: nothing else is ordered by these adds; one thread adds each channel's value, Triton masks the
+    # threads that hold copies of it)
+    gl.atomic_add(stats_ptr + channels, gl.sum(counted, axis=0), mask=inside, sem="relaxed")
+    gl.atomic_add(stats_ptr + Co + channels, gl.sum(counted * counted, axis=0), mask=inside, sem="relaxed")
