@@ -459,9 +459,12 @@ if __name__ == "__main__":
 # us where they had taken 168 (2026-11-26, torch.profiler; results/notebook.md). On sm_100 the
 # tensor-memory load already gave each thread 16-byte pieces of one pixel, but a warp instruction
 # spread over 32 pixels; it takes the same path (compiled and checked ahead of time, not run).
-# The 16-byte vectors need the compiler to know that Co is a multiple of 8 elements; it knows only
-# multiples of 16, so where dX has 8 (mod 16) channels (24, 40, 72, ...) the sm_90 build stores 2
-# bytes at a time (results/notebook.md, 2026-11-26, says how to tell it more; not yet measured).
+# The 16-byte vectors need the compiler to know that Co and the view's strides are multiples of 8
+# elements; Triton assumes only multiples of 16 of an integer argument, so where dX had 8 (mod 16)
+# channels (24, 40, 72, ...) the build stored 2 bytes at a time. `WindowStore.offsets` writes them
+# as `Co // 8 * 8` (bf16), equal to Co where `window_storable` holds, which now also asks for a
+# whole number of 16-byte vectors of channels (a test in section 7 checks the 24- and 40-channel
+# builds).
 # Where dX's pixels are not 16-byte aligned (Ci * element size not a multiple of 16), or the config
 # splits K (section 7 of lesson 05: its second kernel stores densely), the phase's output is
 # computed densely and copied in. The pixels of the phases that no tap reaches are zeros, written
@@ -1657,6 +1660,14 @@ def aot_phase_conv(arch, N=2, H=16, W=16, Ci=64, Co=128):
     dx = torch.empty(N, 2 * H, 2 * W, Co, dtype=torch.bfloat16)
     window = common.OutputWindow(dx[:, ::2, ::2][:, :H - 1], crop_h=1)
     return lesson05.aot_conv2d_fprop(arch, N, H, W, Ci, Co, out_window=window)
+
+
+@pytest.mark.parametrize("arch", list(TAUGHT_PTX))
+@pytest.mark.parametrize("Co", [24, 40])
+def test_phase_build_stores_16_byte_vectors_with_8_mod_16_channels(arch, Co):
+    # WindowStore.offsets tells the compiler Co and the strides are multiples of 8 elements: 16-byte stores
+    built = common.aot_compile_or_skip("06-conv-backward", "aot_phase_conv", arch, Co=Co)
+    assert common.ptx_instructions(built["ptx"], ["st.global", "st.global.v4"]) == {"st.global": 16, "st.global.v4": 16}
 
 
 @pytest.mark.parametrize("arch", list(TAUGHT_PTX))

@@ -1292,9 +1292,11 @@ class OutputWindow(NamedTuple):
 
 
 def window_storable(view):
-    """Whether a kernel can store into `view` pixel by pixel: channels contiguous, every pixel 16-byte aligned."""
+    """Whether a kernel can store into `view` pixel by pixel in 16-byte vectors: channels contiguous,
+    every pixel 16-byte aligned, and a whole number of 16-byte vectors of channels."""
     lanes = 16 // view.element_size()
-    return view.stride(-1) == 1 and not any(s % lanes for s in view.stride()[:-1]) and view.data_ptr() % 16 == 0
+    return view.stride(-1) == 1 and not any(s % lanes for s in view.stride()[:-1]) and view.data_ptr() % 16 == 0 \
+        and view.shape[-1] % lanes == 0
 
 
 def check_output_window(window, geometry, dtype, device, split_k=1):
@@ -1314,8 +1316,9 @@ def check_output_window(window, geometry, dtype, device, split_k=1):
     if view.dtype != dtype or view.device != device:
         raise ValueError(f"out_window.view is {view.dtype} on {view.device}; the output is {dtype} on {device}")
     if not window_storable(view):
-        raise ValueError(f"out_window.view has strides {view.stride()} at address {view.data_ptr():#x}: its "
-                         f"channels must be contiguous and its pixels 16-byte aligned")
+        raise ValueError(f"out_window.view has shape {tuple(view.shape)} and strides {view.stride()} at address "
+                         f"{view.data_ptr():#x}: its channels must be contiguous, its pixels 16-byte aligned and "
+                         f"its channels a whole number of 16-byte vectors")
     if min(crop) < 0 or crop[0] + view.shape[1] > g.out_h or crop[1] + view.shape[2] > g.out_w:
         raise ValueError(f"out_window crops ({crop[0]}, {crop[1]}) and {view.shape[1]} x {view.shape[2]} pixels "
                          f"from an output of {g.out_h} x {g.out_w}; they must lie inside it")
@@ -1342,10 +1345,16 @@ class WindowStore:
         y = pixels // self.out_w % self.out_h - self.crop_h
         x = pixels % self.out_w - self.crop_w
         n = pixels // (self.out_w * self.out_h)
-        at = n.to(gl.int64) * self.stride_n + y.to(gl.int64) * self.stride_h + x.to(gl.int64) * self.stride_w
+        # The strides and Co are multiples of a 16-byte vector's elements (`window_storable`); written so, the
+        # compiler knows it too, and stores 16-byte vectors where it would otherwise know only a multiple of 16
+        # elements (Triton's assumption for an integer argument) and store element by element.
+        VECTOR: gl.constexpr = 128 // self.ptr.dtype.element_ty.primitive_bitwidth
+        at = (n.to(gl.int64) * (self.stride_n // VECTOR * VECTOR)
+              + y.to(gl.int64) * (self.stride_h // VECTOR * VECTOR)
+              + x.to(gl.int64) * (self.stride_w // VECTOR * VECTOR))
         kept = (pixels < M) & (y >= 0) & (y < self.rows) & (x >= 0) & (x < self.cols)
         return (gl.expand_dims(at, 1) + gl.expand_dims(channels, 0),
-                gl.expand_dims(kept, 1) & gl.expand_dims(channels < Co, 0))
+                gl.expand_dims(kept, 1) & gl.expand_dims(channels < Co // VECTOR * VECTOR, 0))
 
     @gluon.jit
     def store(self, tile, staging, m0, co0, M, Co):

@@ -198,3 +198,13 @@ def test_output_window_takes_a_strided_cropped_view():
     geometry = common.conv_geometry((2, 5, 4, 16), (8, 1, 1, 16))          # output [2, 5, 4, 8]
     view = torch.zeros(2, 7, 6, 8)[:, 1::2, ::2][:, :3, :2]
     common.check_output_window(common.OutputWindow(view, 2, 2), geometry, torch.float32, torch.device("cpu"))
+
+
+def test_output_window_refuses_channels_short_of_a_16_byte_vector():
+    # 6 fp32 channels in pixels 8 apart: every pixel is 16-byte aligned, but its channels end mid-vector, and the
+    # kernel stores whole 16-byte vectors of channels (WindowStore.offsets)
+    geometry = common.conv_geometry((2, 3, 2, 16), (6, 1, 1, 16))          # output [2, 3, 2, 6]
+    view = torch.zeros(2, 3, 2, 8)[..., :6]
+    assert not common.window_storable(view) and common.window_storable(torch.zeros(2, 3, 2, 8))
+    with pytest.raises(ValueError, match="whole number of 16-byte vectors"):
+        common.check_output_window(common.OutputWindow(view), geometry, torch.float32, torch.device("cpu"))
