@@ -737,7 +737,8 @@ def dgrad(dy_nhwc, w, geometry, fprop, fold=None, phases=None):
 #         A^T = load(dy2d, [p0, co0])                                   # [BLOCK_K, BLOCK_M], M-major
 #         B = im2col_load(x, [n, y, x, c0], offsets=[r*dh, s*dw])       # [BLOCK_K, BLOCK_N], N-major
 #         acc += A @ B                                                  # A = (A^T)^T, a view
-#     partial[split, co0:co0+BLOCK_M, tap, c0:c0+BLOCK_N] = acc         # masked: co < Co, ci < Ci
+#     if split < 0:   dW[co0:co0+BLOCK_M, tap, c0:c0+BLOCK_N] = acc    # a whole tile; masked: co < Co, ci < Ci
+#     else:           partial[split, tile] = acc                        # a slice (section 5), fp32
 #
 # The edges take care of themselves. The last pixel block runs past the last pixel: its dY rows
 # lie outside the tensor, so TMA fills them with zeros, and whatever the im2col box holds there
@@ -746,8 +747,8 @@ def dgrad(dy_nhwc, w, geometry, fprop, fold=None, phases=None):
 
 WgradShape = collections.namedtuple(
     "WgradShape",   # the kernel's run-time integers, by name; Im2colWindow reads Ci_group, Co_group, out_h ... pad_w
-    "Co Ci_group Co_group taps S num_pid_m num_pid_n ci_blocks k_blocks split_k out_h out_w stride_h stride_w pad_h "
-    "pad_w dil_h dil_w")
+    "Co Ci_group Co_group taps S num_pid_m num_pid_n ci_blocks k_blocks split_k whole_tiles split_tiles out_h out_w "
+    "stride_h stride_w pad_h pad_w dil_h dil_w")
 
 
 @gluon.aggregate
@@ -766,21 +767,33 @@ class WgradUnit:
     c0: Int           # first input channel (within its group: dW's column)
     k_begin: Int      # the unit's pixel blocks, BLOCK_K pixels each
     k_end: Int
-    split: Int        # which slice of the pixels (section 5)
+    split: Int        # which slice of the pixels (section 5); -1: a tile run whole
+    tile: Int         # the tile's number: tiles past whole_tiles have a place in the workspace
 
 
 @gluon.jit
-def wgrad_work_unit(unit, shape, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    # (co0, tap, c0, k_begin, k_end, split) of a unit. Units of one slice are numbered together, so
-    # the programs running side by side read the same pixels of dY and x (from L2), and within a
-    # slice the tiles of one tap's channel block, which share an im2col box, are neighbours.
-    tiles = shape.num_pid_m * shape.num_pid_n
-    split = unit // tiles
-    pid_m = unit % tiles % shape.num_pid_m
-    pid_n = unit % tiles // shape.num_pid_m          # (tap, channel block)
-    k_begin = split * shape.k_blocks // shape.split_k
-    k_end = (split + 1) * shape.k_blocks // shape.split_k
-    return (pid_m * BLOCK_M, pid_n // shape.ci_blocks, pid_n % shape.ci_blocks * BLOCK_N, k_begin, k_end, split)
+def wgrad_work_unit(unit, shape):
+    # (tile, k_begin, k_end, split) of a unit. Units [0, whole_tiles) are tiles run
+    # whole (split -1); after them come split_k slices of each of the other split_tiles tiles (section
+    # 5), the units of one slice numbered together, so the programs running side by side read the
+    # same pixels of dY and x (from L2). Written without branches, as lesson 05's TileSchedule.work:
+    # `sliced` is 1 for a slice, 0 for a whole tile.
+    sliced = unit >= shape.whole_tiles
+    slice_unit = unit - shape.whole_tiles
+    split = (slice_unit // shape.split_tiles + 1) * sliced - 1
+    tile = unit + (shape.whole_tiles + slice_unit % shape.split_tiles - unit) * sliced
+    k_begin = split * shape.k_blocks // shape.split_k * sliced
+    k_end = shape.k_blocks + ((split + 1) * shape.k_blocks // shape.split_k - shape.k_blocks) * sliced
+    return tile, k_begin, k_end, split
+
+
+@triton.jit
+def wgrad_tile_origin(tile, num_pid_m, ci_blocks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # (co0, tap, c0) of a tile of dW; the tiles of one tap's channel block, which share an im2col box,
+    # are neighbours. The kernel and section 5's sum (a plain Triton kernel) both call it.
+    pid_m = tile % num_pid_m
+    pid_n = tile // num_pid_m          # (tap, channel block)
+    return pid_m * BLOCK_M, pid_n // ci_blocks, pid_n % ci_blocks * BLOCK_N
 
 
 @gluon.jit
@@ -803,6 +816,8 @@ class WgradSchedule:
     ci_blocks: Int
     k_blocks: Int
     split_k: Int
+    whole_tiles: Int
+    split_tiles: Int
     dil_h: Int
     dil_w: Int
     BLOCK_M: gl.constexpr
@@ -810,12 +825,19 @@ class WgradSchedule:
 
     @gluon.jit
     def num_units(self):
-        return self.num_pid_m * self.num_pid_n * self.split_k
+        return wgrad_unit_count(self.num_pid_m * self.num_pid_n, self.whole_tiles, self.split_k)
 
     @gluon.jit
     def work(self, unit):
-        co0, tap, c0, k_begin, k_end, split = wgrad_work_unit(unit, self, self.BLOCK_M, self.BLOCK_N)
-        return WgradUnit(co0, tap, c0, k_begin, k_end, split)
+        tile, k_begin, k_end, split = wgrad_work_unit(unit, self)
+        co0, tap, c0 = wgrad_tile_origin(tile, self.num_pid_m, self.ci_blocks, self.BLOCK_M, self.BLOCK_N)
+        return WgradUnit(co0, tap, c0, k_begin, k_end, split, tile)
+
+
+@triton.jit
+def wgrad_unit_count(tiles, whole_tiles, split_k):
+    # whole tiles, plus split_k slices of each other tile (the kernel and the host call this one function)
+    return whole_tiles + (tiles - whole_tiles) * split_k
 
 
 @gluon.jit
@@ -845,21 +867,26 @@ def wgrad_loader_partition(dy_desc, x_desc, ring, schedule, window):
 
 
 @gluon.jit
-def store_partial_tile(acc, partial_ptr, shape, work):
-    # partial[split, co0:co0+BLOCK_M, tap, c0:c0+BLOCK_N] = acc, for co < Co and ci < Ci: fp32, in
-    # the accumulator's own register layout (as lesson 05's split-K store).
+def store_wgrad_tile(acc, dw_ptr, partial_ptr, shape, work):
+    # In the accumulator's own register layout (as lesson 05's split-K store). A whole tile:
+    # dW[co0:co0+BLOCK_M, tap, c0:c0+BLOCK_N] = acc in dW's dtype, for co < Co and ci < Ci. A slice:
+    # partial[split, tile - whole_tiles] = acc, the whole fp32 tile (section 5's sum masks the edges).
     BLOCK_M: gl.constexpr = acc.type.shape[0]
     BLOCK_N: gl.constexpr = acc.type.shape[1]
-    rows = work.co0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
-    channels = work.c0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
-    row_starts = (work.split * shape.Co + rows).to(gl.int64) * (shape.taps * shape.Ci_group)
-    offsets = gl.expand_dims(row_starts, 1) + gl.expand_dims(work.tap * shape.Ci_group + channels, 0)
-    inside = gl.expand_dims(rows < shape.Co, 1) & gl.expand_dims(channels < shape.Ci_group, 0)
-    gl.store(partial_ptr + offsets, acc, mask=inside)
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+    if work.split < 0:
+        row_starts = (work.co0 + rows).to(gl.int64) * (shape.taps * shape.Ci_group)
+        offsets = gl.expand_dims(row_starts, 1) + gl.expand_dims(work.tap * shape.Ci_group + work.c0 + cols, 0)
+        inside = gl.expand_dims(work.co0 + rows < shape.Co, 1) & gl.expand_dims(work.c0 + cols < shape.Ci_group, 0)
+        gl.store(dw_ptr + offsets, acc.to(dw_ptr.dtype.element_ty), mask=inside)
+    else:
+        tile_start = (work.split * shape.split_tiles + work.tile - shape.whole_tiles).to(gl.int64) * (BLOCK_M * BLOCK_N)
+        gl.store(partial_ptr + tile_start + gl.expand_dims(rows * BLOCK_N, 1) + gl.expand_dims(cols, 0), acc)
 
 
 @gluon.jit
-def wgrad_hopper_partition(ring, schedule, partial_ptr):
+def wgrad_hopper_partition(ring, schedule, dw_ptr, partial_ptr):
     # Hopper: MMAs and the store in one warpgroup (lesson 05's consumer, one tile at a time). Every
     # unit has at least one k-step (the host keeps split_k <= k_blocks).
     BLOCK_M: gl.constexpr = ring.dy_bufs.shape[2]
@@ -879,7 +906,7 @@ def wgrad_hopper_partition(ring, schedule, partial_ptr):
         mma = mma.wait_num_outstanding(0)
         mbarrier.arrive(ring.empty.index(state.previous_slot()))
         acc, mma = mma.take_result()
-        store_partial_tile(acc, partial_ptr, schedule, work)
+        store_wgrad_tile(acc, dw_ptr, partial_ptr, schedule, work)
 
 
 @gluon.jit
@@ -904,7 +931,7 @@ def wgrad_blackwell_mma_partition(ring, schedule, acc):
 
 
 @gluon.jit
-def wgrad_blackwell_epilogue_partition(schedule, acc, partial_ptr):
+def wgrad_blackwell_epilogue_partition(schedule, acc, dw_ptr, partial_ptr):
     acc_state = common.Counter(gl.to_tensor(0), acc.NUM_ACC)
     for unit in range(gl.program_id(0), schedule.num_units(), gl.num_programs(0)):
         work = schedule.work(unit)
@@ -912,12 +939,12 @@ def wgrad_blackwell_epilogue_partition(schedule, acc, partial_ptr):
         mbarrier.wait(acc.ready.index(buf), acc_state.phase())
         tile = acc.tmem.index(buf).load()            # TMEM -> registers
         mbarrier.arrive(acc.empty.index(buf))
-        store_partial_tile(tile, partial_ptr, schedule, work)
+        store_wgrad_tile(tile, dw_ptr, partial_ptr, schedule, work)
         acc_state = acc_state.next()
 
 
 @gluon.jit
-def conv2d_wgrad_kernel(dy_desc, x_desc, partial_ptr, shape, NUM_BUFFERS: gl.constexpr,
+def conv2d_wgrad_kernel(dy_desc, x_desc, dw_ptr, partial_ptr, shape, NUM_BUFFERS: gl.constexpr,
                         IS_BLACKWELL: gl.constexpr):
     dtype: gl.constexpr = x_desc.dtype
     BLOCK_K: gl.constexpr = dy_desc.block_type.shape[0]     # pixels per k-step
@@ -927,10 +954,10 @@ def conv2d_wgrad_kernel(dy_desc, x_desc, partial_ptr, shape, NUM_BUFFERS: gl.con
     x_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_K, BLOCK_N], x_desc.layout)
     ready, empty = common.allocate_barrier_pairs(NUM_BUFFERS)
     ring = WgradRing(dy_bufs, x_bufs, ready, empty, NUM_BUFFERS)
-    (Co, Ci_group, Co_group, taps, S, num_pid_m, num_pid_n, ci_blocks, k_blocks, split_k, out_h, out_w, stride_h,
-     stride_w, pad_h, pad_w, dil_h, dil_w) = shape
-    schedule = WgradSchedule(Co, Ci_group, taps, S, num_pid_m, num_pid_n, ci_blocks, k_blocks, split_k, dil_h, dil_w,
-                             BLOCK_M, BLOCK_N)
+    (Co, Ci_group, Co_group, taps, S, num_pid_m, num_pid_n, ci_blocks, k_blocks, split_k, whole_tiles, split_tiles,
+     out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w) = shape
+    schedule = WgradSchedule(Co, Ci_group, taps, S, num_pid_m, num_pid_n, ci_blocks, k_blocks, split_k, whole_tiles,
+                             split_tiles, dil_h, dil_w, BLOCK_M, BLOCK_N)
     # lesson 05's window: its pixel_box_origin, and (grouped convs) its group_channel
     window = lesson05.Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group, S,
                                    ci_blocks)
@@ -941,13 +968,13 @@ def conv2d_wgrad_kernel(dy_desc, x_desc, partial_ptr, shape, NUM_BUFFERS: gl.con
         acc_ready, acc_empty = common.allocate_barrier_pairs(NUM_ACC)
         acc = lesson05.TmemAccumulators(acc_tmem, acc_tmem, acc_ready, acc_empty, NUM_ACC)   # (no tail)
         gl.warp_specialize([
-            (wgrad_blackwell_epilogue_partition, (schedule, acc, partial_ptr)),
+            (wgrad_blackwell_epilogue_partition, (schedule, acc, dw_ptr, partial_ptr)),
             (wgrad_blackwell_mma_partition, (ring, schedule, acc)),
             (wgrad_loader_partition, (dy_desc, x_desc, ring, schedule, window)),
         ], [1, 1], [24, 24])
     else:
         gl.warp_specialize([
-            (wgrad_hopper_partition, (ring, schedule, partial_ptr)),
+            (wgrad_hopper_partition, (ring, schedule, dw_ptr, partial_ptr)),
             (wgrad_loader_partition, (dy_desc, x_desc, ring, schedule, window)),
         ], [1], [24])
 
@@ -957,34 +984,53 @@ def conv2d_wgrad_kernel(dy_desc, x_desc, partial_ptr, shape, NUM_BUFFERS: gl.con
 # -----------------------------------------------------------
 # wgrad's tiles are few and its K is long. ResNet-50's 3x3 64->64 convs at batch 128 have
 # 1 x 9 x 1 = 9 tiles of 64 x 64 (BLOCK_N 64 for 64 channels) for an H100's 132 SMs, each summing
-# 128 x 56 x 56 = 401,408 pixels: without a split, 123 SMs would idle. So the pixels of every tile
-# are cut into split_k slices, each slice of each tile a unit of work; a unit writes its fp32
-# partial sum to a workspace partial[split, Co, R*S*Ci] instead of dW, and a second kernel adds the
-# slices and casts.
+# 128 x 56 x 56 = 401,408 pixels: without a split, 123 SMs would idle. So the pixels of a tile are
+# cut into split_k slices, each slice a unit of work; a slice writes its fp32 partial sum to a
+# workspace partial[split, tile, BLOCK_M, BLOCK_N] instead of dW, and a second kernel adds the
+# slices, casts, and stores the tile into dW.
 #
-# How many slices: a unit's partial tile costs 4 bytes per element to write and 4 to read back,
-# against 2 * BLOCK_K = 128 FLOPs per element and k-step, so a slice of 32 k-steps or more does at
-# least 512 FLOPs per byte of workspace traffic, above an H100 SXM's ratio of bf16 FLOPs to HBM
-# bytes (its datasheet's dense 989 TFLOPS / 3.35 TB/s = 295). Among the split counts that keep
-# slices that long (and at most 64), `choose_split_k` takes the one whose units fill the SMs' waves
-# best (units / (waves * SMs)): the fewest slices within 5% of the best fill. That is arithmetic,
-# not a measurement: no other split has been timed against it, so whether 32 k-steps, 64 slices
-# and 5% are good choices is not measured yet (benchmarks/backward_layers.py records the split each
-# layer got, `wgrad_split_k`).
+# Which tiles to split is lesson 05's rule (its section 7): with P programs, the tiles of the full
+# waves (`whole_tile_count`: tiles // P * P) run whole, store straight into dW and need no
+# workspace; only the tiles of the last, partial wave are split. Splitting every tile instead costs
+# on both sides when there are more tiles than SMs: ResNet-50's 7x7 512->512 3x3 has 144 tiles of
+# 128 x 128 for 132 SMs and 98 k-steps per tile; cut into 3 slices each, its 432 units ran as 4
+# waves of 33 k-steps and wrote and read back 3 x 9.4 MB of fp32 partials. Now 132 tiles run whole
+# (98 k-steps) and the other 12 are cut into 11 slices of 9 k-steps, one more wave, whose
+# workspace is 12 x 11 tiles of 64 KB.
 #
-# The second kernel adds partial[0] + partial[1] + ... in that order, for every element.
-# Floating-point addition is not associative, so the order is what makes the result reproducible:
-# summing with atomics would add the slices in whatever order they finish, and could give other
-# bits on the next run. Here each element's sum is fixed by the shapes and the GPU's SM count
-# (which sets split_k): the k-steps of a slice in order, the slices in order. On one GPU, dW is
-# the same on every run.
+# How many slices (`choose_split_k`):
+# - With fewer tiles than SMs, every tile is split. A slice's partial tile costs 4 bytes per element
+#   to write and 4 to read back, against 2 * BLOCK_K = 128 FLOPs per element and k-step, so a slice
+#   of 32 k-steps or more does at least 512 FLOPs per byte of workspace traffic, above an H100 SXM's
+#   ratio of bf16 FLOPs to HBM bytes (its datasheet's dense 989 TFLOPS / 3.35 TB/s = 295). Among the
+#   split counts that keep slices that long (and at most 64), it takes the one whose units fill the
+#   SMs' waves best (units / (waves * SMs)): the fewest slices within 5% of the best fill.
+# - With at least as many tiles as SMs, the r tiles past the full waves get as many slices as fill
+#   one wave, P // r (at most one per k-step); none if r is more than half the SMs, where two slices
+#   each would already need a second wave. These slices may be short: they are one wave's work,
+#   and their workspace is at most one wave of partial tiles.
+#
+# Both are arithmetic on the shape. What timing says (results/notebook.md, 2026-11-26): on
+# ResNet-50's layers with fewer tiles than SMs, no split count timed on an H100 beat the chosen
+# one by more than 3%.
+#
+# The second kernel adds partial[0] + partial[1] + ... in that order, for every element of a split
+# tile. Floating-point addition is not associative, so the order is what makes the result
+# reproducible: summing with atomics would add the slices in whatever order they finish, and could
+# give other bits on the next run. Here each element's sum is fixed by the shapes and the GPU's SM
+# count (which sets the split): the k-steps of a slice in order, the slices in order. On one GPU,
+# dW is the same on every run.
 
 MIN_K_STEPS_PER_SLICE = 32
 
 
 def choose_split_k(tiles, k_blocks, num_sms):
-    """Slices of the pixels per tile: the fewest within 5% of the best wave fill; slices of 32 k-steps
-    or more, 64 slices at most."""
+    """Slices per split tile: with fewer tiles than SMs, the fewest within 5% of the best wave fill,
+    slices of 32 k-steps or more, 64 at most; otherwise as many as fill one wave with the tiles past
+    the full waves (1 if there are none, or more than half a wave of them)."""
+    if tiles >= num_sms:
+        rest = tiles % num_sms
+        return max(1, min(k_blocks, num_sms // rest)) if rest else 1
     candidates = range(1, max(1, min(k_blocks // MIN_K_STEPS_PER_SLICE, 64)) + 1)
     # (-(-a // b): ceiling division; triton.cdiv costs microseconds per call on the host, 64 calls here)
     fill = {s: tiles * s / (-(-tiles * s // num_sms) * num_sms) for s in candidates}
@@ -992,45 +1038,74 @@ def choose_split_k(tiles, k_blocks, num_sms):
     return min(s for s in candidates if fill[s] >= 0.95 * best)
 
 
+def wgrad_split(tiles, split_k, num_sms):
+    """(programs, whole tiles, split tiles) of a launch: the persistent grid, and lesson 05's rule for
+    which tiles run whole."""
+    programs = min(num_sms, tiles * split_k)
+    whole_tiles = lesson05.whole_tile_count.fn(tiles, programs, split_k)
+    return programs, whole_tiles, tiles - whole_tiles
+
+
 @triton.jit
-def wgrad_split_k_sum_kernel(partial_ptr, dw_ptr, numel, split_k, BLOCK: tl.constexpr):
-    # dw = partial[0] + partial[1] + ... + partial[split_k - 1], in that order, cast to dw's dtype
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < numel
+def wgrad_split_k_sum_kernel(partial_ptr, dw_ptr, Co, Ci_group, taps, num_pid_m, ci_blocks, whole_tiles, split_tiles,
+                             split_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr):
+    # Split tile whole_tiles + program_id(0) of dW: partial[0] + partial[1] + ... + partial[split_k - 1]
+    # of that tile, in that order, cast to dW's dtype and stored where the tile lies (co < Co, ci < Ci)
+    index = tl.program_id(0)
+    co0, tap, c0 = wgrad_tile_origin(whole_tiles + index, num_pid_m, ci_blocks, BLOCK_M, BLOCK_N)
+    elements = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)          # of the tile, row by row
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for _ in range(split_k):
-        acc += tl.load(partial_ptr + offsets, mask=inside, other=0.0)
-        partial_ptr += numel
-    tl.store(dw_ptr + offsets, acc.to(dw_ptr.dtype.element_ty), mask=inside)
+    for split in range(split_k):
+        acc += tl.load(partial_ptr + (split * split_tiles + index).to(tl.int64) * (BLOCK_M * BLOCK_N) + elements)
+    rows, cols = co0 + elements // BLOCK_N, c0 + elements % BLOCK_N
+    offsets = rows.to(tl.int64) * (taps * Ci_group) + tap * Ci_group + cols
+    tl.store(dw_ptr + offsets, acc.to(dw_ptr.dtype.element_ty), mask=(rows < Co) & (cols < Ci_group))
 
 
-def sum_partials_launch(partial, dw):
-    """(grid, args, constexprs) of the second kernel adding the workspace's slices into dw."""
-    # 256 values per program, so that a small dW still spreads over many SMs (a 1x1 conv's 64x64 dW:
-    # 16 programs, where 1024 per program gave 4, each looping over every slice); not timed against 1024
-    return (-(-dw.numel() // 256),), (partial, dw, dw.numel(), partial.shape[0]), dict(BLOCK=256)
+def sum_partials_launch(launch, dw):
+    """(grid, args, constexprs) of the second kernel: the workspace's slices added into dw's split tiles."""
+    s, (block_m, block_n) = launch.shape, launch.config[:2]
+    # 256 values per program, so that a few split tiles still spread over many SMs (not timed against other sizes)
+    block = min(256, block_m * block_n)
+    grid = (launch.partial.shape[1], block_m * block_n // block)
+    args = (launch.partial, dw, s.Co, s.Ci_group, s.taps, s.num_pid_m, s.ci_blocks, s.whole_tiles, s.split_tiles,
+            s.split_k)
+    return grid, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=block)
 
 
-def sum_partials(partial, dtype):
-    """dW [Co, R*S*Ci] in `dtype` from the workspace [split_k, Co, R*S*Ci] (the interpreter on a CPU)."""
-    dw = torch.empty(partial.shape[1:], device=partial.device, dtype=dtype)
-    grid, args, constexprs = sum_partials_launch(partial, dw)
+def sum_partials(launch, dw):
+    """dW's split tiles, in dw [Co, R*S*Ci], from the workspace [split_k, split tiles, BLOCK_M, BLOCK_N]
+    (the interpreter on a CPU); the whole tiles' parts of dw are left as they are."""
+    grid, args, constexprs = sum_partials_launch(launch, dw)
     wgrad_split_k_sum_kernel[grid](*args, **constexprs)
     return dw
 
 
 def test_split_k_sum_adds_the_slices_in_order():
-    """Bit for bit: the second kernel's result is ((p0 + p1) + p2) + p3, rounded once."""
-    partial = torch.randn(4, 5, 37, generator=torch.Generator().manual_seed(0)).to(common.device()) * 100
-    in_order = ((partial[0] + partial[1]) + partial[2]) + partial[3]
-    assert torch.equal(sum_partials(partial, torch.float32), in_order)
-    rounded = sum_partials(partial, torch.bfloat16)
-    if common.interpreter_mode():
-        # Triton 3.9's interpreter casts fp32 to bf16 towards zero (checked: 231.6 -> 231), the GPU to
-        # the nearest value (cvt.rn): on a CPU the cast may land one bf16 step (2^-7 relative) lower
-        torch.testing.assert_close(rounded, in_order.to(torch.bfloat16), rtol=2 ** -7, atol=0)
-    else:
-        assert torch.equal(rounded, in_order.to(torch.bfloat16))
+    """Bit for bit: each split tile of dW is ((p0 + p1) + p2) + p3, rounded once, at the tile's place;
+    the whole tiles' parts of dW are left alone."""
+    x, _, dy, g = backward_inputs(2, 6, 7, 12, 20, 3, 2, 1, 1, 1, torch.float32, device_name="cpu")
+    # 24 tiles of 16 x 8 on 5 programs: 20 run whole, 4 are split in 4 slices
+    launch = prepare_wgrad(x, dy, g, WgradConfig(16, 8, 8, num_buffers=2, split_k=4, programs=5), "sm_90", 132)
+    s = launch.shape
+    assert (s.whole_tiles, s.split_tiles, launch.partial.shape[:2]) == (20, 4, (4, 4))
+    partial = torch.randn(launch.partial.shape, generator=torch.Generator().manual_seed(0)) * 100
+    launch = launch._replace(partial=partial.to(common.device()))
+    in_order = ((partial[0] + partial[1]) + partial[2]) + partial[3]          # [split tiles, 16, 8]
+    for dtype in (torch.float32, torch.bfloat16):
+        expected = torch.full((g.Co, s.taps, g.Ci_group), -7.0)
+        for index in range(s.split_tiles):
+            co0, tap, c0 = wgrad_tile_origin.fn(s.whole_tiles + index, s.num_pid_m, s.ci_blocks, 16, 8)
+            rows, cols = min(16, g.Co - co0), min(8, g.Ci_group - c0)
+            expected[co0:co0 + rows, tap, c0:c0 + cols] = in_order[index, :rows, :cols]
+        dw = sum_partials(launch, torch.full((g.Co, s.taps * g.Ci_group), -7.0, dtype=dtype, device=common.device()))
+        dw, expected = dw.cpu().view(expected.shape), expected.to(dtype)
+        if dtype == torch.bfloat16 and common.interpreter_mode():
+            # Triton 3.9's interpreter casts fp32 to bf16 towards zero (checked: 231.6 -> 231), the GPU to
+            # the nearest value (cvt.rn): on a CPU the cast may land one bf16 step (2^-7 relative) lower
+            torch.testing.assert_close(dw, expected, rtol=2 ** -7, atol=0)
+        else:
+            assert torch.equal(dw, expected)
 
 
 # %%
@@ -1040,11 +1115,16 @@ def test_split_k_sum_adds_the_slices_in_order():
 # ring's depth and the warps of the MMA/epilogue partition; `wgrad_config` picks 64-row tiles for
 # 64 output channels or fewer (else 128), and a channel block of the padded Ci rounded up to a
 # power of two, 16 to 128 wide (the stem's 3 channels, padded to 8, would get a 16-channel box;
-# the end of this section folds its stride into the channels first).
+# the end of this section folds its stride into the channels first). A tile of 128 x 64 or fewer
+# elements takes 128 pixels per k-step instead of 64: its MMA per k-step is small next to the
+# k-step's fixed costs (two barrier waits, two TMA issues, the box origin's three divisions), and
+# on an H100 the longer k-step was faster on every such layer of a tuning set that is not
+# ResNet-50 (ResNet-18, VGG-16 and Inception v3 convs: 11 of 11, up to 1.6x on 64->64 3x3 convs;
+# results/notebook.md, 2026-11-26).
 # `prepare_wgrad` builds what a launch needs (on CPU tensors too: the ahead-of-time compile and the
 # CPU model use it): x with its channels padded to 16 bytes (lesson 04) and its im2col descriptor,
 # dY as a 2-D [pixels, Co] tensor and its tiled descriptor (Co padded the same way where needed),
-# the slices, the workspace and the persistent grid.
+# the split (section 5), the workspace of the split tiles and the persistent grid.
 #
 # Grouped convs (lesson 05, section 10) take one line more in the kernel. Group k's filters read only x's
 # channels k*Ci/groups ... (k+1)*Ci/groups - 1, so dW is groups small wgrads side by side: rows
@@ -1068,7 +1148,8 @@ class WgradConfig(NamedTuple):
     block_k: int = 64       # pixels per k-step (its K)
     num_buffers: int = 4    # stages in the ring
     num_warps: int = 4      # warps of the MMA/epilogue partition
-    split_k: int = 0        # slices of the pixels; 0: choose_split_k's choice
+    split_k: int = 0        # slices of the pixels of a split tile; 0: choose_split_k's choice
+    programs: int = 0       # persistent programs; 0: one per SM (tests set fewer to have whole and split tiles)
 
 
 def channel_box(Ci, element_size=2):
@@ -1080,7 +1161,8 @@ def wgrad_config(Co, Ci_padded, groups=1):
     # grouped (Co / groups a multiple of 64: check_backward_call), a tile's rows stay in one group
     Co_group = Co // groups
     block_m = 64 if Co_group <= 64 or (groups > 1 and Co_group % 128) else 128
-    return WgradConfig(block_m, min(128, channel_box(Ci_padded // groups)))
+    block_n = min(128, channel_box(Ci_padded // groups))
+    return WgradConfig(block_m, block_n, 128 if block_m * block_n <= 128 * 64 else 64)
 
 
 def check_wgrad_config(config, arch):
@@ -1102,13 +1184,14 @@ class WgradLaunch(NamedTuple):
     grid: tuple
     dy_desc: object          # tiled descriptor of dY as [pixels, Co]
     x_desc: object           # im2col descriptor of x
-    partial: torch.Tensor    # the fp32 workspace [split_k, Co, R*S*Ci]
+    partial: torch.Tensor    # the fp32 workspace [split_k, split tiles, BLOCK_M, BLOCK_N]; None if no tile is split
     shape: WgradShape
     config: WgradConfig
     settings: object         # the im2col settings (common.ConvIm2ColSettings) of x_desc
 
-    def kernel_args(self):
-        return self.dy_desc, self.x_desc, self.partial, self.shape
+    def kernel_args(self, dw):
+        # dw: dW [Co, R*S*Ci] in x's dtype; where no tile is split, the workspace's pointer is dw's (never written)
+        return self.dy_desc, self.x_desc, dw, dw if self.partial is None else self.partial, self.shape
 
 
 def padded_to_16_bytes(t):
@@ -1149,14 +1232,17 @@ def prepare_wgrad(x_nhwc, dy_nhwc, geometry, config, arch, num_sms):
         pixel_box_upper_corner=list(settings.pixel_box_upper_corner))
     dy_desc = TensorDescriptor.from_tensor(dy_2d, dy_box, gl.NVMMASharedLayout.get_default_for(dy_box, gl_dtype))
     num_pid_m, ci_blocks, tiles, k_blocks = wgrad_tiles(g, config)
+    num_sms = config.programs or num_sms
     split_k = config.split_k or choose_split_k(tiles, k_blocks, num_sms)
     if not 1 <= split_k <= k_blocks:
         raise ValueError(f"split_k={split_k}: must lie in [1, {k_blocks}], the k-steps of {g.describe()}")
-    partial = torch.empty(split_k, g.Co, g.R * g.S * g.Ci_group, device=x_nhwc.device, dtype=torch.float32)
+    programs, whole_tiles, split_tiles = wgrad_split(tiles, split_k, num_sms)
+    partial = (torch.empty(split_k, split_tiles, config.block_m, config.block_n, device=x_nhwc.device,
+                           dtype=torch.float32) if split_tiles else None)
     shape = WgradShape(g.Co, g.Ci_group, g.Co_group, g.R * g.S, g.S, num_pid_m, g.R * g.S * ci_blocks, ci_blocks,
-                       k_blocks, split_k, g.out_h, g.out_w, *g.stride, *g.padding, *g.dilation)
-    return WgradLaunch((min(num_sms, tiles * split_k),), dy_desc, x_desc, partial, shape,
-                       config._replace(split_k=split_k), settings)
+                       k_blocks, split_k, whole_tiles, max(split_tiles, 1),     # (1 if none: a divisor in the kernel)
+                       g.out_h, g.out_w, *g.stride, *g.padding, *g.dilation)
+    return WgradLaunch((programs,), dy_desc, x_desc, partial, shape, config._replace(split_k=split_k), settings)
 
 
 def conv2d_wgrad_launch(x_nhwc, dy_nhwc, w_shape, stride=1, padding=0, dilation=1, groups=1, config=None):
@@ -1172,9 +1258,11 @@ def conv2d_wgrad_launch(x_nhwc, dy_nhwc, w_shape, stride=1, padding=0, dilation=
     g_run = problem.geometry
     launch = prepare_wgrad(wgrad_input(x_nhwc, problem), dy_nhwc, g_run, config, arch, num_sms)
     check_wgrad_config(launch.config, arch)
-    conv2d_wgrad_kernel[launch.grid](*launch.kernel_args(), **wgrad_kernel_options(launch.config, arch))
-    dw = sum_partials(launch.partial, x_nhwc.dtype).view(g_run.Co, g_run.R, g_run.S, g_run.Ci_group)
-    return wgrad_result(dw, g, problem)
+    dw = torch.empty(g_run.Co, g_run.R * g_run.S * g_run.Ci_group, device=x_nhwc.device, dtype=x_nhwc.dtype)
+    conv2d_wgrad_kernel[launch.grid](*launch.kernel_args(dw), **wgrad_kernel_options(launch.config, arch))
+    if launch.partial is not None:
+        sum_partials(launch, dw)
+    return wgrad_result(dw.view(g_run.Co, g_run.R, g_run.S, g_run.Ci_group), g, problem)
 
 
 def run_split_k_choices(num_sms=132, batch=128):
@@ -1185,16 +1273,22 @@ def run_split_k_choices(num_sms=132, batch=128):
         config = wgrad_config(Co, Ci)
         _, _, tiles, k_blocks = wgrad_tiles(g, config)
         split_k = choose_split_k(tiles, k_blocks, num_sms)
-        print(f"   {label:<26} {tiles:4d} tiles of {config.block_m}x{config.block_n}, {k_blocks:5d} k-steps: "
-              f"split_k {split_k:2d} -> {tiles * split_k:4d} units, workspace "
-              f"{split_k * Co * R * S * Ci * 4 / 2**20:5.1f} MiB")
+        _, whole, split_tiles = wgrad_split(tiles, split_k, num_sms)
+        print(f"   {label:<26} {tiles:4d} tiles of {config.block_m}x{config.block_n}, {k_blocks:5d} k-steps of "
+              f"{config.block_k}: {whole:3d} whole, {split_tiles:2d} in {split_k:2d} slices -> "
+              f"{wgrad_unit_count.fn(tiles, whole, split_k):4d} units, workspace "
+              f"{split_k * split_tiles * config.block_m * config.block_n * 4 / 2**20:4.1f} MiB")
 
 
 def test_split_k_choices():
     assert choose_split_k(9, 6272, 132) == 14         # 126 units: one wave, 95% of the SMs
-    assert choose_split_k(144, 98, 132) == 3          # 3 slices of 32+ k-steps: 432 units, 4 waves of 132
-    assert choose_split_k(264, 1000, 132) == 1        # two full waves already
     assert choose_split_k(4, 20, 132) == 1            # too short to split
+    assert choose_split_k(144, 98, 132) == 11         # 132 tiles whole, 12 in 11 slices: 132 units, one more wave
+    assert wgrad_split(144, 11, 132) == (132, 132, 12)
+    assert choose_split_k(264, 1000, 132) == 1        # two full waves already
+    assert choose_split_k(200, 1000, 132) == 1        # 68 tiles past the full wave: 2 slices each would need two
+    assert wgrad_split(200, 1, 132) == (132, 200, 0)
+    assert choose_split_k(133, 5, 132) == 5           # one tile past the wave: one slice per k-step
 
 
 # %%
@@ -1205,24 +1299,26 @@ if __name__ == "__main__":
 # What you should see (host arithmetic, the same on any machine)::
 #
 #     wgrad's slices per tile on 132 SMs (ResNet-50's 3x3 convs, batch 128):
-#        RN50 56x56 64->64 3x3         9 tiles of 64x64,  6272 k-steps: split_k 14 ->  126 units, workspace   2.0 MiB
-#        RN50 28x28 128->128 3x3       9 tiles of 128x128,  1568 k-steps: split_k 14 ->  126 units, workspace   7.9 MiB
-#        RN50 14x14 256->256 3x3      36 tiles of 128x128,   392 k-steps: split_k  7 ->  252 units, workspace  15.8 MiB
-#        RN50 7x7 512->512 3x3       144 tiles of 128x128,    98 k-steps: split_k  3 ->  432 units, workspace  27.0 MiB
+#        RN50 56x56 64->64 3x3         9 tiles of 64x64,  3136 k-steps of 128:   0 whole,  9 in 14 slices ->  126 units, workspace  2.0 MiB
+#        RN50 28x28 128->128 3x3       9 tiles of 128x128,  1568 k-steps of 64:   0 whole,  9 in 14 slices ->  126 units, workspace  7.9 MiB
+#        RN50 14x14 256->256 3x3      36 tiles of 128x128,   392 k-steps of 64:   0 whole, 36 in  7 slices ->  252 units, workspace 15.8 MiB
+#        RN50 7x7 512->512 3x3       144 tiles of 128x128,    98 k-steps of 64: 132 whole, 12 in 11 slices ->  264 units, workspace  8.2 MiB
 #
-# The 7x7 layer is the case split-K serves least: slices of 32 k-steps allow 3, and 432 units
-# make 3.3 waves of 132; whole tiles would make 1.09 waves, run as two.
+# The 7x7 layer is the one with more tiles than SMs: a wave of whole tiles, then one wave of short
+# slices of the 12 left over, where cutting every tile in 3 had made 432 units (3.3 waves of 132)
+# and 27 MiB of workspace.
 
 # %%
 # The kernel, run on a CPU
 # ------------------------
 # No CPU runs a Gluon kernel, but its index arithmetic is plain integer Python: `run_wgrad_model`
-# calls the kernel's own `wgrad_work_unit`, `tap_offsets` and lesson 05's `pixel_box_origin` (as
-# lesson 05's tests do, through `.fn`, on `common.PlainInt` values), and feeds what they compute to
-# lesson 03's model of the TMA im2col load and to a model of the tiled load (a slice of dY, zeros
+# calls the kernel's own `wgrad_work_unit`, `wgrad_tile_origin`, `tap_offsets` and lesson 05's
+# `pixel_box_origin` (as lesson 05's tests do, through `.fn`, on `common.PlainInt` values), and
+# feeds what they compute to lesson 03's model of the TMA im2col load and to a model of the tiled load (a slice of dY, zeros
 # outside). Unit by unit, k-step by k-step, with the launcher's own descriptor settings and
-# slices, it computes acc += A @ B, stores the masked partial tiles and adds them as the second
-# kernel does: torch's conv2d_weight must come out.
+# split, it computes acc += A @ B, stores a whole tile into dW (masked) and a slice into the
+# workspace, and adds the slices with section 5's kernel: torch's conv2d_weight must come out. Its
+# default runs on 5 programs, so that some tiles run whole and some in slices.
 #
 # Beside it, the mapping in a few lines of torch (`wgrad_reference`): im2col(x) built explicitly
 # with `unfold`, dY^T @ im2col(x) over slices of the pixels, the partial products added in order.
@@ -1251,16 +1347,20 @@ def run_wgrad_model(N=2, H=6, W=7, Ci=12, Co=20, R=3, S=2, stride=1, padding=1, 
     x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, torch.float32, device_name="cpu",
                                   groups=groups)
     x, dy = x.round(), dy.round()          # small integers: every sum below is exact, in any order
-    config = config or WgradConfig(block_m=16, block_n=8, block_k=8, num_buffers=2, split_k=3)
+    # (24 tiles of 16 x 8 on 5 programs: 20 run whole, 4 in 3 slices)
+    config = config or WgradConfig(block_m=16, block_n=8, block_k=8, num_buffers=2, split_k=3, programs=5)
     launch = prepare_wgrad(x, dy, g, config, "sm_90", num_sms=132)
     shape, (BM, BN, BK) = launch.shape, launch.config[:3]
     x_padded, dy_2d = wgrad_operands(x, dy, g)
     corners = (launch.settings.pixel_box_lower_corner, launch.settings.pixel_box_upper_corner,
                launch.settings.element_strides)
-    partial = torch.full_like(launch.partial, float("nan")).view(shape.split_k, g.Co, shape.taps, g.Ci_group)
+    dw = torch.full((g.Co, shape.taps, g.Ci_group), float("nan"))
+    partial = None if launch.partial is None else torch.full_like(launch.partial, float("nan"))
     P = common.PlainInt
-    for unit in range(shape.num_pid_m * shape.num_pid_n * shape.split_k):
-        co0, tap, c0, k_begin, k_end, split = wgrad_work_unit.fn(P(unit), shape, BM, BN)
+    units = wgrad_unit_count.fn(shape.num_pid_m * shape.num_pid_n, shape.whole_tiles, shape.split_k)
+    for unit in range(units):
+        tile, k_begin, k_end, split = wgrad_work_unit.fn(P(unit), shape)
+        co0, tap, c0 = wgrad_tile_origin.fn(tile, shape.num_pid_m, shape.ci_blocks, BM, BN)
         offsets = tap_offsets.fn(P(tap), shape)
         acc = torch.zeros(BM, BN)
         for k in range(k_begin, k_end):
@@ -1271,16 +1371,23 @@ def run_wgrad_model(N=2, H=6, W=7, Ci=12, Co=20, R=3, S=2, stride=1, padding=1, 
             x_channel = lesson05.Im2colWindow.group_channel.fn(shape, P(co0)) + c0    # the loader's
             b, _ = im2col_reference(x_padded, BK, BN, *corners, [n, y, x0, x_channel], offsets)
             acc += a_t.T @ b
-        rows, channels = min(BM, g.Co - co0), min(BN, g.Ci_group - c0)
-        partial[split, co0:co0 + rows, tap, c0:c0 + channels] = acc[:rows, :channels]
-    assert not partial.isnan().any(), "some element of the workspace was never written"
-    dw = sum_partials(partial.view(shape.split_k, g.Co, -1).to(common.device()), torch.float32).view(w.shape)
+        if split < 0:                                         # a whole tile: into dW, masked
+            rows, channels = min(BM, g.Co - co0), min(BN, g.Ci_group - c0)
+            dw[co0:co0 + rows, tap, c0:c0 + channels] = acc[:rows, :channels]
+        else:                                                 # a slice: the whole tile, to the workspace
+            partial[split, tile - shape.whole_tiles] = acc
+    if partial is not None:
+        assert not partial.isnan().any(), "some element of the workspace was never written"
+        launch = launch._replace(partial=partial.to(common.device()))
+        dw = sum_partials(launch, dw.view(g.Co, -1).to(common.device())).cpu()
+    dw = dw.view(w.shape)
+    assert not dw.isnan().any(), "some element of dW was never written"
     _, expected = reference_gradients(x, w, dy, g)
     if show:
         print(f"\nwgrad of {g.describe()}, the kernel's arithmetic on lesson 03's TMA model: {shape.num_pid_m} x "
-              f"{shape.num_pid_n} tiles of {BM}x{BN}, {shape.k_blocks} k-steps of {BK} pixels in {shape.split_k} "
-              f"slices; largest difference from torch.nn.grad.conv2d_weight: "
-              f"{(dw.cpu() - expected).abs().max().item():.1e}")
+              f"{shape.num_pid_n} tiles of {BM}x{BN}, {shape.k_blocks} k-steps of {BK} pixels; on "
+              f"{launch.grid[0]} programs {shape.whole_tiles} tiles run whole and the rest in {shape.split_k} "
+              f"slices; largest difference from torch.nn.grad.conv2d_weight: {(dw - expected).abs().max().item():.1e}")
     torch.testing.assert_close(dw.cpu(), expected, rtol=0, atol=0)
     torch.testing.assert_close(wgrad_reference(x, dy, g, split_k=4), expected, rtol=0, atol=0)
 
@@ -1290,14 +1397,18 @@ def run_wgrad_model(N=2, H=6, W=7, Ci=12, Co=20, R=3, S=2, stride=1, padding=1, 
     (1, 9, 8, 3, 16, 3, 3, 2, 1, 1, None),         # Ci = 3, padded to 4 (fp32); stride 2
     (2, 7, 6, 8, 8, 3, 3, 1, 2, 2, None),          # dilation 2, padding 2
     (2, 5, 9, 16, 12, 1, 3, (2, 1), (0, 1), 1, None),   # different strides, a 1x3 filter
-    (2, 9, 9, 20, 72, 3, 3, 1, 1, 1, WgradConfig(64, 16, 32, split_k=2)),   # a GPU's tile sizes, Co = 72
-])
+    (2, 9, 9, 20, 72, 3, 3, 1, 1, 1, WgradConfig(64, 16, 32, split_k=2)),   # a GPU's tile sizes, Co = 72; every
+                                                                             # tile split (fewer tiles than programs)
+    (2, 6, 7, 12, 20, 3, 2, 1, 1, 1, WgradConfig(16, 8, 8, num_buffers=2, split_k=1)),   # every tile whole
+    (1, 6, 5, 12, 20, 3, 3, 1, 1, 1, WgradConfig(16, 8, 8, num_buffers=2, split_k=4, programs=7)),   # 36 tiles: 35
+])                                                                                       # whole, 1 in 4 slices
 def test_wgrad_kernel_arithmetic_on_the_tma_model(N, H, W, Ci, Co, R, S, stride, padding, dilation, config):
     run_wgrad_model(N, H, W, Ci, Co, R, S, stride, padding, dilation, config, show=False)
 
 
 @pytest.mark.parametrize("Ci, Co, groups, config", [
-    (16, 32, 2, WgradConfig(16, 8, 8, num_buffers=2, split_k=3)),    # 8 -> 16 channels per group: one row tile each
+    (16, 32, 2, WgradConfig(16, 8, 8, num_buffers=2, split_k=3, programs=5)),   # 8 -> 16 channels per group: one
+                                                                                 # row tile each; whole and split
     (24, 64, 4, WgradConfig(16, 8, 8, num_buffers=2, split_k=2)),    # 6 per group: a box reads 2 of the next group's
                                                                      # channels, which the store masks
     (32, 64, 2, WgradConfig(16, 8, 8, num_buffers=2, split_k=2)),    # 16 -> 32 per group: two row tiles and two
@@ -1611,7 +1722,8 @@ def aot_conv2d_wgrad(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, p
     """(kernel, args, kwargs) on CPU tensors, for common.aot_compile."""
     x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, 1, torch.bfloat16, device_name="cpu")
     launch = prepare_wgrad(x, dy, g, wgrad_config(Co, Ci)._replace(split_k=split_k), arch, 132)
-    return conv2d_wgrad_kernel, launch.kernel_args(), wgrad_kernel_options(launch.config, arch)
+    dw = torch.empty(Co, R * S * Ci, dtype=x.dtype)
+    return conv2d_wgrad_kernel, launch.kernel_args(dw), wgrad_kernel_options(launch.config, arch)
 
 
 def transposed_operands(ptx, arch):
@@ -1689,9 +1801,10 @@ def test_phase_build_stores_its_pixels_without_tma(arch):
 
 
 def test_kernel_compiles_for_small_channels_and_strides():
-    # Ci = 3 (padded to 8, a 16-channel box), Co = 48 (64-row tiles), a 7x7 stride-2 stem, 8 k-steps in 5 slices
+    # Ci = 3 (padded to 8, a 16-channel box), Co = 48 (64-row tiles), a 7x7 stride-2 stem, 4 k-steps (of 128 pixels:
+    # a small tile's) in 3 slices
     compiled = common.aot_compile_or_skip("06-conv-backward", "aot_conv2d_wgrad", "sm_90", H=32, W=32, Ci=3, Co=48,
-                                          R=7, S=7, stride=2, padding=3, split_k=5)
+                                          R=7, S=7, stride=2, padding=3, split_k=3)
     assert "m64n16k16" in common.first_ptx_instruction(compiled["ptx"], "wgmma.mma_async")
 
 
@@ -1816,6 +1929,8 @@ def test_grouped_backward_matches_torch(kind, N, H, W, Ci, Co, R, S, stride, pad
     ("wgrad", torch.float16, None),
     ("wgrad", torch.bfloat16, WgradConfig(128, 128, split_k=1)),     # one slice: a whole K loop per tile
     ("wgrad", torch.bfloat16, WgradConfig(128, 64, split_k=7)),      # slices of uneven length
+    ("wgrad", torch.bfloat16, WgradConfig(128, 64, split_k=5, programs=4)),   # 18 tiles: 16 whole, 2 in 5 slices
+    ("wgrad", torch.float16, WgradConfig(64, 64, 128, split_k=3, programs=7)),    # 36 tiles: 35 whole, 1 in 3
 ])
 def test_backward_dtypes_and_splits(kind, dtype, config):
     # a ResNet-50 3x3 layer at batch 8: K = 8 x 28 x 28 = 6272 pixels for wgrad
@@ -1911,11 +2026,14 @@ def bench_backward(label, N, H, W, Ci, Co, R, S, stride, padding, dtype=torch.bf
         expected, _ = reference_gradients(x, w, dy, g)
         common.assert_close_to_reference(zero_insertion_dgrad(dy, w, g, fprop), expected, dtype=dtype, K=Co * R * S)
         calls["dgrad zero-insertion"] = lambda: zero_insertion_dgrad(dy, w, g, fprop)
-    row = {"layer": label, "geometry": g.describe(),
-           "wgrad_split_k": prepare_wgrad(x, dy, g, None, *common.tma_mma_arch_and_sms("bench")).config.split_k}
+    problem = wgrad_problem(g, x.element_size())       # the conv the wgrad kernel runs, and its split
+    wgrad_launch = prepare_wgrad(wgrad_input(x, problem), dy, problem.geometry, None,
+                                 *common.tma_mma_arch_and_sms("bench"))
+    row = {"layer": label, "geometry": g.describe(), "wgrad_split_k": wgrad_launch.config.split_k,
+           "wgrad_whole_tiles": wgrad_launch.shape.whole_tiles}
     row.update({name: common.bench_tflops(call, g.flops, cuda_graph=cuda_graph) for name, call in calls.items()})
     print(f"   {label:<28}" + "".join(f"  {name} {row[name]['tflops']:6.1f}" for name in calls)
-          + f"  (wgrad split_k {row['wgrad_split_k']})")
+          + f"  (wgrad: {row['wgrad_whole_tiles']} tiles whole, the others in {row['wgrad_split_k']} slices)")
     return row
 
 

@@ -15,13 +15,14 @@ the same problem with plans (launch.py); this module does the same for wgrad:
   (`wgrad_problem`): the stride folded into the channels, the column taps too, x folded on each
   call, dW unfolded.
 - Later calls pad x's channels and dY's Co to 16-byte rows where the shape needs it (lesson 06's
-  `wgrad_operands`), allocate the fp32 workspace and dW, and launch both kernels directly: the
+  `wgrad_operands`), allocate dW and, where some tiles are split, the fp32 workspace, and launch
+  the kernel and (where some tiles are split) the sum directly: the
   descriptors are the templates re-based on this call's tensors (DirectLaunch encodes a tensor
   map per new address from the validated template), pointers are passed as addresses.
 - The workspace is allocated per call, not kept by the plan: PyTorch's caching allocator hands it
   out on the current stream in a few microseconds, so two streams, or a CUDA graph captured while
   another replays, never share one; a kept workspace would need a stream and graph discipline of
-  its own, and would hold up to 27 MB per layer (ResNet-50's 7x7 layers) between calls.
+  its own, and would hold up to 16 MB per layer (ResNet-50's 14x14 256->256 3x3) between calls.
 - `conv2d_weight_grad` finds a call's plan by what it shows at a glance (shapes, dtypes, devices,
   hyper-parameters), as runtime.conv2d does: a hit skips lesson 06's `check_backward_call`, which
   the first call of that key passed; contiguity is checked on every call.
@@ -51,8 +52,9 @@ class WgradPlan:
         self.run_geometry = self.problem.geometry
         self.template = None      # the first call's WgradLaunch without its tensors: descriptors, grid, shape, split
         self.kernel = None        # DirectLaunch of conv2d_wgrad_kernel
-        self.sum = None           # DirectLaunch of wgrad_split_k_sum_kernel (split-K's ordered sum)
-        self.sum_grid = self.sum_scalars = None    # the sum's grid and (numel, split_k): fixed by the plan
+        self.sum = None           # DirectLaunch of wgrad_split_k_sum_kernel (split-K's ordered sum); None if
+                                  # no tile is split (lesson 06, section 5)
+        self.sum_grid = self.sum_scalars = None    # the sum's grid and its integer arguments: fixed by the plan
 
     def run(self, x_nhwc, dy_nhwc):
         """dW [Co, R, S, Ci] in the plan's dtype of x [N, H, W, Ci] and dY [N, out_h, out_w, Co]:
@@ -70,9 +72,11 @@ class WgradPlan:
             template = self.template
             partial = _new_like(template.partial, x_nhwc.device)
             # the kernel's arguments in its order: dy_desc, x_desc (tensors: DirectLaunch re-bases
-            # the templates on them), partial_ptr, shape
-            self.kernel(template.grid, dy_2d, x_nhwc, partial.data_ptr(), template.shape)
-            self.sum(self.sum_grid, partial.data_ptr(), dw.data_ptr(), *self.sum_scalars)
+            # the templates on them), dw_ptr, partial_ptr (dw's where no tile is split), shape
+            partial_ptr = dw.data_ptr() if partial is None else partial.data_ptr()
+            self.kernel(template.grid, dy_2d, x_nhwc, dw.data_ptr(), partial_ptr, template.shape)
+            if self.sum is not None:
+                self.sum(self.sum_grid, partial_ptr, dw.data_ptr(), *self.sum_scalars)
         return lesson06.wgrad_result(dw.view(g.Co, g.R, g.S, g.Ci_group), self.geometry, self.problem)
 
     def _first_launch(self, lesson06, x_nhwc, dy_nhwc, dw):
@@ -81,13 +85,14 @@ class WgradPlan:
         launch = lesson06.prepare_wgrad(x_nhwc, dy_nhwc, self.run_geometry, None, self.arch, self.num_sms)
         lesson06.check_wgrad_config(launch.config, self.arch)
         template = _tensorless(launch, DESCRIPTORS, buffers=("partial",), cleared=())
-        kernel = DirectLaunch.first_launch(lesson06.conv2d_wgrad_kernel, launch.grid, launch.kernel_args(),
+        kernel = DirectLaunch.first_launch(lesson06.conv2d_wgrad_kernel, launch.grid, launch.kernel_args(dw),
                                            lesson06.wgrad_kernel_options(launch.config, self.arch),
                                            _descriptors(template, DESCRIPTORS))
-        grid, args, constexprs = lesson06.sum_partials_launch(launch.partial, dw)
-        sum_launch = DirectLaunch.first_launch(lesson06.wgrad_split_k_sum_kernel, grid, args, constexprs)
-        self.template, self.kernel, self.sum, self.sum_grid, self.sum_scalars = (template, kernel, sum_launch, grid,
-                                                                                 args[2:])
+        if launch.partial is not None:
+            grid, args, constexprs = lesson06.sum_partials_launch(launch, dw)
+            self.sum = DirectLaunch.first_launch(lesson06.wgrad_split_k_sum_kernel, grid, args, constexprs)
+            self.sum_grid, self.sum_scalars = grid, args[2:]
+        self.template, self.kernel = template, kernel
 
 
 _PLANS = {}          # (geometry, dtype, device) -> WgradPlan

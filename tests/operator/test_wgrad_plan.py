@@ -50,7 +50,7 @@ class StandInLaunch:
     def first_launch(cls, kernel_fn, grid, args, kwargs, templates=()):
         made = cls(kernel_fn, kwargs, [t for t in templates if t is not None])
         made.first = (grid, args)
-        made.out_dtype = args[1].dtype if kernel_fn is lesson06.wgrad_split_k_sum_kernel else None
+        made.out_dtype = args[1 if kernel_fn is lesson06.wgrad_split_k_sum_kernel else 2].dtype
         made.compute(grid, args)
         cls.made.append(made)
         return made
@@ -62,23 +62,26 @@ class StandInLaunch:
 
     def compute(self, grid, args):
         if self.kernel_fn is lesson06.conv2d_wgrad_kernel:
-            self.wgrad(*args)
+            self.wgrad(*args, out_dtype=self.out_dtype)
         else:                         # the split-K sum: lesson 06's kernel, in the interpreter
-            partial, dw, numel, split_k = args
+            partial, dw, Co, Ci_group, taps, _, _, _, split_tiles, split_k = args
             if isinstance(partial, int):
-                partial, dw = at_address(partial, torch.float32, numel * split_k), at_address(dw, self.out_dtype, numel)
+                tile = self.constexprs["BLOCK_M"] * self.constexprs["BLOCK_N"]
+                partial = at_address(partial, torch.float32, split_k * split_tiles * tile)
+                dw = at_address(dw, self.out_dtype, Co * taps * Ci_group)
             if common.interpreter_mode():
-                lesson06.wgrad_split_k_sum_kernel[grid](partial, dw, numel, split_k, **self.constexprs)
+                lesson06.wgrad_split_k_sum_kernel[grid](partial, dw, *args[2:], **self.constexprs)
             else:            # a GPU machine: the compiled kernel on copies of the CPU tensors
-                on_gpu = torch.empty_like(dw, device="cuda")
-                lesson06.wgrad_split_k_sum_kernel[grid](partial.cuda(), on_gpu, numel, split_k, **self.constexprs)
+                on_gpu = dw.cuda()
+                lesson06.wgrad_split_k_sum_kernel[grid](partial.cuda(), on_gpu, *args[2:], **self.constexprs)
                 dw.copy_(on_gpu.cpu())
 
     @staticmethod
-    def wgrad(dy_desc, x_desc, partial, shape):
-        """partial[split] = dY^T @ im2col(x) over the split's pixels (the k-steps lesson 06's
-        wgrad_work_unit gives it), from the descriptors' tensors: lesson 06's wgrad_reference on a
-        dY whose other pixels are zeroed."""
+    def wgrad(dy_desc, x_desc, dw, partial, shape, out_dtype):
+        """What the kernel leaves: each whole tile of dW (tiles before whole_tiles) in dw, and each
+        slice's partial tile in the workspace (the tiles and k-steps lesson 06's wgrad_work_unit gives
+        them), from the descriptors' tensors: lesson 06's wgrad_reference on a dY whose other pixels
+        are zeroed."""
         for desc in (dy_desc, x_desc):        # TMA reads the descriptor's shape from its base address
             assert list(desc.base.shape) == list(desc.shape) and desc.base.is_contiguous()
         groups = shape.Co // shape.Co_group
@@ -86,15 +89,35 @@ class StandInLaunch:
         g = common.conv_geometry(x.shape, (shape.Co, shape.taps // shape.S, shape.S, shape.Ci_group),
                                  (shape.stride_h, shape.stride_w), (shape.pad_h, shape.pad_w),
                                  (shape.dil_h, shape.dil_w), groups)
-        dy_2d, block_k = dy_desc.base[:, :shape.Co].float(), dy_desc.block_shape[0]
-        if isinstance(partial, int):
-            partial = at_address(partial, torch.float32, shape.split_k * shape.Co * shape.taps * shape.Ci_group)
-        partial = partial.view(shape.split_k, shape.Co, -1)
-        for split in range(shape.split_k):
+        dy_2d, (block_k, block_m), block_n = dy_desc.base[:, :shape.Co].float(), dy_desc.block_shape, x_desc.block_shape[1]
+        tiles = shape.num_pid_m * shape.num_pid_n
+        split_tiles = tiles - shape.whole_tiles
+        if isinstance(dw, int):
+            dw = at_address(dw, out_dtype, shape.Co * shape.taps * shape.Ci_group)
+            if split_tiles:
+                partial = at_address(partial, torch.float32, shape.split_k * split_tiles * block_m * block_n)
+        dw = dw.view(shape.Co, shape.taps, shape.Ci_group)
+
+        def tile_of(result, tile):       # a tile of a dW-shaped result, zero-padded to block_m x block_n
+            co0, tap, c0 = lesson06.wgrad_tile_origin.fn(tile, shape.num_pid_m, shape.ci_blocks, block_m, block_n)
+            padded = torch.zeros(block_m, block_n)
+            part = result[co0:co0 + block_m, tap, c0:c0 + block_n]
+            padded[:part.shape[0], :part.shape[1]] = part
+            return padded, (co0, tap, c0, part.shape)
+
+        whole = lesson06.wgrad_reference(x, dy_2d.view(g.output_shape_nhwc), g).view(g.Co, shape.taps, -1)
+        for tile in range(shape.whole_tiles):
+            _, (co0, tap, c0, (rows, cols)) = tile_of(whole, tile)
+            dw[co0:co0 + rows, tap, c0:c0 + cols] = whole[co0:co0 + rows, tap, c0:c0 + cols].to(dw.dtype)
+        if split_tiles:
+            partial = partial.view(shape.split_k, split_tiles, block_m, block_n)
+        for split in range(shape.split_k if split_tiles else 0):
             k_begin, k_end = split * shape.k_blocks // shape.split_k, (split + 1) * shape.k_blocks // shape.split_k
             in_slice = torch.zeros_like(dy_2d)
             in_slice[k_begin * block_k:k_end * block_k] = dy_2d[k_begin * block_k:k_end * block_k]
-            partial[split] = lesson06.wgrad_reference(x, in_slice.view(g.output_shape_nhwc), g).view(g.Co, -1)
+            sliced = lesson06.wgrad_reference(x, in_slice.view(g.output_shape_nhwc), g).view(g.Co, shape.taps, -1)
+            for index in range(split_tiles):
+                partial[split, index] = tile_of(sliced, shape.whole_tiles + index)[0]
 
 
 @pytest.fixture
@@ -132,11 +155,16 @@ def expected_dw(x, w, dy, g):
 
 
 # (N, H, W, Ci, Co, R, S, stride, padding, dilation): Ci=3 (x padded), Co=20 (dY padded), stride 2, 1x1,
-# non-square, per-axis dilation, a stem (its stride folded into the channels); the last has 72 k-steps:
-# two slices
+# non-square, per-axis dilation, a stem (its stride folded into the channels); the last has 64 k-steps of
+# 128 pixels: two slices
 SHAPES = [(1, 9, 8, 3, 20, 3, 3, 1, 1, 1), (2, 9, 11, 8, 16, 3, 3, 2, 1, 1), (2, 6, 7, 16, 24, 1, 1, 2, 0, 1),
           (1, 10, 9, 8, 8, 3, 2, (1, 2), (2, 1), (2, 1)), (1, 13, 12, 3, 8, 7, 7, 2, 3, 1),
-          (2, 48, 48, 8, 16, 3, 3, 1, 1, 1)]
+          (2, 64, 64, 8, 16, 3, 3, 1, 1, 1)]
+
+
+def launches_made():
+    """The launches the plans made so far: the kernel, and the sum where some tile is split."""
+    return sum(1 + (plan.sum is not None) for plan in wgrad._PLANS.values())
 
 
 @pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", SHAPES)
@@ -146,7 +174,20 @@ def test_two_calls_of_one_shape_give_their_own_dw(stand_ins, N, H, W, Ci, Co, R,
         dw = wgrad.conv2d_weight_grad(x, dy, w.shape, stride, padding, dilation)
         assert dw.shape == w.shape and dw.dtype == x.dtype
         assert torch.equal(dw.float(), expected_dw(x, w, dy, g))       # integers: exact
-    assert [len(made.calls) for made in stand_ins.made] == [1, 1]     # one plan: two first launches, one call each
+    # one plan: its first launches, then one direct call each
+    assert [len(made.calls) for made in stand_ins.made] == [1] * launches_made()
+
+
+def test_whole_and_split_tiles_through_the_plan(stand_ins, monkeypatch):
+    # on 4 SMs, 9 tiles: 8 run whole (two waves), the last in 4 slices of 25 k-steps
+    monkeypatch.setattr(wgrad, "device_facts", lambda: ("sm_90", 4, 232448))
+    for seed in (0, 1):
+        x, w, dy, g = small_integer_inputs(2, 40, 40, 8, 16, 3, 3, 1, 1, 1, seed=seed)
+        dw = wgrad.conv2d_weight_grad(x, dy, w.shape, 1, 1)
+        assert torch.equal(dw.float(), expected_dw(x, w, dy, g))
+    plan, = wgrad._PLANS.values()
+    assert (plan.template.shape.whole_tiles, plan.template.shape.split_tiles, plan.template.shape.split_k) == (8, 1, 4)
+    assert [len(made.calls) for made in stand_ins.made] == [1, 1]
 
 
 def test_a_grouped_conv_runs_through_the_plan(stand_ins):
@@ -164,10 +205,10 @@ def test_the_plan_is_built_once_per_shape(stand_ins):
     x, w, dy, _ = small_integer_inputs(2, 9, 11, 8, 16, 3, 3, 2, 1, 1)
     for stride in (2, 2, (2, 2), [2, 2]):     # a list: no fast key, the same plan by its geometry
         wgrad.conv2d_weight_grad(x.clone(), dy.clone(), w.shape, stride, 1)
-    assert len(wgrad._PLANS) == 1 and len(stand_ins.made) == 2 and len(stand_ins.made[0].calls) == 3
+    assert len(wgrad._PLANS) == 1 and len(stand_ins.made) == launches_made() and len(stand_ins.made[0].calls) == 3
     x2, w2, dy2, _ = small_integer_inputs(2, 9, 11, 8, 24, 3, 3, 2, 1, 1)
     wgrad.conv2d_weight_grad(x2, dy2, w2.shape, 2, 1)
-    assert len(wgrad._PLANS) == 2 and len(stand_ins.made) == 4
+    assert len(wgrad._PLANS) == 2 and len(stand_ins.made) == launches_made()
 
 
 @pytest.mark.parametrize("Ci, Co", [(8, 16), (3, 20)])
@@ -189,22 +230,26 @@ def test_a_later_call_rebases_the_descriptors_on_its_tensors(stand_ins, Ci, Co):
 
 
 def test_kernel_arguments_follow_the_kernels_signatures(stand_ins):
-    x, w, dy, g = small_integer_inputs(2, 48, 48, 8, 16, 3, 3, 1, 1, 1)      # two slices
+    x, w, dy, g = small_integer_inputs(2, 64, 64, 8, 16, 3, 3, 1, 1, 1)      # two slices
     wgrad.conv2d_weight_grad(x, dy, w.shape, 1, 1)
-    x, w, dy, g = small_integer_inputs(2, 48, 48, 8, 16, 3, 3, 1, 1, 1, seed=3)
+    x, w, dy, g = small_integer_inputs(2, 64, 64, 8, 16, 3, 3, 1, 1, 1, seed=3)
     dw = wgrad.conv2d_weight_grad(x, dy, w.shape, 1, 1)
     kernel_launch, sum_launch = stand_ins.made
     ((_, args, _),), ((_, sum_args, _),) = kernel_launch.calls, sum_launch.calls
     by_name = dict(zip(run_parameters(lesson06.conv2d_wgrad_kernel), args, strict=True))
-    assert list(by_name) == ["dy_desc", "x_desc", "partial_ptr", "shape"]
+    assert list(by_name) == ["dy_desc", "x_desc", "dw_ptr", "partial_ptr", "shape"]
     assert by_name["dy_desc"].data_ptr() == dy.data_ptr() and by_name["x_desc"].data_ptr() == x.data_ptr()
     assert by_name["shape"] == lesson06.prepare_wgrad(x, dy, g, None, "sm_90", 132).shape
     kernel_constexprs = [p.name for p in lesson06.conv2d_wgrad_kernel.params if p.is_constexpr]
     assert set(kernel_constexprs) <= set(kernel_launch.constexprs)
-    sum_by_name = dict(zip(["partial_ptr", "dw_ptr", "numel", "split_k"], sum_args, strict=True))
-    assert list(inspect.signature(lesson06.wgrad_split_k_sum_kernel.fn).parameters)[:4] == list(sum_by_name)
-    assert sum_by_name["partial_ptr"] == by_name["partial_ptr"] and sum_by_name["dw_ptr"] == dw.data_ptr()
-    assert (sum_by_name["numel"], sum_by_name["split_k"]) == (dw.numel(), by_name["shape"].split_k) == (dw.numel(), 2)
+    sum_names = ["partial_ptr", "dw_ptr", "Co", "Ci_group", "taps", "num_pid_m", "ci_blocks", "whole_tiles",
+                 "split_tiles", "split_k"]
+    sum_by_name = dict(zip(sum_names, sum_args, strict=True))
+    assert list(inspect.signature(lesson06.wgrad_split_k_sum_kernel.fn).parameters)[:10] == sum_names
+    assert sum_by_name["partial_ptr"] == by_name["partial_ptr"] and by_name["dw_ptr"] == sum_by_name["dw_ptr"] == dw.data_ptr()
+    shape = by_name["shape"]
+    assert {name: sum_by_name[name] for name in sum_names[2:]} == {name: getattr(shape, name) for name in sum_names[2:]}
+    assert (shape.whole_tiles, shape.split_k) == (0, 2)
 
 
 @pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", SHAPES)
@@ -218,11 +263,13 @@ def test_split_and_grid_are_prepare_wgrads(stand_ins, N, H, W, Ci, Co, R, S, str
     lesson = lesson06.prepare_wgrad(x, dy, g, None, "sm_90", 132)
     plan, = wgrad._PLANS.values()
     assert (plan.template.grid, plan.template.shape, plan.template.config) == (lesson.grid, lesson.shape, lesson.config)
-    kernel_launch, sum_launch = stand_ins.made
+    kernel_launch, *sum_launch = stand_ins.made
     assert kernel_launch.first[0] == kernel_launch.calls[0][0] == lesson.grid
-    assert sum_launch.first[0] == sum_launch.calls[0][0] == lesson06.sum_partials_launch(lesson.partial, w.new_empty(g.Co, g.R, g.S, g.Ci))[0]
-    if (N, H) == (2, 48):
-        assert lesson.shape.split_k == 2                # the case with slices is one
+    assert len(sum_launch) == (lesson.partial is not None) == (lesson.shape.split_k > 1)
+    if sum_launch:
+        sum_grid = lesson06.sum_partials_launch(lesson, w.new_empty(g.Co, g.R * g.S * g.Ci))[0]
+        assert sum_launch[0].first[0] == sum_launch[0].calls[0][0] == sum_grid
+    assert (lesson.shape.split_k == 2) == ((N, H) == (2, 64))     # the case with slices is one
 
 
 @pytest.mark.parametrize("changes, error, message", [(changes, error, message) for launcher, changes, error, message
@@ -268,7 +315,7 @@ def test_the_operators_backward_runs_the_plan(stand_ins, monkeypatch):
             torch.testing.assert_close(dw.double(), want, rtol=2e-3, atol=2e-3 * want.abs().max().item())
     finally:
         conv_tutorial.set_backward(before)
-    assert len(wgrad._PLANS) == 1 and [len(made.calls) for made in stand_ins.made] == [1, 1]
+    assert len(wgrad._PLANS) == 1 and [len(made.calls) for made in stand_ins.made] == [1] * launches_made()
 
 
 # --- GPU: the plan against torch and against lesson 06's plain launcher --------------------------------------
@@ -280,6 +327,7 @@ GPU_SHAPES = [    # N, H, W, Ci, Co, R, S, stride, padding, dilation
     (2, 13, 11, 24, 200, 3, 5, (2, 1), (1, 2), (1, 2)),  # non-square, per-axis stride and dilation, Co = 200
     (2, 16, 16, 40, 36, 3, 3, 1, 2, 2),           # dilation 2, Co = 36 (dY's rows padded)
     (8, 28, 28, 128, 128, 3, 3, 1, 1, 1),         # 6272 pixels: several slices
+    (2, 7, 7, 512, 512, 3, 3, 1, 1, 1),           # 144 tiles: on 132 SMs 132 whole, 12 in 2 slices
 ]
 
 
