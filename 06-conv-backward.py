@@ -989,30 +989,32 @@ def conv2d_wgrad_kernel(dy_desc, x_desc, dw_ptr, partial_ptr, shape, NUM_BUFFERS
 # workspace partial[split, tile, BLOCK_M, BLOCK_N] instead of dW, and a second kernel adds the
 # slices, casts, and stores the tile into dW.
 #
-# Which tiles to split is lesson 05's rule (its section 7): with P programs, the tiles of the full
-# waves (`whole_tile_count`: tiles // P * P) run whole, store straight into dW and need no
-# workspace; only the tiles of the last, partial wave are split. Splitting every tile instead costs
-# on both sides when there are more tiles than SMs: ResNet-50's 7x7 512->512 3x3 has 144 tiles of
-# 128 x 128 for 132 SMs and 98 k-steps per tile; cut into 3 slices each, its 432 units ran as 4
-# waves of 33 k-steps and wrote and read back 3 x 9.4 MB of fp32 partials. Now 132 tiles run whole
-# (98 k-steps) and the other 12 are cut into 11 slices of 9 k-steps, one more wave, whose
-# workspace is 12 x 11 tiles of 64 KB.
+# Which tiles to split starts from lesson 05's rule (its section 7): with P programs, the tiles of
+# the full waves run whole, store straight into dW and need no workspace; only the tiles past them
+# are split. Splitting every tile instead costs on both sides when there are more tiles than SMs:
+# ResNet-50's 7x7 512->512 3x3 has 144 tiles of 128 x 128 for 132 SMs and 98 k-steps per tile; cut
+# into 3 slices each, its 432 units ran as 4 waves of 33 k-steps and wrote and read back 3 x 9.4 MB
+# of fp32 partials. Now 132 tiles run whole (98 k-steps) and the other 12 are cut into 7 slices of
+# 14 k-steps, one more short wave, whose workspace is 84 tiles of 64 KB.
 #
-# How many slices (`choose_split_k`):
-# - With fewer tiles than SMs, every tile is split. A slice's partial tile costs 4 bytes per element
-#   to write and 4 to read back, against 2 * BLOCK_K = 128 FLOPs per element and k-step, so a slice
-#   of 32 k-steps or more does at least 512 FLOPs per byte of workspace traffic, above an H100 SXM's
-#   ratio of bf16 FLOPs to HBM bytes (its datasheet's dense 989 TFLOPS / 3.35 TB/s = 295). Among the
-#   split counts that keep slices that long (and at most 64), it takes the one whose units fill the
-#   SMs' waves best (units / (waves * SMs)): the fewest slices within 5% of the best fill.
-# - With at least as many tiles as SMs, the r tiles past the full waves get as many slices as fill
-#   one wave, P // r (at most one per k-step); none if r is more than half the SMs, where two slices
-#   each would already need a second wave. These slices may be short: they are one wave's work,
-#   and their workspace is at most one wave of partial tiles.
+# How many slices, and how many waves of whole tiles (`choose_split`): an estimate of the time, in
+# the time of one SM's k-step, for w whole waves and s slices of the r = tiles - w * P other tiles:
+# w * K for the whole tiles, ceil(r * s / P) * ceil(K / s) for the slices' waves, and for the
+# workspace r * s partial tiles at `workspace_k_steps` each (a partial tile's 8 bytes per element
+# through HBM against a k-step's FLOPs: a slice of 32 k-steps does 512 FLOPs per byte, above an
+# H100 SXM's ratio of bf16 FLOPs to HBM bytes, 989 TFLOPS / 3.35 TB/s = 295, a slice of 2 k-steps
+# far below it). It tries the last two choices of w (all full waves whole, or one wave fewer, whose
+# tiles then share the slices' waves) and s from 1 to 64, and keeps the least estimate, or within 2%
+# of it the fewest partial tiles. With fewer tiles than SMs w is 0: every tile is split, as for
+# ResNet-50's 3x3 64->64 convs above (14 slices of 224 k-steps). A config's explicit split_k keeps
+# lesson 05's rule for w.
 #
-# Both are arithmetic on the shape. What timing says (results/notebook.md, 2026-11-26): on
-# ResNet-50's layers with fewer tiles than SMs, no split count timed on an H100 beat the chosen
-# one by more than 3%.
+# The estimate is arithmetic on the shape, its constants an H100's. Timed on an H100
+# (results/notebook.md, 2026-11-26): on ResNet-50's 21 layers with fewer tiles than SMs, none of ten
+# other split counts beat an earlier rule's choice (within two slices of this one's) by more than
+# 4%; on the
+# two with more, whole waves took the 7x7 and 14x14 512-channel 3x3 layers from 0.71-0.73x
+# cuDNN's speed to 0.99-1.01x.
 #
 # The second kernel adds partial[0] + partial[1] + ... in that order, for every element of a split
 # tile. Floating-point addition is not associative, so the order is what makes the result
@@ -1021,28 +1023,38 @@ def conv2d_wgrad_kernel(dy_desc, x_desc, dw_ptr, partial_ptr, shape, NUM_BUFFERS
 # count (which sets the split): the k-steps of a slice in order, the slices in order. On one GPU,
 # dW is the same on every run.
 
-MIN_K_STEPS_PER_SLICE = 32
+def workspace_k_steps(block_k):
+    # What writing and reading back one slice's fp32 partial tile costs, in the time of one SM's k-step:
+    # 8 bytes per element through HBM (an H100's 3.35 TB/s, for the whole GPU) against a k-step's
+    # 2 * block_k FLOPs per element at one SM's share of ~600 TFLOPS (lesson 05's kernel on an H100):
+    # 8 * 600/132 / (3.35 * 2 * block_k), about 6 / block_k
+    return 6 / block_k
 
 
-def choose_split_k(tiles, k_blocks, num_sms):
-    """Slices per split tile: with fewer tiles than SMs, the fewest within 5% of the best wave fill,
-    slices of 32 k-steps or more, 64 at most; otherwise as many as fill one wave with the tiles past
-    the full waves (1 if there are none, or more than half a wave of them)."""
-    if tiles >= num_sms:
-        rest = tiles % num_sms
-        return max(1, min(k_blocks, num_sms // rest)) if rest else 1
-    candidates = range(1, max(1, min(k_blocks // MIN_K_STEPS_PER_SLICE, 64)) + 1)
-    # (-(-a // b): ceiling division; triton.cdiv costs microseconds per call on the host, 64 calls here)
-    fill = {s: tiles * s / (-(-tiles * s // num_sms) * num_sms) for s in candidates}
-    best = max(fill.values())
-    return min(s for s in candidates if fill[s] >= 0.95 * best)
+def choose_split(tiles, k_blocks, num_sms, block_k=64):
+    """(whole tiles, slices per split tile): the least estimated time, in k-steps of one SM, over the
+    last two choices of whole waves and 1 to 64 slices; within 2% of the least, the fewest slices'
+    partial tiles. Arithmetic on the shape."""
+    options = []
+    full_waves = tiles // num_sms
+    for waves in sorted({max(0, full_waves - 1), full_waves}):
+        rest = tiles - waves * num_sms
+        for split_k in range(1, min(64, k_blocks) + 1) if rest else (1,):
+            partial_tiles = rest * split_k if split_k > 1 else 0
+            steps = (waves * k_blocks + -(-rest * split_k // num_sms) * -(-k_blocks // split_k)
+                     + partial_tiles * workspace_k_steps(block_k))
+            options.append((partial_tiles, steps, split_k, waves))
+    least = min(option[1] for option in options)
+    _, _, split_k, waves = min(option for option in options if option[1] <= 1.02 * least)
+    return (tiles if split_k == 1 else waves * num_sms), split_k
 
 
-def wgrad_split(tiles, split_k, num_sms):
-    """(programs, whole tiles, split tiles) of a launch: the persistent grid, and lesson 05's rule for
-    which tiles run whole."""
+def wgrad_split(tiles, split_k, num_sms, whole_tiles=None):
+    """(programs, whole tiles, split tiles) of a launch: the persistent grid, and which tiles run whole
+    (`whole_tiles`: choose_split's; by default lesson 05's rule, the full waves' tiles)."""
     programs = min(num_sms, tiles * split_k)
-    whole_tiles = lesson05.whole_tile_count.fn(tiles, programs, split_k)
+    if whole_tiles is None:
+        whole_tiles = lesson05.whole_tile_count.fn(tiles, programs, split_k)
     return programs, whole_tiles, tiles - whole_tiles
 
 
@@ -1148,7 +1160,8 @@ class WgradConfig(NamedTuple):
     block_k: int = 64       # pixels per k-step (its K)
     num_buffers: int = 4    # stages in the ring
     num_warps: int = 4      # warps of the MMA/epilogue partition
-    split_k: int = 0        # slices of the pixels of a split tile; 0: choose_split_k's choice
+    split_k: int = 0        # slices of the pixels of a split tile; 0: choose_split's choice (else the tiles of
+                            # the full waves run whole, lesson 05's rule)
     programs: int = 0       # persistent programs; 0: one per SM (tests set fewer to have whole and split tiles)
 
 
@@ -1233,10 +1246,11 @@ def prepare_wgrad(x_nhwc, dy_nhwc, geometry, config, arch, num_sms):
     dy_desc = TensorDescriptor.from_tensor(dy_2d, dy_box, gl.NVMMASharedLayout.get_default_for(dy_box, gl_dtype))
     num_pid_m, ci_blocks, tiles, k_blocks = wgrad_tiles(g, config)
     num_sms = config.programs or num_sms
-    split_k = config.split_k or choose_split_k(tiles, k_blocks, num_sms)
+    whole_tiles, split_k = (None, config.split_k) if config.split_k else choose_split(tiles, k_blocks, num_sms,
+                                                                                     config.block_k)
     if not 1 <= split_k <= k_blocks:
         raise ValueError(f"split_k={split_k}: must lie in [1, {k_blocks}], the k-steps of {g.describe()}")
-    programs, whole_tiles, split_tiles = wgrad_split(tiles, split_k, num_sms)
+    programs, whole_tiles, split_tiles = wgrad_split(tiles, split_k, num_sms, whole_tiles)
     partial = (torch.empty(split_k, split_tiles, config.block_m, config.block_n, device=x_nhwc.device,
                            dtype=torch.float32) if split_tiles else None)
     shape = WgradShape(g.Co, g.Ci_group, g.Co_group, g.R * g.S, g.S, num_pid_m, g.R * g.S * ci_blocks, ci_blocks,
@@ -1272,23 +1286,23 @@ def run_split_k_choices(num_sms=132, batch=128):
         g = common.conv_geometry((batch, H, W, Ci), (Co, R, S, Ci), stride, padding)
         config = wgrad_config(Co, Ci)
         _, _, tiles, k_blocks = wgrad_tiles(g, config)
-        split_k = choose_split_k(tiles, k_blocks, num_sms)
-        _, whole, split_tiles = wgrad_split(tiles, split_k, num_sms)
+        whole, split_k = choose_split(tiles, k_blocks, num_sms, config.block_k)
+        _, whole, split_tiles = wgrad_split(tiles, split_k, num_sms, whole)
         print(f"   {label:<26} {tiles:4d} tiles of {config.block_m}x{config.block_n}, {k_blocks:5d} k-steps of "
               f"{config.block_k}: {whole:3d} whole, {split_tiles:2d} in {split_k:2d} slices -> "
               f"{wgrad_unit_count.fn(tiles, whole, split_k):4d} units, workspace "
               f"{split_k * split_tiles * config.block_m * config.block_n * 4 / 2**20:4.1f} MiB")
 
 
-def test_split_k_choices():
-    assert choose_split_k(9, 6272, 132) == 14         # 126 units: one wave, 95% of the SMs
-    assert choose_split_k(4, 20, 132) == 1            # too short to split
-    assert choose_split_k(144, 98, 132) == 11         # 132 tiles whole, 12 in 11 slices: 132 units, one more wave
-    assert wgrad_split(144, 11, 132) == (132, 132, 12)
-    assert choose_split_k(264, 1000, 132) == 1        # two full waves already
-    assert choose_split_k(200, 1000, 132) == 1        # 68 tiles past the full wave: 2 slices each would need two
-    assert wgrad_split(200, 1, 132) == (132, 200, 0)
-    assert choose_split_k(133, 5, 132) == 5           # one tile past the wave: one slice per k-step
+def test_split_choices():
+    assert choose_split(9, 6272, 132) == (0, 14)          # 126 units: one wave, 95% of the SMs
+    assert choose_split(4, 1, 132) == (4, 1)              # one k-step: nothing to split
+    assert choose_split(144, 98, 132) == (132, 7)         # a wave of whole tiles, then 12 in 7 slices
+    assert wgrad_split(144, 7, 132, 132) == (132, 132, 12)
+    assert choose_split(264, 1000, 132) == (264, 1)       # two full waves already
+    assert choose_split(216, 512, 132) == (132, 3)        # 84 tiles past the wave: 3 slices each, two short waves
+    assert choose_split(200, 4, 132) == (200, 1)          # 4 k-steps: nothing to gain
+    assert wgrad_split(18, 5, 4) == (4, 16, 2)            # an explicit split_k: lesson 05's rule, the full waves whole
 
 
 # %%

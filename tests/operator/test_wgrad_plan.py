@@ -156,7 +156,7 @@ def expected_dw(x, w, dy, g):
 
 # (N, H, W, Ci, Co, R, S, stride, padding, dilation): Ci=3 (x padded), Co=20 (dY padded), stride 2, 1x1,
 # non-square, per-axis dilation, a stem (its stride folded into the channels); the last has 64 k-steps of
-# 128 pixels: two slices
+# 128 pixels: 11 slices
 SHAPES = [(1, 9, 8, 3, 20, 3, 3, 1, 1, 1), (2, 9, 11, 8, 16, 3, 3, 2, 1, 1), (2, 6, 7, 16, 24, 1, 1, 2, 0, 1),
           (1, 10, 9, 8, 8, 3, 2, (1, 2), (2, 1), (2, 1)), (1, 13, 12, 3, 8, 7, 7, 2, 3, 1),
           (2, 64, 64, 8, 16, 3, 3, 1, 1, 1)]
@@ -230,7 +230,7 @@ def test_a_later_call_rebases_the_descriptors_on_its_tensors(stand_ins, Ci, Co):
 
 
 def test_kernel_arguments_follow_the_kernels_signatures(stand_ins):
-    x, w, dy, g = small_integer_inputs(2, 64, 64, 8, 16, 3, 3, 1, 1, 1)      # two slices
+    x, w, dy, g = small_integer_inputs(2, 64, 64, 8, 16, 3, 3, 1, 1, 1)      # 11 slices
     wgrad.conv2d_weight_grad(x, dy, w.shape, 1, 1)
     x, w, dy, g = small_integer_inputs(2, 64, 64, 8, 16, 3, 3, 1, 1, 1, seed=3)
     dw = wgrad.conv2d_weight_grad(x, dy, w.shape, 1, 1)
@@ -249,7 +249,7 @@ def test_kernel_arguments_follow_the_kernels_signatures(stand_ins):
     assert sum_by_name["partial_ptr"] == by_name["partial_ptr"] and by_name["dw_ptr"] == sum_by_name["dw_ptr"] == dw.data_ptr()
     shape = by_name["shape"]
     assert {name: sum_by_name[name] for name in sum_names[2:]} == {name: getattr(shape, name) for name in sum_names[2:]}
-    assert (shape.whole_tiles, shape.split_k) == (0, 2)
+    assert (shape.whole_tiles, shape.split_k) == (0, 11)
 
 
 @pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", SHAPES)
@@ -269,7 +269,7 @@ def test_split_and_grid_are_prepare_wgrads(stand_ins, N, H, W, Ci, Co, R, S, str
     if sum_launch:
         sum_grid = lesson06.sum_partials_launch(lesson, w.new_empty(g.Co, g.R * g.S * g.Ci))[0]
         assert sum_launch[0].first[0] == sum_launch[0].calls[0][0] == sum_grid
-    assert (lesson.shape.split_k == 2) == ((N, H) == (2, 64))     # the case with slices is one
+    assert (lesson.shape.split_k > 1) == ((N, H) == (2, 64))      # the case with slices is one
 
 
 @pytest.mark.parametrize("changes, error, message", [(changes, error, message) for launcher, changes, error, message
