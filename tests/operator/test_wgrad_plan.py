@@ -327,7 +327,7 @@ GPU_SHAPES = [    # N, H, W, Ci, Co, R, S, stride, padding, dilation
     (2, 13, 11, 24, 200, 3, 5, (2, 1), (1, 2), (1, 2)),  # non-square, per-axis stride and dilation, Co = 200
     (2, 16, 16, 40, 36, 3, 3, 1, 2, 2),           # dilation 2, Co = 36 (dY's rows padded)
     (8, 28, 28, 128, 128, 3, 3, 1, 1, 1),         # 6272 pixels: several slices
-    (2, 7, 7, 512, 512, 3, 3, 1, 1, 1),           # 144 tiles: on 132 SMs 132 whole, 12 in 2 slices
+    (128, 7, 7, 512, 512, 3, 3, 1, 1, 1),         # 144 tiles: on 132 SMs 132 whole, 12 in 7 slices
 ]
 
 
