@@ -1009,12 +1009,17 @@ def conv2d_wgrad_kernel(dy_desc, x_desc, dw_ptr, partial_ptr, shape, NUM_BUFFERS
 # ResNet-50's 3x3 64->64 convs above (14 slices of 224 k-steps). A config's explicit split_k keeps
 # lesson 05's rule for w.
 #
-# The estimate is arithmetic on the shape, its constants an H100's. Timed on an H100
-# (results/notebook.md, 2026-11-26): on ResNet-50's 21 layers with fewer tiles than SMs, none of ten
-# other split counts beat an earlier rule's choice (within two slices of this one's) by more than
-# 4%; on the
-# two with more, whole waves took the 7x7 and 14x14 512-channel 3x3 layers from 0.71-0.73x
-# cuDNN's speed to 0.99-1.01x.
+# The estimate is arithmetic on the shape, its constants an H100's. Timed on H100s
+# (results/notebook.md, 2026-11-26):
+# - ResNet-50's 21 layers with fewer tiles than SMs: none of ten other split counts beat an
+#   earlier rule's choice (within two slices of this one's) by more than 4%.
+# - Its two layers with more tiles than SMs: a wave of whole tiles took the 7x7 and 14x14
+#   512-channel 3x3 layers from 0.72-0.73x cuDNN's speed to 0.95-0.97x
+#   (`benchmarks/backward_layers.py --operator --cuda-graphs`, RESULTS.md).
+# - Why two choices of w: lesson 05's rule alone (all full waves whole) ran a Stable Diffusion
+#   UNet's 64x64 960->320 3x3 at batch 8 (216 tiles of 512 k-steps) in 568 us, a second wave of 84
+#   whole tiles leaving 48 SMs idle, where every tile in slices had taken 432 us; the estimate's
+#   choice, one wave whole and the 84 in 3 slices, took 402 us (cuDNN: 317-319 us; three runs).
 #
 # The second kernel adds partial[0] + partial[1] + ... in that order, for every element of a split
 # tile. Floating-point addition is not associative, so the order is what makes the result
@@ -1130,9 +1135,11 @@ def test_split_k_sum_adds_the_slices_in_order():
 # the end of this section folds its stride into the channels first). A tile of 128 x 64 or fewer
 # elements takes 128 pixels per k-step instead of 64: its MMA per k-step is small next to the
 # k-step's fixed costs (two barrier waits, two TMA issues, the box origin's three divisions), and
-# on an H100 the longer k-step was faster on every such layer of a tuning set that is not
-# ResNet-50 (ResNet-18, VGG-16 and Inception v3 convs: 11 of 11, up to 1.6x on 64->64 3x3 convs;
-# results/notebook.md, 2026-11-26).
+# on an H100 the longer k-step was faster on 10 of the 11 such layers of a tuning set that is not
+# ResNet-50 (ResNet-18, VGG-16 and Inception v3 convs; up to 1.6x on 64->64 3x3 convs), as fast on
+# the 11th (results/notebook.md, 2026-11-26). On ResNet-50 itself it took the 56x56 64->64 3x3
+# from 0.67x cuDNN's speed to 1.01x, and two 56x56 1x1 layers with 128 x 64 tiles from 1.00x to
+# 0.96x.
 # `prepare_wgrad` builds what a launch needs (on CPU tensors too: the ahead-of-time compile and the
 # CPU model use it): x with its channels padded to 16 bytes (lesson 04) and its im2col descriptor,
 # dY as a 2-D [pixels, Co] tensor and its tiled descriptor (Co padded the same way where needed),
@@ -2141,8 +2148,8 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # copies' reduction took a median 1.18x the conv's time (1.09-1.52x; from registers it was 1.48x,
 # up to 4.1x: results/h200-2026-11-25/channel_stats_first_build.json), beat the conv plus a
 # separate reduction over the output on all 23 of ResNet-50's distinct convs, and a ResNet-50
-# training step ran 3.9% faster with them than without; on an H100 (2026-11-26, one tensor) 2.3%
-# (5117 -> 5235 images/s under CUDA graphs, torch.compile 5223).
+# training step ran 3.9% faster with them than without; on an H100 (2026-11-26, one tensor) 2.8%
+# (5148 -> 5290 images/s under CUDA graphs, torch.compile 5195).
 
 
 def conv2d_with_channel_stats(x_nhwc, w, stride=1, padding=0, dilation=1, config=lesson05.FIXED_CONFIG):
@@ -2308,8 +2315,9 @@ if __name__ == "__main__" and on_gpu:
 # bf16, batch 128, every distinct conv of ResNet-50; RESULTS.md, "The backward" and "The
 # operator's gradients"): both gradients
 # matched torch.nn.grad on every layer. Against cuDNN's convolution_backward, as geometric means
-# over the 23 layers, kernels alone, this lesson's launchers ran at 0.91x (dgrad) and 0.93x
-# (wgrad), and the operator's gradients (`conv_tutorial`, below) at 0.97x and 0.92x.
+# over the 23 layers, kernels alone, this lesson's launchers ran at 0.92x (dgrad) and 0.98x
+# (wgrad), and the operator's gradients (`conv_tutorial`, below) at 0.98x and 0.98x
+# (`results/h100-2026-11-26/backward_layers_operator_cuda_graphs_whole_waves.json`).
 #
 # - The host is most of the gap in a plain call. The launchers above check their arguments, choose
 #   a split, build descriptors and a workspace on every call, and dgrad runs that once per phase
@@ -2319,25 +2327,27 @@ if __name__ == "__main__" and on_gpu:
 #   phase's conv (the forward's runtime) and for wgrad (conv_tutorial/wgrad.py), 149 us per dgrad
 #   and 62 us per wgrad, 295-391 us for the 3x3 stride-2 dgrads (one launch for every phase's
 #   weights, then a conv per phase). A training step under CUDA graphs pays none of it: ResNet-50
-#   training with these kernels ran at 0.98x torch.compile's images/s with CUDA graphs on both
-#   sides (5117 against 5223, H100, 2026-11-26; 1.00x with section 10's statistics), 0.46x without
+#   training with these kernels ran at 0.99x torch.compile's images/s with CUDA graphs on both
+#   sides (5148 against 5195, H100, 2026-11-26; 1.02x with section 10's statistics), 0.46x without
 #   (2026-11-25), and RegNetY-3.2GF at 0.94x with graphs in an earlier run (RESULTS.md,
 #   "Training").
-# - wgrad's kernel is within 6% of cuDNN or faster on 14 of 23 layers (faster on 9, up to 1.12x),
-#   with the split rule above giving every SM work (no other split was timed). The stem was its
-#   worst, 0.25x (3 input channels padded to a 16-channel box, dY read once per each of 49 taps);
-#   folded as section 6 ends, stride and column taps into the channels, it runs at 1.01x, and its
-#   dgrad at 2.12x (from 0.69x). It loses most now on the 56x56 64->64 3x3, 0.67x, whose 64x64
-#   tiles do a quarter of a 128x128 tile's MMA work per pair of loads and read dY again for each
-#   tap, and on the two 3x3 layers with a 7x7 output (0.72-0.73x) (reasoning from the design; not
-#   profiled).
+# - wgrad through the operator is within 6% of cuDNN or faster on 15 of 23 layers (faster on 9, up
+#   to 1.13x). Section 5's split took the two 512-channel 3x3 layers with 144 tiles from 0.72-0.73x
+#   to 0.95-0.97x (a wave of whole tiles, then 12 tiles in slices, where every tile had been cut in
+#   3), and 14x14 1024->2048 stride 2 from 0.84x to 1.05x (no split: no workspace, no second
+#   kernel); section 6's 128-pixel k-steps took the 56x56 64->64 3x3 from 0.67x to 1.01x. The stem
+#   was its worst once, 0.25x (3 input channels padded to a 16-channel box); folded as section 6
+#   ends it runs at 1.09x, and its dgrad at 2.09x. It loses most now on 7x7 512->2048 1x1, 0.77x
+#   (64 tiles, each in 2 slices of 49 k-steps, and a second kernel), and by 4-12% on the 1x1
+#   layers of 28x28 and below.
 # - dgrad: section 1's one-pass flipped weights and section 2's phases stored in place moved the
 #   operator's dgrad from 0.75x to 0.90x (H100, 2026-11-25), then the window store through the
 #   staging buffer, all phases' weights in one launch and zeros only where no tap reaches to
-#   **0.97x** (H100, 2026-11-26, `results/h100-2026-11-26/backward_layers_operator_cuda_graphs.json`).
-#   At stride 1 it runs at 0.87-1.11x of cuDNN, the 1x1 stride-2 layers at 1.03-1.08x (from
-#   0.77-0.89x: the staged window store and the zeros written only where they belong), the 3x3
-#   stride-2 layers at 0.71-0.80x (from 0.50-0.61x). Those are what is left: four launches, each a
+#   **0.97x** (H100, 2026-11-26, `results/h100-2026-11-26/backward_layers_operator_cuda_graphs.json`;
+#   0.98x in the later run above, its kernels unchanged). At stride 1 it runs at 0.87-1.16x of
+#   cuDNN, the 1x1 stride-2 layers at 1.02-1.12x (from 0.77-0.89x: the staged window store and the
+#   zeros written only where they belong), the 3x3 stride-2 layers at 0.72-0.81x (from 0.50-0.61x).
+#   Those are what is left: four launches, each a
 #   persistent kernel over the whole of dY's pixels (dY read four times), against cuDNN's one
 #   kernel; one launch for all four phases (a tile's phase chosen from its number, as split-K
 #   chooses its slice) is what is left to try. Before the staged store the phases' times did not
@@ -2347,8 +2357,8 @@ if __name__ == "__main__" and on_gpu:
 # - Section 10's BatchNorm statistics: on an H200 (2026-11-25) a ResNet-50 training step ran 3.9%
 #   faster with them (5969 -> 6199 images/s under CUDA graphs, torch.compile 6188), RegNetY-3.2GF
 #   0.9% (its grouped convs left unfused); on an H100 (2026-11-26, the sums in one tensor) ResNet-50
-#   ran 2.3% faster, 5117 -> 5235 images/s, torch.compile 5223 and its max-autotune mode 5360 (a
-#   run of its own; it compiled in under five minutes). A profile of the step (RESULTS.md, "Training fusions")
+#   ran 2.8% faster, 5148 -> 5290 images/s, torch.compile 5195 (its max-autotune mode ran 1.02x
+#   its default in a run of its own, where it compiled in under five minutes). A profile of the step (RESULTS.md, "Training fusions")
 #   shows where the rest of the time goes: the convs, forward and backward, take about what
 #   cuDNN's take (8.2 against 8.4 ms of GPU time per step), and Inductor's BatchNorm, ReLU and
 #   residual kernels 10.7 of 19.7 ms. So a faster step needs BatchNorm's apply and the ReLU folded
@@ -2361,7 +2371,7 @@ if __name__ == "__main__" and on_gpu:
 # `conv_tutorial.set_backward("lesson06")` (NHWC views of its channels_last tensors, torch for what
 # they do not cover); it keeps PyTorch's convolution backward by default, because the figures above
 # say it does not pay yet. What they point to first: the 3x3 stride-2 dgrads in one launch, wgrad's
-# 3x3 layers on small channel counts and small images, and the host time of a strided dgrad.
+# 7x7 1x1 layers (a split without a second kernel), and the host time of a strided dgrad.
 
 # %%
 if __name__ == "__main__":

@@ -5,8 +5,8 @@
 
 The default stays torch's until lesson 06's kernels measure faster: on an H100 (ResNet-50's convs
 at batch 128, bf16, 2026-11-26; RESULTS.md, "The operator's gradients" and "Training") this
-operator's gradients ran at 0.97x (dgrad) and 0.92x (wgrad) cuDNN's speed, kernels alone,
-geometric means, and a training step at 0.98x torch.compile's with CUDA graphs (ResNet-50; RegNetY-
+operator's gradients ran at 0.98x (dgrad) and 0.98x (wgrad) cuDNN's speed, kernels alone,
+geometric means, and a training step at 0.99x torch.compile's with CUDA graphs (ResNet-50; RegNetY-
 3.2GF 0.94x in an earlier run), 0.46x without (ResNet-50, an earlier run: host time). With "lesson06", each gradient
 a call needs runs on the lesson's kernels where they cover the call (fp16 or bf16; groups 1, or
 groups whose channels the kernels' tiles keep to; input, weight and gradient on one Hopper or
