@@ -738,7 +738,7 @@ def dgrad(dy_nhwc, w, geometry, fprop, fold=None, phases=None):
 #         B = im2col_load(x, [n, y, x, c0], offsets=[r*dh, s*dw])       # [BLOCK_K, BLOCK_N], N-major
 #         acc += A @ B                                                  # A = (A^T)^T, a view
 #     if split < 0:   dW[co0:co0+BLOCK_M, tap, c0:c0+BLOCK_N] = acc    # a whole tile; masked: co < Co, ci < Ci
-#     else:           partial[split, tile] = acc                        # a slice (section 5), fp32
+#     else:           partial[split, tile] = acc                        # a slice (section 5), fp32; masked
 #
 # The edges take care of themselves. The last pixel block runs past the last pixel: its dY rows
 # lie outside the tensor, so TMA fills them with zeros, and whatever the im2col box holds there
@@ -868,21 +868,22 @@ def wgrad_loader_partition(dy_desc, x_desc, ring, schedule, window):
 
 @gluon.jit
 def store_wgrad_tile(acc, dw_ptr, partial_ptr, shape, work):
-    # In the accumulator's own register layout (as lesson 05's split-K store). A whole tile:
-    # dW[co0:co0+BLOCK_M, tap, c0:c0+BLOCK_N] = acc in dW's dtype, for co < Co and ci < Ci. A slice:
-    # partial[split, tile - whole_tiles] = acc, the whole fp32 tile (section 5's sum masks the edges).
+    # In the accumulator's own register layout (as lesson 05's split-K store), for co < Co and ci < Ci
+    # only. A whole tile: dW[co0:co0+BLOCK_M, tap, c0:c0+BLOCK_N] = acc in dW's dtype. A slice:
+    # partial[split, tile - whole_tiles] = acc, an fp32 tile in the workspace.
     BLOCK_M: gl.constexpr = acc.type.shape[0]
     BLOCK_N: gl.constexpr = acc.type.shape[1]
     rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout))
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc.type.layout))
+    inside = gl.expand_dims(work.co0 + rows < shape.Co, 1) & gl.expand_dims(work.c0 + cols < shape.Ci_group, 0)
     if work.split < 0:
         row_starts = (work.co0 + rows).to(gl.int64) * (shape.taps * shape.Ci_group)
         offsets = gl.expand_dims(row_starts, 1) + gl.expand_dims(work.tap * shape.Ci_group + work.c0 + cols, 0)
-        inside = gl.expand_dims(work.co0 + rows < shape.Co, 1) & gl.expand_dims(work.c0 + cols < shape.Ci_group, 0)
         gl.store(dw_ptr + offsets, acc.to(dw_ptr.dtype.element_ty), mask=inside)
     else:
         tile_start = (work.split * shape.split_tiles + work.tile - shape.whole_tiles).to(gl.int64) * (BLOCK_M * BLOCK_N)
-        gl.store(partial_ptr + tile_start + gl.expand_dims(rows * BLOCK_N, 1) + gl.expand_dims(cols, 0), acc)
+        offsets = tile_start + gl.expand_dims(rows * BLOCK_N, 1) + gl.expand_dims(cols, 0)
+        gl.store(partial_ptr + offsets, acc, mask=inside)
 
 
 @gluon.jit
@@ -986,8 +987,8 @@ def conv2d_wgrad_kernel(dy_desc, x_desc, dw_ptr, partial_ptr, shape, NUM_BUFFERS
 # 1 x 9 x 1 = 9 tiles of 64 x 64 (BLOCK_N 64 for 64 channels) for an H100's 132 SMs, each summing
 # 128 x 56 x 56 = 401,408 pixels: without a split, 123 SMs would idle. So the pixels of a tile are
 # cut into split_k slices, each slice a unit of work; a slice writes its fp32 partial sum to a
-# workspace partial[split, tile, BLOCK_M, BLOCK_N] instead of dW, and a second kernel adds the
-# slices, casts, and stores the tile into dW.
+# workspace partial[split, tile, BLOCK_M, BLOCK_N] instead of dW (its part inside Co x Ci), and a
+# second kernel adds the slices, casts, and stores the tile into dW.
 #
 # Which tiles to split starts from lesson 05's rule (its section 7): with P programs, the tiles of
 # the full waves run whole, store straight into dW and need no workspace; only the tiles past them
@@ -1071,12 +1072,14 @@ def wgrad_split_k_sum_kernel(partial_ptr, dw_ptr, Co, Ci_group, taps, num_pid_m,
     index = tl.program_id(0)
     co0, tap, c0 = wgrad_tile_origin(whole_tiles + index, num_pid_m, ci_blocks, BLOCK_M, BLOCK_N)
     elements = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)          # of the tile, row by row
+    rows, cols = co0 + elements // BLOCK_N, c0 + elements % BLOCK_N
+    inside = (rows < Co) & (cols < Ci_group)         # the parts of the tile the slices wrote
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for split in range(split_k):
-        acc += tl.load(partial_ptr + (split * split_tiles + index).to(tl.int64) * (BLOCK_M * BLOCK_N) + elements)
-    rows, cols = co0 + elements // BLOCK_N, c0 + elements % BLOCK_N
+        offsets = (split * split_tiles + index).to(tl.int64) * (BLOCK_M * BLOCK_N) + elements
+        acc += tl.load(partial_ptr + offsets, mask=inside, other=0.0)
     offsets = rows.to(tl.int64) * (taps * Ci_group) + tap * Ci_group + cols
-    tl.store(dw_ptr + offsets, acc.to(dw_ptr.dtype.element_ty), mask=(rows < Co) & (cols < Ci_group))
+    tl.store(dw_ptr + offsets, acc.to(dw_ptr.dtype.element_ty), mask=inside)
 
 
 def sum_partials_launch(launch, dw):
@@ -1392,13 +1395,12 @@ def run_wgrad_model(N=2, H=6, W=7, Ci=12, Co=20, R=3, S=2, stride=1, padding=1, 
             x_channel = lesson05.Im2colWindow.group_channel.fn(shape, P(co0)) + c0    # the loader's
             b, _ = im2col_reference(x_padded, BK, BN, *corners, [n, y, x0, x_channel], offsets)
             acc += a_t.T @ b
-        if split < 0:                                         # a whole tile: into dW, masked
-            rows, channels = min(BM, g.Co - co0), min(BN, g.Ci_group - c0)
+        rows, channels = min(BM, g.Co - co0), min(BN, g.Ci_group - c0)       # the store's mask
+        if split < 0:                                         # a whole tile: into dW
             dw[co0:co0 + rows, tap, c0:c0 + channels] = acc[:rows, :channels]
-        else:                                                 # a slice: the whole tile, to the workspace
-            partial[split, tile - shape.whole_tiles] = acc
-    if partial is not None:
-        assert not partial.isnan().any(), "some element of the workspace was never written"
+        else:                                                 # a slice: to the workspace
+            partial[split, tile - shape.whole_tiles, :rows, :channels] = acc[:rows, :channels]
+    if partial is not None:           # (the sum reads only what the slices wrote: the NaNs elsewhere stay unread)
         launch = launch._replace(partial=partial.to(common.device()))
         dw = sum_partials(launch, dw.view(g.Co, -1).to(common.device())).cpu()
     dw = dw.view(w.shape)
