@@ -1141,8 +1141,8 @@ def test_split_k_sum_adds_the_slices_in_order():
 # on an H100 the longer k-step was faster on 10 of the 11 such layers of a tuning set that is not
 # ResNet-50 (ResNet-18, VGG-16 and Inception v3 convs; up to 1.6x on 64->64 3x3 convs), as fast on
 # the 11th (results/notebook.md, 2026-11-26). On ResNet-50 itself it took the 56x56 64->64 3x3
-# from 0.67x cuDNN's speed to 1.01x, and two 56x56 1x1 layers with 128 x 64 tiles from 1.00x to
-# 0.96x.
+# from 0.67x cuDNN's speed to 1.00x, and two 56x56 1x1 layers with 128 x 64 tiles from 1.00x to
+# 0.96-0.98x.
 # `prepare_wgrad` builds what a launch needs (on CPU tensors too: the ahead-of-time compile and the
 # CPU model use it): x with its channels padded to 16 bytes (lesson 04) and its im2col descriptor,
 # dY as a 2-D [pixels, Co] tensor and its tiled descriptor (Co padded the same way where needed),
@@ -2333,22 +2333,22 @@ if __name__ == "__main__" and on_gpu:
 #   sides (5148 against 5195, H100, 2026-11-26; 1.02x with section 10's statistics), 0.46x without
 #   (2026-11-25), and RegNetY-3.2GF at 0.94x with graphs in an earlier run (RESULTS.md,
 #   "Training").
-# - wgrad through the operator is within 6% of cuDNN or faster on 15 of 23 layers (faster on 9, up
-#   to 1.13x). Section 5's split took the two 512-channel 3x3 layers with 144 tiles from 0.72-0.73x
-#   to 0.95-0.97x (a wave of whole tiles, then 12 tiles in slices, where every tile had been cut in
-#   3), and 14x14 1024->2048 stride 2 from 0.84x to 1.05x (no split: no workspace, no second
-#   kernel); section 6's 128-pixel k-steps took the 56x56 64->64 3x3 from 0.67x to 1.01x. The stem
-#   was its worst once, 0.25x (3 input channels padded to a 16-channel box); folded as section 6
-#   ends it runs at 1.09x, and its dgrad at 2.09x. It loses most now on 7x7 512->2048 1x1, 0.77x
-#   (64 tiles, each in 2 slices of 49 k-steps, and a second kernel), and by 4-12% on the 1x1
-#   layers of 28x28 and below.
+# - wgrad through the operator is within 6% of cuDNN or faster on 17 of 23 layers (faster on 11,
+#   up to 1.12x). Section 5's split took the two 512-channel 3x3 layers with 144 tiles from
+#   0.72-0.73x to 0.96-0.97x (a wave of whole tiles, then 12 tiles in slices, where every tile had
+#   been cut in 3), and 14x14 1024->2048 stride 2 from 0.84x to 0.96x (no split: no workspace, no
+#   second kernel); section 6's 128-pixel k-steps took the 56x56 64->64 3x3 from 0.67x to 1.00x.
+#   The stem was its worst once, 0.25x (3 input channels padded to a 16-channel box); folded as
+#   section 6 ends it runs at 1.10x, and its dgrad at 2.10x. It loses most now on 7x7 512->2048
+#   1x1, 0.74x (64 tiles, each in 2 slices of 49 k-steps, and a second kernel), and 0.84-0.94x on
+#   five other 1x1 layers of 28x28 and below.
 # - dgrad: section 1's one-pass flipped weights and section 2's phases stored in place moved the
 #   operator's dgrad from 0.75x to 0.90x (H100, 2026-11-25), then the window store through the
 #   staging buffer, all phases' weights in one launch and zeros only where no tap reaches to
 #   **0.97x** (H100, 2026-11-26, `results/h100-2026-11-26/backward_layers_operator_cuda_graphs.json`;
-#   0.98x in the later run above, its kernels unchanged). At stride 1 it runs at 0.87-1.16x of
-#   cuDNN, the 1x1 stride-2 layers at 1.02-1.12x (from 0.77-0.89x: the staged window store and the
-#   zeros written only where they belong), the 3x3 stride-2 layers at 0.72-0.81x (from 0.50-0.61x).
+#   0.98x in the later run above, its kernels unchanged). At stride 1 it runs at 0.87-1.14x of
+#   cuDNN, the 1x1 stride-2 layers at 1.01-1.13x (from 0.77-0.89x: the staged window store and the
+#   zeros written only where they belong), the 3x3 stride-2 layers at 0.70-0.80x (from 0.50-0.61x).
 #   Those are what is left: four launches, each a
 #   persistent kernel over the whole of dY's pixels (dY read four times), against cuDNN's one
 #   kernel; one launch for all four phases (a tile's phase chosen from its number, as split-K
