@@ -737,8 +737,9 @@ def dgrad(dy_nhwc, w, geometry, fprop, fold=None, phases=None):
 #         A^T = load(dy2d, [p0, co0])                                   # [BLOCK_K, BLOCK_M], M-major
 #         B = im2col_load(x, [n, y, x, c0], offsets=[r*dh, s*dw])       # [BLOCK_K, BLOCK_N], N-major
 #         acc += A @ B                                                  # A = (A^T)^T, a view
-#     if split < 0:   dW[co0:co0+BLOCK_M, tap, c0:c0+BLOCK_N] = acc    # a whole tile; masked: co < Co, ci < Ci
-#     else:           partial[split, tile] = acc                        # a slice (section 5), fp32; masked
+#     if split < 0:   dW[co0:co0+BLOCK_M, tap, c0:c0+BLOCK_N] = acc    # a whole tile
+#     else:           partial[split, tile - whole_tiles] = acc          # a slice (section 5), fp32
+#     (both stores masked to co < Co and ci < Ci / groups)
 #
 # The edges take care of themselves. The last pixel block runs past the last pixel: its dY rows
 # lie outside the tensor, so TMA fills them with zeros, and whatever the im2col box holds there
@@ -987,28 +988,27 @@ def conv2d_wgrad_kernel(dy_desc, x_desc, dw_ptr, partial_ptr, shape, NUM_BUFFERS
 # 1 x 9 x 1 = 9 tiles of 64 x 64 (BLOCK_N 64 for 64 channels) for an H100's 132 SMs, each summing
 # 128 x 56 x 56 = 401,408 pixels: without a split, 123 SMs would idle. So the pixels of a tile are
 # cut into split_k slices, each slice a unit of work; a slice writes its fp32 partial sum to a
-# workspace partial[split, tile, BLOCK_M, BLOCK_N] instead of dW (its part inside Co x Ci), and a
-# second kernel adds the slices, casts, and stores the tile into dW.
+# workspace of the split tiles, partial[split, tile - whole_tiles] (BLOCK_M x BLOCK_N each, the
+# part inside Co x Ci written), instead of dW, and a second kernel adds the slices, casts, and
+# stores the tile into dW.
 #
-# Which tiles to split starts from lesson 05's rule (its section 7): with P programs, the tiles of
-# the full waves run whole, store straight into dW and need no workspace; only the tiles past them
-# are split. Splitting every tile instead costs on both sides when there are more tiles than SMs:
-# ResNet-50's 7x7 512->512 3x3 has 144 tiles of 128 x 128 for 132 SMs and 98 k-steps per tile; cut
-# into 3 slices each, its 432 units ran as 4 waves of 33 k-steps and wrote and read back 3 x 9.4 MB
-# of fp32 partials. Now 132 tiles run whole (98 k-steps) and the other 12 are cut into 7 slices of
-# 14 k-steps, one more short wave, whose workspace is 84 tiles of 64 KB.
+# Which tiles to split is lesson 05's rule (its section 7): with P programs, the tiles of the full
+# waves run whole, store straight into dW and need no workspace; only the r tiles past them are
+# split (all of them, with fewer tiles than SMs). Splitting every tile instead costs on both sides
+# when there are more tiles than SMs: ResNet-50's 7x7 512->512 3x3 has 144 tiles of 128 x 128 for
+# 132 SMs and 98 k-steps per tile; cut into 3 slices each, its 432 units ran as 4 waves of 33
+# k-steps (the last a third full) and wrote and read back 3 x 9 MiB of fp32 partials. Now 132 tiles
+# run whole (98 k-steps) and the other 12 are cut into 7 slices of 14 k-steps, one more short wave,
+# whose workspace is 84 partial tiles of 64 KiB.
 #
-# How many slices, and how many waves of whole tiles (`choose_split`): an estimate of the time, in
-# the time of one SM's k-step, for w whole waves and s slices of the r = tiles - w * P other tiles:
-# w * K for the whole tiles, ceil(r * s / P) * ceil(K / s) for the slices' waves, and for the
-# workspace r * s partial tiles at `workspace_k_steps` each (a partial tile's 8 bytes per element
-# through HBM against a k-step's FLOPs: a slice of 32 k-steps does 512 FLOPs per byte, above an
-# H100 SXM's ratio of bf16 FLOPs to HBM bytes, 989 TFLOPS / 3.35 TB/s = 295, a slice of 2 k-steps
-# far below it). It tries the last two choices of w (all full waves whole, or one wave fewer, whose
-# tiles then share the slices' waves) and s from 1 to 64, and keeps the least estimate, or within 2%
-# of it the fewest partial tiles. With fewer tiles than SMs w is 0: every tile is split, as for
-# ResNet-50's 3x3 64->64 convs above (14 slices of 224 k-steps). A config's explicit split_k keeps
-# lesson 05's rule for w.
+# How many slices (`choose_split`): an estimate of the time, in the time of one SM's k-step, for s
+# slices: w * K for the w full waves of whole tiles, ceil(r * s / P) * ceil(K / s) for the slices'
+# waves, and for the workspace (none when s = 1) r * s partial tiles at `workspace_k_steps` each: a
+# partial tile's 8 bytes per element through HBM against a k-step's 2 * block_k FLOPs per element,
+# about 6 / block_k of a k-step at an H100's figures. It tries s from 1 to 64 and keeps the least
+# estimate, or within 2% of it the fewest partial tiles. So a long K is cut finely and a short one
+# not at all: ResNet-50's 3x3 64->64 convs above get 14 slices of 224 k-steps (of 128 pixels:
+# section 6), a tile of 4 k-steps none.
 #
 # The estimate is arithmetic on the shape, its constants an H100's. Timed on H100s
 # (results/notebook.md, 2026-11-26):
@@ -1017,10 +1017,11 @@ def conv2d_wgrad_kernel(dy_desc, x_desc, dw_ptr, partial_ptr, shape, NUM_BUFFERS
 # - Its two layers with more tiles than SMs: a wave of whole tiles took the 7x7 and 14x14
 #   512-channel 3x3 layers from 0.72-0.73x cuDNN's speed to 0.95-0.97x
 #   (`benchmarks/backward_layers.py --operator --cuda-graphs`, RESULTS.md).
-# - Why two choices of w: lesson 05's rule alone (all full waves whole) ran a Stable Diffusion
-#   UNet's 64x64 960->320 3x3 at batch 8 (216 tiles of 512 k-steps) in 568 us, a second wave of 84
-#   whole tiles leaving 48 SMs idle, where every tile in slices had taken 432 us; the estimate's
-#   choice, one wave whole and the 84 in 3 slices, took 402 us (cuDNN: 317-319 us; three runs).
+# - Why the estimate, and not just "as many slices as fill one more wave": that rule leaves r
+#   tiles whole when r is over half the SMs (two slices each would need two waves). A Stable
+#   Diffusion UNet's 64x64 960->320 3x3 at batch 8 (216 tiles of 512 k-steps) then ran a second
+#   wave of 84 whole tiles with 48 SMs idle: 568 us, where every tile in slices had taken 432 us.
+#   The estimate cuts the 84 in 3 (two short waves): 402 us (cuDNN: 317-319 us; three runs).
 #
 # The second kernel adds partial[0] + partial[1] + ... in that order, for every element of a split
 # tile. Floating-point addition is not associative, so the order is what makes the result
@@ -1033,34 +1034,30 @@ def workspace_k_steps(block_k):
     # What writing and reading back one slice's fp32 partial tile costs, in the time of one SM's k-step:
     # 8 bytes per element through HBM (an H100's 3.35 TB/s, for the whole GPU) against a k-step's
     # 2 * block_k FLOPs per element at one SM's share of ~600 TFLOPS (lesson 05's kernel on an H100):
-    # 8 * 600/132 / (3.35 * 2 * block_k), about 6 / block_k
+    # 8 * 600/132 / (3.35 * 2 * block_k) = 5.4 / block_k, rounded up to err toward fewer slices
     return 6 / block_k
 
 
 def choose_split(tiles, k_blocks, num_sms, block_k=64):
-    """(whole tiles, slices per split tile): the least estimated time, in k-steps of one SM, over the
-    last two choices of whole waves and 1 to 64 slices; within 2% of the least, the fewest slices'
-    partial tiles. Arithmetic on the shape."""
+    """Slices per split tile, the tiles of the full waves running whole: the least estimated time, in
+    k-steps of one SM, over 1 to 64 slices; within 2% of the least, the fewest partial tiles.
+    Arithmetic on the shape."""
+    waves, rest = divmod(tiles, num_sms)
     options = []
-    full_waves = tiles // num_sms
-    for waves in sorted({max(0, full_waves - 1), full_waves}):
-        rest = tiles - waves * num_sms
-        for split_k in range(1, min(64, k_blocks) + 1) if rest else (1,):
-            partial_tiles = rest * split_k if split_k > 1 else 0
-            steps = (waves * k_blocks + -(-rest * split_k // num_sms) * -(-k_blocks // split_k)
-                     + partial_tiles * workspace_k_steps(block_k))
-            options.append((partial_tiles, steps, split_k, waves))
+    for split_k in range(1, min(64, k_blocks) + 1) if rest else (1,):
+        partial_tiles = rest * split_k if split_k > 1 else 0
+        steps = (waves * k_blocks + -(-rest * split_k // num_sms) * -(-k_blocks // split_k)
+                 + partial_tiles * workspace_k_steps(block_k))
+        options.append((partial_tiles, steps, split_k))
     least = min(option[1] for option in options)
-    _, _, split_k, waves = min(option for option in options if option[1] <= 1.02 * least)
-    return (tiles if split_k == 1 else waves * num_sms), split_k
+    return min(option for option in options if option[1] <= 1.02 * least)[2]
 
 
-def wgrad_split(tiles, split_k, num_sms, whole_tiles=None):
-    """(programs, whole tiles, split tiles) of a launch: the persistent grid, and which tiles run whole
-    (`whole_tiles`: choose_split's; by default lesson 05's rule, the full waves' tiles)."""
+def wgrad_split(tiles, split_k, num_sms):
+    """(programs, whole tiles, split tiles) of a launch: the persistent grid, and lesson 05's rule for
+    which tiles run whole (those of the full waves; all of them without a split)."""
     programs = min(num_sms, tiles * split_k)
-    if whole_tiles is None:
-        whole_tiles = lesson05.whole_tile_count.fn(tiles, programs, split_k)
+    whole_tiles = lesson05.whole_tile_count.fn(tiles, programs, split_k)
     return programs, whole_tiles, tiles - whole_tiles
 
 
@@ -1170,8 +1167,7 @@ class WgradConfig(NamedTuple):
     block_k: int = 64       # pixels per k-step (its K)
     num_buffers: int = 4    # stages in the ring
     num_warps: int = 4      # warps of the MMA/epilogue partition
-    split_k: int = 0        # slices of the pixels of a split tile; 0: choose_split's choice (else the tiles of
-                            # the full waves run whole, lesson 05's rule)
+    split_k: int = 0        # slices of the pixels of a split tile; 0: choose_split's choice
     programs: int = 0       # persistent programs; 0: one per SM (tests set fewer to have whole and split tiles)
 
 
@@ -1256,11 +1252,10 @@ def prepare_wgrad(x_nhwc, dy_nhwc, geometry, config, arch, num_sms):
     dy_desc = TensorDescriptor.from_tensor(dy_2d, dy_box, gl.NVMMASharedLayout.get_default_for(dy_box, gl_dtype))
     num_pid_m, ci_blocks, tiles, k_blocks = wgrad_tiles(g, config)
     num_sms = config.programs or num_sms
-    whole_tiles, split_k = (None, config.split_k) if config.split_k else choose_split(tiles, k_blocks, num_sms,
-                                                                                     config.block_k)
+    split_k = config.split_k or choose_split(tiles, k_blocks, num_sms, config.block_k)
     if not 1 <= split_k <= k_blocks:
         raise ValueError(f"split_k={split_k}: must lie in [1, {k_blocks}], the k-steps of {g.describe()}")
-    programs, whole_tiles, split_tiles = wgrad_split(tiles, split_k, num_sms, whole_tiles)
+    programs, whole_tiles, split_tiles = wgrad_split(tiles, split_k, num_sms)
     partial = (torch.empty(split_k, split_tiles, config.block_m, config.block_n, device=x_nhwc.device,
                            dtype=torch.float32) if split_tiles else None)
     shape = WgradShape(g.Co, g.Ci_group, g.Co_group, g.R * g.S, g.S, num_pid_m, g.R * g.S * ci_blocks, ci_blocks,
@@ -1296,23 +1291,25 @@ def run_split_k_choices(num_sms=132, batch=128):
         g = common.conv_geometry((batch, H, W, Ci), (Co, R, S, Ci), stride, padding)
         config = wgrad_config(Co, Ci)
         _, _, tiles, k_blocks = wgrad_tiles(g, config)
-        whole, split_k = choose_split(tiles, k_blocks, num_sms, config.block_k)
-        _, whole, split_tiles = wgrad_split(tiles, split_k, num_sms, whole)
-        print(f"   {label:<26} {tiles:4d} tiles of {config.block_m}x{config.block_n}, {k_blocks:5d} k-steps of "
-              f"{config.block_k}: {whole:3d} whole, {split_tiles:2d} in {split_k:2d} slices -> "
-              f"{wgrad_unit_count.fn(tiles, whole, split_k):4d} units, workspace "
+        split_k = choose_split(tiles, k_blocks, num_sms, config.block_k)
+        _, whole, split_tiles = wgrad_split(tiles, split_k, num_sms)
+        tile = f"{config.block_m}x{config.block_n},"
+        print(f"   {label[5:]:<18} {tiles:3d} tiles {tile:<8} {k_blocks:4d} k-steps of {config.block_k}: "
+              f"{whole:3d} whole, {split_tiles:2d} in {split_k:2d} slices, "
+              f"{wgrad_unit_count.fn(tiles, whole, split_k):3d} units, "
               f"{split_k * split_tiles * config.block_m * config.block_n * 4 / 2**20:4.1f} MiB")
 
 
 def test_split_choices():
-    assert choose_split(9, 6272, 132) == (0, 14)          # 126 units: one wave, 95% of the SMs
-    assert choose_split(4, 1, 132) == (4, 1)              # one k-step: nothing to split
-    assert choose_split(144, 98, 132) == (132, 7)         # a wave of whole tiles, then 12 in 7 slices
-    assert wgrad_split(144, 7, 132, 132) == (132, 132, 12)
-    assert choose_split(264, 1000, 132) == (264, 1)       # two full waves already
-    assert choose_split(216, 512, 132) == (132, 3)        # 84 tiles past the wave: 3 slices each, two short waves
-    assert choose_split(200, 4, 132) == (200, 1)          # 4 k-steps: nothing to gain
-    assert wgrad_split(18, 5, 4) == (4, 16, 2)            # an explicit split_k: lesson 05's rule, the full waves whole
+    assert choose_split(9, 3136, 132, block_k=128) == 14   # 126 units: one wave, 95% of the SMs
+    assert wgrad_split(9, 14, 132) == (126, 0, 9)           # every tile split
+    assert choose_split(4, 1, 132) == 1                     # one k-step: nothing to split
+    assert choose_split(144, 98, 132) == 7                  # a wave of whole tiles, then 12 in 7 slices
+    assert wgrad_split(144, 7, 132) == (132, 132, 12)
+    assert choose_split(264, 1000, 132) == 1                # two full waves already
+    assert wgrad_split(264, 1, 132) == (132, 264, 0)
+    assert choose_split(216, 512, 132) == 3                 # 84 tiles past the wave: 3 slices each, two short waves
+    assert choose_split(200, 4, 132) == 1                   # 4 k-steps: nothing to gain
 
 
 # %%
@@ -1323,14 +1320,14 @@ if __name__ == "__main__":
 # What you should see (host arithmetic, the same on any machine)::
 #
 #     wgrad's slices per tile on 132 SMs (ResNet-50's 3x3 convs, batch 128):
-#        RN50 56x56 64->64 3x3         9 tiles of 64x64,  3136 k-steps of 128:   0 whole,  9 in 14 slices ->  126 units, workspace  2.0 MiB
-#        RN50 28x28 128->128 3x3       9 tiles of 128x128,  1568 k-steps of 64:   0 whole,  9 in 14 slices ->  126 units, workspace  7.9 MiB
-#        RN50 14x14 256->256 3x3      36 tiles of 128x128,   392 k-steps of 64:   0 whole, 36 in  7 slices ->  252 units, workspace 15.8 MiB
-#        RN50 7x7 512->512 3x3       144 tiles of 128x128,    98 k-steps of 64: 132 whole, 12 in 11 slices ->  264 units, workspace  8.2 MiB
+#        56x56 64->64 3x3     9 tiles 64x64,   3136 k-steps of 128:   0 whole,  9 in 14 slices, 126 units,  2.0 MiB
+#        28x28 128->128 3x3   9 tiles 128x128, 1568 k-steps of 64:   0 whole,  9 in 14 slices, 126 units,  7.9 MiB
+#        14x14 256->256 3x3  36 tiles 128x128,  392 k-steps of 64:   0 whole, 36 in  7 slices, 252 units, 15.8 MiB
+#        7x7 512->512 3x3   144 tiles 128x128,   98 k-steps of 64: 132 whole, 12 in  7 slices, 216 units,  5.2 MiB
 #
-# The 7x7 layer is the one with more tiles than SMs: a wave of whole tiles, then one wave of short
-# slices of the 12 left over, where cutting every tile in 3 had made 432 units (3.3 waves of 132)
-# and 27 MiB of workspace.
+# The 7x7 layer is the one with more tiles than SMs: a wave of whole tiles, then one short wave of
+# the 12 left over in slices, where cutting every tile in 3 had made 432 units (4 waves, the last a
+# third full) and 27 MiB of workspace.
 
 # %%
 # The kernel, run on a CPU
@@ -1338,10 +1335,11 @@ if __name__ == "__main__":
 # No CPU runs a Gluon kernel, but its index arithmetic is plain integer Python: `run_wgrad_model`
 # calls the kernel's own `wgrad_work_unit`, `wgrad_tile_origin`, `tap_offsets` and lesson 05's
 # `pixel_box_origin` (as lesson 05's tests do, through `.fn`, on `common.PlainInt` values), and
-# feeds what they compute to lesson 03's model of the TMA im2col load and to a model of the tiled load (a slice of dY, zeros
-# outside). Unit by unit, k-step by k-step, with the launcher's own descriptor settings and
-# split, it computes acc += A @ B, stores a whole tile into dW (masked) and a slice into the
-# workspace, and adds the slices with section 5's kernel: torch's conv2d_weight must come out. Its
+# feeds what they compute to lesson 03's model of the TMA im2col load and to a model of the tiled
+# load (a slice of dY, zeros outside). Unit by unit, k-step by k-step, with the launcher's own
+# descriptor settings and split, it computes acc += A @ B, stores a whole tile into dW and a slice
+# into the workspace (masked as the kernel's `store_wgrad_tile` masks, its offsets written again
+# in torch), and adds the slices with section 5's kernel: torch's conv2d_weight must come out. Its
 # default runs on 5 programs, so that some tiles run whole and some in slices.
 #
 # Beside it, the mapping in a few lines of torch (`wgrad_reference`): im2col(x) built explicitly
@@ -2360,7 +2358,8 @@ if __name__ == "__main__" and on_gpu:
 #   faster with them (5969 -> 6199 images/s under CUDA graphs, torch.compile 6188), RegNetY-3.2GF
 #   0.9% (its grouped convs left unfused); on an H100 (2026-11-26, the sums in one tensor) ResNet-50
 #   ran 2.8% faster, 5148 -> 5290 images/s, torch.compile 5195 (its max-autotune mode ran 1.02x
-#   its default in a run of its own, where it compiled in under five minutes). A profile of the step (RESULTS.md, "Training fusions")
+#   its default in a run of its own, where it compiled in under five minutes). A profile of the
+#   step (RESULTS.md, "Training fusions")
 #   shows where the rest of the time goes: the convs, forward and backward, take about what
 #   cuDNN's take (8.2 against 8.4 ms of GPU time per step), and Inductor's BatchNorm, ReLU and
 #   residual kernels 10.7 of 19.7 ms. So a faster step needs BatchNorm's apply and the ReLU folded
