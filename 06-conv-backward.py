@@ -1251,6 +1251,8 @@ def prepare_wgrad(x_nhwc, dy_nhwc, geometry, config, arch, num_sms):
         pixel_box_upper_corner=list(settings.pixel_box_upper_corner))
     dy_desc = TensorDescriptor.from_tensor(dy_2d, dy_box, gl.NVMMASharedLayout.get_default_for(dy_box, gl_dtype))
     num_pid_m, ci_blocks, tiles, k_blocks = wgrad_tiles(g, config)
+    if config.programs < 0 or config.split_k < 0:
+        raise ValueError(f"wgrad config {config}: programs and split_k must be >= 0 (0: the launcher's choice)")
     num_sms = config.programs or num_sms
     split_k = config.split_k or choose_split(tiles, k_blocks, num_sms, config.block_k)
     if not 1 <= split_k <= k_blocks:
@@ -1298,6 +1300,13 @@ def run_split_k_choices(num_sms=132, batch=128):
               f"{whole:3d} whole, {split_tiles:2d} in {split_k:2d} slices, "
               f"{wgrad_unit_count.fn(tiles, whole, split_k):3d} units, "
               f"{split_k * split_tiles * config.block_m * config.block_n * 4 / 2**20:4.1f} MiB")
+
+
+def test_negative_programs_or_slices_are_refused():
+    x, _, dy, g = backward_inputs(1, 6, 6, 8, 16, 3, 3, 1, 1, 1, torch.float32, device_name="cpu")
+    for bad in (dict(programs=-1), dict(split_k=-2)):
+        with pytest.raises(ValueError, match="programs and split_k must be >= 0"):
+            prepare_wgrad(x, dy, g, WgradConfig(16, 8, 8, **bad), "sm_90", 132)
 
 
 def test_split_choices():
