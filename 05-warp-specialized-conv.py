@@ -244,9 +244,10 @@ def loader_partition(in_desc, w_desc, w_tail_desc, ring, schedule, window):
 # drains while the next tile computes, and before the staging buffer is written again we wait
 # until the previous store from it has read it (stores finish in order; STORES_IN_FLIGHT newer
 # ones, from other buffers, may stay in flight). (Lesson 06 adds two switches: an output window,
-# the tile stored pixel by pixel, in 16-byte vectors, into a strided view of a larger tensor, which no TMA box
-# covers; and per-channel sums of the tile added into a small fp32 tensor, for BatchNorm in
-# training. Without them they are constexpr Nones, and those branches are not compiled.)
+# the tile stored pixel by pixel, in 16-byte vectors, into a strided view of a larger tensor,
+# which no TMA box covers; and per-channel sums of the tile added into a small fp32 tensor, for
+# BatchNorm in training. Without them they are constexpr Nones, and those branches are not
+# compiled.)
 
 
 @gluon.aggregate
