@@ -150,6 +150,7 @@ class Im2colWindow:
     Co_group: Int          # section 10: output channels per group (Co when groups = 1)
     S: Int
     channel_blocks: Int
+    phases: common.PhaseTiles | gl.constexpr      # lesson 06's: a strided dgrad's phases side by side; else None
 
     @gluon.jit
     def pixel_box_origin(self, m):
@@ -165,11 +166,22 @@ class Im2colWindow:
         return co0 // self.Co_group * self.Ci_group
 
     @gluon.jit
-    def k_step(self, k, BLOCK_K: gl.constexpr, group_channel):
+    def tile_taps(self, co0):
+        # The tile of output channels co0, co0+1, ...: its group_channel, and the taps it runs as (first r, first s,
+        # taps per row): all of them, or (lesson 06) its phase's.
+        r0, s0, taps_w = 0, 0, self.S
+        if self.phases is not None:
+            r0, _, s0, taps_w = self.phases.taps(co0)
+        return self.group_channel(co0), r0, s0, taps_w
+
+    @gluon.jit
+    def k_step(self, k, BLOCK_K: gl.constexpr, tile_taps):
         # (the tap's im2col offsets [r*dil_h, s*dil_w], input channel, weight column) of k-step k.
+        group_channel, r0, s0, taps_w = tile_taps
         tap = k // self.channel_blocks
         c0 = (k % self.channel_blocks) * BLOCK_K
-        offsets = [((tap // self.S) * self.dil_h).to(gl.int16), ((tap % self.S) * self.dil_w).to(gl.int16)]
+        r, s = r0 + tap // taps_w, s0 + tap % taps_w
+        offsets = [(r * self.dil_h).to(gl.int16), (s * self.dil_w).to(gl.int16)]
         return offsets, group_channel + c0, tap * self.Ci_group + c0
 
 
@@ -197,9 +209,9 @@ def loader_partition(in_desc, w_desc, w_tail_desc, ring, schedule, window):
         if schedule.TILE_M > BLOCK_M:
             n_t, h_t, w_t = window.pixel_box_origin(m0 + BLOCK_M)
         co0 = work.pid_n * schedule.TILE_N
-        group_channel = window.group_channel(co0)
+        tile_taps = window.tile_taps(co0)
         for k in range(work.k_begin, work.k_end):
-            tap_offsets, c0, w_column = window.k_step(k, BLOCK_K, group_channel)
+            tap_offsets, c0, w_column = window.k_step(k, BLOCK_K, tile_taps)
             slot = state.slot()
             # wait until the MMA that last read this stage is done (first pass: returns at once)
             mbarrier.wait(ring.empty.index(slot), state.phase() ^ 1)
@@ -331,7 +343,7 @@ def hopper_mma_epilogue_partition(ring, schedule, output, turn, CONSUMER: gl.con
     TAIL_M: gl.constexpr = output.out_tail_desc.block_type.shape[0] if HAS_TAIL else BLOCK_M
     TAIL_N: gl.constexpr = output.out_tail_desc.block_type.shape[1] if HAS_TAIL else BLOCK_N
     MMAS_PER_STEP: gl.constexpr = 2 if HAS_TAIL else 1
-    state = common.Counter(CONSUMER * schedule.k_steps, ring.NUM_BUFFERS)  # this consumer's first k-step
+    state = common.Counter(CONSUMER * schedule.unit_k_steps(gl.program_id(0)), ring.NUM_BUFFERS)  # my first k-step
     local_tile = 0
     for unit in range(gl.program_id(0) + CONSUMER * gl.num_programs(0), schedule.num_units(),
                       NUM_CONSUMERS * gl.num_programs(0)):
@@ -376,7 +388,8 @@ def hopper_mma_epilogue_partition(ring, schedule, output, turn, CONSUMER: gl.con
             # the tail's block: after the main block's columns (N tail) or below its rows (M tail)
             output.store(acc_tail, work, m0 + schedule.TILE_M - TAIL_M, co0 + schedule.TILE_N - TAIL_N, True,
                          STORES_IN_FLIGHT=0 if output.STORE_BY_ROW_BLOCKS else 1)
-        state = state.next((NUM_CONSUMERS - 1) * schedule.k_steps)      # skip the other consumer's tile
+        # skip the other consumer's tile
+        state = state.next((NUM_CONSUMERS - 1) * schedule.unit_k_steps(unit + gl.num_programs(0)))
         local_tile += 1
     tma.store_wait(pendings=0)
 
@@ -477,6 +490,7 @@ class TileSchedule:
     TILE_M: gl.constexpr      # output rows (pixels) and columns (channels) per tile
     TILE_N: gl.constexpr
     SPLIT_K: gl.constexpr
+    phases: common.PhaseTiles | gl.constexpr      # lesson 06's: a strided dgrad's phases side by side; else None
 
     @gluon.jit
     def num_units(self):
@@ -484,6 +498,15 @@ class TileSchedule:
         num_tiles = self.num_pid_m * self.num_pid_n
         whole_tiles = whole_tile_count(num_tiles, gl.num_programs(0), self.SPLIT_K)
         return whole_tiles + (num_tiles - whole_tiles) * self.SPLIT_K
+
+    @gluon.jit
+    def unit_k_steps(self, unit):
+        # The k-steps of a unit: all of them (section 4's ping-pong runs without split-K), or (lesson 06) its phase's.
+        k_steps = self.k_steps
+        if self.phases is not None:
+            work = self.work(unit)
+            k_steps = work.k_end - work.k_begin
+        return k_steps
 
     @gluon.jit
     def work(self, unit):
@@ -508,6 +531,8 @@ class TileSchedule:
         rows_in_group = gl.minimum(self.num_pid_m - first_m, GROUP_M)
         pid_m = first_m + (tile_id % tiles_per_group) % rows_in_group
         pid_n = (tile_id % tiles_per_group) // rows_in_group
+        if self.phases is not None:       # lesson 06: a tile of a strided dgrad runs its phase's taps only
+            k_end = self.phases.k_steps(pid_n * self.TILE_N)
         return WorkUnit(pid_m, pid_n, k_begin, k_end, split, partial)
 
 
@@ -631,14 +656,19 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
     c_smem = c_tail_smem if STORE_BY_ROW_BLOCKS else c_smem
     ready, empty = common.allocate_barrier_pairs(NUM_BUFFERS)
     ring = Ring(a_bufs, b_bufs, a_tail_bufs, b_tail_bufs, ready, empty, NUM_BUFFERS)
-    schedule = TileSchedule(num_pid_m, num_pid_n, k_steps, BLOCK_M + BLOCK_M_TAIL, BLOCK_N + BLOCK_N_TAIL,
-                            CONFIG.split_k)
-    window = Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group, S,
-                          channel_blocks)
     # (epilogue_ptrs: the bias, scale, residual and partial-sum pointers, in TileOutput's order)
-    # out_window: None, or (lesson 06) an OutputWindow's kernel_args, for a WindowStore; channel_stats: None, or
-    # (lesson 06) the zeroed fp32 [2, Co] tensor that the epilogue adds each channel's sums into
-    out_window = None if out_window is None else common.WindowStore(out_window[0], out_h, out_w, *out_window[1:])
+    # out_window: None, or (lesson 06) an OutputWindow's kernel_args, for a WindowStore, and with it perhaps a
+    # strided dgrad's phases; channel_stats: None, or (lesson 06) the zeroed fp32 [2, Co] tensor that the epilogue
+    # adds each channel's sums into
+    phases = None
+    if out_window is not None:
+        if out_window[8] is not None:
+            phases = common.PhaseTiles(*out_window[8], channel_blocks)
+        out_window = common.WindowStore(out_window[0], out_h, out_w, *out_window[1:8], phases)
+    schedule = TileSchedule(num_pid_m, num_pid_n, k_steps, BLOCK_M + BLOCK_M_TAIL, BLOCK_N + BLOCK_N_TAIL,
+                            CONFIG.split_k, phases)
+    window = Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group, S,
+                          channel_blocks, phases)
     output = TileOutput(out_desc, out_tail_desc, c_smem, c_tail_smem, *epilogue_ptrs, M, Co, EPILOGUE,
                         STORE_BY_ROW_BLOCKS, out_window, channel_stats)
     if IS_BLACKWELL:
@@ -1317,7 +1347,7 @@ if __name__ == "__main__":
     (2, 5, 6, 3, 16, 48, 1, 1, 0, 16, 16),     # 1x1, three tiles per group
 ])
 def test_grouped_tiles_read_their_groups(N, H, W, groups, Ci_group, Co_group, R, stride, padding, BLOCK_K, TILE_N):
-    """The loader's own arithmetic (Im2colWindow's pixel_box_origin, group_channel and k_step, run
+    """The loader's own arithmetic (Im2colWindow's pixel_box_origin, tile_taps and k_step, run
     as plain Python) with lesson 03's model of TMA im2col loads, and weight boxes cut from w2d,
     computes torch's grouped conv2d: every tile, every k-step."""
     import types
@@ -1331,14 +1361,15 @@ def test_grouped_tiles_read_their_groups(N, H, W, groups, Ci_group, Co_group, R,
     window = types.SimpleNamespace(out_h=g.out_h, out_w=g.out_w, stride_h=g.stride[0], stride_w=g.stride[1],
                                    pad_h=g.padding[0], pad_w=g.padding[1], dil_h=common.PlainInt(1),
                                    dil_w=common.PlainInt(1), Ci_group=Ci_group, Co_group=Co_group, S=R,
-                                   channel_blocks=Ci_group // BLOCK_K)
+                                   channel_blocks=Ci_group // BLOCK_K, phases=None)
+    window.group_channel = lambda co0: Im2colWindow.group_channel.fn(window, co0)
     w2d, BLOCK_M, out = w.reshape(g.Co, -1), 32, torch.zeros(g.M, g.Co)
     for m0 in range(0, g.M, BLOCK_M):
         n, y, x0 = Im2colWindow.pixel_box_origin.fn(window, m0)
         for co0 in range(0, g.Co, TILE_N):
-            group_channel = Im2colWindow.group_channel.fn(window, co0)
+            tile_taps = Im2colWindow.tile_taps.fn(window, co0)
             for k in range(R * R * window.channel_blocks):
-                offsets, c, column = Im2colWindow.k_step.fn(window, common.PlainInt(k), BLOCK_K, group_channel)
+                offsets, c, column = Im2colWindow.k_step.fn(window, common.PlainInt(k), BLOCK_K, tile_taps)
                 a, _ = reference(x, BLOCK_M, BLOCK_K, *corners, [n, y, x0, c], offsets)
                 rows = min(BLOCK_M, g.M - m0)
                 out[m0:m0 + rows, co0:co0 + TILE_N] += (a @ w2d[co0:co0 + TILE_N, column:column + BLOCK_K].T)[:rows]

@@ -199,25 +199,26 @@ def dgrad_phases(geometry):
 @triton.jit
 def flipped_weights_kernel(w_ptr, out_ptr, phases, Co, R, S, Ci_group, Co_group,
                            BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr):
-    """Every phase's w' at once. Entry i of `phases` (ints: first, r0, r_step, R2, s0, s_step, S2, at) is a
-    phase whose taps r0 + a*r_step (a < R2) and s0 + b*s_step (b < S2) are programs first, first + 1, ...
-    along axis 0, and whose w' [Ci, R2, S2, Co_group] starts at out_ptr + at:
-    out[at + (((k*Ci_group + ci) * R2 + r') * S2 + s') * Co_group + co]
+    """Every phase's w' at once. Entry i of `phases` (ints: first, r0, r_step, R2, s0, s_step, S2, at, pitch)
+    is a phase whose taps r0 + a*r_step (a < R2) and s0 + b*s_step (b < S2) are programs first, first + 1,
+    ... along axis 0, and whose w' [Ci, R2, S2, Co_group] starts at out_ptr + at, its rows `pitch` taps apart
+    (R2 * S2: w' on its own; more where the phases sit side by side, section 2b):
+    out[at + ((k*Ci_group + ci) * pitch + r' * S2 + s') * Co_group + co]
         = w[k*Co_group + co, r0 + (R2-1-r')*r_step, s0 + (S2-1-s')*s_step, ci]     for group k.
     Axes 1 and 2: [BLOCK_CO, BLOCK_CI] tiles of w's channels. The tuple's length is fixed when the
     kernel compiles (the loop below unrolls over it); its entries are run-time integers."""
     t = tl.program_id(0)
     r = t * 0       # (a tensor: every tl.where of the unrolled loop below then yields the same type)
-    s, at, r_out, s_out, R2, S2 = r, r.to(tl.int64), r, r, r, r
+    s, at, r_out, s_out, S2, pitch = r, r.to(tl.int64), r, r, r, r
     for i in tl.static_range(len(phases)):      # which phase program t's tap belongs to
-        first, r0, r_step, R2_i, s0, s_step, S2_i, at_i = phases[i]
+        first, r0, r_step, R2_i, s0, s_step, S2_i, at_i, pitch_i = phases[i]
         local = t - first
         mine = (local >= 0) & (local < R2_i * S2_i)
         r_out = tl.where(mine, local // S2_i, r_out)
         s_out = tl.where(mine, local % S2_i, s_out)
         r = tl.where(mine, r0 + (R2_i - 1 - local // S2_i) * r_step, r)    # the tap it reads, flipped
         s = tl.where(mine, s0 + (S2_i - 1 - local % S2_i) * s_step, s)
-        R2, S2 = tl.where(mine, R2_i, R2), tl.where(mine, S2_i, S2)
+        S2, pitch = tl.where(mine, S2_i, S2), tl.where(mine, pitch_i, pitch)
         at = tl.where(mine, at_i, at)
     co = tl.program_id(1) * BLOCK_CO + tl.arange(0, BLOCK_CO)      # w's output channel (dY's channel)
     ci = tl.program_id(2) * BLOCK_CI + tl.arange(0, BLOCK_CI)      # w's input channel, within its group
@@ -225,7 +226,7 @@ def flipped_weights_kernel(w_ptr, out_ptr, phases, Co, R, S, Ci_group, Co_group,
     tile = tl.load(w_ptr + ((co[:, None] * R + r) * S + s) * Ci_group + ci[None, :], mask=inside)
     group, co_in_group = co // Co_group, co % Co_group
     out_row = group[:, None] * Ci_group + ci[None, :]               # dX's channel: the conv's output channel
-    tl.store(out_ptr + at + ((out_row * R2 + r_out) * S2 + s_out) * Co_group + co_in_group[:, None], tile,
+    tl.store(out_ptr + at + (out_row * pitch + r_out * S2 + s_out) * Co_group + co_in_group[:, None], tile,
              mask=inside)
 
 
@@ -238,33 +239,60 @@ def flipped_weights_by_torch(w, taps_h, taps_w, groups=1):
         groups * Ci_group, R2, S2, Co // groups).contiguous()
 
 
-def flipped_weights(w, phase_taps, groups=1):
+def flipped_weights(w, phase_taps, groups=1, width=None):
     """[w' of each phase]: for each (taps_h, taps_w) of `phase_taps` (slices of w's r and s), w'
     [Ci, R2, S2, Co / groups] of w [Co, R, S, Ci / groups] for the taps w[:, taps_h, taps_w], flipped,
     channel axes swapped within each group. Up to 16 phases per flipped_weights_kernel launch (a
     stride of 2 in both axes has 4), into one buffer (each w' a contiguous piece of it). The phases
     go to the kernel as integers, not as a table in GPU memory: a tensor made once and kept here
-    would outlive the CUDA graph (a training step's) that allocated it."""
-    if w.device.type != "cuda" and not common.interpreter_mode():
-        return [flipped_weights_by_torch(w, taps_h, taps_w, groups) for taps_h, taps_w in phase_taps]
+    would outlive the CUDA graph (a training step's) that allocated it.
+    With `width` (groups = 1; section 2b): one tensor [phases * width, 1, taps, Co], the phases side by
+    side, rows p * width + ci of phase p holding its w'[ci] (its R2 * S2 taps first; `taps`: the
+    most any phase has), rows past Ci zeros. Past a phase's own taps only a K block that straddles its last
+    tap's end reads: zeros there where Co is not a multiple of 128 channels, else never read."""
     Co, R, S, Ci_group = w.shape
+    if w.device.type != "cuda" and not common.interpreter_mode():
+        phases = [flipped_weights_by_torch(w, taps_h, taps_w, groups) for taps_h, taps_w in phase_taps]
+        return phases if width is None else side_by_side(phases, width)
     phases, shapes, size = [], [], 0
-    for taps_h, taps_w in phase_taps:
+    pitch = max((len(range(R)[h]) * len(range(S)[v]) for h, v in phase_taps), default=0)
+    for p, (taps_h, taps_w) in enumerate(phase_taps):
         rows, cols = range(R)[taps_h], range(S)[taps_w]
-        phases.append((rows.start, rows.step, len(rows), cols.start, cols.step, len(cols), size))
+        at, row_pitch = (size, len(rows) * len(cols)) if width is None else (p * width * pitch * Co, pitch)
+        phases.append((rows.start, rows.step, len(rows), cols.start, cols.step, len(cols), at, row_pitch))
         shapes.append((groups * Ci_group, len(rows), len(cols), Co // groups))
         size += math.prod(shapes[-1])
-    out = w.new_empty(size)
+    if width is None:
+        out = w.new_empty(size)
+    elif Co % 128:
+        # dY's channels end inside a K block (of up to 128): a phase's last k-step reads weight columns past its
+        # last tap, against dY's zero-filled channels; zeros there (garbage could be NaN, and 0 * NaN is NaN)
+        out = w.new_zeros(len(phases), width, 1, pitch, Co)
+    else:
+        out = w.new_empty(len(phases), width, 1, pitch, Co)
+        out[:, Ci_group:].zero_()           # rows past Ci: columns the conv computes and does not store
     BLOCK = 32
     for chunk in range(0, len(phases), 16):     # (the kernel unrolls a loop over its phases: a few per launch)
         launch, taps = [], 0
-        for r0, r_step, R2, s0, s_step, S2, at in phases[chunk:chunk + 16]:
-            launch.append((taps, r0, r_step, R2, s0, s_step, S2, at))
+        for r0, r_step, R2, s0, s_step, S2, at, row_pitch in phases[chunk:chunk + 16]:
+            launch.append((taps, r0, r_step, R2, s0, s_step, S2, at, row_pitch))
             taps += R2 * S2
         grid = (taps, triton.cdiv(Co, BLOCK), triton.cdiv(Ci_group, BLOCK))
         flipped_weights_kernel[grid](w.contiguous(), out, tuple(launch), Co, R, S, Ci_group, Co // groups,
                                      BLOCK_CO=BLOCK, BLOCK_CI=BLOCK)
-    return [out[phase[-1]:phase[-1] + math.prod(shape)].view(shape) for phase, shape in zip(phases, shapes)]
+    if width is not None:
+        return out.view(len(phases) * width, 1, pitch, Co)
+    return [out[phase[6]:phase[6] + math.prod(shape)].view(shape) for phase, shape in zip(phases, shapes)]
+
+
+def side_by_side(w_phases, width):
+    # flipped_weights' side-by-side layout, from each phase's w' [Ci, R2, S2, Co]: torch's way
+    Ci, Co = w_phases[0].shape[0], w_phases[0].shape[-1]
+    pitch = max(w_phase.shape[1] * w_phase.shape[2] for w_phase in w_phases)
+    out = w_phases[0].new_zeros(len(w_phases), width, 1, pitch, Co)
+    for p, w_phase in enumerate(w_phases):
+        out[p, :Ci, 0, :w_phase.shape[1] * w_phase.shape[2]] = w_phase.reshape(Ci, -1, Co)
+    return out.view(len(w_phases) * width, 1, pitch, Co)
 
 
 @triton.jit
@@ -305,15 +333,20 @@ def untapped_zeros(dx, geometry, phases):
     return dx
 
 
-def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None):
+def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None, conv=None):
     """dX of the conv `geometry` from dY: per phase of dX a stride-1 conv `fprop(dy, w_phase,
     padding=, dilation=, groups=)` (lesson 05's kernel on a GPU, torch's conv on a CPU) of dY with
     that phase's taps, flipped and channel-swapped (within each group), its output cropped into
     the phase's rows and columns of dX: stored there by the conv itself, handed the phase as
     `out_window=` (a common.OutputWindow), where the stride is > 1 and dX's pixels are 16-byte
     aligned; else copied (the only phase at stride 1 is the whole of dX unless a crop is needed).
-    `phases`: dgrad_phases(geometry), if the caller keeps it."""
+    `phases`: dgrad_phases(geometry), if the caller keeps it. `conv`: section 2b's conv (e.g.
+    side_by_side_launch); with one, every phase runs in one conv where section 2b's plan applies and
+    dX's pixels are 16-byte aligned."""
     g = geometry
+    plan = side_by_side_plan(g) if conv is not None and g.Ci * dy_nhwc.element_size() % 16 == 0 else None
+    if plan is not None:
+        return dgrad_side_by_side(dy_nhwc, w, g, plan, conv)
     G = g.groups
     strided = g.stride != (1, 1)
     phases = dgrad_phases(g) if phases is None else phases
@@ -591,6 +624,204 @@ if __name__ == "__main__":
 # padding 1, on both sides as lesson 05 pads, and crop 1 drops its first output row, which would
 # read dY[-1]. The even rows 2j read dY[j] with the centre tap alone.
 #
+# 2b. All the phases in one launch
+# --------------------------------
+# Four launches cost more than their share. On an H100, ResNet-50's 3x3 stride-2 dgrads ran at
+# 0.70-0.80x cuDNN's time this way (RESULTS.md, "The operator's gradients"), where cuDNN runs one
+# kernel: each launch reads all of dY again, its last wave runs partly empty, and the 1-tap phase
+# (2 k-steps of 64 channels on 128-channel layers) is all epilogue. One launch can run them all,
+# because at stride 2 every phase reads dY through the same 2 x 2 window: the rows 2j read dY[j]
+# (tap r = 1), the rows 2j+1 read dY[j] and dY[j+1] (taps 2 and 0, flipped). In general a phase's
+# conv reads dY from row `first` on (its crop less its padding), every `dilation` rows, and the
+# phases of one axis differ only in `first` and how many taps they have. So:
+#
+# - one conv of dY whose window is the union of the phases' windows: it starts at the smallest
+#   `first` (its padding is minus that: lesson 05's kernel pads through the pixel box's corner, which
+#   may lie inside the image as well as outside), its rows are dX's rows of phase 0 (the most any
+#   phase has), with no crop;
+# - its output columns are the phases side by side, `width` each (dX's Ci rounded up to a tile):
+#   a tile's columns belong to one phase, p = co0 // width;
+# - a tile runs only its phase's rectangle of taps (`common.PhaseTiles`: the first tap and the
+#   count along each axis, picked by the phase's residues a = p // sw and b = p % sw), so the MMA
+#   work stays the useful work: `TileSchedule.work` ends its k-steps there and `Im2colWindow`
+#   offsets its taps by the rectangle's corner;
+# - the weights: each phase's w' in its own rows (`flipped_weights(..., width=)`), its taps first,
+#   so a k-step's weight column is its tap's index in the rectangle, as in lesson 05;
+# - the epilogue stores column block p at dX's pixel (a + sh*y, b + sw*x) (`WindowStore` with
+#   phases; the window's view is the whole of dX), dropping rows and columns past dX's edges.
+#
+# Lesson 05's kernel takes the phases in its output window (`common.WindowPhases`); without them the
+# new lines are constexpr Nones and the builds are the same as before, instruction for instruction.
+# The tiles of one group of row-tiles (lesson 05, section 3) are the phases of the same dY pixels,
+# so dY comes from HBM about once. The plan applies where every phase has taps and rows and the
+# phases' windows line up (always at dilation 1); elsewhere (a 1x1 conv at stride 2: three phases
+# of zeros) the phases run one launch each, as above.
+
+
+class SideBySide(NamedTuple):
+    # Section 2b: every phase of a strided dgrad as one conv of dY.
+    geometry: common.ConvGeometry     # that conv: dY in, the phases' columns out, the union of their windows
+    phases: common.WindowPhases       # where each phase's columns go and which taps they run
+    config: tuple                     # lesson 05's config
+
+
+def side_by_side_config(geometry):
+    """Lesson 05's config for section 2b's conv. On an H100, over ResNet-18's and Inception v3's strided
+    3x3 dgrads and lesson 05's one-tile-per-row configs (2026-11-26, results/notebook.md): 128 x 128
+    tiles on 8 warps with 6 stages where dX's channels come in whole 128-column tiles, else 256 x 64
+    tiles (less padding of the phases' width). Elsewhere (a Blackwell GPU, or none) dgrad_config's."""
+    if not common.is_hopper():
+        return dgrad_config(geometry)
+    if geometry.Ci % 128 == 0:
+        return lesson05.KernelConfig(128, 128, 64, 6, 8)
+    return lesson05.KernelConfig(256, 64, 64, 4, 8)
+
+
+def axis_window(along):
+    """(first row, dilation, taps, ((first tap, taps) per residue)) of the union of one axis's phases'
+    windows (`along`: AxisPhase per residue 0, 1, ...), or None where they do not line up."""
+    dilation = along[0].dilation
+    firsts = [phase.crop - phase.padding for phase in along]      # the dY row a phase's row 0 reads first
+    origin = min(firsts)
+    if any((first - origin) % dilation for first in firsts):
+        return None
+    rectangle = tuple(((first - origin) // dilation, len(range(phase.taps.start, phase.taps.stop, phase.taps.step)))
+                      for first, phase in zip(firsts, along))
+    return origin, dilation, max(start + taps for start, taps in rectangle), rectangle
+
+
+@functools.lru_cache(maxsize=256)
+def side_by_side_plan(geometry, config=None):
+    """Section 2b's plan for the dgrad of `geometry`, or None where it does not apply: groups, stride
+    1, a stride above 4 (the kernel picks a phase's taps by an unrolled loop over the residues), a
+    phase without taps or rows, windows that do not line up, or corners a TMA im2col descriptor
+    cannot encode. Arithmetic on the shape alone: kept per shape and config."""
+    g = geometry
+    sh, sw = g.stride
+    phases = dgrad_phases(g)
+    if g.groups != 1 or (sh, sw) == (1, 1) or max(sh, sw) > 4 or len(phases) != sh * sw or any(
+            along_h.taps is None or along_w.taps is None for _, _, along_h, along_w in phases):
+        return None
+    windows = [axis_window([phases[p][2] for p in range(0, sh * sw, sw)]), axis_window([phases[p][3] for p in range(sw)])]
+    if None in windows:
+        return None
+    (first_h, dil_h, R, along_h), (first_w, dil_w, S, along_w) = windows
+    config = lesson05.KernelConfig(*(config or side_by_side_config(g)))
+    width = -(-g.Ci // config.tile_n) * config.tile_n
+    conv = common.ConvGeometry(g.N, g.out_h, g.out_w, g.Co, sh * sw * width, R, S, (1, 1), (-first_h, -first_w),
+                               (dil_h, dil_w), -(-g.H // sh), -(-g.W // sw))
+    try:
+        common.conv_im2col_settings(conv)
+    except ValueError:
+        return None
+    return SideBySide(conv, common.WindowPhases(width, g.Ci, along_h, along_w), config)
+
+
+def dgrad_side_by_side(dy_nhwc, w, geometry, plan, conv):
+    """dX by section 2b: `plan` (side_by_side_plan) run by conv(dy, w_side_by_side, plan, out_window),
+    lesson 05's kernel on a GPU (`side_by_side_launch`), torch on a CPU (`reference_side_by_side`)."""
+    g = geometry
+    dx = torch.empty(g.N, g.H, g.W, g.Ci, device=dy_nhwc.device, dtype=dy_nhwc.dtype)
+    taps = [(along_h.taps, along_w.taps) for _, _, along_h, along_w in dgrad_phases(g)]
+    conv(dy_nhwc, flipped_weights(w, taps, width=plan.phases.width), plan, common.OutputWindow(dx, phases=plan.phases))
+    return dx
+
+
+def side_by_side_launch(dy_nhwc, w_side_by_side, plan, out_window):
+    # Lesson 05's kernel, launched plainly, on section 2b's conv.
+    arch, num_sms = common.tma_mma_arch_and_sms("side_by_side_launch")
+    launch = lesson05.prepare_launch(dy_nhwc, w_side_by_side, None, plan.geometry, plan.config, arch, num_sms,
+                                     out_window=out_window)
+    lesson05.conv2d_fprop_kernel[launch.grid](*launch.kernel_args(), **lesson05.kernel_constexprs(plan.config, arch))
+
+
+def reference_side_by_side(dy_nhwc, w_side_by_side, plan, out_window):
+    """The CPU's model of section 2b's conv, in fp32 (fp64 given fp64): each phase's weights spread over the whole
+    window (zeros outside its rectangle), one torch conv of dY padded as the plan says (a negative
+    padding crops), stored through the window's phases (OutputWindow.write)."""
+    g, phases = plan.geometry, plan.phases
+    dtype = torch.promote_types(dy_nhwc.dtype, torch.float32)
+    full = torch.zeros(g.Co, g.R, g.S, g.Ci, dtype=dtype)
+    for p in range(phases.count):
+        (r0, taps_h), (s0, taps_w) = phases.along_h[p // len(phases.along_w)], phases.along_w[p % len(phases.along_w)]
+        rows = w_side_by_side[p * phases.width:(p + 1) * phases.width, 0, :taps_h * taps_w].to("cpu", dtype)
+        full[p * phases.width:(p + 1) * phases.width, r0:r0 + taps_h, s0:s0 + taps_w] = rows.view(
+            phases.width, taps_h, taps_w, g.Ci)
+    # rows of dY the output reads: from -padding to (out_h - 1) - padding + (R - 1) * dilation
+    bottom, right = ((out - 1) + (size - 1) * dil - pad - (dy_size - 1) for out, size, dil, pad, dy_size in
+                     ((g.out_h, g.R, g.dilation[0], g.padding[0], g.H), (g.out_w, g.S, g.dilation[1], g.padding[1], g.W)))
+    dy = torch.nn.functional.pad(dy_nhwc.to("cpu", dtype), (0, 0, g.padding[1], right, g.padding[0], bottom))
+    out = torch.nn.functional.conv2d(dy.permute(0, 3, 1, 2), full.permute(0, 3, 1, 2), dilation=g.dilation)
+    out = out.permute(0, 2, 3, 1)
+    out_window.write(out.to(out_window.view.device))
+
+
+def run_side_by_side(N=2, H=9, W=10, Ci=5, Co=6, R=3, S=3, stride=2, padding=1, dilation=1, show=True):
+    """Section 2b on a CPU: every phase in one conv (torch's, the window's phases) against torch.nn.grad."""
+    x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, torch.float32, device_name="cpu")
+    plan = side_by_side_plan(g, lesson05.FIXED_CONFIG._replace(block_n=16))
+    dx = dgrad_side_by_side(dy, w, g, plan, reference_side_by_side)
+    expected, _ = reference_gradients(x, w, dy, g)
+    if show:
+        print(f"\n{g.describe()}: {plan.phases.count} phases as one conv of dY, {plan.geometry.R}x{plan.geometry.S} "
+              f"taps from row {-plan.geometry.padding[0]}, column {-plan.geometry.padding[1]} of dY, "
+              f"taps per phase along_h {plan.phases.along_h}, along_w {plan.phases.along_w} ((first, count)): "
+              f"largest difference from torch.nn.grad.conv2d_input {(dx - expected).abs().max().item():.1e}")
+    torch.testing.assert_close(dx, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", [
+    (2, 9, 10, 5, 6, 3, 3, 2, 1, 1),              # ResNet-50's 3x3 stride 2, odd rows: phase 1 has one row fewer
+    (2, 10, 9, 20, 6, 3, 3, 2, 0, 1),             # padding 0 (Inception's): phases start at different dY rows
+    (1, 13, 12, 3, 5, 4, 4, 3, 1, 1),             # stride 3, an even filter: 9 phases
+    (1, 11, 9, 3, 7, 7, 7, 2, 3, 1),              # a stem's 7x7
+    (1, 14, 13, 2, 3, 5, 3, (3, 2), (2, 1), 1),   # strides 3 and 2
+    (2, 9, 11, 5, 4, 3, 5, (2, 1), (1, 2), (1, 1)),  # stride 2 along h only
+    (1, 9, 9, 2, 2, 5, 5, 4, 0, 1),               # stride 4: 16 phases of 1 or 2 taps per axis
+])
+def test_side_by_side_matches_torch(N, H, W, Ci, Co, R, S, stride, padding, dilation):
+    run_side_by_side(N, H, W, Ci, Co, R, S, stride, padding, dilation, show=False)
+
+
+@pytest.mark.parametrize("R, stride, padding, dilation, why", [
+    (1, 2, 0, 1, "three phases without taps"),
+    (3, 2, 2, 2, "stride and dilation 2: the odd rows have no taps"),
+    (3, 2, 1, 3, "dilation 3 at stride 2: the phases' windows start 1 dY row apart, their taps 3 apart"),
+    (3, 5, 1, 1, "a stride above 4"),
+    (3, 1, 1, 1, "stride 1: one phase"),
+])
+def test_side_by_side_plan_declines(R, stride, padding, dilation, why):
+    g = common.conv_geometry((1, 12, 12, 8), (8, R, R, 8), stride, padding, dilation)
+    assert side_by_side_plan(g) is None, why
+
+
+def test_side_by_side_weights_match_torch():
+    # flipped_weights' side-by-side layout (the kernel under the interpreter on a CPU) against torch's
+    w = torch.randn(40, 3, 3, 24).to(common.device())
+    taps = [(slice(a, 3, 2), slice(b, 3, 2)) for a in (1, 0) for b in (1, 0)]
+    got = flipped_weights(w, taps, width=32)
+    assert got.shape == (4 * 32, 1, 4, 40)
+    expected = side_by_side([flipped_weights_by_torch(w, h, v) for h, v in taps], 32)
+    for p, (h, v) in enumerate(taps):       # each phase's own taps and rows (the rest is never read)
+        used = len(range(3)[h]) * len(range(3)[v])
+        torch.testing.assert_close(got[p * 32:(p + 1) * 32, :, :used], expected[p * 32:(p + 1) * 32, :, :used],
+                                   rtol=0, atol=0)
+
+
+# %%
+if __name__ == "__main__":
+    run_side_by_side()
+
+# %%
+# What you should see (the phases of the example above, as one conv)::
+#
+#     N=2 9x10 Ci=5 -> Co=6, 3x3, stride 2, pad 1: 4 phases as one conv of dY, 2x2 taps from row 0,
+#     column 0 of dY, taps per phase along_h ((0, 1), (0, 2)), along_w ((0, 1), (0, 2)) ((first,
+#     count)): largest difference from torch.nn.grad.conv2d_input 3.0e-07
+#
+# The even rows run the window's first tap alone (dY[j], with the filter's centre row), the odd
+# ones both: dY[j] with the filter's last row and dY[j + 1] with its first (flipped).
+#
 # The dgrad launcher
 # ------------------
 # `conv2d_dgrad_launch` checks its arguments and runs `dgrad_by_phases` with lesson 05's plain
@@ -671,15 +902,16 @@ def conv2d_dgrad_launch(dy_nhwc, w, x_shape, stride=1, padding=0, dilation=1, gr
     def fprop(dy, w_phase, padding, dilation, groups, out_window=None):
         return lesson05.conv2d_fprop_launch(dy, w_phase, padding=padding, dilation=dilation, config=config,
                                             groups=groups, out_window=out_window)
-    return dgrad(dy_nhwc, w, g, fprop, fold)
+    return dgrad(dy_nhwc, w, g, fprop, fold, conv=side_by_side_launch)
 
 
-def dgrad(dy_nhwc, w, geometry, fprop, fold=None, phases=None):
+def dgrad(dy_nhwc, w, geometry, fprop, fold=None, phases=None, conv=None):
     """dX by `dgrad_by_phases`: of the conv `geometry`, or, given its `stride_fold`, of the folded
-    conv, unfolded (end of section 6). `phases`: dgrad_phases of the conv the phases run."""
+    conv, unfolded (end of section 6). `phases`: dgrad_phases of the conv the phases run; `conv`:
+    section 2b's, where all phases may run as one conv."""
     if fold is None:
-        return dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases)
-    dx_folded = dgrad_by_phases(dy_nhwc, fold_weight(w, fold), fold.geometry, fprop, phases)
+        return dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases, conv)
+    dx_folded = dgrad_by_phases(dy_nhwc, fold_weight(w, fold), fold.geometry, fprop, phases, conv)
     return unfold_input_grad(dx_folded, geometry, fold)
 
 
@@ -962,7 +1194,7 @@ def conv2d_wgrad_kernel(dy_desc, x_desc, dw_ptr, partial_ptr, shape, NUM_BUFFERS
                              split_tiles, dil_h, dil_w, BLOCK_M, BLOCK_N)
     # lesson 05's window: its pixel_box_origin, and (grouped convs) its group_channel
     window = lesson05.Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group, S,
-                                   ci_blocks)
+                                   ci_blocks, None)
     if IS_BLACKWELL:
         NUM_ACC: gl.constexpr = 2
         acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N],
@@ -1828,6 +2060,28 @@ def test_phase_build_stores_its_pixels_without_tma(arch):
     assert common.ptx_instructions(dense, stores) == {common.PTX_TMA_STORE: 1, "st.global": 0}
     assert "st.global.v4.b32 " in common.first_ptx_instruction(windowed, "st.global")     # (predicated: masked)
     assert "ld.shared.v4.b32" in windowed and built["stack"] == 0
+
+
+def aot_side_by_side(arch, N=2, H=16, W=16, Ci=128, Co=64, R=3, stride=2, padding=1, config=None):
+    """(kernel, args, kwargs) of section 2b's conv, on CPU tensors: the dgrad of a 3x3 stride-2 conv, Ci -> Co,
+    every phase in one launch of lesson 05's kernel."""
+    x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, R, stride, padding, 1, torch.bfloat16, device_name="cpu")
+    plan = side_by_side_plan(g, config and lesson05.KernelConfig(*config))
+    dx = torch.empty(N, H, W, Ci, dtype=torch.bfloat16)
+    w_side_by_side = flipped_weights(w, [(h.taps, v.taps) for _, _, h, v in dgrad_phases(g)], width=plan.phases.width)
+    launch = lesson05.prepare_launch(dy, w_side_by_side, None, plan.geometry, plan.config, arch, 132,
+                                     out_window=common.OutputWindow(dx, phases=plan.phases))
+    return lesson05.conv2d_fprop_kernel, launch.kernel_args(), lesson05.kernel_constexprs(plan.config, arch)
+
+
+@pytest.mark.parametrize("arch", list(TAUGHT_PTX))
+def test_side_by_side_build(arch):
+    # section 2b: the phases' build loads and stores as section 2's (im2col and tiled loads, 16 st.global.v4 per
+    # thread), with no stack: the loader picks its tile's taps in the registers it has
+    built = common.aot_compile_or_skip("06-conv-backward", "aot_side_by_side", arch)
+    assert common.ptx_instructions(built["ptx"], ["st.global", "st.global.v4", common.PTX_TMA_STORE]) == {
+        "st.global": 16, "st.global.v4": 16, common.PTX_TMA_STORE: 0}
+    assert common.PTX_IM2COL_LOAD in built["ptx"] and built["stack"] == 0
 
 
 def test_kernel_compiles_for_small_channels_and_strides():

@@ -1269,26 +1269,53 @@ def allocate_barrier_pairs(COUNT: gl.constexpr):
 
 # %% An output window (lesson 05's epilogue, for lesson 06's strided dgrad) ----------------------
 
+class WindowPhases(NamedTuple):
+    """Lesson 06's strided dgrad in one launch: the conv's output columns are the phases of dX side
+    by side, `width` columns each (dX's `channels`, rounded up to whole tiles). Phase p = (a, b),
+    a = p // stride_w, b = p % stride_w, holds dX's pixels (a + stride_h * y, b + stride_w * x) and
+    runs a rectangle of the filter's taps: along_h[a] = (its first r, its taps along r), along_w[b]
+    = (first s, taps along s). The stride is the tuples' lengths."""
+    width: int
+    channels: int
+    along_h: tuple
+    along_w: tuple
+
+    @property
+    def count(self):
+        return len(self.along_h) * len(self.along_w)
+
+
 class OutputWindow(NamedTuple):
     """A conv's output stored into part of a larger NHWC tensor, not a tensor of its own: pixel
     (n, y, x) of the output goes to view[n, y - crop_h, x - crop_w], and pixels that fall outside
     `view` are dropped. `view` is a 4-d view with contiguous channels, e.g. dX[:, p::sh, q::sw]:
-    lesson 06's strided dgrad, whose phases store their pixels straight into dX's rows and columns."""
+    lesson 06's strided dgrad, whose phases store their pixels straight into dX's rows and columns.
+    With `phases` (a WindowPhases) the output's columns are those phases side by side and `view` is
+    the whole of dX: phase (a, b)'s pixel (n, y, x) goes to view[n, a + sh*(y - crop_h), b + sw*(x - crop_w)]."""
     view: torch.Tensor
     crop_h: int = 0
     crop_w: int = 0
+    phases: WindowPhases = None
 
     def write(self, out_nhwc):
         """torch's way to the same result (a CPU's, or a kernel that stores densely): crop, then copy.
         Returns the view, as a kernel that stores into the window does."""
-        rows, cols = self.view.shape[1:3]
-        return self.view.copy_(out_nhwc[:, self.crop_h:self.crop_h + rows, self.crop_w:self.crop_w + cols])
+        if self.phases is None:
+            rows, cols = self.view.shape[1:3]
+            return self.view.copy_(out_nhwc[:, self.crop_h:self.crop_h + rows, self.crop_w:self.crop_w + cols])
+        sh, sw = len(self.phases.along_h), len(self.phases.along_w)
+        for p in range(self.phases.count):
+            phase = self.view[:, p // sw::sh, p % sw::sw]
+            columns = slice(p * self.phases.width, p * self.phases.width + self.phases.channels)
+            OutputWindow(phase, self.crop_h, self.crop_w).write(out_nhwc[..., columns])
+        return self.view
 
     def kernel_args(self):
         """The kernel's `out_window` tuple: (view, its n, y and x strides in elements, its rows and
-        columns, crop_h, crop_w)."""
+        columns, crop_h, crop_w, and the phases' (width, channels, along_h, along_w) or None)."""
         view = self.view
-        return (view, *view.stride()[:3], view.shape[1], view.shape[2], self.crop_h, self.crop_w)
+        phases = None if self.phases is None else tuple(self.phases)
+        return (view, *view.stride()[:3], view.shape[1], view.shape[2], self.crop_h, self.crop_w, phases)
 
 
 def window_storable(view):
@@ -1303,25 +1330,74 @@ def check_output_window(window, geometry, dtype, device, split_k=1):
     """ValueError/TypeError unless `window` can take the output of the conv `geometry` in `dtype`
     on `device`: a view [N, rows, cols, Co] with contiguous channels and 16-byte aligned pixels,
     rows and columns that the output covers from (crop_h, crop_w) on; a kernel config without
-    split-K (lesson 05's split-K sums its slices in a second kernel, which stores densely)."""
+    split-K (lesson 05's split-K sums its slices in a second kernel, which stores densely). With
+    phases: a view [N, H, W, channels], an output of `count` phases of `width` columns, each phase's
+    rows and columns covered."""
     g = geometry
     if split_k > 1:
         raise ValueError(f"an out_window takes a config without split-K (split_k=1), got split_k={split_k}")
     if not isinstance(window, OutputWindow) or not isinstance(window.view, torch.Tensor):
         raise TypeError(f"out_window must be a common.OutputWindow of a tensor view, got {type(window).__name__}")
-    view, crop = window.view, (window.crop_h, window.crop_w)
-    if view.dim() != 4 or view.shape[0] != g.N or view.shape[3] != g.Co:
+    view, crop, phases = window.view, (window.crop_h, window.crop_w), window.phases
+    channels, steps = g.Co, (1, 1)
+    if phases is not None:
+        if not isinstance(phases, WindowPhases):
+            raise TypeError(f"out_window.phases must be a common.WindowPhases or None, got {type(phases).__name__}")
+        channels, steps = phases.channels, (len(phases.along_h), len(phases.along_w))
+        if phases.width < phases.channels or phases.width * phases.count != g.Co:
+            raise ValueError(f"out_window.phases: {phases.count} phases of {phases.width} columns for "
+                             f"{phases.channels} channels need an output of {phases.width * phases.count} "
+                             f"channels (got {g.Co}) and a width of at least the channels")
+    if view.dim() != 4 or view.shape[0] != g.N or view.shape[3] != channels:
         raise ValueError(f"out_window.view has shape {tuple(view.shape)}; the output of {g.describe()} needs "
-                         f"[{g.N}, rows, cols, {g.Co}]")
+                         f"[{g.N}, rows, cols, {channels}]")
     if view.dtype != dtype or view.device != device:
         raise ValueError(f"out_window.view is {view.dtype} on {view.device}; the output is {dtype} on {device}")
     if not window_storable(view):
         raise ValueError(f"out_window.view has shape {tuple(view.shape)} and strides {view.stride()} at address "
                          f"{view.data_ptr():#x}: its channels must be contiguous, its pixels 16-byte aligned and "
                          f"its channels a whole number of 16-byte vectors")
-    if min(crop) < 0 or crop[0] + view.shape[1] > g.out_h or crop[1] + view.shape[2] > g.out_w:
-        raise ValueError(f"out_window crops ({crop[0]}, {crop[1]}) and {view.shape[1]} x {view.shape[2]} pixels "
+    rows, cols = (-(-size // step) for size, step in zip(view.shape[1:3], steps))    # (phase 0's, the most)
+    if min(crop) < 0 or crop[0] + rows > g.out_h or crop[1] + cols > g.out_w:
+        raise ValueError(f"out_window crops ({crop[0]}, {crop[1]}) and {rows} x {cols} pixels "
                          f"from an output of {g.out_h} x {g.out_w}; they must lie inside it")
+
+
+@gluon.jit
+def pick(table, index, field: gl.constexpr):
+    """table[index][field] for a run-time `index` into a tuple of tuples of run-time integers."""
+    picked = table[0][field]
+    for i in gl.static_range(1, len(table)):
+        picked = gl.where(index == i, table[i][field], picked)
+    return picked
+
+
+@gluon.aggregate
+class PhaseTiles:
+    """The kernel's side of a `WindowPhases` (lesson 06): which phase a tile of output columns co0,
+    co0+1, ... belongs to, which taps it runs and how many k-steps that makes."""
+    width: Union[gl.tensor, gl.constexpr]
+    channels: Union[gl.tensor, gl.constexpr]
+    along_h: gl.tuple
+    along_w: gl.tuple
+    channel_blocks: Union[gl.tensor, gl.constexpr]
+
+    @gluon.jit
+    def phase(self, co0):
+        """(a, b) of the phase whose columns start at co0."""
+        p = co0 // self.width
+        return p // len(self.along_w), p % len(self.along_w)
+
+    @gluon.jit
+    def taps(self, co0):
+        """(first r, taps along r, first s, taps along s): the rectangle of taps the phase runs."""
+        a, b = self.phase(co0)
+        return pick(self.along_h, a, 0), pick(self.along_h, a, 1), pick(self.along_w, b, 0), pick(self.along_w, b, 1)
+
+    @gluon.jit
+    def k_steps(self, co0):
+        _, taps_h, _, taps_w = self.taps(co0)
+        return taps_h * taps_w * self.channel_blocks
 
 
 @gluon.aggregate
@@ -1337,14 +1413,22 @@ class WindowStore:
     cols: Union[gl.tensor, gl.constexpr]
     crop_h: Union[gl.tensor, gl.constexpr]
     crop_w: Union[gl.tensor, gl.constexpr]
+    phases: Union[PhaseTiles, gl.constexpr]    # the output's columns are phases side by side; else None
 
     @gluon.jit
-    def offsets(self, pixels, channels, M, Co):
+    def offsets(self, pixels, channels, M, Co, co0):
         """(offsets into the view, inside) of the elements (pixels[i], channels[j]) of a tile: output
-        pixels m = (n * out_h + y) * out_w + x (m < M) along its rows, channels (< Co) along its columns."""
+        pixels m = (n * out_h + y) * out_w + x (m < M) along its rows, channels (< Co) along its columns,
+        the first co0; with phases, columns of one phase, whose first `channels` are stored."""
         y = pixels // self.out_w % self.out_h - self.crop_h
         x = pixels % self.out_w - self.crop_w
         n = pixels // (self.out_w * self.out_h)
+        if self.phases is not None:        # phase (a, b): dX's pixel (a + sh * y, b + sw * x), its channel
+            a, b = self.phases.phase(co0)
+            y = y * len(self.phases.along_h) + a
+            x = x * len(self.phases.along_w) + b
+            channels = channels - co0 // self.phases.width * self.phases.width
+            Co = self.phases.channels
         # The strides and Co are multiples of a 16-byte vector's elements (`window_storable`); written so, the
         # compiler knows it too, and stores 16-byte vectors where it would otherwise know only a multiple of 16
         # elements (Triton's assumption for an integer argument) and store element by element.
@@ -1368,7 +1452,7 @@ class WindowStore:
         values = staging.load(layout)
         pixels = m0 + gl.arange(0, staging.shape[0], layout=gl.SliceLayout(1, layout))
         channels = co0 + gl.arange(0, staging.shape[1], layout=gl.SliceLayout(0, layout))
-        offsets, inside = self.offsets(pixels, channels, M, Co)
+        offsets, inside = self.offsets(pixels, channels, M, Co, co0)
         gl.store(self.ptr + offsets, values, mask=inside)
 
 

@@ -170,9 +170,9 @@ class ConvPlan:
         window_args = None if out_window is None else out_window.kernel_args()
         variant = (activation,) + tuple(None if t is None else (t.dtype, t.data_ptr() % 16 == 0)
                                         for t in (bias, scale, residual))
-        if window_args is not None:
-            variant += (window_args[0].dtype,) + tuple((v == 1, v % 16 == 0, -2**31 <= v < 2**31)
-                                                       for v in window_args[1:])
+        if window_args is not None:     # (and a dgrad's phases, if any, as they are: small integers)
+            variant += (window_args[0].dtype, window_args[8]) + tuple((v == 1, v % 16 == 0, -2**31 <= v < 2**31)
+                                                                      for v in window_args[1:8])
         if channel_stats is not None:
             variant += ("channel_stats", channel_stats.data_ptr() % 16 == 0)
         direct = self.launches.get(variant)

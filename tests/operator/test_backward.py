@@ -90,8 +90,14 @@ def lesson06_stand_ins(lesson06_backend, monkeypatch):
         return dw.permute(0, 2, 3, 1).contiguous()
 
     lesson06 = common.load_lesson("06-conv-backward")
-    monkeypatch.setattr(kernel, "lesson06", types.SimpleNamespace(**{name: getattr(lesson06, name) for name in (
-        "dgrad", "dgrad_by_phases", "dgrad_phases", "stride_fold", "fold_weight", "unfold_input_grad")}), raising=False)
+
+    def side_by_side_stand_in(dy, w_side_by_side, plan, out_window):     # torch's conv for section 2b's one launch
+        seen.append(("dgrad side by side", dy.shape, w_side_by_side.shape, type(dy)))
+        lesson06.reference_side_by_side(dy, w_side_by_side, plan, out_window)
+
+    monkeypatch.setattr(kernel, "lesson06", types.SimpleNamespace(side_by_side_launch=side_by_side_stand_in, **{
+        name: getattr(lesson06, name) for name in ("dgrad", "dgrad_by_phases", "dgrad_phases", "stride_fold",
+                                                   "fold_weight", "unfold_input_grad")}), raising=False)
     monkeypatch.setattr(wgrad, "conv2d_weight_grad", wgrad_stand_in)
     monkeypatch.setattr(backward, "_fprop", phase_fprop)
     monkeypatch.setattr(backward, "lesson06_reason", lambda *args: None)
@@ -114,6 +120,19 @@ def test_lesson06_path_gets_nhwc_tensors_and_gives_nchw_gradients(lesson06_stand
     assert seen[4][1:4] == ((2, 9, 8, 5), (2, 5, 5, 6), (6, 3, 2, 5))
     for got, want in zip(grads, torch_gradients(x, w, b, 2, 1, activation="relu")):
         assert got.shape == want.shape
+        torch.testing.assert_close(got, want.to(got.dtype))
+
+
+def test_a_strided_dgrad_runs_its_phases_side_by_side(lesson06_stand_ins):
+    """16-byte pixels of dX (8 fp64 channels) at stride 2: the four phases as one conv (lesson 06, section 2b)."""
+    seen = lesson06_stand_ins
+    x = torch.randn(2, 8, 9, 10, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 8, 3, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    grads = operator_gradients(x, w, b, 2, 1)
+    assert [s[0] for s in seen] == ["dgrad side by side", "wgrad"]
+    assert seen[0][2][0] == 4 * 64            # four phases of 64 columns (a tile) for dX's 8 channels
+    for got, want in zip(grads, torch_gradients(x, w, b, 2, 1)):
         torch.testing.assert_close(got, want.to(got.dtype))
 
 
