@@ -627,7 +627,7 @@ if __name__ == "__main__":
 # 2b. All the phases in one launch
 # --------------------------------
 # Four launches cost more than their share. On an H100, ResNet-50's 3x3 stride-2 dgrads ran at
-# 0.70-0.80x cuDNN's time this way (RESULTS.md, "The operator's gradients"), where cuDNN runs one
+# 0.70-0.80x cuDNN's speed this way (RESULTS.md, "The operator's gradients"), where cuDNN runs one
 # kernel: each launch reads all of dY again, its last wave runs partly empty, and the 1-tap phase
 # (2 k-steps of 64 channels on 128-channel layers) is all epilogue. One launch can run them all,
 # because at stride 2 every phase reads dY through the same 2 x 2 window: the rows 2j read dY[j]
@@ -2578,9 +2578,10 @@ if __name__ == "__main__" and on_gpu:
 # bf16, batch 128, every distinct conv of ResNet-50; RESULTS.md, "The backward" and "The
 # operator's gradients"): both gradients
 # matched torch.nn.grad on every layer. Against cuDNN's convolution_backward, as geometric means
-# over the 23 layers, kernels alone, this lesson's launchers ran at 0.92x (dgrad) and 0.98x
-# (wgrad), and the operator's gradients (`conv_tutorial`, below) at 0.98x and 0.98x
-# (`results/h100-2026-11-26/backward_layers_operator_cuda_graphs_whole_waves.json`).
+# over the 23 layers, kernels alone, this lesson's launchers ran at 0.94x (dgrad) and 0.97x
+# (wgrad), and the operator's gradients (`conv_tutorial`, below) at 0.99x and 0.96x
+# (`results/h100-2026-11-26/backward_layers_operator_cuda_graphs_side_by_side.json`; wgrad 0.98x in
+# the run before, `..._whole_waves.json`, its kernels the same: cuDNN's own times moved by up to 11%).
 #
 # - The host is most of the gap in a plain call. The launchers above check their arguments, choose
 #   a split, build descriptors and a workspace on every call, and dgrad runs that once per phase
@@ -2588,8 +2589,9 @@ if __name__ == "__main__" and on_gpu:
 #   layers; cuDNN's: 26 and 29 us; host times moved by up to 40% between runs), where a 1x1
 #   layer's kernels take ~40 us. The operator's backward pays less: a plan per shape for each
 #   phase's conv (the forward's runtime) and for wgrad (conv_tutorial/wgrad.py), 149 us per dgrad
-#   and 62 us per wgrad, 295-391 us for the 3x3 stride-2 dgrads (one launch for every phase's
-#   weights, then a conv per phase). A training step under CUDA graphs pays none of it: ResNet-50
+#   and 62 us per wgrad; 352-716 us for the 3x3 stride-2 dgrads in a later run (one launch for
+#   every phase's weights, then section 2b's conv through lesson 05's plain launcher). A training
+#   step under CUDA graphs pays none of it: ResNet-50
 #   training with these kernels ran at 0.99x torch.compile's images/s with CUDA graphs on both
 #   sides (5148 against 5195, H100, 2026-11-26; 1.02x with section 10's statistics), 0.46x without
 #   (2026-11-25), and RegNetY-3.2GF at 0.94x with graphs in an earlier run (RESULTS.md,
@@ -2607,16 +2609,13 @@ if __name__ == "__main__" and on_gpu:
 #   operator's dgrad from 0.75x to 0.90x (H100, 2026-11-25), then the window store through the
 #   staging buffer, all phases' weights in one launch and zeros only where no tap reaches to
 #   **0.97x** (H100, 2026-11-26, `results/h100-2026-11-26/backward_layers_operator_cuda_graphs.json`;
-#   0.98x in the later run above, its kernels unchanged). At stride 1 it runs at 0.87-1.14x of
-#   cuDNN, the 1x1 stride-2 layers at 1.01-1.13x (from 0.77-0.89x: the staged window store and the
-#   zeros written only where they belong), the 3x3 stride-2 layers at 0.70-0.80x (from 0.50-0.61x).
-#   Those are what is left: four launches, each a
-#   persistent kernel over the whole of dY's pixels (dY read four times), against cuDNN's one
-#   kernel; one launch for all four phases (a tile's phase chosen from its number, as split-K
-#   chooses its slice) is what is left to try. Before the staged store the phases' times did not
-#   follow K (1 tap 40.5 us, 4 taps 45.6 us on the 56x56 layer), and timing every candidate config
-#   on every phase found the heuristic's within 0-15% of the best (results/notebook.md,
-#   2026-11-26); neither was measured again since.
+#   0.98x in a later run, its kernels unchanged), and section 2b's one launch for all phases to
+#   **0.99x**. At stride 1 it runs at 0.84-1.14x of cuDNN, the 1x1 stride-2 layers at 1.01-1.09x
+#   (from 0.77-0.89x: the staged window store and the zeros written only where they belong), the
+#   3x3 stride-2 layers at 1.01x (56x56), 0.86x (28x28) and 0.74x (14x14), where four launches had
+#   run them at 0.80x, 0.70x and 0.79x. The 14x14 512->512 layer is what is left: its 1-tap
+#   phase's tiles run 8 k-steps and then store a whole tile, and its flipped weights are a launch
+#   that cuDNN does not have.
 # - Section 10's BatchNorm statistics: on an H200 (2026-11-25) a ResNet-50 training step ran 3.9%
 #   faster with them (5969 -> 6199 images/s under CUDA graphs, torch.compile 6188), RegNetY-3.2GF
 #   0.9% (its grouped convs left unfused); on an H100 (2026-11-26, the sums in one tensor) ResNet-50
@@ -2634,8 +2633,10 @@ if __name__ == "__main__" and on_gpu:
 # Next: the operator (`conv_tutorial`) takes its conv gradients from these launchers with
 # `conv_tutorial.set_backward("lesson06")` (NHWC views of its channels_last tensors, torch for what
 # they do not cover); it keeps PyTorch's convolution backward by default, because the figures above
-# say it does not pay yet. What they point to first: the 3x3 stride-2 dgrads in one launch, wgrad's
-# 7x7 1x1 layers (a split without a second kernel), and the host time of a strided dgrad.
+# say it does not pay yet. What they point to first: wgrad's 7x7 1x1 layers (a split without a
+# second kernel), dgrad without the flipped weights' launch (the filter read as it is, a B operand
+# whose channels run along N, which WGMMA and tcgen05 take in bf16: section 3), and the host time of
+# a strided dgrad.
 
 # %%
 if __name__ == "__main__":
