@@ -39,6 +39,8 @@ def test_operator_figures_check_then_time_every_path(monkeypatch):
         return out if out_window is None else out_window.write(out)
 
     monkeypatch.setattr(backward, "_fprop", fprop_stand_in)
+    # (lesson 06's one launch for all phases: its CPU model in the kernel's place)
+    monkeypatch.setattr(kernel.lesson06, "side_by_side_launch", kernel.lesson06.reference_side_by_side)
     before = backward.backward_backend()
     try:
         row = backward_layers.operator_figures(kernel.lesson06, ("tiny", 2, 9, 9, 8, 16, 3, 3, 2, 1), cuda_graph=False)
