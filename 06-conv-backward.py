@@ -1416,6 +1416,18 @@ def wgrad_config(Co, Ci_padded, groups=1):
     return WgradConfig(block_m, block_n, 128 if block_m * block_n <= 128 * 64 else 64)
 
 
+def default_wgrad_config(geometry, Ci_padded, num_sms):
+    """wgrad_config's tile, or 64-row tiles where 128-row ones fill at most half a wave (so every tile
+    would be split: a workspace and a second kernel) and 64-row ones fill a wave whole, three quarters
+    of the SMs or more."""
+    config = wgrad_config(geometry.Co, Ci_padded, geometry.groups)
+    narrow = config._replace(block_m=64, block_k=128)            # (64 x 128 elements or fewer: 128 pixels)
+    tiles, narrow_tiles = wgrad_tiles(geometry, config)[2], wgrad_tiles(geometry, narrow)[2]
+    if config.block_m == 128 and 2 * tiles <= num_sms and 3 * num_sms <= 4 * narrow_tiles <= 4 * num_sms:
+        return narrow
+    return config
+
+
 def check_wgrad_config(config, arch):
     def refuse(why):
         raise ValueError(f"wgrad config {config}: {why}")
@@ -1472,7 +1484,7 @@ def prepare_wgrad(x_nhwc, dy_nhwc, geometry, config, arch, num_sms):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
     g = geometry
     x_nhwc, dy_2d = wgrad_operands(x_nhwc, dy_nhwc, g)
-    config = config or wgrad_config(g.Co, x_nhwc.shape[-1], g.groups)
+    config = config or default_wgrad_config(g, x_nhwc.shape[-1], num_sms)
     gl_dtype = common.GL_DTYPES[x_nhwc.dtype]
     settings = common.conv_im2col_settings(
         common.conv_geometry(x_nhwc.shape, (g.Co, g.R, g.S, x_nhwc.shape[-1]), g.stride, g.padding, g.dilation))
@@ -1523,7 +1535,7 @@ def run_split_k_choices(num_sms=132, batch=128):
     print(f"\nwgrad's slices per tile on {num_sms} SMs (ResNet-50's 3x3 convs, batch {batch}):")
     for label, N, H, W, Ci, Co, R, S, stride, padding in common.RESNET50_3X3_SHAPES:
         g = common.conv_geometry((batch, H, W, Ci), (Co, R, S, Ci), stride, padding)
-        config = wgrad_config(Co, Ci)
+        config = default_wgrad_config(g, Ci, num_sms)
         _, _, tiles, k_blocks = wgrad_tiles(g, config)
         split_k = choose_split(tiles, k_blocks, num_sms, config.block_k)
         _, whole, split_tiles = wgrad_split(tiles, split_k, num_sms)
@@ -1539,6 +1551,20 @@ def test_negative_programs_or_slices_are_refused():
     for bad in (dict(programs=-1), dict(split_k=-2)):
         with pytest.raises(ValueError, match="programs and split_k must be >= 0"):
             prepare_wgrad(x, dy, g, WgradConfig(16, 8, 8, **bad), "sm_90", 132)
+
+
+@pytest.mark.parametrize("N, H, Ci, Co, R, stride, block_m", [
+    (128, 7, 512, 2048, 1, 1, 64),     # 64 tiles of 128 rows, split in 2; 128 of 64 rows: 97% of a wave, whole
+    (128, 7, 2048, 512, 1, 1, 64),
+    (128, 8, 2048, 448, 1, 1, 64),     # 64 -> 112 tiles (85%)
+    (128, 8, 2048, 384, 1, 1, 128),    # 48 -> 96 tiles (73%): 128-row tiles in 2 slices
+    (128, 17, 192, 320, 3, 2, 128),    # 54 -> 90 tiles (68%)
+    (128, 14, 1024, 2048, 1, 2, 128),  # 128 tiles already: a wave whole
+    (128, 56, 64, 64, 3, 1, 64),       # 64 output channels: 64 rows anyway
+])
+def test_64_row_tiles_where_they_fill_a_wave_whole(N, H, Ci, Co, R, stride, block_m):
+    g = common.conv_geometry((N, H, H, Ci), (Co, R, R, Ci), stride, R // 2)
+    assert default_wgrad_config(g, Ci, 132).block_m == block_m
 
 
 def test_split_choices():
