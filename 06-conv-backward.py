@@ -9,7 +9,8 @@ What you will learn:
   filter's: M = Co, N_GEMM = R*S*Ci, K = N*out_h*out_w pixels);
 - dgrad as lesson 05's forward kernel run on the output's gradient with the filter flipped and
   its channel axes swapped; at stride > 1 one such conv per phase of dX (its rows and columns
-  taken modulo the stride), each storing its tiles straight into those rows and columns of dX;
+  taken modulo the stride), each storing its tiles straight into those rows and columns of dX,
+  and all phases side by side in one launch where they share a window of dY (section 2b);
 - wgrad as a new warp-specialized Gluon kernel built from lesson 05's parts, whose two operands
   reach the tensor cores transposed relative to the forward pass (what WGMMA and tcgen05 allow
   for that, and where the PTX shows it);
@@ -24,8 +25,9 @@ What you will learn:
 Builds on: lesson 05 (its kernel and plain launcher, `Im2colWindow`, `TmemAccumulators`),
 lesson 04 (`HopperWGMMA`) and lesson 03 (the im2col descriptor and its model). What changed since
 lesson 05: its kernel takes an output window (section 2), a switch that stores the output into a
-strided view of a larger tensor, and per-channel sums of its output (section 10); otherwise the backward runs it as it is for dgrad and reuses its
-pieces for wgrad.
+strided view of a larger tensor, with a strided dgrad's phases as its columns (section 2b: a tile
+runs its phase's taps only), and per-channel sums of its output (section 10); otherwise the
+backward runs it as it is for dgrad and reuses its pieces for wgrad.
 
 Requires: sm_90 (H100/H200) or sm_100 (B200/GB200) for the GPU runs. On a CPU: both mappings
 against torch.nn.grad, the wgrad kernel's own index arithmetic on lesson 03's model of the TMA
@@ -1371,7 +1373,13 @@ def test_split_k_sum_adds_the_slices_in_order():
 # ResNet-50 (ResNet-18, VGG-16 and Inception v3 convs; up to 1.6x on 64->64 3x3 convs), as fast on
 # the 11th (results/notebook.md, 2026-11-26). On ResNet-50 itself it took the 56x56 64->64 3x3
 # from 0.67x cuDNN's speed to 1.00x, and two 56x56 1x1 layers with 128 x 64 tiles from 1.00x to
-# 0.96-0.98x.
+# 0.96-0.98x. `default_wgrad_config` then trades rows for tiles where a wave would sit mostly idle:
+# where 128-row tiles fill at most half the SMs (every tile split: a workspace, a second kernel) and
+# 64-row tiles fill three quarters of them or more, whole, it takes the 64-row tiles. On the tuning
+# set it took Inception v3's 8x8 2048->448 1x1 from 39.6 to 30.6 us (H100, 2026-11-26); the
+# three-quarters line keeps the 128-row tiles of its 17x17 192->320 3x3 stride 2, where 90 tiles
+# of 64 rows (68% of a wave) took 41.7 us against 32.5. On ResNet-50's two 7x7 1x1 layers it went
+# from 0.67x and 0.81x cuDNN's speed to 0.83x and 0.97x (RESULTS.md, "The operator's gradients").
 # `prepare_wgrad` builds what a launch needs (on CPU tensors too: the ahead-of-time compile and the
 # CPU model use it): x with its channels padded to 16 bytes (lesson 04) and its im2col descriptor,
 # dY as a 2-D [pixels, Co] tensor and its tiled descriptor (Co padded the same way where needed),
@@ -2604,10 +2612,10 @@ if __name__ == "__main__" and on_gpu:
 # bf16, batch 128, every distinct conv of ResNet-50; RESULTS.md, "The backward" and "The
 # operator's gradients"): both gradients
 # matched torch.nn.grad on every layer. Against cuDNN's convolution_backward, as geometric means
-# over the 23 layers, kernels alone, this lesson's launchers ran at 0.94x (dgrad) and 0.97x
-# (wgrad), and the operator's gradients (`conv_tutorial`, below) at 0.99x and 0.96x
-# (`results/h100-2026-11-26/backward_layers_operator_cuda_graphs_side_by_side.json`; wgrad 0.98x in
-# the run before, `..._whole_waves.json`, its kernels the same: cuDNN's own times moved by up to 11%).
+# over the 23 layers, kernels alone, this lesson's launchers ran at 0.94x (dgrad) and 0.99x
+# (wgrad), and the operator's gradients (`conv_tutorial`, below) at 0.99x and 0.98x
+# (`results/h100-2026-11-26/backward_layers_operator_cuda_graphs_wgrad_64_rows.json`; a layer's
+# ratio moves by about 5% between runs, cuDNN's own times by up to 11%).
 #
 # - The host is most of the gap in a plain call. The launchers above check their arguments, choose
 #   a split, build descriptors and a workspace on every call, and dgrad runs that once per phase
@@ -2619,29 +2627,29 @@ if __name__ == "__main__" and on_gpu:
 #   every phase's weights, then section 2b's conv through lesson 05's plain launcher). A training
 #   step under CUDA graphs pays none of it: ResNet-50
 #   training with these kernels ran at 0.99x torch.compile's images/s with CUDA graphs on both
-#   sides (5148 against 5195, H100, 2026-11-26; 1.02x with section 10's statistics), 0.46x without
+#   sides (5102 against 5149, H100, 2026-11-26; 1.04x with section 10's statistics), 0.46x without
 #   (2026-11-25), and RegNetY-3.2GF at 0.94x with graphs in an earlier run (RESULTS.md,
 #   "Training").
-# - wgrad through the operator is within 6% of cuDNN or faster on 17 of 23 layers (faster on 11,
-#   up to 1.12x). Section 5's split took the two 512-channel 3x3 layers with 144 tiles from
+# - wgrad through the operator is within 6% of cuDNN or faster on 15 of 23 layers (faster on 7,
+#   up to 1.11x), none below 0.83x. Section 5's split took the two 512-channel 3x3 layers with 144 tiles from
 #   0.72-0.73x to 0.96-0.97x (a wave of whole tiles, then 12 tiles in slices, where every tile had
 #   been cut in 3), and 14x14 1024->2048 stride 2 from 0.84x to 0.96x (no split: no workspace, no
 #   second kernel); section 6's 128-pixel k-steps took the 56x56 64->64 3x3 from 0.67x to 1.00x.
 #   The stem was its worst once, 0.25x (3 input channels padded to a 16-channel box); folded as
-#   section 6 ends it runs at 1.10x, and its dgrad at 2.10x. It loses most now on 7x7 512->2048
-#   1x1, 0.74x (64 tiles, each in 2 slices of 49 k-steps, and a second kernel), and 0.84-0.94x on
-#   five other 1x1 layers of 28x28 and below.
+#   section 6 ends it runs at 1.09x, and its dgrad at 2.13x. The 7x7 1x1 layers, 0.67-0.84x in 2
+#   slices and a second kernel, run 64-row tiles whole at 0.83x and 0.97x; it loses most now on
+#   those and on 1x1 layers at 14x14 (0.88x: 16 tiles of 128 x 128 in 8 slices).
 # - dgrad: section 1's one-pass flipped weights and section 2's phases stored in place moved the
 #   operator's dgrad from 0.75x to 0.90x (H100, 2026-11-25), then the window store through the
 #   staging buffer, all phases' weights in one launch and zeros only where no tap reaches to
 #   **0.97x** (H100, 2026-11-26, `results/h100-2026-11-26/backward_layers_operator_cuda_graphs.json`;
 #   0.98x in a later run, its kernels unchanged), and section 2b's one launch for all phases to
-#   **0.99x**. At stride 1 it runs at 0.84-1.14x of cuDNN, the 1x1 stride-2 layers at 1.01-1.09x
-#   (from 0.77-0.89x: the staged window store and the zeros written only where they belong), the
-#   3x3 stride-2 layers at 1.01x (56x56), 0.86x (28x28) and 0.74x (14x14), where four launches had
-#   run them at 0.80x, 0.70x and 0.79x. The 14x14 512->512 layer is what is left: its 1-tap
-#   phase's tiles run 8 k-steps and then store a whole tile, and its flipped weights are a launch
-#   that cuDNN does not have.
+#   **0.99x** (two runs). At stride 1 it runs at 0.87-1.10x of cuDNN, the 1x1 stride-2 layers at
+#   1.01-1.10x (from 0.77-0.89x: the staged window store and the zeros written only where they
+#   belong), the 3x3 stride-2 layers at 1.01x (56x56), 0.85-0.86x (28x28) and 0.74-0.76x (14x14),
+#   where four launches had run them at 0.80x, 0.70x and 0.79x. The 14x14 512->512 layer is what
+#   is left: its 1-tap phase's tiles run 8 k-steps and then store a whole tile, and its flipped
+#   weights are a launch that cuDNN does not have (5.3 us beside the conv's 74, torch.profiler).
 # - Section 10's BatchNorm statistics: on an H200 (2026-11-25) a ResNet-50 training step ran 3.9%
 #   faster with them (5969 -> 6199 images/s under CUDA graphs, torch.compile 6188), RegNetY-3.2GF
 #   0.9% (its grouped convs left unfused); on an H100 (2026-11-26, the sums in one tensor) ResNet-50
@@ -2659,8 +2667,8 @@ if __name__ == "__main__" and on_gpu:
 # Next: the operator (`conv_tutorial`) takes its conv gradients from these launchers with
 # `conv_tutorial.set_backward("lesson06")` (NHWC views of its channels_last tensors, torch for what
 # they do not cover); it keeps PyTorch's convolution backward by default, because the figures above
-# say it does not pay yet. What they point to first: wgrad's 7x7 1x1 layers (a split without a
-# second kernel), dgrad without the flipped weights' launch (the filter read as it is, a B operand
+# say it does not pay yet. What they point to first: wgrad's split tiles summed without a second
+# kernel, dgrad without the flipped weights' launch (the filter read as it is, a B operand
 # whose channels run along N, which WGMMA and tcgen05 take in bf16: section 3), and the host time of
 # a strided dgrad.
 
