@@ -501,12 +501,9 @@ class TileSchedule:
 
     @gluon.jit
     def unit_k_steps(self, unit):
-        # The k-steps of a unit: all of them (section 4's ping-pong runs without split-K), or (lesson 06) its phase's.
-        k_steps = self.k_steps
-        if self.phases is not None:
-            work = self.work(unit)
-            k_steps = work.k_end - work.k_begin
-        return k_steps
+        # The k-steps of a unit: k_steps (section 4's ping-pong runs without split-K), or (lesson 06) its phase's.
+        work = self.work(unit)
+        return work.k_end - work.k_begin
 
     @gluon.jit
     def work(self, unit):
@@ -660,11 +657,7 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
     # out_window: None, or (lesson 06) an OutputWindow's kernel_args, for a WindowStore, and with it perhaps a
     # strided dgrad's phases; channel_stats: None, or (lesson 06) the zeroed fp32 [2, Co] tensor that the epilogue
     # adds each channel's sums into
-    phases = None
-    if out_window is not None:
-        if out_window[8] is not None:
-            phases = common.PhaseTiles(*out_window[8], channel_blocks)
-        out_window = common.WindowStore(out_window[0], out_h, out_w, *out_window[1:8], phases)
+    out_window, phases = common.window_store(out_window, out_h, out_w, channel_blocks)
     schedule = TileSchedule(num_pid_m, num_pid_n, k_steps, BLOCK_M + BLOCK_M_TAIL, BLOCK_N + BLOCK_N_TAIL,
                             CONFIG.split_k, phases)
     window = Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group, S,

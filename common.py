@@ -1456,6 +1456,18 @@ class WindowStore:
         gl.store(self.ptr + offsets, values, mask=inside)
 
 
+@gluon.jit
+def window_store(out_window, out_h, out_w, channel_blocks):
+    """(WindowStore, PhaseTiles) of lesson 05's `out_window` argument (an OutputWindow's kernel_args):
+    each a constexpr None where there is no window, or a window without phases."""
+    store, phases = None, None
+    if out_window is not None:
+        if out_window[8] is not None:
+            phases = PhaseTiles(*out_window[8], channel_blocks)
+        store = WindowStore(out_window[0], out_h, out_w, *out_window[1:8], phases)
+    return store, phases
+
+
 @gluon.constexpr_function
 def staged_tile_layout(rows, columns, element_size, num_warps, split_columns):
     """A register layout for reading a staged [rows, columns] tile back from shared memory: each
