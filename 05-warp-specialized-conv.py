@@ -528,7 +528,7 @@ class TileSchedule:
         rows_in_group = gl.minimum(self.num_pid_m - first_m, GROUP_M)
         pid_m = first_m + (tile_id % tiles_per_group) % rows_in_group
         pid_n = (tile_id % tiles_per_group) // rows_in_group
-        if self.phases is not None:       # lesson 06: a tile of a strided dgrad runs its phase's taps only
+        if self.phases is not None:       # lesson 06: a strided dgrad's tile runs its phase's taps (never split)
             k_end = self.phases.k_steps(pid_n * self.TILE_N)
         return WorkUnit(pid_m, pid_n, k_begin, k_end, split, partial)
 
@@ -898,7 +898,7 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     check_config(config, arch)
     g = geometry
     destinations = common.check_epilogue_destinations(out_window, channel_stats, g, out_dtype or x_nhwc.dtype,
-                                                      x_nhwc.device, config.split_k)    # (their kernel arguments)
+                                                      x_nhwc.device, config.split_k, config.tile_n)
     check_groups_fit(config, g, x_nhwc.element_size())                     # section 10
     x_nhwc, w, Ci_padded = common.pad_channels_for_tma(x_nhwc, w)
     Ci_group = Ci_padded // g.groups

@@ -272,7 +272,7 @@ def flipped_weights(w, phase_taps, groups=1, width=None):
         out = w.new_zeros(len(phases), width, 1, pitch, Co)
     else:
         out = w.new_empty(len(phases), width, 1, pitch, Co)
-        out[:, Ci_group:].zero_()           # rows past Ci: columns the conv computes and does not store
+        out[:, Ci_group:].zero_()   # rows past Ci: columns the conv computes and does not store (zeros: no NaN there)
     BLOCK = 32
     for chunk in range(0, len(phases), 16):     # (the kernel unrolls a loop over its phases: a few per launch)
         launch, taps = [], 0
@@ -628,50 +628,68 @@ if __name__ == "__main__":
 #
 # 2b. All the phases in one launch
 # --------------------------------
-# Four launches cost more than their share. On an H100, ResNet-50's 3x3 stride-2 dgrads ran at
-# 0.70-0.80x cuDNN's speed this way (RESULTS.md, "The operator's gradients"), where cuDNN runs one
-# kernel: each launch reads all of dY again, its last wave runs partly empty, and the 1-tap phase
-# (2 k-steps of 64 channels on 128-channel layers) is all epilogue. One launch can run them all,
-# because at stride 2 every phase reads dY through the same 2 x 2 window: the rows 2j read dY[j]
-# (tap r = 1), the rows 2j+1 read dY[j] and dY[j+1] (taps 2 and 0, flipped). In general a phase's
-# conv reads dY from row `first` on (its crop less its padding), every `dilation` rows, and the
-# phases of one axis differ only in `first` and how many taps they have. So:
+# Four launches cost more than their share. On an H100 (2026-11-26), ResNet-50's 3x3 stride-2
+# dgrads ran at 0.70-0.80x cuDNN's speed this way (RESULTS.md, "The operator's gradients"), where
+# cuDNN runs one kernel: each launch reads all of dY again, its last wave runs partly empty, and the
+# 1-tap phase (2 k-steps of 64 channels on 128-channel layers) is all epilogue. One launch can run
+# them all, because the phases of an axis read dY through one window. For a 3x3 filter at stride 2,
+# padding 1: the rows 2j read dY[j] (tap r = 1), the rows 2j+1 read dY[j] and dY[j+1] (taps 2 and
+# 0, flipped), so both read a 2-row window from dY[j] on. In general phase a's conv reads, for its
+# row y, dY rows y + first_a + t * d for its taps t = 0, 1, ..., where first_a is its crop less its
+# padding and d is `AxisPhase.dilation` (dh / gcd(sh, dh)); the phases of one axis differ only in
+# first_a and in how many taps they have. (At padding 1 above, first is 0 for both residues; at
+# padding 0, -1 for the even rows, with taps 2 and 0, and 0 for the odd ones, with tap 1.) So:
 #
 # - one conv of dY whose window is the union of the phases' windows: it starts at the smallest
-#   `first` (its padding is minus that: lesson 05's kernel pads through the pixel box's corner, which
-#   may lie inside the image as well as outside), its rows are dX's rows of phase 0 (the most any
-#   phase has), with no crop;
+#   first_a, origin, and phase a's taps start (first_a - origin) / d taps into it;
+# - its padding is -origin, which may be negative (the window starting inside dY). Lesson 05's
+#   conv_geometry refuses a negative padding, so `side_by_side_plan` builds the ConvGeometry
+#   itself; the kernel only subtracts the padding from a pixel's row, and the im2col descriptor's
+#   lower corner (-padding) may be positive. Its rows are phase 0's rows of dX, ceil(H / sh), the
+#   most any phase has, with no crop. That is not lesson 05's out_h + 2 * padding - d * (R - 1):
+#   where the last rows read past dY's end, the descriptor's upper corner lets the pixel box run
+#   there and TMA fills zeros, a padding at the far end alone (where section 2's convs padded both
+#   ends and cropped);
 # - its output columns are the phases side by side, `width` each (dX's Ci rounded up to a tile):
 #   a tile's columns belong to one phase, p = co0 // width;
 # - a tile runs only its phase's rectangle of taps (`common.PhaseTiles`: the first tap and the
-#   count along each axis, picked by the phase's residues a = p // sw and b = p % sw), so the MMA
-#   work stays the useful work: `TileSchedule.work` ends its k-steps there and `Im2colWindow`
-#   offsets its taps by the rectangle's corner;
+#   count along each axis, picked by the phase's residues a = p // sw and b = p % sw):
+#   `TileSchedule.work` ends its k-steps there and `Im2colWindow.tile_taps` offsets its taps by
+#   the rectangle's corner. So the MMA work is the useful work, but for the columns that round
+#   Ci up to a tile and the last row of the phases with fewer rows than phase 0;
 # - the weights: each phase's w' in its own rows (`flipped_weights(..., width=)`), its taps first,
 #   so a k-step's weight column is its tap's index in the rectangle, as in lesson 05;
 # - the epilogue stores column block p at dX's pixel (a + sh*y, b + sw*x) (`WindowStore` with
 #   phases; the window's view is the whole of dX), dropping rows and columns past dX's edges.
 #
-# Lesson 05's kernel takes the phases in its output window (`common.WindowPhases`); without them the
-# new lines are constexpr Nones and the builds are the same as before, instruction for instruction.
-# The tiles of one group of row-tiles (lesson 05, section 3) are the phases of the same dY pixels,
-# so dY comes from HBM about once. The plan applies where every phase has taps and rows and the
-# phases' windows line up (always at dilation 1); elsewhere (a 1x1 conv at stride 2: three phases
-# of zeros) the phases run one launch each, as above.
+# Lesson 05's kernel takes the phases in its output window (`common.WindowPhases`); without them
+# the new lines are constexpr Nones, and every candidate config builds to the same opcode counts,
+# registers and shared memory as before (`tools/ptx_fingerprint.py`, sm_90 and sm_100). The tiles
+# of one group of row-tiles (lesson 05, section 3) are the phases of the same dY pixels, so dY
+# should come from HBM about once (not measured). The plan applies where every phase has taps and
+# rows and the phases' windows line up: on a strided axis only at dilation 1 (a dilated stride-1
+# axis is fine). Elsewhere (a 1x1 conv at stride 2: three phases of zeros) the phases run one
+# launch each, as above. On the H100 (2026-11-26) the one launch took ResNet-50's three 3x3
+# stride-2 dgrads from 0.80x, 0.70x and 0.79x cuDNN's speed to 1.01x, 0.85-0.86x and 0.74-0.76x
+# (two runs; RESULTS.md): the 14x14 layer's 1-tap tiles still run 8 k-steps, then store a whole tile.
 
 
 class SideBySide(NamedTuple):
     # Section 2b: every phase of a strided dgrad as one conv of dY.
+    source: common.ConvGeometry       # the forward conv whose dX this computes
     geometry: common.ConvGeometry     # that conv: dY in, the phases' columns out, the union of their windows
     phases: common.WindowPhases       # where each phase's columns go and which taps they run
+    taps: tuple                       # each phase's (taps along r, taps along s) of w: slices, for flipped_weights
     config: tuple                     # lesson 05's config
 
 
 def side_by_side_config(geometry):
-    """Lesson 05's config for section 2b's conv. On an H100, over ResNet-18's and Inception v3's strided
-    3x3 dgrads and lesson 05's one-tile-per-row configs (2026-11-26, results/notebook.md): 128 x 128
-    tiles on 8 warps with 6 stages where dX's channels come in whole 128-column tiles, else 256 x 64
-    tiles (less padding of the phases' width). Elsewhere (a Blackwell GPU, or none) dgrad_config's."""
+    """Lesson 05's config for section 2b's conv, picked among its candidates without tails or split-K.
+    On an H100 (2026-11-26), over ResNet-18's and Inception v3's strided 3x3 dgrads
+    (results/notebook.md): 128 x 128 x 64 tiles, 6 stages, 8 warps where dX's channels come in
+    whole 128-column tiles, else 256 x 64 x 64 tiles, 4 stages, 8 warps (less padding of the
+    phases' width). (On ResNet-50's own layers ping-pong or 128 x 256 tiles were as fast or faster;
+    they are not the tuning set.) Elsewhere (a Blackwell GPU, or none) dgrad_config's."""
     if not common.is_hopper():
         return dgrad_config(geometry)
     if geometry.Ci % 128 == 0:
@@ -692,23 +710,31 @@ def axis_window(along):
     return origin, dilation, max(start + taps for start, taps in rectangle), rectangle
 
 
-@functools.lru_cache(maxsize=256)
 def side_by_side_plan(geometry, config=None):
     """Section 2b's plan for the dgrad of `geometry`, or None where it does not apply: groups, stride
     1, a stride above 4 (the kernel picks a phase's taps by an unrolled loop over the residues), a
     phase without taps or rows, windows that do not line up, or corners a TMA im2col descriptor
-    cannot encode. Arithmetic on the shape alone: kept per shape and config."""
+    cannot encode. Arithmetic on the shape alone: kept per shape and config. `config`: lesson 05's
+    (default side_by_side_config's), without split-K (the window stores whole tiles)."""
+    config = lesson05.KernelConfig(*(config or side_by_side_config(geometry)))
+    if config.split_k != 1:
+        raise ValueError(f"config {config}: section 2b's conv stores through an output window, whole tiles: split_k=1")
+    return _side_by_side_plan(geometry, config)
+
+
+@functools.lru_cache(maxsize=256)
+def _side_by_side_plan(geometry, config):
     g = geometry
     sh, sw = g.stride
     phases = dgrad_phases(g)
     if g.groups != 1 or (sh, sw) == (1, 1) or max(sh, sw) > 4 or len(phases) != sh * sw or any(
             along_h.taps is None or along_w.taps is None for _, _, along_h, along_w in phases):
         return None
-    windows = [axis_window([phases[p][2] for p in range(0, sh * sw, sw)]), axis_window([phases[p][3] for p in range(sw)])]
+    windows = [axis_window([phases[p][2] for p in range(0, sh * sw, sw)]),     # residues along h, then w
+               axis_window([phases[p][3] for p in range(sw)])]
     if None in windows:
         return None
     (first_h, dil_h, R, along_h), (first_w, dil_w, S, along_w) = windows
-    config = lesson05.KernelConfig(*(config or side_by_side_config(g)))
     width = -(-g.Ci // config.tile_n) * config.tile_n
     conv = common.ConvGeometry(g.N, g.out_h, g.out_w, g.Co, sh * sw * width, R, S, (1, 1), (-first_h, -first_w),
                                (dil_h, dil_w), -(-g.H // sh), -(-g.W // sw))
@@ -716,16 +742,24 @@ def side_by_side_plan(geometry, config=None):
         common.conv_im2col_settings(conv)
     except ValueError:
         return None
-    return SideBySide(conv, common.WindowPhases(width, g.Ci, along_h, along_w), config)
+    taps = tuple((along_h.taps, along_w.taps) for _, _, along_h, along_w in phases)
+    return SideBySide(g, conv, common.WindowPhases(width, g.Ci, along_h, along_w), taps, config)
 
 
 def dgrad_side_by_side(dy_nhwc, w, geometry, plan, conv):
-    """dX by section 2b: `plan` (side_by_side_plan) run by conv(dy, w_side_by_side, plan, out_window),
-    lesson 05's kernel on a GPU (`side_by_side_launch`), torch on a CPU (`reference_side_by_side`)."""
+    """dX by section 2b: `plan` (side_by_side_plan of `geometry`) run by conv(dy, w_side_by_side, plan,
+    out_window), lesson 05's kernel on a GPU (`side_by_side_launch`), torch on a CPU
+    (`reference_side_by_side`)."""
     g = geometry
+    if plan is None or plan.source != g:
+        raise ValueError(f"plan must be side_by_side_plan of {g.describe()}, got "
+                         f"{'None' if plan is None else 'the plan of ' + plan.source.describe()}")
+    if tuple(dy_nhwc.shape) != g.output_shape_nhwc or tuple(w.shape) != (g.Co, g.R, g.S, g.Ci):
+        raise ValueError(f"dy_nhwc {tuple(dy_nhwc.shape)} and w {tuple(w.shape)}: {g.describe()} needs "
+                         f"{g.output_shape_nhwc} and {(g.Co, g.R, g.S, g.Ci)}")
     dx = torch.empty(g.N, g.H, g.W, g.Ci, device=dy_nhwc.device, dtype=dy_nhwc.dtype)
-    taps = [(along_h.taps, along_w.taps) for _, _, along_h, along_w in dgrad_phases(g)]
-    conv(dy_nhwc, flipped_weights(w, taps, width=plan.phases.width), plan, common.OutputWindow(dx, phases=plan.phases))
+    conv(dy_nhwc, flipped_weights(w, plan.taps, width=plan.phases.width), plan,
+         common.OutputWindow(dx, phases=plan.phases))
     return dx
 
 
@@ -751,7 +785,8 @@ def reference_side_by_side(dy_nhwc, w_side_by_side, plan, out_window):
             phases.width, taps_h, taps_w, g.Ci)
     # rows of dY the output reads: from -padding to (out_h - 1) - padding + (R - 1) * dilation
     bottom, right = ((out - 1) + (size - 1) * dil - pad - (dy_size - 1) for out, size, dil, pad, dy_size in
-                     ((g.out_h, g.R, g.dilation[0], g.padding[0], g.H), (g.out_w, g.S, g.dilation[1], g.padding[1], g.W)))
+                     ((g.out_h, g.R, g.dilation[0], g.padding[0], g.H),
+                      (g.out_w, g.S, g.dilation[1], g.padding[1], g.W)))
     dy = torch.nn.functional.pad(dy_nhwc.to("cpu", dtype), (0, 0, g.padding[1], right, g.padding[0], bottom))
     out = torch.nn.functional.conv2d(dy.permute(0, 3, 1, 2), full.permute(0, 3, 1, 2), dilation=g.dilation)
     out = out.permute(0, 2, 3, 1)
@@ -762,6 +797,9 @@ def run_side_by_side(N=2, H=9, W=10, Ci=5, Co=6, R=3, S=3, stride=2, padding=1, 
     """Section 2b on a CPU: every phase in one conv (torch's, the window's phases) against torch.nn.grad."""
     x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, torch.float32, device_name="cpu")
     plan = side_by_side_plan(g, lesson05.FIXED_CONFIG._replace(block_n=16))
+    if plan is None:
+        raise ValueError(f"{g.describe()}: section 2b does not apply (a phase without taps or rows, windows that "
+                         f"do not line up, groups, stride 1 or above 4); run_dgrad_mapping runs its phases one by one")
     dx = dgrad_side_by_side(dy, w, g, plan, reference_side_by_side)
     expected, _ = reference_gradients(x, w, dy, g)
     if show:
@@ -780,6 +818,7 @@ def run_side_by_side(N=2, H=9, W=10, Ci=5, Co=6, R=3, S=3, stride=2, padding=1, 
     (1, 14, 13, 2, 3, 5, 3, (3, 2), (2, 1), 1),   # strides 3 and 2
     (2, 9, 11, 5, 4, 3, 5, (2, 1), (1, 2), (1, 1)),  # stride 2 along h only
     (1, 9, 9, 2, 2, 5, 5, 4, 0, 1),               # stride 4: 16 phases of 1 or 2 taps per axis
+    (1, 12, 12, 8, 4, 3, 3, 2, 3, 1),             # padding 3: the window starts inside dY (padding -1)
 ])
 def test_side_by_side_matches_torch(N, H, W, Ci, Co, R, S, stride, padding, dilation):
     run_side_by_side(N, H, W, Ci, Co, R, S, stride, padding, dilation, show=False)
@@ -789,12 +828,23 @@ def test_side_by_side_matches_torch(N, H, W, Ci, Co, R, S, stride, padding, dila
     (1, 2, 0, 1, "three phases without taps"),
     (3, 2, 2, 2, "stride and dilation 2: the odd rows have no taps"),
     (3, 2, 1, 3, "dilation 3 at stride 2: the phases' windows start 1 dY row apart, their taps 3 apart"),
-    (3, 5, 1, 1, "a stride above 4"),
+    (5, 5, 2, 1, "a stride above 4 (25 phases of one tap each)"),
     (3, 1, 1, 1, "stride 1: one phase"),
 ])
 def test_side_by_side_plan_declines(R, stride, padding, dilation, why):
     g = common.conv_geometry((1, 12, 12, 8), (8, R, R, 8), stride, padding, dilation)
     assert side_by_side_plan(g) is None, why
+
+
+def test_side_by_side_refuses_a_plan_of_another_shape_or_split_k():
+    x, w, dy, g = backward_inputs(1, 9, 9, 8, 8, 3, 3, 2, 1, 1, torch.float32, device_name="cpu")
+    other = common.conv_geometry((1, 11, 11, 8), (8, 3, 3, 8), 2, 1)
+    with pytest.raises(ValueError, match="plan must be side_by_side_plan of"):
+        dgrad_side_by_side(dy, w, g, side_by_side_plan(other), reference_side_by_side)
+    with pytest.raises(ValueError, match="split_k=1"):
+        side_by_side_plan(g, lesson05.FIXED_CONFIG._replace(split_k=2))
+    with pytest.raises(ValueError, match="section 2b does not apply"):
+        run_side_by_side(R=1, S=1, padding=0, show=False)
 
 
 def test_side_by_side_weights_match_torch():
@@ -804,10 +854,11 @@ def test_side_by_side_weights_match_torch():
     got = flipped_weights(w, taps, width=32)
     assert got.shape == (4 * 32, 1, 4, 40)
     expected = side_by_side([flipped_weights_by_torch(w, h, v) for h, v in taps], 32)
-    for p, (h, v) in enumerate(taps):       # each phase's own taps and rows (the rest is never read)
-        used = len(range(3)[h]) * len(range(3)[v])
+    for p, (h, v) in enumerate(taps):       # each phase's own taps and rows, and zeros past its taps: 40 channels
+        used = len(range(3)[h]) * len(range(3)[v])   # end inside a K block, whose last k-step reads past them
         torch.testing.assert_close(got[p * 32:(p + 1) * 32, :, :used], expected[p * 32:(p + 1) * 32, :, :used],
                                    rtol=0, atol=0)
+        assert not got[p * 32:(p + 1) * 32, :, used:].any()
 
 
 # %%
@@ -827,8 +878,10 @@ if __name__ == "__main__":
 # The dgrad launcher
 # ------------------
 # `conv2d_dgrad_launch` checks its arguments and runs `dgrad_by_phases` with lesson 05's plain
-# launcher. The config is lesson 05's fixed one, 64 columns wide where dX has 64 channels or
-# fewer; the operator's tuned configs are a later step.
+# launcher, or, where section 2b's plan applies, one launch of lesson 05's kernel for all phases
+# (`side_by_side_launch`, `side_by_side_config`'s config). The phases' config is lesson 05's fixed
+# one, 64 columns wide where dX has 64 channels or fewer; the operator's tuned configs are a later
+# step.
 
 
 def check_backward_call(tensors, x_shape, w_shape, stride, padding, dilation, groups):
@@ -893,8 +946,8 @@ def backward_groups_reason(geometry, kind):
 def conv2d_dgrad_launch(dy_nhwc, w, x_shape, stride=1, padding=0, dilation=1, groups=1):
     """dX [N, H, W, Ci] of a conv of x (shape `x_shape`, NHWC) with w [Co, R, S, Ci], from dY
     [N, out_h, out_w, Co] (fp16 or bf16, contiguous, on a Hopper or Blackwell GPU): lesson 05's
-    kernel, once per phase of dX (one launch at stride 1). groups > 1: w is [Co, R, S, Ci / groups],
-    where backward_groups_reason allows it."""
+    kernel, once per phase of dX (one launch at stride 1), or once for all phases where section 2b
+    applies. groups > 1: w is [Co, R, S, Ci / groups], where backward_groups_reason allows it."""
     g = check_backward_call({"dy_nhwc": dy_nhwc, "w": w}, x_shape, getattr(w, "shape", None), stride, padding,
                             dilation, groups)
     common.require_tma_mma_gpu("conv2d_dgrad_launch")
@@ -2219,6 +2272,7 @@ AWKWARD_SHAPES = [    # N, H, W, Ci, Co, R, S, stride, padding, dilation
     (2, 13, 11, 24, 200, 3, 5, (2, 1), (1, 2), (1, 2)),  # per-axis stride, padding, dilation; Co = 200
     (1, 9, 9, 16, 16, 1, 1, 1, 1, 1),             # padding past the filter
     (2, 17, 17, 16, 32, 4, 4, 3, 1, 1),           # stride 3, an even filter
+    (2, 12, 12, 16, 40, 3, 3, 2, 3, 1),           # section 2b's window starting inside dY; Co = 40: a K block past it
 ]
 
 

@@ -1273,8 +1273,10 @@ class WindowPhases(NamedTuple):
     """Lesson 06's strided dgrad in one launch: the conv's output columns are the phases of dX side
     by side, `width` columns each (dX's `channels`, rounded up to whole tiles). Phase p = (a, b),
     a = p // stride_w, b = p % stride_w, holds dX's pixels (a + stride_h * y, b + stride_w * x) and
-    runs a rectangle of the filter's taps: along_h[a] = (its first r, its taps along r), along_w[b]
-    = (first s, taps along s). The stride is the tuples' lengths."""
+    runs a rectangle of the conv's taps (the taps of the union of the phases' windows, not w's):
+    along_h[a] = (its first tap along the rows, its taps), along_w[b] = (first tap along the columns,
+    taps). The stride is the tuples' lengths. A tile of the conv must lie in one phase: `width` a
+    multiple of the config's tile_n (lesson 05's prepare_launch checks it)."""
     width: int
     channels: int
     along_h: tuple
@@ -1326,13 +1328,13 @@ def window_storable(view):
         and view.shape[-1] % lanes == 0
 
 
-def check_output_window(window, geometry, dtype, device, split_k=1):
+def check_output_window(window, geometry, dtype, device, split_k=1, tile_n=None):
     """ValueError/TypeError unless `window` can take the output of the conv `geometry` in `dtype`
     on `device`: a view [N, rows, cols, Co] with contiguous channels and 16-byte aligned pixels,
     rows and columns that the output covers from (crop_h, crop_w) on; a kernel config without
     split-K (lesson 05's split-K sums its slices in a second kernel, which stores densely). With
     phases: a view [N, H, W, channels], an output of `count` phases of `width` columns, each phase's
-    rows and columns covered."""
+    rows and columns covered, and (given the config's `tile_n`) a width of whole tiles."""
     g = geometry
     if split_k > 1:
         raise ValueError(f"an out_window takes a config without split-K (split_k=1), got split_k={split_k}")
@@ -1344,10 +1346,11 @@ def check_output_window(window, geometry, dtype, device, split_k=1):
         if not isinstance(phases, WindowPhases):
             raise TypeError(f"out_window.phases must be a common.WindowPhases or None, got {type(phases).__name__}")
         channels, steps = phases.channels, (len(phases.along_h), len(phases.along_w))
-        if phases.width < phases.channels or phases.width * phases.count != g.Co:
+        if phases.width < phases.channels or phases.width * phases.count != g.Co or (tile_n and phases.width % tile_n):
             raise ValueError(f"out_window.phases: {phases.count} phases of {phases.width} columns for "
                              f"{phases.channels} channels need an output of {phases.width * phases.count} "
-                             f"channels (got {g.Co}) and a width of at least the channels")
+                             f"channels (got {g.Co}), a width of at least the channels and, a tile lying in one "
+                             f"phase, of whole tiles of {tile_n} columns")
     if view.dim() != 4 or view.shape[0] != g.N or view.shape[3] != channels:
         raise ValueError(f"out_window.view has shape {tuple(view.shape)}; the output of {g.describe()} needs "
                          f"[{g.N}, rows, cols, {channels}]")
@@ -1365,7 +1368,9 @@ def check_output_window(window, geometry, dtype, device, split_k=1):
 
 @gluon.jit
 def pick(table, index, field: gl.constexpr):
-    """table[index][field] for a run-time `index` into a tuple of tuples of run-time integers."""
+    """table[index][field] for a run-time `index` into a tuple of tuples of run-time integers (an
+    index past the table gives row 0's: lesson 05's ping-pong asks for a unit past the last one, whose
+    answer it never uses)."""
     picked = table[0][field]
     for i in gl.static_range(1, len(table)):
         picked = gl.where(index == i, table[i][field], picked)
@@ -1513,12 +1518,12 @@ def check_channel_stats(stats, Co, device, split_k=1, out_window=None):
                          "statistics would count; pass one of them")
 
 
-def check_epilogue_destinations(out_window, channel_stats, geometry, dtype, device, split_k=1):
+def check_epilogue_destinations(out_window, channel_stats, geometry, dtype, device, split_k=1, tile_n=None):
     """Lesson 06's two optional destinations of lesson 05's epilogue, each checked where given: an
     out_window (check_output_window) and channel_stats (check_channel_stats). Returns the kernel's
     arguments for them: (out_window.kernel_args() or None, the channel_stats tensor or None)."""
     if out_window is not None:
-        check_output_window(out_window, geometry, dtype, device, split_k)
+        check_output_window(out_window, geometry, dtype, device, split_k, tile_n)
     if channel_stats is not None:
         check_channel_stats(channel_stats, geometry.Co, device, split_k, out_window)
     return None if out_window is None else out_window.kernel_args(), channel_stats

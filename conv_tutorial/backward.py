@@ -15,10 +15,10 @@ data-centre Blackwell GPU): dgrad as lesson 06's phases (or, with few channels a
 folded conv), each a conv through this package's runtime that stores into its phase's pixels of
 dX (an output window), or, where every phase has taps (a 3x3 stride-2 conv), all of them as one
 conv (lesson 06, section 2b: one launch of lesson 05's kernel); wgrad as lesson 06's kernel
-through a plan per shape (wgrad.py). Elsewhere torch's convolution_backward computes it, with one warning per reason, and
-`backward_fallbacks()` counts every such gradient: what a model's backward left to torch, and why.
-`$CONV_TUTORIAL_BACKWARD` sets the choice for a process. Lesson 06 is loaded (kernel.lesson06) on
-the first call that uses it.
+through a plan per shape (wgrad.py). Elsewhere torch's convolution_backward computes it, with one
+warning per reason, and `backward_fallbacks()` counts every such gradient: what a model's backward
+left to torch, and why. `$CONV_TUTORIAL_BACKWARD` sets the choice for a process. Lesson 06 is
+loaded (kernel.lesson06) on the first call that uses it.
 """
 import os
 import warnings

@@ -208,3 +208,23 @@ def test_output_window_refuses_channels_short_of_a_16_byte_vector():
     assert not common.window_storable(view) and common.window_storable(torch.zeros(2, 3, 2, 8))
     with pytest.raises(ValueError, match="whole number of 16-byte vectors"):
         common.check_output_window(common.OutputWindow(view), geometry, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("width, channels, tile_n, message", [
+    (8, 8, None, None),                      # 4 phases of 8 columns for dX's 8 channels: accepted
+    (16, 8, 8, None),                        # wider than the channels, in whole tiles: accepted
+    (12, 8, 8, "whole tiles of 8 columns"),  # a tile would straddle two phases
+    (4, 8, None, "a width of at least the channels"),
+])
+def test_output_window_with_phases(width, channels, tile_n, message):
+    # lesson 06, section 2b: a conv of dY [2, 5, 4, .] whose 4 * width columns are a stride-2 dgrad's phases, stored
+    # into dX [2, 10, 8, channels]
+    geometry = common.conv_geometry((2, 5, 4, 16), (4 * width, 1, 1, 16))
+    phases = common.WindowPhases(width, channels, ((0, 1), (0, 2)), ((0, 1), (0, 2)))
+    window = common.OutputWindow(torch.zeros(2, 10, 8, channels), phases=phases)
+    check = lambda: common.check_output_window(window, geometry, torch.float32, torch.device("cpu"), 1, tile_n)
+    if message is None:
+        check()
+    else:
+        with pytest.raises(ValueError, match=message):
+            check()
