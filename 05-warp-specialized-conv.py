@@ -125,6 +125,14 @@ class Ring:
     ready: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
     NUM_BUFFERS: gl.constexpr
+    B_N_MAJOR: gl.constexpr      # lesson 06: b_bufs hold [BLOCK_K, BLOCK_N] boxes of weights read in place
+
+    @gluon.jit
+    def b(self, slot, TAIL: gl.constexpr = False):
+        # B of a stage for the MMA, [BLOCK_K, BLOCK_N]: the filters' rows seen transposed (a view of the same
+        # bytes: K-major), or (lesson 06) the box as it lies (N-major)
+        bufs = self.b_tail_bufs if TAIL else self.b_bufs
+        return bufs.index(slot) if self.B_N_MAJOR else bufs.index(slot).permute((1, 0))
 
 
 # %%
@@ -151,6 +159,7 @@ class Im2colWindow:
     S: Int
     channel_blocks: Int
     phases: common.PhaseTiles | gl.constexpr      # lesson 06's: a strided dgrad's phases side by side; else None
+    flipped: common.FlippedTaps | gl.constexpr    # lesson 06's: a dgrad's weights read in place; else None
 
     @gluon.jit
     def pixel_box_origin(self, m):
@@ -167,22 +176,28 @@ class Im2colWindow:
 
     @gluon.jit
     def tile_taps(self, co0):
-        # The tile of output channels co0, co0+1, ...: its group_channel, and the taps it runs as (first r, first s,
-        # taps per row): all of them, or (lesson 06) its phase's.
-        r0, s0, taps_w = 0, 0, self.S
+        # The tile of output channels co0, co0+1, ...: its group_channel, the taps it runs as (first r, first s,
+        # taps per row): all of them, or (lesson 06) its phase's; and where its weights lie: rows co0, ... of w2d,
+        # or (lesson 06) FlippedTaps.tile's columns.
+        r0, s0, taps_w, w_tile = 0, 0, self.S, co0
         if self.phases is not None:
             r0, _, s0, taps_w = self.phases.taps(co0)
-        return self.group_channel(co0), r0, s0, taps_w
+        if self.flipped is not None:
+            w_tile = self.flipped.tile(co0)
+        return self.group_channel(co0), r0, s0, taps_w, w_tile
 
     @gluon.jit
     def k_step(self, k, BLOCK_K: gl.constexpr, tile_taps):
-        # (the tap's im2col offsets [r*dil_h, s*dil_w], input channel, weight column) of k-step k.
-        group_channel, r0, s0, taps_w = tile_taps
+        # (the tap's im2col offsets [r*dil_h, s*dil_w], input channel, where in w2d the weights' box starts).
+        group_channel, r0, s0, taps_w, w_tile = tile_taps
         tap = k // self.channel_blocks
         c0 = (k % self.channel_blocks) * BLOCK_K
         r, s = r0 + tap // taps_w, s0 + tap % taps_w
         offsets = [(r * self.dil_h).to(gl.int16), (s * self.dil_w).to(gl.int16)]
-        return offsets, group_channel + c0, tap * self.Ci_group + c0
+        w_at = [w_tile, tap * self.Ci_group + c0]
+        if self.flipped is not None:
+            w_at = self.flipped.at(w_tile, r, s, c0)
+        return offsets, group_channel + c0, w_at
 
 
 @gluon.jit
@@ -191,7 +206,8 @@ def loader_partition(in_desc, w_desc, w_tail_desc, ring, schedule, window):
     PIXEL_BOX: gl.constexpr = in_desc.block_type.shape[0]     # pixels per im2col load
     BLOCK_M: gl.constexpr = ring.a_bufs.shape[1]
     BLOCK_K: gl.constexpr = in_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    N_AXIS: gl.constexpr = 1 if ring.B_N_MAJOR else 0        # the weights box's output-channel axis
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[N_AXIS]
     # bytes that land per stage: TILE_M pixels of A (in boxes of PIXEL_BOX) and TILE_N rows of
     # weights (main box + tail box, section 6)
     stage_bytes: gl.constexpr = (in_desc.block_type.nbytes * schedule.TILE_M // PIXEL_BOX
@@ -211,7 +227,7 @@ def loader_partition(in_desc, w_desc, w_tail_desc, ring, schedule, window):
         co0 = work.pid_n * schedule.TILE_N
         tile_taps = window.tile_taps(co0)
         for k in range(work.k_begin, work.k_end):
-            tap_offsets, c0, w_column = window.k_step(k, BLOCK_K, tile_taps)
+            tap_offsets, c0, w_at = window.k_step(k, BLOCK_K, tile_taps)
             slot = state.slot()
             # wait until the MMA that last read this stage is done (first pass: returns at once)
             mbarrier.wait(ring.empty.index(slot), state.phase() ^ 1)
@@ -225,10 +241,11 @@ def loader_partition(in_desc, w_desc, w_tail_desc, ring, schedule, window):
                                       ring.a_bufs.index(slot).slice(PIXEL_BOX, PIXEL_BOX))
             if schedule.TILE_M > BLOCK_M:
                 tma.async_load_im2col(in_desc, [n_t, h_t, w_t, c0], tap_offsets, ready, ring.a_tail_bufs.index(slot))
-            # B = load(w2d, [co0, (r*S + s)*Ci + c0]), and a column tail's rows after it
-            tma.async_load(w_desc, [co0, w_column], ready, ring.b_bufs.index(slot))
+            # B = load(w2d, [co0, (r*S + s)*Ci + c0]), and a column tail's rows (output channels) after it
+            tma.async_load(w_desc, w_at, ready, ring.b_bufs.index(slot))
             if schedule.TILE_N > BLOCK_N:
-                tma.async_load(w_tail_desc, [co0 + BLOCK_N, w_column], ready, ring.b_tail_bufs.index(slot))
+                tma.async_load(w_tail_desc, [w_at[0] + BLOCK_N * (1 - N_AXIS), w_at[1] + BLOCK_N * N_AXIS], ready,
+                               ring.b_tail_bufs.index(slot))
             state = state.next()
 
 
@@ -360,10 +377,9 @@ def hopper_mma_epilogue_partition(ring, schedule, output, turn, CONSUMER: gl.con
             slot = state.slot()
             mbarrier.wait(ring.ready.index(slot), state.phase())
             # acc += A @ B^T, asynchronously (and the tail's columns or rows: a second, smaller MMA)
-            mma = mma.issue_async_mma(ring.a_bufs.index(slot), ring.b_bufs.index(slot).permute((1, 0)))
+            mma = mma.issue_async_mma(ring.a_bufs.index(slot), ring.b(slot))
             if HAS_TAIL:
-                mma_tail = mma_tail.issue_async_mma(ring.a_tail_bufs.index(slot),
-                                                    ring.b_tail_bufs.index(slot).permute((1, 0)))
+                mma_tail = mma_tail.issue_async_mma(ring.a_tail_bufs.index(slot), ring.b(slot, TAIL=True))
                 mma_tail = mma_tail.wait_num_outstanding(MMAS_PER_STEP)
             # Only this step's MMAs in flight: the ones of step k-1 are done, so its stage is free.
             mma = mma.wait_num_outstanding(MMAS_PER_STEP)
@@ -425,11 +441,10 @@ def blackwell_mma_partition(ring, schedule, acc):
             slot = state.slot()
             mbarrier.wait(ring.ready.index(slot), state.phase())
             # acc += A @ B^T (and a column tail's into its own accumulator, section 6)
-            tcgen05_mma(ring.a_bufs.index(slot), ring.b_bufs.index(slot).permute((1, 0)), acc.tmem.index(buf),
-                        use_acc=k > work.k_begin)
-            if schedule.TILE_N > ring.b_bufs.shape[1]:      # a column tail: wider than the main B tile
-                tcgen05_mma(ring.a_bufs.index(slot), ring.b_tail_bufs.index(slot).permute((1, 0)),
-                            acc.tail_tmem.index(buf), use_acc=k > work.k_begin)
+            tcgen05_mma(ring.a_bufs.index(slot), ring.b(slot), acc.tmem.index(buf), use_acc=k > work.k_begin)
+            if schedule.TILE_N > acc.tmem.shape[2]:      # a column tail: wider than the main accumulator
+                tcgen05_mma(ring.a_bufs.index(slot), ring.b(slot, TAIL=True), acc.tail_tmem.index(buf),
+                            use_acc=k > work.k_begin)
             # the hardware arrives on empty[slot] once these MMAs (and all earlier ones) are done
             tcgen05_commit(ring.empty.index(slot))
             state = state.next()
@@ -622,7 +637,7 @@ def apply_epilogue(acc, cols, Co, scale_ptr, bias_ptr, residual, EPILOGUE: tl.co
 def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, epilogue_ptrs, shape, out_window,
                         channel_stats, CONFIG: gl.constexpr, EPILOGUE: gl.constexpr, IS_BLACKWELL: gl.constexpr):
     (M, Co, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group,
-     S, k_steps, channel_blocks) = shape
+     S, k_steps, channel_blocks, w_taps) = shape
     dtype: gl.constexpr = in_desc.dtype
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
@@ -652,7 +667,7 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
     # (a constexpr condition: only the branch taken is compiled, so c_smem needs no value when storing by row blocks)
     c_smem = c_tail_smem if STORE_BY_ROW_BLOCKS else c_smem
     ready, empty = common.allocate_barrier_pairs(NUM_BUFFERS)
-    ring = Ring(a_bufs, b_bufs, a_tail_bufs, b_tail_bufs, ready, empty, NUM_BUFFERS)
+    ring = Ring(a_bufs, b_bufs, a_tail_bufs, b_tail_bufs, ready, empty, NUM_BUFFERS, w_taps is not None)
     # (epilogue_ptrs: the bias, scale, residual and partial-sum pointers, in TileOutput's order)
     # out_window: None, or (lesson 06) an OutputWindow's kernel_args, for a WindowStore, and with it perhaps a
     # strided dgrad's phases; channel_stats: None, or (lesson 06) the zeroed fp32 [2, Co] tensor that the epilogue
@@ -661,7 +676,7 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
     schedule = TileSchedule(num_pid_m, num_pid_n, k_steps, BLOCK_M + BLOCK_M_TAIL, BLOCK_N + BLOCK_N_TAIL,
                             CONFIG.split_k, phases)
     window = Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group, S,
-                          channel_blocks, phases)
+                          channel_blocks, phases, common.flipped_taps(w_taps, phases))   # (w_taps: lesson 06's)
     output = TileOutput(out_desc, out_tail_desc, c_smem, c_tail_smem, *epilogue_ptrs, M, Co, EPILOGUE,
                         STORE_BY_ROW_BLOCKS, out_window, channel_stats)
     if IS_BLACKWELL:
@@ -850,7 +865,8 @@ class Epilogue(NamedTuple):
 # The conv's run-time integers, named, in the order the kernel's first line unpacks them (section 10:
 # Ci_group, the input channels per group padded to 16 bytes; channel_blocks: BLOCK_K blocks per tap).
 ConvShape = NamedTuple("ConvShape", [(name, int) for name in "M Co num_pid_m num_pid_n out_h out_w stride_h stride_w "
-                                    "pad_h pad_w dil_h dil_w Ci_group Co_group S k_steps channel_blocks".split()])
+                                    "pad_h pad_w dil_h dil_w Ci_group Co_group S k_steps channel_blocks".split()]
+                       + [("w_taps", tuple)])      # lesson 06: a FlippedFilter's kernel_args; else None
 
 
 DESCRIPTORS = ("in_desc", "w_desc", "w_tail_desc", "out_desc", "out_tail_desc")   # the kernel's first parameters
@@ -900,6 +916,7 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     destinations = common.check_epilogue_destinations(out_window, channel_stats, g, out_dtype or x_nhwc.dtype,
                                                       x_nhwc.device, config.split_k, config.tile_n)
     check_groups_fit(config, g, x_nhwc.element_size())                     # section 10
+    w_taps = common.flipped_filter_taps(w, g, x_nhwc.dtype, out_window)    # lesson 06: w read in place; else None
     x_nhwc, w, Ci_padded = common.pad_channels_for_tma(x_nhwc, w)
     Ci_group = Ci_padded // g.groups
     BLOCK_K = block_k_channels(config, Ci_group, x_nhwc.element_size())    # 128 bytes: 128 e4m3 (section 9)
@@ -930,7 +947,7 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     # absent epilogue tensors: any pointer will do, the constexprs compile their loads away
     pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual, partial))
     shape = ConvShape(g.M, g.Co, num_pid_m, num_pid_n, g.out_h, g.out_w, *g.stride, *g.padding, *g.dilation,
-                      Ci_group, g.Co_group, g.S, k_steps, channel_blocks)
+                      Ci_group, g.Co_group, g.S, k_steps, channel_blocks, w_taps)
     programs, _, whole_tiles = tile_counts(config, g.M, g.Co, num_sms)
     tiles = (config.tile_m, config.tile_n, num_pid_m, num_pid_n, whole_tiles) if partial is not None else None
     return ConvLaunch((programs, 1, 1), in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, pointers, shape,
@@ -1354,7 +1371,7 @@ def test_grouped_tiles_read_their_groups(N, H, W, groups, Ci_group, Co_group, R,
     window = types.SimpleNamespace(out_h=g.out_h, out_w=g.out_w, stride_h=g.stride[0], stride_w=g.stride[1],
                                    pad_h=g.padding[0], pad_w=g.padding[1], dil_h=common.PlainInt(1),
                                    dil_w=common.PlainInt(1), Ci_group=Ci_group, Co_group=Co_group, S=R,
-                                   channel_blocks=Ci_group // BLOCK_K, phases=None)
+                                   channel_blocks=Ci_group // BLOCK_K, phases=None, flipped=None)
     window.group_channel = lambda co0: Im2colWindow.group_channel.fn(window, co0)
     w2d, BLOCK_M, out = w.reshape(g.Co, -1), 32, torch.zeros(g.M, g.Co)
     for m0 in range(0, g.M, BLOCK_M):
@@ -1362,10 +1379,10 @@ def test_grouped_tiles_read_their_groups(N, H, W, groups, Ci_group, Co_group, R,
         for co0 in range(0, g.Co, TILE_N):
             tile_taps = Im2colWindow.tile_taps.fn(window, co0)
             for k in range(R * R * window.channel_blocks):
-                offsets, c, column = Im2colWindow.k_step.fn(window, common.PlainInt(k), BLOCK_K, tile_taps)
+                offsets, c, (row, column) = Im2colWindow.k_step.fn(window, common.PlainInt(k), BLOCK_K, tile_taps)
                 a, _ = reference(x, BLOCK_M, BLOCK_K, *corners, [n, y, x0, c], offsets)
                 rows = min(BLOCK_M, g.M - m0)
-                out[m0:m0 + rows, co0:co0 + TILE_N] += (a @ w2d[co0:co0 + TILE_N, column:column + BLOCK_K].T)[:rows]
+                out[m0:m0 + rows, co0:co0 + TILE_N] += (a @ w2d[row:row + TILE_N, column:column + BLOCK_K].T)[:rows]
     expected = common.reference_conv2d_nhwc(x, w, None, stride, padding, groups=groups)
     torch.testing.assert_close(out.view(expected.shape), expected)
 

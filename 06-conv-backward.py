@@ -335,7 +335,7 @@ def untapped_zeros(dx, geometry, phases):
     return dx
 
 
-def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None, conv=None):
+def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None, conv=None, in_place=False):
     """dX of the conv `geometry` from dY: per phase of dX a stride-1 conv `fprop(dy, w_phase,
     padding=, dilation=, groups=)` (lesson 05's kernel on a GPU, torch's conv on a CPU) of dY with
     that phase's taps, flipped and channel-swapped (within each group), its output cropped into
@@ -344,11 +344,13 @@ def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None, conv=None):
     aligned; else copied (the only phase at stride 1 is the whole of dX unless a crop is needed).
     `phases`: dgrad_phases(geometry), if the caller keeps it. `conv`: section 2b's conv (e.g.
     side_by_side_launch); with one, every phase runs in one conv where section 2b's plan applies and
-    dX's pixels are 16-byte aligned."""
+    dX's pixels are 16-byte aligned. `in_place`: hand fprop and conv w' as section 2c's FlippedFilters where
+    w can be read in place (`reads_in_place`), not as copies (fprop and conv must take them)."""
     g = geometry
+    in_place = in_place and reads_in_place(w, g.groups)
     plan = side_by_side_plan(g) if conv is not None and g.Ci * dy_nhwc.element_size() % 16 == 0 else None
     if plan is not None:
-        return dgrad_side_by_side(dy_nhwc, w, g, plan, conv)
+        return dgrad_side_by_side(dy_nhwc, w, g, plan, conv, in_place)
     G = g.groups
     strided = g.stride != (1, 1)
     phases = dgrad_phases(g) if phases is None else phases
@@ -361,8 +363,10 @@ def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None, conv=None):
             # launch writes them, and only them
             untapped_zeros(dx, g, phases)
     # w'[ci, r', s', co] = w[co, the phase's taps reversed, ci]; grouped (section 10 of lesson 05), group k's
-    # filters swap their channels among themselves: w' is [Ci, r', s', Co / groups]. Every phase's in one launch.
-    w_phases = flipped_weights(w, [(along_h.taps, along_w.taps) for _, _, along_h, along_w in tapped], G)
+    # filters swap their channels among themselves: w' is [Ci, r', s', Co / groups]. Every phase's in one launch,
+    # or (section 2c) none: the kernel reads w in place.
+    phase_taps = [(along_h.taps, along_w.taps) for _, _, along_h, along_w in tapped]
+    w_phases = filters_in_place(w, phase_taps) if in_place else flipped_weights(w, phase_taps, G)
     for (py, px, along_h, along_w), w_phase in zip(tapped, w_phases):
         conv = dict(padding=(along_h.padding, along_w.padding), dilation=(along_h.dilation, along_w.dilation),
                     groups=G)
@@ -382,7 +386,10 @@ def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None, conv=None):
 
 
 def reference_fprop(dy_nhwc, w_phase, padding, dilation, groups=1, out_window=None):
-    # The CPU's stand-in for lesson 05's kernel: torch's conv in fp32 (into out_window, if given, by a copy).
+    # The CPU's stand-in for lesson 05's kernel: torch's conv in fp32 (into out_window, if given, by a copy; a
+    # FlippedFilter, section 2c, as what its loads read).
+    if isinstance(w_phase, common.FlippedFilter):
+        w_phase = w_phase.gathered()
     out = common.reference_conv2d_nhwc(dy_nhwc, w_phase, None, 1, padding, dilation, out_dtype=torch.float32,
                                        groups=groups)
     return out if out_window is None else out_window.write(out)
@@ -746,10 +753,10 @@ def _side_by_side_plan(geometry, config):
     return SideBySide(g, conv, common.WindowPhases(width, g.Ci, along_h, along_w), taps, config)
 
 
-def dgrad_side_by_side(dy_nhwc, w, geometry, plan, conv):
+def dgrad_side_by_side(dy_nhwc, w, geometry, plan, conv, in_place=False):
     """dX by section 2b: `plan` (side_by_side_plan of `geometry`) run by conv(dy, w_side_by_side, plan,
     out_window), lesson 05's kernel on a GPU (`side_by_side_launch`), torch on a CPU
-    (`reference_side_by_side`)."""
+    (`reference_side_by_side`). `in_place`: w_side_by_side is section 2c's FlippedFilter of w, not a copy."""
     g = geometry
     if plan is None or plan.source != g:
         raise ValueError(f"plan must be side_by_side_plan of {g.describe()}, got "
@@ -758,8 +765,8 @@ def dgrad_side_by_side(dy_nhwc, w, geometry, plan, conv):
         raise ValueError(f"dy_nhwc {tuple(dy_nhwc.shape)} and w {tuple(w.shape)}: {g.describe()} needs "
                          f"{g.output_shape_nhwc} and {(g.Co, g.R, g.S, g.Ci)}")
     dx = torch.empty(g.N, g.H, g.W, g.Ci, device=dy_nhwc.device, dtype=dy_nhwc.dtype)
-    conv(dy_nhwc, flipped_weights(w, plan.taps, width=plan.phases.width), plan,
-         common.OutputWindow(dx, phases=plan.phases))
+    weights = side_by_side_in_place(w, plan) if in_place else flipped_weights(w, plan.taps, width=plan.phases.width)
+    conv(dy_nhwc, weights, plan, common.OutputWindow(dx, phases=plan.phases))
     return dx
 
 
@@ -777,12 +784,16 @@ def reference_side_by_side(dy_nhwc, w_side_by_side, plan, out_window):
     padding crops), stored through the window's phases (OutputWindow.write)."""
     g, phases = plan.geometry, plan.phases
     dtype = torch.promote_types(dy_nhwc.dtype, torch.float32)
-    full = torch.zeros(g.Co, g.R, g.S, g.Ci, dtype=dtype)
-    for p in range(phases.count):
-        (r0, taps_h), (s0, taps_w) = phases.along_h[p // len(phases.along_w)], phases.along_w[p % len(phases.along_w)]
-        rows = w_side_by_side[p * phases.width:(p + 1) * phases.width, 0, :taps_h * taps_w].to("cpu", dtype)
-        full[p * phases.width:(p + 1) * phases.width, r0:r0 + taps_h, s0:s0 + taps_w] = rows.view(
-            phases.width, taps_h, taps_w, g.Ci)
+    if isinstance(w_side_by_side, common.FlippedFilter):    # section 2c: what its loads read, zeros elsewhere
+        full = w_side_by_side.gathered(phases).to("cpu", dtype)
+    else:
+        full = torch.zeros(g.Co, g.R, g.S, g.Ci, dtype=dtype)
+        for p in range(phases.count):
+            (r0, taps_h), (s0, taps_w) = (phases.along_h[p // len(phases.along_w)],
+                                          phases.along_w[p % len(phases.along_w)])
+            rows = w_side_by_side[p * phases.width:(p + 1) * phases.width, 0, :taps_h * taps_w].to("cpu", dtype)
+            full[p * phases.width:(p + 1) * phases.width, r0:r0 + taps_h, s0:s0 + taps_w] = rows.view(
+                phases.width, taps_h, taps_w, g.Ci)
     # rows of dY the output reads: from -padding to (out_h - 1) - padding + (R - 1) * dilation
     bottom, right = ((out - 1) + (size - 1) * dil - pad - (dy_size - 1) for out, size, dil, pad, dy_size in
                      ((g.out_h, g.R, g.dilation[0], g.padding[0], g.H),
@@ -793,14 +804,16 @@ def reference_side_by_side(dy_nhwc, w_side_by_side, plan, out_window):
     out_window.write(out.to(out_window.view.device))
 
 
-def run_side_by_side(N=2, H=9, W=10, Ci=5, Co=6, R=3, S=3, stride=2, padding=1, dilation=1, show=True):
-    """Section 2b on a CPU: every phase in one conv (torch's, the window's phases) against torch.nn.grad."""
+def run_side_by_side(N=2, H=9, W=10, Ci=5, Co=6, R=3, S=3, stride=2, padding=1, dilation=1, show=True,
+                     in_place=False):
+    """Section 2b on a CPU: every phase in one conv (torch's, the window's phases) against torch.nn.grad;
+    `in_place`: its weights as section 2c's FlippedFilter, what the kernel's loads would read of w."""
     x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, torch.float32, device_name="cpu")
     plan = side_by_side_plan(g, lesson05.FIXED_CONFIG._replace(block_n=16))
     if plan is None:
         raise ValueError(f"{g.describe()}: section 2b does not apply (a phase without taps or rows, windows that "
                          f"do not line up, groups, stride 1 or above 4); run_dgrad_mapping runs its phases one by one")
-    dx = dgrad_side_by_side(dy, w, g, plan, reference_side_by_side)
+    dx = dgrad_side_by_side(dy, w, g, plan, reference_side_by_side, in_place)
     expected, _ = reference_gradients(x, w, dy, g)
     if show:
         print(f"\n{g.describe()}: {plan.phases.count} phases as one conv of dY, {plan.geometry.R}x{plan.geometry.S} "
@@ -820,8 +833,9 @@ def run_side_by_side(N=2, H=9, W=10, Ci=5, Co=6, R=3, S=3, stride=2, padding=1, 
     (1, 9, 9, 2, 2, 5, 5, 4, 0, 1),               # stride 4: 16 phases of 1 or 2 taps per axis
     (1, 12, 12, 8, 4, 3, 3, 2, 3, 1),             # padding 3: the window starts inside dY (padding -1)
 ])
-def test_side_by_side_matches_torch(N, H, W, Ci, Co, R, S, stride, padding, dilation):
-    run_side_by_side(N, H, W, Ci, Co, R, S, stride, padding, dilation, show=False)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_side_by_side_matches_torch(N, H, W, Ci, Co, R, S, stride, padding, dilation, in_place):
+    run_side_by_side(N, H, W, Ci, Co, R, S, stride, padding, dilation, show=False, in_place=in_place)
 
 
 @pytest.mark.parametrize("R, stride, padding, dilation, why", [
@@ -874,6 +888,116 @@ if __name__ == "__main__":
 #
 # The even rows run the window's first tap alone (dY[j], with the filter's centre row), the odd
 # ones both: dY[j] with the filter's last row and dY[j + 1] with its first (flipped).
+
+# %%
+# 2c. The weights where they lie
+# ------------------------------
+# Every dgrad above starts with a copy: `flipped_weights` writes w' [Ci, R', S', Co] so that lesson
+# 05's loader finds, for the tile of dX's channels n0, n0+1, ... and k-step (tap, c0), a box
+# [BLOCK_N, BLOCK_K] of w' with K (dY's channels) contiguous, the layout of lesson 05's own filter.
+# In training the weights change every step, so the copy runs every step: a launch of its own,
+# reading and writing all of w (on the H100, 1.8 to 5.3 us per ResNet-50 layer; RESULTS.md).
+#
+# The copy is not needed. Seen as w2d [Co, R*S*Ci], w already holds, at rows c0, ..., c0+BLOCK_K-1
+# and the columns of tap (R-1-r', S-1-s') from n0 on, exactly the weights k-step (r', s', c0) of
+# that tile multiplies: a box [BLOCK_K, BLOCK_N] whose N index (dX's channel) is the contiguous
+# one, an *N-major* B, where w' gave a K-major one. So the loader asks TMA for that box at
+# (c0, column), and the MMA takes the stage as it lies, [BLOCK_K, BLOCK_N], instead of the
+# [BLOCK_N, BLOCK_K] box seen transposed (`Ring.b` in lesson 05). Rows past Co lie outside w2d and
+# arrive as zeros; columns past the tap's Ci belong to the next tap (or lie outside w2d) and make
+# output columns that nobody stores.
+#
+# Whether the tensor cores read an N-major B is the architecture's call, and section 3 quotes the
+# PTX ISA: for fp16 and bf16, yes on both (WGMMA's imm-trans-b, tcgen05's "Transpose B Matrix"
+# bit); for fp8 on Hopper, no, which is one reason this lesson runs in fp16 and bf16.
+#
+# The flip is now arithmetic. `common.FlippedFilter` names w and, per residue of the phases (one
+# residue without phases), the rectangle of the conv's taps and the taps of w it reads, reversed;
+# its `kernel_args` turn that into two numbers per residue and axis, so that conv tap (r, s) of
+# residue (a, b) reads columns
+#
+#     along_h[a][0] - r * along_h[a][1] + along_w[b][0] - s * along_w[b][1] + n
+#
+# (`common.FlippedTaps`, which lesson 05's `Im2colWindow.k_step` asks where the box starts). The
+# per-phase convs of section 2 get one FlippedFilter each, section 2b's conv one with a residue
+# per phase row and column. It applies where w is contiguous, 16-byte aligned, its rows whole
+# 16-byte vectors and groups is 1 (`reads_in_place`); elsewhere the copy stays. The launcher and
+# the operator take it; `FlippedFilter.gathered` is the CPU's model of what the loads read.
+
+
+def reads_in_place(w, groups=1):
+    """Whether lesson 05's kernel reads w [Co, R, S, Ci] in place as a dgrad's weights (section 2c): on a
+    GPU, groups 1, w contiguous and 16-byte aligned, its rows of R*S*Ci elements whole 16-byte vectors."""
+    _, R, S, Ci = w.shape
+    return (w.is_cuda and groups == 1 and w.is_contiguous() and w.data_ptr() % 16 == 0
+            and R * S * Ci * w.element_size() % 16 == 0)
+
+
+def taps_read(taps, size):
+    # (first, step, count) of a slice of range(size): the taps of w a phase reads
+    picked = range(size)[taps]
+    return picked.start, picked.step, len(picked)
+
+
+def filters_in_place(w, phase_taps):
+    """[FlippedFilter of each phase]: flipped_weights(w, phase_taps)'s w', read from w where it lies."""
+    _, R, S, _ = w.shape
+    return [common.FlippedFilter(w, ((0, *taps_read(taps_h, R)),), ((0, *taps_read(taps_w, S)),))
+            for taps_h, taps_w in phase_taps]
+
+
+def side_by_side_in_place(w, plan):
+    """Section 2b's weights as one FlippedFilter: residue a along h runs the conv's taps from
+    plan.phases.along_h[a][0] on, reading the taps of w its phases have (plan.taps), reversed; so along w."""
+    _, R, S, _ = w.shape
+    sw = len(plan.phases.along_w)
+    return common.FlippedFilter(
+        w, tuple((r0, *taps_read(plan.taps[a * sw][0], R)) for a, (r0, _) in enumerate(plan.phases.along_h)),
+        tuple((s0, *taps_read(plan.taps[b][1], S)) for b, (s0, _) in enumerate(plan.phases.along_w)))
+
+
+@pytest.mark.parametrize("Co, R, S, Ci, phase_taps", [
+    (24, 3, 3, 16, [(slice(None), slice(None))]),                                  # stride 1: the whole filter
+    (40, 1, 1, 8, [(slice(None), slice(None))]),                                   # 1x1: a transpose
+    (16, 3, 2, 24, [(slice(a, None, 2), slice(b, None, 2)) for a in (1, 0) for b in (1, 0)]),   # stride 2
+    (8, 5, 5, 8, [(slice(2, None, 3), slice(0, None, 3))]),                        # one phase of stride 3
+])
+def test_filters_in_place_read_what_flipped_weights_copies(Co, R, S, Ci, phase_taps):
+    w = torch.randn(Co, R, S, Ci).to(torch.bfloat16)
+    for filt, (taps_h, taps_w) in zip(filters_in_place(w, phase_taps), phase_taps):
+        torch.testing.assert_close(filt.check().gathered(), flipped_weights_by_torch(w, taps_h, taps_w),
+                                   rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("R, stride, padding", [(3, 2, 1), (3, 2, 0), (4, 3, 1), (3, (2, 1), 1)])
+def test_side_by_side_in_place_reads_what_the_copy_holds(R, stride, padding):
+    x, w, dy, g = backward_inputs(1, 13, 12, 24, 16, R, R, stride, padding, 1, torch.bfloat16, device_name="cpu")
+    plan = side_by_side_plan(g, lesson05.FIXED_CONFIG._replace(block_n=32))
+    copy = side_by_side([flipped_weights_by_torch(w, h, v) for h, v in plan.taps], plan.phases.width)
+    gathered = side_by_side_in_place(w, plan).check().gathered(plan.phases)       # [P * width, R', S', Co]
+    for p in range(plan.phases.count):
+        (r0, taps_h), (s0, taps_w) = (plan.phases.along_h[p // len(plan.phases.along_w)],
+                                      plan.phases.along_w[p % len(plan.phases.along_w)])
+        rows = slice(p * plan.phases.width, (p + 1) * plan.phases.width)
+        torch.testing.assert_close(gathered[rows, r0:r0 + taps_h, s0:s0 + taps_w].reshape(plan.phases.width, -1, g.Co),
+                                   copy[rows, 0, :taps_h * taps_w], rtol=0, atol=0)
+
+
+def test_flipped_filter_refusals():
+    w = torch.randn(16, 3, 3, 8).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="must read taps inside"):
+        common.FlippedFilter(w, ((0, 1, 2, 2),), ((0, 0, 1, 3),)).check()
+    with pytest.raises(ValueError, match="whole 16-byte vectors"):
+        common.FlippedFilter(torch.randn(16, 1, 1, 3, dtype=torch.bfloat16), ((0, 0, 1, 1),), ((0, 0, 1, 1),)).check()
+    g = common.conv_geometry((1, 8, 8, 16), (8, 3, 3, 16), 1, 1)          # dY's conv: 16 -> 8 channels, 3x3
+    flipped = common.FlippedFilter(w, ((0, 0, 1, 3),), ((0, 0, 1, 3),))
+    assert common.flipped_filter_taps(flipped, g, torch.bfloat16) == flipped.kernel_args()
+    with pytest.raises(ValueError, match="needs"):
+        common.flipped_filter_taps(flipped, g, torch.float16)
+    with pytest.raises(ValueError, match="needs"):
+        common.flipped_filter_taps(common.FlippedFilter(w, ((0, 0, 1, 2),), ((0, 0, 1, 3),)), g, torch.bfloat16)
+
+
 #
 # The dgrad launcher
 # ------------------
@@ -957,16 +1081,16 @@ def conv2d_dgrad_launch(dy_nhwc, w, x_shape, stride=1, padding=0, dilation=1, gr
     def fprop(dy, w_phase, padding, dilation, groups, out_window=None):
         return lesson05.conv2d_fprop_launch(dy, w_phase, padding=padding, dilation=dilation, config=config,
                                             groups=groups, out_window=out_window)
-    return dgrad(dy_nhwc, w, g, fprop, fold, conv=side_by_side_launch)
+    return dgrad(dy_nhwc, w, g, fprop, fold, conv=side_by_side_launch, in_place=True)
 
 
-def dgrad(dy_nhwc, w, geometry, fprop, fold=None, phases=None, conv=None):
+def dgrad(dy_nhwc, w, geometry, fprop, fold=None, phases=None, conv=None, in_place=False):
     """dX by `dgrad_by_phases`: of the conv `geometry`, or, given its `stride_fold`, of the folded
     conv, unfolded (end of section 6). `phases`: dgrad_phases of the conv the phases run; `conv`:
-    section 2b's, where all phases may run as one conv."""
+    section 2b's, where all phases may run as one conv; `in_place`: section 2c's weights read in place."""
     if fold is None:
-        return dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases, conv)
-    dx_folded = dgrad_by_phases(dy_nhwc, fold_weight(w, fold), fold.geometry, fprop, phases, conv)
+        return dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases, conv, in_place)
+    dx_folded = dgrad_by_phases(dy_nhwc, fold_weight(w, fold), fold.geometry, fprop, phases, conv, in_place)
     return unfold_input_grad(dx_folded, geometry, fold)
 
 
@@ -1249,7 +1373,7 @@ def conv2d_wgrad_kernel(dy_desc, x_desc, dw_ptr, partial_ptr, shape, NUM_BUFFERS
                              split_tiles, dil_h, dil_w, BLOCK_M, BLOCK_N)
     # lesson 05's window: its pixel_box_origin, and (grouped convs) its group_channel
     window = lesson05.Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group, S,
-                                   ci_blocks, None)
+                                   ci_blocks, None, None)
     if IS_BLACKWELL:
         NUM_ACC: gl.constexpr = 2
         acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N],
@@ -2149,13 +2273,14 @@ def test_phase_build_stores_its_pixels_without_tma(arch):
     assert "ld.shared.v4.b32" in windowed and built["stack"] == 0
 
 
-def aot_side_by_side(arch, N=2, H=16, W=16, Ci=128, Co=64, R=3, stride=2, padding=1, config=None):
+def aot_side_by_side(arch, N=2, H=16, W=16, Ci=128, Co=64, R=3, stride=2, padding=1, config=None, in_place=False):
     """(kernel, args, kwargs) of section 2b's conv, on CPU tensors: the dgrad of a 3x3 stride-2 conv, Ci -> Co,
-    every phase in one launch of lesson 05's kernel."""
+    every phase in one launch of lesson 05's kernel (`in_place`: its weights read from w, section 2c)."""
     x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, R, stride, padding, 1, torch.bfloat16, device_name="cpu")
     plan = side_by_side_plan(g, config and lesson05.KernelConfig(*config))
     dx = torch.empty(N, H, W, Ci, dtype=torch.bfloat16)
-    w_side_by_side = flipped_weights(w, [(h.taps, v.taps) for _, _, h, v in dgrad_phases(g)], width=plan.phases.width)
+    w_side_by_side = side_by_side_in_place(w, plan) if in_place else flipped_weights(
+        w, [(h.taps, v.taps) for _, _, h, v in dgrad_phases(g)], width=plan.phases.width)
     launch = lesson05.prepare_launch(dy, w_side_by_side, None, plan.geometry, plan.config, arch, 132,
                                      out_window=common.OutputWindow(dx, phases=plan.phases))
     return lesson05.conv2d_fprop_kernel, launch.kernel_args(), lesson05.kernel_constexprs(plan.config, arch)
@@ -2169,6 +2294,26 @@ def test_side_by_side_build(arch):
     assert common.ptx_instructions(built["ptx"], ["st.global", "st.global.v4", common.PTX_TMA_STORE]) == {
         "st.global": 16, "st.global.v4": 16, common.PTX_TMA_STORE: 0}
     assert common.PTX_IM2COL_LOAD in built["ptx"] and built["stack"] == 0
+
+
+def aot_dgrad_in_place(arch, N=2, H=16, W=16, Ci=192, Co=64, R=3, config=(128, 128, 64, 4, 4, 1, 1, 64)):
+    """(kernel, args, kwargs) of a stride-1 dgrad, Ci -> Co, by lesson 05's kernel reading w in place (section
+    2c), on CPU tensors; the default config has a column tail (lesson 05's section 6), whose box lies
+    BLOCK_N columns further along w2d's rows."""
+    x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, R, 1, R // 2, 1, torch.bfloat16, device_name="cpu")
+    (flipped,) = filters_in_place(w, [(slice(None), slice(None))])
+    conv = common.conv_geometry(tuple(dy.shape), flipped.shape, 1, R // 2)
+    launch = lesson05.prepare_launch(dy, flipped, None, conv, config, arch, 132)
+    return lesson05.conv2d_fprop_kernel, launch.kernel_args(), lesson05.kernel_constexprs(config, arch)
+
+
+@pytest.mark.parametrize("arch", list(TAUGHT_PTX))
+@pytest.mark.parametrize("builder", ["aot_dgrad_in_place", "aot_side_by_side"])
+def test_weights_in_place_are_an_n_major_b(arch, builder):
+    # section 2c: the MMAs read B as it lies (WGMMA's imm-trans-b, tcgen05's bit 16), A as lesson 05 does
+    params = {"in_place": True} if builder == "aot_side_by_side" else {}
+    built = common.aot_compile_or_skip("06-conv-backward", builder, arch, **params)
+    assert transposed_operands(built["ptx"], arch) == (0, 1) and built["stack"] == 0
 
 
 def test_kernel_compiles_for_small_channels_and_strides():

@@ -345,8 +345,9 @@ def check_conv_inputs(x_nhwc, w, stride=1, padding=0, dilation=1, *, dtypes, bia
                       need_cuda=False, groups=1) -> ConvGeometry:
     """Validate the tensors of a convolution entry point and return its geometry.
 
-    `dtypes` lists the accepted dtypes. Errors name the argument, the value and what is allowed."""
-    for name, t in (("x_nhwc", x_nhwc), ("w", w)):
+    `dtypes` lists the accepted dtypes. Errors name the argument, the value and what is allowed. (w may
+    be a `FlippedFilter`, lesson 06's: the filter it stands for is checked, its own layout later.)"""
+    for name, t in (("x_nhwc", x_nhwc), ("w", w.w if isinstance(w, FlippedFilter) else w)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if x_nhwc.dtype not in dtypes or w.dtype != x_nhwc.dtype:
@@ -1174,11 +1175,12 @@ def pad_channels_for_tma(x_nhwc, w):
     lanes = 16 // x_nhwc.element_size()
     Ci = x_nhwc.shape[-1]
     Ci_padded = -(-Ci // lanes) * lanes
+    in_place = isinstance(w, FlippedFilter)     # (lesson 06: w's rows are x's channels; past them TMA reads zeros)
     if Ci_padded == Ci:
-        return canonical_strides(x_nhwc), canonical_strides(w), Ci
+        return canonical_strides(x_nhwc), w if in_place else canonical_strides(w), Ci
     pad = (0, Ci_padded - Ci)
     return (torch.nn.functional.pad(x_nhwc, pad).contiguous(),
-            torch.nn.functional.pad(w, pad).contiguous(), Ci_padded)
+            w if in_place else torch.nn.functional.pad(w, pad).contiguous(), Ci_padded)
 
 
 # %% Gluon building blocks of lessons 04-05: shared layouts, TMA descriptors, the ring counter ------------
@@ -1205,12 +1207,13 @@ def conv_tma_descriptors(x_nhwc, w, out_2d, settings: ConvIm2ColSettings, BLOCK_
 
     - input: im2col descriptor on x [N, H, W, Ci], box [pixel_box (0 or None: BLOCK_M) pixels, BLOCK_K
       channels] (lesson 05's row tails load a tile's pixels in several shorter boxes);
-    - weight: tiled descriptor on w viewed as [Co, R*S*Ci], box [BLOCK_N, BLOCK_K];
+    - weight: tiled descriptor on w viewed as [Co, R*S*Ci], box [BLOCK_N, BLOCK_K] (a `FlippedFilter`,
+      lesson 06: on the forward filter's [Co_forward, R*S*Ci_forward], box [BLOCK_K, BLOCK_N]);
     - output: tiled descriptor on out_2d [M, Co_alloc], box [BLOCK_M, BLOCK_N] (TMA clips the edges).
     All shared-memory tiles use the default NVMMA swizzle for their shape, which both TMA and the
     tensor cores understand."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
-    Co = w.shape[0]
+    Co = w.shape[0]     # (a FlippedFilter's: the conv's output channels)
     a_layout, b_layout, c_layout = layouts or conv_tma_layouts(x_nhwc.dtype, BLOCK_M, BLOCK_N, BLOCK_K)
     if out_2d.dtype != x_nhwc.dtype:      # fp8 operands, a bf16 output (lesson 05)
         c_layout = conv_tma_layouts(out_2d.dtype, BLOCK_M, BLOCK_N, BLOCK_K)[2]
@@ -1222,7 +1225,10 @@ def conv_tma_descriptors(x_nhwc, w, out_2d, settings: ConvIm2ColSettings, BLOCK_
         element_strides=list(settings.element_strides),
         pixel_box_lower_corner=list(settings.pixel_box_lower_corner),
         pixel_box_upper_corner=list(settings.pixel_box_upper_corner))
-    w_desc = TensorDescriptor.from_tensor(w.reshape(Co, -1), [BLOCK_N, BLOCK_K], b_layout)
+    if isinstance(w, FlippedFilter):        # lesson 06: the forward filter read in place, an N-major B
+        w_desc = w.descriptor(BLOCK_N, BLOCK_K)
+    else:
+        w_desc = TensorDescriptor.from_tensor(w.reshape(Co, -1), [BLOCK_N, BLOCK_K], b_layout)
     out_desc = TensorDescriptor.from_tensor(out_2d, [BLOCK_M, BLOCK_N], c_layout)
     return in_desc, w_desc, out_desc
 
@@ -1285,6 +1291,108 @@ class WindowPhases(NamedTuple):
     @property
     def count(self):
         return len(self.along_h) * len(self.along_w)
+
+
+class FlippedFilter(NamedTuple):
+    """Lesson 06's dgrad weights w'[ci, r', s', co] = w[co, R-1-r', S-1-s', ci] (or a phase's taps of
+    w, reversed), read where w lies instead of copied. A dgrad conv's K is dY's channels, w's rows,
+    and its N is dX's channels, contiguous within each of w's taps: seen as w2d [Co, R*S*Ci], the
+    weights of a k-step are a box [BLOCK_K rows, BLOCK_N columns] at (c0, its tap's column + n0),
+    N-major, where the conv's own filter is K-major. along_h[a] = (r0, first, step, taps): the
+    rectangle of residue a (one residue without phases; one per residue of a `WindowPhases`, lesson
+    06's section 2b) starts at the conv's tap r0, and its conv taps r0, r0+1, ... read w's taps
+    first + (taps-1)*step, ..., first (reversed); along_w likewise for s."""
+    w: torch.Tensor           # the forward conv's filter [Co, R, S, Ci]: contiguous, fp16 or bf16
+    along_h: tuple
+    along_w: tuple
+
+    @property
+    def shape(self):
+        """[Ci, R', S', Co]: the shape of the conv's filter w' this stands for (its taps: those the
+        residues' rectangles reach)."""
+        Co, _, _, Ci = self.w.shape
+        return (Ci, max(r0 + taps for r0, _, _, taps in self.along_h),
+                max(s0 + taps for s0, _, _, taps in self.along_w), Co)
+
+    @property
+    def dtype(self):
+        return self.w.dtype
+
+    @property
+    def device(self):
+        return self.w.device
+
+    def is_contiguous(self):
+        return self.w.is_contiguous()
+
+    def check(self):
+        """ValueError unless the kernel can read w in place: contiguous, fp16 or bf16, 16-byte
+        aligned, rows of whole 16-byte vectors, every tap of every residue inside w."""
+        w = self.w
+        Co, R, S, Ci = w.shape
+        if w.dtype not in (torch.float16, torch.bfloat16) or not w.is_contiguous() or w.data_ptr() % 16 or (
+                R * S * Ci * w.element_size()) % 16:
+            raise ValueError(f"FlippedFilter: w must be a contiguous, 16-byte aligned fp16 or bf16 [Co, R, S, Ci] "
+                             f"whose rows of R*S*Ci elements are whole 16-byte vectors; got {w.dtype} "
+                             f"{tuple(w.shape)}, strides {w.stride()}")
+        for name, along, size in (("along_h", self.along_h, R), ("along_w", self.along_w, S)):
+            if not along or any(taps < 1 or step < 1 or first < 0 or first + (taps - 1) * step >= size or r0 < 0
+                                for r0, first, step, taps in along):
+                raise ValueError(f"FlippedFilter.{name} = {along}: each residue's (conv tap r0, first, step, taps) "
+                                 f"must read taps inside w's {size}")
+        return self
+
+    def kernel_args(self):
+        """The kernel's w_taps: per residue along h, (column of its first conv tap's row of w, columns
+        per conv tap), and along w: conv tap (r, s) of residue (a, b) reads w2d's columns
+        along_h[a][0] - r * along_h[a][1] + along_w[b][0] - s * along_w[b][1] + n, n = dX's channel."""
+        _, _, S, Ci = self.w.shape
+        return tuple(tuple(((first + (taps - 1 + r0) * step) * pitch, step * pitch)
+                           for r0, first, step, taps in along)
+                     for along, pitch in ((self.along_h, S * Ci), (self.along_w, Ci)))
+
+    def descriptor(self, BLOCK_N, BLOCK_K):
+        """The TMA descriptor of w2d [Co, R*S*Ci], box [BLOCK_K, BLOCK_N] (rows past Co: zeros)."""
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        layout = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], GL_DTYPES[self.w.dtype])
+        return TensorDescriptor.from_tensor(self.w.reshape(self.w.shape[0], -1), [BLOCK_K, BLOCK_N], layout)
+
+    def gathered(self, phases=None):
+        """What the kernel reads, gathered by torch through kernel_args' columns: w' [N, R', S', Co]
+        (N = Ci; with `phases`, a WindowPhases, phases.width columns per phase, zeros where a phase's
+        rectangle has no tap and past its channels). The CPU's model of the kernel's loads."""
+        Co, _, _, Ci = self.w.shape
+        w2d = self.w.reshape(Co, -1)
+        _, R, S, _ = self.shape
+        along_h, along_w = self.kernel_args()
+        width = Ci if phases is None else phases.width
+        out = self.w.new_zeros(width * len(along_h) * len(along_w), R, S, Co)
+        for a, ((base_h, step_h), (r0, _, _, taps_h)) in enumerate(zip(along_h, self.along_h)):
+            for b, ((base_w, step_w), (s0, _, _, taps_w)) in enumerate(zip(along_w, self.along_w)):
+                p = a * len(along_w) + b
+                for r in range(r0, r0 + taps_h):
+                    for s in range(s0, s0 + taps_w):
+                        column = base_h - r * step_h + base_w - s * step_w
+                        out[p * width:p * width + Ci, r, s] = w2d[:, column:column + Ci].t()
+        return out
+
+
+def flipped_filter_taps(w, geometry, dtype, out_window=None):
+    """Lesson 05's w_taps argument: None for a conv's own filter, a FlippedFilter's kernel_args once it
+    is checked against the conv `geometry` (dY in, x's `dtype`), whose columns are dX's channels (or,
+    with `out_window`'s phases, those phases side by side, each its residues' taps)."""
+    if not isinstance(w, FlippedFilter):
+        return None
+    g, phases = geometry, None if out_window is None else out_window.phases
+    w.check()
+    count = (1, 1) if phases is None else (len(phases.along_h), len(phases.along_w))
+    channels = g.Co if phases is None else phases.channels
+    if w.dtype != dtype or w.shape != (channels, g.R, g.S, g.Ci) or (len(w.along_h), len(w.along_w)) != count or (
+            g.groups != 1):
+        raise ValueError(f"FlippedFilter of shape {w.shape} ({w.dtype}, residues {len(w.along_h)} x "
+                         f"{len(w.along_w)}): the conv {g.describe()} ({dtype}) needs {(channels, g.R, g.S, g.Ci)}, "
+                         f"{count[0]} x {count[1]} residues and groups=1")
+    return w.kernel_args()
 
 
 class OutputWindow(NamedTuple):
@@ -1406,6 +1514,31 @@ class PhaseTiles:
 
 
 @gluon.aggregate
+class FlippedTaps:
+    """The kernel's side of a `FlippedFilter` (lesson 06): where in w2d a tile's weights start."""
+    along_h: gl.tuple     # per residue: (column of the first conv tap's row, columns per conv tap)
+    along_w: gl.tuple
+    phases: Union[PhaseTiles, gl.constexpr]     # the output's columns are phases side by side; else None
+
+    @gluon.jit
+    def tile(self, co0):
+        """(column of conv tap (0, 0), columns per tap along r, along s) of the tile of dX's channels co0,
+        co0+1, ...: its residue's, plus its first channel."""
+        a, b, n0 = 0, 0, co0
+        if self.phases is not None:
+            a, b = self.phases.phase(co0)
+            n0 = co0 % self.phases.width
+        return (pick(self.along_h, a, 0) + pick(self.along_w, b, 0) + n0, pick(self.along_h, a, 1),
+                pick(self.along_w, b, 1))
+
+    @gluon.jit
+    def at(self, tile, r, s, c0):
+        """[row, column] of w2d where the box of conv tap (r, s), dY's channels c0, ... starts."""
+        first, per_r, per_s = tile
+        return [c0, first - r * per_r - s * per_s]
+
+
+@gluon.aggregate
 class WindowStore:
     """The kernel's side of an `OutputWindow`: where each element of an output tile goes."""
     ptr: gl.tensor
@@ -1471,6 +1604,16 @@ def window_store(out_window, out_h, out_w, channel_blocks):
             phases = PhaseTiles(*out_window[8], channel_blocks)
         store = WindowStore(out_window[0], out_h, out_w, *out_window[1:8], phases)
     return store, phases
+
+
+@gluon.jit
+def flipped_taps(w_taps, phases):
+    """The FlippedTaps of lesson 05's `w_taps` argument (a FlippedFilter's kernel_args), or a constexpr
+    None where the conv reads its own filter."""
+    taps = None
+    if w_taps is not None:
+        taps = FlippedTaps(w_taps[0], w_taps[1], phases)
+    return taps
 
 
 @gluon.constexpr_function

@@ -160,7 +160,7 @@ def _input_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Te
             fold = lesson06.stride_fold(geometry, input.element_size())
             plan = _DGRAD_PLANS[geometry] = (fold, lesson06.dgrad_phases(geometry if fold is None else fold.geometry))
         dx = lesson06.dgrad(nhwc_view(grad_output), w_nhwc, geometry, _fprop, *plan,
-                            conv=lesson06.side_by_side_launch).permute(0, 3, 1, 2)
+                            conv=lesson06.side_by_side_launch, in_place=True).permute(0, 3, 1, 2)
     return dx.contiguous(memory_format=torch.channels_last)            # the layout the fake promises
 
 

@@ -173,6 +173,9 @@ def call_key(tensors, *arguments):
     stride, say): then the caller takes its full path, which checks and explains everything."""
     key = []
     for tensor in tensors:
+        if isinstance(tensor, common.FlippedFilter):     # lesson 06's dgrad weights, read in place: its taps too
+            key.append((tensor.w.shape, tensor.dtype, tensor.device, tensor.along_h, tensor.along_w))
+            continue
         if tensor is not None and not isinstance(tensor, torch.Tensor):
             return None
         key.append(None if tensor is None else (tensor.shape, tensor.dtype, tensor.device))

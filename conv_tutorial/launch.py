@@ -127,25 +127,28 @@ class ConvPlan:
         self.out_dtype = out_dtype or dtype      # e4m3 operands: a bf16 or an e4m3 output
         self.config = KernelConfig(*config)
         check_config(self.config, arch)
-        self.templates = {}       # windowed (bool) -> the first such call's ConvLaunch without its tensors
+        self.templates = {}       # (windowed, w_taps) -> the first such call's ConvLaunch without its tensors
         self.launches = {}        # epilogue variant -> DirectLaunch of the conv kernel
         self.reduces = {}         # epilogue variant -> DirectLaunch of split-K's second kernel
         self.reduce_grid = self.reduce_scalars = None   # split-K's second kernel: fixed by the plan
 
     def launch_for(self, x_nhwc, w, bias, scale=None, residual=None, out_window=None, channel_stats=None):
         """The lesson's ConvLaunch for these tensors; after the first call, built from templates (one
-        for calls that store a whole output, one for those with an `out_window`: its out_2d is a stand-in)."""
-        template = self.templates.get(out_window is not None)
+        for calls that store a whole output, one for those with an `out_window`: its out_2d is a stand-in;
+        and one per FlippedFilter's taps, lesson 06's dgrad weights read in place)."""
+        key = _template_key(w, out_window)
+        template = self.templates.get(key)
         if template is None:
             launch = lesson05.prepare_launch(x_nhwc, w, bias, self.geometry, self.config,
                                            self.arch, self.num_sms, scale, residual, self.out_dtype, out_window,
                                            channel_stats)
-            self.templates[out_window is not None] = _tensorless(launch)
+            self.templates[key] = _tensorless(launch)
             return launch
         # Same shapes, strides, boxes and layouts: only the base pointers change. Copy the
         # validated descriptors and swap the tensors in.
         x_nhwc, w, _ = common.pad_channels_for_tma(x_nhwc, w)
         out_2d = _new_like(template.out_2d, x_nhwc.device)
+        w = _weight_tensor(w)
         w_2d = w.view(w.shape[0], -1)
         tensors = dict(in_desc=x_nhwc, w_desc=w_2d, w_tail_desc=w_2d, out_desc=out_2d, out_tail_desc=out_2d)
         descriptors = {name: None if getattr(template, name) is None else _with_base(getattr(template, name), tensor)
@@ -175,6 +178,9 @@ class ConvPlan:
                                                                       for v in window_args[1:8])
         if channel_stats is not None:
             variant += ("channel_stats", channel_stats.data_ptr() % 16 == 0)
+        key = _template_key(w, out_window)
+        if key[1] is not None:          # lesson 06's weights read in place: their taps (a plan of their own)
+            variant += key[1:]
         direct = self.launches.get(variant)
         if direct is None:
             # First launch of this variant: the generic path (binds, specializes, compiles), then
@@ -187,7 +193,7 @@ class ConvPlan:
                 return out if out_window is None else out_window.view
             self.launches[variant] = DirectLaunch.first_launch(lesson05.conv2d_fprop_kernel, launch.grid,
                                                                launch.kernel_args(), kwargs,
-                                                               _descriptors(self.templates[out_window is not None]))
+                                                               _descriptors(self.templates[key]))
             if out_window is not None:
                 return out_window.view
         else:
@@ -195,9 +201,10 @@ class ConvPlan:
             # tensor maps are remembered by address), addresses for the pointers, the run-time
             # scalars from the plan.
             x_nhwc, w, _ = common.pad_channels_for_tma(x_nhwc, w)
+            w = _weight_tensor(w)
             _check_tma_aligned(x_nhwc)
             _check_tma_aligned(w)
-            template = self.templates[out_window is not None]
+            template = self.templates[key]
             out_2d = _new_like(template.out_2d, x_nhwc.device)
             partial = _new_like(template.partial, x_nhwc.device)
             # the tails' descriptors, where the plan has them (weights: a column tail; output: either)
@@ -268,6 +275,16 @@ def _launch_hooks_set():
     hooks in a HookChain, which is never None; older versions, a callable or None."""
     hook = triton.knobs.runtime.launch_enter_hook
     return bool(hook.calls) if hasattr(hook, "calls") else hook is not None
+
+
+def _template_key(w, out_window):
+    # which of a plan's templates a call takes: windowed or not, and a FlippedFilter's taps (None for a tensor)
+    return (out_window is not None, w.kernel_args() if isinstance(w, common.FlippedFilter) else None)
+
+
+def _weight_tensor(w):
+    # the tensor a weights descriptor points at: w, or a FlippedFilter's filter (contiguous: the checks passed)
+    return w.w if isinstance(w, common.FlippedFilter) else w
 
 
 def _check_tma_aligned(tensor):

@@ -42,7 +42,8 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
     06's dgrad phases): the output's pixels go into its view, which is returned; a config with
     split-K stores densely and the window takes a copy. channel_stats (a zeroed fp32 [2, Co] tensor:
     lesson 06's BatchNorm statistics): each output channel's sum (row 0) and sum of squares (row 1)
-    are added into it, by the epilogue, or, after a config with split-K, by torch from the output."""
+    are added into it, by the epilogue, or, after a config with split-K, by torch from the output.
+    w may be a common.FlippedFilter (lesson 06's dgrad: the forward's filter, read in place)."""
     key = call_key((x_nhwc, w, bias, scale, residual), stride, padding, dilation,
                    config if config is not None else tune, activation, out_dtype, groups)
     entry = _FAST_PLANS.get(key) if key is not None else None
@@ -58,7 +59,9 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
                              f"tiles per group: output channels per group a multiple of a tile's width (64, 96, "
                              f"128, ...), input channels per group of its K block (16, 32 or 64); got "
                              f"{geometry.Ci_group} -> {geometry.Co_group} per group in {x_nhwc.dtype}")
-        fold = folded_geometry(geometry) if config is None and x_nhwc.dtype != FP8 else None
+        # (a FlippedFilter, lesson 06's dgrad weights read in place, is never folded)
+        fold = folded_geometry(geometry) if config is None and x_nhwc.dtype != FP8 and isinstance(
+            w, torch.Tensor) else None
         run_geometry = fold.geometry if fold is not None else geometry
         if config is not None:
             chosen = KernelConfig(*config)
