@@ -141,7 +141,9 @@ class Ring:
 # of output pixels m, m+1, ... starts in the input (its tap-0 corner, lesson 03), and for k-step
 # k, which tap (r, s) and which block of channels c0 it loads. The K loop runs taps outer and
 # channel blocks inner, so the weights of step k start at column tap * Ci + c0 of w2d. (A grouped
-# conv, section 10, reads only its group's Ci_group channels, from the group's first one.)
+# conv, section 10, reads only its group's Ci_group channels, from the group's first one. Lesson
+# 06's dgrad reads another conv's filter where it lies: `Im2colWindow.flipped` then says where the
+# box starts, the stage holds it as [BLOCK_K, BLOCK_N], and `Ring.b` hands it to the MMA as it lies.)
 
 
 @gluon.aggregate

@@ -10,7 +10,8 @@ What you will learn:
 - dgrad as lesson 05's forward kernel run on the output's gradient with the filter flipped and
   its channel axes swapped; at stride > 1 one such conv per phase of dX (its rows and columns
   taken modulo the stride), each storing its tiles straight into those rows and columns of dX,
-  and all phases side by side in one launch where they share a window of dY (section 2b);
+  and all phases side by side in one launch where they share a window of dY (section 2b); the
+  filter read where it lies, an N-major B operand, instead of a flipped copy (section 2c);
 - wgrad as a new warp-specialized Gluon kernel built from lesson 05's parts, whose two operands
   reach the tensor cores transposed relative to the forward pass (what WGMMA and tcgen05 allow
   for that, and where the PTX shows it);
@@ -26,8 +27,9 @@ Builds on: lesson 05 (its kernel and plain launcher, `Im2colWindow`, `TmemAccumu
 lesson 04 (`HopperWGMMA`) and lesson 03 (the im2col descriptor and its model). What changed since
 lesson 05: its kernel takes an output window (section 2), a switch that stores the output into a
 strided view of a larger tensor, with a strided dgrad's phases as its columns (section 2b: a tile
-runs its phase's taps only), and per-channel sums of its output (section 10); otherwise the
-backward runs it as it is for dgrad and reuses its pieces for wgrad.
+runs its phase's taps only), weights read in place as an N-major B (section 2c), and per-channel
+sums of its output (section 10); otherwise the backward runs it as it is for dgrad and reuses its
+pieces for wgrad.
 
 Requires: sm_90 (H100/H200) or sm_100 (B200/GB200) for the GPU runs. On a CPU: both mappings
 against torch.nn.grad, the wgrad kernel's own index arithmetic on lesson 03's model of the TMA
@@ -922,7 +924,12 @@ if __name__ == "__main__":
 # per-phase convs of section 2 get one FlippedFilter each, section 2b's conv one with a residue
 # per phase row and column. It applies where w is contiguous, 16-byte aligned, its rows whole
 # 16-byte vectors and groups is 1 (`reads_in_place`); elsewhere the copy stays. The launcher and
-# the operator take it; `FlippedFilter.gathered` is the CPU's model of what the loads read.
+# the operator take it; `FlippedFilter.gathered` is the CPU's model of what the loads read. Without
+# a FlippedFilter lesson 05's kernel builds as before (the same opcode counts, registers and shared
+# memory for every candidate config, sm_90 and sm_100: `tools/ptx_fingerprint.py`). On the H100
+# (2026-11-26; RESULTS.md, "The operator's gradients") it took the operator's dgrad over
+# ResNet-50's 23 layers to 1.04x cuDNN's speed, kernels alone, geometric mean, from 0.99x in a
+# run before it on another H100: every layer gained 1 to 11%, and none is below 0.80x.
 
 
 def reads_in_place(w, groups=1):
@@ -2811,9 +2818,9 @@ if __name__ == "__main__" and on_gpu:
 # bf16, batch 128, every distinct conv of ResNet-50; RESULTS.md, "The backward" and "The
 # operator's gradients"): both gradients
 # matched torch.nn.grad on every layer. Against cuDNN's convolution_backward, as geometric means
-# over the 23 layers, kernels alone, this lesson's launchers ran at 0.94x (dgrad) and 0.99x
-# (wgrad), and the operator's gradients (`conv_tutorial`, below) at 0.99x and 0.98x
-# (`results/h100-2026-11-26/backward_layers_operator_cuda_graphs_wgrad_64_rows.json`; a layer's
+# over the 23 layers, kernels alone, this lesson's launchers ran at 0.99x (dgrad) and 0.99x
+# (wgrad), and the operator's gradients (`conv_tutorial`, below) at **1.04x** (none below 0.80x)
+# and 0.98x (`results/h100-2026-11-26/backward_layers_operator_cuda_graphs_in_place.json`; a layer's
 # ratio moves by about 5% between runs, cuDNN's own times by up to 11%).
 #
 # - The host is most of the gap in a plain call. The launchers above check their arguments, choose
@@ -2825,10 +2832,10 @@ if __name__ == "__main__" and on_gpu:
 #   and 62 us per wgrad; 352-716 us for the 3x3 stride-2 dgrads in a later run (one launch for
 #   every phase's weights, then section 2b's conv through lesson 05's plain launcher). A training
 #   step under CUDA graphs pays none of it: ResNet-50
-#   training with these kernels ran at 0.99x torch.compile's images/s with CUDA graphs on both
-#   sides (5102 against 5149, H100, 2026-11-26; 1.04x with section 10's statistics), 0.46x without
-#   (2026-11-25), and RegNetY-3.2GF at 0.94x with graphs in an earlier run (RESULTS.md,
-#   "Training").
+#   training with these kernels ran at 1.00x torch.compile's images/s with CUDA graphs on both
+#   sides (5197 against 5196, H100, 2026-11-26, weights read in place; 1.02x with section 10's
+#   statistics, 1.04x in the run before), 0.46x without (2026-11-25), and RegNetY-3.2GF at 0.94x
+#   with graphs in an earlier run (RESULTS.md, "Training").
 # - wgrad through the operator is within 6% of cuDNN or faster on 15 of 23 layers (faster on 7,
 #   up to 1.11x), none below 0.83x. Section 5's split took the two 512-channel 3x3 layers with 144 tiles from
 #   0.72-0.73x to 0.96-0.97x (a wave of whole tiles, then 12 tiles in slices, where every tile had
@@ -2842,13 +2849,13 @@ if __name__ == "__main__" and on_gpu:
 #   operator's dgrad from 0.75x to 0.90x (H100, 2026-11-25), then the window store through the
 #   staging buffer, all phases' weights in one launch and zeros only where no tap reaches to
 #   **0.97x** (H100, 2026-11-26, `results/h100-2026-11-26/backward_layers_operator_cuda_graphs.json`;
-#   0.98x in a later run, its kernels unchanged), and section 2b's one launch for all phases to
-#   **0.99x** (two runs). At stride 1 it runs at 0.87-1.10x of cuDNN, the 1x1 stride-2 layers at
-#   1.01-1.10x (from 0.77-0.89x: the staged window store and the zeros written only where they
-#   belong), the 3x3 stride-2 layers at 1.01x (56x56), 0.85-0.86x (28x28) and 0.74-0.76x (14x14),
-#   where four launches had run them at 0.80x, 0.70x and 0.79x. The 14x14 512->512 layer is what
-#   is left: its 1-tap phase's tiles run 8 k-steps and then store a whole tile, and its flipped
-#   weights are a launch that cuDNN does not have (5.3 us beside the conv's 74, torch.profiler).
+#   0.98x in a later run, its kernels unchanged), section 2b's one launch for all phases to
+#   **0.99x** (two runs), and section 2c's weights read in place to **1.04x** (1.00x without the
+#   stem): 1 to 11% on every layer, the flipped copy's 1.8-5.3 us gone. At stride 1 it runs at
+#   0.91-1.19x of cuDNN, the 1x1 stride-2 layers at 1.02-1.12x, the 3x3 stride-2 layers at 1.02x
+#   (56x56), 0.90x (28x28) and 0.80x (14x14), where four launches had run them at 0.80x, 0.70x and
+#   0.79x. The 14x14 512->512 layer is what is left (72.7 us against cuDNN's 58.4): its 1-tap
+#   phase's tiles run 8 k-steps and then store a whole tile.
 # - Section 10's BatchNorm statistics: on an H200 (2026-11-25) a ResNet-50 training step ran 3.9%
 #   faster with them (5969 -> 6199 images/s under CUDA graphs, torch.compile 6188), RegNetY-3.2GF
 #   0.9% (its grouped convs left unfused); on an H100 (2026-11-26, the sums in one tensor) ResNet-50
@@ -2866,10 +2873,10 @@ if __name__ == "__main__" and on_gpu:
 # Next: the operator (`conv_tutorial`) takes its conv gradients from these launchers with
 # `conv_tutorial.set_backward("lesson06")` (NHWC views of its channels_last tensors, torch for what
 # they do not cover); it keeps PyTorch's convolution backward by default, because the figures above
-# say it does not pay yet. What they point to first: wgrad's split tiles summed without a second
-# kernel, dgrad without the flipped weights' launch (the filter read as it is, a B operand
-# whose channels run along N, which WGMMA and tcgen05 take in bf16: section 3), and the host time of
-# a strided dgrad.
+# say it does not pay yet: the convs' gradients run at cuDNN's pace, and the step's time is
+# mostly BatchNorm's and ReLU's. What they point to first: the two fusions not built (BatchNorm's
+# apply and ReLU in the next conv's load, ReLU's mask in dgrad's epilogue), wgrad's split tiles
+# summed without a second kernel, and the host time of a strided dgrad.
 
 # %%
 if __name__ == "__main__":

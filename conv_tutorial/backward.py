@@ -5,16 +5,18 @@
 
 The default stays torch's until lesson 06's kernels measure faster: on an H100 (ResNet-50's convs
 at batch 128, bf16, 2026-11-26; RESULTS.md, "The operator's gradients" and "Training") this
-operator's gradients ran at 0.99x (dgrad) and 0.98x (wgrad) cuDNN's speed, kernels alone,
-geometric means, and a training step at 0.99x torch.compile's with CUDA graphs (ResNet-50; 1.04x
-with the forward's fused BatchNorm statistics; RegNetY-3.2GF 0.94x in an earlier run), 0.46x
-without (ResNet-50, an earlier run: host time). With "lesson06", each gradient
+operator's gradients ran at 1.04x (dgrad) and 0.98x (wgrad) cuDNN's speed, kernels alone,
+geometric means, and a training step at 1.00x torch.compile's with CUDA graphs (ResNet-50; 1.02x
+with the forward's fused BatchNorm statistics, 1.04x in another run; RegNetY-3.2GF 0.94x in an
+earlier run), 0.46x without (ResNet-50, an earlier run: host time). With "lesson06", each gradient
 a call needs runs on the lesson's kernels where they cover the call (fp16 or bf16; groups 1, or
 groups whose channels the kernels' tiles keep to; input, weight and gradient on one Hopper or
 data-centre Blackwell GPU): dgrad as lesson 06's phases (or, with few channels at a stride, its
 folded conv), each a conv through this package's runtime that stores into its phase's pixels of
 dX (an output window), or, where every phase has taps (a 3x3 stride-2 conv), all of them as one
-conv (lesson 06, section 2b: one launch of lesson 05's kernel); wgrad as lesson 06's kernel
+conv (lesson 06, section 2b: one launch of lesson 05's kernel), the weights read where they lie
+(section 2c: a common.FlippedFilter, no flipped copy) where their rows are whole 16-byte vectors;
+wgrad as lesson 06's kernel
 through a plan per shape (wgrad.py). Elsewhere torch's convolution_backward computes it, with one
 warning per reason, and `backward_fallbacks()` counts every such gradient: what a model's backward
 left to torch, and why. `$CONV_TUTORIAL_BACKWARD` sets the choice for a process. Lesson 06 is
