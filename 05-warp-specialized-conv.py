@@ -119,7 +119,7 @@ class Ring:
     # The stages and their barriers. The tail buffers belong to section 6; without a tail they are the main buffers
     # again, so one MMA `a_tail_bufs x b_tail_bufs` serves both kinds of tail.
     a_bufs: gl.shared_memory_descriptor       # [NUM_BUFFERS, BLOCK_M, BLOCK_K] pixels
-    b_bufs: gl.shared_memory_descriptor       # [NUM_BUFFERS, BLOCK_N, BLOCK_K] filters
+    b_bufs: gl.shared_memory_descriptor       # [NUM_BUFFERS, BLOCK_N, BLOCK_K] filters (B_N_MAJOR: BLOCK_K, BLOCK_N)
     a_tail_bufs: gl.shared_memory_descriptor  # section 6: a row tail's pixels
     b_tail_bufs: gl.shared_memory_descriptor  # section 6: a column tail's filters
     ready: gl.shared_memory_descriptor
@@ -243,7 +243,8 @@ def loader_partition(in_desc, w_desc, w_tail_desc, ring, schedule, window):
                                       ring.a_bufs.index(slot).slice(PIXEL_BOX, PIXEL_BOX))
             if schedule.TILE_M > BLOCK_M:
                 tma.async_load_im2col(in_desc, [n_t, h_t, w_t, c0], tap_offsets, ready, ring.a_tail_bufs.index(slot))
-            # B = load(w2d, [co0, (r*S + s)*Ci + c0]), and a column tail's rows (output channels) after it
+            # B = load(w2d, [co0, (r*S + s)*Ci + c0]) (lesson 06's in place: [c0, its column]), and a column
+            # tail's output channels after it
             tma.async_load(w_desc, w_at, ready, ring.b_bufs.index(slot))
             if schedule.TILE_N > BLOCK_N:
                 tma.async_load(w_tail_desc, [w_at[0] + BLOCK_N * (1 - N_AXIS), w_at[1] + BLOCK_N * N_AXIS], ready,

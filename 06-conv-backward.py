@@ -906,8 +906,10 @@ if __name__ == "__main__":
 # one, an *N-major* B, where w' gave a K-major one. So the loader asks TMA for that box at
 # (c0, column), and the MMA takes the stage as it lies, [BLOCK_K, BLOCK_N], instead of the
 # [BLOCK_N, BLOCK_K] box seen transposed (`Ring.b` in lesson 05). Rows past Co lie outside w2d and
-# arrive as zeros; columns past the tap's Ci belong to the next tap (or lie outside w2d) and make
-# output columns that nobody stores.
+# arrive as zeros (so no uninitialized weight meets dY's zero-filled channels, which section 2b's
+# copy had to zero). Columns past the tap's Ci belong to the next tap (or lie outside w2d) and make
+# output columns nobody reads: the TMA store clips them or writes them into out_2d's padding
+# columns, which the result leaves out, and a window's store masks them.
 #
 # Whether the tensor cores read an N-major B is the architecture's call, and section 3 quotes the
 # PTX ISA: for fp16 and bf16, yes on both (WGMMA's imm-trans-b, tcgen05's "Transpose B Matrix"
@@ -922,11 +924,13 @@ if __name__ == "__main__":
 #
 # (`common.FlippedTaps`, which lesson 05's `Im2colWindow.k_step` asks where the box starts). The
 # per-phase convs of section 2 get one FlippedFilter each, section 2b's conv one with a residue
-# per phase row and column. It applies where w is contiguous, 16-byte aligned, its rows whole
-# 16-byte vectors and groups is 1 (`reads_in_place`); elsewhere the copy stays. The launcher and
-# the operator take it; `FlippedFilter.gathered` is the CPU's model of what the loads read. Without
-# a FlippedFilter lesson 05's kernel builds as before (the same opcode counts, registers and shared
-# memory for every candidate config, sm_90 and sm_100: `tools/ptx_fingerprint.py`). On the H100
+# per phase row and column. It applies where w is on the GPU, fp16 or bf16, contiguous, 16-byte
+# aligned, its rows whole 16-byte vectors and groups is 1 (`reads_in_place`); elsewhere the copy
+# stays. (A dgrad with its stride folded into the channels, section 6, still copies w once to fold
+# it, then reads that copy in place.) The launcher and the operator take it; `FlippedFilter.gathered`
+# is the CPU's model of what the loads read. Without a FlippedFilter lesson 05's kernel builds as
+# before (the same opcode counts, registers and shared memory for every candidate config, sm_90
+# and sm_100: `tools/ptx_fingerprint.py`). On the H100
 # (2026-11-26; RESULTS.md, "The operator's gradients") it took the operator's dgrad over
 # ResNet-50's 23 layers to 1.04x cuDNN's speed, kernels alone, geometric mean, from 0.99x in a
 # run before it on another H100: every layer gained 1 to 11%, and none is below 0.80x.
@@ -934,10 +938,11 @@ if __name__ == "__main__":
 
 def reads_in_place(w, groups=1):
     """Whether lesson 05's kernel reads w [Co, R, S, Ci] in place as a dgrad's weights (section 2c): on a
-    GPU, groups 1, w contiguous and 16-byte aligned, its rows of R*S*Ci elements whole 16-byte vectors."""
+    GPU, fp16 or bf16, groups 1, w contiguous and 16-byte aligned, its rows of R*S*Ci elements whole
+    16-byte vectors."""
     _, R, S, Ci = w.shape
-    return (w.is_cuda and groups == 1 and w.is_contiguous() and w.data_ptr() % 16 == 0
-            and R * S * Ci * w.element_size() % 16 == 0)
+    return (w.is_cuda and w.dtype in BACKWARD_DTYPES and groups == 1 and w.is_contiguous()
+            and w.data_ptr() % 16 == 0 and R * S * Ci * w.element_size() % 16 == 0)
 
 
 def taps_read(taps, size):
@@ -990,6 +995,28 @@ def test_side_by_side_in_place_reads_what_the_copy_holds(R, stride, padding):
                                    copy[rows, 0, :taps_h * taps_w], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", [
+    (2, 9, 8, 16, 8, 3, 3, 1, 1, 1),               # stride 1: one conv, the whole filter reversed
+    (1, 10, 9, 8, 24, 1, 1, 2, 0, 1),              # 1x1 stride 2: one phase with a tap, three of zeros
+    (1, 9, 11, 8, 16, 3, 5, (2, 1), (1, 2), (1, 2)),  # stride 2 along h, dilation 2 along w
+    (1, 13, 12, 8, 8, 4, 4, 3, 1, 1),              # stride 3, an even filter
+])
+def test_phases_read_in_place_match_torch(N, H, W, Ci, Co, R, S, stride, padding, dilation, monkeypatch):
+    # dgrad_by_phases' in_place branch on a CPU (it runs on a GPU only: the gate let through here), each phase's
+    # FlippedFilter given to the CPU's conv as what its loads read
+    x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, torch.bfloat16, device_name="cpu")
+    monkeypatch.setitem(globals(), "reads_in_place", lambda w, groups=1: groups == 1)
+    handed = []
+
+    def fprop(dy_nhwc, w_phase, **conv):
+        handed.append(type(w_phase))
+        return reference_fprop(dy_nhwc.float(), w_phase.gathered().float(), **conv)
+    dx = dgrad_by_phases(dy, w, g, fprop, in_place=True)
+    expected, _ = reference_gradients(x.float(), w.float(), dy.float(), g)
+    assert handed and set(handed) == {common.FlippedFilter}
+    torch.testing.assert_close(dx.float(), expected, rtol=2e-2, atol=2e-2)
+
+
 def test_flipped_filter_refusals():
     w = torch.randn(16, 3, 3, 8).to(torch.bfloat16)
     with pytest.raises(ValueError, match="must read taps inside"):
@@ -1003,6 +1030,8 @@ def test_flipped_filter_refusals():
         common.flipped_filter_taps(flipped, g, torch.float16)
     with pytest.raises(ValueError, match="needs"):
         common.flipped_filter_taps(common.FlippedFilter(w, ((0, 0, 1, 2),), ((0, 0, 1, 3),)), g, torch.bfloat16)
+    with pytest.raises(ValueError, match="the rectangles"):      # its shape right, a rectangle not the conv's
+        common.flipped_filter_taps(common.FlippedFilter(w, ((0, 0, 1, 3),), ((1, 0, 1, 2),)), g, torch.bfloat16)
 
 
 #
@@ -2314,11 +2343,20 @@ def aot_dgrad_in_place(arch, N=2, H=16, W=16, Ci=192, Co=64, R=3, config=(128, 1
     return lesson05.conv2d_fprop_kernel, launch.kernel_args(), lesson05.kernel_constexprs(config, arch)
 
 
-@pytest.mark.parametrize("arch", list(TAUGHT_PTX))
-@pytest.mark.parametrize("builder", ["aot_dgrad_in_place", "aot_side_by_side"])
-def test_weights_in_place_are_an_n_major_b(arch, builder):
-    # section 2c: the MMAs read B as it lies (WGMMA's imm-trans-b, tcgen05's bit 16), A as lesson 05 does
+@pytest.mark.parametrize("arch, builder, config", [
+    (arch, builder, None) for arch in TAUGHT_PTX for builder in ("aot_dgrad_in_place", "aot_side_by_side")] + [
+    ("sm_90", "aot_dgrad_in_place", (128, 128, 64, 4, 4, 1, 2, 32, 1, 0)),   # ping-pong, a column tail
+    ("sm_90", "aot_dgrad_in_place", (128, 64, 64, 4, 4, 2, 1, 0, 1, 0)),     # two programs per SM
+    ("sm_90", "aot_dgrad_in_place", (128, 128, 64, 4, 4, 1, 1, 0, 1, 64)),   # a row tail
+    ("sm_90", "aot_dgrad_in_place", (128, 128, 64, 6, 8, 1, 1, 0, 2, 0)),    # split-K
+    ("sm_100", "aot_dgrad_in_place", (128, 128, 64, 4, 4, 1, 1, 32, 2, 0)),  # a column tail and split-K
+])
+def test_weights_in_place_are_an_n_major_b(arch, builder, config):
+    # section 2c: the MMAs read B as it lies (WGMMA's imm-trans-b, tcgen05's bit 16), A as lesson 05 does; the
+    # operator's runtime may pick any candidate config for a phase's conv, a few kinds of them here
     params = {"in_place": True} if builder == "aot_side_by_side" else {}
+    if config is not None:
+        params["config"] = config
     built = common.aot_compile_or_skip("06-conv-backward", builder, arch, **params)
     assert transposed_operands(built["ptx"], arch) == (0, 1) and built["stack"] == 0
 

@@ -1343,8 +1343,9 @@ class FlippedFilter(NamedTuple):
         return self
 
     def kernel_args(self):
-        """The kernel's w_taps: per residue along h, (column of its first conv tap's row of w, columns
-        per conv tap), and along w: conv tap (r, s) of residue (a, b) reads w2d's columns
+        """The kernel's w_taps: per residue along h, (the column where its conv tap 0 would read, an
+        extrapolation where r0 > 0; columns per conv tap), and along w: conv tap (r, s) of residue
+        (a, b) reads w2d's columns
         along_h[a][0] - r * along_h[a][1] + along_w[b][0] - s * along_w[b][1] + n, n = dX's channel."""
         _, _, S, Ci = self.w.shape
         return tuple(tuple(((first + (taps - 1 + r0) * step) * pitch, step * pitch)
@@ -1385,13 +1386,15 @@ def flipped_filter_taps(w, geometry, dtype, out_window=None):
         return None
     g, phases = geometry, None if out_window is None else out_window.phases
     w.check()
-    count = (1, 1) if phases is None else (len(phases.along_h), len(phases.along_w))
+    # each residue's rectangle (first conv tap, taps): the phases', or without them all the conv's taps
+    rectangles = (((0, g.R),), ((0, g.S),)) if phases is None else (phases.along_h, phases.along_w)
     channels = g.Co if phases is None else phases.channels
-    if w.dtype != dtype or w.shape != (channels, g.R, g.S, g.Ci) or (len(w.along_h), len(w.along_w)) != count or (
+    own = tuple(tuple((r0, taps) for r0, _, _, taps in along) for along in (w.along_h, w.along_w))
+    if w.dtype != dtype or w.shape != (channels, g.R, g.S, g.Ci) or own != tuple(map(tuple, rectangles)) or (
             g.groups != 1):
-        raise ValueError(f"FlippedFilter of shape {w.shape} ({w.dtype}, residues {len(w.along_h)} x "
-                         f"{len(w.along_w)}): the conv {g.describe()} ({dtype}) needs {(channels, g.R, g.S, g.Ci)}, "
-                         f"{count[0]} x {count[1]} residues and groups=1")
+        raise ValueError(f"FlippedFilter of shape {w.shape} ({w.dtype}, rectangles (first tap, taps) {own}): the "
+                         f"conv {g.describe()} ({dtype}) needs {(channels, g.R, g.S, g.Ci)}, the rectangles "
+                         f"{tuple(map(tuple, rectangles))} and groups=1")
     return w.kernel_args()
 
 
@@ -1516,7 +1519,7 @@ class PhaseTiles:
 @gluon.aggregate
 class FlippedTaps:
     """The kernel's side of a `FlippedFilter` (lesson 06): where in w2d a tile's weights start."""
-    along_h: gl.tuple     # per residue: (column of the first conv tap's row, columns per conv tap)
+    along_h: gl.tuple     # per residue: (the column where conv tap 0 would read, columns per conv tap)
     along_w: gl.tuple
     phases: Union[PhaseTiles, gl.constexpr]     # the output's columns are phases side by side; else None
 

@@ -278,8 +278,11 @@ def _launch_hooks_set():
 
 
 def _template_key(w, out_window):
-    # which of a plan's templates a call takes: windowed or not, and a FlippedFilter's taps (None for a tensor)
-    return (out_window is not None, w.kernel_args() if isinstance(w, common.FlippedFilter) else None)
+    # which of a plan's templates a call takes: windowed or not, and a FlippedFilter's filter shape and taps (None
+    # for a tensor: its shape is the plan's). Two dgrads' phases can share a conv and its taps with filters of other
+    # sizes (R 3 and 4 at stride 2, say), whose descriptors differ in their row length.
+    return (out_window is not None,
+            (tuple(w.w.shape), w.kernel_args()) if isinstance(w, common.FlippedFilter) else None)
 
 
 def _weight_tensor(w):

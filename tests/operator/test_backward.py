@@ -223,3 +223,28 @@ def test_grouped_convs_take_lesson06_where_their_groups_fit(lesson06_backend, Ci
     for got, want in zip(grads, expected):           # the tolerance of the test above, for the same reason
         scale = want.abs().max().item()
         torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2 * scale)
+
+
+def test_a_plan_keeps_one_template_per_filter_read_in_place():
+    # Two dgrads whose phases run the same conv with the same taps of filters of other sizes (R = 3 and 4 at stride
+    # 2: the phase with taps 2 and 0, or 3 and 1) must not share a plan's template: their weights' descriptors
+    # differ in their rows' length (launch.py keeps one per filter shape and taps; built on CPU tensors here)
+    from conv_tutorial import launch
+    lesson05, lesson06 = kernel.lesson05, kernel.lesson06
+    found = []
+    for R in (3, 4):
+        g = common.conv_geometry((1, 4, 8, 4), (8, R, 4, 4), (2, 1), (0, 1), (1, 2))
+        w = torch.randn(8, R, 4, 4).to(torch.bfloat16)
+        tapped = [p for p in lesson06.dgrad_phases(g) if p[2].taps is not None and p[3].taps is not None]
+        for (_, _, h, v), flipped in zip(tapped, lesson06.filters_in_place(w, [(h.taps, v.taps) for _, _, h, v in
+                                                                                tapped])):
+            if flipped.kernel_args() == (((32, 32),), ((12, 4),)):
+                dy = torch.randn(1, g.out_h, g.out_w, 8).to(torch.bfloat16)
+                found.append((common.conv_geometry(tuple(dy.shape), flipped.shape, 1, (h.padding, v.padding),
+                                                   (h.dilation, v.dilation)), flipped, dy))
+    (conv, first, dy_first), (other_conv, second, dy_second) = found
+    assert conv == other_conv and first.kernel_args() == second.kernel_args()   # the same plan, the same taps
+    plan = launch.ConvPlan(conv, torch.bfloat16, lesson05.FIXED_CONFIG._replace(block_n=64), "sm_90", 132)
+    plan.launch_for(dy_first, first, None)
+    launched = plan.launch_for(dy_second, second, None)
+    assert tuple(launched.w_desc.shape) == tuple(second.w.reshape(8, -1).shape) and len(plan.templates) == 2
