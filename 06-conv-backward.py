@@ -1034,6 +1034,35 @@ def test_flipped_filter_refusals():
         common.flipped_filter_taps(common.FlippedFilter(w, ((0, 0, 1, 3),), ((1, 0, 1, 2),)), g, torch.bfloat16)
 
 
+def run_weights_in_place(Co=16, R=3, S=3, Ci=8, show=True):
+    """Section 2c on a CPU: a stride-1 dgrad's FlippedFilter, the columns its loads read, what they gather
+    against the flipped copy; then section 2b's example with its weights read in place."""
+    w = torch.randn(Co, R, S, Ci, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    (flipped,) = filters_in_place(w, [(slice(None), slice(None))])
+    (((first_h, per_r),), ((first_w, per_s),)) = flipped.kernel_args()
+    same = torch.equal(flipped.gathered(), flipped_weights_by_torch(w, slice(None), slice(None)))
+    if show:
+        print(f"\nw {tuple(w.shape)} read in place as w' {flipped.shape}: conv tap (r, s) reads w2d's columns "
+              f"{first_h} - {per_r}*r + {first_w} - {per_s}*s + n, rows c0 ...; what those loads gather "
+              f"{'equals' if same else 'DIFFERS from'} the flipped copy")
+    run_side_by_side(show=show, in_place=True)
+    return same
+
+
+# %%
+if __name__ == "__main__":
+    run_weights_in_place()
+
+# %%
+# What you should see::
+#
+#     w (16, 3, 3, 8) read in place as w' (8, 3, 3, 16): conv tap (r, s) reads w2d's columns 48 - 24*r +
+#     16 - 8*s + n, rows c0 ...; what those loads gather equals the flipped copy
+#
+# and section 2b's line again, its weights now a FlippedFilter. Tap (0, 0) of the conv reads
+# columns 64 + n, w's tap (2, 2) (tap 8 of 9, 8 channels each): the last, as the flip says; each
+# step along r goes back a row of taps (S * Ci = 24 columns), each step along s one tap (Ci = 8).
+
 #
 # The dgrad launcher
 # ------------------
@@ -1162,9 +1191,10 @@ def dgrad(dy_nhwc, w, geometry, fprop, fold=None, phases=None, conv=None, in_pla
 #   ::i8 (PTX ISA, tcgen05, "Instruction descriptor").
 #
 # The compiled kernel shows both (section 7): its WGMMAs end in `1, 1, 1, 1` (imm-scale-a,
-# imm-scale-b, imm-trans-a, imm-trans-b) where lesson 05's end in `1, 1, 0, 0`, and on sm_100 the
-# instruction descriptor, an immediate that Triton moves into a register once and names in each of
-# a k-step's four `tcgen05.mma`, has bits 15 and 16 set.
+# imm-scale-b, imm-trans-a, imm-trans-b) where lesson 05's end in `1, 1, 0, 0` (and section 2c's
+# dgrad, its B read in place, in `1, 1, 0, 1`), and on sm_100 the instruction descriptor, an
+# immediate that Triton moves into a register once and names in each of a k-step's four
+# `tcgen05.mma`, has bits 15 and 16 set.
 #
 # 4. The wgrad kernel
 # -------------------
@@ -2255,9 +2285,11 @@ def run_show_ptx():
         ours = transposed_operands(common.aot_compile("06-conv-backward", "aot_conv2d_wgrad", arch)["ptx"], arch)
         forward = transposed_operands(common.aot_compile("05-warp-specialized-conv", "aot_conv2d_fprop", arch)["ptx"],
                                       arch)
+        in_place = transposed_operands(common.aot_compile("06-conv-backward", "aot_dgrad_in_place", arch)["ptx"],
+                                       arch)
         where = "imm-trans-a, imm-trans-b" if arch == "sm_90" else "instruction descriptor bits 15, 16"
         print(f"\n{arch}: operands transposed ({where}): wgrad A={ours[0]}, B={ours[1]}; "
-              f"lesson 05's fprop A={forward[0]}, B={forward[1]}")
+              f"lesson 05's fprop A={forward[0]}, B={forward[1]}; section 2c's dgrad A={in_place[0]}, B={in_place[1]}")
 
 
 @pytest.mark.parametrize("arch", list(TAUGHT_PTX))
