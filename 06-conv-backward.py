@@ -2924,8 +2924,12 @@ if __name__ == "__main__" and on_gpu:
 #   stem): 1 to 11% on every layer, the flipped copy's 1.8-5.3 us gone. At stride 1 it runs at
 #   0.91-1.19x of cuDNN, the 1x1 stride-2 layers at 1.02-1.12x, the 3x3 stride-2 layers at 1.02x
 #   (56x56), 0.90x (28x28) and 0.80x (14x14), where four launches had run them at 0.80x, 0.70x and
-#   0.79x. The 14x14 512->512 layer is what is left (72.7 us against cuDNN's 58.4): its 1-tap
-#   phase's tiles run 8 k-steps and then store a whole tile.
+#   0.79x. The 14x14 512->512 layer is what is left (72.7 us against cuDNN's 58.4). Counted on
+#   paper (`tools/phase_balance.py`), lesson 05's tile order hands its programs uneven work: a
+#   program meets the same phase wave after wave, so some run six 4-tap tiles (192 k-steps) and
+#   others six 1-tap ones (48), against a mean of 107; the 28x28 layer's busiest program runs 128.
+#   Running the heaviest phase's tiles first would bring the busiest to 120 and 108 (not built here,
+#   not measured).
 # - Section 10's BatchNorm statistics: on an H200 (2026-11-25) a ResNet-50 training step ran 3.9%
 #   faster with them (5969 -> 6199 images/s under CUDA graphs, torch.compile 6188), RegNetY-3.2GF
 #   0.9% (its grouped convs left unfused); on an H100 (2026-11-26, the sums in one tensor) ResNet-50
