@@ -180,13 +180,11 @@ class Im2colWindow:
     def tile_taps(self, co0):
         # The tile of output channels co0, co0+1, ...: its group_channel, the taps it runs as (first r, first s,
         # taps per row): all of them, or (lesson 06) its phase's; and where its weights lie: rows co0, ... of w2d,
-        # or (lesson 06) FlippedTaps.tile's columns.
-        r0, s0, taps_w, w_tile = 0, 0, self.S, co0
+        # or (lesson 06) a filter read in place (common.weights_tile).
+        r0, s0, taps_w = 0, 0, self.S
         if self.phases is not None:
             r0, _, s0, taps_w = self.phases.taps(co0)
-        if self.flipped is not None:
-            w_tile = self.flipped.tile(co0)
-        return self.group_channel(co0), r0, s0, taps_w, w_tile
+        return self.group_channel(co0), r0, s0, taps_w, common.weights_tile(self.flipped, co0)
 
     @gluon.jit
     def k_step(self, k, BLOCK_K: gl.constexpr, tile_taps):
@@ -196,10 +194,7 @@ class Im2colWindow:
         c0 = (k % self.channel_blocks) * BLOCK_K
         r, s = r0 + tap // taps_w, s0 + tap % taps_w
         offsets = [(r * self.dil_h).to(gl.int16), (s * self.dil_w).to(gl.int16)]
-        w_at = [w_tile, tap * self.Ci_group + c0]
-        if self.flipped is not None:
-            w_at = self.flipped.at(w_tile, r, s, c0)
-        return offsets, group_channel + c0, w_at
+        return offsets, group_channel + c0, common.weights_at(self.flipped, w_tile, tap * self.Ci_group + c0, r, s, c0)
 
 
 @gluon.jit
@@ -1359,7 +1354,8 @@ if __name__ == "__main__":
     (1, 7, 7, 2, 32, 64, 3, 2, 1, 16, 32),     # two K blocks and two tiles per group, stride 2
     (2, 5, 6, 3, 16, 48, 1, 1, 0, 16, 16),     # 1x1, three tiles per group
 ])
-def test_grouped_tiles_read_their_groups(N, H, W, groups, Ci_group, Co_group, R, stride, padding, BLOCK_K, TILE_N):
+def test_grouped_tiles_read_their_groups(N, H, W, groups, Ci_group, Co_group, R, stride, padding, BLOCK_K, TILE_N,
+                                        monkeypatch):
     """The loader's own arithmetic (Im2colWindow's pixel_box_origin, tile_taps and k_step, run
     as plain Python) with lesson 03's model of TMA im2col loads, and weight boxes cut from w2d,
     computes torch's grouped conv2d: every tile, every k-step."""
@@ -1376,6 +1372,8 @@ def test_grouped_tiles_read_their_groups(N, H, W, groups, Ci_group, Co_group, R,
                                    dil_w=common.PlainInt(1), Ci_group=Ci_group, Co_group=Co_group, S=R,
                                    channel_blocks=Ci_group // BLOCK_K, phases=None, flipped=None)
     window.group_channel = lambda co0: Im2colWindow.group_channel.fn(window, co0)
+    for helper in ("weights_tile", "weights_at"):      # common's Gluon helpers the two methods call, as Python
+        monkeypatch.setattr(common, helper, getattr(common, helper).fn)
     w2d, BLOCK_M, out = w.reshape(g.Co, -1), 32, torch.zeros(g.M, g.Co)
     for m0 in range(0, g.M, BLOCK_M):
         n, y, x0 = Im2colWindow.pixel_box_origin.fn(window, m0)

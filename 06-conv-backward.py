@@ -391,7 +391,7 @@ def reference_fprop(dy_nhwc, w_phase, padding, dilation, groups=1, out_window=No
     # The CPU's stand-in for lesson 05's kernel: torch's conv in fp32 (into out_window, if given, by a copy; a
     # FlippedFilter, section 2c, as what its loads read).
     if isinstance(w_phase, common.FlippedFilter):
-        w_phase = w_phase.gathered()
+        w_phase = gathered_weights(w_phase)
     out = common.reference_conv2d_nhwc(dy_nhwc, w_phase, None, 1, padding, dilation, out_dtype=torch.float32,
                                        groups=groups)
     return out if out_window is None else out_window.write(out)
@@ -787,7 +787,7 @@ def reference_side_by_side(dy_nhwc, w_side_by_side, plan, out_window):
     g, phases = plan.geometry, plan.phases
     dtype = torch.promote_types(dy_nhwc.dtype, torch.float32)
     if isinstance(w_side_by_side, common.FlippedFilter):    # section 2c: what its loads read, zeros elsewhere
-        full = w_side_by_side.gathered(phases).to("cpu", dtype)
+        full = gathered_weights(w_side_by_side, phases).to("cpu", dtype)
     else:
         full = torch.zeros(g.Co, g.R, g.S, g.Ci, dtype=dtype)
         for p in range(phases.count):
@@ -927,7 +927,7 @@ if __name__ == "__main__":
 # per phase row and column. It applies where w is on the GPU, fp16 or bf16, contiguous, 16-byte
 # aligned, its rows whole 16-byte vectors and groups is 1 (`reads_in_place`); elsewhere the copy
 # stays. (A dgrad with its stride folded into the channels, section 6, still copies w once to fold
-# it, then reads that copy in place.) The launcher and the operator take it; `FlippedFilter.gathered`
+# it, then reads that copy in place.) The launcher and the operator take it; `gathered_weights`
 # is the CPU's model of what the loads read. Without a FlippedFilter lesson 05's kernel builds as
 # before (the same opcode counts, registers and shared memory for every candidate config, sm_90
 # and sm_100: `tools/ptx_fingerprint.py`). On the H100
@@ -939,10 +939,8 @@ if __name__ == "__main__":
 def reads_in_place(w, groups=1):
     """Whether lesson 05's kernel reads w [Co, R, S, Ci] in place as a dgrad's weights (section 2c): on a
     GPU, fp16 or bf16, groups 1, w contiguous and 16-byte aligned, its rows of R*S*Ci elements whole
-    16-byte vectors."""
-    _, R, S, Ci = w.shape
-    return (w.is_cuda and w.dtype in BACKWARD_DTYPES and groups == 1 and w.is_contiguous()
-            and w.data_ptr() % 16 == 0 and R * S * Ci * w.element_size() % 16 == 0)
+    16-byte vectors (`common.FlippedFilter.readable`)."""
+    return w.is_cuda and groups == 1 and common.FlippedFilter.readable(w)
 
 
 def taps_read(taps, size):
@@ -968,6 +966,26 @@ def side_by_side_in_place(w, plan):
         tuple((s0, *taps_read(plan.taps[b][1], S)) for b, (s0, _) in enumerate(plan.phases.along_w)))
 
 
+def gathered_weights(flipped, phases=None):
+    """What the kernel's loads read through a FlippedFilter, gathered by torch at its kernel_args' columns:
+    w' [N, R', S', Co] (N = Ci; with `phases`, a WindowPhases, phases.width columns per phase, zeros where a
+    phase's rectangle has no tap and past its channels). The CPU's model of the loads."""
+    Co, _, _, Ci = flipped.w.shape
+    w2d = flipped.w.reshape(Co, -1)
+    _, R, S, _ = flipped.shape
+    along_h, along_w = flipped.kernel_args()
+    width = Ci if phases is None else phases.width
+    out = flipped.w.new_zeros(width * len(along_h) * len(along_w), R, S, Co)
+    for a, ((base_h, step_h), (r0, _, _, taps_h)) in enumerate(zip(along_h, flipped.along_h)):
+        for b, ((base_w, step_w), (s0, _, _, taps_w)) in enumerate(zip(along_w, flipped.along_w)):
+            p = a * len(along_w) + b
+            for r in range(r0, r0 + taps_h):
+                for s in range(s0, s0 + taps_w):
+                    column = base_h - r * step_h + base_w - s * step_w
+                    out[p * width:p * width + Ci, r, s] = w2d[:, column:column + Ci].t()
+    return out
+
+
 @pytest.mark.parametrize("Co, R, S, Ci, phase_taps", [
     (24, 3, 3, 16, [(slice(None), slice(None))]),                                  # stride 1: the whole filter
     (40, 1, 1, 8, [(slice(None), slice(None))]),                                   # 1x1: a transpose
@@ -977,7 +995,7 @@ def side_by_side_in_place(w, plan):
 def test_filters_in_place_read_what_flipped_weights_copies(Co, R, S, Ci, phase_taps):
     w = torch.randn(Co, R, S, Ci).to(torch.bfloat16)
     for filt, (taps_h, taps_w) in zip(filters_in_place(w, phase_taps), phase_taps):
-        torch.testing.assert_close(filt.check().gathered(), flipped_weights_by_torch(w, taps_h, taps_w),
+        torch.testing.assert_close(gathered_weights(filt.check()), flipped_weights_by_torch(w, taps_h, taps_w),
                                    rtol=0, atol=0)
 
 
@@ -986,7 +1004,7 @@ def test_side_by_side_in_place_reads_what_the_copy_holds(R, stride, padding):
     x, w, dy, g = backward_inputs(1, 13, 12, 24, 16, R, R, stride, padding, 1, torch.bfloat16, device_name="cpu")
     plan = side_by_side_plan(g, lesson05.FIXED_CONFIG._replace(block_n=32))
     copy = side_by_side([flipped_weights_by_torch(w, h, v) for h, v in plan.taps], plan.phases.width)
-    gathered = side_by_side_in_place(w, plan).check().gathered(plan.phases)       # [P * width, R', S', Co]
+    gathered = gathered_weights(side_by_side_in_place(w, plan).check(), plan.phases)       # [P * width, R', S', Co]
     for p in range(plan.phases.count):
         (r0, taps_h), (s0, taps_w) = (plan.phases.along_h[p // len(plan.phases.along_w)],
                                       plan.phases.along_w[p % len(plan.phases.along_w)])
@@ -1010,7 +1028,7 @@ def test_phases_read_in_place_match_torch(N, H, W, Ci, Co, R, S, stride, padding
 
     def fprop(dy_nhwc, w_phase, **conv):
         handed.append(type(w_phase))
-        return reference_fprop(dy_nhwc.float(), w_phase.gathered().float(), **conv)
+        return reference_fprop(dy_nhwc.float(), gathered_weights(w_phase).float(), **conv)
     dx = dgrad_by_phases(dy, w, g, fprop, in_place=True)
     expected, _ = reference_gradients(x.float(), w.float(), dy.float(), g)
     assert handed and set(handed) == {common.FlippedFilter}
@@ -1040,7 +1058,7 @@ def run_weights_in_place(Co=16, R=3, S=3, Ci=8, show=True):
     w = torch.randn(Co, R, S, Ci, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     (flipped,) = filters_in_place(w, [(slice(None), slice(None))])
     (((first_h, per_r),), ((first_w, per_s),)) = flipped.kernel_args()
-    same = torch.equal(flipped.gathered(), flipped_weights_by_torch(w, slice(None), slice(None)))
+    same = torch.equal(gathered_weights(flipped), flipped_weights_by_torch(w, slice(None), slice(None)))
     if show:
         print(f"\nw {tuple(w.shape)} read in place as w' {flipped.shape}: conv tap (r, s) reads w2d's columns "
               f"{first_h} - {per_r}*r + {first_w} - {per_s}*s + n, rows c0 ...; what those loads gather "

@@ -1325,13 +1325,20 @@ class FlippedFilter(NamedTuple):
     def is_contiguous(self):
         return self.w.is_contiguous()
 
+    @staticmethod
+    def readable(w):
+        """Whether the kernel can read the filter w [Co, R, S, Ci] in place: fp16 or bf16, contiguous,
+        16-byte aligned, its rows of R*S*Ci elements whole 16-byte vectors."""
+        _, R, S, Ci = w.shape
+        return (w.dtype in (torch.float16, torch.bfloat16) and w.is_contiguous() and w.data_ptr() % 16 == 0
+                and R * S * Ci * w.element_size() % 16 == 0)
+
     def check(self):
-        """ValueError unless the kernel can read w in place: contiguous, fp16 or bf16, 16-byte
-        aligned, rows of whole 16-byte vectors, every tap of every residue inside w."""
+        """ValueError unless the kernel can read w in place (`readable`), every tap of every residue
+        inside w."""
         w = self.w
         Co, R, S, Ci = w.shape
-        if w.dtype not in (torch.float16, torch.bfloat16) or not w.is_contiguous() or w.data_ptr() % 16 or (
-                R * S * Ci * w.element_size()) % 16:
+        if not self.readable(w):
             raise ValueError(f"FlippedFilter: w must be a contiguous, 16-byte aligned fp16 or bf16 [Co, R, S, Ci] "
                              f"whose rows of R*S*Ci elements are whole 16-byte vectors; got {w.dtype} "
                              f"{tuple(w.shape)}, strides {w.stride()}")
@@ -1358,24 +1365,6 @@ class FlippedFilter(NamedTuple):
         layout = gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], GL_DTYPES[self.w.dtype])
         return TensorDescriptor.from_tensor(self.w.reshape(self.w.shape[0], -1), [BLOCK_K, BLOCK_N], layout)
 
-    def gathered(self, phases=None):
-        """What the kernel reads, gathered by torch through kernel_args' columns: w' [N, R', S', Co]
-        (N = Ci; with `phases`, a WindowPhases, phases.width columns per phase, zeros where a phase's
-        rectangle has no tap and past its channels). The CPU's model of the kernel's loads."""
-        Co, _, _, Ci = self.w.shape
-        w2d = self.w.reshape(Co, -1)
-        _, R, S, _ = self.shape
-        along_h, along_w = self.kernel_args()
-        width = Ci if phases is None else phases.width
-        out = self.w.new_zeros(width * len(along_h) * len(along_w), R, S, Co)
-        for a, ((base_h, step_h), (r0, _, _, taps_h)) in enumerate(zip(along_h, self.along_h)):
-            for b, ((base_w, step_w), (s0, _, _, taps_w)) in enumerate(zip(along_w, self.along_w)):
-                p = a * len(along_w) + b
-                for r in range(r0, r0 + taps_h):
-                    for s in range(s0, s0 + taps_w):
-                        column = base_h - r * step_h + base_w - s * step_w
-                        out[p * width:p * width + Ci, r, s] = w2d[:, column:column + Ci].t()
-        return out
 
 
 def flipped_filter_taps(w, geometry, dtype, out_window=None):
@@ -1607,6 +1596,26 @@ def window_store(out_window, out_h, out_w, channel_blocks):
             phases = PhaseTiles(*out_window[8], channel_blocks)
         store = WindowStore(out_window[0], out_h, out_w, *out_window[1:8], phases)
     return store, phases
+
+
+@gluon.jit
+def weights_tile(flipped, co0):
+    """Where the weights of lesson 05's tile of output channels co0, co0+1, ... lie: rows co0, ... of the
+    conv's own w2d, or (lesson 06: `flipped`, a FlippedTaps) FlippedTaps.tile's columns."""
+    w_tile = co0
+    if flipped is not None:
+        w_tile = flipped.tile(co0)
+    return w_tile
+
+
+@gluon.jit
+def weights_at(flipped, w_tile, column, r, s, c0):
+    """[row, column] of w2d where a k-step's box of weights starts: the tile's rows at `column` (its tap's
+    and channel block's) of the conv's own filter, or (lesson 06) FlippedTaps.at's, for tap (r, s)."""
+    w_at = [w_tile, column]
+    if flipped is not None:
+        w_at = flipped.at(w_tile, r, s, c0)
+    return w_at
 
 
 @gluon.jit
