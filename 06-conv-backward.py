@@ -669,7 +669,11 @@ if __name__ == "__main__":
 # - the weights: each phase's w' in its own rows (`flipped_weights(..., width=)`), its taps first,
 #   so a k-step's weight column is its tap's index in the rectangle, as in lesson 05;
 # - the epilogue stores column block p at dX's pixel (a + sh*y, b + sw*x) (`WindowStore` with
-#   phases; the window's view is the whole of dX), dropping rows and columns past dX's edges.
+#   phases; the window's view is the whole of dX), dropping rows and columns past dX's edges;
+# - the tiles run heaviest phase first (`PhaseTiles.tile`), each phase's in lesson 05's grouped
+#   order: in lesson 05's order over the phases side by side, a program would meet the same phase
+#   wave after wave where a group holds about as many tiles as there are programs (ResNet-50's
+#   14x14 layer: some programs six 4-tap tiles, others six 1-tap ones; results/notebook.md).
 #
 # Lesson 05's kernel takes the phases in its output window (`common.WindowPhases`); without them
 # the new lines are constexpr Nones, and every candidate config builds to the same opcode counts,
@@ -861,6 +865,14 @@ def test_side_by_side_refuses_a_plan_of_another_shape_or_split_k():
         side_by_side_plan(g, lesson05.FIXED_CONFIG._replace(split_k=2))
     with pytest.raises(ValueError, match="section 2b does not apply"):
         run_side_by_side(R=1, S=1, padding=0, show=False)
+
+
+def test_phases_run_heaviest_first():
+    # ResNet-50's 3x3 stride 2, padding 1: phase (0, 0) has 1 x 1 taps, (0, 1) and (1, 0) 1 x 2 and 2 x 1, (1, 1) 2 x 2
+    g = common.conv_geometry((1, 14, 14, 8), (8, 3, 3, 8), 2, 1)
+    plan = side_by_side_plan(g, lesson05.FIXED_CONFIG._replace(block_n=16))
+    assert plan.phases.heaviest_first() == ((3,), (1,), (2,), (0,))
+    assert common.OutputWindow(torch.empty(1, 14, 14, 8), phases=plan.phases).kernel_args()[8][4] == ((3,), (1,), (2,), (0,))
 
 
 def test_side_by_side_weights_match_torch():
