@@ -875,6 +875,28 @@ def test_phases_run_heaviest_first():
     assert common.OutputWindow(torch.empty(1, 14, 14, 8), phases=plan.phases).kernel_args()[8][4] == ((3,), (1,), (2,), (0,))
 
 
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, stride, padding, tile_m, tile_n", [
+    (128, 14, 14, 512, 512, 3, 2, 1, 128, 128),    # ResNet-50's 14x14 layer: 49 row-tiles, 4 phases of 4 columns
+    (2, 13, 11, 40, 24, 4, 3, 1, 128, 64),         # stride 3: 9 phases, a last group of fewer rows
+    (3, 9, 10, 16, 8, 3, (2, 1), 0, 64, 16),       # stride 2 along h only
+])
+def test_phase_tiles_hand_out_every_tile_once(N, H, W, Ci, Co, R, stride, padding, tile_m, tile_n, monkeypatch):
+    # PhaseTiles.tile's own code run as plain Python (pick and gl.minimum in their Python meaning): every (pid_m,
+    # pid_n) of section 2b's conv exactly once, the phases' tap counts never growing along the order
+    import types
+    monkeypatch.setattr(common, "pick", lambda table, index, field: table[index if index < len(table) else 0][field])
+    monkeypatch.setattr(common, "gl", types.SimpleNamespace(minimum=min))
+    g = common.conv_geometry((N, H, W, Ci), (Co, R, R, Ci), stride, padding)
+    plan = side_by_side_plan(g, lesson05.FIXED_CONFIG._replace(block_m=tile_m, block_n=tile_n))
+    phases = types.SimpleNamespace(width=plan.phases.width, order=plan.phases.heaviest_first())
+    num_pid_m, num_pid_n = -(-plan.geometry.M // tile_m), plan.geometry.Co // tile_n
+    handed = [common.PhaseTiles.tile.fn(phases, t, num_pid_m, tile_n, 8) for t in range(num_pid_m * num_pid_n)]
+    assert sorted(handed) == [(m, n) for m in range(num_pid_m) for n in range(num_pid_n)]
+    taps = [plan.phases.along_h[n * tile_n // plan.phases.width // len(plan.phases.along_w)][1]
+            * plan.phases.along_w[n * tile_n // plan.phases.width % len(plan.phases.along_w)][1] for _, n in handed]
+    assert taps == sorted(taps, reverse=True)
+
+
 def test_side_by_side_weights_match_torch():
     # flipped_weights' side-by-side layout (the kernel under the interpreter on a CPU) against torch's
     w = torch.randn(40, 3, 3, 24).to(common.device())
