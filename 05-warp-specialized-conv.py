@@ -541,8 +541,8 @@ class TileSchedule:
         rows_in_group = gl.minimum(self.num_pid_m - first_m, GROUP_M)
         pid_m = first_m + (tile_id % tiles_per_group) % rows_in_group
         pid_n = (tile_id % tiles_per_group) // rows_in_group
-        if self.phases is not None:       # lesson 06: heaviest phase first; a tile runs its phase's taps (never split)
-            pid_m, pid_n = self.phases.tile(tile_id, self.num_pid_m, self.TILE_N, GROUP_M)
+        if self.phases is not None:       # lesson 06: the phases perhaps in another order; a tile runs its phase's taps
+            pid_m, pid_n = self.phases.tile(tile_id, self.num_pid_m, self.TILE_N, GROUP_M, pid_m, pid_n)
             k_end = self.phases.k_steps(pid_n * self.TILE_N)
         return WorkUnit(pid_m, pid_n, k_begin, k_end, split, partial)
 

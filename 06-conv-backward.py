@@ -670,10 +670,15 @@ if __name__ == "__main__":
 #   so a k-step's weight column is its tap's index in the rectangle, as in lesson 05;
 # - the epilogue stores column block p at dX's pixel (a + sh*y, b + sw*x) (`WindowStore` with
 #   phases; the window's view is the whole of dX), dropping rows and columns past dX's edges;
-# - the tiles run heaviest phase first (`PhaseTiles.tile`), each phase's in lesson 05's grouped
-#   order: in lesson 05's order over the phases side by side, a program would meet the same phase
-#   wave after wave where a group holds about as many tiles as there are programs (ResNet-50's
-#   14x14 layer: some programs six 4-tap tiles, others six 1-tap ones; results/notebook.md).
+# - the tiles' order (`phase_order`, `PhaseTiles.tile`). Lesson 05's grouped order over the phases
+#   side by side keeps a group's tiles, every phase of the same dY pixels, together, so dY comes
+#   from HBM about once. But where a group holds about as many tiles as there are programs, a
+#   program meets the same phase wave after wave (ResNet-50's 14x14 layer: some programs run six
+#   4-tap tiles, others six 1-tap ones; `tools/phase_balance.py` counts it). Run the phases one
+#   after another instead, heaviest first, each phase's tiles in the grouped order, and the
+#   programs' round-robin over the tiles is close to longest-job-first; each phase then reads dY
+#   again, so `phase_order` takes that order only where, counted on paper, it lightens the busiest
+#   program by more than 5%.
 #
 # Lesson 05's kernel takes the phases in its output window (`common.WindowPhases`); without them
 # the new lines are constexpr Nones, and every candidate config builds to the same opcode counts,
@@ -684,7 +689,10 @@ if __name__ == "__main__":
 # axis is fine). Elsewhere (a 1x1 conv at stride 2: three phases of zeros) the phases run one
 # launch each, as above. On the H100 (2026-11-26) the one launch took ResNet-50's three 3x3
 # stride-2 dgrads from 0.80x, 0.70x and 0.79x cuDNN's speed to 1.01x, 0.85-0.86x and 0.74-0.76x
-# (two runs; RESULTS.md): the 14x14 layer's 1-tap tiles still run 8 k-steps, then store a whole tile.
+# (two runs; RESULTS.md), in lesson 05's order. Heaviest phase first then took the 14x14 and 28x28
+# layers from 0.79x and 0.90x to 1.06x and 0.96x, and cost the 56x56 layer, balanced either way,
+# 5% (1.02x to 0.97x; its dY, 26 MB, read once per phase): hence the rule (one run each, on one
+# H100, 2026-11-26; results/notebook.md).
 
 
 class SideBySide(NamedTuple):
@@ -777,11 +785,50 @@ def dgrad_side_by_side(dy_nhwc, w, geometry, plan, conv, in_place=False):
 
 
 def side_by_side_launch(dy_nhwc, w_side_by_side, plan, out_window):
-    # Lesson 05's kernel, launched plainly, on section 2b's conv.
+    # Lesson 05's kernel, launched plainly, on section 2b's conv, its tiles in phase_order's order.
     arch, num_sms = common.tma_mma_arch_and_sms("side_by_side_launch")
+    order = phase_order(plan, lesson05.tile_counts(plan.config, plan.geometry.M, plan.geometry.Co, num_sms)[0])
+    out_window = out_window._replace(phases=out_window.phases._replace(order=order))
     launch = lesson05.prepare_launch(dy_nhwc, w_side_by_side, None, plan.geometry, plan.config, arch, num_sms,
                                      out_window=out_window)
     lesson05.conv2d_fprop_kernel[launch.grid](*launch.kernel_args(), **lesson05.kernel_constexprs(plan.config, arch))
+
+
+def taps_per_tile(plan, order=None):
+    """The taps each tile of section 2b's conv runs (its k-steps, over dY's channel blocks), in the order the
+    kernel numbers the tiles: lesson 05's grouped order over the phases side by side (`order` None), or
+    the phases one after another in `order` (WindowPhases.order), each phase's tiles in that order."""
+    phases, config = plan.phases, lesson05.KernelConfig(*plan.config)
+    num_pid_m, num_pid_n = -(-plan.geometry.M // config.tile_m), plan.geometry.Co // config.tile_n
+    group_m = lesson05.GROUP_M.value
+    per_phase, group = phases.width // config.tile_n, group_m * num_pid_n
+    taps = [phases.along_h[p // len(phases.along_w)][1] * phases.along_w[p % len(phases.along_w)][1]
+            for p in range(phases.count)]
+    if order is None:   # lesson 05's TileSchedule.work: pid_n of tile t
+        return [taps[t % group // min(num_pid_m - t // group * group_m, group_m) // per_phase]
+                for t in range(num_pid_m * num_pid_n)]
+    return [taps[p] for (p,) in order for _ in range(num_pid_m * per_phase)]
+
+
+def busiest_program(costs, programs):
+    """The most any of `programs` persistent programs runs when program p takes tiles p, p + programs, ..."""
+    return max(sum(costs[p::programs]) for p in range(min(programs, len(costs))))
+
+
+def phase_order(plan, programs):
+    """WindowPhases.heaviest_first() where, on `programs` programs, it lightens the busiest program by more
+    than 5% against lesson 05's order; else None (lesson 05's order, which reads dY about once). Arithmetic
+    on the shape alone: kept per shape, config and programs."""
+    return _phase_order(plan.source, plan.config, programs)
+
+
+@functools.lru_cache(maxsize=256)
+def _phase_order(source, config, programs):
+    plan = side_by_side_plan(source, config)
+    heaviest = plan.phases.heaviest_first()
+    if busiest_program(taps_per_tile(plan, heaviest), programs) < 0.95 * busiest_program(taps_per_tile(plan), programs):
+        return heaviest
+    return None
 
 
 def reference_side_by_side(dy_nhwc, w_side_by_side, plan, out_window):
@@ -872,7 +919,27 @@ def test_phases_run_heaviest_first():
     g = common.conv_geometry((1, 14, 14, 8), (8, 3, 3, 8), 2, 1)
     plan = side_by_side_plan(g, lesson05.FIXED_CONFIG._replace(block_n=16))
     assert plan.phases.heaviest_first() == ((3,), (1,), (2,), (0,))
-    assert common.OutputWindow(torch.empty(1, 14, 14, 8), phases=plan.phases).kernel_args()[8][4] == ((3,), (1,), (2,), (0,))
+    window = common.OutputWindow(torch.empty(1, 14, 14, 8), phases=plan.phases)
+    assert window.kernel_args()[8][4] is None
+    ordered = window._replace(phases=plan.phases._replace(order=plan.phases.heaviest_first()))
+    assert ordered.kernel_args()[8][4] == ((3,), (1,), (2,), (0,))
+
+
+@pytest.mark.parametrize("N, H, Ci, busiest, ordered", [
+    # ResNet-50's 3x3 stride-2 layers at batch 128 in 128 x 128 tiles, on 132 programs: the busiest program's
+    # taps in lesson 05's order and heaviest first
+    (128, 14, 512, (24, 15), True),     # 784 tiles: groups of 128 tiles, about the programs; 2 x 4 taps more
+    (128, 28, 256, (32, 27), True),
+    (128, 56, 128, (54, 54), False),    # balanced either way: lesson 05's order, dY read about once
+    (1, 8, 64, (4, 4), False),          # 4 tiles, one program each: nothing to balance
+])
+def test_phase_order_where_it_lightens_the_busiest_program(N, H, Ci, busiest, ordered):
+    g = common.conv_geometry((N, H, H, Ci), (Ci, 3, 3, Ci), 2, 1)
+    plan = side_by_side_plan(g, lesson05.KernelConfig(128, 128, 64, 6, 8))
+    grouped, heaviest = taps_per_tile(plan), taps_per_tile(plan, plan.phases.heaviest_first())
+    assert sorted(grouped) == sorted(heaviest) and heaviest == sorted(heaviest, reverse=True)
+    assert (busiest_program(grouped, 132), busiest_program(heaviest, 132)) == busiest
+    assert phase_order(plan, 132) == (plan.phases.heaviest_first() if ordered else None)
 
 
 @pytest.mark.parametrize("N, H, W, Ci, Co, R, stride, padding, tile_m, tile_n", [
@@ -890,7 +957,7 @@ def test_phase_tiles_hand_out_every_tile_once(N, H, W, Ci, Co, R, stride, paddin
     plan = side_by_side_plan(g, lesson05.FIXED_CONFIG._replace(block_m=tile_m, block_n=tile_n))
     phases = types.SimpleNamespace(width=plan.phases.width, order=plan.phases.heaviest_first())
     num_pid_m, num_pid_n = -(-plan.geometry.M // tile_m), plan.geometry.Co // tile_n
-    handed = [common.PhaseTiles.tile.fn(phases, t, num_pid_m, tile_n, 8) for t in range(num_pid_m * num_pid_n)]
+    handed = [common.PhaseTiles.tile.fn(phases, t, num_pid_m, tile_n, 8, None, None) for t in range(num_pid_m * num_pid_n)]
     assert sorted(handed) == [(m, n) for m in range(num_pid_m) for n in range(num_pid_n)]
     taps = [plan.phases.along_h[n * tile_n // plan.phases.width // len(plan.phases.along_w)][1]
             * plan.phases.along_w[n * tile_n // plan.phases.width % len(plan.phases.along_w)][1] for _, n in handed]
@@ -2393,24 +2460,28 @@ def test_phase_build_stores_its_pixels_without_tma(arch):
     assert "ld.shared.v4.b32" in windowed and built["stack"] == 0
 
 
-def aot_side_by_side(arch, N=2, H=16, W=16, Ci=128, Co=64, R=3, stride=2, padding=1, config=None, in_place=False):
+def aot_side_by_side(arch, N=2, H=16, W=16, Ci=128, Co=64, R=3, stride=2, padding=1, config=None, in_place=False,
+                     heaviest_first=False):
     """(kernel, args, kwargs) of section 2b's conv, on CPU tensors: the dgrad of a 3x3 stride-2 conv, Ci -> Co,
-    every phase in one launch of lesson 05's kernel (`in_place`: its weights read from w, section 2c)."""
+    every phase in one launch of lesson 05's kernel (`in_place`: its weights read from w, section 2c;
+    `heaviest_first`: its tiles in that order)."""
     x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, R, stride, padding, 1, torch.bfloat16, device_name="cpu")
     plan = side_by_side_plan(g, config and lesson05.KernelConfig(*config))
     dx = torch.empty(N, H, W, Ci, dtype=torch.bfloat16)
     w_side_by_side = side_by_side_in_place(w, plan) if in_place else flipped_weights(
         w, [(h.taps, v.taps) for _, _, h, v in dgrad_phases(g)], width=plan.phases.width)
+    phases = plan.phases._replace(order=plan.phases.heaviest_first() if heaviest_first else None)
     launch = lesson05.prepare_launch(dy, w_side_by_side, None, plan.geometry, plan.config, arch, 132,
-                                     out_window=common.OutputWindow(dx, phases=plan.phases))
+                                     out_window=common.OutputWindow(dx, phases=phases))
     return lesson05.conv2d_fprop_kernel, launch.kernel_args(), lesson05.kernel_constexprs(plan.config, arch)
 
 
 @pytest.mark.parametrize("arch", list(TAUGHT_PTX))
-def test_side_by_side_build(arch):
+@pytest.mark.parametrize("heaviest_first", [False, True])
+def test_side_by_side_build(arch, heaviest_first):
     # section 2b: the phases' build loads and stores as section 2's (im2col and tiled loads, 16 st.global.v4 per
-    # thread), with no stack: the loader picks its tile's taps in the registers it has
-    built = common.aot_compile_or_skip("06-conv-backward", "aot_side_by_side", arch)
+    # thread), with no stack: the loader picks its tile's taps in the registers it has, either tile order
+    built = common.aot_compile_or_skip("06-conv-backward", "aot_side_by_side", arch, heaviest_first=heaviest_first)
     assert common.ptx_instructions(built["ptx"], ["st.global", "st.global.v4", common.PTX_TMA_STORE]) == {
         "st.global": 16, "st.global.v4": 16, common.PTX_TMA_STORE: 0}
     assert common.PTX_IM2COL_LOAD in built["ptx"] and built["stack"] == 0

@@ -1287,14 +1287,15 @@ class WindowPhases(NamedTuple):
     channels: int
     along_h: tuple
     along_w: tuple
+    order: tuple = None     # the phases one after another in this order (PhaseTiles.tile); None: lesson 05's order
 
     @property
     def count(self):
         return len(self.along_h) * len(self.along_w)
 
     def heaviest_first(self):
-        """The phases by their taps, most first (ties in phase order), each as a 1-tuple: the order the kernel
-        runs their tiles in (`PhaseTiles.tile`)."""
+        """The phases by their taps, most first (ties in phase order), each as a 1-tuple: an `order` for
+        the kernel to run their tiles in (`PhaseTiles.tile`)."""
         taps = [self.along_h[p // len(self.along_w)][1] * self.along_w[p % len(self.along_w)][1]
                 for p in range(self.count)]
         return tuple((p,) for p in sorted(range(self.count), key=lambda p: -taps[p]))
@@ -1421,9 +1422,9 @@ class OutputWindow(NamedTuple):
 
     def kernel_args(self):
         """The kernel's `out_window` tuple: (view, its n, y and x strides in elements, its rows and
-        columns, crop_h, crop_w, and the phases' (width, channels, along_h, along_w, heaviest_first) or None)."""
+        columns, crop_h, crop_w, and the phases' (width, channels, along_h, along_w, order) or None)."""
         view = self.view
-        phases = None if self.phases is None else (*self.phases, self.phases.heaviest_first())
+        phases = None if self.phases is None else tuple(self.phases)
         return (view, *view.stride()[:3], view.shape[1], view.shape[2], self.crop_h, self.crop_w, phases)
 
 
@@ -1492,25 +1493,28 @@ class PhaseTiles:
     channels: Union[gl.tensor, gl.constexpr]
     along_h: gl.tuple
     along_w: gl.tuple
-    order: gl.tuple       # the phases, heaviest first: WindowPhases.heaviest_first
+    order: Union[gl.tuple, gl.constexpr]     # WindowPhases.order: the phases in run order, or None
     channel_blocks: Union[gl.tensor, gl.constexpr]
 
     @gluon.jit
-    def tile(self, tile_id, num_pid_m, TILE_N: gl.constexpr, GROUP_M: gl.constexpr):
-        """(pid_m, pid_n) of tile `tile_id` when the phases' tiles run heaviest phase first, each phase's in
-        lesson 05's grouped order (GROUP_M row-tiles at a time). Lesson 05's order over the phases side by
-        side would hand a program the same phase wave after wave where a group's tiles are about as many as
-        the programs (ResNet-50's 14x14 stride-2 layer: one program six 4-tap tiles, another six 1-tap ones);
-        heaviest first, the round-robin of programs over tiles is close to longest-job-first."""
-        per_phase = self.width // TILE_N                 # column tiles per phase
-        tiles_per_phase = num_pid_m * per_phase
-        p = pick(self.order, tile_id // tiles_per_phase, 0)
-        local = tile_id % tiles_per_phase
-        tiles_per_group = GROUP_M * per_phase
-        first_m = (local // tiles_per_group) * GROUP_M
-        rows_in_group = gl.minimum(num_pid_m - first_m, GROUP_M)
-        return (first_m + (local % tiles_per_group) % rows_in_group,
-                p * per_phase + (local % tiles_per_group) // rows_in_group)
+    def tile(self, tile_id, num_pid_m, TILE_N: gl.constexpr, GROUP_M: gl.constexpr, pid_m, pid_n):
+        """(pid_m, pid_n) of tile `tile_id`: lesson 05's (pid_m, pid_n) where there is no `order`, else the
+        phases' tiles one phase after another in `order`, each phase's in lesson 05's grouped order
+        (GROUP_M row-tiles at a time). Lesson 05's order over the phases side by side can hand a program
+        the same phase wave after wave, where a group's tiles are about as many as the programs
+        (ResNet-50's 14x14 stride-2 layer: one program six 4-tap tiles, another six 1-tap ones); heaviest
+        phase first, the programs' round-robin over the tiles is close to longest-job-first."""
+        if self.order is not None:
+            per_phase = self.width // TILE_N                 # column tiles per phase
+            tiles_per_phase = num_pid_m * per_phase
+            p = pick(self.order, tile_id // tiles_per_phase, 0)
+            local = tile_id % tiles_per_phase
+            tiles_per_group = GROUP_M * per_phase
+            first_m = (local // tiles_per_group) * GROUP_M
+            rows_in_group = gl.minimum(num_pid_m - first_m, GROUP_M)
+            pid_m = first_m + (local % tiles_per_group) % rows_in_group
+            pid_n = p * per_phase + (local % tiles_per_group) // rows_in_group
+        return pid_m, pid_n
 
     @gluon.jit
     def phase(self, co0):

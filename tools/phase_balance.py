@@ -14,7 +14,8 @@ program p of P takes tiles p, p + P, p + 2P, ... (lesson 05's persistent loop), 
 
 Prints, per layer, the mean k-steps per program and the busiest program's, and their ratio: the
 share of the kernel's time (its slowest program's) the average program is busy. The kernel's
-speed also depends on what a k-step costs, which this does not model.
+speed also depends on what a k-step costs, which this does not model. Lesson 06's `phase_order`
+runs a layer heaviest first where that lightens the busiest program by more than 5%.
 """
 import argparse
 import sys
@@ -27,37 +28,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import common  # noqa: E402
 import network_suite  # noqa: E402
 
-GROUP_M = 8     # lesson 05's row-tiles per group
 
-
-def tile_costs(plan, order):
-    """The k-steps of each tile of section 2b's conv `plan`, in the order the tiles are numbered."""
-    lesson05 = common.load_lesson("05-warp-specialized-conv")
-    g, phases, config = plan.geometry, plan.phases, lesson05.KernelConfig(*plan.config)
-    num_pid_m, num_pid_n = -(-g.M // config.tile_m), -(-g.Co // config.tile_n)
-    per_phase = phases.width // config.tile_n
-    channel_blocks = -(-(-(-g.Ci // 8) * 8) // config.block_k)     # dY's channels, padded to 16 bytes
-
-    def k_steps(phase):
-        a, b = phase // len(phases.along_w), phase % len(phases.along_w)
-        return phases.along_h[a][1] * phases.along_w[b][1] * channel_blocks
-    if order == "grouped":
-        costs = []
-        for tile in range(num_pid_m * num_pid_n):
-            per_group = GROUP_M * num_pid_n
-            first_m = tile // per_group * GROUP_M
-            pid_n = tile % per_group // min(num_pid_m - first_m, GROUP_M)
-            costs.append(k_steps(pid_n // per_phase))
-        return costs
-    by_taps = sorted(range(phases.count), key=lambda p: -k_steps(p))
-    return [k_steps(p) for p in by_taps for _ in range(num_pid_m * per_phase)]
-
-
-def balance(costs, programs):
-    """(mean, max) k-steps per program when program p runs tiles p, p + programs, ..."""
-    programs = min(programs, len(costs))
-    loads = [sum(costs[p::programs]) for p in range(programs)]
-    return sum(loads) / programs, max(loads)
+def k_steps_per_tile(lesson06, plan, order=None):
+    """The k-steps of each tile of section 2b's conv `plan`, in the order the tiles are numbered:
+    lesson 06's taps_per_tile times the K blocks of dY's channels (padded to 16 bytes)."""
+    g, config = plan.geometry, common.load_lesson("05-warp-specialized-conv").KernelConfig(*plan.config)
+    channel_blocks = -(-(-(-g.Ci // 8) * 8) // config.block_k)
+    return [taps * channel_blocks for taps in lesson06.taps_per_tile(plan, order)]
 
 
 def main(argv=None):
@@ -69,7 +46,7 @@ def main(argv=None):
     layers = (network_suite.resnet50_layers(128) + network_suite.torchvision_dense_convs("resnet18", "RN18", 256, 224)
               + network_suite.inception_v3_layers())
     seen = set()
-    print(f"{'layer':34s} {'tiles':>6s} {'mean':>7s}  {'grouped: max':>13s}  {'heaviest first: max':>20s}")
+    print(f"{'layer':34s} {'tiles':>6s} {'mean':>7s}  {'grouped: max':>13s}  {'heaviest first: max':>20s}  runs")
     for label, N, H, W, Ci, Co, R, S, stride, padding in layers:
         g = common.conv_geometry((N, H, W, Ci), (Co, R, S, Ci), stride, padding)
         if g in seen or g.stride == (1, 1) or g.Ci <= 8:      # (few channels: the stride is folded instead)
@@ -80,12 +57,14 @@ def main(argv=None):
         plan = lesson06.side_by_side_plan(g, config)
         if plan is None:
             continue
-        mean, grouped = balance(tile_costs(plan, "grouped"), args.sms)
-        _, heaviest = balance(tile_costs(plan, "heaviest first"), args.sms)
-        tiles = len(tile_costs(plan, "grouped"))
+        grouped_costs = k_steps_per_tile(lesson06, plan)
+        mean, tiles = sum(grouped_costs) / min(args.sms, len(grouped_costs)), len(grouped_costs)
+        grouped = lesson06.busiest_program(grouped_costs, args.sms)
+        heaviest = lesson06.busiest_program(k_steps_per_tile(lesson06, plan, plan.phases.heaviest_first()), args.sms)
+        programs = lesson05.tile_counts(config, plan.geometry.M, plan.geometry.Co, args.sms)[0]
+        runs = "grouped" if lesson06.phase_order(plan, programs) is None else "heaviest first"
         print(f"{label:34s} {tiles:6d} {mean:7.1f}  {grouped:6d} ({mean / grouped:4.0%})  "
-              f"{heaviest:13d} ({mean / heaviest:4.0%})")
-
+              f"{heaviest:13d} ({mean / heaviest:4.0%})  {runs}")
 
 if __name__ == "__main__":
     main()
