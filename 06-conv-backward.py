@@ -3011,10 +3011,10 @@ if __name__ == "__main__" and on_gpu:
 # bf16, batch 128, every distinct conv of ResNet-50; RESULTS.md, "The backward" and "The
 # operator's gradients"): both gradients
 # matched torch.nn.grad on every layer. Against cuDNN's convolution_backward, as geometric means
-# over the 23 layers, kernels alone, this lesson's launchers ran at 0.99x (dgrad) and 0.99x
-# (wgrad), and the operator's gradients (`conv_tutorial`, below) at **1.04x** (none below 0.80x)
-# and 0.98x (`results/h100-2026-11-26/backward_layers_operator_cuda_graphs_in_place.json`; a layer's
-# ratio moves by about 5% between runs, cuDNN's own times by up to 11%).
+# over the 23 layers, kernels alone, this lesson's launchers ran at 1.01x (dgrad) and 0.98x
+# (wgrad), and the operator's gradients (`conv_tutorial`, below) at **1.05x** (none below 0.92x)
+# and 0.98x (0.79-1.12x; `results/h100-2026-11-26/backward_layers_operator_cuda_graphs_phase_order.json`;
+# a layer's ratio moves by about 5% between runs, cuDNN's own times by up to 11%).
 #
 # - The host is most of the gap in a plain call. The launchers above check their arguments, choose
 #   a split, build descriptors and a workspace on every call, and dgrad runs that once per phase
@@ -3030,29 +3030,34 @@ if __name__ == "__main__" and on_gpu:
 #   statistics, 1.04x in the run before), 0.46x without (2026-11-25), and RegNetY-3.2GF at 0.94x
 #   with graphs in an earlier run (RESULTS.md, "Training").
 # - wgrad through the operator is within 6% of cuDNN or faster on 15 of 23 layers (faster on 7,
-#   up to 1.11x), none below 0.83x. Section 5's split took the two 512-channel 3x3 layers with 144 tiles from
+#   up to 1.11x), none below 0.83x in that run (0.79x in the latest: the 7x7 512->2048 1x1, our
+#   kernel at 493 TFLOPS in both runs, cuDNN's at 583 and 625). Section 5's split took the two
+#   512-channel 3x3 layers with 144 tiles from
 #   0.72-0.73x to 0.96-0.97x (a wave of whole tiles, then 12 tiles in slices, where every tile had
 #   been cut in 3), and 14x14 1024->2048 stride 2 from 0.84x to 0.96x (no split: no workspace, no
 #   second kernel); section 6's 128-pixel k-steps took the 56x56 64->64 3x3 from 0.67x to 1.00x.
 #   The stem was its worst once, 0.25x (3 input channels padded to a 16-channel box); folded as
 #   section 6 ends it runs at 1.09x, and its dgrad at 2.13x. The 7x7 1x1 layers, 0.67-0.84x in 2
 #   slices and a second kernel, run 64-row tiles whole at 0.83x and 0.97x; it loses most now on
-#   those and on 1x1 layers at 14x14 (0.88x: 16 tiles of 128 x 128 in 8 slices).
+#   those and on 1x1 layers at 14x14 (0.88x: 16 tiles of 128 x 128 in 8 slices). Summing the
+#   split tiles in the kernel (the last slice to finish adds the others' partials in order) was
+#   built and measured, and lost: 0.73x against the second kernel's 0.98x in one run (the 56x56
+#   1x1 layers, 63 slices a tile, fell to 0.53-0.68x: one program reads all of a tile's partials,
+#   where the second kernel spreads the sum over every SM; results/notebook.md).
 # - dgrad: section 1's one-pass flipped weights and section 2's phases stored in place moved the
 #   operator's dgrad from 0.75x to 0.90x (H100, 2026-11-25), then the window store through the
 #   staging buffer, all phases' weights in one launch and zeros only where no tap reaches to
 #   **0.97x** (H100, 2026-11-26, `results/h100-2026-11-26/backward_layers_operator_cuda_graphs.json`;
 #   0.98x in a later run, its kernels unchanged), section 2b's one launch for all phases to
-#   **0.99x** (two runs), and section 2c's weights read in place to **1.04x** (1.00x without the
-#   stem): 1 to 11% on every layer, the flipped copy's 1.8-5.3 us gone. At stride 1 it runs at
-#   0.91-1.19x of cuDNN, the 1x1 stride-2 layers at 1.02-1.12x, the 3x3 stride-2 layers at 1.02x
-#   (56x56), 0.90x (28x28) and 0.80x (14x14), where four launches had run them at 0.80x, 0.70x and
-#   0.79x. The 14x14 512->512 layer is what is left (72.7 us against cuDNN's 58.4). Counted on
-#   paper (`tools/phase_balance.py`), lesson 05's tile order hands its programs uneven work: a
-#   program meets the same phase wave after wave, so some run six 4-tap tiles (192 k-steps) and
-#   others six 1-tap ones (48), against a mean of 107; the 28x28 layer's busiest program runs 128.
-#   Running the heaviest phase's tiles first would bring the busiest to 120 and 108 (not built here,
-#   not measured).
+#   **0.99x** (two runs), section 2c's weights read in place to **1.04x** (1 to 11% on every
+#   layer, the flipped copy's 1.8-5.3 us gone), and section 2b's tile order per layer to
+#   **1.05x** (1.01x without the stem). At stride 1 it runs at 0.92-1.18x of cuDNN, the 1x1
+#   stride-2 layers at 1.02-1.12x, the 3x3 stride-2 layers at 1.02x (56x56), 0.93x (28x28) and
+#   1.06x (14x14), where four launches had run them at 0.80x, 0.70x and 0.79x. The 14x14 layer
+#   had been at 0.80x in lesson 05's tile order: counted on paper (`tools/phase_balance.py`), some
+#   of its programs ran six 4-tap tiles (192 k-steps), others six 1-tap ones (48), against a mean
+#   of 107; heaviest phase first the busiest runs 120, and the layer took 54.5 us (72.1 in lesson
+#   05's order, in an earlier run; cuDNN 57.7 and 57.2).
 # - Section 10's BatchNorm statistics: on an H200 (2026-11-25) a ResNet-50 training step ran 3.9%
 #   faster with them (5969 -> 6199 images/s under CUDA graphs, torch.compile 6188), RegNetY-3.2GF
 #   0.9% (its grouped convs left unfused); on an H100 (2026-11-26, the sums in one tensor) ResNet-50
@@ -3072,8 +3077,8 @@ if __name__ == "__main__" and on_gpu:
 # they do not cover); it keeps PyTorch's convolution backward by default, because the figures above
 # say it does not pay yet: the convs' gradients run at cuDNN's pace, and the step's time is
 # mostly BatchNorm's and ReLU's. What they point to first: the two fusions not built (BatchNorm's
-# apply and ReLU in the next conv's load, ReLU's mask in dgrad's epilogue), wgrad's split tiles
-# summed without a second kernel, and the host time of a strided dgrad.
+# apply and ReLU in the next conv's load, ReLU's mask in dgrad's epilogue), wgrad's 7x7 and 14x14
+# 1x1 layers, and the host time of a strided dgrad.
 
 # %%
 if __name__ == "__main__":

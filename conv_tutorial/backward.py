@@ -5,7 +5,7 @@
 
 The default stays torch's until lesson 06's kernels measure faster: on an H100 (ResNet-50's convs
 at batch 128, bf16, 2026-11-26; RESULTS.md, "The operator's gradients" and "Training") this
-operator's gradients ran at 1.04x (dgrad) and 0.98x (wgrad) cuDNN's speed, kernels alone,
+operator's gradients ran at 1.05x (dgrad) and 0.98x (wgrad) cuDNN's speed, kernels alone,
 geometric means, and a training step at 1.00x torch.compile's with CUDA graphs (ResNet-50; 1.02x
 with the forward's fused BatchNorm statistics, 1.04x in another run; RegNetY-3.2GF 0.94x in an
 earlier run), 0.46x without (ResNet-50, an earlier run: host time). With "lesson06", each gradient
