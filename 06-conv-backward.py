@@ -671,28 +671,27 @@ if __name__ == "__main__":
 # - the epilogue stores column block p at dX's pixel (a + sh*y, b + sw*x) (`WindowStore` with
 #   phases; the window's view is the whole of dX), dropping rows and columns past dX's edges;
 # - the tiles' order (`phase_order`, `PhaseTiles.tile`). Lesson 05's grouped order over the phases
-#   side by side keeps a group's tiles, every phase of the same dY pixels, together, so dY comes
-#   from HBM about once. But where a group holds about as many tiles as there are programs, a
+#   side by side keeps a group's tiles, every phase of the same dY pixels, together, so dY should
+#   come from HBM about once (not measured). But where a group holds about as many tiles as there are programs, a
 #   program meets the same phase wave after wave (ResNet-50's 14x14 layer: some programs run six
 #   4-tap tiles, others six 1-tap ones; `tools/phase_balance.py` counts it). Run the phases one
 #   after another instead, heaviest first, each phase's tiles in the grouped order, and the
 #   programs' round-robin over the tiles is close to longest-job-first; each phase then reads dY
-#   again, so `phase_order` takes that order only where, counted on paper, it lightens the busiest
-#   program by more than 5%.
+#   again (from L2 where dY fits there, not where it is as large as half of it), so `phase_order`
+#   takes that order only where, counted on paper, it lightens the busiest program by more than 5%.
 #
 # Lesson 05's kernel takes the phases in its output window (`common.WindowPhases`); without them
 # the new lines are constexpr Nones, and every candidate config builds to the same opcode counts,
-# registers and shared memory as before (`tools/ptx_fingerprint.py`, sm_90 and sm_100). The tiles
-# of one group of row-tiles (lesson 05, section 3) are the phases of the same dY pixels, so dY
-# should come from HBM about once (not measured). The plan applies where every phase has taps and
+# registers and shared memory as before (`tools/ptx_fingerprint.py`, sm_90 and sm_100). The plan applies where every phase has taps and
 # rows and the phases' windows line up: on a strided axis only at dilation 1 (a dilated stride-1
 # axis is fine). Elsewhere (a 1x1 conv at stride 2: three phases of zeros) the phases run one
 # launch each, as above. On the H100 (2026-11-26) the one launch took ResNet-50's three 3x3
 # stride-2 dgrads from 0.80x, 0.70x and 0.79x cuDNN's speed to 1.01x, 0.85-0.86x and 0.74-0.76x
-# (two runs; RESULTS.md), in lesson 05's order. Heaviest phase first then took the 14x14 and 28x28
-# layers from 0.79x and 0.90x to 1.06x and 0.96x, and cost the 56x56 layer, balanced either way,
-# 5% (1.02x to 0.97x; its dY, 26 MB, read once per phase): hence the rule (one run each, on one
-# H100, 2026-11-26; results/notebook.md).
+# (two runs; RESULTS.md), in lesson 05's order. With section 2c's weights read in place (below),
+# heaviest phase first took the 14x14 and 28x28 layers from 0.79x and 0.90x to 1.06x and 0.96x,
+# and cost the 56x56 layer, balanced either way, 5% (1.02x to 0.97x; likely its dY, 26 MB, half
+# of the H100's L2, read once per phase, where the 14x14 and 28x28 layers' 6.4 and 12.8 MB fit):
+# hence the rule (one run each, on one H100, 2026-11-26; results/notebook.md).
 
 
 class SideBySide(NamedTuple):
@@ -786,6 +785,8 @@ def dgrad_side_by_side(dy_nhwc, w, geometry, plan, conv, in_place=False):
 
 def side_by_side_launch(dy_nhwc, w_side_by_side, plan, out_window):
     # Lesson 05's kernel, launched plainly, on section 2b's conv, its tiles in phase_order's order.
+    if out_window.phases is None:
+        raise ValueError("out_window must carry the plan's phases (common.OutputWindow(dx, phases=plan.phases))")
     arch, num_sms = common.tma_mma_arch_and_sms("side_by_side_launch")
     order = phase_order(plan, lesson05.tile_counts(plan.config, plan.geometry.M, plan.geometry.Co, num_sms)[0])
     out_window = out_window._replace(phases=out_window.phases._replace(order=order))
@@ -937,7 +938,7 @@ def test_phase_order_where_it_lightens_the_busiest_program(N, H, Ci, busiest, or
     g = common.conv_geometry((N, H, H, Ci), (Ci, 3, 3, Ci), 2, 1)
     plan = side_by_side_plan(g, lesson05.KernelConfig(128, 128, 64, 6, 8))
     grouped, heaviest = taps_per_tile(plan), taps_per_tile(plan, plan.phases.heaviest_first())
-    assert sorted(grouped) == sorted(heaviest) and heaviest == sorted(heaviest, reverse=True)
+    assert sorted(grouped) == sorted(heaviest)      # the same tiles, another order
     assert (busiest_program(grouped, 132), busiest_program(heaviest, 132)) == busiest
     assert phase_order(plan, 132) == (plan.phases.heaviest_first() if ordered else None)
 
@@ -948,20 +949,24 @@ def test_phase_order_where_it_lightens_the_busiest_program(N, H, Ci, busiest, or
     (3, 9, 10, 16, 8, 3, (2, 1), 0, 64, 16),       # stride 2 along h only
 ])
 def test_phase_tiles_hand_out_every_tile_once(N, H, W, Ci, Co, R, stride, padding, tile_m, tile_n, monkeypatch):
-    # PhaseTiles.tile's own code run as plain Python (pick and gl.minimum in their Python meaning): every (pid_m,
-    # pid_n) of section 2b's conv exactly once, the phases' tap counts never growing along the order
+    # PhaseTiles.tile's own code run as plain Python (pick and gl.minimum in their Python meaning): heaviest first,
+    # every (pid_m, pid_n) of section 2b's conv exactly once, each tile's taps what taps_per_tile (phase_order's
+    # count) says; without an order, lesson 05's (pid_m, pid_n), as handed in
     import types
     monkeypatch.setattr(common, "pick", lambda table, index, field: table[index if index < len(table) else 0][field])
     monkeypatch.setattr(common, "gl", types.SimpleNamespace(minimum=min))
     g = common.conv_geometry((N, H, W, Ci), (Co, R, R, Ci), stride, padding)
     plan = side_by_side_plan(g, lesson05.FIXED_CONFIG._replace(block_m=tile_m, block_n=tile_n))
-    phases = types.SimpleNamespace(width=plan.phases.width, order=plan.phases.heaviest_first())
+    order = plan.phases.heaviest_first()
+    phases = types.SimpleNamespace(width=plan.phases.width, order=order)
     num_pid_m, num_pid_n = -(-plan.geometry.M // tile_m), plan.geometry.Co // tile_n
-    handed = [common.PhaseTiles.tile.fn(phases, t, num_pid_m, tile_n, 8, None, None) for t in range(num_pid_m * num_pid_n)]
+    handed = [common.PhaseTiles.tile.fn(phases, t, num_pid_m, tile_n, 8, -1, -1) for t in range(num_pid_m * num_pid_n)]
     assert sorted(handed) == [(m, n) for m in range(num_pid_m) for n in range(num_pid_n)]
     taps = [plan.phases.along_h[n * tile_n // plan.phases.width // len(plan.phases.along_w)][1]
             * plan.phases.along_w[n * tile_n // plan.phases.width % len(plan.phases.along_w)][1] for _, n in handed]
-    assert taps == sorted(taps, reverse=True)
+    assert taps == taps_per_tile(plan, order) and taps == sorted(taps, reverse=True)
+    unordered = types.SimpleNamespace(width=plan.phases.width, order=None)
+    assert common.PhaseTiles.tile.fn(unordered, 5, num_pid_m, tile_n, 8, 3, 7) == (3, 7)
 
 
 def test_side_by_side_weights_match_torch():
@@ -2629,6 +2634,25 @@ def test_backward_matches_torch(kind, N, H, W, Ci, Co, R, S, stride, padding, di
 
 
 @needs_gpu
+@pytest.mark.parametrize("heaviest_first", [False, True], ids=["lesson 05's order", "heaviest first"])
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, stride", [
+    (8, 56, 56, 128, 64, 3, 2),      # 196 tiles of 128 x 128 (Hopper's config) on 132 programs: some run two
+    (2, 17, 17, 32, 48, 4, 3),       # stride 3, an even filter: 9 phases of 1 to 4 taps
+])
+def test_side_by_side_runs_either_tile_order(heaviest_first, N, H, W, Ci, Co, R, stride, monkeypatch):
+    # section 2b's conv on the GPU with its tiles in each order, forced (phase_order picks one per layer): dX
+    # against torch's
+    orders = []
+
+    def forced(plan, programs):
+        orders.append(plan.phases.heaviest_first() if heaviest_first else None)
+        return orders[-1]
+    monkeypatch.setitem(globals(), "phase_order", forced)
+    check_backward("dgrad", N, H, W, Ci, Co, R, R, stride, 1, 1)
+    assert len(orders) == 1 and (orders[0] is not None) == heaviest_first
+
+
+@needs_gpu
 @pytest.mark.parametrize("kind", ["dgrad", "wgrad"])
 @pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, groups", [
     (2, 14, 14, 256, 256, 3, 3, 1, 1, 2),          # 128 channels per group
@@ -3029,9 +3053,9 @@ if __name__ == "__main__" and on_gpu:
 #   sides (5197 against 5196, H100, 2026-11-26, weights read in place; 1.02x with section 10's
 #   statistics, 1.04x in the run before), 0.46x without (2026-11-25), and RegNetY-3.2GF at 0.94x
 #   with graphs in an earlier run (RESULTS.md, "Training").
-# - wgrad through the operator is within 6% of cuDNN or faster on 15 of 23 layers (faster on 7,
-#   up to 1.11x), none below 0.83x in that run (0.79x in the latest: the 7x7 512->2048 1x1, our
-#   kernel at 493 TFLOPS in both runs, cuDNN's at 583 and 625). Section 5's split took the two
+# - wgrad through the operator is within 6% of cuDNN or faster on 16 of 23 layers (faster on 9,
+#   up to 1.12x; `..._phase_order.json`), its lowest the 7x7 512->2048 1x1 at 0.79x (0.85x in the
+#   run before: our kernel at 493 TFLOPS in both, cuDNN's at 583 and 625). Section 5's split took the two
 #   512-channel 3x3 layers with 144 tiles from
 #   0.72-0.73x to 0.96-0.97x (a wave of whole tiles, then 12 tiles in slices, where every tile had
 #   been cut in 3), and 14x14 1024->2048 stride 2 from 0.84x to 0.96x (no split: no workspace, no
@@ -3041,9 +3065,9 @@ if __name__ == "__main__" and on_gpu:
 #   slices and a second kernel, run 64-row tiles whole at 0.83x and 0.97x; it loses most now on
 #   those and on 1x1 layers at 14x14 (0.88x: 16 tiles of 128 x 128 in 8 slices). Summing the
 #   split tiles in the kernel (the last slice to finish adds the others' partials in order) was
-#   built and measured, and lost: 0.73x against the second kernel's 0.98x in one run (the 56x56
-#   1x1 layers, 63 slices a tile, fell to 0.53-0.68x: one program reads all of a tile's partials,
-#   where the second kernel spreads the sum over every SM; results/notebook.md).
+#   built and measured, and lost: 0.73x against the second kernel's 0.98x in one run (the 1x1
+#   layers cut into 32-63 slices a tile fell to 0.45-0.68x: one program reads all of a tile's
+#   partials, where the second kernel spreads the sum over every SM; results/notebook.md).
 # - dgrad: section 1's one-pass flipped weights and section 2's phases stored in place moved the
 #   operator's dgrad from 0.75x to 0.90x (H100, 2026-11-25), then the window store through the
 #   staging buffer, all phases' weights in one launch and zeros only where no tap reaches to
