@@ -1023,10 +1023,11 @@ if __name__ == "__main__":
 #
 # The flip is now arithmetic. `common.FlippedFilter` names w and, per residue of the phases (one
 # residue without phases), the rectangle of the conv's taps and the taps of w it reads, reversed;
-# its `kernel_args` turn that into two numbers per residue and axis, so that conv tap (r, s) of
-# residue (a, b) reads columns
+# its `kernel_args` turn that into two numbers per residue and axis, a base and a step (along_h[a]
+# = (base_h, step_h), along_w[b] = (base_w, step_w)), so that conv tap (r, s) of residue (a, b)
+# reads columns
 #
-#     along_h[a][0] - r * along_h[a][1] + along_w[b][0] - s * along_w[b][1] + n
+#     base_h - r * step_h + base_w - s * step_w + n
 #
 # (`common.FlippedTaps`, which lesson 05's `Im2colWindow.k_step` asks where the box starts). The
 # per-phase convs of section 2 get one FlippedFilter each, section 2b's conv one with a residue
@@ -1039,7 +1040,8 @@ if __name__ == "__main__":
 # and sm_100: `tools/ptx_fingerprint.py`). On the H100
 # (2026-11-26; RESULTS.md, "The operator's gradients") it took the operator's dgrad over
 # ResNet-50's 23 layers to 1.04x cuDNN's speed, kernels alone, geometric mean, from 0.99x in a
-# run before it on another H100: every layer gained 1 to 11%, and none is below 0.80x.
+# run before it on another H100: every layer gained, from under 1% (the 56x56 stride-2 layer) to
+# 11%, the folded stem 15%, and none is below 0.80x.
 
 
 def reads_in_place(w, groups=1):
@@ -1608,15 +1610,15 @@ def conv2d_wgrad_kernel(dy_desc, x_desc, dw_ptr, partial_ptr, shape, NUM_BUFFERS
 # partial tile's 8 bytes per element through HBM against a k-step's 2 * block_k FLOPs per element,
 # about 6 / block_k of a k-step at an H100's figures. It tries s from 1 to 64 and keeps the least
 # estimate, or within 2% of it the fewest partial tiles. So a long K is cut finely and a short one
-# not at all: ResNet-50's 3x3 64->64 convs above get 14 slices of 224 k-steps (of 128 pixels:
-# section 6), a tile of 4 k-steps none.
+# little or not at all: ResNet-50's 3x3 64->64 convs above get 14 slices of 224 k-steps (of 128
+# pixels: section 6); 9 tiles of 4 k-steps get 2 slices, 200 tiles of 4 k-steps none.
 #
 # The estimate is arithmetic on the shape, its constants an H100's. Timed on H100s
 # (results/notebook.md, 2026-11-26):
 # - ResNet-50's 21 layers with fewer tiles than SMs: none of ten other split counts beat an
 #   earlier rule's choice (within two slices of this one's) by more than 4%.
 # - Its two layers with more tiles than SMs: a wave of whole tiles took the 7x7 and 14x14
-#   512-channel 3x3 layers from 0.72-0.73x cuDNN's speed to 0.95-0.97x
+#   512-channel 3x3 layers from 0.72-0.73x cuDNN's speed to 0.95-0.97x (two runs)
 #   (`benchmarks/backward_layers.py --operator --cuda-graphs`, RESULTS.md).
 # - Why the estimate, and not just "as many slices as fill one more wave": that rule leaves r
 #   tiles whole when r is over half the SMs (two slices each would need two waves). A Stable
@@ -2351,7 +2353,8 @@ if __name__ == "__main__":
 # 7. What the compiler produced (no GPU needed)
 # ---------------------------------------------
 # The wgrad kernel compiled ahead of time for a ResNet-like layer (N=2, 16x16, 64 -> 128 channels,
-# 3x3, bf16; tiles of 128 output x 64 input channels, 64 pixels per k-step, 4 stages, 2 slices).
+# 3x3, bf16; tiles of 128 output x 64 input channels, 128 pixels per k-step (section 6's rule for a
+# tile this small), 4 stages, 2 slices).
 # Counts are instructions in the program text, not executions. The heading counts warps as lesson
 # 05 does: the 4 of the MMA/epilogue partition and the 1-warp workers (Hopper: the loader;
 # Blackwell: loader and MMA issuer), padded to a whole warpgroup, 8. `setmaxnreg` works on whole
@@ -2361,11 +2364,11 @@ if __name__ == "__main__":
 IM2COL_LOAD, TILED_LOAD = common.PTX_IM2COL_LOAD, common.PTX_TILED_LOAD
 TAUGHT_PTX = {
     "sm_90": [
-        (TILED_LOAD, "A, dY as [pixels, Co]: a tiled box of 64 pixels x 128 output channels, as two messages "
+        (TILED_LOAD, "A, dY as [pixels, Co]: a tiled box of 128 pixels x 128 output channels, as two messages "
                      "of 64 channels (the 128-byte swizzle's width, 64 bf16)."),
-        (IM2COL_LOAD, "B, x's im2col box for the unit's tap: 64 pixels x 64 channels, lesson 05's instruction "
+        (IM2COL_LOAD, "B, x's im2col box for the unit's tap: 128 pixels x 64 channels, lesson 05's instruction "
                       "with the tap's offsets last, now on the GEMM's B side."),
-        ("wgmma.mma_async", "m64n64k16, 2 row blocks x 4 K steps = 8 per k-step. The last four values are "
+        ("wgmma.mma_async", "m64n64k16, 2 row blocks x 8 K steps = 16 per k-step. The last four values are "
                             "imm-scale-a, imm-scale-b, imm-trans-a, imm-trans-b: 1, 1, 1, 1, both operands read "
                             "transposed (MN-major). Lesson 05's forward WGMMAs end in 1, 1, 0, 0."),
         ("setmaxnreg.dec", "The loader's warpgroup gives registers back to the MMA warpgroup, as in lesson 05."),
@@ -2373,7 +2376,7 @@ TAUGHT_PTX = {
     "sm_100": [
         (TILED_LOAD, "A, dY's tiled box, as on sm_90."),
         (IM2COL_LOAD, "B, the im2col box, as on sm_90."),
-        ("tcgen05.mma", "One thread issues 128 x 64 x 16: 4 per k-step. Its fourth operand is the instruction "
+        ("tcgen05.mma", "One thread issues 128 x 64 x 16: 8 per k-step. Its fourth operand is the instruction "
                         "descriptor, moved into a register before it (decoded below)."),
         ("tcgen05.commit", "Per k-step (the stage is free) and per unit (the accumulator is ready)."),
         ("tcgen05.ld", "The epilogue reads the fp32 accumulator from tensor memory before the partial store."),
@@ -2403,7 +2406,7 @@ def transposed_operands(ptx, arch):
 
 def run_show_ptx():
     report = common.show_ptx("06-conv-backward", "aot_conv2d_wgrad", TAUGHT_PTX,
-                             lambda arch, compiled: f"conv2d_wgrad_kernel, 128x64x64 tiles, 4 stages: "
+                             lambda arch, compiled: f"conv2d_wgrad_kernel, 128x64x128 tiles, 4 stages: "
                                                     f"{compiled['num_warps']} warps in all")
     for arch in report:
         ours = transposed_operands(common.aot_compile("06-conv-backward", "aot_conv2d_wgrad", arch)["ptx"], arch)
@@ -3041,13 +3044,13 @@ if __name__ == "__main__" and on_gpu:
 # a layer's ratio moves by about 5% between runs, cuDNN's own times by up to 11%).
 #
 # - The host is most of the gap in a plain call. The launchers above check their arguments, choose
-#   a split, build descriptors and a workspace on every call, and dgrad runs that once per phase
-#   through lesson 05's plain launcher: 403 us per dgrad and 205 us per wgrad (medians over the
-#   layers; cuDNN's: 26 and 29 us; host times moved by up to 40% between runs), where a 1x1
-#   layer's kernels take ~40 us. The operator's backward pays less: a plan per shape for each
-#   phase's conv (the forward's runtime) and for wgrad (conv_tutorial/wgrad.py), 149 us per dgrad
-#   and 62 us per wgrad; 352-716 us for the 3x3 stride-2 dgrads in a later run (one launch for
-#   every phase's weights, then section 2b's conv through lesson 05's plain launcher). A training
+#   a split, build descriptors and a workspace on every call, and dgrad runs lesson 05's plain
+#   launcher once per phase, or once for all of them where section 2b applies: 454 us per dgrad
+#   and 340 us per wgrad (medians over the layers; cuDNN's: 38 and 39 us; host times moved by up
+#   to 40% between runs), where a 1x1 layer's kernels take ~40 us. The operator's backward pays
+#   less: a plan per shape for each phase's conv (the forward's runtime) and for wgrad
+#   (conv_tutorial/wgrad.py), 161 us per dgrad and 88 us per wgrad; 346-624 us for the 3x3
+#   stride-2 dgrads, whose one conv still goes through lesson 05's plain launcher. A training
 #   step under CUDA graphs pays none of it: ResNet-50
 #   training with these kernels ran at 1.00x torch.compile's images/s with CUDA graphs on both
 #   sides (5197 against 5196, H100, 2026-11-26, weights read in place; 1.02x with section 10's
@@ -3057,11 +3060,12 @@ if __name__ == "__main__" and on_gpu:
 #   up to 1.12x; `..._phase_order.json`), its lowest the 7x7 512->2048 1x1 at 0.79x (0.85x in the
 #   run before: our kernel at 493 TFLOPS in both, cuDNN's at 583 and 625). Section 5's split took the two
 #   512-channel 3x3 layers with 144 tiles from
-#   0.72-0.73x to 0.96-0.97x (a wave of whole tiles, then 12 tiles in slices, where every tile had
+#   0.72-0.73x to 0.95-0.97x (two runs; a wave of whole tiles, then 12 tiles in slices, where every tile had
 #   been cut in 3), and 14x14 1024->2048 stride 2 from 0.84x to 0.96x (no split: no workspace, no
 #   second kernel); section 6's 128-pixel k-steps took the 56x56 64->64 3x3 from 0.67x to 1.00x.
 #   The stem was its worst once, 0.25x (3 input channels padded to a 16-channel box); folded as
-#   section 6 ends it runs at 1.09x, and its dgrad at 2.13x. The 7x7 1x1 layers, 0.67-0.84x in 2
+#   section 6 ends it runs at 1.09x, and its dgrad at 2.42x (its folded weights read in place,
+#   section 2c). The 7x7 1x1 layers, 0.67-0.84x in 2
 #   slices and a second kernel, run 64-row tiles whole at 0.83x and 0.97x; it loses most now on
 #   those and on 1x1 layers at 14x14 (0.88x: 16 tiles of 128 x 128 in 8 slices). Summing the
 #   split tiles in the kernel (the last slice to finish adds the others' partials in order) was
@@ -3078,10 +3082,10 @@ if __name__ == "__main__" and on_gpu:
 #   **1.05x** (1.01x without the stem). At stride 1 it runs at 0.92-1.18x of cuDNN, the 1x1
 #   stride-2 layers at 1.02-1.12x, the 3x3 stride-2 layers at 1.02x (56x56), 0.93x (28x28) and
 #   1.06x (14x14), where four launches had run them at 0.80x, 0.70x and 0.79x. The 14x14 layer
-#   had been at 0.80x in lesson 05's tile order: counted on paper (`tools/phase_balance.py`), some
-#   of its programs ran six 4-tap tiles (192 k-steps), others six 1-tap ones (48), against a mean
-#   of 107; heaviest phase first the busiest runs 120, and the layer took 54.5 us (72.1 in lesson
-#   05's order, in an earlier run; cuDNN 57.7 and 57.2).
+#   had been at 0.79x in lesson 05's tile order (72.1 us against cuDNN's 57.2, an earlier run):
+#   counted on paper (`tools/phase_balance.py`), some of its programs ran six 4-tap tiles (192
+#   k-steps), others six 1-tap ones (48), against a mean of 107; heaviest phase first the busiest
+#   runs 120, and the layer took 54.5 us (cuDNN 57.7).
 # - Section 10's BatchNorm statistics: on an H200 (2026-11-25) a ResNet-50 training step ran 3.9%
 #   faster with them (5969 -> 6199 images/s under CUDA graphs, torch.compile 6188), RegNetY-3.2GF
 #   0.9% (its grouped convs left unfused); on an H100 (2026-11-26, the sums in one tensor) ResNet-50
