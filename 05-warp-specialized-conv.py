@@ -542,8 +542,7 @@ class TileSchedule:
         pid_m = first_m + (tile_id % tiles_per_group) % rows_in_group
         pid_n = (tile_id % tiles_per_group) // rows_in_group
         if self.phases is not None:       # lesson 06: the phases perhaps in another order; a tile runs its phase's taps
-            pid_m, pid_n = self.phases.tile(tile_id, self.num_pid_m, self.TILE_N, GROUP_M, pid_m, pid_n)
-            k_end = self.phases.k_steps(pid_n * self.TILE_N)
+            pid_m, pid_n, k_end = self.phases.work(tile_id, self.num_pid_m, self.TILE_N, GROUP_M, pid_m, pid_n)
         return WorkUnit(pid_m, pid_n, k_begin, k_end, split, partial)
 
 

@@ -1517,6 +1517,13 @@ class PhaseTiles:
         return pid_m, pid_n
 
     @gluon.jit
+    def work(self, tile_id, num_pid_m, TILE_N: gl.constexpr, GROUP_M: gl.constexpr, pid_m, pid_n):
+        """(pid_m, pid_n, k_end) of lesson 05's tile `tile_id`, whose (pid_m, pid_n) in its own order are given:
+        the tile in the phases' order (`tile`), and the k-steps of its phase's taps."""
+        pid_m, pid_n = self.tile(tile_id, num_pid_m, TILE_N, GROUP_M, pid_m, pid_n)
+        return pid_m, pid_n, self.k_steps(pid_n * TILE_N)
+
+    @gluon.jit
     def phase(self, co0):
         """(a, b) of the phase whose columns start at co0."""
         p = co0 // self.width
