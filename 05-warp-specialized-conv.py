@@ -612,8 +612,10 @@ def apply_epilogue(acc, cols, Co, scale_ptr, bias_ptr, residual, EPILOGUE: tl.co
     if EPILOGUE.bias:
         bias = tl.load(bias_ptr + cols, mask=cols < Co, other=0.0)
         acc = acc + tl.expand_dims(bias.to(tl.float32), 0)
-    if EPILOGUE.residual:
+    if EPILOGUE.residual and EPILOGUE.activation != "relu_grad":
         acc = acc + residual.to(tl.float32)
+    if EPILOGUE.activation == "relu_grad":     # lesson 06: ReLU's backward, gated by its output (the residual)
+        acc = tl.where(residual > 0, acc, 0.0)
     if EPILOGUE.activation == "relu":
         acc = tl.maximum(acc, 0.0)
     if EPILOGUE.activation == "silu":      # x * sigmoid(x)
@@ -857,7 +859,7 @@ class Epilogue(NamedTuple):
     bias: bool = False          # + bias[co]: a conv bias, or a folded BatchNorm's shift
     scale: bool = False         # * scale[co]: a folded BatchNorm's gamma / sqrt(var + eps)
     residual: bool = False      # + residual[n, y, x, co]: a ResNet block's skip connection
-    activation: str = "none"    # one of common.ACTIVATIONS: "none", "relu", "silu"
+    activation: str = "none"    # one of common.ACTIVATIONS: "none", "relu", "silu" (lesson 06: "relu_grad")
 
 
 # The conv's run-time integers, named, in the order the kernel's first line unpacks them (section 10:

@@ -387,13 +387,15 @@ def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None, conv=None, in_plac
     return dx
 
 
-def reference_fprop(dy_nhwc, w_phase, padding, dilation, groups=1, out_window=None):
+def reference_fprop(dy_nhwc, w_phase, padding, dilation, groups=1, out_window=None, residual=None,
+                    activation="none"):
     # The CPU's stand-in for lesson 05's kernel: torch's conv in fp32 (into out_window, if given, by a copy; a
-    # FlippedFilter, section 2c, as what its loads read).
+    # FlippedFilter, section 2c, as what its loads read), and its epilogue's residual and activation (section 11).
     if isinstance(w_phase, common.FlippedFilter):
         w_phase = gathered_weights(w_phase)
     out = common.reference_conv2d_nhwc(dy_nhwc, w_phase, None, 1, padding, dilation, out_dtype=torch.float32,
                                        groups=groups)
+    out = common.reference_epilogue(out, residual=residual, activation=activation)
     return out if out_window is None else out_window.write(out)
 
 
@@ -3030,6 +3032,121 @@ def run_channel_stats():
 # %%
 if __name__ == "__main__" and on_gpu:
     run_channel_stats()
+
+# %%
+# 11. Training: ReLU's backward in dgrad's epilogue
+# -------------------------------------------------
+# In a block z -> x = relu(z) -> conv(x, w), autograd's backward runs dgrad for dX, then ReLU's
+# backward, dZ = dX where x > 0, else 0: a pass over two activations that torch.compile fuses into
+# BatchNorm's backward before it, whose kernels then read x as well as dX. dgrad's epilogue holds
+# each tile of dX in registers, and the gate is x itself, the conv's own input, laid out [N, H, W,
+# Ci] as dX is. Lesson 05's epilogue already reads one such tensor in the accumulator's layout, the
+# residual (its section 5); the activation "relu_grad" (`common.RELU_GRAD`) has `apply_epilogue`
+# keep the tile where that tensor is positive instead of adding it, so the kernel stores dZ and
+# no pass reads x for the ReLU. (x > 0 exactly where z > 0, so the gate needs only x; the plain
+# builds do not change: a constexpr branch.)
+#
+# It applies where dX is one conv's whole output: stride 1, no fold, and no crop (padding at most
+# dilation * (R - 1) on each axis, section 2). A strided dgrad's phases store through an output
+# window, and there the gate is applied after, in torch. In a model, autograd must also skip ReLU's
+# own backward: the operator's `conv_tutorial.fuse_relu_into_dgrad` calls the conv with the ReLU's
+# input too, and its backward gives that input dZ (and x nothing). What it saved in a training
+# step is in RESULTS.md ("Training fusions").
+
+
+def relu_gated_in_epilogue(geometry, fold=None):
+    """Whether dgrad's epilogue can apply ReLU's backward: dX is one conv's whole output (no fold,
+    stride 1, padding <= dilation * (R - 1) on each axis)."""
+    g = geometry
+    return fold is None and g.stride == (1, 1) and all(
+        p <= d * (k - 1) for p, d, k in zip(g.padding, g.dilation, (g.R, g.S)))
+
+
+def dgrad_through_relu(dy_nhwc, w, relu_out, geometry, fprop, **options):
+    """dZ of z -> relu_out = relu(z) -> conv(relu_out, w) from dY: dX where relu_out > 0, else 0.
+    Where relu_gated_in_epilogue, `fprop` is called with relu_out as its residual and activation
+    "relu_grad" (lesson 05's epilogue gates the tile); else the gate is applied to dgrad's dX.
+    `options`: dgrad's (fold, phases, conv, in_place)."""
+    if relu_gated_in_epilogue(geometry, options.get("fold")):
+        def gated(dy, w_phase, **conv):
+            return fprop(dy, w_phase, **conv, residual=relu_out, activation=common.RELU_GRAD)
+        return dgrad(dy_nhwc, w, geometry, gated, **options)
+    dx = dgrad(dy_nhwc, w, geometry, fprop, **options)
+    return torch.where(relu_out > 0, dx, torch.zeros((), dtype=dx.dtype, device=dx.device))
+
+
+def relu_grad_reference(x_nhwc, w, dy_nhwc, geometry):
+    """torch's dZ for z -> relu -> conv, by autograd (fp32), with z = x: the ReLU's output is relu(x)."""
+    g = geometry
+    z = x_nhwc.permute(0, 3, 1, 2).float().requires_grad_()
+    out = torch.nn.functional.conv2d(torch.relu(z), w.permute(0, 3, 1, 2).float(), None, g.stride, g.padding,
+                                     g.dilation, g.groups)
+    out.backward(dy_nhwc.permute(0, 3, 1, 2).float())
+    return z.grad.permute(0, 2, 3, 1)
+
+
+RELU_GRAD_CASES = [   # (N, H, W, Ci, Co, R, S, stride, padding, dilation): gated in the epilogue or after
+    (2, 9, 11, 24, 40, 3, 3, 1, 1, 1),       # in the epilogue
+    (3, 7, 6, 72, 16, 1, 1, 1, 0, 1),        # 1x1, in the epilogue
+    (2, 10, 9, 16, 24, 3, 3, 1, 2, 2),       # dilated, in the epilogue
+    (2, 11, 9, 16, 24, 3, 3, 2, 1, 1),       # strided: after
+    (2, 8, 8, 16, 8, 1, 1, 1, 1, 1),         # a crop (padding 1 > 0 for a 1x1): after
+]
+
+
+def check_dgrad_through_relu(N, H, W, Ci, Co, R, S, stride, padding, dilation, on_gpu_now):
+    x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation,
+                                  torch.bfloat16 if on_gpu_now else torch.float32)
+    relu_out = torch.relu(x)
+    if on_gpu_now:
+        def fprop(dy, w_phase, padding, dilation, groups, out_window=None, **epilogue):
+            return lesson05.conv2d_fprop_launch(dy, w_phase, padding=padding, dilation=dilation, groups=groups,
+                                                out_window=out_window, **epilogue)
+        got = dgrad_through_relu(dy, w, relu_out, g, fprop, conv=side_by_side_launch, in_place=True)
+    else:
+        got = dgrad_through_relu(dy, w, relu_out, g, reference_fprop)
+    expected = relu_grad_reference(x, w, dy, g)
+    common.assert_close_to_reference(got, expected, dtype=got.dtype, K=Co * R * S)
+    return relu_gated_in_epilogue(g)
+
+
+@pytest.mark.parametrize("case", RELU_GRAD_CASES)
+def test_dgrad_through_relu_matches_autograd_on_cpu(case):
+    check_dgrad_through_relu(*case, on_gpu_now=False)
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", RELU_GRAD_CASES)
+def test_dgrad_through_relu_matches_autograd(case):
+    check_dgrad_through_relu(*case, on_gpu_now=True)
+
+
+def test_relu_grad_needs_its_gate():
+    with pytest.raises(ValueError, match="pass residual"):
+        common.check_epilogue(8, (2, 4, 4, 8), torch.bfloat16, torch.device("cpu"), activation=common.RELU_GRAD)
+
+
+@pytest.mark.parametrize("arch", list(TAUGHT_PTX))
+def test_relu_grad_build_reads_the_gate(arch):
+    # the gate arrives as the residual does, by loads in the accumulator's layout: the gated build has global
+    # loads the plain build has not, and still leaves through one TMA store
+    gated = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch,
+                                       epilogue=[False, False, True, common.RELU_GRAD])
+    plain = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch)
+    loads = [common.ptx_instructions(build["ptx"], ["ld.global"])["ld.global"] for build in (gated, plain)]
+    assert loads[0] > loads[1]
+    assert common.ptx_instructions(gated["ptx"], [common.PTX_TMA_STORE])[common.PTX_TMA_STORE] == 1
+
+
+def run_dgrad_through_relu(on_gpu_now):
+    where = [check_dgrad_through_relu(*case, on_gpu_now=on_gpu_now) for case in RELU_GRAD_CASES]
+    print(f"\nReLU's backward through dgrad matches autograd on {len(where)} layers ({sum(where)} gated in the "
+          f"epilogue, {len(where) - sum(where)} after), " + (common.gpu_name() if on_gpu_now else "the CPU"))
+
+
+# %%
+if __name__ == "__main__":
+    run_dgrad_through_relu(on_gpu)
 
 # %%
 # What this lesson measured, what limits it, what comes next

@@ -417,13 +417,19 @@ def check_on_cuda(x_nhwc):
 # %% The fused epilogue: act(conv * scale + bias + residual), per output channel ----------------------
 
 ACTIVATIONS = ("none", "relu", "silu")     # what the fused epilogue applies last: nothing, ReLU, SiLU
+# lesson 06's dgrad: ReLU's backward, the tile kept where the residual operand (the ReLU's output, which is the
+# conv's input) is positive, else 0; the residual is not added
+RELU_GRAD = "relu_grad"
 
 
 def check_epilogue(Co, out_shape, dtype, device, scale=None, residual=None, activation="none"):
     """Validate the fused epilogue's arguments of a conv with Co output channels whose output has
     `out_shape`, `dtype` and `device` (the bias is checked with the conv's tensors)."""
-    if activation not in ACTIVATIONS:
+    if activation not in ACTIVATIONS + (RELU_GRAD,):
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if activation == RELU_GRAD and residual is None:
+        raise ValueError(f"activation {RELU_GRAD!r} keeps the output where the residual tensor (a ReLU's output) is "
+                         f"positive: pass residual")
     if scale is not None:
         if not isinstance(scale, torch.Tensor):
             raise TypeError(f"scale must be a torch.Tensor or None, got {type(scale).__name__}")
@@ -463,12 +469,15 @@ def output_dtype(in_dtype, out_dtype=None):
 
 def reference_epilogue(conv_out, bias=None, scale=None, residual=None, activation="none", channel_dim=-1):
     """act(conv_out * scale + bias + residual) in torch, per output channel (the last dimension of
-    NHWC, or `channel_dim=1` for NCHW), in conv_out's dtype."""
+    NHWC, or `channel_dim=1` for NCHW), in conv_out's dtype; RELU_GRAD: conv_out * scale + bias where
+    residual > 0, else 0."""
     shape = [1] * conv_out.dim()
     shape[channel_dim] = -1
     out = conv_out if scale is None else conv_out * scale.to(conv_out.dtype).view(shape)
     if bias is not None:
         out = out + bias.to(conv_out.dtype).view(shape)
+    if activation == RELU_GRAD:     # (lesson 06: the residual gates, it is not added)
+        return torch.where(residual > 0, out, torch.zeros((), dtype=out.dtype, device=out.device))
     if residual is not None:
         out = out + residual.to(conv_out.dtype)
     if activation == "relu":

@@ -17,7 +17,9 @@ the same initial weights). Variants:
   ours-lesson06-bnstats   the same after conv_tutorial.fuse_conv_batchnorm_for_training: each conv
                    followed by a BatchNorm2d sums its output per channel in its epilogue (lesson 06,
                    section 10), and BatchNorm normalizes with those statistics
-  ...-cudagraphs   compile, ours, ours-lesson06(-bnstats) under torch.compile(mode="reduce-overhead"): each
+  ours-lesson06-bnstats-relugrad   the same after conv_tutorial.fuse_relu_into_dgrad too: a conv whose input
+                   is a ReLU's output applies ReLU's backward in dgrad's epilogue (lesson 06, section 11)
+  ...-cudagraphs   compile, ours, ours-lesson06(-bnstats(-relugrad)) under torch.compile(mode="reduce-overhead"): each
                    compiled forward and backward replayed as a CUDA graph (kernels without host time)
 For each: images/s over the timed steps (after warm-up steps that compile; CUDA-synchronized wall
 time per step, the median), the loss of each of `--steps` steps, and the first step's gradients'
@@ -55,7 +57,8 @@ import common  # noqa: E402
 import torch  # noqa: E402
 
 VARIANTS = ("eager", "compile", "compile-max-autotune", "ours", "ours-lesson06", "ours-lesson06-bnstats",
-            "compile-cudagraphs", "ours-cudagraphs", "ours-lesson06-cudagraphs", "ours-lesson06-bnstats-cudagraphs")
+            "ours-lesson06-bnstats-relugrad", "compile-cudagraphs", "ours-cudagraphs", "ours-lesson06-cudagraphs",
+            "ours-lesson06-bnstats-cudagraphs", "ours-lesson06-bnstats-relugrad-cudagraphs")
 
 
 def initial_model(net, seed=0):
@@ -82,6 +85,8 @@ def prepared(variant, model):
     conv_tutorial.set_backward("lesson06" if variant.startswith("ours-lesson06") else "torch")
     if "-bnstats" in variant:      # sharing the model's parameters (first_step_gradients finds them by storage)
         model = conv_tutorial.fuse_conv_batchnorm_for_training(model, inplace=True)
+    if "-relugrad" in variant:
+        model = conv_tutorial.fuse_relu_into_dgrad(model, inplace=True)
     if variant.startswith("ours"):
         model = conv_tutorial.convert_conv2d(model)
     if variant == "eager":

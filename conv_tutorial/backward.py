@@ -110,7 +110,8 @@ def _fprop(dy_nhwc, w_phase, padding, dilation, groups=1, out_window=None):
                           groups=groups, out_window=out_window)
 
 
-def conv_gradients(grad_conv, input, weight, stride, padding, dilation, groups, needs_input, needs_weight):
+def conv_gradients(grad_conv, input, weight, stride, padding, dilation, groups, needs_input, needs_weight,
+                   relu_gated=False):
     """(grad_input or None, grad_weight or None) of conv2d(input, weight) for the gradient
     grad_conv of its output: NCHW-shaped tensors in channels_last memory (a layout fixed ahead of
     the call, as the operators' fake implementations must promise one).
@@ -120,9 +121,12 @@ def conv_gradients(grad_conv, input, weight, stride, padding, dilation, groups, 
     function once, with tensors that hold no data, and keeps what it traced in its caches, in
     memory and on disk, keyed by the forward graph: with the choice made here, a model compiled
     under one backend would keep it after set_backward. Recorded as operators, the choice and the
-    launches happen at every call, on the real tensors."""
+    launches happen at every call, on the real tensors. relu_gated: `input` is a ReLU's output, and
+    grad_input is the gradient of that ReLU's input (conv2d_input_grad_relu)."""
     args = (grad_conv, input, weight, list(stride), list(padding), list(dilation), groups)
-    grad_input = torch.ops.conv_tutorial.conv2d_input_grad(*args) if needs_input else None
+    input_grad = torch.ops.conv_tutorial.conv2d_input_grad_relu if relu_gated else \
+        torch.ops.conv_tutorial.conv2d_input_grad
+    grad_input = input_grad(*args) if needs_input else None
     grad_weight = torch.ops.conv_tutorial.conv2d_weight_grad(*args) if needs_weight else None
     return grad_input, grad_weight
 
@@ -150,6 +154,20 @@ def _input_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Te
     runtime (a plan per shape, the heuristic's or a tuned config), or torch's. The phases' and the
     fold's arithmetic depends on the shape alone and is kept per shape; the flipped weights of each
     phase are the weights' values, computed on every call."""
+    return _dgrad(grad_output, input, weight, stride, padding, dilation, groups, False)
+
+
+def _input_grad_relu(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, stride: List[int],
+                     padding: List[int], dilation: List[int], groups: int) -> torch.Tensor:
+    """dX where input > 0, else 0: the gradient that reaches a ReLU's input when `input` is that
+    ReLU's output (ReLU's backward, taken from its output). On lesson 06's kernels, dgrad's epilogue
+    applies it where dX is one conv's whole output (lesson 06, section 11: lesson 05's kernel reads
+    `input` in the tile's own layout, as it reads a residual); elsewhere torch applies it to dX."""
+    return _dgrad(grad_output, input, weight, stride, padding, dilation, groups, True)
+
+
+def _dgrad(grad_output, input, weight, stride, padding, dilation, groups, relu_gated):
+    gated_in_epilogue = False
     if _why_torch("input", grad_output, input, weight, stride, padding, dilation, groups):
         dx = _torch_gradient("input", grad_output, input, weight, stride, padding, dilation, groups)
     else:
@@ -161,8 +179,20 @@ def _input_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Te
         if plan is None:
             fold = lesson06.stride_fold(geometry, input.element_size())
             plan = _DGRAD_PLANS[geometry] = (fold, lesson06.dgrad_phases(geometry if fold is None else fold.geometry))
-        dx = lesson06.dgrad(nhwc_view(grad_output), w_nhwc, geometry, _fprop, *plan,
+        fprop = _fprop
+        gated_in_epilogue = relu_gated and lesson06.relu_gated_in_epilogue(geometry, plan[0])
+        if gated_in_epilogue:
+            gate = nhwc_view(input)
+
+            def fprop(dy_nhwc, w_phase, padding, dilation, groups=1, out_window=None):
+                # (at stride 1, dgrad_by_phases runs one conv, and its output is dX: no window)
+                return runtime.conv2d(dy_nhwc, w_phase, None, 1, padding, dilation,
+                                      tune=selection.autotune_enabled(), groups=groups, residual=gate,
+                                      activation=common.RELU_GRAD)
+        dx = lesson06.dgrad(nhwc_view(grad_output), w_nhwc, geometry, fprop, *plan,
                             conv=lesson06.side_by_side_launch, in_place=True).permute(0, 3, 1, 2)
+    if relu_gated and not gated_in_epilogue:
+        dx = torch.where(input > 0, dx, torch.zeros((), dtype=dx.dtype, device=dx.device))
     return dx.contiguous(memory_format=torch.channels_last)            # the layout the fake promises
 
 
@@ -180,6 +210,7 @@ def _weight_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.T
 
 _LIBRARY = torch.library.Library("conv_tutorial", "FRAGMENT")
 for _name, _function, _like in (("conv2d_input_grad", _input_grad, "input"),
+                                ("conv2d_input_grad_relu", _input_grad_relu, "input"),
                                 ("conv2d_weight_grad", _weight_grad, "weight")):
     _LIBRARY.define(_name + torch.library.infer_schema(_function, mutates_args=()),
                     tags=(torch.Tag.pt2_compliant_tag,))

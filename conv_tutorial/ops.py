@@ -110,6 +110,12 @@ def _out_shape(input, weight, stride, padding, dilation):
     return (input.shape[0], weight.shape[0], *sizes)
 
 
+def _check_forward_activation(activation):
+    if activation == common.RELU_GRAD:
+        raise ValueError(f"activation {activation!r} is the backward's epilogue (conv2d_input_grad_relu), not one "
+                         f"of the forward operator's; use one of {common.ACTIVATIONS}")
+
+
 def _conv2d_with_epilogue(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                           stride: List[int], padding: List[int], dilation: List[int], groups: int,
                           scale: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
@@ -119,6 +125,7 @@ def _conv2d_with_epilogue(input: torch.Tensor, weight: torch.Tensor, bias: Optio
     out_dtype (None: the input's; e4m3 operands: bf16 or e4m3, see conv2d_fp8)."""
     check_operand_dtypes(input, weight)
     out_dtype = output_dtype(input.dtype, out_dtype)
+    _check_forward_activation(activation)
     if scale is not None or residual is not None or activation != "none":   # (a plain call skips this)
         check_epilogue(weight.shape[0], _out_shape(input, weight, stride, padding, dilation),
                               out_dtype, input.device, scale, residual, activation)
@@ -161,6 +168,7 @@ conv2d_op = torch.ops.conv_tutorial.conv2d.default
 def _(input, weight, bias, stride, padding, dilation, groups, scale=None, residual=None, activation="none",
       out_dtype=None):
     check_operand_dtypes(input, weight)
+    _check_forward_activation(activation)
     out_shape, out_dtype = _out_shape(input, weight, stride, padding, dilation), output_dtype(input.dtype, out_dtype)
     check_epilogue(weight.shape[0], out_shape, out_dtype, input.device, scale, residual, activation)
     return input.new_empty(out_shape, dtype=out_dtype).contiguous(memory_format=torch.channels_last)

@@ -48,7 +48,7 @@ import torch
 
 from . import backward, ops, runtime, selection
 from .configs import grouped_conv_fits
-from .fusion import _single_user, install_module
+from .fusion import _activation_of, _single_user, install_module
 from .geometry import FP8, current_arch, nhwc_view
 from .ops import _wide
 
@@ -72,8 +72,10 @@ def _kernel_runs(input, weight, groups):
 
 def _conv2d_channel_stats(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                           stride: List[int], padding: List[int], dilation: List[int],
-                          groups: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(conv2d(input, weight, bias), its per-channel sum and sum of squares, fp32 [2, Co])."""
+                          groups: int, relu_input: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(conv2d(input, weight, bias), its per-channel sum and sum of squares, fp32 [2, Co]).
+    relu_input: where `input` is relu(relu_input) (fuse_relu_into_dgrad), the ReLU's input, which
+    the forward does not read: the backward gives it the gradient, and `input` none."""
     ops.check_operand_dtypes(input, weight)
     if not _kernel_runs(input, weight, groups):    # torch's conv (or depthwise.py), then torch's sums
         out = ops._conv2d_with_epilogue(input, weight, bias, stride, padding, dilation, groups)
@@ -92,7 +94,7 @@ conv2d_channel_stats_op = torch.ops.conv_tutorial.conv2d_channel_stats.default
 
 
 @torch.library.register_fake("conv_tutorial::conv2d_channel_stats")
-def _(input, weight, bias, stride, padding, dilation, groups):
+def _(input, weight, bias, stride, padding, dilation, groups, relu_input=None):
     ops.check_operand_dtypes(input, weight)
     out = input.new_empty(ops._out_shape(input, weight, stride, padding, dilation))
     return (out.contiguous(memory_format=torch.channels_last),
@@ -100,29 +102,90 @@ def _(input, weight, bias, stride, padding, dilation, groups):
 
 
 def _setup(ctx, inputs, output):
-    input, weight, bias, stride, padding, dilation, groups = inputs
+    input, weight, bias, stride, padding, dilation, groups, relu_input = inputs
     if input.dtype == FP8:
         raise NotImplementedError("conv_tutorial::conv2d_channel_stats has no backward for e4m3 operands")
     ctx.save_for_backward(input, weight, output[0])
     ctx.conv_args, ctx.has_bias = (stride, padding, dilation, groups), bias is not None
+    ctx.relu_gated = relu_input is not None
 
 
 def _backward(ctx, grad_out, grad_stats):
     """The output's gradient plus what the statistics add (d sum = 1, d sum_sq = 2 out per element),
-    then the conv's gradients and the bias's."""
+    then the conv's gradients and the bias's (with relu_input, the input's goes to it: _relu_routed)."""
     input, weight, out = ctx.saved_tensors
-    needs = ctx.needs_input_grad
+    needs = _relu_routed(ctx)
     grad = grad_out
     if grad_stats is not None:
         wide = _wide(grad_out) if grad_out is not None else 0.0
         grad = (wide + grad_stats[0].view(1, -1, 1, 1) + 2 * _wide(out) * grad_stats[1].view(1, -1, 1, 1))
         grad = grad.to(out.dtype).contiguous(memory_format=torch.channels_last)
-    grad_input, grad_weight = backward.conv_gradients(grad, input, weight, *ctx.conv_args, needs[0], needs[1])
+    grad_input, grad_weight = backward.conv_gradients(grad, input, weight, *ctx.conv_args, needs[0], needs[1],
+                                                      relu_gated=ctx.relu_gated)
     grad_bias = _wide(grad).sum((0, 2, 3)) if ctx.has_bias and needs[2] else None
-    return grad_input, grad_weight, grad_bias, None, None, None, None
+    return _routed_to_relu_input(ctx, grad_input, grad_weight, grad_bias, 4)
+
+
+def _relu_routed(ctx):
+    """needs_input_grad with the input's entry taken from relu_input's (the last argument) where the
+    input is relu(relu_input): its gradient, computed for the input, goes there."""
+    needs = list(ctx.needs_input_grad)
+    if ctx.relu_gated:
+        needs[0] = needs[-1]
+    return needs
+
+
+def _routed_to_relu_input(ctx, grad_input, grad_weight, grad_bias, others):
+    # (grad of input, weight, bias, `others` Nones, grad of relu_input): with relu_input, the input gets none
+    if ctx.relu_gated:
+        return (None, grad_weight, grad_bias) + (None,) * others + (grad_input,)
+    return (grad_input, grad_weight, grad_bias) + (None,) * others + (None,)
 
 
 torch.library.register_autograd("conv_tutorial::conv2d_channel_stats", _backward, setup_context=_setup)
+
+
+def _conv2d_after_relu(input: torch.Tensor, relu_input: torch.Tensor, weight: torch.Tensor,
+                       bias: Optional[torch.Tensor], stride: List[int], padding: List[int], dilation: List[int],
+                       groups: int) -> torch.Tensor:
+    """conv2d(input, weight, bias) (the forward operator's), where input is relu(relu_input): the
+    forward does not read relu_input; the backward gives it the input's gradient through the ReLU
+    (backward.conv2d_input_grad_relu: on lesson 06's kernels, in dgrad's epilogue), and input none."""
+    return ops.conv2d_op(input, weight, bias, stride, padding, dilation, groups)
+
+
+_LIBRARY.define("conv2d_after_relu" + torch.library.infer_schema(_conv2d_after_relu, mutates_args=()),
+                tags=(torch.Tag.pt2_compliant_tag,))
+_LIBRARY.impl("conv2d_after_relu", _conv2d_after_relu, "CompositeExplicitAutograd")
+conv2d_after_relu_op = torch.ops.conv_tutorial.conv2d_after_relu.default
+
+
+@torch.library.register_fake("conv_tutorial::conv2d_after_relu")
+def _(input, relu_input, weight, bias, stride, padding, dilation, groups):
+    ops.check_operand_dtypes(input, weight)
+    out = input.new_empty(ops._out_shape(input, weight, stride, padding, dilation))
+    return out.contiguous(memory_format=torch.channels_last)
+
+
+def _setup_after_relu(ctx, inputs, output):
+    input, relu_input, weight, bias, stride, padding, dilation, groups = inputs
+    if input.dtype == FP8:
+        raise NotImplementedError("conv_tutorial::conv2d_after_relu has no backward for e4m3 operands")
+    ctx.save_for_backward(input, weight)
+    ctx.conv_args, ctx.has_bias = (stride, padding, dilation, groups), bias is not None
+
+
+def _backward_after_relu(ctx, grad_out):
+    input, weight = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    grad_relu_input, grad_weight = backward.conv_gradients(grad_out, input, weight, *ctx.conv_args, needs[1],
+                                                           needs[2], relu_gated=True)
+    grad_bias = _wide(grad_out).sum((0, 2, 3)) if ctx.has_bias and needs[3] else None
+    return None, grad_relu_input, grad_weight, grad_bias, None, None, None, None
+
+
+torch.library.register_autograd("conv_tutorial::conv2d_after_relu", _backward_after_relu,
+                                setup_context=_setup_after_relu)
 
 
 class ConvBatchNorm2d(torch.nn.Module):
@@ -142,13 +205,17 @@ class ConvBatchNorm2d(torch.nn.Module):
         self.conv = ops.TutorialConv2d(conv)      # its weight, bias and resolved arguments
         self.bn = bn
 
-    def forward(self, x):
+    def forward(self, x, relu_input=None):
+        """relu_input: given where x = relu(relu_input) (fuse_relu_into_dgrad): the backward routes
+        x's gradient to it through the ReLU, in dgrad's epilogue."""
         conv, bn = self.conv, self.bn
         if not (bn.training or bn.running_mean is None) or conv._op_args is None:
             # running statistics (eval), or "same" padding the kernel does not do: the conv, then the module
             return bn(conv(x))
         x, weight = conv.operands(x)                    # (as nn.Conv2d's under autocast)
-        y, stats = conv2d_channel_stats_op(x, weight, conv.bias, *conv._op_args)
+        if relu_input is not None:
+            relu_input = relu_input.to(x.dtype)
+        y, stats = conv2d_channel_stats_op(x, weight, conv.bias, *conv._op_args, relu_input)
         count = y.numel() // y.shape[1]
         if count <= 1:
             raise ValueError(f"BatchNorm2d in training needs more than 1 value per channel, got an output of "
@@ -214,4 +281,85 @@ def fuse_conv_batchnorm_for_training(model: torch.nn.Module, inplace: bool = Fal
     graph_module.delete_all_unused_submodules()
     graph_module.recompile()
     graph_module.fused_pairs = count
+    return graph_module
+
+
+class ConvAfterReLU(torch.nn.Module):
+    """A conv whose input is a ReLU's output, called with the ReLU's input too (fuse_relu_into_dgrad):
+    conv2d_after_relu in training, the plain operator where no gradient is taken. Holds the conv as
+    a TutorialConv2d (its weight, bias and resolved arguments)."""
+
+    def __init__(self, conv):
+        super().__init__()
+        self.conv = conv if isinstance(conv, ops.TutorialConv2d) else ops.TutorialConv2d(conv)
+
+    def forward(self, x, relu_input):
+        conv = self.conv
+        if conv._op_args is None or not torch.is_grad_enabled():
+            return conv(x)
+        x, weight = conv.operands(x)
+        return conv2d_after_relu_op(x, relu_input.to(x.dtype), weight, conv.bias, *conv._op_args)
+
+
+class _KeepFused(torch.fx.Tracer):
+    # the package's conv modules stay whole nodes when a model holding them is traced
+    def is_leaf_module(self, module, qualified_name):
+        return isinstance(module, (ConvBatchNorm2d, ConvAfterReLU, ops.TutorialConv2d)) or \
+            super().is_leaf_module(module, qualified_name)
+
+
+def _is_inplace(node, modules):
+    if node.op == "call_module":
+        return getattr(modules[node.target], "inplace", False)
+    return node.kwargs.get("inplace", False) or node.target in (torch.relu_, "relu_")
+
+
+def fuse_relu_into_dgrad(model: torch.nn.Module, inplace: bool = False) -> torch.fx.GraphModule:
+    """A torch.fx pass: where a ReLU's output has one user, a conv that takes it as its input (an
+    nn.Conv2d with zero padding, a TutorialConv2d or a ConvBatchNorm2d), the conv is called with the
+    ReLU's input too, and its backward applies ReLU's backward to dX itself (dgrad's epilogue, on
+    lesson 06's kernels: backward.conv2d_input_grad_relu); the ReLU's own backward never runs. The
+    ReLU becomes out of place (torch.relu), so an in-place ReLU is taken only where its input has no
+    other user. `fused_relus` on the result counts them. `model`: a GraphModule (as
+    fuse_conv_batchnorm_for_training returns) or any traceable model; a copy unless inplace=True
+    (which shares the parameters and modules, as fuse_conv_batchnorm_for_training's does)."""
+    if not isinstance(model, torch.fx.GraphModule):
+        root = model if inplace else copy.deepcopy(model)
+        graph_module = torch.fx.GraphModule(root, _KeepFused().trace(root))
+    else:
+        graph_module = model if inplace else copy.deepcopy(model)
+    modules = dict(graph_module.named_modules())
+    graph, count = graph_module.graph, 0
+    for node in list(graph.nodes):
+        if node.op not in ("call_module", "call_function", "call_method") or _activation_of(node, modules) != "relu":
+            continue
+        conv_node, relu_input = _single_user(node), node.args[0]
+        if conv_node is None or conv_node.op != "call_module" or len(conv_node.args) != 1 or conv_node.kwargs \
+                or conv_node.args[0] is not node or not isinstance(relu_input, torch.fx.Node):
+            continue
+        conv = modules[conv_node.target]
+        if isinstance(conv, torch.nn.Conv2d):
+            if conv.padding_mode != "zeros":
+                continue
+            name = install_module(graph_module, modules, "conv_after_relu", conv_node.target, ConvAfterReLU(conv))
+        elif isinstance(conv, ops.TutorialConv2d):
+            name = install_module(graph_module, modules, "conv_after_relu", conv_node.target, ConvAfterReLU(conv))
+        elif isinstance(conv, ConvBatchNorm2d):
+            name = conv_node.target
+        else:
+            continue
+        if _is_inplace(node, modules) and len(relu_input.users) > 1:
+            continue          # other users of the ReLU's input see it changed in place
+        with graph.inserting_before(node):
+            relu = graph.call_function(torch.relu, (relu_input,))
+        with graph.inserting_before(conv_node):
+            fused = graph.call_module(name, (relu, relu_input))
+        conv_node.replace_all_uses_with(fused)
+        graph.erase_node(conv_node)
+        graph.erase_node(node)
+        count += 1
+    graph.lint()
+    graph_module.delete_all_unused_submodules()
+    graph_module.recompile()
+    graph_module.fused_relus = count
     return graph_module

@@ -328,3 +328,157 @@ def test_fused_resnet_block_compiles_and_matches_eager():
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=5e-2)
     got, want = fused.conv_bn_conv1.conv.weight.grad, block.conv1.weight.grad
     torch.testing.assert_close(got, want, rtol=2e-2, atol=3e-2 * want.abs().max().item())
+
+
+# ReLU's backward in dgrad's epilogue (fuse_relu_into_dgrad, conv2d_after_relu, conv2d_input_grad_relu) ---------
+
+def _gradients_by_storage(model):
+    return {p.data_ptr(): p.grad for p in model.parameters()}
+
+
+@pytest.mark.parametrize("net, fused_relus", [("resnet18", 8), ("resnet50", 32), ("vgg11", 3)])
+def test_relu_pass_gives_torchs_gradients(net, fused_relus):
+    """fp64 on a CPU: a torchvision net after both passes against the net itself, the input's and every
+    parameter's gradient (the ReLU's backward now comes from the conv's; ResNet's ReLUs in place, VGG's
+    without BatchNorm). Parameters whose true gradient is 0 (a conv bias before BatchNorm) are left out."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, net)(num_classes=10).double().train().to(memory_format=torch.channels_last)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    reference = copy.deepcopy(model)
+    order = [p.data_ptr() for p in model.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fused = conv_tutorial.fuse_relu_into_dgrad(conv_tutorial.fuse_conv_batchnorm_for_training(model, inplace=True),
+                                                   inplace=True)
+        assert fused.fused_relus == fused_relus
+        x = torch.randn(2, 3, 64, 64, dtype=torch.float64, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        weights = torch.arange(10, dtype=torch.float64)
+        (fused(x) * weights).sum().backward()
+        (reference(x_ref) * weights).sum().backward()
+    # (fp64: the two orders of the same sums differ by ~1e-12 of a gradient's norm; a wrong gate, by far more)
+    assert (x.grad - x_ref.grad).norm() <= 1e-9 * x_ref.grad.norm()
+    grads = _gradients_by_storage(fused)
+    for address, p in zip(order, reference.parameters()):
+        if p.grad.norm() > 1e-10:
+            assert (grads[address] - p.grad).norm() <= 1e-9 * p.grad.norm()
+
+
+def test_relu_pass_takes_only_a_relu_whose_output_and_input_it_may_take():
+    """Fused: relu -> conv (the conv's input, the ReLU's only user). Left: a ReLU with two users, an in-place
+    ReLU whose input has another user, a ReLU feeding a conv's weight-free sibling (a pool)."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c, self.d = (torch.nn.Conv2d(4, 4, 3, padding=1) for _ in range(4))
+            self.inplace = torch.nn.ReLU(inplace=True)
+
+        def forward(self, x):
+            y = torch.relu(x)
+            out = self.a(y) + y                      # two users: left
+            z = self.b(out)
+            out = self.c(self.inplace(z)) + z        # in place, its input used again: left
+            return self.d(torch.nn.functional.relu(out)) + torch.nn.functional.max_pool2d(torch.relu(out), 1)
+    net = Net().double()
+    fused = conv_tutorial.fuse_relu_into_dgrad(net)
+    assert fused.fused_relus == 1
+    x = torch.randn(2, 4, 6, 5, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fused(x).sum().backward()
+    net(x_ref).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+@pytest.mark.parametrize("stride, padding", [(1, 1), (2, 1), (1, 2)])
+def test_masked_input_grad_is_torchs_relu_backward(stride, padding):
+    # on a CPU (torch's dgrad, then the gate): dX where the conv's input is positive
+    torch.manual_seed(0)
+    x = torch.relu(torch.randn(2, 6, 9, 8, dtype=torch.float64)).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(5, 6, 3, 3, dtype=torch.float64)
+    out = torch.nn.functional.conv2d(x, w, None, stride, padding)
+    dy = torch.randn_like(out).contiguous(memory_format=torch.channels_last)
+    args = (dy, x, w, [stride] * 2, [padding] * 2, [1, 1], 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = torch.ops.conv_tutorial.conv2d_input_grad_relu(*args)
+        plain = torch.ops.conv_tutorial.conv2d_input_grad(*args)
+    torch.testing.assert_close(got, torch.where(x > 0, plain, 0.0))
+
+
+def test_after_relu_op_passes_opcheck():
+    x = torch.relu(torch.randn(2, 4, 7, 6)).contiguous(memory_format=torch.channels_last).requires_grad_()
+    z = torch.randn(2, 4, 7, 6).contiguous(memory_format=torch.channels_last).requires_grad_()
+    w = torch.randn(6, 4, 3, 3).contiguous(memory_format=torch.channels_last).requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # (its gradient is not the forward's own: z gets x's, so autograd's numerical check is not asked)
+        torch.library.opcheck(torch.ops.conv_tutorial.conv2d_after_relu.default, (x, z, w, None, [1, 1], [1, 1],
+                              [1, 1], 1), test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+def test_forward_operator_refuses_the_backwards_epilogue():
+    x = torch.randn(1, 4, 5, 5).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(4, 4, 1, 1)
+    with pytest.raises(ValueError, match="relu_grad.*backward's epilogue"):
+        conv_tutorial.conv2d(x, w, activation="relu_grad")
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape", [  # (N, H, W, Ci, Co, R, stride, padding, dilation, groups): gated in the epilogue
+    (4, 28, 20, 64, 128, 3, 1, 1, 1, 1), (8, 14, 14, 256, 64, 1, 1, 0, 1, 1), (2, 17, 9, 48, 40, 3, 1, 2, 2, 1),
+    (2, 9, 10, 16, 24, 3, 1, 1, 1, 1), (2, 12, 12, 128, 128, 3, 1, 1, 1, 2),
+    # ... or after it: stride 2, a crop (padding 1 on a 1x1), few channels at a stride (the fold)
+    (4, 28, 28, 64, 128, 3, 2, 1, 1, 1), (2, 8, 8, 16, 8, 1, 1, 1, 1, 1), (2, 32, 30, 3, 64, 7, 2, 3, 1, 1)], ids=str)
+def test_masked_input_grad_on_lesson06_matches_torch(shape):
+    """bf16 on the GPU: conv2d_input_grad_relu with lesson 06's kernels against torch's dgrad (cuDNN) and
+    the gate, each rounded to bf16 once: the tolerance of test_backward (bf16's 2^-8 relative, K terms)."""
+    N, H, W, Ci, Co, R, stride, padding, dilation, groups = shape
+    torch.manual_seed(0)
+    x = torch.relu(torch.randn(N, Ci, H, W, device="cuda")).bfloat16().contiguous(memory_format=torch.channels_last)
+    w = torch.randn(Co, Ci // groups, R, R, device="cuda").bfloat16().contiguous(memory_format=torch.channels_last)
+    out = torch.nn.functional.conv2d(x, w, None, stride, padding, dilation, groups)
+    dy = torch.randn_like(out).contiguous(memory_format=torch.channels_last)
+    args = (dy, x, w, [stride] * 2, [padding] * 2, [dilation] * 2, groups)
+    before = conv_tutorial.backward_backend()
+    conv_tutorial.set_backward("lesson06")
+    try:
+        got = torch.ops.conv_tutorial.conv2d_input_grad_relu(*args)
+    finally:
+        conv_tutorial.set_backward(before)
+    expected = torch.where(x > 0, torch.ops.aten.convolution_backward(
+        dy, x, w, None, [stride] * 2, [padding] * 2, [dilation] * 2, False, [0, 0], groups, [True, False, False])[0], 0)
+    common.assert_close_to_reference(got.permute(0, 2, 3, 1), expected.float().permute(0, 2, 3, 1),
+                                     dtype=torch.bfloat16, K=Co // groups * R * R)
+    assert (got[x <= 0] == 0).all()
+
+
+@needs_gpu
+def test_relu_pass_on_a_bottleneck_compiles_and_matches_eager():
+    """A torchvision Bottleneck through both passes and torch.compile with lesson 06's gradients, bf16
+    autocast: output and conv2's gradient (its dgrad gated in the epilogue) against the block unfused."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    block = torchvision.models.resnet.Bottleneck(256, 64).cuda().to(memory_format=torch.channels_last)
+    fused = conv_tutorial.fuse_relu_into_dgrad(conv_tutorial.fuse_conv_batchnorm_for_training(block))
+    assert fused.fused_relus == 2
+    x = torch.randn(16, 256, 28, 28, device="cuda").contiguous(memory_format=torch.channels_last)
+    x_ref = x.clone().requires_grad_()
+    x.requires_grad_()
+    before = conv_tutorial.backward_backend()
+    conv_tutorial.set_backward("lesson06")
+    try:
+        with torch.autocast("cuda", torch.bfloat16):
+            out = torch.compile(fused)(x)
+            expected = block(x_ref)
+        out.float().sum().backward()
+        expected.float().sum().backward()
+    finally:
+        conv_tutorial.set_backward(before)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=5e-2)
+    for got, want in [(fused.conv_bn_conv1.conv.weight.grad, block.conv1.weight.grad), (x.grad, x_ref.grad)]:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=3e-2 * want.abs().max().item())
