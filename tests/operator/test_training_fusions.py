@@ -424,8 +424,9 @@ def test_after_relu_op_passes_opcheck():
 def test_forward_operator_refuses_the_backwards_epilogue():
     x = torch.randn(1, 4, 5, 5).contiguous(memory_format=torch.channels_last)
     w = torch.randn(4, 4, 1, 1)
-    with pytest.raises(ValueError, match="relu_grad.*backward's epilogue"):
-        conv_tutorial.conv2d(x, w, activation="relu_grad")
+    for call in (torch.ops.conv_tutorial.conv2d, conv_tutorial.ops._conv2d_with_epilogue):
+        with pytest.raises(ValueError, match="relu_grad.*backward's epilogue"):
+            call(x, w, None, [1, 1], [0, 0], [1, 1], 1, None, torch.relu(x), "relu_grad")
 
 
 @needs_gpu
