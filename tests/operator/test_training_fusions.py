@@ -461,25 +461,42 @@ def test_masked_input_grad_on_lesson06_matches_torch(shape):
 @needs_gpu
 def test_relu_pass_on_a_bottleneck_compiles_and_matches_eager():
     """A torchvision Bottleneck through both passes and torch.compile with lesson 06's gradients, bf16
-    autocast: output and conv2's gradient (its dgrad gated in the epilogue) against the block unfused."""
+    autocast, against the same block through the statistics pass alone (the ReLU's backward by
+    Inductor) and against the block unfused (cuDNN). The gate changes no value: dgrad's fp32 tile
+    gated and then rounded equals the rounded tile gated; what differs between the two passes' runs is
+    the order of the statistics' atomic adds. Against eager, bf16's rounding in other places: the
+    relative norms below (of the input's and conv1's weight's gradients, through three convs and
+    three BatchNorms at batch 16)."""
     torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(0)
     block = torchvision.models.resnet.Bottleneck(256, 64).cuda().to(memory_format=torch.channels_last)
-    fused = conv_tutorial.fuse_relu_into_dgrad(conv_tutorial.fuse_conv_batchnorm_for_training(block))
-    assert fused.fused_relus == 2
     x = torch.randn(16, 256, 28, 28, device="cuda").contiguous(memory_format=torch.channels_last)
-    x_ref = x.clone().requires_grad_()
-    x.requires_grad_()
     before = conv_tutorial.backward_backend()
     conv_tutorial.set_backward("lesson06")
+    results = {}
     try:
-        with torch.autocast("cuda", torch.bfloat16):
-            out = torch.compile(fused)(x)
-            expected = block(x_ref)
-        out.float().sum().backward()
-        expected.float().sum().backward()
+        for name in ("relu", "stats", "eager"):
+            model = copy.deepcopy(block)
+            if name != "eager":
+                model = conv_tutorial.fuse_conv_batchnorm_for_training(model)
+                if name == "relu":
+                    model = conv_tutorial.fuse_relu_into_dgrad(model)
+                    assert model.fused_relus == 2
+                conv1 = model.conv_bn_conv1.conv
+            else:
+                conv1 = model.conv1
+            x_run = x.clone().requires_grad_()
+            with torch.autocast("cuda", torch.bfloat16):
+                out = (model if name == "eager" else torch.compile(model))(x_run)
+            out.float().sum().backward()
+            results[name] = (out.float(), x_run.grad.float(), conv1.weight.grad.float())
     finally:
         conv_tutorial.set_backward(before)
-    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=5e-2)
-    for got, want in [(fused.conv_bn_conv1.conv.weight.grad, block.conv1.weight.grad), (x.grad, x_ref.grad)]:
-        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=3e-2 * want.abs().max().item())
+
+    def relative(a, b):
+        return [((p - q).norm() / q.norm()).item() for p, q in zip(a, b)]
+    against_stats, against_eager = relative(results["relu"], results["stats"]), relative(results["relu"],
+                                                                                          results["eager"])
+    print(f"relative norms (out, dx, dw1): against the statistics pass alone {against_stats}, against eager "
+          f"{against_eager} (the statistics pass alone against eager: {relative(results['stats'], results['eager'])})")
+    assert max(against_stats) < 1e-2 and max(against_eager) < 5e-2
