@@ -1565,7 +1565,7 @@ def conv2d_wgrad_kernel(dy_desc, x_desc, dw_ptr, partial_ptr, shape, NUM_BUFFERS
                              split_tiles, dil_h, dil_w, BLOCK_M, BLOCK_N)
     # lesson 05's window: its pixel_box_origin, and (grouped convs) its group_channel
     window = lesson05.Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group, S,
-                                   ci_blocks, None, None)
+                                   ci_blocks, None, None, None)
     if IS_BLACKWELL:
         NUM_ACC: gl.constexpr = 2
         acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N],
