@@ -1807,11 +1807,7 @@ class InputTransform:
         layout: gl.constexpr = gl.DotOperandLayout(0, acc_layout, 32 // a_smem.dtype.primitive_bitwidth)
         a = a_smem.load(layout)                      # shared -> registers (ldmatrix)
         tap_offsets, c0, _ = window.k_step(k, BLOCK_K, window.tile_taps(co0))
-        # each row's input pixel for this tap: the im2col box's own arithmetic (lesson 05's pixel_box_origin)
-        n, y, x = window.pixel_box_origin(m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout)))
-        y = y + tap_offsets[0].to(gl.int32)
-        x = x + tap_offsets[1].to(gl.int32)
-        inside = (y >= 0) & (y < self.H) & (x >= 0) & (x < self.W)
+        inside = self.pixels_inside(window, m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout)), tap_offsets)
         channels = c0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
         real = channels < self.Ci
         scale = gl.load(self.scale_ptr + channels, mask=real, other=0.0)
@@ -1820,6 +1816,17 @@ class InputTransform:
         a = gl.maximum(a.to(gl.float32) * gl.expand_dims(scale, 0) + gl.expand_dims(shift, 0), 0.0)
         a = gl.where(gl.expand_dims(inside, 1) & gl.expand_dims(real, 0), a, 0.0)
         return a.to(a_smem.dtype)
+
+
+    @gluon.jit
+    def pixels_inside(self, window, pixels, tap_offsets):
+        """Whether the input pixel that each output pixel of `pixels` reads at the tap of `tap_offsets` (lesson 05's
+        Im2colWindow.k_step's [r * dil_h, s * dil_w]) lies in the image, not in its zero padding: the im2col box's
+        own arithmetic (Im2colWindow.pixel_box_origin), plus the tap."""
+        n, y, x = window.pixel_box_origin(pixels)
+        y = y + tap_offsets[0].to(gl.int32)
+        x = x + tap_offsets[1].to(gl.int32)
+        return (y >= 0) & (y < self.H) & (x >= 0) & (x < self.W)
 
 
 @gluon.jit
