@@ -344,7 +344,8 @@ class TileOutput:
 # The Hopper consumer. Read it first with NUM_CONSUMERS=1 and no tail: wait for a stage, issue
 # its MMA, wait until only this step's MMA is in flight, release the previous stage, and after
 # the last k-step release the last stage and store the tile. The `turn` barrier (section 4), the
-# `mma_tail` lines and the row-block stores (section 6) come later.
+# `mma_tail` lines and the row-block stores (section 6) come later. (Lesson 06's section 11 adds a
+# switch, `window.input_transform`: the A tile loaded into registers and mapped before its MMA.)
 
 
 @gluon.jit
@@ -375,12 +376,10 @@ def hopper_mma_epilogue_partition(ring, schedule, output, turn, CONSUMER: gl.con
         for k in range(work.k_begin, work.k_end):
             slot = state.slot()
             mbarrier.wait(ring.ready.index(slot), state.phase())
-            # acc += A @ B^T, asynchronously (and the tail's columns or rows: a second, smaller MMA); lesson 06's
-            # A = relu(A * scale + shift), from registers
+            # acc += A @ B^T, asynchronously (and the tail's columns or rows: a second, smaller MMA)
             a = ring.a_bufs.index(slot)
-            if window.input_transform is not None:
-                a = window.input_transform.operand(a, mma.acc.type.layout, window, work.pid_m * schedule.TILE_M,
-                                                   work.pid_n * schedule.TILE_N, k)
+            if window.input_transform is not None:    # lesson 06: A = relu(A * scale + shift), from registers
+                a = window.input_transform.operand(a, mma.acc.type.layout, window, work, schedule, k)
             mma = mma.issue_async_mma(a, ring.b(slot))
             if HAS_TAIL:
                 mma_tail = mma_tail.issue_async_mma(ring.a_tail_bufs.index(slot), ring.b(slot, TAIL=True))

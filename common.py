@@ -1796,11 +1796,12 @@ class InputTransform:
     Ci: Union[gl.tensor, gl.constexpr]    # real channels: the channels past them are padding
 
     @gluon.jit
-    def operand(self, a_smem, acc_layout: gl.constexpr, window, m0, co0, k):
-        """A stage's im2col tile a_smem [BLOCK_M pixels, BLOCK_K channels] of k-step k (of the tile of output
-        pixels m0, ... and channels co0, ...), as the A operand of a WGMMA in registers (acc_layout: its
-        accumulator's): relu(a * scale[c] + shift[c]) in fp32, cast back; zero where the tap's pixel lies in the
-        padding (TMA wrote zeros there, but relu(0 * scale + shift) need not be 0) and in padded channels."""
+    def operand(self, a_smem, acc_layout: gl.constexpr, window, work, schedule, k):
+        """A stage's im2col tile a_smem [BLOCK_M pixels, BLOCK_K channels] of k-step k of lesson 05's unit `work`
+        (its TileSchedule `schedule`), as the A operand of a WGMMA in registers (acc_layout: its accumulator's):
+        relu(a * scale[c] + shift[c]) in fp32, cast back; zero where the tap's pixel lies in the padding (TMA
+        wrote zeros there, but relu(0 * scale + shift) need not be 0) and in padded channels."""
+        m0, co0 = work.pid_m * schedule.TILE_M, work.pid_n * schedule.TILE_N
         BLOCK_M: gl.constexpr = a_smem.shape[0]
         BLOCK_K: gl.constexpr = a_smem.shape[1]
         # WGMMA's A layout in registers: k_width elements of a row per 32-bit register (2 for fp16/bf16)
