@@ -21,15 +21,16 @@ What you will learn:
   that the filter's gradient comes out the same, bit for bit, on every run;
 - both mappings in plain PyTorch on a CPU, checked against torch's own gradients;
 - for training, BatchNorm's batch statistics summed in the forward kernel's epilogue (section
-  10), and what that costs.
+  10), and what that costs; then BatchNorm's apply and the ReLU folded into the next conv's load
+  (section 11): on Hopper the A operand through registers, and the padding that then needs zeros.
 
 Builds on: lesson 05 (its kernel and plain launcher, `Im2colWindow`, `TmemAccumulators`),
 lesson 04 (`HopperWGMMA`) and lesson 03 (the im2col descriptor and its model). What changed since
 lesson 05: its kernel takes an output window (section 2), a switch that stores the output into a
 strided view of a larger tensor, with a strided dgrad's phases as its columns (section 2b: a tile
-runs its phase's taps only), weights read in place as an N-major B (section 2c), and per-channel
-sums of its output (section 10); otherwise the backward runs it as it is for dgrad and reuses its
-pieces for wgrad.
+runs its phase's taps only), weights read in place as an N-major B (section 2c), per-channel
+sums of its output (section 10) and its input read as relu(x * scale + shift) (section 11);
+otherwise the backward runs it as it is for dgrad and reuses its pieces for wgrad.
 
 Requires: sm_90 (H100/H200) or sm_100 (B200/GB200) for the GPU runs. On a CPU: both mappings
 against torch.nn.grad, the wgrad kernel's own index arithmetic on lesson 03's model of the TMA
@@ -3385,7 +3386,8 @@ if __name__ == "__main__":
 #   shows where the rest of the time goes: the convs, forward and backward, take about what
 #   cuDNN's take (8.2 against 8.4 ms of GPU time per step), and Inductor's BatchNorm, ReLU and
 #   residual kernels 10.7 of 19.7 ms. So a faster step needs BatchNorm's apply and the ReLU folded
-#   into the next conv's load; that fusion, and ReLU's mask in dgrad's epilogue, are not built.
+#   into the next conv's load: section 11 builds it for Hopper (its GPU tests not yet run, not timed,
+#   not in the operator); ReLU's mask in dgrad's epilogue is not built.
 # - Grouped convs only where a tile keeps to one group (64 or more output channels per group for
 #   wgrad; section 6), no depthwise convs, no fp8 (section 3). The grouped gradients match torch on
 #   an H100 (four layers, both gradients, and the operator's on 16 random grouped layers); not timed.
@@ -3394,13 +3396,14 @@ if __name__ == "__main__":
 # `conv_tutorial.set_backward("lesson06")` (NHWC views of its channels_last tensors, torch for what
 # they do not cover); it keeps PyTorch's convolution backward by default, because the figures above
 # say it does not pay yet: the convs' gradients run at cuDNN's pace, and the step's time is
-# mostly BatchNorm's and ReLU's. What they point to first: the two fusions not built (BatchNorm's
-# apply and ReLU in the next conv's load, ReLU's mask in dgrad's epilogue), wgrad's 7x7 and 14x14
-# 1x1 layers, and the host time of a strided dgrad.
+# mostly BatchNorm's and ReLU's. What they point to first: section 11's fusion run, timed (its
+# wait(0) per k-step against two register sets) and taken into the operator, ReLU's mask in dgrad's
+# epilogue (not built), wgrad's 7x7 and 14x14 1x1 layers, and the host time of a strided dgrad.
 
 # %%
 if __name__ == "__main__":
     print("\nlesson 06: all checks passed on " + common.gpu_name() if on_gpu else "\n" + common.cpu_closing_line(
         "06", "both mappings against torch.nn.grad, the wgrad kernel's arithmetic on the TMA model, input "
-        "checks, and the sm_90 and sm_100 builds of the wgrad kernel (the instructions above)",
-        "running dgrad and wgrad on the GPU against torch, timing them (--bench, benchmarks/backward_layers.py)"))
+        "checks, the sm_90 and sm_100 builds of the wgrad kernel and section 11's sm_90 build (the instructions "
+        "above)", "running dgrad, wgrad and section 11's conv on the GPU against torch, timing them (--bench, "
+        "benchmarks/backward_layers.py)"))
