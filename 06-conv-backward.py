@@ -3234,7 +3234,7 @@ def test_bn_relu_zeroes_the_padding_on_the_tma_model(N, H, W, Ci, Co, R, S, stri
                                    channel_blocks=-(-Ci_padded // BLOCK_K), phases=None, flipped=None)
     window.group_channel = lambda co0: lesson05.Im2colWindow.group_channel.fn(window, co0)
     window.pixel_box_origin = lambda m: lesson05.Im2colWindow.pixel_box_origin.fn(window, m)
-    for helper in ("weights_tile", "weights_at"):      # common's Gluon helpers k_step calls, as Python
+    for helper in ("weights_tile", "weights_at"):      # common's Gluon functions k_step calls, as Python
         monkeypatch.setattr(common, helper, getattr(common, helper).fn)
     transform = types.SimpleNamespace(H=H, W=W, Ci=Ci)
     w2d = torch.nn.functional.pad(w_padded.reshape(Co, -1), (0, BLOCK_K))     # (past the last tap: TMA's zeros)
