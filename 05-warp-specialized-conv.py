@@ -162,6 +162,7 @@ class Im2colWindow:
     channel_blocks: Int
     phases: common.PhaseTiles | gl.constexpr      # lesson 06's: a strided dgrad's phases side by side; else None
     flipped: common.FlippedTaps | gl.constexpr    # lesson 06's: a dgrad's weights read in place; else None
+    input_transform: common.InputTransform | gl.constexpr    # lesson 06's: A = relu(A * scale + shift); else None
 
     @gluon.jit
     def pixel_box_origin(self, m):
@@ -343,12 +344,13 @@ class TileOutput:
 # The Hopper consumer. Read it first with NUM_CONSUMERS=1 and no tail: wait for a stage, issue
 # its MMA, wait until only this step's MMA is in flight, release the previous stage, and after
 # the last k-step release the last stage and store the tile. The `turn` barrier (section 4), the
-# `mma_tail` lines and the row-block stores (section 6) come later.
+# `mma_tail` lines and the row-block stores (section 6) come later. (Lesson 06's section 11 adds a
+# switch, `window.input_transform`: the A tile loaded into registers and mapped before its MMA.)
 
 
 @gluon.jit
 def hopper_mma_epilogue_partition(ring, schedule, output, turn, CONSUMER: gl.constexpr,
-                                  NUM_CONSUMERS: gl.constexpr):
+                                  NUM_CONSUMERS: gl.constexpr, window):
     BLOCK_M: gl.constexpr = output.out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = output.out_desc.block_type.shape[1]
     # The tail (section 6): TILE_N - BLOCK_N more columns, or TILE_M - BLOCK_M more rows. Its MMA
@@ -375,12 +377,16 @@ def hopper_mma_epilogue_partition(ring, schedule, output, turn, CONSUMER: gl.con
             slot = state.slot()
             mbarrier.wait(ring.ready.index(slot), state.phase())
             # acc += A @ B^T, asynchronously (and the tail's columns or rows: a second, smaller MMA)
-            mma = mma.issue_async_mma(ring.a_bufs.index(slot), ring.b(slot))
+            a = ring.a_bufs.index(slot)
+            if window.input_transform is not None:    # lesson 06: A = relu(A * scale + shift), from registers
+                a = window.input_transform.operand(a, mma.acc.type.layout, window, work, schedule, k)
+            mma = mma.issue_async_mma(a, ring.b(slot))
             if HAS_TAIL:
                 mma_tail = mma_tail.issue_async_mma(ring.a_tail_bufs.index(slot), ring.b(slot, TAIL=True))
                 mma_tail = mma_tail.wait_num_outstanding(MMAS_PER_STEP)
-            # Only this step's MMAs in flight: the ones of step k-1 are done, so its stage is free.
-            mma = mma.wait_num_outstanding(MMAS_PER_STEP)
+            # Only this step's MMAs in flight: the ones of step k-1 are done, so its stage is free. (With A from
+            # registers none: the next step rewrites them, lesson 06.)
+            mma = mma.wait_num_outstanding(MMAS_PER_STEP if window.input_transform is None else 0)
             mbarrier.arrive(ring.empty.index(state.previous_slot()), pred=k > work.k_begin)
             state = state.next()
         if NUM_CONSUMERS == 2:
@@ -635,7 +641,8 @@ def apply_epilogue(acc, cols, Co, scale_ptr, bias_ptr, residual, EPILOGUE: tl.co
 
 @gluon.jit
 def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, epilogue_ptrs, shape, out_window,
-                        channel_stats, CONFIG: gl.constexpr, EPILOGUE: gl.constexpr, IS_BLACKWELL: gl.constexpr):
+                        channel_stats, input_transform, CONFIG: gl.constexpr, EPILOGUE: gl.constexpr,
+                        IS_BLACKWELL: gl.constexpr):
     (M, Co, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group,
      S, k_steps, channel_blocks, w_taps) = shape
     dtype: gl.constexpr = in_desc.dtype
@@ -676,7 +683,8 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
     schedule = TileSchedule(num_pid_m, num_pid_n, k_steps, BLOCK_M + BLOCK_M_TAIL, BLOCK_N + BLOCK_N_TAIL,
                             CONFIG.split_k, phases)
     window = Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group, S,
-                          channel_blocks, phases, common.flipped_taps(w_taps, phases))   # (w_taps: lesson 06's)
+                          channel_blocks, phases, common.flipped_taps(w_taps, phases),   # (w_taps: lesson 06's)
+                          common.input_transform(input_transform))                   # (lesson 06's too)
     output = TileOutput(out_desc, out_tail_desc, c_smem, c_tail_smem, *epilogue_ptrs, M, Co, EPILOGUE,
                         STORE_BY_ROW_BLOCKS, out_window, channel_stats)
     if IS_BLACKWELL:
@@ -703,15 +711,15 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
             mbarrier.init(turn.index(i), count=1)
         if NUM_CONSUMERS == 1:
             gl.warp_specialize([
-                (hopper_mma_epilogue_partition, (ring, schedule, output.for_consumer(0), turn, 0, 1)),
+                (hopper_mma_epilogue_partition, (ring, schedule, output.for_consumer(0), turn, 0, 1, window)),
                 (loader_partition, (in_desc, w_desc, w_tail_desc, ring, schedule, window)),
             ], [1], [LOADER_REGISTERS])
         else:
             # ping-pong: consumer 0 is the default partition, consumer 1 a worker of as many warps.
             # Registers: 2 consumer warpgroups at 240 + the loader's warpgroup at 24 fill the 64K.
             gl.warp_specialize([
-                (hopper_mma_epilogue_partition, (ring, schedule, output.for_consumer(0), turn, 0, 2)),
-                (hopper_mma_epilogue_partition, (ring, schedule, output.for_consumer(1), turn, 1, 2)),
+                (hopper_mma_epilogue_partition, (ring, schedule, output.for_consumer(0), turn, 0, 2, window)),
+                (hopper_mma_epilogue_partition, (ring, schedule, output.for_consumer(1), turn, 1, 2, window)),
                 (loader_partition, (in_desc, w_desc, w_tail_desc, ring, schedule, window)),
             ], [gl.num_warps(), 1], [240, min(LOADER_REGISTERS, 32)])
 
@@ -886,11 +894,12 @@ class ConvLaunch(NamedTuple):
     tiles: tuple = None            # section 7: (tile_m, tile_n, num_pid_m, num_pid_n, whole_tiles)
     out_window: tuple = None       # lesson 06: an OutputWindow's kernel_args (the output stored there); else None
     channel_stats: torch.Tensor = None   # lesson 06: fp32 [2, Co], zeroed, for the per-channel sums; else None
+    input_transform: tuple = None        # lesson 06: (input_scale, input_shift, H, W, Ci): relu(x * scale + shift)
 
     def kernel_args(self):
         # The kernel's run-time arguments, in its signature's order.
         return tuple(getattr(self, name) for name in DESCRIPTORS) + (self.pointers, self.shape, self.out_window,
-                                                                                self.channel_stats)
+                                                                     self.channel_stats, self.input_transform)
 
 
 output_nhwc = lesson04.output_nhwc    # the kernel's output [M, Co rounded up to 16 bytes] as NHWC [N, out_h, out_w, Co]
@@ -905,14 +914,16 @@ def kernel_constexprs(config, arch, epilogue=Epilogue()):
 
 
 def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None, residual=None, out_dtype=None,
-                   out_window=None, channel_stats=None):
+                   out_window=None, channel_stats=None, input_scale=None, input_shift=None):
     # A ConvLaunch for these tensors (CPU tensors work too: the ahead-of-time compile uses them). out_window: a
     # common.OutputWindow (lesson 06) to store the output into, pixel by pixel, instead of out_2d; channel_stats
     # (lesson 06): a zeroed fp32 [2, Co] tensor that the epilogue adds the output's per-channel sums into
-    # (common.check_channel_stats).
+    # (common.check_channel_stats); input_scale and input_shift (lesson 06): fp32 [Ci], the conv reads
+    # relu(x * input_scale + input_shift) (common.check_input_transform).
     config = KernelConfig(*config)
     check_config(config, arch)
     g = geometry
+    transform = common.check_input_transform(input_scale, input_shift, x_nhwc, g, config, arch, out_window, w)
     destinations = common.check_epilogue_destinations(out_window, channel_stats, g, out_dtype or x_nhwc.dtype,
                                                       x_nhwc.device, config.split_k, config.tile_n)
     check_groups_fit(config, g, x_nhwc.element_size())                     # section 10
@@ -951,12 +962,12 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     programs, _, whole_tiles = tile_counts(config, g.M, g.Co, num_sms)
     tiles = (config.tile_m, config.tile_n, num_pid_m, num_pid_n, whole_tiles) if partial is not None else None
     return ConvLaunch((programs, 1, 1), in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, pointers, shape,
-                      out_2d, partial, tiles, *destinations)
+                      out_2d, partial, tiles, *destinations, transform)
 
 
 def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG,
                         scale=None, residual=None, activation="none", groups=1, out_dtype=None, out_window=None,
-                        channel_stats=None):
+                        channel_stats=None, input_scale=None, input_shift=None):
     """The warp-specialized conv, launched plainly. x_nhwc [N, H, W, Ci], w [Co, R, S, Ci] (fp16,
     bf16 or, section 9, e4m3; CUDA, contiguous); returns NHWC [N, out_h, out_w, Co] in x's dtype
     (e4m3 operands: bf16, or e4m3 if out_dtype asks). The epilogue computes act(conv * scale + bias
@@ -964,12 +975,15 @@ def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, c
     of the output's shape and dtype, activation "none", "relu" or "silu". groups > 1 (section 10):
     w is [Co, R, S, Ci / groups]. out_window (lesson 06): store into its view instead, and return that.
     channel_stats (lesson 06): a zeroed fp32 [2, Co] tensor; the epilogue adds each output channel's sum and
-    sum of squares (of the output as stored, summed in fp32) into it, every program into the same tensor."""
+    sum of squares (of the output as stored, summed in fp32) into it, every program into the same tensor.
+    input_scale, input_shift (lesson 06): fp32 [Ci] CUDA tensors, both or neither; the conv's input is then
+    relu(x_nhwc * input_scale + input_shift) (Hopper only, common.check_input_transform says where)."""
     geometry = common.check_conv_call(x_nhwc, w, bias, stride, padding, dilation, dtypes=KERNEL_DTYPES, scale=scale,
                                       residual=residual, activation=activation, out_dtype=out_dtype, groups=groups)
     arch, num_sms = common.tma_mma_arch_and_sms("conv2d_fprop_launch")
     launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale, residual,
-                            common.output_dtype(x_nhwc.dtype, out_dtype), out_window, channel_stats)
+                            common.output_dtype(x_nhwc.dtype, out_dtype), out_window, channel_stats, input_scale,
+                            input_shift)
     epilogue = Epilogue(bias is not None, scale is not None, residual is not None, activation)
     conv2d_fprop_kernel[launch.grid](*launch.kernel_args(), **kernel_constexprs(KernelConfig(*config), arch, epilogue))
     if launch.partial is not None:                 # split-K's second kernel (section 7): sum the slices

@@ -21,15 +21,18 @@ What you will learn:
   that the filter's gradient comes out the same, bit for bit, on every run;
 - both mappings in plain PyTorch on a CPU, checked against torch's own gradients;
 - for training, BatchNorm's batch statistics summed in the forward kernel's epilogue (section
-  10), and what that costs.
+  10), and what that costs; then BatchNorm's apply and the ReLU folded into the next conv's load
+  (section 11): on Hopper the A operand through registers, and the padding that then needs zeros;
+  and ReLU's backward applied in dgrad's epilogue (section 12).
 
 Builds on: lesson 05 (its kernel and plain launcher, `Im2colWindow`, `TmemAccumulators`),
 lesson 04 (`HopperWGMMA`) and lesson 03 (the im2col descriptor and its model). What changed since
 lesson 05: its kernel takes an output window (section 2), a switch that stores the output into a
 strided view of a larger tensor, with a strided dgrad's phases as its columns (section 2b: a tile
-runs its phase's taps only), weights read in place as an N-major B (section 2c), and per-channel
-sums of its output (section 10); otherwise the backward runs it as it is for dgrad and reuses its
-pieces for wgrad.
+runs its phase's taps only), weights read in place as an N-major B (section 2c), per-channel
+sums of its output (section 10), its input read as relu(x * scale + shift) (section 11) and its
+output gated by a ReLU's (section 12);
+otherwise the backward runs it as it is for dgrad and reuses its pieces for wgrad.
 
 Requires: sm_90 (H100/H200) or sm_100 (B200/GB200) for the GPU runs. On a CPU: both mappings
 against torch.nn.grad, the wgrad kernel's own index arithmetic on lesson 03's model of the TMA
@@ -390,7 +393,7 @@ def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None, conv=None, in_plac
 def reference_fprop(dy_nhwc, w_phase, padding, dilation, groups=1, out_window=None, residual=None,
                     activation="none"):
     # The CPU's stand-in for lesson 05's kernel: torch's conv in fp32 (into out_window, if given, by a copy; a
-    # FlippedFilter, section 2c, as what its loads read), and its epilogue's residual and activation (section 11).
+    # FlippedFilter, section 2c, as what its loads read), and its epilogue's residual and activation (section 12).
     if isinstance(w_phase, common.FlippedFilter):
         w_phase = gathered_weights(w_phase)
     out = common.reference_conv2d_nhwc(dy_nhwc, w_phase, None, 1, padding, dilation, out_dtype=torch.float32,
@@ -1567,7 +1570,7 @@ def conv2d_wgrad_kernel(dy_desc, x_desc, dw_ptr, partial_ptr, shape, NUM_BUFFERS
                              split_tiles, dil_h, dil_w, BLOCK_M, BLOCK_N)
     # lesson 05's window: its pixel_box_origin, and (grouped convs) its group_channel
     window = lesson05.Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group, S,
-                                   ci_blocks, None, None)
+                                   ci_blocks, None, None, None)
     if IS_BLACKWELL:
         NUM_ACC: gl.constexpr = 2
         acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N],
@@ -3034,7 +3037,297 @@ if __name__ == "__main__" and on_gpu:
     run_channel_stats()
 
 # %%
-# 11. Training: ReLU's backward in dgrad's epilogue
+# 11. Training: BatchNorm's apply and ReLU in the next conv's load
+# ----------------------------------------------------------------
+# Section 10 gives BatchNorm its batch statistics; what is left is to apply them. Per channel that
+# is an affine map, and in a ResNet a ReLU follows, so the next conv's input is::
+#
+#     x[n, iy, ix, c] = relu(y[n, iy, ix, c] * scale[c] + shift[c])
+#     scale = gamma / sqrt(var + eps),   shift = beta - mean * scale
+#
+# Run as a pass of its own (torch.compile fuses the two into one elementwise kernel), it reads the
+# previous conv's output y and writes x: on ResNet-50's 56x56 stage at batch 128 a 256-channel
+# activation is 205 MB in bf16, so 410 MB moved, ~0.12 ms at the H100's 3.35 TB/s, beside a conv
+# of 0.1-0.3 ms; section 10's profile counts these passes as most of a training step's time. The
+# next conv reads its input anyway, one tile at a time, so it can apply the map on the way: it
+# reads y, and x is never written.
+#
+# Where in the kernel. TMA copies the im2col box into shared memory as it lies in global memory;
+# it does no arithmetic. The one place left is between shared memory and the tensor cores. WGMMA
+# (Hopper) takes its A operand from shared memory or from registers, B from shared memory only.
+# So the consumer warpgroup loads the stage's A tile into registers in the layout WGMMA reads them
+# in (a `gl.DotOperandLayout` of the accumulator's layout, two bf16 per 32-bit register; the
+# compiler makes it `ldmatrix`), computes max(a * scale[c] + shift[c], 0) in fp32 (an FMA and a
+# max per element), casts back, and issues the WGMMA with A from those registers and B from the
+# stage as before. Lesson 05's kernel has a switch for it, `Im2colWindow.input_transform`
+# (`common.InputTransform`; a constexpr None when off, so every other build compiles to the same
+# PTX as before: `tools/ptx_fingerprint.py --compare` finds lesson 05's 86 builds unchanged), read
+# in three lines of its Hopper consumer. Blackwell's tcgen05 reads A from shared or tensor memory
+# only: there the transformed tile would go back to shared memory through the registers before
+# each MMA, a second copy of every stage. Not built: the launcher refuses sm_100.
+#
+# The padding. TMA fills the box's pixels that lie in the conv's zero padding with zeros, and
+# zeros are what the conv means there: relu(x) padded, not relu of a padded y. But
+# relu(0 * scale + shift) = relu(shift), not 0 where shift > 0. So the transform zeroes the rows
+# whose input pixel for the k-step's tap lies outside the image (`InputTransform.pixels_inside`):
+# row m = m0 + i is output pixel (n, oy, ox) (lesson 05's `pixel_box_origin`, the box's own
+# arithmetic), the k-step's tap (r, s) comes from `k_step`, and iy = oy*stride_h - pad_h + r*dil_h,
+# ix likewise, outside [0, H) x [0, W) -> 0. Channels past the real Ci (padded to 16 bytes, or
+# past Ci in the last K block) get scale = shift = 0 and stay 0 too.
+#
+# What it costs. Per k-step of a 128 x 128 x 64 tile, each of the warpgroup's 128 threads runs 8
+# `ldmatrix` (2 row blocks of 64 x 4 slices of K = 16), 64 FMAs, 64 max, the padding test's
+# selects and 32 conversions to bf16x2, and holds the A tile (32 registers) beside the fp32
+# accumulator (128); ptxas reports no spill. The larger cost is the schedule. The PTX rule for an
+# asynchronous WGMMA is that the A registers it reads are not written before a `wgmma.wait_group`
+# has covered it, and in a loop the next k-step's A tile goes into the same registers. So with the
+# switch on the consumer waits for all of its MMAs (wait(0), where lesson 05 leaves the last one
+# in flight), and the tensor cores idle while the next tile is loaded and transformed: about a
+# third of a k-step counted by instructions (not measured). Two sets of A registers, k-steps
+# taking turns (the loop unrolled by two), would let step k+1's transform run under step k's
+# MMAs: not built.
+#
+# The limits of this first version, each refused by `common.check_input_transform` with a
+# ValueError naming the argument: Hopper only; fp16 or bf16 (no e4m3); one consumer (no
+# ping-pong), no tails, no split-K, one program per SM, groups = 1; a conv of its own filter into
+# a dense output (not lesson 06's dgrad, whose input dY no BatchNorm precedes). The backward still
+# needs x: wgrad (section 4) reads it, so a training step would write x after all, or apply the
+# same map in wgrad's load of x (not built). And this section has not run on a GPU yet: its CPU
+# tests check the build's instructions, the refusals and the kernel's padding arithmetic on lesson
+# 03's model of TMA; the GPU tests below compare the kernel with the reference.
+
+BN_RELU_ON_LOAD_PTX = {
+    "sm_90": [
+        ("ldmatrix", "The stage's A tile, shared memory -> registers in WGMMA's A layout: 8 per k-step (2 row "
+                     "blocks of 64 x 4 slices of K = 16), four 8 x 8 matrices each."),
+        ("fma.rn.f32", "a * scale[c] + shift[c] in fp32: 128 x 64 elements over 128 threads, 64 a thread."),
+        ("max.f32", "The ReLU, as many."),
+        ("wgmma.mma_async", "m64n128k16 with A from registers: its second operand is a list of four 32-bit "
+                            "registers (eight bf16 values a thread), where lesson 05's build names a shared-memory "
+                            "descriptor; B is a descriptor in both."),
+        ("wgmma.wait_group", "In this build only `wait_group 0`: every MMA done before the next k-step writes "
+                             "its A tile into the same registers."),
+    ],
+}
+
+
+def reference_conv2d_bn_relu_input(x_nhwc, w, input_scale, input_shift, stride=1, padding=0, dilation=1,
+                                   out_dtype=None):
+    """Section 11's ground truth, conv2d(relu(x * input_scale + input_shift), w): the map in fp32, cast to x's
+    dtype as the kernel casts its A tile, then common.reference_conv2d_nhwc (torch's conv2d in fp32, its zero
+    padding around the mapped input), cast to `out_dtype` (default x's)."""
+    mapped = torch.relu(x_nhwc.float() * input_scale.float() + input_shift.float()).to(x_nhwc.dtype)
+    return common.reference_conv2d_nhwc(mapped, w, None, stride, padding, dilation, out_dtype=out_dtype)
+
+
+def batch_norm_factors(Ci, device, seed=0):
+    """A BatchNorm's (scale, shift) per channel, fp32 [Ci]: scales in [0.5, 1.5), shifts in [0.1, 1.1), all
+    positive, so that a padding pixel read as relu(shift) instead of 0 would show."""
+    generator = torch.Generator().manual_seed(seed)
+    scale, shift = torch.rand(Ci, generator=generator) + 0.5, torch.rand(Ci, generator=generator) + 0.1
+    return scale.to(device), shift.to(device)
+
+
+def check_bn_relu_on_load(N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1, dtype=torch.bfloat16,
+                          config=lesson05.FIXED_CONFIG):
+    """Lesson 05's conv reading relu(x * scale + shift) against the reference; the tolerance is section 8's."""
+    x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, dtype)
+    scale, shift = batch_norm_factors(Ci, x.device)
+    out = lesson05.conv2d_fprop_launch(x, w, None, stride, padding, dilation, config=config, input_scale=scale,
+                                       input_shift=shift)
+    expected = reference_conv2d_bn_relu_input(x, w, scale, shift, stride, padding, dilation, torch.float32)
+    common.assert_close_to_reference(out, expected.to(dtype), dtype=dtype,
+                                     K=common.conv_geometry(x.shape, w.shape, stride, padding, dilation).K)
+
+
+def aot_conv_with_input_transform(arch, Ci=64, config=lesson05.FIXED_CONFIG, dtype="bfloat16"):
+    """(kernel, args, kwargs) of lesson 05's kernel with section 11's input_scale and input_shift, on CPU
+    tensors: lesson 05's build (2 x 16x16, Ci -> 128 channels, 3x3, padding 1)."""
+    return lesson05.aot_conv2d_fprop(arch, Ci=Ci, config=config, dtype=dtype, input_scale=torch.ones(Ci),
+                                     input_shift=torch.zeros(Ci))
+
+
+def test_bn_relu_build_reads_a_from_registers():
+    # the switch's build: A from registers (a list of four), ldmatrix and the map's FMA and max, wait_group 0
+    # only; lesson 05's plain build: A and B both descriptors, none of the map's instructions, wait_group 1
+    built = common.aot_compile_or_skip("06-conv-backward", "aot_conv_with_input_transform", "sm_90")
+    plain = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90")
+    operands = r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, "
+    assert re.match(operands + r"\{%r\d+,%r\d+,%r\d+,%r\d+\}, %rd\d+,",
+                    common.first_ptx_instruction(built["ptx"], "wgmma.mma_async"))
+    assert re.match(operands + r"%rd\d+, %rd\d+,", common.first_ptx_instruction(plain["ptx"], "wgmma.mma_async"))
+    taught = ["ldmatrix", "fma.rn.f32", "max.f32", "wgmma.wait_group.sync.aligned 1"]
+    counts = common.ptx_instructions(built["ptx"], taught)
+    assert counts["ldmatrix"] == 8 and counts["fma.rn.f32"] >= 64 and counts["max.f32"] >= 64
+    assert counts["wgmma.wait_group.sync.aligned 1"] == 0
+    assert common.ptx_instructions(plain["ptx"], taught) == {"ldmatrix": 0, "fma.rn.f32": 0, "max.f32": 0,
+                                                             "wgmma.wait_group.sync.aligned 1": 1}
+    assert built["stack"] in (0, None)          # no registers spilled (None: no cuobjdump to ask)
+
+
+@pytest.mark.parametrize("Ci, config, dtype", [
+    (3, lesson05.FIXED_CONFIG, "bfloat16"),                                # padded to 8 channels: a 16-channel box
+    (64, lesson05.KernelConfig(128, 256, 64, 3, 8), "float16"),           # 8 warps, 256 columns
+    (64, lesson05.KernelConfig(64, 128, 64, 4, 4), "bfloat16"),           # 64-row tiles
+])
+def test_bn_relu_builds_for_other_tiles(Ci, config, dtype):
+    built = common.aot_compile_or_skip("06-conv-backward", "aot_conv_with_input_transform", "sm_90", Ci=Ci,
+                                       config=config, dtype=dtype)
+    assert re.search(r"\}, \{%r\d+,%r\d+,%r\d+,%r\d+\}, %rd\d+,", common.first_ptx_instruction(built["ptx"],
+                                                                                                "wgmma.mma_async"))
+    assert built["stack"] in (0, None)
+
+
+BAD_INPUT_TRANSFORMS = [   # (arguments of prepare_launch changed from a valid call, the error, words of its message)
+    (lambda call: {"input_shift": None}, ValueError, "input_scale given alone"),
+    (lambda call: {"input_scale": [1.0] * 16}, TypeError, "input_scale must be a torch.Tensor"),
+    (lambda call: {"input_scale": torch.ones(16, dtype=torch.float64)}, ValueError, "input_scale is torch.float64"),
+    (lambda call: {"input_shift": torch.zeros(8)}, ValueError, "contiguous torch.float32 tensor of shape (16,)"),
+    (lambda call: {"input_shift": torch.zeros(16, 2)[:, 0]}, ValueError, "input_shift is torch.float32 (16,)"),
+    (lambda call: {"input_shift": torch.zeros(16, device="meta")}, ValueError, "input_shift is on meta"),
+    (lambda call: {"arch": "sm_100"}, ValueError, "Hopper (sm_90) only, not sm_100"),
+    (lambda call: {"x_nhwc": call["x_nhwc"].to(common.FP8), "w": call["w"].to(common.FP8)}, ValueError,
+     "take fp16 or bf16 operands"),
+    (lambda call: {"config": lesson05.FIXED_CONFIG._replace(block_n_tail=32)}, ValueError, "block_n_tail=32"),
+    (lambda call: {"config": lesson05.FIXED_CONFIG._replace(block_m_tail=64)}, ValueError, "block_m_tail=64"),
+    (lambda call: {"config": lesson05.FIXED_CONFIG._replace(split_k=2)}, ValueError, "split_k=2"),
+    (lambda call: {"config": lesson05.FIXED_CONFIG._replace(consumers=2)}, ValueError, "consumers=2"),
+    (lambda call: {"config": lesson05.FIXED_CONFIG._replace(programs_per_sm=2)}, ValueError, "programs_per_sm=2"),
+    (lambda call: {"w": call["w"][..., :8].contiguous(), "geometry": common.conv_geometry(
+        call["x_nhwc"].shape, (32, 3, 3, 8), 1, 1, 1, groups=2)}, ValueError, "groups=2"),
+    (lambda call: {"out_window": common.OutputWindow(torch.zeros(1, 8, 8, 32, dtype=torch.bfloat16))}, ValueError,
+     "no out_window"),
+]
+
+
+@pytest.mark.parametrize("changes, error, words", BAD_INPUT_TRANSFORMS)
+def test_bn_relu_refusals(changes, error, words):
+    x, w = common.random_conv_inputs(1, 8, 8, 16, 32, 3, 3, torch.bfloat16, device_name="cpu")
+    valid = dict(x_nhwc=x, w=w, bias=None, geometry=common.conv_geometry(x.shape, w.shape, 1, 1),
+                 config=lesson05.FIXED_CONFIG, arch="sm_90", num_sms=132, input_scale=torch.ones(16),
+                 input_shift=torch.zeros(16))
+    assert lesson05.prepare_launch(**valid).input_transform[2:] == (8, 8, 16)     # (H, W, Ci)
+    with pytest.raises(error, match=re.escape(words)):
+        lesson05.prepare_launch(**{**valid, **changes(valid)})
+
+
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", [
+    (2, 6, 5, 3, 8, 3, 3, 1, 1, 1),              # Ci = 3, padded to 8, in a 16-channel box
+    (1, 9, 8, 24, 8, 3, 2, 2, (1, 0), 1),        # stride 2, two K blocks, the second half padding
+    (2, 7, 6, 16, 8, 3, 3, 1, 2, 2),             # dilation 2, padding 2
+])
+def test_bn_relu_zeroes_the_padding_on_the_tma_model(N, H, W, Ci, Co, R, S, stride, padding, dilation, monkeypatch):
+    """The consumer's arithmetic on a CPU: for every tile and k-step, lesson 03's model of the TMA im2col load
+    (zeros in the padding), the map relu(a * scale + shift), the rows `InputTransform.pixels_inside` puts in the
+    padding and the channels past Ci set to 0 (the kernel's own index methods, run as plain Python), times the
+    weights' box, adds up to the reference; without the padding test it does not."""
+    import types
+    reference = common.load_lesson("03-tma-im2col-modes").im2col_reference
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randint(-3, 4, (N, H, W, Ci), generator=generator).float()
+    w = torch.randint(-3, 4, (Co, R, S, Ci), generator=generator).float()
+    scale, shift = (torch.randint(1, 5, (Ci,), generator=generator) / 4 for _ in range(2))   # exact in fp32, > 0
+    g = common.conv_geometry(x.shape, w.shape, stride, padding, dilation)
+    x_padded, w_padded, Ci_padded = common.pad_channels_for_tma(x, w)      # (fp32: to 4 channels)
+    settings = common.conv_im2col_settings(g)
+    corners = (settings.pixel_box_lower_corner, settings.pixel_box_upper_corner, settings.element_strides)
+    BLOCK_M, BLOCK_K = 32, 16
+    window = types.SimpleNamespace(out_h=g.out_h, out_w=g.out_w, stride_h=g.stride[0], stride_w=g.stride[1],
+                                   pad_h=g.padding[0], pad_w=g.padding[1], dil_h=common.PlainInt(g.dilation[0]),
+                                   dil_w=common.PlainInt(g.dilation[1]), Ci_group=Ci_padded, Co_group=Co, S=S,
+                                   channel_blocks=-(-Ci_padded // BLOCK_K), phases=None, flipped=None)
+    window.group_channel = lambda co0: lesson05.Im2colWindow.group_channel.fn(window, co0)
+    window.pixel_box_origin = lambda m: lesson05.Im2colWindow.pixel_box_origin.fn(window, m)
+    for helper in ("weights_tile", "weights_at"):      # common's Gluon functions k_step calls, as Python
+        monkeypatch.setattr(common, helper, getattr(common, helper).fn)
+    transform = types.SimpleNamespace(H=H, W=W, Ci=Ci)
+    w2d = torch.nn.functional.pad(w_padded.reshape(Co, -1), (0, BLOCK_K))     # (past the last tap: TMA's zeros)
+    out, unmasked = torch.zeros(g.M, Co), torch.zeros(g.M, Co)
+    for m0 in range(0, g.M, BLOCK_M):
+        n, y, x0 = lesson05.Im2colWindow.pixel_box_origin.fn(window, m0)
+        tile_taps = lesson05.Im2colWindow.tile_taps.fn(window, 0)
+        for k in range(R * S * window.channel_blocks):
+            offsets, c, (row, column) = lesson05.Im2colWindow.k_step.fn(window, common.PlainInt(k), BLOCK_K, tile_taps)
+            a, _ = reference(x_padded, BLOCK_M, BLOCK_K, *corners, [n, y, x0, c], offsets)
+            channels = int(c) + torch.arange(BLOCK_K)
+            real = channels < Ci
+            mapped = torch.relu(a * torch.where(real, scale[channels.clamp(max=Ci - 1)], 0.0)
+                                + torch.where(real, shift[channels.clamp(max=Ci - 1)], 0.0))
+            inside = common.InputTransform.pixels_inside.fn(transform, window, torch.arange(m0, m0 + BLOCK_M), offsets)
+            rows = min(BLOCK_M, g.M - m0)
+            weights = w2d[row:row + Co, column:column + BLOCK_K].T
+            out[m0:m0 + rows] += (torch.where(inside[:, None], mapped, 0.0) @ weights)[:rows]
+            unmasked[m0:m0 + rows] += (mapped @ weights)[:rows]
+    expected = reference_conv2d_bn_relu_input(x, w, scale, shift, stride, padding, dilation)
+    torch.testing.assert_close(out.view(expected.shape), expected)
+    assert not torch.allclose(unmasked.view(expected.shape), expected)     # relu(shift) > 0 read from the padding
+
+
+def test_bn_relu_reference_is_torchs_batch_norm_and_relu():
+    # the reference against torch's own BatchNorm (eval mode: the batch's statistics as its running ones) and ReLU,
+    # then conv2d, in fp64 on NCHW: scale = gamma / sqrt(var + eps), shift = beta - mean * scale
+    generator = torch.Generator().manual_seed(2)
+    x, w, mean, var, gamma, beta = (torch.randn(*shape, generator=generator, dtype=torch.float64)
+                                    for shape in ((2, 9, 7, 5), (6, 3, 2, 5), (5,), (5,), (5,), (5,)))
+    var = var.abs() + 0.5
+    scale = gamma / torch.sqrt(var + 1e-5)
+    shift = beta - mean * scale
+    expected = torch.nn.functional.conv2d(torch.relu(torch.nn.functional.batch_norm(
+        x.permute(0, 3, 1, 2), mean, var, gamma, beta, training=False, eps=1e-5)), w.permute(0, 3, 1, 2),
+        stride=(2, 1), padding=(1, 2), dilation=(1, 2)).permute(0, 2, 3, 1)
+    ours = reference_conv2d_bn_relu_input(x.float(), w.float(), scale.float(), shift.float(), (2, 1), (1, 2), (1, 2))
+    torch.testing.assert_close(ours.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+BN_RELU_CASES = [   # (N, H, W, Ci, Co, R, S, stride, padding, dilation)
+    (2, 20, 18, 3, 100, 7, 7, 2, 3, 1),            # Ci = 3 (padded channels), Co not a multiple of the tile, a stem
+    (2, 14, 14, 64, 64, 3, 3, 1, 1, 1),            # 3x3, padding 1
+    (3, 13, 11, 64, 72, 1, 1, 1, 0, 1),            # 1x1, M = 429 not a multiple of 128
+    (4, 28, 28, 128, 128, 3, 3, 2, 1, 1),          # stride 2
+    (2, 9, 17, 32, 200, 3, 1, (1, 2), (1, 0), 1),  # non-square filter, stride and padding
+    (1, 11, 9, 48, 40, 3, 3, 1, 2, 2),             # dilation 2
+    (2, 10, 12, 200, 64, 3, 3, 1, 1, 1),           # Ci = 200: a last K block of 8 real channels
+]
+
+needs_hopper = pytest.mark.skipif(not common.is_hopper(), reason="section 11's input transform runs on Hopper "
+                                  f"(sm_90) only; this machine has {common.gpu_name()}")
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", BN_RELU_CASES)
+def test_bn_relu_on_load_matches_reference(case):
+    check_bn_relu_on_load(*case)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype, config", [
+    (torch.float16, lesson05.FIXED_CONFIG),
+    (torch.bfloat16, lesson05.KernelConfig(128, 256, 64, 3, 8)),
+    (torch.bfloat16, lesson05.KernelConfig(64, 128, 64, 4, 4)),
+], ids=str)
+def test_bn_relu_on_load_dtypes_and_tiles(dtype, config):
+    check_bn_relu_on_load(3, 15, 13, 96, 320, 3, 3, 1, 1, dtype=dtype, config=config)
+
+
+def run_bn_relu_on_load():
+    # On Hopper: the conv reading relu(x * scale + shift) against the reference on section 11's layers; elsewhere
+    # the sm_90 build's instructions.
+    if not common.is_hopper():
+        return common.show_ptx("06-conv-backward", "aot_conv_with_input_transform", BN_RELU_ON_LOAD_PTX,
+                               lambda arch, compiled: "conv2d_fprop_kernel reading relu(x * scale + shift), "
+                                                      f"{lesson05.FIXED_CONFIG}")
+    for case in BN_RELU_CASES:
+        check_bn_relu_on_load(*case)
+    print(f"\nthe conv reading relu(x * scale + shift) matches the reference on {len(BN_RELU_CASES)} layers, "
+          f"{common.gpu_name()}")
+
+
+# %%
+if __name__ == "__main__":
+    run_bn_relu_on_load()
+
+# %%
+# 12. Training: ReLU's backward in dgrad's epilogue
 # -------------------------------------------------
 # In a block z -> x = relu(z) -> conv(x, w), autograd's backward runs dgrad for dX, then ReLU's
 # backward, dZ = dX where x > 0, else 0: a pass over two activations that torch.compile fuses into
@@ -3212,7 +3505,8 @@ if __name__ == "__main__":
 #   shows where the rest of the time goes: the convs, forward and backward, take about what
 #   cuDNN's take (8.2 against 8.4 ms of GPU time per step), and Inductor's BatchNorm, ReLU and
 #   residual kernels 10.7 of 19.7 ms. So a faster step needs BatchNorm's apply and the ReLU folded
-#   into the next conv's load; that fusion, and ReLU's mask in dgrad's epilogue, are not built.
+#   into the next conv's load: section 11 builds it for Hopper (its GPU tests not yet run, not timed,
+#   not in the operator); ReLU's mask in dgrad's epilogue is not built.
 # - Grouped convs only where a tile keeps to one group (64 or more output channels per group for
 #   wgrad; section 6), no depthwise convs, no fp8 (section 3). The grouped gradients match torch on
 #   an H100 (four layers, both gradients, and the operator's on 16 random grouped layers); not timed.
@@ -3221,13 +3515,14 @@ if __name__ == "__main__":
 # `conv_tutorial.set_backward("lesson06")` (NHWC views of its channels_last tensors, torch for what
 # they do not cover); it keeps PyTorch's convolution backward by default, because the figures above
 # say it does not pay yet: the convs' gradients run at cuDNN's pace, and the step's time is
-# mostly BatchNorm's and ReLU's. What they point to first: the two fusions not built (BatchNorm's
-# apply and ReLU in the next conv's load, ReLU's mask in dgrad's epilogue), wgrad's 7x7 and 14x14
-# 1x1 layers, and the host time of a strided dgrad.
+# mostly BatchNorm's and ReLU's. What they point to first: section 11's fusion run, timed (its
+# wait(0) per k-step against two register sets) and taken into the operator, ReLU's mask in dgrad's
+# epilogue (not built), wgrad's 7x7 and 14x14 1x1 layers, and the host time of a strided dgrad.
 
 # %%
 if __name__ == "__main__":
     print("\nlesson 06: all checks passed on " + common.gpu_name() if on_gpu else "\n" + common.cpu_closing_line(
         "06", "both mappings against torch.nn.grad, the wgrad kernel's arithmetic on the TMA model, input "
-        "checks, and the sm_90 and sm_100 builds of the wgrad kernel (the instructions above)",
-        "running dgrad and wgrad on the GPU against torch, timing them (--bench, benchmarks/backward_layers.py)"))
+        "checks, the sm_90 and sm_100 builds of the wgrad kernel and section 11's sm_90 build (the instructions "
+        "above)", "running dgrad, wgrad and section 11's conv on the GPU against torch, timing them (--bench, "
+        "benchmarks/backward_layers.py)"))

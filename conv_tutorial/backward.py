@@ -161,7 +161,7 @@ def _input_grad_relu(grad_output: torch.Tensor, input: torch.Tensor, weight: tor
                      padding: List[int], dilation: List[int], groups: int) -> torch.Tensor:
     """dX where input > 0, else 0: the gradient that reaches a ReLU's input when `input` is that
     ReLU's output (ReLU's backward, taken from its output). On lesson 06's kernels, dgrad's epilogue
-    applies it where dX is one conv's whole output (lesson 06, section 11: lesson 05's kernel reads
+    applies it where dX is one conv's whole output (lesson 06, section 12: lesson 05's kernel reads
     `input` in the tile's own layout, as it reads a residual); elsewhere torch applies it to dX."""
     return _dgrad(grad_output, input, weight, stride, padding, dilation, groups, True)
 

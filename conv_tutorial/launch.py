@@ -215,7 +215,7 @@ class ConvPlan:
                 window_args = (window_args[0].data_ptr(), *window_args[1:])
             direct(template.grid, x_nhwc, w, w_tail, out_2d, out_tail,
                    (*pointers, (partial if partial is not None else out_2d).data_ptr()), template.shape, window_args,
-                   None if channel_stats is None else channel_stats.data_ptr())
+                   None if channel_stats is None else channel_stats.data_ptr(), None)   # (no input transform)
             if out_window is not None:
                 return out_window.view
             reduce = self.reduces.get(variant) if partial is not None else None
