@@ -3351,8 +3351,12 @@ def relu_gated_in_epilogue(geometry, fold=None):
     """Whether dgrad's epilogue can apply ReLU's backward: dX is one conv's whole output (no fold,
     stride 1, padding <= dilation * (R - 1) on each axis)."""
     g = geometry
-    return fold is None and g.stride == (1, 1) and all(
-        p <= d * (k - 1) for p, d, k in zip(g.padding, g.dilation, (g.R, g.S)))
+    return fold is None and epilogue_gates(g.stride, g.padding, g.dilation, (g.R, g.S))
+
+
+def epilogue_gates(stride, padding, dilation, kernel_size):
+    # relu_gated_in_epilogue's test on the conv's hyper-parameters alone ((h, w) pairs; a fold needs a stride)
+    return tuple(stride) == (1, 1) and all(p <= d * (k - 1) for p, d, k in zip(padding, dilation, kernel_size))
 
 
 def dgrad_through_relu(dy_nhwc, w, relu_out, geometry, fprop, **options):

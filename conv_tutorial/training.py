@@ -314,9 +314,17 @@ def _is_inplace(node, modules):
     return node.kwargs.get("inplace", False) or node.target in (torch.relu_, "relu_")
 
 
+def _gated_in_epilogue(conv):
+    # lesson 06's test of where dgrad's epilogue gates dX, on the module's hyper-parameters ("same"/"valid" resolved)
+    from .kernel import lesson06
+    pads = ops.resolve_padding(conv.padding, conv.weight.shape, tuple(conv.stride), tuple(conv.dilation))
+    return pads is not None and lesson06.epilogue_gates(conv.stride, pads, conv.dilation, conv.weight.shape[2:])
+
+
 def fuse_relu_into_dgrad(model: torch.nn.Module, inplace: bool = False) -> torch.fx.GraphModule:
     """A torch.fx pass: where a ReLU's output has one user, a conv that takes it as its input (an
-    nn.Conv2d with zero padding, a TutorialConv2d or a ConvBatchNorm2d), the conv is called with the
+    nn.Conv2d with zero padding, a TutorialConv2d or a ConvBatchNorm2d) and whose dX dgrad's
+    epilogue can gate (lesson 06, section 12: stride 1, no crop), the conv is called with the
     ReLU's input too, and its backward applies ReLU's backward to dX itself (dgrad's epilogue, on
     lesson 06's kernels: backward.conv2d_input_grad_relu); the ReLU's own backward never runs. The
     ReLU becomes out of place (torch.relu), so an in-place ReLU is taken only where its input has no
@@ -338,6 +346,9 @@ def fuse_relu_into_dgrad(model: torch.nn.Module, inplace: bool = False) -> torch
                 or conv_node.args[0] is not node or not isinstance(relu_input, torch.fx.Node):
             continue
         conv = modules[conv_node.target]
+        inner = conv.conv if isinstance(conv, (ConvBatchNorm2d, ConvAfterReLU)) else conv
+        if not isinstance(inner, (torch.nn.Conv2d, ops.TutorialConv2d)) or not _gated_in_epilogue(inner):
+            continue          # (where dgrad cannot gate, the gate would be a pass of its own: Inductor's is cheaper)
         if isinstance(conv, torch.nn.Conv2d):
             if conv.padding_mode != "zeros":
                 continue
