@@ -708,14 +708,15 @@ class SideBySide(NamedTuple):
     config: tuple                     # lesson 05's config
 
 
-def side_by_side_config(geometry):
+def side_by_side_config(geometry, arch=None):
     """Lesson 05's config for section 2b's conv, picked among its candidates without tails or split-K.
     On an H100 (2026-11-26), over ResNet-18's and Inception v3's strided 3x3 dgrads
     (results/notebook.md): 128 x 128 x 64 tiles, 6 stages, 8 warps where dX's channels come in
     whole 128-column tiles, else 256 x 64 x 64 tiles, 4 stages, 8 warps (less padding of the
     phases' width). (On ResNet-50's own layers ping-pong or 128 x 256 tiles were as fast or faster;
-    they are not the tuning set.) Elsewhere (a Blackwell GPU, or none) dgrad_config's."""
-    if not common.is_hopper():
+    they are not the tuning set.) Elsewhere dgrad_config's. `arch`: the build's ("sm_90" or
+    "sm_100"); None: this machine's GPU (none: dgrad_config's)."""
+    if not (common.is_hopper() if arch is None else arch == "sm_90"):
         return dgrad_config(geometry)
     if geometry.Ci % 128 == 0:
         return lesson05.KernelConfig(128, 128, 64, 6, 8)
@@ -2479,7 +2480,8 @@ def aot_side_by_side(arch, N=2, H=16, W=16, Ci=128, Co=64, R=3, stride=2, paddin
     every phase in one launch of lesson 05's kernel (`in_place`: its weights read from w, section 2c;
     `heaviest_first`: its tiles in that order)."""
     x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, R, stride, padding, 1, torch.bfloat16, device_name="cpu")
-    plan = side_by_side_plan(g, config and lesson05.KernelConfig(*config))
+    # (the config of a build for `arch`, whatever GPU this machine has, if any)
+    plan = side_by_side_plan(g, lesson05.KernelConfig(*(config or side_by_side_config(g, arch))))
     dx = torch.empty(N, H, W, Ci, dtype=torch.bfloat16)
     w_side_by_side = side_by_side_in_place(w, plan) if in_place else flipped_weights(
         w, [(h.taps, v.taps) for _, _, h, v in dgrad_phases(g)], width=plan.phases.width)
@@ -2492,11 +2494,14 @@ def aot_side_by_side(arch, N=2, H=16, W=16, Ci=128, Co=64, R=3, stride=2, paddin
 @pytest.mark.parametrize("arch", list(TAUGHT_PTX))
 @pytest.mark.parametrize("heaviest_first", [False, True])
 def test_side_by_side_build(arch, heaviest_first):
-    # section 2b: the phases' build loads and stores as section 2's (im2col and tiled loads, 16 st.global.v4 per
-    # thread), with no stack: the loader picks its tile's taps in the registers it has, either tile order
+    # section 2b: the phases' build loads and stores as section 2's (im2col and tiled loads, the tile in 16-byte
+    # st.global.v4, 8 bf16 each, per thread: 16 of them with 4 warps on 128 x 128, 8 with Hopper's 8 warps), with no
+    # stack: the loader picks its tile's taps in the registers it has, either tile order
     built = common.aot_compile_or_skip("06-conv-backward", "aot_side_by_side", arch, heaviest_first=heaviest_first)
+    config = side_by_side_config(common.conv_geometry((2, 16, 16, 128), (64, 3, 3, 128), 2, 1), arch)
+    stores = config.block_m * config.block_n // (config.num_warps * 32 * 8)
     assert common.ptx_instructions(built["ptx"], ["st.global", "st.global.v4", common.PTX_TMA_STORE]) == {
-        "st.global": 16, "st.global.v4": 16, common.PTX_TMA_STORE: 0}
+        "st.global": stores, "st.global.v4": stores, common.PTX_TMA_STORE: 0}
     assert common.PTX_IM2COL_LOAD in built["ptx"] and built["stack"] == 0
 
 
@@ -3393,7 +3398,8 @@ RELU_GRAD_CASES = [   # (N, H, W, Ci, Co, R, S, stride, padding, dilation): gate
 
 def check_dgrad_through_relu(N, H, W, Ci, Co, R, S, stride, padding, dilation, on_gpu_now):
     x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation,
-                                  torch.bfloat16 if on_gpu_now else torch.float32)
+                                  torch.bfloat16 if on_gpu_now else torch.float32,
+                                  device_name=None if on_gpu_now else "cpu")
     relu_out = torch.relu(x)
     if on_gpu_now:
         def fprop(dy, w_phase, padding, dilation, groups, out_window=None, **epilogue):
