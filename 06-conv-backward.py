@@ -3097,9 +3097,22 @@ if __name__ == "__main__" and on_gpu:
 # ping-pong), no tails, no split-K, one program per SM, groups = 1; a conv of its own filter into
 # a dense output (not lesson 06's dgrad, whose input dY no BatchNorm precedes). The backward still
 # needs x: wgrad (section 4) reads it, so a training step would write x after all, or apply the
-# same map in wgrad's load of x (not built). And this section has not run on a GPU yet: its CPU
-# tests check the build's instructions, the refusals and the kernel's padding arithmetic on lesson
-# 03's model of TMA; the GPU tests below compare the kernel with the reference.
+# same map in wgrad's load of x (not built). The CPU tests check the build's instructions, the
+# refusals and the kernel's padding arithmetic on lesson 03's model of TMA; the GPU tests below
+# compare the kernel with the reference (10 passed on an H100, 2026-11-26).
+#
+# Measured (H100, 2026-11-26, CUDA graphs, `results/h100-2026-11-26/bn_relu_on_load_timing.json`):
+# the eight convs of ResNet-50 whose input is BatchNorm and ReLU of a conv's output, at batch 128,
+# each as the conv reading y, against the apply as its own pass (torch.compile's kernel) and then
+# the conv reading x; two configs each (128 x 128 x 64 with 4 warps, 128 x 256 x 64 with 8), the
+# faster of each side compared. It pays only where the conv is short next to the pass: the 56x56
+# 64->256 1x1 took 101 us against 103 + 36 (1.38x), the 28x28 128->512 1x1 56 against 52 + 24
+# (1.36x). It lost on the other six, most on the 3x3 convs, whose K loop is long: 0.83x (56x56),
+# 0.56x (28x28), 0.56x (14x14), 0.53x (7x7), and 0.95x and 0.69x on the 1x1 convs at 14x14 and
+# 7x7; over the eight, 859 us against 699. The wait(0) above is the likely cause (MMAs that no
+# longer overlap the next tile's loads and transform), not measured apart. So the operator does
+# not use it, and no training step ran with it; what it would take first: the two sets of A
+# registers, and wgrad applying the same map to its x.
 
 BN_RELU_ON_LOAD_PTX = {
     "sm_90": [
@@ -3348,8 +3361,17 @@ if __name__ == "__main__":
 # dilation * (R - 1) on each axis, section 2). A strided dgrad's phases store through an output
 # window, and there the gate is applied after, in torch. In a model, autograd must also skip ReLU's
 # own backward: the operator's `conv_tutorial.fuse_relu_into_dgrad` calls the conv with the ReLU's
-# input too, and its backward gives that input dZ (and x nothing). What it saved in a training
-# step is in RESULTS.md ("Training fusions").
+# input too, and its backward gives that input dZ (and x nothing).
+#
+# Measured (H100, 2026-11-26, ResNet-50 training at batch 128 under CUDA graphs, with section 10's
+# statistics on both sides; `results/h100-2026-11-26/training_relugrad.json`): 5280 images/s with
+# the gate in 29 dgrads' epilogues, 5283 without; a profile of the step (3 steps) put our convs
+# at +0.41 ms (the gate's read of x) and Inductor's kernels at -0.16 ms, 22.61 against 22.41 ms of
+# GPU time. Inductor's fused BatchNorm-and-ReLU backward was already reading little for the ReLU,
+# so what the epilogue reads costs more than what it saves. An earlier run that also routed the
+# three stride-2 convs (their gate a pass of its own after dgrad) lost 5% (5115 against 5399).
+# Not used by default; where it would pay is the form that also takes BatchNorm's backward sums
+# in the same epilogue (results/notebook.md), not built.
 
 
 def relu_gated_in_epilogue(geometry, fold=None):
@@ -3491,7 +3513,15 @@ if __name__ == "__main__":
 #   split tiles in the kernel (the last slice to finish adds the others' partials in order) was
 #   built and measured, and lost: 0.73x against the second kernel's 0.98x in one run (the 1x1
 #   layers cut into 32-63 slices a tile fell to 0.45-0.68x: one program reads all of a tile's
-#   partials, where the second kernel spreads the sum over every SM; results/notebook.md).
+#   partials, where the second kernel spreads the sum over every SM; results/notebook.md). No
+#   other tile or split does better on the 1x1 layers: five others (128 x 128 whole or in 2
+#   slices, 64 x 128 in 2, 128 x 256 on 8 warps, 64 x 256), timed on the 1x1 layers of Wide
+#   ResNet-50-2, ResNet-18 and Inception v3 and on ResNet-50's, beat the default by 4% at most on
+#   ResNet-50's layers below 1.0x, and by nothing on the 7x7 512->2048 (H100,
+#   `results/h100-2026-11-26/wgrad_tile_shapes_probe.json`).
+#   On the 7x7 512->2048 layer Nsight Compute put our tensor pipes at 58% busy against cuDNN's 72%,
+#   with L2 at about 61% of its peak for both; cuDNN's kernel runs 128 x 64 tiles in 2-CTA clusters,
+#   which read 157 MB from L2 where ours read 159-195 MB.
 # - dgrad: section 1's one-pass flipped weights and section 2's phases stored in place moved the
 #   operator's dgrad from 0.75x to 0.90x (H100, 2026-11-25), then the window store through the
 #   staging buffer, all phases' weights in one launch and zeros only where no tap reaches to
@@ -3514,9 +3544,12 @@ if __name__ == "__main__":
 #   step (RESULTS.md, "Training fusions")
 #   shows where the rest of the time goes: the convs, forward and backward, take about what
 #   cuDNN's take (8.2 against 8.4 ms of GPU time per step), and Inductor's BatchNorm, ReLU and
-#   residual kernels 10.7 of 19.7 ms. So a faster step needs BatchNorm's apply and the ReLU folded
-#   into the next conv's load: section 11 builds it for Hopper (its GPU tests not yet run, not timed,
-#   not in the operator); ReLU's mask in dgrad's epilogue is not built.
+#   residual kernels 10.7 of 19.7 ms. So a faster step needs those passes gone. Section 11 folds
+#   BatchNorm's apply and the ReLU into the next conv's load on Hopper: right on an H100, but slower
+#   than the separate pass on six of the eight layers it would serve (859 against 699 us over the
+#   eight). Section 12 applies ReLU's backward in dgrad's epilogue: a training step as fast as
+#   without it (5280 against 5283 images/s), its extra read of x costing what Inductor saved.
+#   Neither is in the operator's training path.
 # - Grouped convs only where a tile keeps to one group (64 or more output channels per group for
 #   wgrad; section 6), no depthwise convs, no fp8 (section 3). The grouped gradients match torch on
 #   an H100 (four layers, both gradients, and the operator's on 16 random grouped layers); not timed.
@@ -3525,9 +3558,11 @@ if __name__ == "__main__":
 # `conv_tutorial.set_backward("lesson06")` (NHWC views of its channels_last tensors, torch for what
 # they do not cover); it keeps PyTorch's convolution backward by default, because the figures above
 # say it does not pay yet: the convs' gradients run at cuDNN's pace, and the step's time is
-# mostly BatchNorm's and ReLU's. What they point to first: section 11's fusion run, timed (its
-# wait(0) per k-step against two register sets) and taken into the operator, ReLU's mask in dgrad's
-# epilogue (not built), wgrad's 7x7 and 14x14 1x1 layers, and the host time of a strided dgrad.
+# mostly BatchNorm's and ReLU's. What they point to first: section 11's k-steps overlapped again
+# (two sets of A registers) and its map applied in wgrad's load too; section 12's epilogue taking
+# BatchNorm's backward sums with the gate; wgrad's 7x7 and 14x14 1x1 layers (2-CTA clusters, which
+# cuDNN's kernel for the 7x7 512->2048 layer uses and lesson 05's Gluon kernel cannot yet pipeline);
+# and the host time of a strided dgrad.
 
 # %%
 if __name__ == "__main__":
