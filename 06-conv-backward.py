@@ -3520,8 +3520,8 @@ if __name__ == "__main__":
 #   ResNet-50's layers below 1.0x, and by nothing on the 7x7 512->2048 (H100,
 #   `results/h100-2026-11-26/wgrad_tile_shapes_probe.json`).
 #   On the 7x7 512->2048 layer Nsight Compute put our tensor pipes at 58% busy against cuDNN's 72%,
-#   with L2 at about 61% of its peak for both; cuDNN's kernel runs 128 x 64 tiles in 2-CTA clusters,
-#   which read 157 MB from L2 where ours read 159-195 MB.
+#   with L2 at 51-71% of its peak for both (two profiles each); cuDNN's kernel runs 128 x 64 tiles
+#   in 2-CTA clusters.
 # - dgrad: section 1's one-pass flipped weights and section 2's phases stored in place moved the
 #   operator's dgrad from 0.75x to 0.90x (H100, 2026-11-25), then the window store through the
 #   staging buffer, all phases' weights in one launch and zeros only where no tap reaches to
