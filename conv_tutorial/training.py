@@ -1,4 +1,5 @@
-"""Training fusions: BatchNorm's batch statistics from the forward conv's epilogue.
+"""Training fusions: BatchNorm's batch statistics from the forward conv's epilogue, and ReLU's
+backward in dgrad's epilogue (opt-in; measured not to pay, below).
 
     model = conv_tutorial.fuse_conv_batchnorm_for_training(model)   # conv -> BatchNorm2d pairs fused
     model = conv_tutorial.convert_conv2d(model)                      # the other convs on the kernel
@@ -35,6 +36,20 @@ model's modules, and nothing else in the package uses it.
 - `fuse_conv_batchnorm_for_training(model)`: a torch.fx pass that replaces every nn.Conv2d whose
   only user is a BatchNorm2d over its channels, and which the kernel runs (`stats_kernel_runs`), by
   a ConvBatchNorm2d.
+
+ReLU's backward in dgrad's epilogue (lesson 06, section 12), measured and not a default: on an H100
+(2026-11-26) a ResNet-50 step ran 5280 images/s with it against 5283 without (RESULTS.md,
+"Training fusions"): the dgrad epilogue's read of the ReLU's output costs what Inductor's fused
+BatchNorm-and-ReLU backward saves.
+
+- `fuse_relu_into_dgrad(model)`: a torch.fx pass; where a ReLU's output has one user, a conv whose
+  dgrad gates in its epilogue (stride 1, no crop), the conv is called with the ReLU's input too
+  (`ConvAfterReLU`, or `ConvBatchNorm2d`'s `relu_input`), and the ReLU's backward is skipped.
+- `torch.ops.conv_tutorial.conv2d_after_relu(input, relu_input, weight, bias, stride, padding,
+  dilation, groups)`: conv2d(input, weight, bias) where input = relu(relu_input); its backward
+  gives relu_input the input's gradient through the ReLU (backward.conv2d_input_grad_relu: lesson
+  06's dgrad with the gate in its epilogue, or torch's dgrad and the gate), and input none. The
+  caller guarantees input = relu(relu_input) and that input has no other user: the pass does.
 
 E[y^2] - E[y]^2 in fp32 loses digits where a channel's mean is large against its spread (a
 relative error of about 2^-24 * (mean / std)^2 in the variance per rounding); BatchNorm's inputs
