@@ -292,11 +292,7 @@ def fuse_conv_batchnorm_for_training(model: torch.nn.Module, inplace: bool = Fal
         graph.erase_node(user)
         graph.erase_node(node)
         count += 1
-    graph.lint()
-    graph_module.delete_all_unused_submodules()
-    graph_module.recompile()
-    graph_module.fused_pairs = count
-    return graph_module
+    return _rebuilt(graph_module, fused_pairs=count)
 
 
 class ConvAfterReLU(torch.nn.Module):
@@ -384,8 +380,14 @@ def fuse_relu_into_dgrad(model: torch.nn.Module, inplace: bool = False) -> torch
         graph.erase_node(conv_node)
         graph.erase_node(node)
         count += 1
-    graph.lint()
+    return _rebuilt(graph_module, fused_relus=count)
+
+
+def _rebuilt(graph_module, **counts):
+    # a pass's graph checked, its modules no node calls dropped, its code regenerated, and its counts set on it
+    graph_module.graph.lint()
     graph_module.delete_all_unused_submodules()
     graph_module.recompile()
-    graph_module.fused_relus = count
+    for name, count in counts.items():
+        setattr(graph_module, name, count)
     return graph_module
