@@ -31,12 +31,13 @@ lesson 05: its kernel takes an output window (section 2), a switch that stores t
 strided view of a larger tensor, with a strided dgrad's phases as its columns (section 2b: a tile
 runs its phase's taps only), weights read in place as an N-major B (section 2c), per-channel
 sums of its output (section 10), its input read as relu(x * scale + shift) (section 11) and its
-output gated by a ReLU's (section 12);
+output zeroed where a ReLU's output is not positive (section 12);
 otherwise the backward runs it as it is for dgrad and reuses its pieces for wgrad.
 
 Requires: sm_90 (H100/H200) or sm_100 (B200/GB200) for the GPU runs. On a CPU: both mappings
 against torch.nn.grad, the wgrad kernel's own index arithmetic on lesson 03's model of the TMA
-unit, the sm_90 and sm_100 builds of the wgrad kernel with their PTX, and input checks.
+unit, the sm_90 and sm_100 builds of the wgrad kernel with their PTX, section 11's sm_90 build,
+ReLU's backward through dgrad against autograd (section 12), and input checks.
 
 Note: the Blackwell path is compiled and its PTX inspected here; it has not run on a Blackwell GPU.
 
@@ -3051,11 +3052,12 @@ if __name__ == "__main__" and on_gpu:
 #     scale = gamma / sqrt(var + eps),   shift = beta - mean * scale
 #
 # Run as a pass of its own (torch.compile fuses the two into one elementwise kernel), it reads the
-# previous conv's output y and writes x: on ResNet-50's 56x56 stage at batch 128 a 256-channel
-# activation is 205 MB in bf16, so 410 MB moved, ~0.12 ms at the H100's 3.35 TB/s, beside a conv
-# of 0.1-0.3 ms; section 10's profile counts these passes as most of a training step's time. The
-# next conv reads its input anyway, one tile at a time, so it can apply the map on the way: it
-# reads y, and x is never written.
+# previous conv's output y and writes x: on ResNet-50's 56x56 stage at batch 128 a 64-channel
+# activation is 51 MB in bf16, so 103 MB moved, ~31 us at the H100's 3.35 TB/s (36 us measured
+# below), beside convs of 22-176 us; Inductor's kernels (BatchNorm, ReLU, residual adds, pooling,
+# loss) take 12.2 of a ResNet-50 step's 22.4 ms of GPU time (H100; RESULTS.md, "Training fusions:
+# BatchNorm's apply and ReLU ..."). The next conv reads its input anyway, one tile at a time, so it
+# can apply the map on the way: it reads y, and x is never written.
 #
 # Where in the kernel. TMA copies the im2col box into shared memory as it lies in global memory;
 # it does no arithmetic. The one place left is between shared memory and the tensor cores. WGMMA
@@ -3081,16 +3083,20 @@ if __name__ == "__main__" and on_gpu:
 # past Ci in the last K block) get scale = shift = 0 and stay 0 too.
 #
 # What it costs. Per k-step of a 128 x 128 x 64 tile, each of the warpgroup's 128 threads runs 8
-# `ldmatrix` (2 row blocks of 64 x 4 slices of K = 16), 64 FMAs, 64 max, the padding test's
-# selects and 32 conversions to bf16x2, and holds the A tile (32 registers) beside the fp32
-# accumulator (128); ptxas reports no spill. The larger cost is the schedule. The PTX rule for an
-# asynchronous WGMMA is that the A registers it reads are not written before a `wgmma.wait_group`
-# has covered it, and in a loop the next k-step's A tile goes into the same registers. So with the
-# switch on the consumer waits for all of its MMAs (wait(0), where lesson 05 leaves the last one
-# in flight), and the tensor cores idle while the next tile is loaded and transformed: about a
-# third of a k-step counted by instructions (not measured). Two sets of A registers, k-steps
-# taking turns (the loop unrolled by two), would let step k+1's transform run under step k's
-# MMAs: not built.
+# `ldmatrix` (2 row blocks of 64 x 4 slices of K = 16), 64 conversions to fp32 and 64 back, 64
+# FMAs, 64 max and 66 selects (the padding test and the padded channels), and the rows' pixels
+# take twice the plain build's integer divisions (12 div and 8 rem in the sm_90 PTX against 6 and
+# 2); it holds the A tile (32 registers) beside the fp32 accumulator (128); ptxas reports no
+# spill. The larger cost is the schedule. The PTX rule for an asynchronous WGMMA is that the A
+# registers it reads are not written before a `wgmma.wait_group` has covered it, and in a loop the
+# next k-step's A tile goes into the same registers. So with the switch on the consumer waits for
+# all of its MMAs (wait(0), where lesson 05 leaves the last one in flight), and the tensor cores
+# idle while the next tile is loaded and transformed (measured below; the stage a k-step has read
+# is still released one step late, as lesson 05 does, which may cost too: not measured apart). Two
+# sets of A registers were tried: the previous tile kept alive as a dependency of wait(1)
+# assembled without a spill but computed wrong results on an H100 (7 of the 10 GPU tests below
+# failed; results/notebook.md), so wait(0) stays. A working overlap (the loop unrolled by two, the
+# two tiles kept apart) is not built.
 #
 # The limits of this first version, each refused by `common.check_input_transform` with a
 # ValueError naming the argument: Hopper only; fp16 or bf16 (no e4m3); one consumer (no
@@ -3101,18 +3107,20 @@ if __name__ == "__main__" and on_gpu:
 # refusals and the kernel's padding arithmetic on lesson 03's model of TMA; the GPU tests below
 # compare the kernel with the reference (10 passed on an H100, 2026-11-26).
 #
-# Measured (H100, 2026-11-26, CUDA graphs, `results/h100-2026-11-26/bn_relu_on_load_timing.json`):
-# the eight convs of ResNet-50 whose input is BatchNorm and ReLU of a conv's output, at batch 128,
-# each as the conv reading y, against the apply as its own pass (torch.compile's kernel) and then
-# the conv reading x; two configs each (128 x 128 x 64 with 4 warps, 128 x 256 x 64 with 8), the
-# faster of each side compared. It pays only where the conv is short next to the pass: the 56x56
-# 64->256 1x1 took 101 us against 103 + 36 (1.38x), the 28x28 128->512 1x1 56 against 52 + 24
-# (1.36x). It lost on the other six, most on the 3x3 convs, whose K loop is long: 0.83x (56x56),
-# 0.56x (28x28), 0.56x (14x14), 0.53x (7x7), and 0.95x and 0.69x on the 1x1 convs at 14x14 and
-# 7x7; over the eight, 859 us against 699. The wait(0) above is the likely cause (MMAs that no
-# longer overlap the next tile's loads and transform), not measured apart. So the operator does
-# not use it, and no training step ran with it; what it would take first: the two sets of A
-# registers, and wgrad applying the same map to its x.
+# Measured (H100, 2026-11-26, CUDA graphs, `results/h100-2026-11-26/bn_relu_on_load_timing.json`,
+# from a timing script not kept in the repository): eight of the eleven distinct convs of ResNet-50
+# whose input is BatchNorm and ReLU of a conv's output (the three stride-2 3x3 convs not timed), at
+# batch 128, each as the conv reading y, against the apply as its own pass (torch.compile's kernel)
+# and then the conv reading x; two configs each (128 x 128 x 64 with 4 warps, 128 x 256 x 64 with
+# 8), the faster of each side compared. It pays only where a tile has one or two k-steps (the 1x1
+# convs of 64 and 128 input channels): the 56x56 64->256 1x1 took 101 us against 103 + 36
+# (1.38x), the 28x28 128->512 1x1 56 against 52 + 24 (1.36x). With 4 k-steps or more the fused
+# conv took 1.5-2.6x the plain conv's time and lost: 0.83x (56x56 3x3), 0.56x (28x28 3x3), 0.56x
+# (14x14 3x3), 0.53x (7x7 3x3), 0.95x and 0.69x (the 1x1 convs at 14x14 and 7x7); over the eight,
+# 859 us against 699. (On the 56x56 64->64 3x3 our plain conv itself took 2.2x cuDNN's, 175 against
+# 78 us; against cuDNN and the pass, the fused conv ran at 0.45x.) So the operator does not use it, and no training
+# step ran with it; what it would take first: k-steps that overlap again, and wgrad applying the
+# same map to its x.
 
 BN_RELU_ON_LOAD_PTX = {
     "sm_90": [
@@ -3349,13 +3357,15 @@ if __name__ == "__main__":
 # -------------------------------------------------
 # In a block z -> x = relu(z) -> conv(x, w), autograd's backward runs dgrad for dX, then ReLU's
 # backward, dZ = dX where x > 0, else 0: a pass over two activations that torch.compile fuses into
-# BatchNorm's backward before it, whose kernels then read x as well as dX. dgrad's epilogue holds
-# each tile of dX in registers, and the gate is x itself, the conv's own input, laid out [N, H, W,
-# Ci] as dX is. Lesson 05's epilogue already reads one such tensor in the accumulator's layout, the
-# residual (its section 5); the activation "relu_grad" (`common.RELU_GRAD`) has `apply_epilogue`
-# keep the tile where that tensor is positive instead of adding it, so the kernel stores dZ and
-# no pass reads x for the ReLU. (x > 0 exactly where z > 0, so the gate needs only x; the plain
-# builds do not change: a constexpr branch.)
+# the backward of the BatchNorm that produced z, whose kernels then read x as well as dX. dgrad's
+# epilogue holds each tile of dX in registers, and the gate is x itself, the conv's own input,
+# laid out [N, H, W, Ci] as dX is. So the epilogue can store dZ, and that pass need not read x:
+# one activation read per such conv, about 0.6 GB or 0.2 ms of a ResNet-50 step at batch 128 by a
+# count of bytes (under 1%; results/notebook.md), if the epilogue's own read of x costs less.
+# Lesson 05's epilogue already reads one such tensor in the accumulator's layout, the residual
+# (its section 5); the activation "relu_grad" (`common.RELU_GRAD`) has `apply_epilogue` keep the
+# tile where that tensor is positive instead of adding it. (x > 0 exactly where z > 0, so the
+# gate needs only x; the plain builds do not change: a constexpr branch.)
 #
 # It applies where dX is one conv's whole output: stride 1, no fold, and no crop (padding at most
 # dilation * (R - 1) on each axis, section 2). A strided dgrad's phases store through an output
@@ -3365,13 +3375,14 @@ if __name__ == "__main__":
 #
 # Measured (H100, 2026-11-26, ResNet-50 training at batch 128 under CUDA graphs, with section 10's
 # statistics on both sides; `results/h100-2026-11-26/training_relugrad.json`): 5280 images/s with
-# the gate in 29 dgrads' epilogues, 5283 without; a profile of the step (3 steps) put our convs
-# at +0.41 ms (the gate's read of x) and Inductor's kernels at -0.16 ms, 22.61 against 22.41 ms of
-# GPU time. Inductor's fused BatchNorm-and-ReLU backward was already reading little for the ReLU,
-# so what the epilogue reads costs more than what it saves. An earlier run that also routed the
-# three stride-2 convs (their gate a pass of its own after dgrad) lost 5% (5115 against 5399).
-# Not used by default; where it would pay is the form that also takes BatchNorm's backward sums
-# in the same epilogue (results/notebook.md), not built.
+# the gate in 29 dgrads' epilogues, 5283 without; a profile of the step (3 steps) put our dgrads
+# (counted with the forward kernels) at +0.41 ms, our convs in all at +0.37, and Inductor's
+# kernels at -0.16 ms: 22.61 against 22.41 ms of GPU time. The epilogue's read of x cost more than
+# Inductor saved: its fused BatchNorm-and-ReLU backward was reading little for the ReLU. A first
+# version that also routed the three stride-2 convs (their gate a pass of its own after dgrad) lost
+# 2-5% in two runs (5163 against 5253, 5115 against 5399). Not used by default; where it would pay
+# is the form that also takes BatchNorm's backward sums in the same epilogue (results/notebook.md),
+# not built.
 
 
 def relu_gated_in_epilogue(geometry, fold=None):
@@ -3514,14 +3525,14 @@ if __name__ == "__main__":
 #   built and measured, and lost: 0.73x against the second kernel's 0.98x in one run (the 1x1
 #   layers cut into 32-63 slices a tile fell to 0.45-0.68x: one program reads all of a tile's
 #   partials, where the second kernel spreads the sum over every SM; results/notebook.md). No
-#   other tile or split does better on the 1x1 layers: five others (128 x 128 whole or in 2
-#   slices, 64 x 128 in 2, 128 x 256 on 8 warps, 64 x 256), timed on the 1x1 layers of Wide
+#   other tile or split does better on the 1x1 layers: five others (128 x 128 in choose_split's
+#   slices or in 2, 64 x 128 in 2, 128 x 256 on 8 warps, 64 x 256), timed on the 1x1 layers of Wide
 #   ResNet-50-2, ResNet-18 and Inception v3 and on ResNet-50's, beat the default by 4% at most on
 #   ResNet-50's layers below 1.0x, and by nothing on the 7x7 512->2048 (H100,
 #   `results/h100-2026-11-26/wgrad_tile_shapes_probe.json`).
-#   On the 7x7 512->2048 layer Nsight Compute put our tensor pipes at 58% busy against cuDNN's 72%,
-#   with L2 at 51-71% of its peak for both (two profiles each); cuDNN's kernel runs 128 x 64 tiles
-#   in 2-CTA clusters.
+#   On the 7x7 512->2048 and 2048->512 layers Nsight Compute put our tensor pipes at 58% busy
+#   against cuDNN's 72%, L2 at 51-61% of its peak for ours and 62-71% for cuDNN's, whose kernel
+#   runs 128 x 64 tiles in 2-CTA clusters (RESULTS.md).
 # - dgrad: section 1's one-pass flipped weights and section 2's phases stored in place moved the
 #   operator's dgrad from 0.75x to 0.90x (H100, 2026-11-25), then the window store through the
 #   staging buffer, all phases' weights in one launch and zeros only where no tap reaches to
@@ -3541,15 +3552,13 @@ if __name__ == "__main__":
 #   0.9% (its grouped convs left unfused); on an H100 (2026-11-26, the sums in one tensor) ResNet-50
 #   ran 2.8% faster, 5148 -> 5290 images/s, torch.compile 5195 (its max-autotune mode ran 1.02x
 #   its default in a run of its own, where it compiled in under five minutes). A profile of the
-#   step (RESULTS.md, "Training fusions")
-#   shows where the rest of the time goes: the convs, forward and backward, take about what
-#   cuDNN's take (8.2 against 8.4 ms of GPU time per step), and Inductor's BatchNorm, ReLU and
-#   residual kernels 10.7 of 19.7 ms. So a faster step needs those passes gone. Section 11 folds
-#   BatchNorm's apply and the ReLU into the next conv's load on Hopper: right on an H100, but slower
-#   than the separate pass on six of the eight layers it would serve (859 against 699 us over the
-#   eight). Section 12 applies ReLU's backward in dgrad's epilogue: a training step as fast as
-#   without it (5280 against 5283 images/s), its extra read of x costing what Inductor saved.
-#   Neither is in the operator's training path.
+#   step (H100, 2026-11-26; RESULTS.md, "Training fusions: BatchNorm's apply and ReLU ...") shows
+#   where the rest of the time goes: the convs, forward and backward, take less than cuDNN's (9.13
+#   against 9.61 ms of GPU time per step), and Inductor's BatchNorm, ReLU, residual, pooling and
+#   loss kernels 12.2 of 22.4 ms. So a faster step needs those passes gone. Sections 11 and 12
+#   build the other two fusions and measure them: neither paid (section 11's conv lost on six of
+#   the eight layers timed; section 12's gate left the step's speed unchanged), and neither is in
+#   the operator's training path.
 # - Grouped convs only where a tile keeps to one group (64 or more output channels per group for
 #   wgrad; section 6), no depthwise convs, no fp8 (section 3). The grouped gradients match torch on
 #   an H100 (four layers, both gradients, and the operator's on 16 random grouped layers); not timed.
@@ -3569,5 +3578,6 @@ if __name__ == "__main__":
     print("\nlesson 06: all checks passed on " + common.gpu_name() if on_gpu else "\n" + common.cpu_closing_line(
         "06", "both mappings against torch.nn.grad, the wgrad kernel's arithmetic on the TMA model, input "
         "checks, the sm_90 and sm_100 builds of the wgrad kernel and section 11's sm_90 build (the instructions "
-        "above)", "running dgrad, wgrad and section 11's conv on the GPU against torch, timing them (--bench, "
+        "above), ReLU's backward through dgrad against autograd (section 12)", "running dgrad, wgrad, section "
+        "11's conv and section 12's gated dgrad on the GPU against torch, timing them (--bench, "
         "benchmarks/backward_layers.py)"))
