@@ -39,8 +39,9 @@ model's modules, and nothing else in the package uses it.
 
 ReLU's backward in dgrad's epilogue (lesson 06, section 12), measured and not a default: on an H100
 (2026-11-26) a ResNet-50 step ran 5280 images/s with it against 5283 without (RESULTS.md,
-"Training fusions"): the dgrad epilogue's read of the ReLU's output costs what Inductor's fused
-BatchNorm-and-ReLU backward saves.
+"Training fusions: BatchNorm's apply and ReLU ..."): the dgrad epilogue's read of the ReLU's output
+cost more GPU time (+0.37 ms a step in our convs) than Inductor's fused BatchNorm-and-ReLU backward
+saved (0.16 ms).
 
 - `fuse_relu_into_dgrad(model)`: a torch.fx pass; where a ReLU's output has one user, a conv whose
   dgrad gates in its epilogue (stride 1, no crop), the conv is called with the ReLU's input too
