@@ -14,7 +14,7 @@ forward's epilogue"), and the module below computes mean = sum / count and var =
 mean^2 from them: that read of the output is gone.
 The normalization, its gradient and the running statistics stay torch's (Inductor fuses them).
 
-Measured before kept (RESULTS.md, "Training fusions"; an H200, 2026-11-25): the fused sums cost the
+Measured before kept (RESULTS.md, "Training fusions: BatchNorm's statistics ..."; an H200, 2026-11-25): the fused sums cost the
 conv kernel a median 1.18x its own time and beat a separate reduction on all 23 of ResNet-50's
 distinct convs; a ResNet-50 training step under CUDA graphs ran 3.9% faster with this pass than
 without (6199 against 5969 images/s; torch.compile 6188), and 2.8% on an H100 (2026-11-26, the sums
@@ -258,7 +258,7 @@ def stats_kernel_runs(conv: torch.nn.Conv2d) -> bool:
     architecture; on a machine without one, on both). Elsewhere (a depthwise conv, groups of 24
     channels) torch would compute the conv and then the sums in a pass of its own over the output,
     slower than leaving the pair to Inductor, which folds the sums into its BatchNorm: measured on
-    RegNetY-3.2GF (RESULTS.md, "Training fusions")."""
+    RegNetY-3.2GF (RESULTS.md, "Training fusions: BatchNorm's statistics ...")."""
     # (a depthwise conv's groups of one channel fill no tile)
     return conv.groups == 1 or grouped_conv_fits(conv.in_channels // conv.groups, conv.out_channels // conv.groups,
                                                  current_arch())
