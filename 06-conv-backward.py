@@ -2877,8 +2877,8 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # Welford's update exists where they are not.
 #
 # The operator (`conv_tutorial.fuse_conv_batchnorm_for_training`) puts this into a model. Measured on
-# an H200 (2026-11-25, bf16, batch 128; RESULTS.md, "Training fusions: BatchNorm's statistics ..."): summed from the staging
-# buffer (into a copy per SM, as it then was), the conv with its sums, their zeroing and the
+# an H200 (2026-11-25, bf16, batch 128; RESULTS.md, "Training fusions: BatchNorm's statistics ..."):
+# summed from the staging buffer (into a copy per SM, as it then was), the conv with its sums, their zeroing and the
 # copies' reduction took a median 1.18x the conv's time (1.09-1.52x; from registers it was 1.48x,
 # up to 4.1x: results/h200-2026-11-25/channel_stats_first_build.json), beat the conv plus a
 # separate reduction over the output on all 23 of ResNet-50's distinct convs, and a ResNet-50

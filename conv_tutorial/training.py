@@ -14,8 +14,8 @@ forward's epilogue"), and the module below computes mean = sum / count and var =
 mean^2 from them: that read of the output is gone.
 The normalization, its gradient and the running statistics stay torch's (Inductor fuses them).
 
-Measured before kept (RESULTS.md, "Training fusions: BatchNorm's statistics ..."; an H200, 2026-11-25): the fused sums cost the
-conv kernel a median 1.18x its own time and beat a separate reduction on all 23 of ResNet-50's
+Measured before kept (RESULTS.md, "Training fusions: BatchNorm's statistics ..."; an H200,
+2026-11-25): the fused sums cost the conv kernel a median 1.18x its own time and beat a separate reduction on all 23 of ResNet-50's
 distinct convs; a ResNet-50 training step under CUDA graphs ran 3.9% faster with this pass than
 without (6199 against 5969 images/s; torch.compile 6188), and 2.8% on an H100 (2026-11-26, the sums
 in one tensor: 5290 against 5148; torch.compile 5195). The pass is opt-in: it changes a
