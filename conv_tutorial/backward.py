@@ -103,11 +103,12 @@ def _count_fallback(reason):
     _FALLBACKS[reason] = _FALLBACKS.get(reason, 0) + 1
 
 
-def _fprop(dy_nhwc, w_phase, padding, dilation, groups=1, out_window=None):
+def _fprop(dy_nhwc, w_phase, padding, dilation, groups=1, out_window=None, residual=None, activation="none"):
     """One phase's stride-1 conv for lesson 06's dgrad_by_phases, through the forward's runtime
-    (into dX's phase itself, given its out_window)."""
+    (into dX's phase itself, given its out_window; with the epilogue's residual and activation, as
+    lesson 06's dgrad_through_relu gates dX)."""
     return runtime.conv2d(dy_nhwc, w_phase, None, 1, padding, dilation, tune=selection.autotune_enabled(),
-                          groups=groups, out_window=out_window)
+                          groups=groups, out_window=out_window, residual=residual, activation=activation)
 
 
 def conv_gradients(grad_conv, input, weight, stride, padding, dilation, groups, needs_input, needs_weight,
@@ -167,9 +168,10 @@ def _input_grad_relu(grad_output: torch.Tensor, input: torch.Tensor, weight: tor
 
 
 def _dgrad(grad_output, input, weight, stride, padding, dilation, groups, relu_gated):
-    gated_in_epilogue = False
     if _why_torch("input", grad_output, input, weight, stride, padding, dilation, groups):
         dx = _torch_gradient("input", grad_output, input, weight, stride, padding, dilation, groups)
+        if relu_gated:
+            dx = torch.where(input > 0, dx, torch.zeros((), dtype=dx.dtype, device=dx.device))
     else:
         from .kernel import lesson06
         w_nhwc = nhwc_view(weight)                       # weight [Co, Ci, R, S] -> [Co, R, S, Ci]
@@ -179,20 +181,10 @@ def _dgrad(grad_output, input, weight, stride, padding, dilation, groups, relu_g
         if plan is None:
             fold = lesson06.stride_fold(geometry, input.element_size())
             plan = _DGRAD_PLANS[geometry] = (fold, lesson06.dgrad_phases(geometry if fold is None else fold.geometry))
-        fprop = _fprop
-        gated_in_epilogue = relu_gated and lesson06.relu_gated_in_epilogue(geometry, plan[0])
-        if gated_in_epilogue:
-            gate = nhwc_view(input)
-
-            def fprop(dy_nhwc, w_phase, padding, dilation, groups=1, out_window=None):
-                # (at stride 1, dgrad_by_phases runs one conv, and its output is dX: no window)
-                return runtime.conv2d(dy_nhwc, w_phase, None, 1, padding, dilation,
-                                      tune=selection.autotune_enabled(), groups=groups, residual=gate,
-                                      activation=common.RELU_GRAD)
-        dx = lesson06.dgrad(nhwc_view(grad_output), w_nhwc, geometry, fprop, *plan,
-                            conv=lesson06.side_by_side_launch, in_place=True).permute(0, 3, 1, 2)
-    if relu_gated and not gated_in_epilogue:
-        dx = torch.where(input > 0, dx, torch.zeros((), dtype=dx.dtype, device=dx.device))
+        options = dict(fold=plan[0], phases=plan[1], conv=lesson06.side_by_side_launch, in_place=True)
+        dy_nhwc = nhwc_view(grad_output)
+        dx = (lesson06.dgrad_through_relu(dy_nhwc, w_nhwc, nhwc_view(input), geometry, _fprop, **options) if relu_gated
+              else lesson06.dgrad(dy_nhwc, w_nhwc, geometry, _fprop, **options)).permute(0, 3, 1, 2)
     return dx.contiguous(memory_format=torch.channels_last)            # the layout the fake promises
 
 
