@@ -1307,6 +1307,13 @@ def dgrad(dy_nhwc, w, geometry, fprop, fold=None, phases=None, conv=None, in_pla
 #   (r*dh, s*dw): BLOCK_K output pixels x BLOCK_N channels, started where output pixel p0's window
 #   starts. Its N index (ci) is contiguous: an *N-major* B, where lesson 05's B (filters x channels)
 #   was K-major.
+# - A 1x1 conv at stride 1 without padding needs no im2col: output pixel p reads input pixel p, so
+#   x is a 2-D [pixels, Ci] tensor as dY is, and a tiled box at (p0, c0) fills the stage with the
+#   same bytes in the same shared layout, without the box origin's three integer divisions per
+#   k-step (`x_reads_tiled`; the kernel tells the two apart by its x descriptor's rank). On an H100
+#   that was within 1% of the im2col load, or faster, on all 32 such layers of a tuning set (Wide
+#   ResNet-50-2 and Inception v3 at batch 128), and 3-12% faster on Wide ResNet-50-2's 28x28 to 7x7
+#   layers of 512 channels or more (results/notebook.md, 2026-11-26).
 #
 # The MMA gets A as `dy_tile.permute((1, 0))`, a [BLOCK_M, BLOCK_K] view of the same bytes, and B
 # as the im2col tile as it lies, [BLOCK_K, BLOCK_N]. Whether the tensor cores read operands that
@@ -1455,6 +1462,7 @@ def wgrad_unit_count(tiles, whole_tiles, split_k):
 def wgrad_loader_partition(dy_desc, x_desc, ring, schedule, window):
     # One warp: for every (unit, k-step) of this program, wait for a free stage and fill it.
     BLOCK_K: gl.constexpr = dy_desc.block_type.shape[0]
+    X_TILED: gl.constexpr = len(x_desc.shape) == 2       # x as [pixels, Ci] (x_reads_tiled), else [N, H, W, Ci]
     stage_bytes: gl.constexpr = dy_desc.block_type.nbytes + x_desc.block_type.nbytes
     state = common.Counter(gl.to_tensor(0), ring.NUM_BUFFERS)
     for unit in range(gl.program_id(0), schedule.num_units(), gl.num_programs(0)):
@@ -1463,17 +1471,21 @@ def wgrad_loader_partition(dy_desc, x_desc, ring, schedule, window):
         # the box's first channel: c0, counted from the group's first channel if grouped (section 6)
         x_channel = window.group_channel(work.co0) + work.c0
         for k in range(work.k_begin, work.k_end):
-            # a new box of pixels every k-step, so its origin every k-step (three integer divisions)
             p0 = k * BLOCK_K
-            n, y, x = window.pixel_box_origin(p0)
             slot = state.slot()
             mbarrier.wait(ring.empty.index(slot), state.phase() ^ 1)
             mbarrier.expect(ring.ready.index(slot), stage_bytes)
             # A^T = load(dy2d, [p0, co0])
             tma.async_load(dy_desc, [p0, work.co0], ring.ready.index(slot), ring.dy_bufs.index(slot))
-            # B = im2col_load(x, [n, y, x, c0], offsets=[r*dh, s*dw])
-            tma.async_load_im2col(x_desc, [n, y, x, x_channel], offsets, ring.ready.index(slot),
-                                  ring.x_bufs.index(slot))
+            if X_TILED:
+                # B = load(x2d, [p0, c0]): output pixel p reads input pixel p (x_reads_tiled)
+                tma.async_load(x_desc, [p0, x_channel], ring.ready.index(slot), ring.x_bufs.index(slot))
+            else:
+                # a new box of pixels every k-step, so its origin every k-step (three integer divisions)
+                n, y, x = window.pixel_box_origin(p0)
+                # B = im2col_load(x, [n, y, x, c0], offsets=[r*dh, s*dw])
+                tma.async_load_im2col(x_desc, [n, y, x, x_channel], offsets, ring.ready.index(slot),
+                                      ring.x_bufs.index(slot))
             state = state.next()
 
 
@@ -1756,6 +1768,17 @@ def test_split_k_sum_adds_the_slices_in_order():
 # three-quarters line keeps the 128-row tiles of its 17x17 192->320 3x3 stride 2, where 90 tiles
 # of 64 rows (68% of a wave) took 41.7 us against 32.5. On ResNet-50's two 7x7 1x1 layers it went
 # from 0.67x and 0.81x cuDNN's speed to 0.83x and 0.97x (RESULTS.md, "The operator's gradients").
+# Two more choices came from a second tuning run (H100, 2026-11-26; Wide ResNet-50-2's 1x1 convs,
+# ResNet-18's convs and half of Inception v3's 1x1 convs at batch 128, ResNet-50 not among them).
+# Where x is read tiled (a 1x1 conv at stride 1), its tiles 128 channels wide, every 128-row tile
+# would be split and the 64-row tiles' slices fit one wave, the 64-row tiles win too: each program
+# writes a partial tile half the size, so the workspace and the second kernel's reads halve, while
+# a k-step keeps its 128 x 128 x 64 multiply-adds. On 14 such layers it took Inception v3's 17x17
+# 768->160 from 36.2 to 31.3 us and its 8x8 1280->192 from 15.5 to 11.9, and lost 3-6% on the three
+# of 512 channels or more on both sides, whose long loops favour the bigger tile. And 128 x 128 tiles
+# get a ring of 6 stages instead of 4 (192 KiB of shared memory), more loads in flight: -4% to +6%
+# on the 9 such layers (7x7 2048->1024: 41.6 -> 39.4 us). Together the two took the tuning set's
+# geometric mean from 1.03x cuDNN's speed to 1.06x (results/notebook.md).
 # `prepare_wgrad` builds what a launch needs (on CPU tensors too: the ahead-of-time compile and the
 # CPU model use it): x with its channels padded to 16 bytes (lesson 04) and its im2col descriptor,
 # dY as a 2-D [pixels, Co] tensor and its tiled descriptor (Co padded the same way where needed),
@@ -1801,15 +1824,24 @@ def wgrad_config(Co, Ci_padded, groups=1):
 
 
 def default_wgrad_config(geometry, Ci_padded, num_sms):
-    """wgrad_config's tile, or 64-row tiles where 128-row ones fill at most half a wave (so every tile
-    would be split: a workspace and a second kernel) and 64-row ones fill a wave whole, three quarters
-    of the SMs or more."""
+    """wgrad_config's tile, or 64-row tiles (128-pixel k-steps) where 128-row ones leave a wave mostly
+    idle: where 128-row tiles fill at most half the SMs and 64-row ones three quarters or more,
+    whole; or, for a 1x1 conv whose x is read tiled and whose tiles are 128 channels wide, where every
+    128-row tile would be split and the 64-row tiles' slices fit one wave. 128 x 128 tiles get a
+    6-stage ring (the deepest that fits), other tiles 4 stages."""
     config = wgrad_config(geometry.Co, Ci_padded, geometry.groups)
+    if config.block_m == 64:
+        return config
     narrow = config._replace(block_m=64, block_k=128)            # (64 x 128 elements or fewer: 128 pixels)
-    tiles, narrow_tiles = wgrad_tiles(geometry, config)[2], wgrad_tiles(geometry, narrow)[2]
-    if config.block_m == 128 and 2 * tiles <= num_sms and 3 * num_sms <= 4 * narrow_tiles <= 4 * num_sms:
+    tiles = wgrad_tiles(geometry, config)[2]
+    _, _, narrow_tiles, narrow_k_blocks = wgrad_tiles(geometry, narrow)
+    if 2 * tiles <= num_sms and 3 * num_sms <= 4 * narrow_tiles <= 4 * num_sms:
         return narrow
-    return config
+    if config.block_n == 128 and x_reads_tiled(geometry) and tiles < num_sms:
+        narrow_units = narrow_tiles * choose_split(narrow_tiles, narrow_k_blocks, num_sms, narrow.block_k)
+        if narrow_units <= num_sms:
+            return narrow
+    return config._replace(num_buffers=6) if config.block_n == 128 else config
 
 
 def check_wgrad_config(config, arch):
@@ -1854,9 +1886,20 @@ def wgrad_tiles(geometry, config):
     return num_pid_m, ci_blocks, num_pid_m * g.R * g.S * ci_blocks, triton.cdiv(g.M, config.block_k)
 
 
+def x_reads_tiled(geometry):
+    """A 1x1 conv at stride 1 without padding: output pixel p reads input pixel p, so x is a plain
+    [pixels, Ci] matrix, loaded by tiled TMA (section 3)."""
+    g = geometry
+    return (g.R, g.S, tuple(g.stride), tuple(g.padding)) == (1, 1, (1, 1), (0, 0))
+
+
 def wgrad_operands(x_nhwc, dy_nhwc, geometry):
-    # (x, dY as [pixels, Co]), each padded to 16-byte rows where it needs it: what the descriptors point at
-    return padded_to_16_bytes(x_nhwc), padded_to_16_bytes(dy_nhwc.reshape(geometry.M, geometry.Co))
+    # (x, dY as [pixels, Co]), each padded to 16-byte rows where it needs it: what the descriptors point
+    # at; x as [pixels, Ci] where x_reads_tiled
+    x_padded = padded_to_16_bytes(x_nhwc)
+    if x_reads_tiled(geometry):
+        x_padded = x_padded.view(geometry.M, x_padded.shape[-1])
+    return x_padded, padded_to_16_bytes(dy_nhwc.reshape(geometry.M, geometry.Co))
 
 
 def wgrad_kernel_options(config, arch):
@@ -1867,16 +1910,21 @@ def wgrad_kernel_options(config, arch):
 def prepare_wgrad(x_nhwc, dy_nhwc, geometry, config, arch, num_sms):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
     g = geometry
-    x_nhwc, dy_2d = wgrad_operands(x_nhwc, dy_nhwc, g)
-    config = config or default_wgrad_config(g, x_nhwc.shape[-1], num_sms)
+    x_operand, dy_2d = wgrad_operands(x_nhwc, dy_nhwc, g)
+    Ci_padded = x_operand.shape[-1]
+    config = config or default_wgrad_config(g, Ci_padded, num_sms)
     gl_dtype = common.GL_DTYPES[x_nhwc.dtype]
-    settings = common.conv_im2col_settings(
-        common.conv_geometry(x_nhwc.shape, (g.Co, g.R, g.S, x_nhwc.shape[-1]), g.stride, g.padding, g.dilation))
+    settings = common.conv_im2col_settings(common.conv_geometry(
+        (g.N, g.H, g.W, Ci_padded), (g.Co, g.R, g.S, Ci_padded), g.stride, g.padding, g.dilation))
     x_box, dy_box = [config.block_k, config.block_n], [config.block_k, config.block_m]
-    x_desc = TensorDescriptorIm2Col.from_tensor(
-        x_nhwc, x_box, gl.NVMMASharedLayout.get_default_for(x_box, gl_dtype), padding="zero",
-        element_strides=list(settings.element_strides), pixel_box_lower_corner=list(settings.pixel_box_lower_corner),
-        pixel_box_upper_corner=list(settings.pixel_box_upper_corner))
+    x_layout = gl.NVMMASharedLayout.get_default_for(x_box, gl_dtype)
+    if x_operand.dim() == 2:        # x_reads_tiled: the same box and shared layout, tiled
+        x_desc = TensorDescriptor.from_tensor(x_operand, x_box, x_layout)
+    else:
+        x_desc = TensorDescriptorIm2Col.from_tensor(
+            x_operand, x_box, x_layout, padding="zero", element_strides=list(settings.element_strides),
+            pixel_box_lower_corner=list(settings.pixel_box_lower_corner),
+            pixel_box_upper_corner=list(settings.pixel_box_upper_corner))
     dy_desc = TensorDescriptor.from_tensor(dy_2d, dy_box, gl.NVMMASharedLayout.get_default_for(dy_box, gl_dtype))
     num_pid_m, ci_blocks, tiles, k_blocks = wgrad_tiles(g, config)
     if config.programs < 0 or config.split_k < 0:
@@ -1937,18 +1985,36 @@ def test_negative_programs_or_slices_are_refused():
             prepare_wgrad(x, dy, g, WgradConfig(16, 8, 8, **bad), "sm_90", 132)
 
 
-@pytest.mark.parametrize("N, H, Ci, Co, R, stride, block_m", [
-    (128, 7, 512, 2048, 1, 1, 64),     # 64 tiles of 128 rows, split in 2; 128 of 64 rows: 97% of a wave, whole
-    (128, 7, 2048, 512, 1, 1, 64),
-    (128, 8, 2048, 448, 1, 1, 64),     # 64 -> 112 tiles (85%)
-    (128, 8, 2048, 384, 1, 1, 128),    # 48 -> 96 tiles (73%): 128-row tiles in 2 slices
-    (128, 17, 192, 320, 3, 2, 128),    # 54 -> 90 tiles (68%)
-    (128, 14, 1024, 2048, 1, 2, 128),  # 128 tiles already: a wave whole
-    (128, 56, 64, 64, 3, 1, 64),       # 64 output channels: 64 rows anyway
+@pytest.mark.parametrize("N, H, Ci, Co, R, stride, block_m, num_buffers", [
+    (128, 7, 512, 2048, 1, 1, 64, 4),     # 64 tiles of 128 rows, split in 2; 128 of 64 rows: 97% of a wave, whole
+    (128, 7, 2048, 512, 1, 1, 64, 4),
+    (128, 8, 2048, 448, 1, 1, 64, 4),     # 64 -> 112 tiles (85%)
+    (128, 8, 2048, 384, 1, 1, 64, 4),     # 48 -> 96 tiles (73%): x read tiled, the 96 whole in one wave
+    (128, 17, 192, 320, 3, 2, 128, 6),    # 54 -> 90 tiles (68%), x through im2col: 128-row tiles, 6 stages
+    (128, 14, 1024, 256, 1, 1, 64, 4),    # 16 tiles in 8 slices -> 32 in 4: 128 units, one wave
+    (128, 56, 256, 256, 1, 1, 64, 4),     # 4 tiles in 33 slices -> 8 in 16
+    (128, 7, 1024, 2048, 1, 1, 128, 6),   # 128 tiles whole; 64-row tiles would need two waves
+    (128, 14, 1024, 2048, 1, 2, 128, 6),  # 128 tiles already: a wave whole
+    (128, 56, 64, 64, 3, 1, 64, 4),       # 64 output channels: 64 rows anyway
+    (128, 56, 64, 256, 1, 1, 128, 4),     # 128 x 64 tiles (64 channels): 128-pixel k-steps, 4 stages
 ])
-def test_64_row_tiles_where_they_fill_a_wave_whole(N, H, Ci, Co, R, stride, block_m):
+def test_64_row_tiles_where_they_fill_a_wave(N, H, Ci, Co, R, stride, block_m, num_buffers):
     g = common.conv_geometry((N, H, H, Ci), (Co, R, R, Ci), stride, R // 2)
-    assert default_wgrad_config(g, Ci, 132).block_m == block_m
+    config = default_wgrad_config(g, Ci, 132)
+    assert (config.block_m, config.num_buffers) == (block_m, num_buffers)
+    check_wgrad_config(config, "sm_90")
+    check_wgrad_config(config, "sm_100")
+
+
+@pytest.mark.parametrize("R, stride, padding, tiled", [(1, 1, 0, True), (1, 2, 0, False), (1, 1, 1, False),
+                                                      (3, 1, 1, False), ((1, 3), 1, 0, False)])
+def test_x_read_tiled_only_where_pixel_p_reads_pixel_p(R, stride, padding, tiled):
+    R, S = (R, R) if isinstance(R, int) else R
+    g = common.conv_geometry((2, 6, 5, 16), (8, R, S, 16), stride, padding)
+    assert x_reads_tiled(g) == tiled
+    x, _, dy, g = backward_inputs(2, 6, 5, 16, 8, R, S, stride, padding, 1, torch.float32, device_name="cpu")
+    launch = prepare_wgrad(x, dy, g, WgradConfig(16, 16, 8, num_buffers=2), "sm_90", 132)
+    assert (type(launch.x_desc).__name__ == "TensorDescriptor") == tiled
 
 
 def test_split_choices():
@@ -2042,7 +2108,12 @@ def run_wgrad_model(N=2, H=6, W=7, Ci=12, Co=20, R=3, S=2, stride=1, padding=1, 
             box = dy_2d[k * BK:(k + 1) * BK, co0:co0 + BM]
             a_t[:box.shape[0], :box.shape[1]] = box
             x_channel = lesson05.Im2colWindow.group_channel.fn(shape, P(co0)) + c0    # the loader's
-            b, _ = im2col_reference(x_padded, BK, BN, *corners, [n, y, x0, x_channel], offsets)
+            if x_padded.dim() == 2:                           # x_reads_tiled: the tiled load, zeros outside x
+                b = torch.zeros(BK, BN)
+                box = x_padded[k * BK:(k + 1) * BK, x_channel:x_channel + BN]
+                b[:box.shape[0], :box.shape[1]] = box
+            else:
+                b, _ = im2col_reference(x_padded, BK, BN, *corners, [n, y, x0, x_channel], offsets)
             acc += a_t.T @ b
         rows, channels = min(BM, g.Co - co0), min(BN, g.Ci_group - c0)       # the store's mask
         if split < 0:                                         # a whole tile: into dW
@@ -2069,6 +2140,8 @@ def run_wgrad_model(N=2, H=6, W=7, Ci=12, Co=20, R=3, S=2, stride=1, padding=1, 
     (1, 9, 8, 3, 16, 3, 3, 2, 1, 1, None),         # Ci = 3, padded to 4 (fp32); stride 2
     (2, 7, 6, 8, 8, 3, 3, 1, 2, 2, None),          # dilation 2, padding 2
     (2, 5, 9, 16, 12, 1, 3, (2, 1), (0, 1), 1, None),   # different strides, a 1x3 filter
+    (2, 5, 7, 12, 20, 1, 1, 1, 0, 1, None),        # 1x1 at stride 1: x read tiled (x_reads_tiled)
+    (2, 5, 7, 12, 20, 1, 1, 1, 0, 1, WgradConfig(16, 8, 8, num_buffers=2, split_k=1)),   # ... every tile whole
     (2, 9, 9, 20, 72, 3, 3, 1, 1, 1, WgradConfig(64, 16, 32, split_k=2)),   # a GPU's tile sizes, Co = 72; every
                                                                              # tile split (fewer tiles than programs)
     (2, 6, 7, 12, 20, 3, 2, 1, 1, 1, WgradConfig(16, 8, 8, num_buffers=2, split_k=1)),   # every tile whole
@@ -2432,6 +2505,18 @@ def test_kernel_compiles_with_expected_instructions(arch):
     assert transposed_operands(compiled["ptx"], arch) == (1, 1)
     other_mma = "tcgen05.mma" if arch == "sm_90" else "wgmma.mma_async"
     assert common.ptx_instructions(compiled["ptx"], [other_mma])[other_mma] == 0
+
+
+@pytest.mark.parametrize("arch", list(TAUGHT_PTX))
+def test_1x1_wgrad_loads_x_tiled(arch):
+    """A 1x1 stride-1 build has no im2col load: x's load is a tiled one (section 3), the rest alike."""
+    loads = [common.PTX_IM2COL_LOAD, common.PTX_TILED_LOAD]
+    im2col = common.ptx_instructions(common.aot_compile_or_skip("06-conv-backward", "aot_conv2d_wgrad", arch)["ptx"],
+                                     loads)
+    tiled = common.ptx_instructions(common.aot_compile_or_skip("06-conv-backward", "aot_conv2d_wgrad", arch, R=1, S=1,
+                                                               padding=0)["ptx"], loads)
+    assert im2col[common.PTX_IM2COL_LOAD] > 0 and tiled[common.PTX_IM2COL_LOAD] == 0
+    assert tiled[common.PTX_TILED_LOAD] == im2col[common.PTX_TILED_LOAD] + im2col[common.PTX_IM2COL_LOAD]
 
 
 @pytest.mark.parametrize("arch", list(TAUGHT_PTX))
