@@ -914,16 +914,14 @@ def kernel_constexprs(config, arch, epilogue=Epilogue()):
 
 
 def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None, residual=None, out_dtype=None,
-                   out_window=None, channel_stats=None, input_scale=None, input_shift=None):
+                   out_window=None, channel_stats=None):
     # A ConvLaunch for these tensors (CPU tensors work too: the ahead-of-time compile uses them). out_window: a
     # common.OutputWindow (lesson 06) to store the output into, pixel by pixel, instead of out_2d; channel_stats
     # (lesson 06): a zeroed fp32 [2, Co] tensor that the epilogue adds the output's per-channel sums into
-    # (common.check_channel_stats); input_scale and input_shift (lesson 06): fp32 [Ci], the conv reads
-    # relu(x * input_scale + input_shift) (common.check_input_transform).
+    # (common.check_channel_stats). (Lesson 06's section 11 sets the launch's input_transform itself.)
     config = KernelConfig(*config)
     check_config(config, arch)
     g = geometry
-    transform = common.check_input_transform(input_scale, input_shift, x_nhwc, g, config, arch, out_window, w)
     destinations = common.check_epilogue_destinations(out_window, channel_stats, g, out_dtype or x_nhwc.dtype,
                                                       x_nhwc.device, config.split_k, config.tile_n)
     check_groups_fit(config, g, x_nhwc.element_size())                     # section 10
@@ -962,12 +960,12 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     programs, _, whole_tiles = tile_counts(config, g.M, g.Co, num_sms)
     tiles = (config.tile_m, config.tile_n, num_pid_m, num_pid_n, whole_tiles) if partial is not None else None
     return ConvLaunch((programs, 1, 1), in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, pointers, shape,
-                      out_2d, partial, tiles, *destinations, transform)
+                      out_2d, partial, tiles, *destinations)
 
 
 def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG,
                         scale=None, residual=None, activation="none", groups=1, out_dtype=None, out_window=None,
-                        channel_stats=None, input_scale=None, input_shift=None):
+                        channel_stats=None):
     """The warp-specialized conv, launched plainly. x_nhwc [N, H, W, Ci], w [Co, R, S, Ci] (fp16,
     bf16 or, section 9, e4m3; CUDA, contiguous); returns NHWC [N, out_h, out_w, Co] in x's dtype
     (e4m3 operands: bf16, or e4m3 if out_dtype asks). The epilogue computes act(conv * scale + bias
@@ -975,15 +973,12 @@ def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, c
     of the output's shape and dtype, activation "none", "relu" or "silu". groups > 1 (section 10):
     w is [Co, R, S, Ci / groups]. out_window (lesson 06): store into its view instead, and return that.
     channel_stats (lesson 06): a zeroed fp32 [2, Co] tensor; the epilogue adds each output channel's sum and
-    sum of squares (of the output as stored, summed in fp32) into it, every program into the same tensor.
-    input_scale, input_shift (lesson 06): fp32 [Ci] CUDA tensors, both or neither; the conv's input is then
-    relu(x_nhwc * input_scale + input_shift) (Hopper only, common.check_input_transform says where)."""
+    sum of squares (of the output as stored, summed in fp32) into it, every program into the same tensor."""
     geometry = common.check_conv_call(x_nhwc, w, bias, stride, padding, dilation, dtypes=KERNEL_DTYPES, scale=scale,
                                       residual=residual, activation=activation, out_dtype=out_dtype, groups=groups)
     arch, num_sms = common.tma_mma_arch_and_sms("conv2d_fprop_launch")
     launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale, residual,
-                            common.output_dtype(x_nhwc.dtype, out_dtype), out_window, channel_stats, input_scale,
-                            input_shift)
+                            common.output_dtype(x_nhwc.dtype, out_dtype), out_window, channel_stats)
     epilogue = Epilogue(bias is not None, scale is not None, residual is not None, activation)
     conv2d_fprop_kernel[launch.grid](*launch.kernel_args(), **kernel_constexprs(KernelConfig(*config), arch, epilogue))
     if launch.partial is not None:                 # split-K's second kernel (section 7): sum the slices

@@ -3183,10 +3183,11 @@ if __name__ == "__main__" and on_gpu:
 # failed; results/notebook.md), so wait(0) stays. A working overlap (the loop unrolled by two, the
 # two tiles kept apart) is not built.
 #
-# The limits of this first version, each refused by `common.check_input_transform` with a
-# ValueError naming the argument: Hopper only; fp16 or bf16 (no e4m3); one consumer (no
-# ping-pong), no tails, no split-K, one program per SM, groups = 1; a conv of its own filter into
-# a dense output (not lesson 06's dgrad, whose input dY no BatchNorm precedes). The backward still
+# The limits of this first version, each refused by `check_input_transform` with a ValueError
+# naming the argument: Hopper only; fp16 or bf16 (no e4m3); one consumer (no ping-pong), no
+# tails, no split-K, one program per SM, groups = 1. The launcher, `conv2d_bn_relu_input_launch`,
+# is lesson 05's plain launch with the kernel's `input_transform` argument set; it takes no output
+# window (lesson 06's dgrad reads dY, which no BatchNorm precedes). The backward still
 # needs x: wgrad (section 4) reads it, so a training step would write x after all, or apply the
 # same map in wgrad's load of x (not built). The CPU tests check the build's instructions, the
 # refusals and the kernel's padding arithmetic on lesson 03's model of TMA; the GPU tests below
@@ -3222,6 +3223,65 @@ BN_RELU_ON_LOAD_PTX = {
 }
 
 
+def check_input_transform(input_scale, input_shift, x_nhwc, geometry, config, arch):
+    """ValueError/TypeError unless lesson 05's kernel can read its input as relu(x * input_scale[c] +
+    input_shift[c]) (lesson 06, section 11): both given (or neither: returns None), fp32 [Ci] tensors,
+    contiguous, on x's device; an fp16 or bf16 conv on Hopper (sm_90) with one consumer, no tail, no
+    split-K, one program per SM, groups=1. Returns the kernel's
+    `input_transform` argument: (input_scale, input_shift, H, W, Ci)."""
+    if input_scale is None and input_shift is None:
+        return None
+    if input_scale is None or input_shift is None:
+        given = "input_scale" if input_shift is None else "input_shift"
+        raise ValueError(f"{given} given alone; the conv's input is relu(x * input_scale + input_shift): pass both")
+    g = geometry
+    for name, t in (("input_scale", input_scale), ("input_shift", input_shift)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (torch.float32, shape ({g.Ci},)), got {type(t).__name__}")
+        if t.dtype != torch.float32 or tuple(t.shape) != (g.Ci,) or not t.is_contiguous():
+            raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)} with strides {t.stride()}; the conv's {g.Ci} "
+                             f"input channels need a contiguous torch.float32 tensor of shape ({g.Ci},)")
+        if t.device != x_nhwc.device:
+            raise ValueError(f"{name} is on {t.device}; the input x_nhwc is on {x_nhwc.device}")
+    if arch != "sm_90":
+        raise ValueError(f"input_scale and input_shift run on Hopper (sm_90) only, not {arch}: WGMMA takes A from "
+                         f"registers, where the kernel applies them, but Blackwell's tcgen05 reads A from shared or "
+                         f"tensor memory, so there the transformed tile would go back through shared memory first "
+                         f"(not built)")
+    if x_nhwc.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"input_scale and input_shift take fp16 or bf16 operands, got x_nhwc of {x_nhwc.dtype}")
+    rules = [("consumers", config.consumers, 1), ("block_n_tail", config.block_n_tail, 0),
+             ("block_m_tail", config.block_m_tail, 0), ("split_k", config.split_k, 1),
+             ("programs_per_sm", config.programs_per_sm, 1), ("groups", g.groups, 1)]
+    for name, value, allowed in rules:
+        if value != allowed:
+            raise ValueError(f"input_scale and input_shift: {name}={value} is not supported; they run with "
+                             f"{name}={allowed} (one consumer warpgroup without a tail, split-K, a second "
+                             f"program per SM or groups; config {tuple(config)})")
+    return input_scale, input_shift, g.H, g.W, g.Ci
+
+
+def prepare_bn_relu_launch(x_nhwc, w, geometry, config, arch, num_sms, input_scale, input_shift):
+    """Lesson 05's launch of the conv, with the kernel's `input_transform` argument set: the conv reads
+    relu(x * input_scale + input_shift) (CPU tensors work too, for the ahead-of-time build)."""
+    config = lesson05.KernelConfig(*config)
+    transform = check_input_transform(input_scale, input_shift, x_nhwc, geometry, config, arch)
+    launch = lesson05.prepare_launch(x_nhwc, w, None, geometry, config, arch, num_sms)
+    return launch._replace(input_transform=transform)
+
+
+def conv2d_bn_relu_input_launch(x_nhwc, w, input_scale, input_shift, stride=1, padding=0, dilation=1,
+                                config=lesson05.FIXED_CONFIG):
+    """conv2d(relu(x_nhwc * input_scale + input_shift), w) in one launch of lesson 05's kernel: x_nhwc
+    [N, H, W, Ci] and w [Co, R, S, Ci] fp16 or bf16 (CUDA, contiguous), input_scale and input_shift fp32
+    [Ci]; returns NHWC [N, out_h, out_w, Co] in x's dtype. Hopper only (check_input_transform)."""
+    geometry = common.check_conv_call(x_nhwc, w, None, stride, padding, dilation, dtypes=lesson05.KERNEL_DTYPES)
+    arch, num_sms = common.tma_mma_arch_and_sms("conv2d_bn_relu_input_launch")
+    launch = prepare_bn_relu_launch(x_nhwc, w, geometry, config, arch, num_sms, input_scale, input_shift)
+    lesson05.conv2d_fprop_kernel[launch.grid](*launch.kernel_args(), **lesson05.kernel_constexprs(config, arch))
+    return lesson05.output_nhwc(geometry, launch.out_2d)
+
+
 def reference_conv2d_bn_relu_input(x_nhwc, w, input_scale, input_shift, stride=1, padding=0, dilation=1,
                                    out_dtype=None):
     """Section 11's ground truth, conv2d(relu(x * input_scale + input_shift), w): the map in fp32, cast to x's
@@ -3244,8 +3304,7 @@ def check_bn_relu_on_load(N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1
     """Lesson 05's conv reading relu(x * scale + shift) against the reference; the tolerance is section 8's."""
     x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, dtype)
     scale, shift = batch_norm_factors(Ci, x.device)
-    out = lesson05.conv2d_fprop_launch(x, w, None, stride, padding, dilation, config=config, input_scale=scale,
-                                       input_shift=shift)
+    out = conv2d_bn_relu_input_launch(x, w, scale, shift, stride, padding, dilation, config=config)
     expected = reference_conv2d_bn_relu_input(x, w, scale, shift, stride, padding, dilation, torch.float32)
     common.assert_close_to_reference(out, expected.to(dtype), dtype=dtype,
                                      K=common.conv_geometry(x.shape, w.shape, stride, padding, dilation).K)
@@ -3253,9 +3312,11 @@ def check_bn_relu_on_load(N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1
 
 def aot_conv_with_input_transform(arch, Ci=64, config=lesson05.FIXED_CONFIG, dtype="bfloat16"):
     """(kernel, args, kwargs) of lesson 05's kernel with section 11's input_scale and input_shift, on CPU
-    tensors: lesson 05's build (2 x 16x16, Ci -> 128 channels, 3x3, padding 1)."""
-    return lesson05.aot_conv2d_fprop(arch, Ci=Ci, config=config, dtype=dtype, input_scale=torch.ones(Ci),
-                                     input_shift=torch.zeros(Ci))
+    tensors: lesson 05's build's conv (2 x 16x16, Ci -> 128 channels, 3x3, padding 1, bf16 out)."""
+    x, w = common.random_conv_inputs(2, 16, 16, Ci, 128, 3, 3, getattr(torch, dtype), device_name="cpu")
+    launch = prepare_bn_relu_launch(x, w, common.conv_geometry(x.shape, w.shape, 1, 1), config, arch, 132,
+                                    torch.ones(Ci), torch.zeros(Ci))
+    return lesson05.conv2d_fprop_kernel, launch.kernel_args(), lesson05.kernel_constexprs(config, arch)
 
 
 def test_bn_relu_build_reads_a_from_registers():
@@ -3289,7 +3350,7 @@ def test_bn_relu_builds_for_other_tiles(Ci, config, dtype):
     assert built["stack"] in (0, None)
 
 
-BAD_INPUT_TRANSFORMS = [   # (arguments of prepare_launch changed from a valid call, the error, words of its message)
+BAD_INPUT_TRANSFORMS = [   # (arguments of prepare_bn_relu_launch changed from a valid call, the error, words of its message)
     (lambda call: {"input_shift": None}, ValueError, "input_scale given alone"),
     (lambda call: {"input_scale": [1.0] * 16}, TypeError, "input_scale must be a torch.Tensor"),
     (lambda call: {"input_scale": torch.ones(16, dtype=torch.float64)}, ValueError, "input_scale is torch.float64"),
@@ -3306,20 +3367,18 @@ BAD_INPUT_TRANSFORMS = [   # (arguments of prepare_launch changed from a valid c
     (lambda call: {"config": lesson05.FIXED_CONFIG._replace(programs_per_sm=2)}, ValueError, "programs_per_sm=2"),
     (lambda call: {"w": call["w"][..., :8].contiguous(), "geometry": common.conv_geometry(
         call["x_nhwc"].shape, (32, 3, 3, 8), 1, 1, 1, groups=2)}, ValueError, "groups=2"),
-    (lambda call: {"out_window": common.OutputWindow(torch.zeros(1, 8, 8, 32, dtype=torch.bfloat16))}, ValueError,
-     "no out_window"),
 ]
 
 
 @pytest.mark.parametrize("changes, error, words", BAD_INPUT_TRANSFORMS)
 def test_bn_relu_refusals(changes, error, words):
     x, w = common.random_conv_inputs(1, 8, 8, 16, 32, 3, 3, torch.bfloat16, device_name="cpu")
-    valid = dict(x_nhwc=x, w=w, bias=None, geometry=common.conv_geometry(x.shape, w.shape, 1, 1),
+    valid = dict(x_nhwc=x, w=w, geometry=common.conv_geometry(x.shape, w.shape, 1, 1),
                  config=lesson05.FIXED_CONFIG, arch="sm_90", num_sms=132, input_scale=torch.ones(16),
                  input_shift=torch.zeros(16))
-    assert lesson05.prepare_launch(**valid).input_transform[2:] == (8, 8, 16)     # (H, W, Ci)
+    assert prepare_bn_relu_launch(**valid).input_transform[2:] == (8, 8, 16)     # (H, W, Ci)
     with pytest.raises(error, match=re.escape(words)):
-        lesson05.prepare_launch(**{**valid, **changes(valid)})
+        prepare_bn_relu_launch(**{**valid, **changes(valid)})
 
 
 @pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", [

@@ -1754,50 +1754,9 @@ def add_channel_sums(stats_ptr, staged, m0, co0, M, Co):
 
 # %% BatchNorm's apply and ReLU on a conv's input (lesson 05's Hopper consumer, for lesson 06's section 11) ---
 
-def check_input_transform(input_scale, input_shift, x_nhwc, geometry, config, arch, out_window=None, w=None):
-    """ValueError/TypeError unless lesson 05's kernel can read its input as relu(x * input_scale[c] +
-    input_shift[c]) (lesson 06, section 11): both given (or neither: returns None), fp32 [Ci] tensors,
-    contiguous, on x's device; an fp16 or bf16 conv on Hopper (sm_90) with one consumer, no tail, no
-    split-K, one program per SM, groups=1, its own filter and a dense output. Returns the kernel's
-    `input_transform` argument: (input_scale, input_shift, H, W, Ci)."""
-    if input_scale is None and input_shift is None:
-        return None
-    if input_scale is None or input_shift is None:
-        given = "input_scale" if input_shift is None else "input_shift"
-        raise ValueError(f"{given} given alone; the conv's input is relu(x * input_scale + input_shift): pass both")
-    g = geometry
-    for name, t in (("input_scale", input_scale), ("input_shift", input_shift)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor (torch.float32, shape ({g.Ci},)), got {type(t).__name__}")
-        if t.dtype != torch.float32 or tuple(t.shape) != (g.Ci,) or not t.is_contiguous():
-            raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)} with strides {t.stride()}; the conv's {g.Ci} "
-                             f"input channels need a contiguous torch.float32 tensor of shape ({g.Ci},)")
-        if t.device != x_nhwc.device:
-            raise ValueError(f"{name} is on {t.device}; the input x_nhwc is on {x_nhwc.device}")
-    if arch != "sm_90":
-        raise ValueError(f"input_scale and input_shift run on Hopper (sm_90) only, not {arch}: WGMMA takes A from "
-                         f"registers, where the kernel applies them, but Blackwell's tcgen05 reads A from shared or "
-                         f"tensor memory, so there the transformed tile would go back through shared memory first "
-                         f"(not built)")
-    if x_nhwc.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"input_scale and input_shift take fp16 or bf16 operands, got x_nhwc of {x_nhwc.dtype}")
-    rules = [("consumers", config.consumers, 1), ("block_n_tail", config.block_n_tail, 0),
-             ("block_m_tail", config.block_m_tail, 0), ("split_k", config.split_k, 1),
-             ("programs_per_sm", config.programs_per_sm, 1), ("groups", g.groups, 1)]
-    for name, value, allowed in rules:
-        if value != allowed:
-            raise ValueError(f"input_scale and input_shift: {name}={value} is not supported; they run with "
-                             f"{name}={allowed} (one consumer warpgroup without a tail, split-K, a second "
-                             f"program per SM or groups; config {tuple(config)})")
-    if out_window is not None or isinstance(w, FlippedFilter):
-        raise ValueError("input_scale and input_shift take a conv of its own filter into a dense output (no "
-                         "out_window, no FlippedFilter: lesson 06's dgrad reads dY, to which no BatchNorm applies)")
-    return input_scale, input_shift, g.H, g.W, g.Ci
-
-
 @gluon.aggregate
 class InputTransform:
-    """The kernel's side of `check_input_transform`: the conv reads relu(x * scale[c] + shift[c])."""
+    """The kernel's side of lesson 06's `check_input_transform`: the conv reads relu(x * scale[c] + shift[c])."""
     scale_ptr: gl.tensor        # fp32 [Ci]
     shift_ptr: gl.tensor
     H: Union[gl.tensor, gl.constexpr]     # the input's height and width: the padding test
@@ -1841,7 +1800,7 @@ class InputTransform:
 
 @gluon.jit
 def input_transform(args):
-    """The InputTransform of lesson 05's `input_transform` argument (check_input_transform's tuple), or a
+    """The InputTransform of lesson 05's `input_transform` argument (lesson 06's check_input_transform's tuple), or a
     constexpr None where the conv reads its input as it is."""
     transform = None
     if args is not None:
