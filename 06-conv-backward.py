@@ -1312,8 +1312,8 @@ def dgrad(dy_nhwc, w, geometry, fprop, fold=None, phases=None, conv=None, in_pla
 #   same bytes in the same shared layout, without the box origin's three integer divisions per
 #   k-step (`x_reads_tiled`; the kernel tells the two apart by its x descriptor's rank). On an H100
 #   that was within 1% of the im2col load, or faster, on all 32 such layers of a tuning set (Wide
-#   ResNet-50-2 and Inception v3 at batch 128), and 3-12% faster on Wide ResNet-50-2's 28x28 to 7x7
-#   layers of 512 channels or more (results/notebook.md, 2026-11-26).
+#   ResNet-50-2 and Inception v3 at batch 128), and 1-12% faster on Wide ResNet-50-2's eight layers
+#   at 28x28 and below (results/notebook.md, 2026-11-26).
 #
 # The MMA gets A as `dy_tile.permute((1, 0))`, a [BLOCK_M, BLOCK_K] view of the same bytes, and B
 # as the im2col tile as it lies, [BLOCK_K, BLOCK_N]. Whether the tensor cores read operands that
