@@ -2464,10 +2464,13 @@ TAUGHT_PTX = {
 }
 
 
-def aot_conv2d_wgrad(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, padding=1, split_k=2):
-    """(kernel, args, kwargs) on CPU tensors, for common.aot_compile."""
+def aot_conv2d_wgrad(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, padding=1, split_k=2,
+                     default_config=False):
+    """(kernel, args, kwargs) on CPU tensors, for common.aot_compile (default_config: the launcher's
+    config for an H100's 132 SMs, default_wgrad_config's, instead of wgrad_config's tile in split_k)."""
     x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, 1, torch.bfloat16, device_name="cpu")
-    launch = prepare_wgrad(x, dy, g, wgrad_config(Co, Ci)._replace(split_k=split_k), arch, 132)
+    config = None if default_config else wgrad_config(Co, Ci)._replace(split_k=split_k)
+    launch = prepare_wgrad(x, dy, g, config, arch, 132)
     dw = torch.empty(Co, R * S * Ci, dtype=x.dtype)
     return conv2d_wgrad_kernel, launch.kernel_args(dw), wgrad_kernel_options(launch.config, arch)
 
@@ -2517,6 +2520,18 @@ def test_1x1_wgrad_loads_x_tiled(arch):
                                                                padding=0)["ptx"], loads)
     assert im2col[common.PTX_IM2COL_LOAD] > 0 and tiled[common.PTX_IM2COL_LOAD] == 0
     assert tiled[common.PTX_TILED_LOAD] == im2col[common.PTX_TILED_LOAD] + im2col[common.PTX_IM2COL_LOAD]
+
+
+@pytest.mark.parametrize("arch", list(TAUGHT_PTX))
+@pytest.mark.parametrize("Ci, Co, R, ring", [(128, 256, 3, (128, 128, 64, 6)), (256, 512, 1, (64, 128, 128, 4))])
+def test_default_wgrad_configs_fit_shared_memory(arch, Ci, Co, R, ring):
+    """default_wgrad_config's 6-stage ring of 128 x 128 x 64 tiles and its 64 x 128 x 128 tiles build, and
+    the build asks for no more shared memory than a program may have."""
+    params = dict(N=8, H=14, W=14, Ci=Ci, Co=Co, R=R, S=R, padding=R // 2, default_config=True)
+    g = common.conv_geometry((8, 14, 14, Ci), (Co, R, R, Ci), 1, R // 2)
+    assert tuple(default_wgrad_config(g, Ci, 132)[:4]) == ring
+    built = common.aot_compile_or_skip("06-conv-backward", "aot_conv2d_wgrad", arch, **params)
+    assert 0 < built["shared"] <= lesson05.SHARED_MEMORY_PER_PROGRAM
 
 
 @pytest.mark.parametrize("arch", list(TAUGHT_PTX))
