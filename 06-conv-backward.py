@@ -1310,10 +1310,11 @@ def dgrad(dy_nhwc, w, geometry, fprop, fold=None, phases=None, conv=None, in_pla
 # - A 1x1 conv at stride 1 without padding needs no im2col: output pixel p reads input pixel p, so
 #   x is a 2-D [pixels, Ci] tensor as dY is, and a tiled box at (p0, c0) fills the stage with the
 #   same bytes in the same shared layout, without the box origin's three integer divisions per
-#   k-step (`x_reads_tiled`; the kernel tells the two apart by its x descriptor's rank). On an H100
-#   that was within 1% of the im2col load, or faster, on all 32 such layers of a tuning set (Wide
-#   ResNet-50-2 and Inception v3 at batch 128), and 1-12% faster on Wide ResNet-50-2's eight layers
-#   at 28x28 and below (results/notebook.md, 2026-11-26).
+#   k-step and without the im2col mode (`x_reads_tiled`; the kernel tells the two apart by its x
+#   descriptor's rank). On an H100 that was 1% slower at worst and 1-12% faster on Wide
+#   ResNet-50-2's eight layers at 28x28 and below, over all 32 such layers of a tuning set (Wide
+#   ResNet-50-2 and Inception v3 at batch 128); which of the two savings counts was not measured
+#   apart (results/notebook.md, 2026-11-26).
 #
 # The MMA gets A as `dy_tile.permute((1, 0))`, a [BLOCK_M, BLOCK_K] view of the same bytes, and B
 # as the im2col tile as it lies, [BLOCK_K, BLOCK_N]. Whether the tensor cores read operands that
@@ -1353,6 +1354,7 @@ def dgrad(dy_nhwc, w, geometry, fprop, fold=None, phases=None, conv=None, in_pla
 #         p0 = k * BLOCK_K;  (n, y, x) = pixel_box_origin(p0)
 #         A^T = load(dy2d, [p0, co0])                                   # [BLOCK_K, BLOCK_M], M-major
 #         B = im2col_load(x, [n, y, x, c0], offsets=[r*dh, s*dw])       # [BLOCK_K, BLOCK_N], N-major
+#             (or B = load(x2d, [p0, c0]) where x_reads_tiled: section 3)
 #         acc += A @ B                                                  # A = (A^T)^T, a view
 #     if split < 0:   dW[co0:co0+BLOCK_M, tap, c0:c0+BLOCK_N] = acc    # a whole tile
 #     else:           partial[split, tile - whole_tiles] = acc          # a slice (section 5), fp32
@@ -1768,20 +1770,26 @@ def test_split_k_sum_adds_the_slices_in_order():
 # three-quarters line keeps the 128-row tiles of its 17x17 192->320 3x3 stride 2, where 90 tiles
 # of 64 rows (68% of a wave) took 41.7 us against 32.5. On ResNet-50's two 7x7 1x1 layers it went
 # from 0.67x and 0.81x cuDNN's speed to 0.83x and 0.97x (RESULTS.md, "The operator's gradients").
-# Two more choices came from a second tuning run (H100, 2026-11-26; Wide ResNet-50-2's 1x1 convs,
-# ResNet-18's convs and half of Inception v3's 1x1 convs at batch 128, ResNet-50 not among them).
-# Where x is read tiled (a 1x1 conv at stride 1), its tiles 128 channels wide, every 128-row tile
-# would be split and the 64-row tiles' slices fit one wave, the 64-row tiles win too: each program
-# writes a partial tile half the size, so the workspace and the second kernel's reads halve, while
-# a k-step keeps its 128 x 128 x 64 multiply-adds. On 14 such layers it took Inception v3's 17x17
-# 768->160 from 36.2 to 31.3 us and its 8x8 1280->192 from 15.5 to 11.9, and lost 3-6% on the three
-# of 512 channels or more on both sides, whose long loops favour the bigger tile. And 128 x 128 tiles
-# get a ring of 6 stages instead of 4 (192 KiB of shared memory), more loads in flight: -4% to +6%
-# on the 9 such layers (7x7 2048->1024: 41.6 -> 39.4 us). Together the two took the tuning set's
-# geometric mean from 1.03x cuDNN's speed to 1.06x (results/notebook.md).
+# One more choice came from a second tuning run (H100, 2026-11-26, batch 128: Wide ResNet-50-2's
+# 13 stride-1 1x1 convs, ResNet-18's 11 convs, every second of Inception v3's 19 1x1 convs; 9 of
+# these shapes are also ResNet-50's, whose table in RESULTS.md therefore is not wholly held out).
+# Where x is read tiled (a 1x1 conv at stride 1, section 3), the tiles are 128 channels wide, the
+# 128-row tiles are fewer than the SMs (so each is split into slices, or the wave is left part idle)
+# and the 64-row tiles' slices fit one wave, the 64-row tiles win too: each program writes a partial
+# tile half the size, so the workspace and the second kernel's reads halve, while a k-step keeps its
+# 128 x 128 x 64 multiply-adds. On the 14 such tuning layers it won 11, up to 1.31x (Inception v3's
+# 8x8 1280->192: 15.5 -> 11.9 us; 17x17 768->160: 36.2 -> 31.3), and lost 3-6% on the three with 512
+# channels or more on both sides, whose long loops favour the bigger tile; the tuning set's geometric
+# mean went from 1.03x cuDNN's speed to 1.06x (results/notebook.md). It is kept to tiled x: on
+# Inception's 17x17 192->320 3x3 stride 2, read through im2col, 64-row tiles took 41.7 us against 32.5
+# (the three-quarters line above), though two small stride-2 1x1 layers of ResNet-18 gained 10-15 us
+# of 12 and 11. A deeper ring for the 128 x 128 tiles (6 stages instead of 4; 7 would fit) was timed
+# too: on the tuning set it moved the geometric mean by 0.3%, within the runs' spread, so it was not
+# kept.
 # `prepare_wgrad` builds what a launch needs (on CPU tensors too: the ahead-of-time compile and the
-# CPU model use it): x with its channels padded to 16 bytes (lesson 04) and its im2col descriptor,
-# dY as a 2-D [pixels, Co] tensor and its tiled descriptor (Co padded the same way where needed),
+# CPU model use it): x with its channels padded to 16 bytes (lesson 04) and its im2col descriptor
+# (or, where `x_reads_tiled`, x as [pixels, Ci] and a tiled descriptor), dY as a 2-D [pixels, Co]
+# tensor and its tiled descriptor (Co padded the same way where needed),
 # the split (section 5), the workspace of the split tiles and the persistent grid.
 #
 # Grouped convs (lesson 05, section 10) take one line more in the kernel. Group k's filters read only x's
@@ -1826,9 +1834,8 @@ def wgrad_config(Co, Ci_padded, groups=1):
 def default_wgrad_config(geometry, Ci_padded, num_sms):
     """wgrad_config's tile, or 64-row tiles (128-pixel k-steps) where 128-row ones leave a wave mostly
     idle: where 128-row tiles fill at most half the SMs and 64-row ones three quarters or more,
-    whole; or, for a 1x1 conv whose x is read tiled and whose tiles are 128 channels wide, where every
-    128-row tile would be split and the 64-row tiles' slices fit one wave. 128 x 128 tiles get a
-    6-stage ring (the deepest that fits), other tiles 4 stages."""
+    whole; or, for a conv whose x is read tiled and whose tiles are 128 channels wide, where the
+    128-row tiles are fewer than the SMs and the 64-row tiles' slices fit one wave."""
     config = wgrad_config(geometry.Co, Ci_padded, geometry.groups)
     if config.block_m == 64:
         return config
@@ -1841,7 +1848,7 @@ def default_wgrad_config(geometry, Ci_padded, num_sms):
         narrow_units = narrow_tiles * choose_split(narrow_tiles, narrow_k_blocks, num_sms, narrow.block_k)
         if narrow_units <= num_sms:
             return narrow
-    return config._replace(num_buffers=6) if config.block_n == 128 else config
+    return config
 
 
 def check_wgrad_config(config, arch):
@@ -1862,11 +1869,11 @@ def check_wgrad_config(config, arch):
 class WgradLaunch(NamedTuple):
     grid: tuple
     dy_desc: object          # tiled descriptor of dY as [pixels, Co]
-    x_desc: object           # im2col descriptor of x
+    x_desc: object           # im2col descriptor of x; tiled, of x as [pixels, Ci], where x_reads_tiled
     partial: torch.Tensor    # the fp32 workspace [split_k, split tiles, BLOCK_M, BLOCK_N]; None if no tile is split
     shape: WgradShape
     config: WgradConfig
-    settings: object         # the im2col settings (common.ConvIm2ColSettings) of x_desc
+    settings: object         # the im2col settings (common.ConvIm2ColSettings) of the conv (x_desc's, if im2col)
 
     def kernel_args(self, dw):
         # dw: dW [Co, R*S*Ci] in x's dtype; where no tile is split, the workspace's pointer is dw's (never written)
@@ -1985,23 +1992,23 @@ def test_negative_programs_or_slices_are_refused():
             prepare_wgrad(x, dy, g, WgradConfig(16, 8, 8, **bad), "sm_90", 132)
 
 
-@pytest.mark.parametrize("N, H, Ci, Co, R, stride, block_m, num_buffers", [
-    (128, 7, 512, 2048, 1, 1, 64, 4),     # 64 tiles of 128 rows, split in 2; 128 of 64 rows: 97% of a wave, whole
-    (128, 7, 2048, 512, 1, 1, 64, 4),
-    (128, 8, 2048, 448, 1, 1, 64, 4),     # 64 -> 112 tiles (85%)
-    (128, 8, 2048, 384, 1, 1, 64, 4),     # 48 -> 96 tiles (73%): x read tiled, the 96 whole in one wave
-    (128, 17, 192, 320, 3, 2, 128, 6),    # 54 -> 90 tiles (68%), x through im2col: 128-row tiles, 6 stages
-    (128, 14, 1024, 256, 1, 1, 64, 4),    # 16 tiles in 8 slices -> 32 in 4: 128 units, one wave
-    (128, 56, 256, 256, 1, 1, 64, 4),     # 4 tiles in 33 slices -> 8 in 16
-    (128, 7, 1024, 2048, 1, 1, 128, 6),   # 128 tiles whole; 64-row tiles would need two waves
-    (128, 14, 1024, 2048, 1, 2, 128, 6),  # 128 tiles already: a wave whole
-    (128, 56, 64, 64, 3, 1, 64, 4),       # 64 output channels: 64 rows anyway
-    (128, 56, 64, 256, 1, 1, 128, 4),     # 128 x 64 tiles (64 channels): 128-pixel k-steps, 4 stages
+@pytest.mark.parametrize("N, H, Ci, Co, R, stride, block_m", [
+    (128, 7, 512, 2048, 1, 1, 64),     # 64 tiles of 128 rows, split in 2; 128 of 64 rows: 97% of a wave, whole
+    (128, 7, 2048, 512, 1, 1, 64),
+    (128, 8, 2048, 448, 1, 1, 64),     # 64 -> 112 tiles (85%)
+    (128, 8, 2048, 384, 1, 1, 64),     # 48 -> 96 tiles (73%): x read tiled, the 96 whole in one wave
+    (128, 17, 192, 320, 3, 2, 128),    # 54 -> 90 tiles (68%), x through im2col: 128-row tiles
+    (128, 14, 1024, 256, 1, 1, 64),    # 16 tiles in 8 slices -> 32 in 4: 128 units, one wave
+    (128, 56, 256, 256, 1, 1, 64),     # 4 tiles in 33 slices -> 8 in 16
+    (128, 7, 1024, 2048, 1, 1, 128),   # 128 tiles whole; 64-row tiles would need two waves
+    (128, 14, 1024, 2048, 1, 2, 128),  # 128 tiles already: a wave whole
+    (128, 56, 64, 64, 3, 1, 64),       # 64 output channels: 64 rows anyway
+    (128, 56, 64, 256, 1, 1, 128),     # 128 x 64 tiles (64 channels): already 128-pixel k-steps
 ])
-def test_64_row_tiles_where_they_fill_a_wave(N, H, Ci, Co, R, stride, block_m, num_buffers):
+def test_64_row_tiles_where_they_fill_a_wave(N, H, Ci, Co, R, stride, block_m):
     g = common.conv_geometry((N, H, H, Ci), (Co, R, R, Ci), stride, R // 2)
     config = default_wgrad_config(g, Ci, 132)
-    assert (config.block_m, config.num_buffers) == (block_m, num_buffers)
+    assert config.block_m == block_m and config.num_buffers == 4
     check_wgrad_config(config, "sm_90")
     check_wgrad_config(config, "sm_100")
 
@@ -2053,7 +2060,7 @@ if __name__ == "__main__":
 # calls the kernel's own `wgrad_work_unit`, `wgrad_tile_origin`, `tap_offsets` and lesson 05's
 # `pixel_box_origin` (as lesson 05's tests do, through `.fn`, on `common.PlainInt` values), and
 # feeds what they compute to lesson 03's model of the TMA im2col load and to a model of the tiled
-# load (a slice of dY, zeros outside). Unit by unit, k-step by k-step, with the launcher's own
+# load (a slice of dY, or of x where it is read tiled; zeros outside). Unit by unit, k-step by k-step, with the launcher's own
 # descriptor settings and split, it computes acc += A @ B, stores a whole tile into dW and a slice
 # into the workspace (masked as the kernel's `store_wgrad_tile` masks, its offsets written again
 # in torch), and adds the slices with section 5's kernel: torch's conv2d_weight must come out. Its
@@ -2523,9 +2530,9 @@ def test_1x1_wgrad_loads_x_tiled(arch):
 
 
 @pytest.mark.parametrize("arch", list(TAUGHT_PTX))
-@pytest.mark.parametrize("Ci, Co, R, ring", [(128, 256, 3, (128, 128, 64, 6)), (256, 512, 1, (64, 128, 128, 4))])
+@pytest.mark.parametrize("Ci, Co, R, ring", [(128, 256, 3, (128, 128, 64, 4)), (256, 512, 1, (64, 128, 128, 4))])
 def test_default_wgrad_configs_fit_shared_memory(arch, Ci, Co, R, ring):
-    """default_wgrad_config's 6-stage ring of 128 x 128 x 64 tiles and its 64 x 128 x 128 tiles build, and
+    """default_wgrad_config's 128 x 128 x 64 tiles and its 64 x 128 x 128 tiles (x read tiled) build, and
     the build asks for no more shared memory than a program may have."""
     params = dict(N=8, H=14, W=14, Ci=Ci, Co=Co, R=R, S=R, padding=R // 2, default_config=True)
     g = common.conv_geometry((8, 14, 14, Ci), (Co, R, R, Ci), 1, R // 2)
@@ -3238,11 +3245,11 @@ BN_RELU_ON_LOAD_PTX = {
 }
 
 
-def check_input_transform(input_scale, input_shift, x_nhwc, geometry, config, arch):
+def check_input_transform(input_scale, input_shift, x_nhwc, w, geometry, config, arch):
     """ValueError/TypeError unless lesson 05's kernel can read its input as relu(x * input_scale[c] +
     input_shift[c]) (lesson 06, section 11): both given (or neither: returns None), fp32 [Ci] tensors,
     contiguous, on x's device; an fp16 or bf16 conv on Hopper (sm_90) with one consumer, no tail, no
-    split-K, one program per SM, groups=1. Returns the kernel's
+    split-K, one program per SM, groups=1, a conv of its own filter (no FlippedFilter). Returns the kernel's
     `input_transform` argument: (input_scale, input_shift, H, W, Ci)."""
     if input_scale is None and input_shift is None:
         return None
@@ -3273,6 +3280,9 @@ def check_input_transform(input_scale, input_shift, x_nhwc, geometry, config, ar
             raise ValueError(f"input_scale and input_shift: {name}={value} is not supported; they run with "
                              f"{name}={allowed} (one consumer warpgroup without a tail, split-K, a second "
                              f"program per SM or groups; config {tuple(config)})")
+    if isinstance(w, common.FlippedFilter):
+        raise ValueError("input_scale and input_shift take a conv of its own filter, not a FlippedFilter: "
+                         "lesson 06's dgrad reads dY, which no BatchNorm precedes")
     return input_scale, input_shift, g.H, g.W, g.Ci
 
 
@@ -3280,7 +3290,7 @@ def prepare_bn_relu_launch(x_nhwc, w, geometry, config, arch, num_sms, input_sca
     """Lesson 05's launch of the conv, with the kernel's `input_transform` argument set: the conv reads
     relu(x * input_scale + input_shift) (CPU tensors work too, for the ahead-of-time build)."""
     config = lesson05.KernelConfig(*config)
-    transform = check_input_transform(input_scale, input_shift, x_nhwc, geometry, config, arch)
+    transform = check_input_transform(input_scale, input_shift, x_nhwc, w, geometry, config, arch)
     launch = lesson05.prepare_launch(x_nhwc, w, None, geometry, config, arch, num_sms)
     return launch._replace(input_transform=transform)
 
@@ -3327,7 +3337,7 @@ def check_bn_relu_on_load(N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1
 
 def aot_conv_with_input_transform(arch, Ci=64, config=lesson05.FIXED_CONFIG, dtype="bfloat16"):
     """(kernel, args, kwargs) of lesson 05's kernel with section 11's input_scale and input_shift, on CPU
-    tensors: lesson 05's build's conv (2 x 16x16, Ci -> 128 channels, 3x3, padding 1, bf16 out)."""
+    tensors: lesson 05's build's conv (2 x 16x16, Ci -> 128 channels, 3x3, padding 1), out in x's dtype."""
     x, w = common.random_conv_inputs(2, 16, 16, Ci, 128, 3, 3, getattr(torch, dtype), device_name="cpu")
     launch = prepare_bn_relu_launch(x, w, common.conv_geometry(x.shape, w.shape, 1, 1), config, arch, 132,
                                     torch.ones(Ci), torch.zeros(Ci))
@@ -3380,6 +3390,8 @@ BAD_INPUT_TRANSFORMS = [   # (arguments of prepare_bn_relu_launch changed from a
     (lambda call: {"config": lesson05.FIXED_CONFIG._replace(split_k=2)}, ValueError, "split_k=2"),
     (lambda call: {"config": lesson05.FIXED_CONFIG._replace(consumers=2)}, ValueError, "consumers=2"),
     (lambda call: {"config": lesson05.FIXED_CONFIG._replace(programs_per_sm=2)}, ValueError, "programs_per_sm=2"),
+    (lambda call: {"w": common.FlippedFilter(call["w"], ((0, 2, -1, 3),), ((0, 2, -1, 3),))}, ValueError,
+     "not a FlippedFilter"),
     (lambda call: {"w": call["w"][..., :8].contiguous(), "geometry": common.conv_geometry(
         call["x_nhwc"].shape, (32, 3, 3, 8), 1, 1, 1, groups=2)}, ValueError, "groups=2"),
 ]
