@@ -1782,10 +1782,10 @@ def test_split_k_sum_adds_the_slices_in_order():
 # channels or more on both sides, whose long loops favour the bigger tile; the tuning set's geometric
 # mean went from 1.03x cuDNN's speed to 1.06x (results/notebook.md). It is kept to tiled x: on
 # Inception's 17x17 192->320 3x3 stride 2, read through im2col, 64-row tiles took 41.7 us against 32.5
-# (the three-quarters line above), though two small stride-2 1x1 layers of ResNet-18 gained 10-15 us
-# of 12 and 11. A deeper ring for the 128 x 128 tiles (6 stages instead of 4; 7 would fit) was timed
-# too: on the tuning set it moved the geometric mean by 0.3%, within the runs' spread, so it was not
-# kept.
+# (the three-quarters line above), though two small stride-2 1x1 layers of ResNet-18 would have
+# gained 1.5-2 us of 11-12. A deeper ring for the 128 x 128 tiles (6 stages instead of 4; 7 would
+# fit) was timed too: on the tuning set it moved the geometric mean by 0.3%, within the runs'
+# spread, so it was not kept.
 # `prepare_wgrad` builds what a launch needs (on CPU tensors too: the ahead-of-time compile and the
 # CPU model use it): x with its channels padded to 16 bytes (lesson 04) and its im2col descriptor
 # (or, where `x_reads_tiled`, x as [pixels, Ci] and a tiled descriptor), dY as a 2-D [pixels, Co]
@@ -3659,13 +3659,14 @@ if __name__ == "__main__":
 # What this lesson measured, what limits it, what comes next
 # ----------------------------------------------------------
 # Measured on an H100 on 2026-11-26 (`python benchmarks/backward_layers.py --operator --cuda-graphs`:
-# bf16, batch 128, every distinct conv of ResNet-50; RESULTS.md, "The backward" and "The
-# operator's gradients"): both gradients
-# matched torch.nn.grad on every layer. Against cuDNN's convolution_backward, as geometric means
-# over the 23 layers, kernels alone, this lesson's launchers ran at 1.01x (dgrad) and 0.98x
-# (wgrad), and the operator's gradients (`conv_tutorial`, below) at **1.05x** (none below 0.92x)
-# and 0.98x (0.79-1.12x; `results/h100-2026-11-26/backward_layers_operator_cuda_graphs_phase_order.json`;
-# a layer's ratio moves by about 5% between runs, cuDNN's own times by up to 11%).
+# bf16, batch 128, every distinct conv of ResNet-50; RESULTS.md, "The backward", "The operator's
+# gradients" and "wgrad: x read tiled ..."): both gradients matched torch.nn.grad on every layer.
+# Against cuDNN's convolution_backward, as geometric means over the 23 layers, kernels alone, this
+# lesson's launchers ran at 1.01x (dgrad) and 1.01x (wgrad), and the operator's gradients
+# (`conv_tutorial`, below) at **1.05x** (none below 0.92x) and **1.00x** (0.87-1.11x;
+# `results/h100-2026-11-26/backward_layers_operator_cuda_graphs_wgrad_x_tiled.json`). A layer's
+# ratio moves by about 5% between runs and cuDNN's own times by up to 12%, so wgrad's 1.00x has no
+# margin: the same kernels measured 0.99-1.02x across runs, devices and launch paths.
 #
 # - The host is most of the gap in a plain call. The launchers above check their arguments, choose
 #   a split, build descriptors and a workspace on every call, and dgrad runs lesson 05's plain
@@ -3680,27 +3681,27 @@ if __name__ == "__main__":
 #   sides (5197 against 5196, H100, 2026-11-26, weights read in place; 1.02x with section 10's
 #   statistics, 1.04x in the run before), 0.46x without (2026-11-25), and RegNetY-3.2GF at 0.94x
 #   with graphs in an earlier run (RESULTS.md, "Training").
-# - wgrad through the operator is within 6% of cuDNN or faster on 16 of 23 layers (faster on 9,
-#   up to 1.12x; `..._phase_order.json`), its lowest the 7x7 512->2048 1x1 at 0.79x (0.85x in the
-#   run before: our kernel at 493 TFLOPS in both, cuDNN's at 583 and 625). Section 5's split took the two
-#   512-channel 3x3 layers with 144 tiles from
-#   0.72-0.73x to 0.95-0.97x (two runs; a wave of whole tiles, then 12 tiles in slices, where every tile had
-#   been cut in 3), and 14x14 1024->2048 stride 2 from 0.84x to 0.96x (no split: no workspace, no
-#   second kernel); section 6's 128-pixel k-steps took the 56x56 64->64 3x3 from 0.67x to 1.00x.
-#   The stem was its worst once, 0.25x (3 input channels padded to a 16-channel box); folded as
-#   section 6 ends it runs at 1.09x, and its dgrad at 2.42x (its folded weights read in place,
-#   section 2c). The 7x7 1x1 layers, 0.67-0.84x in 2
-#   slices and a second kernel, run 64-row tiles whole at 0.83x and 0.97x; it loses most now on
-#   those and on 1x1 layers at 14x14 (0.88x: 16 tiles of 128 x 128 in 8 slices). Summing the
-#   split tiles in the kernel (the last slice to finish adds the others' partials in order) was
-#   built and measured, and lost: 0.73x against the second kernel's 0.98x in one run (the 1x1
-#   layers cut into 32-63 slices a tile fell to 0.45-0.68x: one program reads all of a tile's
-#   partials, where the second kernel spreads the sum over every SM; results/notebook.md). No
-#   other tile or split does better on the 1x1 layers: five others (128 x 128 in choose_split's
-#   slices or in 2, 64 x 128 in 2, 128 x 256 on 8 warps, 64 x 256), timed on the 1x1 layers of Wide
-#   ResNet-50-2, ResNet-18 and Inception v3 and on ResNet-50's, beat the default by 4% at most on
-#   ResNet-50's layers below 1.0x, and by nothing on the 7x7 512->2048 (H100,
-#   `results/h100-2026-11-26/wgrad_tile_shapes_probe.json`).
+# - wgrad through the operator is at or above cuDNN's speed on 11 of 23 layers (up to 1.11x), its
+#   lowest the 7x7 512->2048 1x1 at 0.87x (0.79-0.91x over the day's runs, our kernel the same,
+#   cuDNN's between 556 and 625 TFLOPS). What moved it there:
+#   - Section 5's split took the two 512-channel 3x3 layers with 144 tiles from 0.72-0.73x to
+#     0.95-0.97x (a wave of whole tiles, then 12 tiles in slices, where every tile had been cut in
+#     3), and 14x14 1024->2048 stride 2 from 0.84x to 0.96x (no split: no workspace, no second
+#     kernel).
+#   - Section 6's 128-pixel k-steps took the 56x56 64->64 3x3 from 0.67x to 1.00x.
+#   - The stem was its worst once, 0.25x (3 input channels padded to a 16-channel box); folded as
+#     section 6 ends, it runs at 1.09x, and its dgrad at 2.42x (its folded weights read in place,
+#     section 2c).
+#   - The 7x7 1x1 layers, 0.67-0.84x in 2 slices and a second kernel, run 64-row tiles whole.
+#   - Section 3's tiled load of x and section 6's 64-row tiles for split 1x1 layers took the 1x1
+#     layers at 28x28 and 14x14 from 0.89-0.94x to 0.91-1.07x, and the mean from 0.98x to 1.00x.
+#   What did not pay:
+#   - Summing the split tiles in the kernel (the last slice to finish adds the others' partials in
+#     order): 0.73x against the second kernel's 0.98x in one run. The 1x1 layers cut into 32-63
+#     slices a tile fell to 0.45-0.68x: one program reads all of a tile's partials, where the
+#     second kernel spreads the sum over every SM (results/notebook.md).
+#   - The sum launched early by programmatic dependent launch, a deeper ring, and cuDNN's 128 x 64
+#     tile without its cluster: none beyond the runs' spread, or slower (RESULTS.md).
 #   On the 7x7 512->2048 and 2048->512 layers Nsight Compute put our tensor pipes at 58% busy
 #   against cuDNN's 72%, L2 at 51-61% of its peak for ours and 62-71% for cuDNN's, whose kernel
 #   runs 128 x 64 tiles in 2-CTA clusters (RESULTS.md).
