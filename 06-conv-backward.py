@@ -2060,11 +2060,12 @@ if __name__ == "__main__":
 # calls the kernel's own `wgrad_work_unit`, `wgrad_tile_origin`, `tap_offsets` and lesson 05's
 # `pixel_box_origin` (as lesson 05's tests do, through `.fn`, on `common.PlainInt` values), and
 # feeds what they compute to lesson 03's model of the TMA im2col load and to a model of the tiled
-# load (a slice of dY, or of x where it is read tiled; zeros outside). Unit by unit, k-step by k-step, with the launcher's own
-# descriptor settings and split, it computes acc += A @ B, stores a whole tile into dW and a slice
-# into the workspace (masked as the kernel's `store_wgrad_tile` masks, its offsets written again
-# in torch), and adds the slices with section 5's kernel: torch's conv2d_weight must come out. Its
-# default runs on 5 programs, so that some tiles run whole and some in slices.
+# load (a slice of dY, or of x where it is read tiled; zeros outside). Unit by unit, k-step by
+# k-step, with the launcher's own descriptor settings and split, it computes acc += A @ B, stores
+# a whole tile into dW and a slice into the workspace (masked as the kernel's `store_wgrad_tile`
+# masks, its offsets written again in torch), and adds the slices with section 5's kernel:
+# torch's conv2d_weight must come out. Its default runs on 5 programs, so that some tiles run
+# whole and some in slices.
 #
 # Beside it, the mapping in a few lines of torch (`wgrad_reference`): im2col(x) built explicitly
 # with `unfold`, dY^T @ im2col(x) over slices of the pixels, the partial products added in order.
@@ -3375,7 +3376,8 @@ def test_bn_relu_builds_for_other_tiles(Ci, config, dtype):
     assert built["stack"] in (0, None)
 
 
-BAD_INPUT_TRANSFORMS = [   # (arguments of prepare_bn_relu_launch changed from a valid call, the error, words of its message)
+# (arguments of prepare_bn_relu_launch changed from a valid call, the error, words of its message)
+BAD_INPUT_TRANSFORMS = [
     (lambda call: {"input_shift": None}, ValueError, "input_scale given alone"),
     (lambda call: {"input_scale": [1.0] * 16}, TypeError, "input_scale must be a torch.Tensor"),
     (lambda call: {"input_scale": torch.ones(16, dtype=torch.float64)}, ValueError, "input_scale is torch.float64"),
