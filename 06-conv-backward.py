@@ -3666,15 +3666,16 @@ if __name__ == "__main__":
 # Against cuDNN's convolution_backward, as geometric means over the 23 layers, kernels alone, this
 # lesson's launchers ran at 1.01x (dgrad) and 1.01x (wgrad), and the operator's gradients
 # (`conv_tutorial`, below) at **1.05x** (none below 0.92x) and **1.00x** (0.87-1.11x;
-# `results/h100-2026-11-26/backward_layers_operator_cuda_graphs_wgrad_x_tiled.json`). A layer's
-# ratio moves by about 5% between runs and cuDNN's own times by up to 12%, so wgrad's 1.00x has no
-# margin: the same kernels measured 0.99-1.02x across runs, devices and launch paths.
+# `results/h100-2026-11-26/backward_layers_operator_cuda_graphs_wgrad_x_tiled.json`). wgrad's 1.00x
+# has no margin. One layer lifts that run: cuDNN's time for the 14x14 1024->2048 stride 2 was 15-20%
+# longer than in the day's other runs, and at that layer's usual 0.88x the mean is 0.997x. The same
+# kernels measured 0.985-1.021x across runs, devices and launch paths.
 #
 # - The host is most of the gap in a plain call. The launchers above check their arguments, choose
 #   a split, build descriptors and a workspace on every call, and dgrad runs lesson 05's plain
 #   launcher once per phase, or once for all of them where section 2b applies: 454 us per dgrad
-#   and 340 us per wgrad (medians over the layers; cuDNN's: 38 and 39 us; host times moved by up
-#   to 40% between runs), where a 1x1 layer's kernels take ~40 us. The operator's backward pays
+#   and 340 us per wgrad (medians over the layers in `..._phase_order.json`; cuDNN's: 38 and 39 us;
+#   host times moved by up to 40% between runs), where a 1x1 layer's kernels take ~40 us. The operator's backward pays
 #   less: a plan per shape for each phase's conv (the forward's runtime) and for wgrad
 #   (conv_tutorial/wgrad.py), 161 us per dgrad and 88 us per wgrad; 346-624 us for the 3x3
 #   stride-2 dgrads, whose one conv still goes through lesson 05's plain launcher. A training
@@ -3695,8 +3696,9 @@ if __name__ == "__main__":
 #     section 6 ends, it runs at 1.09x, and its dgrad at 2.42x (its folded weights read in place,
 #     section 2c).
 #   - The 7x7 1x1 layers, 0.67-0.84x in 2 slices and a second kernel, run 64-row tiles whole.
-#   - Section 3's tiled load of x and section 6's 64-row tiles for split 1x1 layers took the 1x1
-#     layers at 28x28 and 14x14 from 0.89-0.94x to 0.91-1.07x, and the mean from 0.98x to 1.00x.
+#   - Section 3's tiled load of x and section 6's 64-row tiles for split 1x1 layers took six of the
+#     seven 1x1 layers at 56x56 to 14x14 with 64-row tiles from 0.89-1.02x to 0.91-1.07x (the 14x14
+#     1024->512 went from 0.94x to 0.93x), and the mean from 0.98x to 0.997-1.005x.
 #   What did not pay:
 #   - Summing the split tiles in the kernel (the last slice to finish adds the others' partials in
 #     order): 0.73x against the second kernel's 0.98x in one run. The 1x1 layers cut into 32-63
