@@ -2017,9 +2017,8 @@ def test_64_row_tiles_where_they_fill_a_wave(N, H, Ci, Co, R, stride, block_m):
                                                       (3, 1, 1, False), ((1, 3), 1, 0, False)])
 def test_x_read_tiled_only_where_pixel_p_reads_pixel_p(R, stride, padding, tiled):
     R, S = (R, R) if isinstance(R, int) else R
-    g = common.conv_geometry((2, 6, 5, 16), (8, R, S, 16), stride, padding)
-    assert x_reads_tiled(g) == tiled
     x, _, dy, g = backward_inputs(2, 6, 5, 16, 8, R, S, stride, padding, 1, torch.float32, device_name="cpu")
+    assert x_reads_tiled(g) == tiled
     launch = prepare_wgrad(x, dy, g, WgradConfig(16, 16, 8, num_buffers=2), "sm_90", 132)
     assert (type(launch.x_desc).__name__ == "TensorDescriptor") == tiled
 

@@ -1786,7 +1786,6 @@ class InputTransform:
         a = gl.where(gl.expand_dims(inside, 1) & gl.expand_dims(real, 0), a, 0.0)
         return a.to(a_smem.dtype)
 
-
     @gluon.jit
     def pixels_inside(self, window, pixels, tap_offsets):
         """Whether the input pixel that each output pixel of `pixels` reads at the tap of `tap_offsets` (lesson 05's
