@@ -3680,9 +3680,9 @@ if __name__ == "__main__":
 #   stride-2 dgrads, whose one conv still goes through lesson 05's plain launcher. A training
 #   step under CUDA graphs pays none of it: ResNet-50 training with these kernels ran at 1.00x
 #   torch.compile's images/s with CUDA graphs on both sides (5197 against 5196, H100,
-#   2026-11-26, weights read in place), 1.00-1.05x with section 10's statistics over eight runs
-#   as the kernels changed (1.05x with the final ones: 5340 against 5100, torch.compile's own
-#   figure moving between 5093 and 5250), 0.46x without graphs (2026-11-25); RegNetY-3.2GF ran
+#   2026-11-26, weights read in place), 1.00-1.05x with section 10's statistics over nine runs
+#   as the kernels changed (1.04-1.05x with the final ones, torch.compile's own figure moving
+#   between 5093 and 5250 images/s), 0.46x without graphs (2026-11-25); RegNetY-3.2GF ran
 #   at 0.94x with graphs in an earlier run (RESULTS.md, "Training").
 # - wgrad through the operator is at or above cuDNN's speed on 11 of 23 layers (up to 1.11x), its
 #   lowest the 7x7 512->2048 1x1 at 0.87x (0.79-0.91x over the day's runs, our kernel the same,
