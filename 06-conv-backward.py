@@ -3667,8 +3667,9 @@ if __name__ == "__main__":
 # (`conv_tutorial`, below) at **1.05x** (none below 0.92x) and **1.00x** (0.87-1.11x;
 # `results/h100-2026-11-26/backward_layers_operator_cuda_graphs_wgrad_x_tiled.json`). wgrad's 1.00x
 # has no margin. One layer lifts that run: cuDNN's time for the 14x14 1024->2048 stride 2 was 15-20%
-# longer than in the day's other runs, and at that layer's usual 0.88x the mean is 0.997x. The same
-# kernels measured 0.985-1.021x across runs, devices and launch paths.
+# longer than in the day's other runs, and at that layer's usual 0.88x the mean is 0.997x; a
+# second run of the same code gave 0.998x (lowest 0.86x). The same kernels measured 0.985-1.021x
+# across runs, devices and launch paths.
 #
 # - The host is most of the gap in a plain call. The launchers above check their arguments, choose
 #   a split, build descriptors and a workspace on every call, and dgrad runs lesson 05's plain
@@ -3698,7 +3699,7 @@ if __name__ == "__main__":
 #   - The 7x7 1x1 layers, 0.67-0.84x in 2 slices and a second kernel, run 64-row tiles whole.
 #   - Section 3's tiled load of x and section 6's 64-row tiles for split 1x1 layers took six of the
 #     seven 1x1 layers at 56x56 to 14x14 with 64-row tiles from 0.89-1.02x to 0.91-1.07x (the 14x14
-#     1024->512 went from 0.94x to 0.93x), and the mean from 0.98x to 0.997-1.005x.
+#     1024->512 went from 0.94x to 0.93x), and the mean from 0.98x to 0.998-1.005x (two runs).
 #   What did not pay:
 #   - Summing the split tiles in the kernel (the last slice to finish adds the others' partials in
 #     order): 0.73x against the second kernel's 0.98x in one run. The 1x1 layers cut into 32-63
