@@ -28,9 +28,13 @@ error against an fp32 reference (the same initial weights and batch, eager fp32,
 random initialisation on random data the first step's gradient is ill-conditioned (on a CPU,
 ResNet-50 at batch 8, 96x96: a 1e-3 relative change of the input moves it by 80%, median over
 the parameters; fp32 against fp64 differ by 2.6%), so every bf16 variant, eager's included, is far
-from fp32 there: compare a variant's figure with eager's, and the loss curves. Writes training.json
+from fp32 there: compare a variant's figure with eager's, and the loss curves. For the variants on
+lesson 06's gradients the check that isolates the convs is "conv_grad_err" (conv_gradient_errors):
+one more step of the model, run eagerly, in which every conv gradient the operator computes is
+compared with torch's fp32 gradient of that call's own inputs, beside cuDNN's of the same inputs;
+null for other variants and with --no-gradient-check. Writes training.json
 ({"device", "torch", "triton", "steps", "rows": [{"net", "batch", "variant", "img_s", "loss_50", "loss_last",
-"losses", "grad_rel_err_median", "grad_rel_err_max", "backward_fallbacks"}]}; loss_50: the loss of the
+"losses", "grad_rel_err_median", "grad_rel_err_max", "conv_grad_err", "backward_fallbacks"}]}; loss_50: the loss of the
 50th step, null in a run of fewer steps (loss_last: its last step's); backward_fallbacks: with lesson 06's
 gradients chosen, the conv gradients torch computed instead, by reason, over all of the variant's
 steps) and training_loss.png (the loss per step of every variant) to --outdir.
@@ -175,6 +179,57 @@ def first_step_gradients(variant, fp32_model, x, y, device):
     return [grads[address] for address in order]
 
 
+CONV_GRADIENT_OPS = {"conv_tutorial::conv2d_input_grad": "input", "conv_tutorial::conv2d_input_grad_relu": "input",
+                     "conv_tutorial::conv2d_weight_grad": "weight"}
+
+
+def relative_error(value, reference):
+    return ((value.float() - reference).norm() / reference.norm()).item() if reference.norm() > 0 else 0.0
+
+
+def conv_gradient_errors(variant, fp32_model, x, y, device):
+    """Every conv gradient the operator computes in one step of `variant` (its model run eagerly, not
+    compiled, bf16 autocast, on x, y), each against torch's fp32 gradient of that call's own inputs
+    (aten.convolution_backward on them cast to fp32, TF32 off), beside cuDNN's gradient of the same
+    inputs in their own dtype: {"calls", "ours_median", "ours_max", "cudnn_median", "cudnn_max"},
+    relative errors ||g - fp32|| / ||fp32||, the median and largest over the calls. Unlike the whole
+    step's gradients, each call is compared on identical inputs, so the conv's own rounding is measured.
+    (Calls that lesson 06 leaves to torch, `backward_fallbacks`, compare cuDNN with itself.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    ours, cudnn = [], []
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            which = CONV_GRADIENT_OPS.get(func._schema.name)
+            if which is not None:            # (inside __torch_dispatch__ the mode is off: no recursion)
+                grad_output, input, weight, stride, padding, dilation, groups = args
+                mask = [which == "input", which == "weight", False]
+
+                def gradient(*tensors):
+                    grads = torch.ops.aten.convolution_backward(*tensors[:3], None, stride, padding, dilation, False,
+                                                                [0, 0], groups, mask)
+                    g = grads[0 if which == "input" else 1]
+                    if func._schema.name.endswith("_relu"):     # ReLU's backward, taken from its output
+                        g = torch.where(input > 0, g, torch.zeros((), dtype=g.dtype, device=g.device))
+                    return g
+                reference = gradient(*(t.float() for t in (grad_output, input, weight)))
+                ours.append(relative_error(out, reference))
+                cudnn.append(relative_error(gradient(grad_output, input, weight), reference))
+            return out
+    model = copy.deepcopy(fp32_model).to(device).to(memory_format=torch.channels_last)
+    model = prepared(variant, model)[0]        # the module itself, not its compiled step
+    model.train()
+    with Recorder():
+        with torch.autocast(device_type=device, dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+    if not ours:
+        return None
+    return {"calls": len(ours), "ours_median": statistics.median(ours), "ours_max": max(ours),
+            "cudnn_median": statistics.median(cudnn), "cudnn_max": max(cudnn)}
+
+
 def gradient_error(grads, reference):
     """(median, largest) over the parameters of ||gradient - reference|| / ||reference|| (L2 norms;
     parameters whose reference gradient is exactly zero are left out)."""
@@ -250,14 +305,24 @@ def main(argv=None):
             row = {"net": net, "batch": args.batch, "variant": variant,
                    "img_s": args.batch / statistics.median(seconds),
                    "loss_50": losses[49] if len(losses) >= 50 else None, "loss_last": losses[-1], "losses": losses,
-                   "grad_rel_err_median": error[0], "grad_rel_err_max": error[1],
+                   "grad_rel_err_median": error[0], "grad_rel_err_max": error[1], "conv_grad_err": None,
                    "backward_fallbacks": conv_tutorial.backward_fallbacks()}
             if by_kind is not None:
                 row["gpu_ms_by_kind"] = by_kind
+            if reference is not None and variant.startswith("ours-lesson06"):    # after the fallbacks' count
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    row["conv_grad_err"] = conv_gradient_errors(variant, fp32_model, *data[0], device)
             rows.append(row)
             print(f"  {net:<16} {variant:<22} {row['img_s']:8.0f} img/s   loss after {len(losses)} steps "
                   f"{losses[-1]:.4f}" + ("" if reference is None else f"   first step's gradients: rel. error median "
                                          f"{error[0]:.1e}, largest {error[1]:.1e}"), flush=True)
+            per_conv = row["conv_grad_err"]
+            if per_conv:
+                print(f"  {net} {variant}: each conv gradient of one step against fp32 on the same inputs "
+                      f"({per_conv['calls']} calls): ours rel. error median {per_conv['ours_median']:.1e}, "
+                      f"largest {per_conv['ours_max']:.1e}; cuDNN's {per_conv['cudnn_median']:.1e}, "
+                      f"{per_conv['cudnn_max']:.1e}", flush=True)
             if by_kind is not None:
                 print(f"  {net} {variant}: GPU ms per step by kind ({sum(by_kind.values()):.2f} in all): "
                       + ", ".join(f"{kind} {ms:.2f}" for kind, ms in by_kind.items()), flush=True)

@@ -73,3 +73,26 @@ def test_kernel_kinds_sort_the_kernels_of_a_step():
     assert training.kernel_kind("void at::native::(anonymous namespace)::multi_tensor_apply_kernel") == "optimizer"
     assert training.kernel_kind("Memset (Device)") == "copies and fills"
     assert training.kernel_kind("something_else") == "other"
+
+
+def test_conv_gradient_errors_compare_each_call_with_fp32(tmp_path):
+    # the smoke network's 2 convs: 3 gradient calls (the first conv's input needs none). On a CPU the operator's
+    # gradients are torch's, so ours and cuDNN's column are the same bf16 computation: relative errors of bf16
+    # rounding, 2^-9 per element at most, in norm about that (well under 1e-2)
+    rows = training.main(["--smoke", "--batch", "4", "--steps", "2", "--warmup", "1", "--variants", "ours",
+                          "ours-lesson06", "--outdir", str(tmp_path)])
+    assert rows[0]["conv_grad_err"] is None                     # torch's backward: no operator gradients
+    errors = rows[1]["conv_grad_err"]
+    assert errors["calls"] == 3
+    assert 0 < errors["ours_median"] <= errors["ours_max"] < 1e-2
+    assert errors["ours_median"] == errors["cudnn_median"] and errors["ours_max"] == errors["cudnn_max"]
+
+
+def test_conv_gradient_errors_see_a_wrong_gradient(monkeypatch):
+    # the operator's gradients made 10% too large: each call's error against fp32 is ~0.1, cuDNN's stays bf16's
+    import conv_tutorial.backward as backward
+    right = backward._torch_gradient
+    monkeypatch.setattr(backward, "_torch_gradient", lambda *args: right(*args) * 1.1)
+    x, y = training.batches(1, 4, 32, 10, "cpu")[0]
+    errors = training.conv_gradient_errors("ours-lesson06", training.initial_model("smoke"), x, y, "cpu")
+    assert errors["calls"] == 3 and 0.09 < errors["ours_median"] < 0.11 and errors["cudnn_max"] < 1e-2
