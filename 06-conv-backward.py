@@ -3684,7 +3684,8 @@ if __name__ == "__main__":
 #   2026-11-26, weights read in place), 1.00-1.05x with section 10's statistics over nine runs
 #   as the kernels changed (1.04-1.05x with the final ones, torch.compile's own figure moving
 #   between 5093 and 5250 images/s), 0.46x without graphs (2026-11-25); RegNetY-3.2GF ran
-#   at 0.94x with graphs in an earlier run (RESULTS.md, "Training").
+#   at 0.96x with graphs and the final kernels, its grouped convs' gradients torch's (RESULTS.md,
+#   "Training").
 # - wgrad through the operator is at or above cuDNN's speed on 11 of 23 layers (up to 1.11x), its
 #   lowest the 7x7 512->2048 1x1 at 0.87x (0.79-0.91x over the day's runs, our kernel the same,
 #   cuDNN's between 556 and 625 TFLOPS). What moved it there:

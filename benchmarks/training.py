@@ -184,7 +184,10 @@ CONV_GRADIENT_OPS = {"conv_tutorial::conv2d_input_grad": "input", "conv_tutorial
 
 
 def relative_error(value, reference):
-    return ((value.float() - reference).norm() / reference.norm()).item() if reference.norm() > 0 else 0.0
+    # ||value - reference|| / ||reference||; against a zero reference, 0 if the value is zero too, else inf
+    if reference.norm() == 0:
+        return 0.0 if value.float().norm() == 0 else math.inf
+    return ((value.float() - reference).norm() / reference.norm()).item()
 
 
 def conv_gradient_errors(variant, fp32_model, x, y, device):
@@ -194,7 +197,9 @@ def conv_gradient_errors(variant, fp32_model, x, y, device):
     inputs in their own dtype: {"calls", "ours_median", "ours_max", "cudnn_median", "cudnn_max"},
     relative errors ||g - fp32|| / ||fp32||, the median and largest over the calls. Unlike the whole
     step's gradients, each call is compared on identical inputs, so the conv's own rounding is measured.
-    (Calls that lesson 06 leaves to torch, `backward_fallbacks`, compare cuDNN with itself.)"""
+    (Calls that lesson 06 leaves to torch, `backward_fallbacks`, compare cuDNN with itself.) Raises
+    RuntimeError if no call of the operator's gradient ops was seen; the gradients' backend is
+    restored afterwards."""
     from torch.utils._python_dispatch import TorchDispatchMode
     ours, cudnn = [], []
 
@@ -213,19 +218,26 @@ def conv_gradient_errors(variant, fp32_model, x, y, device):
                     if func._schema.name.endswith("_relu"):     # ReLU's backward, taken from its output
                         g = torch.where(input > 0, g, torch.zeros((), dtype=g.dtype, device=g.device))
                     return g
-                reference = gradient(*(t.float() for t in (grad_output, input, weight)))
+                with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+                    reference = gradient(*(t.float() for t in (grad_output, input, weight)))
                 ours.append(relative_error(out, reference))
                 cudnn.append(relative_error(gradient(grad_output, input, weight), reference))
             return out
-    model = copy.deepcopy(fp32_model).to(device).to(memory_format=torch.channels_last)
-    model = prepared(variant, model)[0]        # the module itself, not its compiled step
-    model.train()
-    with Recorder():
-        with torch.autocast(device_type=device, dtype=torch.bfloat16):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
+    import conv_tutorial
+    backend = conv_tutorial.backward_backend()
+    try:
+        model = copy.deepcopy(fp32_model).to(device).to(memory_format=torch.channels_last)
+        model = prepared(variant, model)[0]        # the module itself, not its compiled step
+        model.train()
+        with Recorder():
+            with torch.autocast(device_type=device, dtype=torch.bfloat16):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+    finally:
+        conv_tutorial.set_backward(backend)
     if not ours:
-        return None
+        raise RuntimeError(f"{variant}: no call of the operator's conv gradient ops ({', '.join(CONV_GRADIENT_OPS)}) "
+                           "was seen in a step: the check would measure nothing")
     return {"calls": len(ours), "ours_median": statistics.median(ours), "ours_max": max(ours),
             "cudnn_median": statistics.median(cudnn), "cudnn_max": max(cudnn)}
 
