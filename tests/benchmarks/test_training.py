@@ -113,3 +113,11 @@ def test_relative_error_of_a_zero_reference():
     import torch
     zero = torch.zeros(3)
     assert training.relative_error(zero, zero) == 0.0 and training.relative_error(torch.ones(3), zero) == float("inf")
+
+
+def test_a_run_leaves_the_gradients_backend_as_it_found_it(tmp_path):
+    import conv_tutorial
+    before = conv_tutorial.backward_backend()
+    training.main(["--smoke", "--batch", "2", "--steps", "2", "--warmup", "1", "--variants", "ours-lesson06",
+                   "--no-gradient-check", "--outdir", str(tmp_path)])
+    assert conv_tutorial.backward_backend() == before
