@@ -30,10 +30,11 @@ Tests:  pytest 03-tma-im2col-modes.py tests/lessons/test_03_model.py tests/lesso
 """
 
 # %%
-import importlib.util
 import itertools
+import sys
 
 import common  # first: on a machine without a GPU it turns on the Triton interpreter
+import lesson_figures  # the figures' drawing code (it teaches nothing about TMA)
 
 import pytest
 import torch
@@ -47,15 +48,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDesc
 if __name__ == "__main__":
     args = common.lesson_args("Lesson 03: TMA im2col mode")
     outdir = common.output_dir(args.outdir)
-
-
-def figures():
-    """The figures' drawing code (it teaches nothing about TMA): tests/lessons/test_03_figures.py."""
-    spec = importlib.util.spec_from_file_location(
-        "lesson03_figures", common.REPO_ROOT / "tests" / "lessons" / "test_03_figures.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # %%
@@ -370,7 +362,7 @@ if __name__ == "__main__":
 
 if __name__ == "__main__":
     for name in EXAMPLES:
-        figures().plot_example(name, outdir)
+        lesson_figures.plot_example(sys.modules[__name__], name, outdir)
 
 # %%
 # From the descriptor to a convolution
@@ -438,7 +430,7 @@ def run_conv_mapping(N=2, H=7, W=6, Ci=12, R=3, S=3, stride=(2, 1), padding=1, d
 # %%
 if __name__ == "__main__":
     run_conv_mapping()
-    figures().plot_conv_k_loop(outdir)
+    lesson_figures.plot_conv_k_loop(sys.modules[__name__], outdir)
 
 # %%
 # What the compiler makes of it (no GPU needed)

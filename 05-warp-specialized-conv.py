@@ -119,20 +119,19 @@ class Ring:
     # The stages and their barriers. The tail buffers belong to section 6; without a tail they are the main buffers
     # again, so one MMA `a_tail_bufs x b_tail_bufs` serves both kinds of tail.
     a_bufs: gl.shared_memory_descriptor       # [NUM_BUFFERS, BLOCK_M, BLOCK_K] pixels
-    b_bufs: gl.shared_memory_descriptor       # [NUM_BUFFERS, BLOCK_N, BLOCK_K] filters (B_N_MAJOR: BLOCK_K, BLOCK_N)
+    b_bufs: gl.shared_memory_descriptor       # [NUM_BUFFERS, BLOCK_N, BLOCK_K] filters
     a_tail_bufs: gl.shared_memory_descriptor  # section 6: a row tail's pixels
     b_tail_bufs: gl.shared_memory_descriptor  # section 6: a column tail's filters
     ready: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
     NUM_BUFFERS: gl.constexpr
-    B_N_MAJOR: gl.constexpr      # lesson 06: b_bufs hold [BLOCK_K, BLOCK_N] boxes of weights read in place
 
     @gluon.jit
     def b(self, slot, TAIL: gl.constexpr = False):
         # B of a stage for the MMA, [BLOCK_K, BLOCK_N]: the filters' rows seen transposed (a view of the same
-        # bytes: K-major), or (lesson 06) the box as it lies (N-major)
+        # bytes: K-major)
         bufs = self.b_tail_bufs if TAIL else self.b_bufs
-        return bufs.index(slot) if self.B_N_MAJOR else bufs.index(slot).permute((1, 0))
+        return bufs.index(slot).permute((1, 0))
 
 
 # %%
@@ -141,9 +140,7 @@ class Ring:
 # of output pixels m, m+1, ... starts in the input (its tap-0 corner, lesson 03), and for k-step
 # k, which tap (r, s) and which block of channels c0 it loads. The K loop runs taps outer and
 # channel blocks inner, so the weights of step k start at column tap * Ci + c0 of w2d. (A grouped
-# conv, section 10, reads only its group's Ci_group channels, from the group's first one. Lesson
-# 06's dgrad reads another conv's filter where it lies: `Im2colWindow.flipped` then says where the
-# box starts, the stage holds it as [BLOCK_K, BLOCK_N], and `Ring.b` hands it to the MMA as it lies.)
+# conv, section 10, reads only its group's Ci_group channels, from the group's first one.)
 
 
 @gluon.aggregate
@@ -160,9 +157,6 @@ class Im2colWindow:
     Co_group: Int          # section 10: output channels per group (Co when groups = 1)
     S: Int
     channel_blocks: Int
-    phases: common.PhaseTiles | gl.constexpr      # lesson 06's: a strided dgrad's phases side by side; else None
-    flipped: common.FlippedTaps | gl.constexpr    # lesson 06's: a dgrad's weights read in place; else None
-    input_transform: common.InputTransform | gl.constexpr    # lesson 06's: A = relu(A * scale + shift); else None
 
     @gluon.jit
     def pixel_box_origin(self, m):
@@ -179,23 +173,19 @@ class Im2colWindow:
 
     @gluon.jit
     def tile_taps(self, co0):
-        # The tile of output channels co0, co0+1, ...: its group_channel, the taps it runs as (first r, first s,
-        # taps per row): all of them, or (lesson 06) its phase's; and where its weights lie: rows co0, ... of w2d,
-        # or (lesson 06) a filter read in place (common.weights_tile).
-        r0, s0, taps_w = 0, 0, self.S
-        if self.phases is not None:
-            r0, _, s0, taps_w = self.phases.taps(co0)
-        return self.group_channel(co0), r0, s0, taps_w, common.weights_tile(self.flipped, co0)
+        # The tile of output channels co0, co0+1, ...: its group_channel, and where its weights lie (rows co0, ...
+        # of w2d).
+        return self.group_channel(co0), co0
 
     @gluon.jit
     def k_step(self, k, BLOCK_K: gl.constexpr, tile_taps):
         # (the tap's im2col offsets [r*dil_h, s*dil_w], input channel, where in w2d the weights' box starts).
-        group_channel, r0, s0, taps_w, w_tile = tile_taps
+        group_channel, co0 = tile_taps
         tap = k // self.channel_blocks
         c0 = (k % self.channel_blocks) * BLOCK_K
-        r, s = r0 + tap // taps_w, s0 + tap % taps_w
+        r, s = tap // self.S, tap % self.S
         offsets = [(r * self.dil_h).to(gl.int16), (s * self.dil_w).to(gl.int16)]
-        return offsets, group_channel + c0, common.weights_at(self.flipped, w_tile, tap * self.Ci_group + c0, r, s, c0)
+        return offsets, group_channel + c0, [co0, tap * self.Ci_group + c0]
 
 
 @gluon.jit
@@ -204,8 +194,7 @@ def loader_partition(in_desc, w_desc, w_tail_desc, ring, schedule, window):
     PIXEL_BOX: gl.constexpr = in_desc.block_type.shape[0]     # pixels per im2col load
     BLOCK_M: gl.constexpr = ring.a_bufs.shape[1]
     BLOCK_K: gl.constexpr = in_desc.block_type.shape[1]
-    N_AXIS: gl.constexpr = 1 if ring.B_N_MAJOR else 0        # the weights box's output-channel axis
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[N_AXIS]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     # bytes that land per stage: TILE_M pixels of A (in boxes of PIXEL_BOX) and TILE_N rows of
     # weights (main box + tail box, section 6)
     stage_bytes: gl.constexpr = (in_desc.block_type.nbytes * schedule.TILE_M // PIXEL_BOX
@@ -239,11 +228,11 @@ def loader_partition(in_desc, w_desc, w_tail_desc, ring, schedule, window):
                                       ring.a_bufs.index(slot).slice(PIXEL_BOX, PIXEL_BOX))
             if schedule.TILE_M > BLOCK_M:
                 tma.async_load_im2col(in_desc, [n_t, h_t, w_t, c0], tap_offsets, ready, ring.a_tail_bufs.index(slot))
-            # B = load(w2d, [co0, (r*S + s)*Ci + c0]) (lesson 06's in place: [c0, its column]), and a column
+            # B = load(w2d, [co0, (r*S + s)*Ci + c0]), and a column
             # tail's output channels after it
             tma.async_load(w_desc, w_at, ready, ring.b_bufs.index(slot))
             if schedule.TILE_N > BLOCK_N:
-                tma.async_load(w_tail_desc, [w_at[0] + BLOCK_N * (1 - N_AXIS), w_at[1] + BLOCK_N * N_AXIS], ready,
+                tma.async_load(w_tail_desc, [w_at[0] + BLOCK_N, w_at[1]], ready,
                                ring.b_tail_bufs.index(slot))
             state = state.next()
 
@@ -271,11 +260,7 @@ def loader_partition(in_desc, w_desc, w_tail_desc, ring, schedule, window):
 # and starts an asynchronous TMA store from a staging buffer. The store is not waited for: it
 # drains while the next tile computes, and before the staging buffer is written again we wait
 # until the previous store from it has read it (stores finish in order; STORES_IN_FLIGHT newer
-# ones, from other buffers, may stay in flight). (Lesson 06 adds two switches: an output window,
-# the tile stored pixel by pixel, in 16-byte vectors, into a strided view of a larger tensor,
-# which no TMA box covers; and per-channel sums of the tile added into a small fp32 tensor, for
-# BatchNorm in training. Without them they are constexpr Nones, and those branches are not
-# compiled.)
+# ones, from other buffers, may stay in flight).
 
 
 @gluon.aggregate
@@ -294,8 +279,6 @@ class TileOutput:
     Co: Int
     EPILOGUE: gl.tuple                 # which parts of the epilogue to apply (an `Epilogue`, constexprs)
     STORE_BY_ROW_BLOCKS: gl.constexpr
-    out_window: common.WindowStore | gl.constexpr    # lesson 06's: into a window of a larger tensor; else None
-    channel_stats: gl.tensor | gl.constexpr          # lesson 06's: fp32 [2, Co] sums for BatchNorm; else None
 
     @gluon.jit
     def for_consumer(self, i: gl.constexpr):
@@ -329,28 +312,22 @@ class TileOutput:
                 inside = gl.expand_dims(rows < self.M, 1) & gl.expand_dims(cols < self.Co, 0)
                 residual = gl.load(self.residual_ptr + offsets, mask=inside, other=0.0)
             y = apply_epilogue(acc, cols, self.Co, self.scale_ptr, self.bias_ptr, residual, self.EPILOGUE)
-            if self.out_window is not None:     # lesson 06: via c_smem, pixel by pixel into a window of a larger tensor
-                self.out_window.store(y, c_smem, m0, co0, self.M, self.Co)
-            else:
-                tma.store_wait(pendings=STORES_IN_FLIGHT)
-                c_smem.store(y.to(out_desc.dtype))
-                fence_async_shared()
-                tma.async_store(out_desc, [m0, co0], c_smem)
-                if self.channel_stats is not None:  # lesson 06: each channel's sums for BatchNorm, from the staged tile
-                    common.add_channel_sums(self.channel_stats, c_smem, m0, co0, self.M, self.Co)
+            tma.store_wait(pendings=STORES_IN_FLIGHT)
+            c_smem.store(y.to(out_desc.dtype))
+            fence_async_shared()
+            tma.async_store(out_desc, [m0, co0], c_smem)
 
 
 # %%
 # The Hopper consumer. Read it first with NUM_CONSUMERS=1 and no tail: wait for a stage, issue
 # its MMA, wait until only this step's MMA is in flight, release the previous stage, and after
 # the last k-step release the last stage and store the tile. The `turn` barrier (section 4), the
-# `mma_tail` lines and the row-block stores (section 6) come later. (Lesson 06's section 11 adds a
-# switch, `window.input_transform`: the A tile loaded into registers and mapped before its MMA.)
+# `mma_tail` lines and the row-block stores (section 6) come later.
 
 
 @gluon.jit
 def hopper_mma_epilogue_partition(ring, schedule, output, turn, CONSUMER: gl.constexpr,
-                                  NUM_CONSUMERS: gl.constexpr, window):
+                                  NUM_CONSUMERS: gl.constexpr):
     BLOCK_M: gl.constexpr = output.out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = output.out_desc.block_type.shape[1]
     # The tail (section 6): TILE_N - BLOCK_N more columns, or TILE_M - BLOCK_M more rows. Its MMA
@@ -377,16 +354,12 @@ def hopper_mma_epilogue_partition(ring, schedule, output, turn, CONSUMER: gl.con
             slot = state.slot()
             mbarrier.wait(ring.ready.index(slot), state.phase())
             # acc += A @ B^T, asynchronously (and the tail's columns or rows: a second, smaller MMA)
-            a = ring.a_bufs.index(slot)
-            if window.input_transform is not None:    # lesson 06: A = relu(A * scale + shift), from registers
-                a = window.input_transform.operand(a, mma.acc.type.layout, window, work, schedule, k)
-            mma = mma.issue_async_mma(a, ring.b(slot))
+            mma = mma.issue_async_mma(ring.a_bufs.index(slot), ring.b(slot))
             if HAS_TAIL:
                 mma_tail = mma_tail.issue_async_mma(ring.a_tail_bufs.index(slot), ring.b(slot, TAIL=True))
                 mma_tail = mma_tail.wait_num_outstanding(MMAS_PER_STEP)
-            # Only this step's MMAs in flight: the ones of step k-1 are done, so its stage is free. (With A from
-            # registers none: the next step rewrites them, lesson 06.)
-            mma = mma.wait_num_outstanding(MMAS_PER_STEP if window.input_transform is None else 0)
+            # Only this step's MMAs in flight: the ones of step k-1 are done, so its stage is free.
+            mma = mma.wait_num_outstanding(MMAS_PER_STEP)
             mbarrier.arrive(ring.empty.index(state.previous_slot()), pred=k > work.k_begin)
             state = state.next()
         if NUM_CONSUMERS == 2:
@@ -509,7 +482,6 @@ class TileSchedule:
     TILE_M: gl.constexpr      # output rows (pixels) and columns (channels) per tile
     TILE_N: gl.constexpr
     SPLIT_K: gl.constexpr
-    phases: common.PhaseTiles | gl.constexpr      # lesson 06's: a strided dgrad's phases side by side; else None
 
     @gluon.jit
     def num_units(self):
@@ -520,7 +492,7 @@ class TileSchedule:
 
     @gluon.jit
     def unit_k_steps(self, unit):
-        # The k-steps of a unit: k_steps (section 4's ping-pong runs without split-K), or (lesson 06) its phase's.
+        # The k-steps of a unit: k_steps (section 4's ping-pong runs without split-K).
         work = self.work(unit)
         return work.k_end - work.k_begin
 
@@ -547,8 +519,6 @@ class TileSchedule:
         rows_in_group = gl.minimum(self.num_pid_m - first_m, GROUP_M)
         pid_m = first_m + (tile_id % tiles_per_group) % rows_in_group
         pid_n = (tile_id % tiles_per_group) // rows_in_group
-        if self.phases is not None:       # lesson 06: the phases perhaps in another order; a tile runs its phase's taps
-            pid_m, pid_n, k_end = self.phases.work(tile_id, self.num_pid_m, self.TILE_N, GROUP_M, pid_m, pid_n)
         return WorkUnit(pid_m, pid_n, k_begin, k_end, split, partial)
 
 
@@ -618,10 +588,8 @@ def apply_epilogue(acc, cols, Co, scale_ptr, bias_ptr, residual, EPILOGUE: tl.co
     if EPILOGUE.bias:
         bias = tl.load(bias_ptr + cols, mask=cols < Co, other=0.0)
         acc = acc + tl.expand_dims(bias.to(tl.float32), 0)
-    if EPILOGUE.residual and EPILOGUE.activation != "relu_grad":
+    if EPILOGUE.residual:
         acc = acc + residual.to(tl.float32)
-    if EPILOGUE.activation == "relu_grad":     # lesson 06: ReLU's backward, gated by its output (the residual)
-        acc = tl.where(residual > 0, acc, 0.0)
     if EPILOGUE.activation == "relu":
         acc = tl.maximum(acc, 0.0)
     if EPILOGUE.activation == "silu":      # x * sigmoid(x)
@@ -640,11 +608,11 @@ def apply_epilogue(acc, cols, Co, scale_ptr, bias_ptr, residual, EPILOGUE: tl.co
 
 
 @gluon.jit
-def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, epilogue_ptrs, shape, out_window,
-                        channel_stats, input_transform, CONFIG: gl.constexpr, EPILOGUE: gl.constexpr,
+def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, epilogue_ptrs, shape,
+                        CONFIG: gl.constexpr, EPILOGUE: gl.constexpr,
                         IS_BLACKWELL: gl.constexpr):
     (M, Co, num_pid_m, num_pid_n, out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group,
-     S, k_steps, channel_blocks, w_taps) = shape
+     S, k_steps, channel_blocks) = shape
     dtype: gl.constexpr = in_desc.dtype
     BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
@@ -674,19 +642,14 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
     # (a constexpr condition: only the branch taken is compiled, so c_smem needs no value when storing by row blocks)
     c_smem = c_tail_smem if STORE_BY_ROW_BLOCKS else c_smem
     ready, empty = common.allocate_barrier_pairs(NUM_BUFFERS)
-    ring = Ring(a_bufs, b_bufs, a_tail_bufs, b_tail_bufs, ready, empty, NUM_BUFFERS, w_taps is not None)
+    ring = Ring(a_bufs, b_bufs, a_tail_bufs, b_tail_bufs, ready, empty, NUM_BUFFERS)
     # (epilogue_ptrs: the bias, scale, residual and partial-sum pointers, in TileOutput's order)
-    # out_window: None, or (lesson 06) an OutputWindow's kernel_args, for a WindowStore, and with it perhaps a
-    # strided dgrad's phases; channel_stats: None, or (lesson 06) the zeroed fp32 [2, Co] tensor that the epilogue
-    # adds each channel's sums into
-    out_window, phases = common.window_store(out_window, out_h, out_w, channel_blocks)
     schedule = TileSchedule(num_pid_m, num_pid_n, k_steps, BLOCK_M + BLOCK_M_TAIL, BLOCK_N + BLOCK_N_TAIL,
-                            CONFIG.split_k, phases)
+                            CONFIG.split_k)
     window = Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group, S,
-                          channel_blocks, phases, common.flipped_taps(w_taps, phases),   # (w_taps: lesson 06's)
-                          common.input_transform(input_transform))                   # (lesson 06's too)
+                          channel_blocks)
     output = TileOutput(out_desc, out_tail_desc, c_smem, c_tail_smem, *epilogue_ptrs, M, Co, EPILOGUE,
-                        STORE_BY_ROW_BLOCKS, out_window, channel_stats)
+                        STORE_BY_ROW_BLOCKS)
     if IS_BLACKWELL:
         NUM_ACC: gl.constexpr = 2
         acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N],
@@ -711,15 +674,15 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
             mbarrier.init(turn.index(i), count=1)
         if NUM_CONSUMERS == 1:
             gl.warp_specialize([
-                (hopper_mma_epilogue_partition, (ring, schedule, output.for_consumer(0), turn, 0, 1, window)),
+                (hopper_mma_epilogue_partition, (ring, schedule, output.for_consumer(0), turn, 0, 1)),
                 (loader_partition, (in_desc, w_desc, w_tail_desc, ring, schedule, window)),
             ], [1], [LOADER_REGISTERS])
         else:
             # ping-pong: consumer 0 is the default partition, consumer 1 a worker of as many warps.
             # Registers: 2 consumer warpgroups at 240 + the loader's warpgroup at 24 fill the 64K.
             gl.warp_specialize([
-                (hopper_mma_epilogue_partition, (ring, schedule, output.for_consumer(0), turn, 0, 2, window)),
-                (hopper_mma_epilogue_partition, (ring, schedule, output.for_consumer(1), turn, 1, 2, window)),
+                (hopper_mma_epilogue_partition, (ring, schedule, output.for_consumer(0), turn, 0, 2)),
+                (hopper_mma_epilogue_partition, (ring, schedule, output.for_consumer(1), turn, 1, 2)),
                 (loader_partition, (in_desc, w_desc, w_tail_desc, ring, schedule, window)),
             ], [gl.num_warps(), 1], [240, min(LOADER_REGISTERS, 32)])
 
@@ -867,14 +830,13 @@ class Epilogue(NamedTuple):
     bias: bool = False          # + bias[co]: a conv bias, or a folded BatchNorm's shift
     scale: bool = False         # * scale[co]: a folded BatchNorm's gamma / sqrt(var + eps)
     residual: bool = False      # + residual[n, y, x, co]: a ResNet block's skip connection
-    activation: str = "none"    # one of common.ACTIVATIONS: "none", "relu", "silu" (lesson 06: "relu_grad")
+    activation: str = "none"    # one of common.ACTIVATIONS: "none", "relu", "silu"
 
 
 # The conv's run-time integers, named, in the order the kernel's first line unpacks them (section 10:
 # Ci_group, the input channels per group padded to 16 bytes; channel_blocks: BLOCK_K blocks per tap).
 ConvShape = NamedTuple("ConvShape", [(name, int) for name in "M Co num_pid_m num_pid_n out_h out_w stride_h stride_w "
-                                    "pad_h pad_w dil_h dil_w Ci_group Co_group S k_steps channel_blocks".split()]
-                       + [("w_taps", tuple)])      # lesson 06: a FlippedFilter's kernel_args; else None
+                                    "pad_h pad_w dil_h dil_w Ci_group Co_group S k_steps channel_blocks".split()])
 
 
 DESCRIPTORS = ("in_desc", "w_desc", "w_tail_desc", "out_desc", "out_tail_desc")   # the kernel's first parameters
@@ -892,14 +854,10 @@ class ConvLaunch(NamedTuple):
     out_2d: torch.Tensor           # [M, Co rounded up to 16 bytes], written by the kernel
     partial: torch.Tensor = None   # section 7: the fp32 workspace [split_k, M, Co]; else None
     tiles: tuple = None            # section 7: (tile_m, tile_n, num_pid_m, num_pid_n, whole_tiles)
-    out_window: tuple = None       # lesson 06: an OutputWindow's kernel_args (the output stored there); else None
-    channel_stats: torch.Tensor = None   # lesson 06: fp32 [2, Co], zeroed, for the per-channel sums; else None
-    input_transform: tuple = None        # lesson 06: (input_scale, input_shift, H, W, Ci): relu(x * scale + shift)
 
     def kernel_args(self):
         # The kernel's run-time arguments, in its signature's order.
-        return tuple(getattr(self, name) for name in DESCRIPTORS) + (self.pointers, self.shape, self.out_window,
-                                                                     self.channel_stats, self.input_transform)
+        return tuple(getattr(self, name) for name in DESCRIPTORS) + (self.pointers, self.shape)
 
 
 output_nhwc = lesson04.output_nhwc    # the kernel's output [M, Co rounded up to 16 bytes] as NHWC [N, out_h, out_w, Co]
@@ -913,26 +871,18 @@ def kernel_constexprs(config, arch, epilogue=Epilogue()):
                 **({"maxnreg": 128} if config.programs_per_sm > 1 else {}))
 
 
-def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None, residual=None, out_dtype=None,
-                   out_window=None, channel_stats=None):
-    # A ConvLaunch for these tensors (CPU tensors work too: the ahead-of-time compile uses them). out_window: a
-    # common.OutputWindow (lesson 06) to store the output into, pixel by pixel, instead of out_2d; channel_stats
-    # (lesson 06): a zeroed fp32 [2, Co] tensor that the epilogue adds the output's per-channel sums into
-    # (common.check_channel_stats). (Lesson 06's section 11 sets the launch's input_transform itself.)
+def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None, residual=None, out_dtype=None):
+    # A ConvLaunch for these tensors (CPU tensors work too: the ahead-of-time compile uses them).
     config = KernelConfig(*config)
     check_config(config, arch)
     g = geometry
-    destinations = common.check_epilogue_destinations(out_window, channel_stats, g, out_dtype or x_nhwc.dtype,
-                                                      x_nhwc.device, config.split_k, config.tile_n)
     check_groups_fit(config, g, x_nhwc.element_size())                     # section 10
-    w_taps = common.flipped_filter_taps(w, g, x_nhwc.dtype, out_window)    # lesson 06: w read in place; else None
     x_nhwc, w, Ci_padded = common.pad_channels_for_tma(x_nhwc, w)
     Ci_group = Ci_padded // g.groups
     BLOCK_K = block_k_channels(config, Ci_group, x_nhwc.element_size())    # 128 bytes: 128 e4m3 (section 9)
     settings = common.conv_im2col_settings(g)      # (padded channels move no pixel)
     lanes = 16 // (out_dtype or x_nhwc.dtype).itemsize        # output elements per 16 bytes: out_2d's row length
-    out_2d = torch.empty(g.M if out_window is None else 1, -(-g.Co // lanes) * lanes, device=x_nhwc.device,
-                         dtype=out_dtype or x_nhwc.dtype)     # (with a window, only its descriptor's shape is used)
+    out_2d = torch.empty(g.M, -(-g.Co // lanes) * lanes, device=x_nhwc.device, dtype=out_dtype or x_nhwc.dtype)
 
     def descriptors(rows, columns, pixel_box=0):    # of x, w and out_2d, for output boxes of rows x columns
         return common.conv_tma_descriptors(x_nhwc, w, out_2d, settings, rows, columns, BLOCK_K, pixel_box=pixel_box)
@@ -956,35 +906,32 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     # absent epilogue tensors: any pointer will do, the constexprs compile their loads away
     pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual, partial))
     shape = ConvShape(g.M, g.Co, num_pid_m, num_pid_n, g.out_h, g.out_w, *g.stride, *g.padding, *g.dilation,
-                      Ci_group, g.Co_group, g.S, k_steps, channel_blocks, w_taps)
+                      Ci_group, g.Co_group, g.S, k_steps, channel_blocks)
     programs, _, whole_tiles = tile_counts(config, g.M, g.Co, num_sms)
     tiles = (config.tile_m, config.tile_n, num_pid_m, num_pid_n, whole_tiles) if partial is not None else None
     return ConvLaunch((programs, 1, 1), in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, pointers, shape,
-                      out_2d, partial, tiles, *destinations)
+                      out_2d, partial, tiles)
 
 
 def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG,
-                        scale=None, residual=None, activation="none", groups=1, out_dtype=None, out_window=None,
-                        channel_stats=None):
+                        scale=None, residual=None, activation="none", groups=1, out_dtype=None):
     """The warp-specialized conv, launched plainly. x_nhwc [N, H, W, Ci], w [Co, R, S, Ci] (fp16,
     bf16 or, section 9, e4m3; CUDA, contiguous); returns NHWC [N, out_h, out_w, Co] in x's dtype
     (e4m3 operands: bf16, or e4m3 if out_dtype asks). The epilogue computes act(conv * scale + bias
     + residual) in fp32 before the cast: optional bias and scale [Co] (fp32 or x's dtype), residual
     of the output's shape and dtype, activation "none", "relu" or "silu". groups > 1 (section 10):
-    w is [Co, R, S, Ci / groups]. out_window (lesson 06): store into its view instead, and return that.
-    channel_stats (lesson 06): a zeroed fp32 [2, Co] tensor; the epilogue adds each output channel's sum and
-    sum of squares (of the output as stored, summed in fp32) into it, every program into the same tensor."""
+    w is [Co, R, S, Ci / groups]."""
     geometry = common.check_conv_call(x_nhwc, w, bias, stride, padding, dilation, dtypes=KERNEL_DTYPES, scale=scale,
                                       residual=residual, activation=activation, out_dtype=out_dtype, groups=groups)
     arch, num_sms = common.tma_mma_arch_and_sms("conv2d_fprop_launch")
     launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale, residual,
-                            common.output_dtype(x_nhwc.dtype, out_dtype), out_window, channel_stats)
+                            common.output_dtype(x_nhwc.dtype, out_dtype))
     epilogue = Epilogue(bias is not None, scale is not None, residual is not None, activation)
     conv2d_fprop_kernel[launch.grid](*launch.kernel_args(), **kernel_constexprs(KernelConfig(*config), arch, epilogue))
     if launch.partial is not None:                 # split-K's second kernel (section 7): sum the slices
         grid, args, constexprs = split_k_epilogue_launch(launch, bias, scale, residual, activation)
         split_k_epilogue_kernel[grid](*args, **constexprs)
-    return output_nhwc(geometry, launch.out_2d) if out_window is None else out_window.view
+    return output_nhwc(geometry, launch.out_2d)
 
 
 def run_core_kernel():
@@ -1057,17 +1004,15 @@ TAUGHT_PTX = {
 
 
 def aot_conv2d_fprop(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, padding=1,
-                     config=FIXED_CONFIG, epilogue=Epilogue(), dtype="bfloat16", **destinations):
+                     config=FIXED_CONFIG, epilogue=Epilogue(), dtype="bfloat16"):
     # (kernel, args, kwargs) on CPU tensors, for common.aot_compile (`epilogue` as a list too;
-    # dtype "float8_e4m3fn": the fp8 build of section 9, bf16 out; destinations: lesson 06's out_window or
-    # channel_stats, for prepare_launch).
+    # dtype "float8_e4m3fn": the fp8 build of section 9, bf16 out).
     epilogue = Epilogue(*epilogue)
     x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, getattr(torch, dtype), device_name="cpu")
     geometry = common.conv_geometry(x_nhwc.shape, w.shape, stride, padding)
     per_channel, residual = torch.zeros(Co), torch.zeros(*geometry.output_shape_nhwc, dtype=torch.bfloat16)
     bias, scale, residual = (t if on else None for t, on in zip((per_channel, per_channel, residual), epilogue[:3]))
-    launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, 132, scale, residual, torch.bfloat16,
-                            **destinations)
+    launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, 132, scale, residual, torch.bfloat16)
     return conv2d_fprop_kernel, launch.kernel_args(), kernel_constexprs(config, arch, epilogue)
 
 
@@ -1365,8 +1310,7 @@ if __name__ == "__main__":
     (1, 7, 7, 2, 32, 64, 3, 2, 1, 16, 32),     # two K blocks and two tiles per group, stride 2
     (2, 5, 6, 3, 16, 48, 1, 1, 0, 16, 16),     # 1x1, three tiles per group
 ])
-def test_grouped_tiles_read_their_groups(N, H, W, groups, Ci_group, Co_group, R, stride, padding, BLOCK_K, TILE_N,
-                                        monkeypatch):
+def test_grouped_tiles_read_their_groups(N, H, W, groups, Ci_group, Co_group, R, stride, padding, BLOCK_K, TILE_N):
     """The loader's own arithmetic (Im2colWindow's pixel_box_origin, tile_taps and k_step, run
     as plain Python) with lesson 03's model of TMA im2col loads, and weight boxes cut from w2d,
     computes torch's grouped conv2d: every tile, every k-step."""
@@ -1381,10 +1325,8 @@ def test_grouped_tiles_read_their_groups(N, H, W, groups, Ci_group, Co_group, R,
     window = types.SimpleNamespace(out_h=g.out_h, out_w=g.out_w, stride_h=g.stride[0], stride_w=g.stride[1],
                                    pad_h=g.padding[0], pad_w=g.padding[1], dil_h=common.PlainInt(1),
                                    dil_w=common.PlainInt(1), Ci_group=Ci_group, Co_group=Co_group, S=R,
-                                   channel_blocks=Ci_group // BLOCK_K, phases=None, flipped=None)
+                                   channel_blocks=Ci_group // BLOCK_K)
     window.group_channel = lambda co0: Im2colWindow.group_channel.fn(window, co0)
-    for helper in ("weights_tile", "weights_at"):      # common's Gluon helpers the two methods call, as Python
-        monkeypatch.setattr(common, helper, getattr(common, helper).fn)
     w2d, BLOCK_M, out = w.reshape(g.Co, -1), 32, torch.zeros(g.M, g.Co)
     for m0 in range(0, g.M, BLOCK_M):
         n, y, x0 = Im2colWindow.pixel_box_origin.fn(window, m0)
@@ -1437,11 +1379,15 @@ def test_grouped_configs_that_straddle_groups_are_refused():
 # -----------------------------------------------------------
 # `conv2d_fprop_launch` builds everything on every call, and on an H100 host that costs several
 # times the 30-60 us a ResNet-50 layer runs on the GPU. The package beside the lessons,
-# `conv_tutorial`, runs this lesson's kernel (it loads this file) behind a host runtime that keeps
-# what depends only on the shape in a plan, reuses validated descriptors, launches the compiled
-# kernel directly and picks a config per shape (conv_tutorial/runtime.py and selection.py say
-# how); `torch.ops.conv_tutorial.conv2d` is that conv as a PyTorch operator, under torch.compile
-# and CUDA graphs, and `conv_tutorial.fuse_conv_bn_act` puts it into a model (README.md).
+# `conv_tutorial`, runs this kernel behind a host runtime that keeps what depends only on the shape
+# in a plan, reuses validated descriptors, launches the compiled kernel directly and picks a config
+# per shape (conv_tutorial/runtime.py and selection.py say how); `torch.ops.conv_tutorial.conv2d` is
+# that conv as a PyTorch operator, under torch.compile and CUDA graphs, and
+# `conv_tutorial.fuse_conv_bn_act` puts it into a model (README.md). Its copy of the kernel,
+# conv_tutorial/kernels/fprop.py, adds the switches the backward needs (an output window, a strided
+# dgrad's phases, a filter read in place, BatchNorm's channel sums, ReLU's backward); with them off it
+# builds to this file's PTX, instruction for instruction, at every config this lesson teaches, and on a
+# GPU it writes the same bits (tests/kernels/test_equivalence.py).
 
 # %%
 # What paid, and what did not

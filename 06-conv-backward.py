@@ -21,22 +21,23 @@ What you will learn:
   that the filter's gradient comes out the same, bit for bit, on every run;
 - both mappings in plain PyTorch on a CPU, checked against torch's own gradients;
 - for training, BatchNorm's batch statistics summed in the forward kernel's epilogue (section
-  10), and what that costs; then BatchNorm's apply and the ReLU folded into the next conv's load
-  (section 11): on Hopper the A operand through registers, and the padding that then needs zeros;
-  and ReLU's backward applied in dgrad's epilogue (section 12).
+  10), and what that costs; what folding BatchNorm's apply and the ReLU into the next conv's load
+  would take, and why it did not pay (section 11); and ReLU's backward applied in dgrad's epilogue
+  (section 12).
 
-Builds on: lesson 05 (its kernel and plain launcher, `Im2colWindow`, `TmemAccumulators`),
-lesson 04 (`HopperWGMMA`) and lesson 03 (the im2col descriptor and its model). What changed since
-lesson 05: its kernel takes an output window (section 2), a switch that stores the output into a
+Builds on: lesson 05 (its kernel, `Im2colWindow`, `TmemAccumulators`), lesson 04 (`HopperWGMMA`)
+and lesson 03 (the im2col descriptor and its model). dgrad runs the operator's copy of lesson 05's
+kernel (conv_tutorial/kernels/fprop.py, built to lesson 05's PTX where its switches are off), which
+adds the switches this lesson explains: an output window (section 2), which stores the output into a
 strided view of a larger tensor, with a strided dgrad's phases as its columns (section 2b: a tile
-runs its phase's taps only), weights read in place as an N-major B (section 2c), per-channel
-sums of its output (section 10), its input read as relu(x * scale + shift) (section 11) and its
-output zeroed where a ReLU's output is not positive (section 12);
-otherwise the backward runs it as it is for dgrad and reuses its pieces for wgrad.
+runs its phase's taps only), weights read in place as an N-major B (section 2c), per-channel sums of
+its output (section 10) and its output zeroed where a ReLU's output is not positive (section 12).
+The plans this lesson explains run in the operator as they are imported here
+(conv_tutorial/kernels/dgrad.py, gradients.py, wgrad.py); the wgrad kernel is this lesson's own.
 
 Requires: sm_90 (H100/H200) or sm_100 (B200/GB200) for the GPU runs. On a CPU: both mappings
 against torch.nn.grad, the wgrad kernel's own index arithmetic on lesson 03's model of the TMA
-unit, the sm_90 and sm_100 builds of the wgrad kernel with their PTX, section 11's sm_90 build,
+unit, the sm_90 and sm_100 builds of the wgrad kernel with their PTX,
 ReLU's backward through dgrad against autograd (section 12), and input checks.
 
 Note: the Blackwell path is compiled and its PTX inspected here; it has not run on a Blackwell GPU.
@@ -49,10 +50,7 @@ Tests: pytest 06-conv-backward.py
 # %%
 import collections
 import dataclasses
-import functools
-import math
 import re
-from typing import NamedTuple
 
 import common  # first: on a machine without a GPU it turns on the Triton interpreter
 
@@ -67,9 +65,29 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 lesson04 = common.load_lesson("04-implicit-gemm-single-buffer")   # HopperWGMMA
-lesson05 = common.load_lesson("05-warp-specialized-conv")         # the forward kernel and its parts
+lesson05 = common.load_lesson("05-warp-specialized-conv")         # the parts of the wgrad kernel
+# What this lesson builds on from the operator package: the forward kernel with the backward's switches
+# (conv_tutorial/kernels/fprop.py: an output window, a dgrad's phases, a filter read in place, channel sums)
+# and its host side, and the plans the sections below explain, as the operator runs them
+# (conv_tutorial/kernels/dgrad.py, gradients.py, wgrad.py). The wgrad kernel itself is this lesson's own.
+from conv_tutorial.kernels import fprop as forward  # noqa: E402
+from conv_tutorial.kernels.aot import fprop_build  # noqa: E402
+from conv_tutorial.core.windows import (  # noqa: E402
+    FlippedFilter, OutputWindow, check_channel_stats, flipped_filter_taps)
+from conv_tutorial.kernels.windows import PhaseTiles  # noqa: E402
+from conv_tutorial.kernels.dgrad import (  # noqa: E402
+    busiest_program, dgrad, dgrad_axis_phase, dgrad_by_phases, dgrad_phases, dgrad_side_by_side,
+    dgrad_through_relu, filters_in_place, flipped_weights, flipped_weights_by_torch,
+    phase_order, relu_gated_in_epilogue, side_by_side, side_by_side_config,
+    side_by_side_in_place, side_by_side_launch, side_by_side_plan, taps_per_tile, untapped_zeros)
+from conv_tutorial.kernels.gradients import (  # noqa: E402
+    backward_groups_reason, check_backward_call, dgrad_config, fold_input, fold_weight, folded_cost,
+    stride_fold, unfold_weight_grad)
+from conv_tutorial.kernels.wgrad import (  # noqa: E402
+    WgradConfig, check_wgrad_config, choose_split, default_wgrad_config, prepare_wgrad, sum_partials_launch,
+    wgrad_config, wgrad_input, wgrad_kernel_options, wgrad_operands, wgrad_problem, wgrad_result, wgrad_split,
+    wgrad_tiles, x_reads_tiled)
 
-BACKWARD_DTYPES = (torch.float16, torch.bfloat16)   # why not e4m3: section 3
 Int = gl.tensor | gl.constexpr       # a run-time integer, or one Triton specialized to a constant
 
 # %%
@@ -166,236 +184,11 @@ def backward_inputs(N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1, dtyp
 # case at the far edge.
 
 
-class AxisPhase(NamedTuple):
-    # One axis of one phase of dgrad (section 2; stride 1 has one phase): dX's rows phase,
-    # phase + stride, ... are rows crop, crop + 1, ... of a stride-1 conv of dY with the filter's
-    # taps `taps` (a slice of r), flipped, at `dilation`, with `padding` on both sides.
-    rows: int            # rows of dX in this phase (0 when the phase lies past the image)
-    taps: slice          # the taps that reach these rows (None if none)
-    padding: int
-    dilation: int
-    crop: int
-
-
-def dgrad_axis_phase(phase, size, out_size, R, stride, padding, dilation):
-    """Where dX's rows phase, phase + stride, ... come from, along one axis (section 2)."""
-    rows = len(range(phase, size, stride))
-    hits = [r for r in range(R) if (phase + padding - r * dilation) % stride == 0]
-    if rows == 0 or not hits:
-        return AxisPhase(rows, None, 0, 1, 0)
-    step = stride // math.gcd(stride, dilation)                # every step-th tap: the hits' spacing
-    sub_dilation = dilation // math.gcd(stride, dilation)      # and the dY rows they reach, so far apart
-    # dY row that dX's row j of this phase reads with tap hits[k]: j + first + (len - 1 - k) * sub_dilation
-    first = (phase + padding - hits[-1] * dilation) // stride
-    reach = sub_dilation * (len(hits) - 1)
-    # padding: none below 0 (lesson 05 takes none), and enough that the conv's output, out_size + 2*pad
-    # - reach rows, holds rows first + pad, ..., first + pad + rows - 1; crop where dX's rows start in it
-    pad = max(0, -first, rows + first + reach - out_size)
-    return AxisPhase(rows, slice(hits[0], hits[-1] + 1, step), pad, sub_dilation, first + pad)
-
-
-def dgrad_phases(geometry):
-    """(py, px, along_h, along_w) of each phase of dX that holds pixels: arithmetic on the shape
-    alone, so a caller that meets one shape often (the operator's backward) may keep it."""
-    g = geometry
-    return [(py, px, along_h, along_w) for py in range(g.stride[0]) for px in range(g.stride[1])
-            for along_h in [dgrad_axis_phase(py, g.H, g.out_h, g.R, g.stride[0], g.padding[0], g.dilation[0])]
-            for along_w in [dgrad_axis_phase(px, g.W, g.out_w, g.S, g.stride[1], g.padding[1], g.dilation[1])]
-            if along_h.rows and along_w.rows]     # (a phase past the image's edge has no rows of dX)
-
-
-@triton.jit
-def flipped_weights_kernel(w_ptr, out_ptr, phases, Co, R, S, Ci_group, Co_group,
-                           BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr):
-    """Every phase's w' at once. Entry i of `phases` (ints: first, r0, r_step, R2, s0, s_step, S2, at, pitch)
-    is a phase whose taps r0 + a*r_step (a < R2) and s0 + b*s_step (b < S2) are programs first, first + 1,
-    ... along axis 0, and whose w' [Ci, R2, S2, Co_group] starts at out_ptr + at, its rows `pitch` taps apart
-    (R2 * S2: w' on its own; more where the phases sit side by side, section 2b):
-    out[at + ((k*Ci_group + ci) * pitch + r' * S2 + s') * Co_group + co]
-        = w[k*Co_group + co, r0 + (R2-1-r')*r_step, s0 + (S2-1-s')*s_step, ci]     for group k.
-    Axes 1 and 2: [BLOCK_CO, BLOCK_CI] tiles of w's channels. The tuple's length is fixed when the
-    kernel compiles (the loop below unrolls over it); its entries are run-time integers."""
-    t = tl.program_id(0)
-    r = t * 0       # (a tensor: every tl.where of the unrolled loop below then yields the same type)
-    s, at, r_out, s_out, S2, pitch = r, r.to(tl.int64), r, r, r, r
-    for i in tl.static_range(len(phases)):      # which phase program t's tap belongs to
-        first, r0, r_step, R2_i, s0, s_step, S2_i, at_i, pitch_i = phases[i]
-        local = t - first
-        mine = (local >= 0) & (local < R2_i * S2_i)
-        r_out = tl.where(mine, local // S2_i, r_out)
-        s_out = tl.where(mine, local % S2_i, s_out)
-        r = tl.where(mine, r0 + (R2_i - 1 - local // S2_i) * r_step, r)    # the tap it reads, flipped
-        s = tl.where(mine, s0 + (S2_i - 1 - local % S2_i) * s_step, s)
-        S2, pitch = tl.where(mine, S2_i, S2), tl.where(mine, pitch_i, pitch)
-        at = tl.where(mine, at_i, at)
-    co = tl.program_id(1) * BLOCK_CO + tl.arange(0, BLOCK_CO)      # w's output channel (dY's channel)
-    ci = tl.program_id(2) * BLOCK_CI + tl.arange(0, BLOCK_CI)      # w's input channel, within its group
-    inside = (co[:, None] < Co) & (ci[None, :] < Ci_group)
-    tile = tl.load(w_ptr + ((co[:, None] * R + r) * S + s) * Ci_group + ci[None, :], mask=inside)
-    group, co_in_group = co // Co_group, co % Co_group
-    out_row = group[:, None] * Ci_group + ci[None, :]               # dX's channel: the conv's output channel
-    tl.store(out_ptr + at + (out_row * pitch + r_out * S2 + s_out) * Co_group + co_in_group[:, None], tile,
-             mask=inside)
-
-
-def flipped_weights_by_torch(w, taps_h, taps_w, groups=1):
-    # What flipped_weights computes for one phase, in torch's flip and permute (two passes); where Triton cannot
-    # run it (CPU tensors on a machine with a GPU: no interpreter there)
-    w_phase = w[:, taps_h, taps_w].flip((1, 2))
-    Co, R2, S2, Ci_group = w_phase.shape
-    return w_phase.reshape(groups, Co // groups, R2, S2, Ci_group).permute(0, 4, 2, 3, 1).reshape(
-        groups * Ci_group, R2, S2, Co // groups).contiguous()
-
-
-def flipped_weights(w, phase_taps, groups=1, width=None):
-    """[w' of each phase]: for each (taps_h, taps_w) of `phase_taps` (slices of w's r and s), w'
-    [Ci, R2, S2, Co / groups] of w [Co, R, S, Ci / groups] for the taps w[:, taps_h, taps_w], flipped,
-    channel axes swapped within each group. Up to 16 phases per flipped_weights_kernel launch (a
-    stride of 2 in both axes has 4), into one buffer (each w' a contiguous piece of it). The phases
-    go to the kernel as integers, not as a table in GPU memory: a tensor made once and kept here
-    would outlive the CUDA graph (a training step's) that allocated it.
-    With `width` (groups = 1; section 2b): one tensor [phases * width, 1, taps, Co], the phases side by
-    side, rows p * width + ci of phase p holding its w'[ci] (its R2 * S2 taps first; `taps`: the
-    most any phase has), rows past Ci zeros. Past a phase's own taps only a K block that straddles its last
-    tap's end reads: zeros there where Co is not a multiple of 128 channels, else never read."""
-    Co, R, S, Ci_group = w.shape
-    if w.device.type != "cuda" and not common.interpreter_mode():
-        phases = [flipped_weights_by_torch(w, taps_h, taps_w, groups) for taps_h, taps_w in phase_taps]
-        return phases if width is None else side_by_side(phases, width)
-    phases, shapes, size = [], [], 0
-    pitch = max((len(range(R)[h]) * len(range(S)[v]) for h, v in phase_taps), default=0)
-    for p, (taps_h, taps_w) in enumerate(phase_taps):
-        rows, cols = range(R)[taps_h], range(S)[taps_w]
-        at, row_pitch = (size, len(rows) * len(cols)) if width is None else (p * width * pitch * Co, pitch)
-        phases.append((rows.start, rows.step, len(rows), cols.start, cols.step, len(cols), at, row_pitch))
-        shapes.append((groups * Ci_group, len(rows), len(cols), Co // groups))
-        size += math.prod(shapes[-1])
-    if width is None:
-        out = w.new_empty(size)
-    elif Co % 128:
-        # dY's channels end inside a K block (of up to 128): a phase's last k-step reads weight columns past its
-        # last tap, against dY's zero-filled channels; zeros there (garbage could be NaN, and 0 * NaN is NaN)
-        out = w.new_zeros(len(phases), width, 1, pitch, Co)
-    else:
-        out = w.new_empty(len(phases), width, 1, pitch, Co)
-        out[:, Ci_group:].zero_()   # rows past Ci: columns the conv computes and does not store (zeros: no NaN there)
-    BLOCK = 32
-    for chunk in range(0, len(phases), 16):     # (the kernel unrolls a loop over its phases: a few per launch)
-        launch, taps = [], 0
-        for r0, r_step, R2, s0, s_step, S2, at, row_pitch in phases[chunk:chunk + 16]:
-            launch.append((taps, r0, r_step, R2, s0, s_step, S2, at, row_pitch))
-            taps += R2 * S2
-        grid = (taps, triton.cdiv(Co, BLOCK), triton.cdiv(Ci_group, BLOCK))
-        flipped_weights_kernel[grid](w.contiguous(), out, tuple(launch), Co, R, S, Ci_group, Co // groups,
-                                     BLOCK_CO=BLOCK, BLOCK_CI=BLOCK)
-    if width is not None:
-        return out.view(len(phases) * width, 1, pitch, Co)
-    return [out[phase[6]:phase[6] + math.prod(shape)].view(shape) for phase, shape in zip(phases, shapes)]
-
-
-def side_by_side(w_phases, width):
-    # flipped_weights' side-by-side layout, from each phase's w' [Ci, R2, S2, Co]: torch's way
-    Ci, Co = w_phases[0].shape[0], w_phases[0].shape[-1]
-    pitch = max(w_phase.shape[1] * w_phase.shape[2] for w_phase in w_phases)
-    out = w_phases[0].new_zeros(len(w_phases), width, 1, pitch, Co)
-    for p, w_phase in enumerate(w_phases):
-        out[p, :Ci, 0, :w_phase.shape[1] * w_phase.shape[2]] = w_phase.reshape(Ci, -1, Co)
-    return out.view(len(w_phases) * width, 1, pitch, Co)
-
-
-@triton.jit
-def untapped_zeros_kernel(dx_ptr, H, W, C, stride_h, stride_w, rows_tapped, cols_tapped,
-                          BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Zeros into the pixels of dX [N, H, W, C] that no tap reaches: pixel (iy, ix) is reached where
-    bit iy % stride_h of `rows_tapped` and bit ix % stride_w of `cols_tapped` are both set. One
-    program per row of dX and BLOCK_P of its pixels; every other pixel is left as it is."""
-    row = tl.program_id(0)                                  # n * H + iy
-    row_reached = (rows_tapped >> (row % H % stride_h)) & 1
-    ix = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
-    reached = (cols_tapped >> (ix % stride_w)) & row_reached          # 1 where the pixel's phase has taps
-    zero = (ix < W) & (reached == 0)
-    pixel = (row.to(tl.int64) * W + ix) * C
-    for c0 in range(0, C, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        tl.store(dx_ptr + pixel[:, None] + c[None, :], tl.zeros([BLOCK_P, BLOCK_C], dx_ptr.dtype.element_ty),
-                 mask=zero[:, None] & (c[None, :] < C))
-
-
-def untapped_zeros(dx, geometry, phases):
-    """Write zeros into the pixels of dX that none of `phases` (dgrad_phases) has taps for, and no others."""
-    g = geometry
-    # phase (py, px) has taps where both of its axes have: bit py of `rows`, bit px of `cols`
-    rows = sum({1 << py for py, _, along_h, _ in phases if along_h.taps is not None})
-    cols = sum({1 << px for _, px, _, along_w in phases if along_w.taps is not None})
-    # (each phase a bit of an int64 argument: larger strides take torch's way)
-    if (dx.device.type != "cuda" and not common.interpreter_mode()) or max(g.stride) > 62:
-        reached = torch.zeros(g.H, g.W, dtype=torch.bool, device=dx.device)
-        for py, px, along_h, along_w in phases:
-            if along_h.taps is not None and along_w.taps is not None:
-                reached[py::g.stride[0], px::g.stride[1]] = True
-        return dx.masked_fill_(~reached[None, :, :, None], 0)
-    BLOCK_P = 32
-    untapped_zeros_kernel[(g.N * g.H, triton.cdiv(g.W, BLOCK_P))](
-        dx, g.H, g.W, g.Ci, g.stride[0], g.stride[1], rows, cols, BLOCK_P=BLOCK_P,
-        BLOCK_C=min(128, triton.next_power_of_2(g.Ci)))
-    return dx
-
-
-def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None, conv=None, in_place=False):
-    """dX of the conv `geometry` from dY: per phase of dX a stride-1 conv `fprop(dy, w_phase,
-    padding=, dilation=, groups=)` (lesson 05's kernel on a GPU, torch's conv on a CPU) of dY with
-    that phase's taps, flipped and channel-swapped (within each group), its output cropped into
-    the phase's rows and columns of dX: stored there by the conv itself, handed the phase as
-    `out_window=` (a common.OutputWindow), where the stride is > 1 and dX's pixels are 16-byte
-    aligned; else copied (the only phase at stride 1 is the whole of dX unless a crop is needed).
-    `phases`: dgrad_phases(geometry), if the caller keeps it. `conv`: section 2b's conv (e.g.
-    side_by_side_launch); with one, every phase runs in one conv where section 2b's plan applies and
-    dX's pixels are 16-byte aligned. `in_place`: hand fprop and conv w' as section 2c's FlippedFilters where
-    w can be read in place (`reads_in_place`), not as copies (fprop and conv must take them)."""
-    g = geometry
-    in_place = in_place and reads_in_place(w, g.groups)
-    plan = side_by_side_plan(g) if conv is not None and g.Ci * dy_nhwc.element_size() % 16 == 0 else None
-    if plan is not None:
-        return dgrad_side_by_side(dy_nhwc, w, g, plan, conv, in_place)
-    G = g.groups
-    strided = g.stride != (1, 1)
-    phases = dgrad_phases(g) if phases is None else phases
-    tapped = [phase for phase in phases if phase[2].taps is not None and phase[3].taps is not None]
-    dx = None
-    if strided:
-        dx = torch.empty(g.N, g.H, g.W, g.Ci, device=dy_nhwc.device, dtype=dy_nhwc.dtype)
-        if len(tapped) < len(phases):
-            # pixels no tap reaches have a gradient of 0 (a 1x1 conv at stride 2: three phases of four): one
-            # launch writes them, and only them
-            untapped_zeros(dx, g, phases)
-    # w'[ci, r', s', co] = w[co, the phase's taps reversed, ci]; grouped (section 10 of lesson 05), group k's
-    # filters swap their channels among themselves: w' is [Ci, r', s', Co / groups]. Every phase's in one launch,
-    # or (section 2c) none: the kernel reads w in place.
-    phase_taps = [(along_h.taps, along_w.taps) for _, _, along_h, along_w in tapped]
-    w_phases = filters_in_place(w, phase_taps) if in_place else flipped_weights(w, phase_taps, G)
-    for (py, px, along_h, along_w), w_phase in zip(tapped, w_phases):
-        conv = dict(padding=(along_h.padding, along_w.padding), dilation=(along_h.dilation, along_w.dilation),
-                    groups=G)
-        out = None
-        if not strided:                           # one phase: the conv's output is dX, unless cropped
-            out = fprop(dy_nhwc, w_phase, **conv)
-            if out.shape[1:3] == (g.H, g.W):
-                return out
-            dx = torch.empty(g.N, g.H, g.W, g.Ci, device=dy_nhwc.device, dtype=dy_nhwc.dtype)
-        window = common.OutputWindow(dx[:, py::g.stride[0], px::g.stride[1]], along_h.crop, along_w.crop)
-        if out is None and common.window_storable(window.view):
-            fprop(dy_nhwc, w_phase, **conv, out_window=window)    # the conv stores into dX's phase itself
-        else:
-            # a crop at stride 1, or pixels not 16-byte aligned in dX: the phase's output is copied in
-            window.write(fprop(dy_nhwc, w_phase, **conv) if out is None else out)
-    return dx
-
-
 def reference_fprop(dy_nhwc, w_phase, padding, dilation, groups=1, out_window=None, residual=None,
                     activation="none"):
     # The CPU's stand-in for lesson 05's kernel: torch's conv in fp32 (into out_window, if given, by a copy; a
     # FlippedFilter, section 2c, as what its loads read), and its epilogue's residual and activation (section 12).
-    if isinstance(w_phase, common.FlippedFilter):
+    if isinstance(w_phase, FlippedFilter):
         w_phase = gathered_weights(w_phase)
     out = common.reference_conv2d_nhwc(dy_nhwc, w_phase, None, 1, padding, dilation, out_dtype=torch.float32,
                                        groups=groups)
@@ -492,11 +285,11 @@ if __name__ == "__main__":
 # output (on ResNet-50's 3x3 stride-2 layers, dropping the copy, together with section 1's one-pass
 # weights, cut the dgrad's time by 29-33%: RESULTS.md, "The operator's gradients"). So lesson 05's
 # kernel takes an *output window*
-# (`common.OutputWindow`: the view and the crop). With one, `TileOutput.store` stages the tile in
+# (`OutputWindow`: the view and the crop). With one, `TileOutput.store` stages the tile in
 # shared memory as the TMA path does, but skips the TMA store: it reads the tile back in rows of
-# 16-byte vectors (`common.staged_tile_layout`: a warp's lanes cover a pixel's channels, two pixels
+# 16-byte vectors (`staged_tile_layout`: a warp's lanes cover a pixel's channels, two pixels
 # of 128 bf16 channels per instruction) and stores each vector at the address of its pixel
-# (n, y, x) in the view, elements outside the view masked off (`common.WindowStore`). Other warps
+# (n, y, x) in the view, elements outside the view masked off (`WindowStore`). Other warps
 # read what a warp wrote, and the next tile overwrites the buffer: Triton puts a `bar.sync` of the
 # epilogue's warps between the writes and the reads, and another before the next tile's writes
 # (the test's `bar.sync 0, 128` in section 7). That is more instructions than one TMA store (on a
@@ -667,7 +460,7 @@ if __name__ == "__main__":
 #   ends and cropped);
 # - its output columns are the phases side by side, `width` each (dX's Ci rounded up to a tile):
 #   a tile's columns belong to one phase, p = co0 // width;
-# - a tile runs only its phase's rectangle of taps (`common.PhaseTiles`: the first tap and the
+# - a tile runs only its phase's rectangle of taps (`PhaseTiles`: the first tap and the
 #   count along each axis, picked by the phase's residues a = p // sw and b = p % sw):
 #   `TileSchedule.work` ends its k-steps there and `Im2colWindow.tile_taps` offsets its taps by
 #   the rectangle's corner. So the MMA work is the useful work, but for the columns that round
@@ -680,13 +473,13 @@ if __name__ == "__main__":
 #   side by side keeps a group's tiles, every phase of the same dY pixels, together, so dY should
 #   come from HBM about once (not measured). But where a group holds about as many tiles as there are programs, a
 #   program meets the same phase wave after wave (ResNet-50's 14x14 layer: some programs run six
-#   4-tap tiles, others six 1-tap ones; `tools/phase_balance.py` counts it). Run the phases one
+#   4-tap tiles, others six 1-tap ones; `benchmarks/phase_balance.py` counts it). Run the phases one
 #   after another instead, heaviest first, each phase's tiles in the grouped order, and the
 #   programs' round-robin over the tiles is close to longest-job-first; each phase then reads dY
 #   again (from L2 where dY fits there, not where it is as large as half of it), so `phase_order`
 #   takes that order only where, counted on paper, it lightens the busiest program by more than 5%.
 #
-# Lesson 05's kernel takes the phases in its output window (`common.WindowPhases`); without them
+# Lesson 05's kernel takes the phases in its output window (`WindowPhases`); without them
 # the new lines are constexpr Nones, and every candidate config builds to the same opcode counts,
 # registers and shared memory as before (`tools/ptx_fingerprint.py`, sm_90 and sm_100). The plan applies where every phase has taps and
 # rows and the phases' windows line up: on a strided axis only at dilation 1 (a dilated stride-1
@@ -700,152 +493,13 @@ if __name__ == "__main__":
 # hence the rule (one run each, on one H100, 2026-11-26; results/notebook.md).
 
 
-class SideBySide(NamedTuple):
-    # Section 2b: every phase of a strided dgrad as one conv of dY.
-    source: common.ConvGeometry       # the forward conv whose dX this computes
-    geometry: common.ConvGeometry     # that conv: dY in, the phases' columns out, the union of their windows
-    phases: common.WindowPhases       # where each phase's columns go and which taps they run
-    taps: tuple                       # each phase's (taps along r, taps along s) of w: slices, for flipped_weights
-    config: tuple                     # lesson 05's config
-
-
-def side_by_side_config(geometry, arch=None):
-    """Lesson 05's config for section 2b's conv, picked among its candidates without tails or split-K.
-    On an H100 (2026-11-26), over ResNet-18's and Inception v3's strided 3x3 dgrads
-    (results/notebook.md): 128 x 128 x 64 tiles, 6 stages, 8 warps where dX's channels come in
-    whole 128-column tiles, else 256 x 64 x 64 tiles, 4 stages, 8 warps (less padding of the
-    phases' width). (On ResNet-50's own layers ping-pong or 128 x 256 tiles were as fast or faster;
-    they are not the tuning set.) Elsewhere dgrad_config's. `arch`: the build's ("sm_90" or
-    "sm_100"); None: this machine's GPU (none: dgrad_config's)."""
-    if not (common.is_hopper() if arch is None else arch == "sm_90"):
-        return dgrad_config(geometry)
-    if geometry.Ci % 128 == 0:
-        return lesson05.KernelConfig(128, 128, 64, 6, 8)
-    return lesson05.KernelConfig(256, 64, 64, 4, 8)
-
-
-def axis_window(along):
-    """(first row, dilation, taps, ((first tap, taps) per residue)) of the union of one axis's phases'
-    windows (`along`: AxisPhase per residue 0, 1, ...), or None where they do not line up."""
-    dilation = along[0].dilation
-    firsts = [phase.crop - phase.padding for phase in along]      # the dY row a phase's row 0 reads first
-    origin = min(firsts)
-    if any((first - origin) % dilation for first in firsts):
-        return None
-    rectangle = tuple(((first - origin) // dilation, len(range(phase.taps.start, phase.taps.stop, phase.taps.step)))
-                      for first, phase in zip(firsts, along))
-    return origin, dilation, max(start + taps for start, taps in rectangle), rectangle
-
-
-def side_by_side_plan(geometry, config=None):
-    """Section 2b's plan for the dgrad of `geometry`, or None where it does not apply: groups, stride
-    1, a stride above 4 (the kernel picks a phase's taps by an unrolled loop over the residues), a
-    phase without taps or rows, windows that do not line up, or corners a TMA im2col descriptor
-    cannot encode. Arithmetic on the shape alone: kept per shape and config. `config`: lesson 05's
-    (default side_by_side_config's), without split-K (the window stores whole tiles)."""
-    config = lesson05.KernelConfig(*(config or side_by_side_config(geometry)))
-    if config.split_k != 1:
-        raise ValueError(f"config {config}: section 2b's conv stores through an output window, whole tiles: split_k=1")
-    return _side_by_side_plan(geometry, config)
-
-
-@functools.lru_cache(maxsize=256)
-def _side_by_side_plan(geometry, config):
-    g = geometry
-    sh, sw = g.stride
-    phases = dgrad_phases(g)
-    if g.groups != 1 or (sh, sw) == (1, 1) or max(sh, sw) > 4 or len(phases) != sh * sw or any(
-            along_h.taps is None or along_w.taps is None for _, _, along_h, along_w in phases):
-        return None
-    windows = [axis_window([phases[p][2] for p in range(0, sh * sw, sw)]),     # residues along h, then w
-               axis_window([phases[p][3] for p in range(sw)])]
-    if None in windows:
-        return None
-    (first_h, dil_h, R, along_h), (first_w, dil_w, S, along_w) = windows
-    width = -(-g.Ci // config.tile_n) * config.tile_n
-    conv = common.ConvGeometry(g.N, g.out_h, g.out_w, g.Co, sh * sw * width, R, S, (1, 1), (-first_h, -first_w),
-                               (dil_h, dil_w), -(-g.H // sh), -(-g.W // sw))
-    try:
-        common.conv_im2col_settings(conv)
-    except ValueError:
-        return None
-    taps = tuple((along_h.taps, along_w.taps) for _, _, along_h, along_w in phases)
-    return SideBySide(g, conv, common.WindowPhases(width, g.Ci, along_h, along_w), taps, config)
-
-
-def dgrad_side_by_side(dy_nhwc, w, geometry, plan, conv, in_place=False):
-    """dX by section 2b: `plan` (side_by_side_plan of `geometry`) run by conv(dy, w_side_by_side, plan,
-    out_window), lesson 05's kernel on a GPU (`side_by_side_launch`), torch on a CPU
-    (`reference_side_by_side`). `in_place`: w_side_by_side is section 2c's FlippedFilter of w, not a copy."""
-    g = geometry
-    if plan is None or plan.source != g:
-        raise ValueError(f"plan must be side_by_side_plan of {g.describe()}, got "
-                         f"{'None' if plan is None else 'the plan of ' + plan.source.describe()}")
-    if tuple(dy_nhwc.shape) != g.output_shape_nhwc or tuple(w.shape) != (g.Co, g.R, g.S, g.Ci):
-        raise ValueError(f"dy_nhwc {tuple(dy_nhwc.shape)} and w {tuple(w.shape)}: {g.describe()} needs "
-                         f"{g.output_shape_nhwc} and {(g.Co, g.R, g.S, g.Ci)}")
-    dx = torch.empty(g.N, g.H, g.W, g.Ci, device=dy_nhwc.device, dtype=dy_nhwc.dtype)
-    weights = side_by_side_in_place(w, plan) if in_place else flipped_weights(w, plan.taps, width=plan.phases.width)
-    conv(dy_nhwc, weights, plan, common.OutputWindow(dx, phases=plan.phases))
-    return dx
-
-
-def side_by_side_launch(dy_nhwc, w_side_by_side, plan, out_window):
-    # Lesson 05's kernel, launched plainly, on section 2b's conv, its tiles in phase_order's order.
-    if out_window.phases is None:
-        raise ValueError("out_window must carry the plan's phases (common.OutputWindow(dx, phases=plan.phases))")
-    arch, num_sms = common.tma_mma_arch_and_sms("side_by_side_launch")
-    order = phase_order(plan, lesson05.tile_counts(plan.config, plan.geometry.M, plan.geometry.Co, num_sms)[0])
-    out_window = out_window._replace(phases=out_window.phases._replace(order=order))
-    launch = lesson05.prepare_launch(dy_nhwc, w_side_by_side, None, plan.geometry, plan.config, arch, num_sms,
-                                     out_window=out_window)
-    lesson05.conv2d_fprop_kernel[launch.grid](*launch.kernel_args(), **lesson05.kernel_constexprs(plan.config, arch))
-
-
-def taps_per_tile(plan, order=None):
-    """The taps each tile of section 2b's conv runs (its k-steps, over dY's channel blocks), in the order the
-    kernel numbers the tiles: lesson 05's grouped order over the phases side by side (`order` None), or
-    the phases one after another in `order` (WindowPhases.order), each phase's tiles in that order."""
-    phases, config = plan.phases, lesson05.KernelConfig(*plan.config)
-    num_pid_m, num_pid_n = -(-plan.geometry.M // config.tile_m), plan.geometry.Co // config.tile_n
-    group_m = lesson05.GROUP_M.value
-    per_phase, group = phases.width // config.tile_n, group_m * num_pid_n
-    taps = [phases.along_h[p // len(phases.along_w)][1] * phases.along_w[p % len(phases.along_w)][1]
-            for p in range(phases.count)]
-    if order is None:   # lesson 05's TileSchedule.work: pid_n of tile t
-        return [taps[t % group // min(num_pid_m - t // group * group_m, group_m) // per_phase]
-                for t in range(num_pid_m * num_pid_n)]
-    return [taps[p] for (p,) in order for _ in range(num_pid_m * per_phase)]
-
-
-def busiest_program(costs, programs):
-    """The most any of `programs` persistent programs runs when program p takes tiles p, p + programs, ..."""
-    return max(sum(costs[p::programs]) for p in range(min(programs, len(costs))))
-
-
-def phase_order(plan, programs):
-    """WindowPhases.heaviest_first() where, on `programs` programs, it lightens the busiest program by more
-    than 5% against lesson 05's order; else None (lesson 05's order, which reads dY about once). Arithmetic
-    on the shape alone: kept per shape, config and programs."""
-    return _phase_order(plan.source, plan.config, programs)
-
-
-@functools.lru_cache(maxsize=256)
-def _phase_order(source, config, programs):
-    plan = side_by_side_plan(source, config)
-    heaviest = plan.phases.heaviest_first()
-    if busiest_program(taps_per_tile(plan, heaviest), programs) < 0.95 * busiest_program(taps_per_tile(plan), programs):
-        return heaviest
-    return None
-
-
 def reference_side_by_side(dy_nhwc, w_side_by_side, plan, out_window):
     """The CPU's model of section 2b's conv, in fp32 (fp64 given fp64): each phase's weights spread over the whole
     window (zeros outside its rectangle), one torch conv of dY padded as the plan says (a negative
     padding crops), stored through the window's phases (OutputWindow.write)."""
     g, phases = plan.geometry, plan.phases
     dtype = torch.promote_types(dy_nhwc.dtype, torch.float32)
-    if isinstance(w_side_by_side, common.FlippedFilter):    # section 2c: what its loads read, zeros elsewhere
+    if isinstance(w_side_by_side, FlippedFilter):    # section 2c: what its loads read, zeros elsewhere
         full = gathered_weights(w_side_by_side, phases).to("cpu", dtype)
     else:
         full = torch.zeros(g.Co, g.R, g.S, g.Ci, dtype=dtype)
@@ -870,7 +524,7 @@ def run_side_by_side(N=2, H=9, W=10, Ci=5, Co=6, R=3, S=3, stride=2, padding=1, 
     """Section 2b on a CPU: every phase in one conv (torch's, the window's phases) against torch.nn.grad;
     `in_place`: its weights as section 2c's FlippedFilter, what the kernel's loads would read of w."""
     x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, torch.float32, device_name="cpu")
-    plan = side_by_side_plan(g, lesson05.FIXED_CONFIG._replace(block_n=16))
+    plan = side_by_side_plan(g, forward.FIXED_CONFIG._replace(block_n=16))
     if plan is None:
         raise ValueError(f"{g.describe()}: section 2b does not apply (a phase without taps or rows, windows that "
                          f"do not line up, groups, stride 1 or above 4); run_dgrad_mapping runs its phases one by one")
@@ -917,7 +571,7 @@ def test_side_by_side_refuses_a_plan_of_another_shape_or_split_k():
     with pytest.raises(ValueError, match="plan must be side_by_side_plan of"):
         dgrad_side_by_side(dy, w, g, side_by_side_plan(other), reference_side_by_side)
     with pytest.raises(ValueError, match="split_k=1"):
-        side_by_side_plan(g, lesson05.FIXED_CONFIG._replace(split_k=2))
+        side_by_side_plan(g, forward.FIXED_CONFIG._replace(split_k=2))
     with pytest.raises(ValueError, match="section 2b does not apply"):
         run_side_by_side(R=1, S=1, padding=0, show=False)
 
@@ -925,9 +579,9 @@ def test_side_by_side_refuses_a_plan_of_another_shape_or_split_k():
 def test_phases_run_heaviest_first():
     # ResNet-50's 3x3 stride 2, padding 1: phase (0, 0) has 1 x 1 taps, (0, 1) and (1, 0) 1 x 2 and 2 x 1, (1, 1) 2 x 2
     g = common.conv_geometry((1, 14, 14, 8), (8, 3, 3, 8), 2, 1)
-    plan = side_by_side_plan(g, lesson05.FIXED_CONFIG._replace(block_n=16))
+    plan = side_by_side_plan(g, forward.FIXED_CONFIG._replace(block_n=16))
     assert plan.phases.heaviest_first() == ((3,), (1,), (2,), (0,))
-    window = common.OutputWindow(torch.empty(1, 14, 14, 8), phases=plan.phases)
+    window = OutputWindow(torch.empty(1, 14, 14, 8), phases=plan.phases)
     assert window.kernel_args()[8][4] is None
     ordered = window._replace(phases=plan.phases._replace(order=plan.phases.heaviest_first()))
     assert ordered.kernel_args()[8][4] == ((3,), (1,), (2,), (0,))
@@ -943,7 +597,7 @@ def test_phases_run_heaviest_first():
 ])
 def test_phase_order_where_it_lightens_the_busiest_program(N, H, Ci, busiest, ordered):
     g = common.conv_geometry((N, H, H, Ci), (Ci, 3, 3, Ci), 2, 1)
-    plan = side_by_side_plan(g, lesson05.KernelConfig(128, 128, 64, 6, 8))
+    plan = side_by_side_plan(g, forward.KernelConfig(128, 128, 64, 6, 8))
     grouped, heaviest = taps_per_tile(plan), taps_per_tile(plan, plan.phases.heaviest_first())
     assert sorted(grouped) == sorted(heaviest)      # the same tiles, another order
     assert (busiest_program(grouped, 132), busiest_program(heaviest, 132)) == busiest
@@ -960,20 +614,21 @@ def test_phase_tiles_hand_out_every_tile_once(N, H, W, Ci, Co, R, stride, paddin
     # every (pid_m, pid_n) of section 2b's conv exactly once, each tile's taps what taps_per_tile (phase_order's
     # count) says; without an order, lesson 05's (pid_m, pid_n), as handed in
     import types
-    monkeypatch.setattr(common, "pick", lambda table, index, field: table[index if index < len(table) else 0][field])
-    monkeypatch.setattr(common, "gl", types.SimpleNamespace(minimum=min))
+    import conv_tutorial.kernels.windows as kernel_windows
+    monkeypatch.setattr(kernel_windows, "pick", lambda table, index, field: table[index if index < len(table) else 0][field])
+    monkeypatch.setattr(kernel_windows, "gl", types.SimpleNamespace(minimum=min))
     g = common.conv_geometry((N, H, W, Ci), (Co, R, R, Ci), stride, padding)
-    plan = side_by_side_plan(g, lesson05.FIXED_CONFIG._replace(block_m=tile_m, block_n=tile_n))
+    plan = side_by_side_plan(g, forward.FIXED_CONFIG._replace(block_m=tile_m, block_n=tile_n))
     order = plan.phases.heaviest_first()
     phases = types.SimpleNamespace(width=plan.phases.width, order=order)
     num_pid_m, num_pid_n = -(-plan.geometry.M // tile_m), plan.geometry.Co // tile_n
-    handed = [common.PhaseTiles.tile.fn(phases, t, num_pid_m, tile_n, 8, -1, -1) for t in range(num_pid_m * num_pid_n)]
+    handed = [PhaseTiles.tile.fn(phases, t, num_pid_m, tile_n, 8, -1, -1) for t in range(num_pid_m * num_pid_n)]
     assert sorted(handed) == [(m, n) for m in range(num_pid_m) for n in range(num_pid_n)]
     taps = [plan.phases.along_h[n * tile_n // plan.phases.width // len(plan.phases.along_w)][1]
             * plan.phases.along_w[n * tile_n // plan.phases.width % len(plan.phases.along_w)][1] for _, n in handed]
     assert taps == taps_per_tile(plan, order) and taps == sorted(taps, reverse=True)
     unordered = types.SimpleNamespace(width=plan.phases.width, order=None)
-    assert common.PhaseTiles.tile.fn(unordered, 5, num_pid_m, tile_n, 8, 3, 7) == (3, 7)
+    assert PhaseTiles.tile.fn(unordered, 5, num_pid_m, tile_n, 8, 3, 7) == (3, 7)
 
 
 def test_side_by_side_weights_match_torch():
@@ -1028,7 +683,7 @@ if __name__ == "__main__":
 # PTX ISA: for fp16 and bf16, yes on both (WGMMA's imm-trans-b, tcgen05's "Transpose B Matrix"
 # bit); for fp8 on Hopper, no, which is one reason this lesson runs in fp16 and bf16.
 #
-# The flip is now arithmetic. `common.FlippedFilter` names w and, per residue of the phases (one
+# The flip is now arithmetic. `FlippedFilter` names w and, per residue of the phases (one
 # residue without phases), the rectangle of the conv's taps and the taps of w it reads, reversed;
 # its `kernel_args` turn that into two numbers per residue and axis, a base and a step (along_h[a]
 # = (base_h, step_h), along_w[b] = (base_w, step_w)), so that conv tap (r, s) of residue (a, b)
@@ -1036,7 +691,7 @@ if __name__ == "__main__":
 #
 #     base_h - r * step_h + base_w - s * step_w + n
 #
-# (`common.FlippedTaps`, which lesson 05's `Im2colWindow.k_step` asks where the box starts). The
+# (`FlippedTaps`, which lesson 05's `Im2colWindow.k_step` asks where the box starts). The
 # per-phase convs of section 2 get one FlippedFilter each, section 2b's conv one with a residue
 # per phase row and column. It applies where w is on the GPU, fp16 or bf16, contiguous, 16-byte
 # aligned, its rows whole 16-byte vectors and groups is 1 (`reads_in_place`); elsewhere the copy
@@ -1049,36 +704,6 @@ if __name__ == "__main__":
 # ResNet-50's 23 layers to 1.04x cuDNN's speed, kernels alone, geometric mean, from 0.99x in a
 # run before it on another H100: every layer gained, from under 1% (the 56x56 stride-2 layer) to
 # 11%, the folded stem 15%, and none is below 0.80x.
-
-
-def reads_in_place(w, groups=1):
-    """Whether lesson 05's kernel reads w [Co, R, S, Ci] in place as a dgrad's weights (section 2c): on a
-    GPU, fp16 or bf16, groups 1, w contiguous and 16-byte aligned, its rows of R*S*Ci elements whole
-    16-byte vectors (`common.FlippedFilter.readable`)."""
-    return w.is_cuda and groups == 1 and common.FlippedFilter.readable(w)
-
-
-def taps_read(taps, size):
-    # (first, step, count) of a slice of range(size): the taps of w a phase reads
-    picked = range(size)[taps]
-    return picked.start, picked.step, len(picked)
-
-
-def filters_in_place(w, phase_taps):
-    """[FlippedFilter of each phase]: flipped_weights(w, phase_taps)'s w', read from w where it lies."""
-    _, R, S, _ = w.shape
-    return [common.FlippedFilter(w, ((0, *taps_read(taps_h, R)),), ((0, *taps_read(taps_w, S)),))
-            for taps_h, taps_w in phase_taps]
-
-
-def side_by_side_in_place(w, plan):
-    """Section 2b's weights as one FlippedFilter: residue a along h runs the conv's taps from
-    plan.phases.along_h[a][0] on, reading the taps of w its phases have (plan.taps), reversed; so along w."""
-    _, R, S, _ = w.shape
-    sw = len(plan.phases.along_w)
-    return common.FlippedFilter(
-        w, tuple((r0, *taps_read(plan.taps[a * sw][0], R)) for a, (r0, _) in enumerate(plan.phases.along_h)),
-        tuple((s0, *taps_read(plan.taps[b][1], S)) for b, (s0, _) in enumerate(plan.phases.along_w)))
 
 
 def gathered_weights(flipped, phases=None):
@@ -1117,7 +742,7 @@ def test_filters_in_place_read_what_flipped_weights_copies(Co, R, S, Ci, phase_t
 @pytest.mark.parametrize("R, stride, padding", [(3, 2, 1), (3, 2, 0), (4, 3, 1), (3, (2, 1), 1)])
 def test_side_by_side_in_place_reads_what_the_copy_holds(R, stride, padding):
     x, w, dy, g = backward_inputs(1, 13, 12, 24, 16, R, R, stride, padding, 1, torch.bfloat16, device_name="cpu")
-    plan = side_by_side_plan(g, lesson05.FIXED_CONFIG._replace(block_n=32))
+    plan = side_by_side_plan(g, forward.FIXED_CONFIG._replace(block_n=32))
     copy = side_by_side([flipped_weights_by_torch(w, h, v) for h, v in plan.taps], plan.phases.width)
     gathered = gathered_weights(side_by_side_in_place(w, plan).check(), plan.phases)       # [P * width, R', S', Co]
     for p in range(plan.phases.count):
@@ -1138,7 +763,8 @@ def test_phases_read_in_place_match_torch(N, H, W, Ci, Co, R, S, stride, padding
     # dgrad_by_phases' in_place branch on a CPU (it runs on a GPU only: the gate let through here), each phase's
     # FlippedFilter given to the CPU's conv as what its loads read
     x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, torch.bfloat16, device_name="cpu")
-    monkeypatch.setitem(globals(), "reads_in_place", lambda w, groups=1: groups == 1)
+    import conv_tutorial.kernels.dgrad as dgrad_plans
+    monkeypatch.setattr(dgrad_plans, "reads_in_place", lambda w, groups=1: groups == 1)
     handed = []
 
     def fprop(dy_nhwc, w_phase, **conv):
@@ -1146,25 +772,25 @@ def test_phases_read_in_place_match_torch(N, H, W, Ci, Co, R, S, stride, padding
         return reference_fprop(dy_nhwc.float(), gathered_weights(w_phase).float(), **conv)
     dx = dgrad_by_phases(dy, w, g, fprop, in_place=True)
     expected, _ = reference_gradients(x.float(), w.float(), dy.float(), g)
-    assert handed and set(handed) == {common.FlippedFilter}
+    assert handed and set(handed) == {FlippedFilter}
     torch.testing.assert_close(dx.float(), expected, rtol=2e-2, atol=2e-2)
 
 
 def test_flipped_filter_refusals():
     w = torch.randn(16, 3, 3, 8).to(torch.bfloat16)
     with pytest.raises(ValueError, match="must read taps inside"):
-        common.FlippedFilter(w, ((0, 1, 2, 2),), ((0, 0, 1, 3),)).check()
+        FlippedFilter(w, ((0, 1, 2, 2),), ((0, 0, 1, 3),)).check()
     with pytest.raises(ValueError, match="whole 16-byte vectors"):
-        common.FlippedFilter(torch.randn(16, 1, 1, 3, dtype=torch.bfloat16), ((0, 0, 1, 1),), ((0, 0, 1, 1),)).check()
+        FlippedFilter(torch.randn(16, 1, 1, 3, dtype=torch.bfloat16), ((0, 0, 1, 1),), ((0, 0, 1, 1),)).check()
     g = common.conv_geometry((1, 8, 8, 16), (8, 3, 3, 16), 1, 1)          # dY's conv: 16 -> 8 channels, 3x3
-    flipped = common.FlippedFilter(w, ((0, 0, 1, 3),), ((0, 0, 1, 3),))
-    assert common.flipped_filter_taps(flipped, g, torch.bfloat16) == flipped.kernel_args()
+    flipped = FlippedFilter(w, ((0, 0, 1, 3),), ((0, 0, 1, 3),))
+    assert flipped_filter_taps(flipped, g, torch.bfloat16) == flipped.kernel_args()
     with pytest.raises(ValueError, match="needs"):
-        common.flipped_filter_taps(flipped, g, torch.float16)
+        flipped_filter_taps(flipped, g, torch.float16)
     with pytest.raises(ValueError, match="needs"):
-        common.flipped_filter_taps(common.FlippedFilter(w, ((0, 0, 1, 2),), ((0, 0, 1, 3),)), g, torch.bfloat16)
+        flipped_filter_taps(FlippedFilter(w, ((0, 0, 1, 2),), ((0, 0, 1, 3),)), g, torch.bfloat16)
     with pytest.raises(ValueError, match="the rectangles"):      # its shape right, a rectangle not the conv's
-        common.flipped_filter_taps(common.FlippedFilter(w, ((0, 0, 1, 3),), ((1, 0, 1, 2),)), g, torch.bfloat16)
+        flipped_filter_taps(FlippedFilter(w, ((0, 0, 1, 3),), ((1, 0, 1, 2),)), g, torch.bfloat16)
 
 
 def run_weights_in_place(Co=16, R=3, S=3, Ci=8, show=True):
@@ -1206,65 +832,6 @@ if __name__ == "__main__":
 # step.
 
 
-def check_backward_call(tensors, x_shape, w_shape, stride, padding, dilation, groups):
-    """Validate a dgrad or wgrad call: `tensors` maps argument names ("dy_nhwc", "w", "x_nhwc") to
-    the tensors given. Errors name the argument, its value and what is allowed; the device is
-    checked last, so every other mistake is reported on a machine without a GPU too."""
-    if not isinstance(groups, int) or isinstance(groups, bool):
-        raise TypeError(f"groups must be an int, got {groups!r}")
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in BACKWARD_DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; allowed: float16, bfloat16")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous ({'[Co, R, S, Ci]' if name == 'w' else 'NHWC'}), "
-                             f"got strides {t.stride()} for shape {tuple(t.shape)}")
-    first, *others = tensors.items()
-    for name, t in others:
-        if t.dtype != first[1].dtype or t.device != first[1].device:
-            raise TypeError(f"{first[0]} is {first[1].dtype} on {first[1].device} but {name} is {t.dtype} on "
-                            f"{t.device}; both must have one dtype and device")
-    for name, shape in (("x_shape", x_shape), ("w_shape", w_shape)):
-        if not isinstance(shape, (tuple, list, torch.Size)) or len(shape) != 4 or not all(
-                isinstance(v, int) and not isinstance(v, bool) for v in shape):
-            raise TypeError(f"{name} must be 4 ints ({'[N, H, W, Ci]' if name == 'x_shape' else '[Co, R, S, Ci]'}), "
-                            f"got {shape!r}")
-    geometry = common.conv_geometry(tuple(x_shape), tuple(w_shape), stride, padding, dilation, groups)
-    reason = backward_groups_reason(geometry, "dgrad" if "w" in tensors else "wgrad")
-    if reason is not None:
-        raise ValueError(f"groups={groups}: {reason}")
-    dy = tensors["dy_nhwc"]
-    if tuple(dy.shape) != geometry.output_shape_nhwc:
-        raise ValueError(f"dy_nhwc has shape {tuple(dy.shape)}, but the output of {geometry.describe()} "
-                         f"has shape {geometry.output_shape_nhwc} [N, out_h, out_w, Co]")
-    if dy.device.type != "cuda":
-        raise ValueError(f"dy_nhwc is on {dy.device}; this kernel runs on a CUDA GPU, move the tensors with .cuda()")
-    return geometry
-
-
-def dgrad_config(geometry):
-    # lesson 05's fixed config, 64 columns wide where dX has 64 channels (per group) or fewer
-    return lesson05.FIXED_CONFIG._replace(block_n=64) if geometry.Ci_group <= 64 else lesson05.FIXED_CONFIG
-
-
-def backward_groups_reason(geometry, kind):
-    """Why lesson 06's `kind` ("dgrad" or "wgrad") does not run this grouped conv, or None. Both keep a
-    tile inside one group: dgrad as lesson 05's grouped conv of dY (section 10 there: Co / groups
-    channels in, Ci / groups out), wgrad with a tile's rows in one group's output channels."""
-    g = geometry
-    if g.groups == 1:
-        return None
-    if kind == "wgrad" and (g.Co_group % 64 or g.Ci_group % 8):
-        return (f"wgrad takes a grouped conv whose groups hold a multiple of 64 output channels (a tile's rows "
-                f"in one group) and of 8 input channels (section 6); got {g.Co_group} and {g.Ci_group} per group")
-    if kind == "dgrad" and not lesson05.groups_fit(dgrad_config(g), g.Co_group, g.Ci_group):
-        return (f"dgrad runs as lesson 05's grouped conv of dY, {g.Co_group} -> {g.Ci_group} channels per group, "
-                f"whose tiles must stay in one group (lesson 05, section 10: K blocks dividing {g.Co_group}, "
-                f"tiles of {dgrad_config(g).tile_n} columns dividing {g.Ci_group})")
-    return None
-
-
 def conv2d_dgrad_launch(dy_nhwc, w, x_shape, stride=1, padding=0, dilation=1, groups=1):
     """dX [N, H, W, Ci] of a conv of x (shape `x_shape`, NHWC) with w [Co, R, S, Ci], from dY
     [N, out_h, out_w, Co] (fp16 or bf16, contiguous, on a Hopper or Blackwell GPU): lesson 05's
@@ -1277,19 +844,9 @@ def conv2d_dgrad_launch(dy_nhwc, w, x_shape, stride=1, padding=0, dilation=1, gr
     config = dgrad_config(g if fold is None else fold.geometry)
 
     def fprop(dy, w_phase, padding, dilation, groups, out_window=None):
-        return lesson05.conv2d_fprop_launch(dy, w_phase, padding=padding, dilation=dilation, config=config,
+        return forward.conv2d_fprop_launch(dy, w_phase, padding=padding, dilation=dilation, config=config,
                                             groups=groups, out_window=out_window)
     return dgrad(dy_nhwc, w, g, fprop, fold, conv=side_by_side_launch, in_place=True)
-
-
-def dgrad(dy_nhwc, w, geometry, fprop, fold=None, phases=None, conv=None, in_place=False):
-    """dX by `dgrad_by_phases`: of the conv `geometry`, or, given its `stride_fold`, of the folded
-    conv, unfolded (end of section 6). `phases`: dgrad_phases of the conv the phases run; `conv`:
-    section 2b's, where all phases may run as one conv; `in_place`: section 2c's weights read in place."""
-    if fold is None:
-        return dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases, conv, in_place)
-    dx_folded = dgrad_by_phases(dy_nhwc, fold_weight(w, fold), fold.geometry, fprop, phases, conv, in_place)
-    return unfold_input_grad(dx_folded, geometry, fold)
 
 
 # %%
@@ -1586,7 +1143,7 @@ def conv2d_wgrad_kernel(dy_desc, x_desc, dw_ptr, partial_ptr, shape, NUM_BUFFERS
                              split_tiles, dil_h, dil_w, BLOCK_M, BLOCK_N)
     # lesson 05's window: its pixel_box_origin, and (grouped convs) its group_channel
     window = lesson05.Im2colWindow(out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Ci_group, Co_group, S,
-                                   ci_blocks, None, None, None)
+                                   ci_blocks)
     if IS_BLACKWELL:
         NUM_ACC: gl.constexpr = 2
         acc_tmem = allocate_tensor_memory(gl.float32, [NUM_ACC, BLOCK_M, BLOCK_N],
@@ -1654,36 +1211,6 @@ def conv2d_wgrad_kernel(dy_desc, x_desc, dw_ptr, partial_ptr, shape, NUM_BUFFERS
 # count (which sets the split): the k-steps of a slice in order, the slices in order. On one GPU,
 # dW is the same on every run.
 
-def workspace_k_steps(block_k):
-    # What writing and reading back one slice's fp32 partial tile costs, in the time of one SM's k-step:
-    # 8 bytes per element through HBM (an H100's 3.35 TB/s, for the whole GPU) against a k-step's
-    # 2 * block_k FLOPs per element at one SM's share of ~600 TFLOPS (lesson 05's kernel on an H100):
-    # 8 * 600/132 / (3.35 * 2 * block_k) = 5.4 / block_k, rounded up to err toward fewer slices
-    return 6 / block_k
-
-
-def choose_split(tiles, k_blocks, num_sms, block_k=64):
-    """Slices per split tile, the tiles of the full waves running whole: the least estimated time, in
-    k-steps of one SM, over 1 to 64 slices; within 2% of the least, the fewest partial tiles.
-    Arithmetic on the shape."""
-    waves, rest = divmod(tiles, num_sms)
-    options = []
-    for split_k in range(1, min(64, k_blocks) + 1) if rest else (1,):
-        partial_tiles = rest * split_k if split_k > 1 else 0
-        steps = (waves * k_blocks + -(-rest * split_k // num_sms) * -(-k_blocks // split_k)
-                 + partial_tiles * workspace_k_steps(block_k))
-        options.append((partial_tiles, steps, split_k))
-    least = min(option[1] for option in options)
-    return min(option for option in options if option[1] <= 1.02 * least)[2]
-
-
-def wgrad_split(tiles, split_k, num_sms):
-    """(programs, whole tiles, split tiles) of a launch: the persistent grid, and lesson 05's rule for
-    which tiles run whole (those of the full waves; all of them without a split)."""
-    programs = min(num_sms, tiles * split_k)
-    whole_tiles = lesson05.whole_tile_count.fn(tiles, programs, split_k)
-    return programs, whole_tiles, tiles - whole_tiles
-
 
 @triton.jit
 def wgrad_split_k_sum_kernel(partial_ptr, dw_ptr, Co, Ci_group, taps, num_pid_m, ci_blocks, whole_tiles, split_tiles,
@@ -1701,17 +1228,6 @@ def wgrad_split_k_sum_kernel(partial_ptr, dw_ptr, Co, Ci_group, taps, num_pid_m,
         acc += tl.load(partial_ptr + offsets, mask=inside, other=0.0)
     offsets = rows.to(tl.int64) * (taps * Ci_group) + tap * Ci_group + cols
     tl.store(dw_ptr + offsets, acc.to(dw_ptr.dtype.element_ty), mask=inside)
-
-
-def sum_partials_launch(launch, dw):
-    """(grid, args, constexprs) of the second kernel: the workspace's slices added into dw's split tiles."""
-    s, (block_m, block_n) = launch.shape, launch.config[:2]
-    # 256 values per program, so that a few split tiles still spread over many SMs (not timed against other sizes)
-    block = min(256, block_m * block_n)
-    grid = (launch.partial.shape[1], block_m * block_n // block)
-    args = (launch.partial, dw, s.Co, s.Ci_group, s.taps, s.num_pid_m, s.ci_blocks, s.whole_tiles, s.split_tiles,
-            s.split_k)
-    return grid, args, dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=block)
 
 
 def sum_partials(launch, dw):
@@ -1806,147 +1322,6 @@ def test_split_k_sum_adds_the_slices_in_order():
 # grouped conv of dY, Co/groups channels in and Ci/groups out, which lesson 05's kernel runs where
 # its tiles keep to one group. `backward_groups_reason` says which grouped convs each launcher
 # takes; RegNetY-3.2GF's groups of 24 channels fit neither.
-
-
-class WgradConfig(NamedTuple):
-    block_m: int            # output channels per tile (the GEMM's M)
-    block_n: int            # input channels per tile, within one tap (its N)
-    block_k: int = 64       # pixels per k-step (its K)
-    num_buffers: int = 4    # stages in the ring
-    num_warps: int = 4      # warps of the MMA/epilogue partition
-    split_k: int = 0        # slices of the pixels of a split tile; 0: choose_split's choice
-    programs: int = 0       # persistent programs; 0: one per SM (tests set fewer to have whole and split tiles)
-
-
-def channel_box(Ci, element_size=2):
-    # the channels a tile spends per tap: Ci padded to 16 bytes, rounded up to a power of two, 16 at least
-    return max(16, triton.next_power_of_2(-(-Ci * element_size // 16) * 16 // element_size))
-
-
-def wgrad_config(Co, Ci_padded, groups=1):
-    # grouped (Co / groups a multiple of 64: check_backward_call), a tile's rows stay in one group
-    Co_group = Co // groups
-    block_m = 64 if Co_group <= 64 or (groups > 1 and Co_group % 128) else 128
-    block_n = min(128, channel_box(Ci_padded // groups))
-    return WgradConfig(block_m, block_n, 128 if block_m * block_n <= 128 * 64 else 64)
-
-
-def default_wgrad_config(geometry, Ci_padded, num_sms):
-    """wgrad_config's tile, or 64-row tiles (128-pixel k-steps) where 128-row ones leave a wave mostly
-    idle: where 128-row tiles fill at most half the SMs and 64-row ones three quarters or more,
-    whole; or, for a conv whose x is read tiled and whose tiles are 128 channels wide, where the
-    128-row tiles are fewer than the SMs and the 64-row tiles' slices fit one wave."""
-    config = wgrad_config(geometry.Co, Ci_padded, geometry.groups)
-    if config.block_m == 64:
-        return config
-    narrow = config._replace(block_m=64, block_k=128)            # (64 x 128 elements or fewer: 128 pixels)
-    tiles = wgrad_tiles(geometry, config)[2]
-    _, _, narrow_tiles, narrow_k_blocks = wgrad_tiles(geometry, narrow)
-    if 2 * tiles <= num_sms and 3 * num_sms <= 4 * narrow_tiles <= 4 * num_sms:
-        return narrow
-    if config.block_n == 128 and x_reads_tiled(geometry) and tiles < num_sms:
-        narrow_units = narrow_tiles * choose_split(narrow_tiles, narrow_k_blocks, num_sms, narrow.block_k)
-        if narrow_units <= num_sms:
-            return narrow
-    return config
-
-
-def check_wgrad_config(config, arch):
-    def refuse(why):
-        raise ValueError(f"wgrad config {config}: {why}")
-    if config.block_m not in (64, 128):
-        refuse("block_m must be 64 or 128 (whole WGMMA row blocks; a TMEM accumulator's 64 or 128 lanes)")
-    if config.block_n not in (16, 32, 64, 128, 256) or config.block_k not in (32, 64, 128):
-        refuse("block_n must be a power of two in [16, 256] (an im2col box's channels) and block_k 32, 64 or 128")
-    if arch == "sm_90" and config.block_m * config.block_n > 128 * 32 * config.num_warps:
-        refuse(f"a {config.block_m} x {config.block_n} fp32 accumulator takes over 128 registers per thread "
-               f"of {config.num_warps} warps; use more warps or a smaller tile")
-    ring_bytes = config.num_buffers * config.block_k * (config.block_m + config.block_n) * 2
-    if ring_bytes > lesson05.SHARED_MEMORY_PER_PROGRAM - 1024:      # (a little room for the barriers)
-        refuse(f"the ring needs {ring_bytes} bytes of shared memory, more than a program has; use fewer stages")
-
-
-class WgradLaunch(NamedTuple):
-    grid: tuple
-    dy_desc: object          # tiled descriptor of dY as [pixels, Co]
-    x_desc: object           # im2col descriptor of x; tiled, of x as [pixels, Ci], where x_reads_tiled
-    partial: torch.Tensor    # the fp32 workspace [split_k, split tiles, BLOCK_M, BLOCK_N]; None if no tile is split
-    shape: WgradShape
-    config: WgradConfig
-    settings: object         # the im2col settings (common.ConvIm2ColSettings) of the conv (x_desc's, if im2col)
-
-    def kernel_args(self, dw):
-        # dw: dW [Co, R*S*Ci] in x's dtype; where no tile is split, the workspace's pointer is dw's (never written)
-        return self.dy_desc, self.x_desc, dw, dw if self.partial is None else self.partial, self.shape
-
-
-def padded_to_16_bytes(t):
-    # t with its last dimension zero-padded to a multiple of 16 bytes, lesson 04's rule for TMA rows
-    extra = -t.shape[-1] % (16 // t.element_size())
-    return torch.nn.functional.pad(t, (0, extra)).contiguous() if extra else common.canonical_strides(t)
-
-
-def wgrad_tiles(geometry, config):
-    # (tiles along Co, channel blocks per tap, tiles in all, k-steps along the pixels)
-    g = geometry
-    num_pid_m, ci_blocks = triton.cdiv(g.Co, config.block_m), triton.cdiv(g.Ci_group, config.block_n)
-    return num_pid_m, ci_blocks, num_pid_m * g.R * g.S * ci_blocks, triton.cdiv(g.M, config.block_k)
-
-
-def x_reads_tiled(geometry):
-    """A 1x1 conv at stride 1 without padding: output pixel p reads input pixel p, so x is a plain
-    [pixels, Ci] matrix, loaded by tiled TMA (section 3)."""
-    g = geometry
-    return (g.R, g.S, tuple(g.stride), tuple(g.padding)) == (1, 1, (1, 1), (0, 0))
-
-
-def wgrad_operands(x_nhwc, dy_nhwc, geometry):
-    # (x, dY as [pixels, Co]), each padded to 16-byte rows where it needs it: what the descriptors point
-    # at; x as [pixels, Ci] where x_reads_tiled
-    x_padded = padded_to_16_bytes(x_nhwc)
-    if x_reads_tiled(geometry):
-        x_padded = x_padded.view(geometry.M, x_padded.shape[-1])
-    return x_padded, padded_to_16_bytes(dy_nhwc.reshape(geometry.M, geometry.Co))
-
-
-def wgrad_kernel_options(config, arch):
-    # the kernel's constexprs and its warps, for a launch or an ahead-of-time compile
-    return dict(NUM_BUFFERS=config.num_buffers, IS_BLACKWELL=arch == "sm_100", num_warps=config.num_warps)
-
-
-def prepare_wgrad(x_nhwc, dy_nhwc, geometry, config, arch, num_sms):
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
-    g = geometry
-    x_operand, dy_2d = wgrad_operands(x_nhwc, dy_nhwc, g)
-    Ci_padded = x_operand.shape[-1]
-    config = config or default_wgrad_config(g, Ci_padded, num_sms)
-    gl_dtype = common.GL_DTYPES[x_nhwc.dtype]
-    settings = common.conv_im2col_settings(common.conv_geometry(
-        (g.N, g.H, g.W, Ci_padded), (g.Co, g.R, g.S, Ci_padded), g.stride, g.padding, g.dilation))
-    x_box, dy_box = [config.block_k, config.block_n], [config.block_k, config.block_m]
-    x_layout = gl.NVMMASharedLayout.get_default_for(x_box, gl_dtype)
-    if x_operand.dim() == 2:        # x_reads_tiled: the same box and shared layout, tiled
-        x_desc = TensorDescriptor.from_tensor(x_operand, x_box, x_layout)
-    else:
-        x_desc = TensorDescriptorIm2Col.from_tensor(
-            x_operand, x_box, x_layout, padding="zero", element_strides=list(settings.element_strides),
-            pixel_box_lower_corner=list(settings.pixel_box_lower_corner),
-            pixel_box_upper_corner=list(settings.pixel_box_upper_corner))
-    dy_desc = TensorDescriptor.from_tensor(dy_2d, dy_box, gl.NVMMASharedLayout.get_default_for(dy_box, gl_dtype))
-    num_pid_m, ci_blocks, tiles, k_blocks = wgrad_tiles(g, config)
-    if config.programs < 0 or config.split_k < 0:
-        raise ValueError(f"wgrad config {config}: programs and split_k must be >= 0 (0: the launcher's choice)")
-    num_sms = config.programs or num_sms
-    split_k = config.split_k or choose_split(tiles, k_blocks, num_sms, config.block_k)
-    if not 1 <= split_k <= k_blocks:
-        raise ValueError(f"split_k={split_k}: must lie in [1, {k_blocks}], the k-steps of {g.describe()}")
-    programs, whole_tiles, split_tiles = wgrad_split(tiles, split_k, num_sms)
-    partial = (torch.empty(split_k, split_tiles, config.block_m, config.block_n, device=x_nhwc.device,
-                           dtype=torch.float32) if split_tiles else None)
-    shape = WgradShape(g.Co, g.Ci_group, g.Co_group, g.R * g.S, g.S, num_pid_m, g.R * g.S * ci_blocks, ci_blocks,
-                       k_blocks, split_k, whole_tiles, max(split_tiles, 1),     # (1 if none: a divisor in the kernel)
-                       g.out_h, g.out_w, *g.stride, *g.padding, *g.dilation)
-    return WgradLaunch((programs,), dy_desc, x_desc, partial, shape, config._replace(split_k=split_k), settings)
 
 
 def conv2d_wgrad_launch(x_nhwc, dy_nhwc, w_shape, stride=1, padding=0, dilation=1, groups=1, config=None):
@@ -2231,74 +1606,6 @@ if __name__ == "__main__":
 # neighbours.
 
 
-class StrideFold(NamedTuple):
-    geometry: object      # the folded conv: stride 1, padding 0, sh*sw*Ci channels (its Ci: Ci_padded)
-    stride: tuple         # (sh, sw), the stride folded
-    pads: tuple           # (top, bottom, left, right) rows and columns added to x before folding (< 0: cut)
-    Ci_padded: int        # sh*sw*Ci rounded up to 16 bytes (zero channels: x's TMA row)
-
-
-def folded_cost(R, S, Ci, element_size=2):
-    return R * S * channel_box(Ci, element_size)
-
-
-def stride_fold(geometry, element_size=2):
-    """The folded conv (a StrideFold) where folding the stride into the channels at least halves
-    folded_cost, else None. Arithmetic on the shape alone."""
-    g = geometry
-    (sh, sw), (ph, pw) = g.stride, g.padding
-    if g.groups != 1 or g.dilation != (1, 1) or g.stride == (1, 1):
-        return None
-    R2, S2 = -(-g.R // sh), -(-g.S // sw)
-    if 2 * folded_cost(R2, S2, sh * sw * g.Ci, element_size) > folded_cost(g.R, g.S, g.Ci, element_size):
-        return None
-    H2, W2 = g.out_h + R2 - 1, g.out_w + S2 - 1            # the folded input's rows and columns
-    lanes = 16 // element_size
-    Ci_padded = -(-sh * sw * g.Ci // lanes) * lanes
-    folded = common.conv_geometry((g.N, H2, W2, Ci_padded), (g.Co, R2, S2, Ci_padded), 1, 0, 1)
-    return StrideFold(folded, g.stride, (ph, sh * H2 - g.H - ph, pw, sw * W2 - g.W - pw), Ci_padded)
-
-
-def fold_input(x_nhwc, fold):
-    """x [N, H, W, Ci] -> x' [N, H', W', sh*sw*Ci padded]: padded, rows and columns grouped by the stride."""
-    top, bottom, left, right = fold.pads
-    g = fold.geometry
-    x_padded = torch.nn.functional.pad(x_nhwc, (0, 0, left, right, top, bottom))   # (negative pads cut)
-    N, _, _, Ci = x_padded.shape
-    sh, sw = fold.stride
-    folded = x_nhwc.new_zeros(N, g.H, g.W, fold.Ci_padded)
-    folded[..., :sh * sw * Ci].view(N, g.H, g.W, sh, sw, Ci).copy_(
-        x_padded.view(N, g.H, sh, g.W, sw, Ci).permute(0, 1, 3, 2, 4, 5))
-    return folded
-
-
-def fold_weight(w, fold):
-    """w [Co, R, S, Ci] -> w' [Co, R', S', sh*sw*Ci padded]: tap (r, s) = (sh*a + b, sw*a' + b')
-    goes to tap (a, a'), channels (b, b', ci); taps past R and S are zeros."""
-    Co, R, S, Ci = w.shape
-    (sh, sw), g = fold.stride, fold.geometry
-    w_padded = torch.nn.functional.pad(w, (0, 0, 0, sw * g.S - S, 0, sh * g.R - R))
-    folded = w_padded.view(Co, g.R, sh, g.S, sw, Ci).permute(0, 1, 3, 2, 4, 5).reshape(Co, g.R, g.S, sh * sw * Ci)
-    return torch.nn.functional.pad(folded, (0, fold.Ci_padded - sh * sw * Ci)).contiguous()
-
-
-def unfold_weight_grad(dw_folded, geometry, fold):
-    """dW' of the folded conv -> dW [Co, R, S, Ci] of the conv `geometry`."""
-    g, (sh, sw), f = geometry, geometry.stride, fold.geometry
-    dw = dw_folded[..., :sh * sw * g.Ci].reshape(g.Co, f.R, f.S, sh, sw, g.Ci).permute(0, 1, 3, 2, 4, 5)
-    return dw.reshape(g.Co, f.R * sh, f.S * sw, g.Ci)[:, :g.R, :g.S].contiguous()
-
-
-def unfold_input_grad(dx_folded, geometry, fold):
-    """dX' of the folded conv -> dX [N, H, W, Ci] of the conv `geometry` (the padding's rows dropped;
-    rows the cut removed, which no output reads, get 0)."""
-    g, (sh, sw), f = geometry, geometry.stride, fold.geometry
-    top, bottom, left, right = fold.pads
-    dx = dx_folded[..., :sh * sw * g.Ci].reshape(g.N, f.H, f.W, sh, sw, g.Ci).permute(0, 1, 3, 2, 4, 5)
-    dx = dx.reshape(g.N, f.H * sh, f.W * sw, g.Ci)
-    return torch.nn.functional.pad(dx, (0, 0, -left, -right, -top, -bottom)).contiguous()
-
-
 def run_stride_fold(show=True):
     """The stem's gradients through the fold, on a CPU against torch.nn.grad (fp32)."""
     x, w, dy, g = backward_inputs(2, 20, 18, 3, 8, 7, 7, 2, 3, 1, torch.float32, device_name="cpu")
@@ -2370,46 +1677,6 @@ def test_stride_fold_where_it_pays(Ci, R, stride, dilation, folds):
 # the step after a fold only (the case measured) and only where it adds no MMA columns. dgrad does
 # not take it: its dX'' would have to be added back into dX' (the windows overlap), where the
 # fold's dX' is only moved.
-
-
-class WgradProblem(NamedTuple):
-    # the conv wgrad's kernel runs for a conv: the conv itself, or folded, its column taps maybe in the channels
-    geometry: object       # the conv the kernel runs
-    fold: StrideFold       # the stride folded into the channels, or None
-    taps_in_channels: int  # the S column taps moved into the channels (0: none)
-
-
-def wgrad_problem(geometry, element_size=2):
-    """What conv wgrad's kernel runs for the conv `geometry`: folded where stride_fold says so; then,
-    after a fold, its column taps in the channels where that adds no MMA columns (S boxes of the
-    folded channels hold at least one box of S times as many) and a row of taps fits a box of 128.
-    Arithmetic on the shape alone."""
-    fold = stride_fold(geometry, element_size)
-    g = geometry if fold is None else fold.geometry
-    box = functools.partial(channel_box, element_size=element_size)
-    if fold is None or g.S == 1 or box(g.S * g.Ci) > min(128, g.S * box(g.Ci)):
-        return WgradProblem(g, fold, 0)
-    widened = common.conv_geometry((g.N, g.H, g.W - g.S + 1, g.S * g.Ci), (g.Co, g.R, 1, g.S * g.Ci), 1, 0, 1)
-    return WgradProblem(widened, fold, g.S)
-
-
-def wgrad_input(x_nhwc, problem):
-    """x as the problem's conv reads it: x itself, folded, and/or with its column taps in the channels."""
-    if problem.fold is not None:
-        x_nhwc = fold_input(x_nhwc, problem.fold)
-    if problem.taps_in_channels:
-        N, H, W, C = x_nhwc.shape
-        S = problem.taps_in_channels          # unfold: [N, H, W - S + 1, C, S], window s last
-        x_nhwc = x_nhwc.unfold(2, S, 1).permute(0, 1, 2, 4, 3).contiguous().view(N, H, W - S + 1, S * C)
-    return x_nhwc
-
-
-def wgrad_result(dw_run, geometry, problem):
-    """The problem's dW [Co, R', S', C'] -> the conv's dW [Co, R, S, Ci]."""
-    if problem.taps_in_channels:
-        Co, R, _, SC = dw_run.shape
-        dw_run = dw_run.view(Co, R, problem.taps_in_channels, SC // problem.taps_in_channels)
-    return dw_run if problem.fold is None else unfold_weight_grad(dw_run, geometry, problem.fold)
 
 
 @pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, taps_in_channels", [
@@ -2500,13 +1767,13 @@ def run_show_ptx():
                                                     f"{compiled['num_warps']} warps in all")
     for arch in report:
         ours = transposed_operands(common.aot_compile("06-conv-backward", "aot_conv2d_wgrad", arch)["ptx"], arch)
-        forward = transposed_operands(common.aot_compile("05-warp-specialized-conv", "aot_conv2d_fprop", arch)["ptx"],
-                                      arch)
+        fprop_ops = transposed_operands(common.aot_compile("05-warp-specialized-conv", "aot_conv2d_fprop", arch)["ptx"],
+                                        arch)
         in_place = transposed_operands(common.aot_compile("06-conv-backward", "aot_dgrad_in_place", arch)["ptx"],
                                        arch)
         where = "imm-trans-a, imm-trans-b" if arch == "sm_90" else "instruction descriptor bits 15, 16"
         print(f"\n{arch}: operands transposed ({where}): wgrad A={ours[0]}, B={ours[1]}; "
-              f"lesson 05's fprop A={forward[0]}, B={forward[1]}; section 2c's dgrad A={in_place[0]}, B={in_place[1]}")
+              f"lesson 05's fprop A={fprop_ops[0]}, B={fprop_ops[1]}; section 2c's dgrad A={in_place[0]}, B={in_place[1]}")
 
 
 @pytest.mark.parametrize("arch", list(TAUGHT_PTX))
@@ -2538,7 +1805,7 @@ def test_default_wgrad_configs_fit_shared_memory(arch, Ci, Co, R, ring):
     g = common.conv_geometry((8, 14, 14, Ci), (Co, R, R, Ci), 1, R // 2)
     assert tuple(default_wgrad_config(g, Ci, 132)[:4]) == ring
     built = common.aot_compile_or_skip("06-conv-backward", "aot_conv2d_wgrad", arch, **params)
-    assert 0 < built["shared"] <= lesson05.SHARED_MEMORY_PER_PROGRAM
+    assert 0 < built["shared"] <= forward.SHARED_MEMORY_PER_PROGRAM
 
 
 @pytest.mark.parametrize("arch", list(TAUGHT_PTX))
@@ -2552,8 +1819,8 @@ def aot_phase_conv(arch, N=2, H=16, W=16, Ci=64, Co=128):
     stored into every second row and column of a larger tensor, from its output's second row on."""
     x, w = common.random_conv_inputs(N, H, W, Ci, Co, 3, 3, torch.bfloat16, device_name="cpu")
     dx = torch.empty(N, 2 * H, 2 * W, Co, dtype=torch.bfloat16)
-    window = common.OutputWindow(dx[:, ::2, ::2][:, :H - 1], crop_h=1)
-    return lesson05.aot_conv2d_fprop(arch, N, H, W, Ci, Co, out_window=window)
+    window = OutputWindow(dx[:, ::2, ::2][:, :H - 1], crop_h=1)
+    return fprop_build(arch, N, H, W, Ci, Co, out_window=window)
 
 
 @pytest.mark.parametrize("arch", list(TAUGHT_PTX))
@@ -2589,14 +1856,14 @@ def aot_side_by_side(arch, N=2, H=16, W=16, Ci=128, Co=64, R=3, stride=2, paddin
     `heaviest_first`: its tiles in that order)."""
     x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, R, stride, padding, 1, torch.bfloat16, device_name="cpu")
     # (the config of a build for `arch`, whatever GPU this machine has, if any)
-    plan = side_by_side_plan(g, lesson05.KernelConfig(*(config or side_by_side_config(g, arch))))
+    plan = side_by_side_plan(g, forward.KernelConfig(*(config or side_by_side_config(g, arch))))
     dx = torch.empty(N, H, W, Ci, dtype=torch.bfloat16)
     w_side_by_side = side_by_side_in_place(w, plan) if in_place else flipped_weights(
         w, [(h.taps, v.taps) for _, _, h, v in dgrad_phases(g)], width=plan.phases.width)
     phases = plan.phases._replace(order=plan.phases.heaviest_first() if heaviest_first else None)
-    launch = lesson05.prepare_launch(dy, w_side_by_side, None, plan.geometry, plan.config, arch, 132,
-                                     out_window=common.OutputWindow(dx, phases=phases))
-    return lesson05.conv2d_fprop_kernel, launch.kernel_args(), lesson05.kernel_constexprs(plan.config, arch)
+    launch = forward.prepare_launch(dy, w_side_by_side, None, plan.geometry, plan.config, arch, 132,
+                                     out_window=OutputWindow(dx, phases=phases))
+    return forward.conv2d_fprop_kernel, launch.kernel_args(), forward.kernel_constexprs(plan.config, arch)
 
 
 @pytest.mark.parametrize("arch", list(TAUGHT_PTX))
@@ -2620,8 +1887,8 @@ def aot_dgrad_in_place(arch, N=2, H=16, W=16, Ci=192, Co=64, R=3, config=(128, 1
     x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, R, 1, R // 2, 1, torch.bfloat16, device_name="cpu")
     (flipped,) = filters_in_place(w, [(slice(None), slice(None))])
     conv = common.conv_geometry(tuple(dy.shape), flipped.shape, 1, R // 2)
-    launch = lesson05.prepare_launch(dy, flipped, None, conv, config, arch, 132)
-    return lesson05.conv2d_fprop_kernel, launch.kernel_args(), lesson05.kernel_constexprs(config, arch)
+    launch = forward.prepare_launch(dy, flipped, None, conv, config, arch, 132)
+    return forward.conv2d_fprop_kernel, launch.kernel_args(), forward.kernel_constexprs(config, arch)
 
 
 @pytest.mark.parametrize("arch, builder, config", [
@@ -2768,7 +2035,8 @@ def test_side_by_side_runs_either_tile_order(heaviest_first, N, H, W, Ci, Co, R,
     def forced(plan, programs):
         orders.append(plan.phases.heaviest_first() if heaviest_first else None)
         return orders[-1]
-    monkeypatch.setitem(globals(), "phase_order", forced)
+    import conv_tutorial.kernels.dgrad as dgrad_plans
+    monkeypatch.setattr(dgrad_plans, "phase_order", forced)
     check_backward("dgrad", N, H, W, Ci, Co, R, R, stride, 1, 1)
     assert len(orders) == 1 and (orders[0] is not None) == heaviest_first
 
@@ -2800,7 +2068,7 @@ def test_backward_dtypes_and_splits(kind, dtype, config):
 
 
 @needs_gpu
-@pytest.mark.parametrize("config", [lesson05.FIXED_CONFIG, lesson05.FIXED_CONFIG._replace(block_n=64)], ids=str)
+@pytest.mark.parametrize("config", [forward.FIXED_CONFIG, forward.FIXED_CONFIG._replace(block_n=64)], ids=str)
 @pytest.mark.parametrize("crop", [(0, 0), (1, 2)])
 def test_phase_conv_stores_into_its_rows_and_columns_of_dx(config, crop):
     # section 2's out_window: lesson 05's kernel stores a conv's output, cropped, into every second row and
@@ -2810,7 +2078,7 @@ def test_phase_conv_stores_into_its_rows_and_columns_of_dx(config, crop):
     rows, cols = H - crop[0] - 1, W - crop[1]
     dx = torch.full((N, 2 * rows + 1, 3 * cols, Co), float("nan"), dtype=x.dtype, device=x.device)
     phase = dx[:, 1::2, ::3][:, :rows, :cols]
-    out = lesson05.conv2d_fprop_launch(x, w, padding=1, config=config, out_window=common.OutputWindow(phase, *crop))
+    out = forward.conv2d_fprop_launch(x, w, padding=1, config=config, out_window=OutputWindow(phase, *crop))
     expected = common.reference_conv2d_nhwc(x, w, None, 1, 1)[:, crop[0]:crop[0] + rows, crop[1]:crop[1] + cols]
     assert out is phase
     common.assert_close_to_reference(phase, expected, dtype=x.dtype, K=Ci * 9)
@@ -2883,7 +2151,7 @@ def bench_backward(label, N, H, W, Ci, Co, R, S, stride, padding, dtype=torch.bf
             dy_nchw, x_nchw, w_kcrs, None, g.stride, g.padding, g.dilation, False, [0, 0], 1, (False, True, False))[1],
     }
     if zero_insertion and max(g.stride) > 1:
-        fprop = lambda spread, w_flipped, **conv: lesson05.conv2d_fprop_launch(  # noqa: E731
+        fprop = lambda spread, w_flipped, **conv: forward.conv2d_fprop_launch(  # noqa: E731
             spread, w_flipped, config=dgrad_config(g), **conv)
         expected, _ = reference_gradients(x, w, dy, g)
         common.assert_close_to_reference(zero_insertion_dgrad(dy, w, g, fprop), expected, dtype=dtype, K=Co * R * S)
@@ -2919,7 +2187,7 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # reads the whole output once more before the kernel that normalizes it reads it again. The
 # forward kernel already holds each tile of the output on chip in its epilogue, so it can sum
 # there. Lesson 05's `TileOutput` has one more field for it, `channel_stats`: None, or a zeroed
-# fp32 tensor of shape [2, Co], into whose rows 0 and 1 `common.add_channel_sums` adds a tile's
+# fp32 tensor of shape [2, Co], into whose rows 0 and 1 `add_channel_sums` adds a tile's
 # column sums of y and of y^2. Rows past the last pixel (a partial tile) are masked out. From the
 # two sums::
 #
@@ -2938,7 +2206,7 @@ if __name__ == "__main__" and on_gpu and args.bench:
 #
 # The epilogue already writes the tile, cast to the output's dtype, into a staging buffer for its
 # TMA store. So the sums read the tile back from there, in a layout of their own
-# (`common.staged_tile_layout`, columns split): each thread loads vectors of one row (16 bytes on
+# (`staged_tile_layout`, columns split): each thread loads vectors of one row (16 bytes on
 # sm_90; the sm_100 build reads 4 at a time), the warps split the columns among themselves, and a warp's
 # lanes take a few columns and the rows. A thread sums its rows in registers, log2(lanes per
 # column) shuffle rounds sum a warp's lanes (3 on the 128 x 256 tile of eight warps, 5 on a
@@ -2993,11 +2261,11 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # (5148 -> 5290 images/s under CUDA graphs, torch.compile 5195).
 
 
-def conv2d_with_channel_stats(x_nhwc, w, stride=1, padding=0, dilation=1, config=lesson05.FIXED_CONFIG):
+def conv2d_with_channel_stats(x_nhwc, w, stride=1, padding=0, dilation=1, config=forward.FIXED_CONFIG):
     """(y NHWC, stats): lesson 05's conv, its epilogue adding each output channel's sum (stats[0]) and
     sum of squares (stats[1]), fp32 [2, Co], as it stores y: every program into the same zeroed tensor."""
     stats = torch.zeros(2, w.shape[0], device=x_nhwc.device, dtype=torch.float32)
-    y = lesson05.conv2d_fprop_launch(x_nhwc, w, None, stride, padding, dilation, config=config, channel_stats=stats)
+    y = forward.conv2d_fprop_launch(x_nhwc, w, None, stride, padding, dilation, config=config, channel_stats=stats)
     return y, stats
 
 
@@ -3049,26 +2317,26 @@ def test_variance_from_sums_loses_digits_with_large_means(mean_over_std):
 def test_channel_stats_are_refused_where_they_would_be_wrong():
     g = common.conv_geometry((2, 8, 8, 16), (32, 3, 3, 16), 1, 1)
     good = torch.zeros(2, 32)
-    common.check_channel_stats(good, 32, good.device)
+    check_channel_stats(good, 32, good.device)
     for bad, words in [(torch.zeros(2, 32, dtype=torch.float16), "torch.float32"),
                        (torch.zeros(32, 2).t(), "contiguous"), (torch.zeros(2, 16), "(2, 32)"),
                        (torch.zeros(1, 2, 32), "(2, 32)"), (torch.zeros(1, 1, 2, 32), "(2, 32)")]:
         with pytest.raises(ValueError, match=re.escape(words)):
-            common.check_channel_stats(bad, 32, bad.device)
+            check_channel_stats(bad, 32, bad.device)
     # one tensor for all programs: a copy of the sums per SM ([copies, 2, Co]) is refused, by its shape
     with pytest.raises(ValueError, match=r"channel_stats is torch\.float32 \(132, 2, 32\).*shape \(2, 32\)"):
-        common.check_channel_stats(torch.zeros(132, 2, 32), 32, good.device)
+        check_channel_stats(torch.zeros(132, 2, 32), 32, good.device)
     with pytest.raises(TypeError, match="channel_stats must be a torch.Tensor"):
-        common.check_channel_stats([0.0] * 64, 32, good.device)
+        check_channel_stats([0.0] * 64, 32, good.device)
     with pytest.raises(ValueError, match="without split-K"):
-        common.check_channel_stats(good, 32, good.device, split_k=2)
+        check_channel_stats(good, 32, good.device, split_k=2)
     with pytest.raises(ValueError, match="out_window"):
-        common.check_channel_stats(good, 32, good.device, out_window=common.OutputWindow(torch.zeros(*g.output_shape_nhwc)))
+        check_channel_stats(good, 32, good.device, out_window=OutputWindow(torch.zeros(*g.output_shape_nhwc)))
 
 
 def aot_conv_with_channel_stats(arch):
     """(kernel, args, kwargs) of lesson 05's kernel with channel_stats, on CPU tensors (lesson 05's build)."""
-    return lesson05.aot_conv2d_fprop(arch, channel_stats=torch.zeros(2, 128))
+    return fprop_build(arch, channel_stats=torch.zeros(2, 128))
 
 
 @pytest.mark.parametrize("arch", list(TAUGHT_PTX))
@@ -3132,7 +2400,7 @@ def test_channel_stats_add_to_what_the_tensor_holds():
     x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16)
     y, stats = conv2d_with_channel_stats(x, w, stride, padding)
     twice = stats.clone()
-    lesson05.conv2d_fprop_launch(x, w, None, stride, padding, channel_stats=twice)
+    forward.conv2d_fprop_launch(x, w, None, stride, padding, channel_stats=twice)
     stored = y.reshape(-1, Co).double()
     scale = torch.stack((stored.abs().sum(0), (stored * stored).sum(0)))
     assert ((twice.double() - 2 * stats.double()).abs() <= 2e-5 * scale + 1e-4).all()
@@ -3150,379 +2418,14 @@ if __name__ == "__main__" and on_gpu:
     run_channel_stats()
 
 # %%
-# 11. Training: BatchNorm's apply and ReLU in the next conv's load
-# ----------------------------------------------------------------
-# Section 10 gives BatchNorm its batch statistics; what is left is to apply them. Per channel that
-# is an affine map, and in a ResNet a ReLU follows, so the next conv's input is::
-#
-#     x[n, iy, ix, c] = relu(y[n, iy, ix, c] * scale[c] + shift[c])
-#     scale = gamma / sqrt(var + eps),   shift = beta - mean * scale
-#
-# Run as a pass of its own (torch.compile fuses the two into one elementwise kernel), it reads the
-# previous conv's output y and writes x: on ResNet-50's 56x56 stage at batch 128 a 64-channel
-# activation is 51 MB in bf16, so 103 MB moved, ~31 us at the H100's 3.35 TB/s (36 us measured
-# below), beside convs of 22-176 us; Inductor's kernels (BatchNorm, ReLU, residual adds, pooling,
-# loss) take 12.2 of a ResNet-50 step's 22.4 ms of GPU time (H100; RESULTS.md, "Training fusions:
-# BatchNorm's apply and ReLU ..."). The next conv reads its input anyway, one tile at a time, so it
-# can apply the map on the way: it reads y, and x is never written.
-#
-# Where in the kernel. TMA copies the im2col box into shared memory as it lies in global memory;
-# it does no arithmetic. The one place left is between shared memory and the tensor cores. WGMMA
-# (Hopper) takes its A operand from shared memory or from registers, B from shared memory only.
-# So the consumer warpgroup loads the stage's A tile into registers in the layout WGMMA reads them
-# in (a `gl.DotOperandLayout` of the accumulator's layout, two bf16 per 32-bit register; the
-# compiler makes it `ldmatrix`), computes max(a * scale[c] + shift[c], 0) in fp32 (an FMA and a
-# max per element), casts back, and issues the WGMMA with A from those registers and B from the
-# stage as before. Lesson 05's kernel has a switch for it, `Im2colWindow.input_transform`
-# (`common.InputTransform`; a constexpr None when off, so every other build compiles to the same
-# PTX as before: `tools/ptx_fingerprint.py --compare` finds lesson 05's 86 builds unchanged), read
-# in three lines of its Hopper consumer. Blackwell's tcgen05 reads A from shared or tensor memory
-# only: there the transformed tile would go back to shared memory through the registers before
-# each MMA, a second copy of every stage. Not built: the launcher refuses sm_100.
-#
-# The padding. TMA fills the box's pixels that lie in the conv's zero padding with zeros, and
-# zeros are what the conv means there: relu(x) padded, not relu of a padded y. But
-# relu(0 * scale + shift) = relu(shift), not 0 where shift > 0. So the transform zeroes the rows
-# whose input pixel for the k-step's tap lies outside the image (`InputTransform.pixels_inside`):
-# row m = m0 + i is output pixel (n, oy, ox) (lesson 05's `pixel_box_origin`, the box's own
-# arithmetic), the k-step's tap (r, s) comes from `k_step`, and iy = oy*stride_h - pad_h + r*dil_h,
-# ix likewise, outside [0, H) x [0, W) -> 0. Channels past the real Ci (padded to 16 bytes, or
-# past Ci in the last K block) get scale = shift = 0 and stay 0 too.
-#
-# What it costs. Per k-step of a 128 x 128 x 64 tile, each of the warpgroup's 128 threads runs 8
-# `ldmatrix` (2 row blocks of 64 x 4 slices of K = 16), 64 conversions to fp32 and 64 back, 64
-# FMAs, 64 max and 66 selects (the padding test and the padded channels), and the rows' pixels
-# take twice the plain build's integer divisions (12 div and 8 rem in the sm_90 PTX against 6 and
-# 2); it holds the A tile (32 registers) beside the fp32 accumulator (128); ptxas reports no
-# spill. The larger cost is the schedule. The PTX rule for an asynchronous WGMMA is that the A
-# registers it reads are not written before a `wgmma.wait_group` has covered it, and in a loop the
-# next k-step's A tile goes into the same registers. So with the switch on the consumer waits for
-# all of its MMAs (wait(0), where lesson 05 leaves the last one in flight), and the tensor cores
-# idle while the next tile is loaded and transformed (measured below; the stage a k-step has read
-# is still released one step late, as lesson 05 does, which may cost too: not measured apart). Two
-# sets of A registers were tried: the previous tile kept alive as a dependency of wait(1)
-# assembled without a spill but computed wrong results on an H100 (7 of the 10 GPU tests below
-# failed; results/notebook.md), so wait(0) stays. A working overlap (the loop unrolled by two, the
-# two tiles kept apart) is not built.
-#
-# The limits of this first version, each refused by `check_input_transform` with a ValueError
-# naming the argument: Hopper only; fp16 or bf16 (no e4m3); one consumer (no ping-pong), no
-# tails, no split-K, one program per SM, groups = 1. The launcher, `conv2d_bn_relu_input_launch`,
-# is lesson 05's plain launch with the kernel's `input_transform` argument set; it takes no output
-# window (lesson 06's dgrad reads dY, which no BatchNorm precedes). The backward still
-# needs x: wgrad (section 4) reads it, so a training step would write x after all, or apply the
-# same map in wgrad's load of x (not built). The CPU tests check the build's instructions, the
-# refusals and the kernel's padding arithmetic on lesson 03's model of TMA; the GPU tests below
-# compare the kernel with the reference (10 passed on an H100, 2026-11-26).
-#
-# Measured (H100, 2026-11-26, CUDA graphs, `results/h100-2026-11-26/bn_relu_on_load_timing.json`,
-# from a timing script not kept in the repository): eight of the eleven distinct convs of ResNet-50
-# whose input is BatchNorm and ReLU of a conv's output (the three stride-2 3x3 convs not timed), at
-# batch 128, each as the conv reading y, against the apply as its own pass (torch.compile's kernel)
-# and then the conv reading x; two configs each (128 x 128 x 64 with 4 warps, 128 x 256 x 64 with
-# 8), the faster of each side compared. It pays only where a tile has one or two k-steps (the 1x1
-# convs of 64 and 128 input channels): the 56x56 64->256 1x1 took 101 us against 103 + 36
-# (1.38x), the 28x28 128->512 1x1 56 against 52 + 24 (1.36x). With 4 k-steps or more the fused
-# conv took 1.5-2.6x the plain conv's time and lost: 0.83x (56x56 3x3), 0.56x (28x28 3x3), 0.56x
-# (14x14 3x3), 0.53x (7x7 3x3), 0.95x and 0.69x (the 1x1 convs at 14x14 and 7x7); over the eight,
-# 859 us against 699. (On the 56x56 64->64 3x3 our plain conv itself took 2.2x cuDNN's, 175 against
-# 78 us; against cuDNN and the pass, the fused conv ran at 0.45x.) So the operator does not use it, and no training
-# step ran with it; what it would take first: k-steps that overlap again, and wgrad applying the
-# same map to its x.
-
-BN_RELU_ON_LOAD_PTX = {
-    "sm_90": [
-        ("ldmatrix", "The stage's A tile, shared memory -> registers in WGMMA's A layout: 8 per k-step (2 row "
-                     "blocks of 64 x 4 slices of K = 16), four 8 x 8 matrices each."),
-        ("fma.rn.f32", "a * scale[c] + shift[c] in fp32: 128 x 64 elements over 128 threads, 64 a thread."),
-        ("max.f32", "The ReLU, as many."),
-        ("wgmma.mma_async", "m64n128k16 with A from registers: its second operand is a list of four 32-bit "
-                            "registers (eight bf16 values a thread), where lesson 05's build names a shared-memory "
-                            "descriptor; B is a descriptor in both."),
-        ("wgmma.wait_group", "In this build only `wait_group 0`: every MMA done before the next k-step writes "
-                             "its A tile into the same registers."),
-    ],
-}
-
-
-def check_input_transform(input_scale, input_shift, x_nhwc, w, geometry, config, arch):
-    """ValueError/TypeError unless lesson 05's kernel can read its input as relu(x * input_scale[c] +
-    input_shift[c]) (lesson 06, section 11): both given (or neither: returns None), fp32 [Ci] tensors,
-    contiguous, on x's device; an fp16 or bf16 conv on Hopper (sm_90) with one consumer, no tail, no
-    split-K, one program per SM, groups=1, a conv of its own filter (no FlippedFilter). Returns the kernel's
-    `input_transform` argument: (input_scale, input_shift, H, W, Ci)."""
-    if input_scale is None and input_shift is None:
-        return None
-    if input_scale is None or input_shift is None:
-        given = "input_scale" if input_shift is None else "input_shift"
-        raise ValueError(f"{given} given alone; the conv's input is relu(x * input_scale + input_shift): pass both")
-    g = geometry
-    for name, t in (("input_scale", input_scale), ("input_shift", input_shift)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor (torch.float32, shape ({g.Ci},)), got {type(t).__name__}")
-        if t.dtype != torch.float32 or tuple(t.shape) != (g.Ci,) or not t.is_contiguous():
-            raise ValueError(f"{name} is {t.dtype} {tuple(t.shape)} with strides {t.stride()}; the conv's {g.Ci} "
-                             f"input channels need a contiguous torch.float32 tensor of shape ({g.Ci},)")
-        if t.device != x_nhwc.device:
-            raise ValueError(f"{name} is on {t.device}; the input x_nhwc is on {x_nhwc.device}")
-    if arch != "sm_90":
-        raise ValueError(f"input_scale and input_shift run on Hopper (sm_90) only, not {arch}: WGMMA takes A from "
-                         f"registers, where the kernel applies them, but Blackwell's tcgen05 reads A from shared or "
-                         f"tensor memory, so there the transformed tile would go back through shared memory first "
-                         f"(not built)")
-    if x_nhwc.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"input_scale and input_shift take fp16 or bf16 operands, got x_nhwc of {x_nhwc.dtype}")
-    rules = [("consumers", config.consumers, 1), ("block_n_tail", config.block_n_tail, 0),
-             ("block_m_tail", config.block_m_tail, 0), ("split_k", config.split_k, 1),
-             ("programs_per_sm", config.programs_per_sm, 1), ("groups", g.groups, 1)]
-    for name, value, allowed in rules:
-        if value != allowed:
-            raise ValueError(f"input_scale and input_shift: {name}={value} is not supported; they run with "
-                             f"{name}={allowed} (one consumer warpgroup without a tail, split-K, a second "
-                             f"program per SM or groups; config {tuple(config)})")
-    if isinstance(w, common.FlippedFilter):
-        raise ValueError("input_scale and input_shift take a conv of its own filter, not a FlippedFilter: "
-                         "lesson 06's dgrad reads dY, which no BatchNorm precedes")
-    return input_scale, input_shift, g.H, g.W, g.Ci
-
-
-def prepare_bn_relu_launch(x_nhwc, w, geometry, config, arch, num_sms, input_scale, input_shift):
-    """Lesson 05's launch of the conv, with the kernel's `input_transform` argument set: the conv reads
-    relu(x * input_scale + input_shift) (CPU tensors work too, for the ahead-of-time build)."""
-    config = lesson05.KernelConfig(*config)
-    transform = check_input_transform(input_scale, input_shift, x_nhwc, w, geometry, config, arch)
-    launch = lesson05.prepare_launch(x_nhwc, w, None, geometry, config, arch, num_sms)
-    return launch._replace(input_transform=transform)
-
-
-def conv2d_bn_relu_input_launch(x_nhwc, w, input_scale, input_shift, stride=1, padding=0, dilation=1,
-                                config=lesson05.FIXED_CONFIG):
-    """conv2d(relu(x_nhwc * input_scale + input_shift), w) in one launch of lesson 05's kernel: x_nhwc
-    [N, H, W, Ci] and w [Co, R, S, Ci] fp16 or bf16 (CUDA, contiguous), input_scale and input_shift fp32
-    [Ci]; returns NHWC [N, out_h, out_w, Co] in x's dtype. Hopper only (check_input_transform)."""
-    geometry = common.check_conv_call(x_nhwc, w, None, stride, padding, dilation, dtypes=lesson05.KERNEL_DTYPES)
-    arch, num_sms = common.tma_mma_arch_and_sms("conv2d_bn_relu_input_launch")
-    launch = prepare_bn_relu_launch(x_nhwc, w, geometry, config, arch, num_sms, input_scale, input_shift)
-    lesson05.conv2d_fprop_kernel[launch.grid](*launch.kernel_args(), **lesson05.kernel_constexprs(config, arch))
-    return lesson05.output_nhwc(geometry, launch.out_2d)
-
-
-def reference_conv2d_bn_relu_input(x_nhwc, w, input_scale, input_shift, stride=1, padding=0, dilation=1,
-                                   out_dtype=None):
-    """Section 11's ground truth, conv2d(relu(x * input_scale + input_shift), w): the map in fp32, cast to x's
-    dtype as the kernel casts its A tile, then common.reference_conv2d_nhwc (torch's conv2d in fp32, its zero
-    padding around the mapped input), cast to `out_dtype` (default x's)."""
-    mapped = torch.relu(x_nhwc.float() * input_scale.float() + input_shift.float()).to(x_nhwc.dtype)
-    return common.reference_conv2d_nhwc(mapped, w, None, stride, padding, dilation, out_dtype=out_dtype)
-
-
-def batch_norm_factors(Ci, device, seed=0):
-    """A BatchNorm's (scale, shift) per channel, fp32 [Ci]: scales in [0.5, 1.5), shifts in [0.1, 1.1), all
-    positive, so that a padding pixel read as relu(shift) instead of 0 would show."""
-    generator = torch.Generator().manual_seed(seed)
-    scale, shift = torch.rand(Ci, generator=generator) + 0.5, torch.rand(Ci, generator=generator) + 0.1
-    return scale.to(device), shift.to(device)
-
-
-def check_bn_relu_on_load(N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1, dtype=torch.bfloat16,
-                          config=lesson05.FIXED_CONFIG):
-    """Lesson 05's conv reading relu(x * scale + shift) against the reference; the tolerance is section 8's."""
-    x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, dtype)
-    scale, shift = batch_norm_factors(Ci, x.device)
-    out = conv2d_bn_relu_input_launch(x, w, scale, shift, stride, padding, dilation, config=config)
-    expected = reference_conv2d_bn_relu_input(x, w, scale, shift, stride, padding, dilation, torch.float32)
-    common.assert_close_to_reference(out, expected.to(dtype), dtype=dtype,
-                                     K=common.conv_geometry(x.shape, w.shape, stride, padding, dilation).K)
-
-
-def aot_conv_with_input_transform(arch, Ci=64, config=lesson05.FIXED_CONFIG, dtype="bfloat16"):
-    """(kernel, args, kwargs) of lesson 05's kernel with section 11's input_scale and input_shift, on CPU
-    tensors: lesson 05's build's conv (2 x 16x16, Ci -> 128 channels, 3x3, padding 1), out in x's dtype."""
-    x, w = common.random_conv_inputs(2, 16, 16, Ci, 128, 3, 3, getattr(torch, dtype), device_name="cpu")
-    launch = prepare_bn_relu_launch(x, w, common.conv_geometry(x.shape, w.shape, 1, 1), config, arch, 132,
-                                    torch.ones(Ci), torch.zeros(Ci))
-    return lesson05.conv2d_fprop_kernel, launch.kernel_args(), lesson05.kernel_constexprs(config, arch)
-
-
-def test_bn_relu_build_reads_a_from_registers():
-    # the switch's build: A from registers (a list of four), ldmatrix and the map's FMA and max, wait_group 0
-    # only; lesson 05's plain build: A and B both descriptors, none of the map's instructions, wait_group 1
-    built = common.aot_compile_or_skip("06-conv-backward", "aot_conv_with_input_transform", "sm_90")
-    plain = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90")
-    operands = r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\}, "
-    assert re.match(operands + r"\{%r\d+,%r\d+,%r\d+,%r\d+\}, %rd\d+,",
-                    common.first_ptx_instruction(built["ptx"], "wgmma.mma_async"))
-    assert re.match(operands + r"%rd\d+, %rd\d+,", common.first_ptx_instruction(plain["ptx"], "wgmma.mma_async"))
-    taught = ["ldmatrix", "fma.rn.f32", "max.f32", "wgmma.wait_group.sync.aligned 1"]
-    counts = common.ptx_instructions(built["ptx"], taught)
-    assert counts["ldmatrix"] == 8 and counts["fma.rn.f32"] >= 64 and counts["max.f32"] >= 64
-    assert counts["wgmma.wait_group.sync.aligned 1"] == 0
-    assert common.ptx_instructions(plain["ptx"], taught) == {"ldmatrix": 0, "fma.rn.f32": 0, "max.f32": 0,
-                                                             "wgmma.wait_group.sync.aligned 1": 1}
-    assert built["stack"] in (0, None)          # no registers spilled (None: no cuobjdump to ask)
-
-
-@pytest.mark.parametrize("Ci, config, dtype", [
-    (3, lesson05.FIXED_CONFIG, "bfloat16"),                                # padded to 8 channels: a 16-channel box
-    (64, lesson05.KernelConfig(128, 256, 64, 3, 8), "float16"),           # 8 warps, 256 columns
-    (64, lesson05.KernelConfig(64, 128, 64, 4, 4), "bfloat16"),           # 64-row tiles
-])
-def test_bn_relu_builds_for_other_tiles(Ci, config, dtype):
-    built = common.aot_compile_or_skip("06-conv-backward", "aot_conv_with_input_transform", "sm_90", Ci=Ci,
-                                       config=config, dtype=dtype)
-    assert re.search(r"\}, \{%r\d+,%r\d+,%r\d+,%r\d+\}, %rd\d+,", common.first_ptx_instruction(built["ptx"],
-                                                                                                "wgmma.mma_async"))
-    assert built["stack"] in (0, None)
-
-
-# (arguments of prepare_bn_relu_launch changed from a valid call, the error, words of its message)
-BAD_INPUT_TRANSFORMS = [
-    (lambda call: {"input_shift": None}, ValueError, "input_scale given alone"),
-    (lambda call: {"input_scale": [1.0] * 16}, TypeError, "input_scale must be a torch.Tensor"),
-    (lambda call: {"input_scale": torch.ones(16, dtype=torch.float64)}, ValueError, "input_scale is torch.float64"),
-    (lambda call: {"input_shift": torch.zeros(8)}, ValueError, "contiguous torch.float32 tensor of shape (16,)"),
-    (lambda call: {"input_shift": torch.zeros(16, 2)[:, 0]}, ValueError, "input_shift is torch.float32 (16,)"),
-    (lambda call: {"input_shift": torch.zeros(16, device="meta")}, ValueError, "input_shift is on meta"),
-    (lambda call: {"arch": "sm_100"}, ValueError, "Hopper (sm_90) only, not sm_100"),
-    (lambda call: {"x_nhwc": call["x_nhwc"].to(common.FP8), "w": call["w"].to(common.FP8)}, ValueError,
-     "take fp16 or bf16 operands"),
-    (lambda call: {"config": lesson05.FIXED_CONFIG._replace(block_n_tail=32)}, ValueError, "block_n_tail=32"),
-    (lambda call: {"config": lesson05.FIXED_CONFIG._replace(block_m_tail=64)}, ValueError, "block_m_tail=64"),
-    (lambda call: {"config": lesson05.FIXED_CONFIG._replace(split_k=2)}, ValueError, "split_k=2"),
-    (lambda call: {"config": lesson05.FIXED_CONFIG._replace(consumers=2)}, ValueError, "consumers=2"),
-    (lambda call: {"config": lesson05.FIXED_CONFIG._replace(programs_per_sm=2)}, ValueError, "programs_per_sm=2"),
-    (lambda call: {"w": common.FlippedFilter(call["w"], ((0, 2, -1, 3),), ((0, 2, -1, 3),))}, ValueError,
-     "not a FlippedFilter"),
-    (lambda call: {"w": call["w"][..., :8].contiguous(), "geometry": common.conv_geometry(
-        call["x_nhwc"].shape, (32, 3, 3, 8), 1, 1, 1, groups=2)}, ValueError, "groups=2"),
-]
-
-
-@pytest.mark.parametrize("changes, error, words", BAD_INPUT_TRANSFORMS)
-def test_bn_relu_refusals(changes, error, words):
-    x, w = common.random_conv_inputs(1, 8, 8, 16, 32, 3, 3, torch.bfloat16, device_name="cpu")
-    valid = dict(x_nhwc=x, w=w, geometry=common.conv_geometry(x.shape, w.shape, 1, 1),
-                 config=lesson05.FIXED_CONFIG, arch="sm_90", num_sms=132, input_scale=torch.ones(16),
-                 input_shift=torch.zeros(16))
-    assert prepare_bn_relu_launch(**valid).input_transform[2:] == (8, 8, 16)     # (H, W, Ci)
-    with pytest.raises(error, match=re.escape(words)):
-        prepare_bn_relu_launch(**{**valid, **changes(valid)})
-
-
-@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", [
-    (2, 6, 5, 3, 8, 3, 3, 1, 1, 1),              # Ci = 3, padded to 8, in a 16-channel box
-    (1, 9, 8, 24, 8, 3, 2, 2, (1, 0), 1),        # stride 2, two K blocks, the second half padding
-    (2, 7, 6, 16, 8, 3, 3, 1, 2, 2),             # dilation 2, padding 2
-])
-def test_bn_relu_zeroes_the_padding_on_the_tma_model(N, H, W, Ci, Co, R, S, stride, padding, dilation, monkeypatch):
-    """The consumer's arithmetic on a CPU: for every tile and k-step, lesson 03's model of the TMA im2col load
-    (zeros in the padding), the map relu(a * scale + shift), the rows `InputTransform.pixels_inside` puts in the
-    padding and the channels past Ci set to 0 (the kernel's own index methods, run as plain Python), times the
-    weights' box, adds up to the reference; without the padding test it does not."""
-    import types
-    reference = common.load_lesson("03-tma-im2col-modes").im2col_reference
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randint(-3, 4, (N, H, W, Ci), generator=generator).float()
-    w = torch.randint(-3, 4, (Co, R, S, Ci), generator=generator).float()
-    scale, shift = (torch.randint(1, 5, (Ci,), generator=generator) / 4 for _ in range(2))   # exact in fp32, > 0
-    g = common.conv_geometry(x.shape, w.shape, stride, padding, dilation)
-    x_padded, w_padded, Ci_padded = common.pad_channels_for_tma(x, w)      # (fp32: to 4 channels)
-    settings = common.conv_im2col_settings(g)
-    corners = (settings.pixel_box_lower_corner, settings.pixel_box_upper_corner, settings.element_strides)
-    BLOCK_M, BLOCK_K = 32, 16
-    window = types.SimpleNamespace(out_h=g.out_h, out_w=g.out_w, stride_h=g.stride[0], stride_w=g.stride[1],
-                                   pad_h=g.padding[0], pad_w=g.padding[1], dil_h=common.PlainInt(g.dilation[0]),
-                                   dil_w=common.PlainInt(g.dilation[1]), Ci_group=Ci_padded, Co_group=Co, S=S,
-                                   channel_blocks=-(-Ci_padded // BLOCK_K), phases=None, flipped=None)
-    window.group_channel = lambda co0: lesson05.Im2colWindow.group_channel.fn(window, co0)
-    window.pixel_box_origin = lambda m: lesson05.Im2colWindow.pixel_box_origin.fn(window, m)
-    for helper in ("weights_tile", "weights_at"):      # common's Gluon functions k_step calls, as Python
-        monkeypatch.setattr(common, helper, getattr(common, helper).fn)
-    transform = types.SimpleNamespace(H=H, W=W, Ci=Ci)
-    w2d = torch.nn.functional.pad(w_padded.reshape(Co, -1), (0, BLOCK_K))     # (past the last tap: TMA's zeros)
-    out, unmasked = torch.zeros(g.M, Co), torch.zeros(g.M, Co)
-    for m0 in range(0, g.M, BLOCK_M):
-        n, y, x0 = lesson05.Im2colWindow.pixel_box_origin.fn(window, m0)
-        tile_taps = lesson05.Im2colWindow.tile_taps.fn(window, 0)
-        for k in range(R * S * window.channel_blocks):
-            offsets, c, (row, column) = lesson05.Im2colWindow.k_step.fn(window, common.PlainInt(k), BLOCK_K, tile_taps)
-            a, _ = reference(x_padded, BLOCK_M, BLOCK_K, *corners, [n, y, x0, c], offsets)
-            channels = int(c) + torch.arange(BLOCK_K)
-            real = channels < Ci
-            mapped = torch.relu(a * torch.where(real, scale[channels.clamp(max=Ci - 1)], 0.0)
-                                + torch.where(real, shift[channels.clamp(max=Ci - 1)], 0.0))
-            inside = common.InputTransform.pixels_inside.fn(transform, window, torch.arange(m0, m0 + BLOCK_M), offsets)
-            rows = min(BLOCK_M, g.M - m0)
-            weights = w2d[row:row + Co, column:column + BLOCK_K].T
-            out[m0:m0 + rows] += (torch.where(inside[:, None], mapped, 0.0) @ weights)[:rows]
-            unmasked[m0:m0 + rows] += (mapped @ weights)[:rows]
-    expected = reference_conv2d_bn_relu_input(x, w, scale, shift, stride, padding, dilation)
-    torch.testing.assert_close(out.view(expected.shape), expected)
-    assert not torch.allclose(unmasked.view(expected.shape), expected)     # relu(shift) > 0 read from the padding
-
-
-def test_bn_relu_reference_is_torchs_batch_norm_and_relu():
-    # the reference against torch's own BatchNorm (eval mode: the batch's statistics as its running ones) and ReLU,
-    # then conv2d, in fp64 on NCHW: scale = gamma / sqrt(var + eps), shift = beta - mean * scale
-    generator = torch.Generator().manual_seed(2)
-    x, w, mean, var, gamma, beta = (torch.randn(*shape, generator=generator, dtype=torch.float64)
-                                    for shape in ((2, 9, 7, 5), (6, 3, 2, 5), (5,), (5,), (5,), (5,)))
-    var = var.abs() + 0.5
-    scale = gamma / torch.sqrt(var + 1e-5)
-    shift = beta - mean * scale
-    expected = torch.nn.functional.conv2d(torch.relu(torch.nn.functional.batch_norm(
-        x.permute(0, 3, 1, 2), mean, var, gamma, beta, training=False, eps=1e-5)), w.permute(0, 3, 1, 2),
-        stride=(2, 1), padding=(1, 2), dilation=(1, 2)).permute(0, 2, 3, 1)
-    ours = reference_conv2d_bn_relu_input(x.float(), w.float(), scale.float(), shift.float(), (2, 1), (1, 2), (1, 2))
-    torch.testing.assert_close(ours.double(), expected, rtol=1e-5, atol=1e-5)
-
-
-BN_RELU_CASES = [   # (N, H, W, Ci, Co, R, S, stride, padding, dilation)
-    (2, 20, 18, 3, 100, 7, 7, 2, 3, 1),            # Ci = 3 (padded channels), Co not a multiple of the tile, a stem
-    (2, 14, 14, 64, 64, 3, 3, 1, 1, 1),            # 3x3, padding 1
-    (3, 13, 11, 64, 72, 1, 1, 1, 0, 1),            # 1x1, M = 429 not a multiple of 128
-    (4, 28, 28, 128, 128, 3, 3, 2, 1, 1),          # stride 2
-    (2, 9, 17, 32, 200, 3, 1, (1, 2), (1, 0), 1),  # non-square filter, stride and padding
-    (1, 11, 9, 48, 40, 3, 3, 1, 2, 2),             # dilation 2
-    (2, 10, 12, 200, 64, 3, 3, 1, 1, 1),           # Ci = 200: a last K block of 8 real channels
-]
-
-needs_hopper = pytest.mark.skipif(not common.is_hopper(), reason="section 11's input transform runs on Hopper "
-                                  f"(sm_90) only; this machine has {common.gpu_name()}")
-
-
-@needs_hopper
-@pytest.mark.parametrize("case", BN_RELU_CASES)
-def test_bn_relu_on_load_matches_reference(case):
-    check_bn_relu_on_load(*case)
-
-
-@needs_hopper
-@pytest.mark.parametrize("dtype, config", [
-    (torch.float16, lesson05.FIXED_CONFIG),
-    (torch.bfloat16, lesson05.KernelConfig(128, 256, 64, 3, 8)),
-    (torch.bfloat16, lesson05.KernelConfig(64, 128, 64, 4, 4)),
-], ids=str)
-def test_bn_relu_on_load_dtypes_and_tiles(dtype, config):
-    check_bn_relu_on_load(3, 15, 13, 96, 320, 3, 3, 1, 1, dtype=dtype, config=config)
-
-
-def run_bn_relu_on_load():
-    # On Hopper: the conv reading relu(x * scale + shift) against the reference on section 11's layers; elsewhere
-    # the sm_90 build's instructions.
-    if not common.is_hopper():
-        return common.show_ptx("06-conv-backward", "aot_conv_with_input_transform", BN_RELU_ON_LOAD_PTX,
-                               lambda arch, compiled: "conv2d_fprop_kernel reading relu(x * scale + shift), "
-                                                      f"{lesson05.FIXED_CONFIG}")
-    for case in BN_RELU_CASES:
-        check_bn_relu_on_load(*case)
-    print(f"\nthe conv reading relu(x * scale + shift) matches the reference on {len(BN_RELU_CASES)} layers, "
-          f"{common.gpu_name()}")
-
-
-# %%
-if __name__ == "__main__":
-    run_bn_relu_on_load()
+# 11. What else was tried: BatchNorm's apply and ReLU in the next conv's load
+# -----------------------------------------------------------------------------
+# Section 10 leaves BatchNorm's apply, relu(y * scale + shift), as a pass of its own. That map can run
+# in the next conv's load instead: on Hopper the A tile taken through registers, mapped, and fed to
+# WGMMA from there, with zeros where the padding lies. It was built, checked against torch and
+# measured, and it did not pay: the k-steps that read A through registers no longer overlap, and the
+# conv lost more than the pass it saved (results/notebook.md, "BatchNorm and ReLU on the next conv's
+# load", names the commit that holds the code). The operator does not use it.
 
 # %%
 # 12. Training: ReLU's backward in dgrad's epilogue
@@ -3557,31 +2460,6 @@ if __name__ == "__main__":
 # not built.
 
 
-def relu_gated_in_epilogue(geometry, fold=None):
-    """Whether dgrad's epilogue can apply ReLU's backward: dX is one conv's whole output (no fold,
-    stride 1, padding <= dilation * (R - 1) on each axis)."""
-    g = geometry
-    return fold is None and epilogue_gates(g.stride, g.padding, g.dilation, (g.R, g.S))
-
-
-def epilogue_gates(stride, padding, dilation, kernel_size):
-    # relu_gated_in_epilogue's test on the conv's hyper-parameters alone ((h, w) pairs; a fold needs a stride)
-    return tuple(stride) == (1, 1) and all(p <= d * (k - 1) for p, d, k in zip(padding, dilation, kernel_size))
-
-
-def dgrad_through_relu(dy_nhwc, w, relu_out, geometry, fprop, **options):
-    """dZ of z -> relu_out = relu(z) -> conv(relu_out, w) from dY: dX where relu_out > 0, else 0.
-    Where relu_gated_in_epilogue, `fprop` is called with relu_out as its residual and activation
-    "relu_grad" (lesson 05's epilogue gates the tile); else the gate is applied to dgrad's dX.
-    `options`: dgrad's (fold, phases, conv, in_place)."""
-    if relu_gated_in_epilogue(geometry, options.get("fold")):
-        def gated(dy, w_phase, **conv):
-            return fprop(dy, w_phase, **conv, residual=relu_out, activation=common.RELU_GRAD)
-        return dgrad(dy_nhwc, w, geometry, gated, **options)
-    dx = dgrad(dy_nhwc, w, geometry, fprop, **options)
-    return torch.where(relu_out > 0, dx, torch.zeros((), dtype=dx.dtype, device=dx.device))
-
-
 def relu_grad_reference(x_nhwc, w, dy_nhwc, geometry):
     """torch's dZ for z -> relu -> conv, by autograd (fp32), with z = x: the ReLU's output is relu(x)."""
     g = geometry
@@ -3608,7 +2486,7 @@ def check_dgrad_through_relu(N, H, W, Ci, Co, R, S, stride, padding, dilation, o
     relu_out = torch.relu(x)
     if on_gpu_now:
         def fprop(dy, w_phase, padding, dilation, groups, out_window=None, **epilogue):
-            return lesson05.conv2d_fprop_launch(dy, w_phase, padding=padding, dilation=dilation, groups=groups,
+            return forward.conv2d_fprop_launch(dy, w_phase, padding=padding, dilation=dilation, groups=groups,
                                                 out_window=out_window, **epilogue)
         got = dgrad_through_relu(dy, w, relu_out, g, fprop, conv=side_by_side_launch, in_place=True)
     else:
@@ -3722,7 +2600,7 @@ if __name__ == "__main__":
 #   stride-2 layers at 1.02-1.12x, the 3x3 stride-2 layers at 1.02x (56x56), 0.93x (28x28) and
 #   1.06x (14x14), where four launches had run them at 0.80x, 0.70x and 0.79x. The 14x14 layer
 #   had been at 0.79x in lesson 05's tile order (72.1 us against cuDNN's 57.2, an earlier run):
-#   counted on paper (`tools/phase_balance.py`), some of its programs ran six 4-tap tiles (192
+#   counted on paper (`benchmarks/phase_balance.py`), some of its programs ran six 4-tap tiles (192
 #   k-steps), others six 1-tap ones (48), against a mean of 107; heaviest phase first the busiest
 #   runs 120, and the layer took 54.5 us (cuDNN 57.7).
 # - Section 10's BatchNorm statistics: on an H200 (2026-11-25) a ResNet-50 training step ran 3.9%
@@ -3745,8 +2623,7 @@ if __name__ == "__main__":
 # `conv_tutorial.set_backward("lesson06")` (NHWC views of its channels_last tensors, torch for what
 # they do not cover); it keeps PyTorch's convolution backward by default, because the figures above
 # say it does not pay yet: the convs' gradients run at cuDNN's pace, and the step's time is
-# mostly BatchNorm's and ReLU's. What they point to first: section 11's k-steps overlapped again
-# (two sets of A registers) and its map applied in wgrad's load too; section 12's epilogue taking
+# mostly BatchNorm's and ReLU's. What they point to first: section 12's epilogue taking
 # BatchNorm's backward sums with the gate; wgrad's 7x7 and 14x14 1x1 layers (2-CTA clusters, which
 # cuDNN's kernel for the 7x7 512->2048 layer uses and lesson 05's Gluon kernel cannot yet pipeline);
 # and the host time of a strided dgrad.
@@ -3755,7 +2632,6 @@ if __name__ == "__main__":
 if __name__ == "__main__":
     print("\nlesson 06: all checks passed on " + common.gpu_name() if on_gpu else "\n" + common.cpu_closing_line(
         "06", "both mappings against torch.nn.grad, the wgrad kernel's arithmetic on the TMA model, input "
-        "checks, the sm_90 and sm_100 builds of the wgrad kernel and section 11's sm_90 build (the instructions "
-        "above), ReLU's backward through dgrad against autograd (section 12)", "running dgrad, wgrad, section "
-        "11's conv and section 12's gated dgrad on the GPU against torch, timing them (--bench, "
-        "benchmarks/backward_layers.py)"))
+        "checks, the sm_90 and sm_100 builds of the wgrad kernel (the instructions above), ReLU's backward "
+        "through dgrad against autograd (section 12)", "running dgrad, wgrad and section 12's gated dgrad on the "
+        "GPU against torch, timing them (--bench, benchmarks/backward_layers.py)"))

@@ -4,7 +4,7 @@
                                          [--zero-insertion] [--cuda-graphs]
                                          [--cudnn-benchmark] [--operator]
 
-For every distinct conv of ResNet-50 (network_suite.resnet50_layers: torchvision's v1.5, the stem,
+For every distinct conv of ResNet-50 (layers.resnet50_layers: torchvision's v1.5, the stem,
 the 1x1s and the stride-2 layers included) at batch 128 in bf16, lesson 06's `bench_backward`:
 dgrad (conv2d_dgrad_launch: lesson 05's kernel per output phase) and wgrad (conv2d_wgrad_launch)
 are each checked against torch.nn.grad first, then timed next to cuDNN (aten.convolution_backward,
@@ -12,7 +12,8 @@ as autograd calls it, on the channels_last tensors of the same dtype) with commo
 median, L2 flushed before every call, launch and host time included. TFLOPS count the forward
 pass's useful FLOPs, 2*N*out_h*out_w*Co*Ci*R*S, for both gradients. --zero-insertion also times
 the strided layers' dgrad as one stride-1 conv over dY with zeros inserted (lesson 06, section 2).
---quick: lesson 06's three --bench layers only; --layers: those whose label holds a given text. --cudnn-benchmark: cuDNN picks its algorithms by
+--quick: lesson 06's three --bench layers only (layers.BACKWARD_QUICK); --layers: those whose label
+holds a given text. --cudnn-benchmark: cuDNN picks its algorithms by
 timing them (torch.backends.cudnn.benchmark; off by default, as network_suite.py times cuDNN).
 --operator: also the operator's gradients as training calls them (conv_tutorial.set_backward("lesson06"):
 torch.ops.conv_tutorial.conv2d_input_grad, dgrad's phases through the forward's runtime, and
@@ -24,7 +25,7 @@ Prints one line per layer and the geometric mean of ours / cuDNN for each gradie
 backward_layers.json (device, versions, one record per layer) to --outdir (default ./out).
 """
 import argparse
-import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -32,14 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the lessons' ki
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
-import network_suite  # noqa: E402
+from layers import BACKWARD_QUICK, resnet50_layers  # noqa: E402
 import torch  # noqa: E402
 
 HOST_CALLS = 20      # calls per host-time sample: few enough that the GPU's launch queue never fills
-
-
-def geometric_mean(values):
-    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def operator_figures(lesson06, layer, cuda_graph, dtype=torch.bfloat16):
@@ -97,7 +94,7 @@ def main(argv=None):
     common.require_tma_mma_gpu("benchmarks/backward_layers.py")
     lesson06 = common.load_lesson("06-conv-backward")
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
-    layers = lesson06.BENCH_LAYERS if args.quick else network_suite.resnet50_layers(args.batch)
+    layers = BACKWARD_QUICK if args.quick else resnet50_layers(args.batch)
     if args.layers:
         layers = [layer for layer in layers if any(text in layer[0] for text in args.layers)]
         if not layers:
@@ -111,7 +108,8 @@ def main(argv=None):
         for row, layer in zip(rows, layers):
             row.update(operator_figures(lesson06, layer, args.cuda_graphs))
     kinds = ("dgrad", "wgrad") + (("dgrad operator", "wgrad operator", "wgrad plan") if args.operator else ())
-    summary = {kind: geometric_mean([row[kind]["tflops"] / row[f"{kind.split()[0]} cuDNN"]["tflops"] for row in rows])
+    summary = {kind: statistics.geometric_mean([row[kind]["tflops"] / row[f"{kind.split()[0]} cuDNN"]["tflops"]
+                                                for row in rows])
                for kind in kinds}
     print("geometric mean over the layers, ours / cuDNN: " + ", ".join(f"{k} {v:.2f}x" for k, v in summary.items()))
     common.save_json(common.output_dir(args.outdir), "backward_layers",

@@ -2,8 +2,8 @@
 
     python benchmarks/bench_configs.py "RN50 7x7 2048->512 1x1" --config 128,128,64,6,8 --config ...
 
-Layers are named as in the network suite (network_suite.py) or lesson 05's `--bench` shapes
-("headline 64x64 384->384 3x3").
+Layers are named by their labels in layers.py: the network suite's and the ladder's (lesson 05's
+`--bench` shapes, e.g. "headline 64x64 384->384 3x3").
 For a quick look at one change on a few layers before running the whole suite: each layer is
 checked against torch for every config, then timed as the suite times it (do_bench, L2 flushed,
 median of alternating rounds). Configs are KernelConfig fields, comma-separated."""
@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
 from conv_tutorial import runtime  # noqa: E402
+from layers import chosen_on_command_line  # noqa: E402
 import network_suite  # noqa: E402
 
 import torch  # noqa: E402
@@ -22,19 +23,15 @@ import torch  # noqa: E402
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("layers", nargs="+", help="suite labels (network_suite.py) or lesson 05's bench shapes")
+    parser.add_argument("layers", nargs="+", help="labels of the network suite or the ladder (benchmarks/layers.py)")
     parser.add_argument("--config", action="append", required=True, help="KernelConfig fields, e.g. 128,128,64,6,8")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     KernelConfig = runtime.KernelConfig
     configs = [KernelConfig(*map(int, text.split(","))) for text in args.config]
-    suite = {layer[0]: layer for layer in network_suite.network_suite() + network_suite.LADDER_SHAPES}
-    unknown = [label for label in args.layers if label not in suite]
-    if unknown:
-        raise SystemExit(f"unknown layers {unknown}; known: {sorted(suite)}")
+    chosen = chosen_on_command_line(args.layers)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {common.versions()}")
-    for label in args.layers:
-        _, N, H, W, Ci, Co, R, S, stride, padding = suite[label]
+    for label, N, H, W, Ci, Co, R, S, stride, padding in chosen:
         x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16)
         geometry = common.conv_geometry(x.shape, w.shape, stride, padding)
         expected = common.reference_conv2d_nhwc(x, w, None, stride, padding)

@@ -2,7 +2,7 @@
 
     python benchmarks/channel_stats.py [--outdir out] [--batch 128] [--layers TEXT ...]
 
-For every distinct conv of ResNet-50 (network_suite.resnet50_layers) at batch 128 in bf16, four
+For every distinct conv of ResNet-50 (layers.resnet50_layers) at batch 128 in bf16, four
 ways to a conv's output and its per-channel sum and sum of squares (what BatchNorm's training
 mode needs), each replayed in a CUDA graph (common.bench_tflops with cuda_graph=True: kernels
 alone, no host time), all in one run:
@@ -16,7 +16,7 @@ The fusion pays where ours+stats is faster than ours+reduce. The sums are checke
 first. Writes channel_stats.json (device, versions, one record per layer, microseconds) to --outdir.
 """
 import argparse
-import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
-import network_suite  # noqa: E402
+from layers import resnet50_layers  # noqa: E402
 import torch  # noqa: E402
 
 WAYS = ("ours", "ours+stats", "ours+reduce", "cuDNN+reduce")
@@ -67,7 +67,7 @@ def main(argv=None):
     parser.add_argument("--layers", nargs="+", default=None, help="only layers whose label holds one of these")
     args = parser.parse_args(argv)
     common.require_tma_mma_gpu("benchmarks/channel_stats.py")
-    layers = network_suite.resnet50_layers(args.batch)
+    layers = resnet50_layers(args.batch)
     if args.layers:
         layers = [layer for layer in layers if any(text in layer[0] for text in args.layers)]
     from conv_tutorial import runtime
@@ -75,7 +75,7 @@ def main(argv=None):
     print(f"microseconds per call (CUDA graphs), bf16, batch {args.batch}, {common.gpu_name()}:")
     rows = [layer_times(layer, reduce) for layer in layers]
     total = {name: sum(row[name] for row in rows) for name in WAYS}
-    ratio = math.exp(sum(math.log(row["ours+reduce"] / row["ours+stats"]) for row in rows) / len(rows))
+    ratio = statistics.geometric_mean([row["ours+reduce"] / row["ours+stats"] for row in rows])
     print(f"   total over the layers: " + ", ".join(f"{name} {us:.0f} us" for name, us in total.items())
           + f"; ours+reduce / ours+stats, geometric mean {ratio:.3f}")
     common.save_json(common.output_dir(args.outdir), "channel_stats",

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
 from conv_tutorial import runtime, selection  # noqa: E402
-import network_suite  # noqa: E402
+from layers import chosen_on_command_line  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -122,22 +122,18 @@ def sustained(call, flops, seconds):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("layers", nargs="+", help="suite labels (network_suite.py) or lesson 05's bench shapes")
+    parser.add_argument("layers", nargs="+", help="labels of the network suite or the ladder (benchmarks/layers.py)")
     parser.add_argument("--config", help="ours: KernelConfig fields, e.g. 256,128,64,3,8 (default: tuned)")
     parser.add_argument("--seconds", type=float, default=3.0, help="length of each timed block")
     args = parser.parse_args()
-    suite = {layer[0]: layer for layer in network_suite.network_suite() + network_suite.LADDER_SHAPES}
-    unknown = [label for label in args.layers if label not in suite]
-    if unknown:
-        raise SystemExit(f"unknown layers {unknown}; known: {sorted(suite)}")
+    chosen = chosen_on_command_line(args.layers)
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     per_cycle = FLOPS_PER_SM_PER_CYCLE.get((props.major, props.minor))
     if per_cycle is None:
         raise SystemExit(f"no dense bf16 rate per cycle known for sm_{props.major}{props.minor}")
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, {common.versions()}")
     print(f"dense bf16 peak = {props.multi_processor_count} SMs x {per_cycle} FLOPs/cycle x SM clock")
-    for label in args.layers:
-        _, N, H, W, Ci, Co, R, S, stride, padding = suite[label]
+    for label, N, H, W, Ci, Co, R, S, stride, padding in chosen:
         x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16)
         geometry = common.conv_geometry(x.shape, w.shape, stride, padding)
         config = (runtime.KernelConfig(*map(int, args.config.split(","))) if args.config

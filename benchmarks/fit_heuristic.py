@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
 from conv_tutorial import configs, runtime, selection  # noqa: E402
-import network_suite  # noqa: E402
+from layers import network_suite  # noqa: E402
 
 NUM_SMS = 132        # the H100 SXM the suite ran on
 
@@ -50,7 +50,7 @@ def read_timings(log_text):
     """[(label, geometry the kernel runs, {config: TFLOPS})] for every suite layer in the log."""
     blocks = re.split(r"\n(?=(?:RN50|SD|IncV3) [^\n]*autotuning:)", log_text)
     layers = []
-    for label, N, H, W, Ci, Co, R, S, stride, padding in network_suite.network_suite():
+    for label, N, H, W, Ci, Co, R, S, stride, padding in network_suite():
         block = next((b for b in blocks if b.startswith(label + ":")), None)
         if block is None:           # a log of part of the suite
             continue
@@ -121,9 +121,9 @@ def main():
             before.append(old / max(timings.values()))
         print(f"  {label:<30} {str(pick):<48} {scores[-1]:.3f}   now: "
               + (f"{before[-1]:.3f}" if old is not None else f"{old_pick} (not timed)"))
-    print(f"geometric mean {network_suite.geometric_mean(scores):.3f}, worst {min(scores):.3f}")
+    print(f"geometric mean {statistics.geometric_mean(scores):.3f}, worst {min(scores):.3f}")
     if before:
-        print(f"the table held now: geometric mean {network_suite.geometric_mean(before):.3f}, worst "
+        print(f"the table held now: geometric mean {statistics.geometric_mean(before):.3f}, worst "
               f"{min(before):.3f} over the {len(before)} layers whose pick was timed")
 
 

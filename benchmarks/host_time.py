@@ -33,14 +33,8 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 from conv_tutorial import launch, runtime, selection  # noqa: E402
-from conv_tutorial.kernel import lesson05  # noqa: E402
-
-LAYERS = [   # label, N, H, W, Ci, Co, R, S, stride, padding (from network_suite.py)
-    ("RN50 14x14 256->256 3x3", 128, 14, 14, 256, 256, 3, 3, 1, 1),
-    ("RN50 7x7 512->512 3x3", 128, 7, 7, 512, 512, 3, 3, 1, 1),
-    ("SD 64x64 320->320 3x3", 8, 64, 64, 320, 320, 3, 3, 1, 1),
-    ("SD 8x8 1280->1280 3x3", 8, 8, 8, 1280, 1280, 3, 3, 1, 1),
-]
+from conv_tutorial.kernels import fprop  # noqa: E402
+from layers import HOST_TIME  # noqa: E402
 
 
 def host_us_per_call(call, calls=200):
@@ -60,12 +54,12 @@ def compare_launch_paths(plan, x_nhwc, w, calls=200):
     directly (its tensor maps encoded on every launch); the plan's DirectLaunch (maps remembered)."""
     plan.run(x_nhwc, w)
     conv = plan.launch_for(x_nhwc, w, None)
-    kwargs = lesson05.kernel_constexprs(plan.config, plan.arch)
+    kwargs = fprop.kernel_constexprs(plan.config, plan.arch)
     direct = plan.launches[("none", None, None, None)]
     w_tail, out_tail = (None if desc is None else desc.base for desc in (conv.w_tail_desc, conv.out_tail_desc))
     raw_args = (conv.in_desc.base, conv.w_desc.base, w_tail, conv.out_2d, out_tail, conv.pointers, conv.shape)
     return {
-        "generic": host_us_per_call(lambda: lesson05.conv2d_fprop_kernel[conv.grid](*conv.kernel_args(), **kwargs),
+        "generic": host_us_per_call(lambda: fprop.conv2d_fprop_kernel[conv.grid](*conv.kernel_args(), **kwargs),
                                     calls),
         "compiled": host_us_per_call(lambda: direct.compiled[conv.grid](*conv.kernel_args(), *direct.constexprs),
                                      calls),
@@ -80,7 +74,7 @@ def measure_host_time(x_nhwc, w, stride, padding, config):
     launches = compare_launch_paths(launch.plan_for(geometry, x_nhwc.dtype, config), x_nhwc, w)
     return {
         "plain_launcher_us": host_us_per_call(
-            lambda: lesson05.conv2d_fprop_launch(x_nhwc, w, None, stride, padding, config=config), calls=50),
+            lambda: fprop.conv2d_fprop_launch(x_nhwc, w, None, stride, padding, config=config), calls=50),
         "runtime_us": host_us_per_call(lambda: runtime.conv2d(x_nhwc, w, None, stride, padding, config=config)),
         "generic_launch_us": launches["generic"], "compiled_launch_us": launches["compiled"],
         "direct_launch_us": launches["direct"],
@@ -136,13 +130,13 @@ def main():
     columns = ["generic", "compiled", "direct", "runtime", "operator", "cudnn"]
     print(f"{'layer':<26}" + "".join(f"{c:>10}" for c in columns) + "   config")
     rows = []
-    for layer in LAYERS:
+    for layer in HOST_TIME:
         row = measure(layer)
         rows.append(row)
         print(f"{row['layer']:<26}" + "".join(f"{row[c]:10.1f}" if c in row else f"{'-':>10}" for c in columns)
               + f"   {row['config']}")
     if args.profile:
-        profile_runtime(LAYERS[0])
+        profile_runtime(HOST_TIME[0])
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({**info, "rows": rows}, indent=1))

@@ -29,18 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import common  # noqa: E402
 from conv_tutorial import runtime, selection  # noqa: E402
+from layers import NCU, NCU_COLD_L2  # noqa: E402
 
 import torch  # noqa: E402
-
-LAYERS = [
-    ("SD 64x64 320->320 3x3", 8, 64, 64, 320, 320, 3, 3, 1, 1),
-    ("RN50 14x14 1024->256 1x1", 128, 14, 14, 1024, 256, 1, 1, 1, 0),
-    ("SD 16x16 1280->1280 3x3", 8, 16, 16, 1280, 1280, 3, 3, 1, 1),
-]
-COLD_L2_LAYERS = [
-    ("RN50 7x7 2048->512 1x1", 128, 7, 7, 2048, 512, 1, 1, 1, 0),
-    ("RN50 14x14 1024->512 1x1", 128, 14, 14, 1024, 512, 1, 1, 1, 0),
-]
 
 
 def in_range(name, call):
@@ -54,7 +45,7 @@ def main():
     common.require_tma_mma_gpu("benchmarks/ncu_layers.py")
     cold_l2 = "--cold-l2" in sys.argv[1:]
     flush = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda") if cold_l2 else None
-    for label, N, H, W, Ci, Co, R, S, stride, padding in (COLD_L2_LAYERS if cold_l2 else LAYERS):
+    for label, N, H, W, Ci, Co, R, S, stride, padding in (NCU_COLD_L2 if cold_l2 else NCU):
         torch.manual_seed(0)          # application replay: every pass the same tensors
         x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
         w = (torch.randn(Co, R, S, Ci, device="cuda") / math.sqrt(R * S * Ci)).to(torch.bfloat16)

@@ -34,9 +34,9 @@ cudnn_tflops, ratio, ...) and two plots: the ratio per layer, sorted, and a roof
 intensity against TFLOPS, with the device's datasheet peaks).
 """
 import argparse
-import functools
 import json
 import math
+import statistics
 from pathlib import Path
 
 import sys
@@ -45,114 +45,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the lessons' ki
 
 import common  # noqa: E402
 import host_time  # noqa: E402
+from layers import BATCH_INCEPTION, HEADLINE, LADDER, QUICK_LABELS, network_suite, quick_suite  # noqa: E402
 import torch  # noqa: E402
 
-from conv_tutorial import launch, runtime, selection  # noqa: E402
+from conv_tutorial import runtime, selection  # noqa: E402
 from conv_tutorial.geometry import quantize_conv_operands  # noqa: E402
 from conv_tutorial.configs import KernelConfig  # noqa: E402
-
-BATCH_RESNET, BATCH_UNET = 128, 8
-
-
-def resnet50_layers(batch=BATCH_RESNET):
-    """(label, N, H, W, Ci, Co, R, S, stride, padding) of every distinct conv of ResNet-50, in
-    the order the forward pass meets them."""
-    layers = [("RN50 stem 224 3->64 7x7 s2", batch, 224, 224, 3, 64, 7, 7, 2, 3)]
-    size, channels = 56, 64                     # after the stem and the 3x3/2 max-pool
-    for stage, (width, blocks) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3))):
-        for block in range(blocks):
-            stride = 2 if stage > 0 and block == 0 else 1
-            out = size // stride
-
-            def conv(hw, ci, co, k, s):
-                label = f"RN50 {hw}x{hw} {ci}->{co} {k}x{k}" + (f" s{s}" if s > 1 else "")
-                return (label, batch, hw, hw, ci, co, k, k, s, k // 2)
-            layers += [conv(size, channels, width, 1, 1), conv(size, width, width, 3, stride),
-                       conv(out, width, 4 * width, 1, 1)]
-            if block == 0:
-                layers.append(conv(size, channels, 4 * width, 1, stride))      # the downsample
-            channels, size = 4 * width, out
-    distinct = {}
-    for layer in layers:
-        distinct.setdefault(layer[1:], layer)
-    return list(distinct.values())
-
-
-def unet_3x3_layers(batch=BATCH_UNET):
-    """The distinct 3x3 convs of the SD v1 UNet's resnet blocks and resamplers (64x64 latents)."""
-    shapes = [  # (size, Ci, Co, stride)
-        (64, 320, 320, 1), (64, 320, 320, 2), (64, 640, 320, 1), (64, 960, 320, 1), (64, 640, 640, 1),
-        (32, 320, 640, 1), (32, 640, 640, 1), (32, 640, 640, 2), (32, 960, 640, 1), (32, 1280, 640, 1),
-        (32, 1280, 1280, 1),
-        (16, 640, 1280, 1), (16, 1280, 1280, 1), (16, 1280, 1280, 2), (16, 1920, 1280, 1),
-        (16, 2560, 1280, 1),
-        (8, 1280, 1280, 1), (8, 2560, 1280, 1),
-    ]
-    return [(f"SD {hw}x{hw} {ci}->{co} 3x3" + (" s2" if s > 1 else ""), batch, hw, hw, ci, co, 3, 3, s, 1)
-            for hw, ci, co, s in shapes]
-
-
-def torchvision_dense_convs(model_name, prefix, batch, image_size, **model_options):
-    """(label, N, H, W, Ci, Co, R, S, stride, padding) of every distinct dense (groups = 1) conv of
-    a torchvision model, in the order its forward pass meets them: found by running the model on
-    the meta device (shapes only, no memory, no arithmetic) with a hook on each nn.Conv2d. Filters,
-    strides and paddings are (h, w) pairs where they differ; the label names the padding where it
-    is not the filter's "same" padding (Inception's 3x3 valid convs: "p0")."""
-    import torchvision
-    model = getattr(torchvision.models, model_name)(weights=None, **model_options).to("meta").eval()
-    layers = {}
-
-    def record(conv, inputs, output):
-        if conv.groups != 1:
-            return
-        _, Ci, H, W = inputs[0].shape
-        (R, S), stride, padding = conv.kernel_size, conv.stride, conv.padding
-        key = (batch, H, W, Ci, conv.out_channels, R, S, stride, padding)
-        filt = f"{R}x{S}" + (f" s{stride[0]}" if stride == (stride[0],) * 2 and stride[0] > 1 else
-                             f" s{stride[0]}x{stride[1]}" if stride != (1, 1) else "")
-        same = (R // 2, S // 2)
-        label = f"{prefix} {H}x{W} {Ci}->{conv.out_channels} {filt}" + ("" if padding == same else
-                                                                        f" p{padding[0]}" if padding[0] == padding[1]
-                                                                        else f" p{padding[0]}x{padding[1]}")
-        flat = lambda pair: pair[0] if pair[0] == pair[1] else pair  # noqa: E731
-        layers.setdefault(key, (label, batch, H, W, Ci, conv.out_channels, R, S, flat(stride), flat(padding)))
-
-    hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
-    with torch.no_grad():
-        model(torch.empty(1, 3, image_size, image_size, device="meta"))
-    for hook in hooks:
-        hook.remove()
-    labels = [layer[0] for layer in layers.values()]
-    assert len(set(labels)) == len(labels), "two distinct convs share a label"
-    return list(layers.values())
-
-
-BATCH_INCEPTION = 128
-
-
-def inception_v3_layers(batch=BATCH_INCEPTION):
-    """The distinct convs of torchvision's Inception v3 (299x299 input), all dense: widths of 48, 80,
-    96, 160 and 288 channels (not multiples of 64), 1x7 / 7x1 / 1x3 / 3x1 filters, 3x3 stride-2
-    and unpadded ("valid") convs."""
-    return torchvision_dense_convs("inception_v3", "IncV3", batch, 299, aux_logits=False, init_weights=False)
-
+from conv_tutorial.kernels import fprop  # noqa: E402
 
 FAMILIES = (("RN50", "ResNet-50 (batch 128)", "#2060c0"), ("SD", "SD UNet 3x3 (batch 8)", "#c06020"),
             ("IncV3", f"Inception v3 (batch {BATCH_INCEPTION})", "#40a040"))
-
-
-@functools.lru_cache(maxsize=None)
-def network_suite():
-    """Every layer of the suite: ResNet-50, the SD UNet's 3x3 convs, Inception v3."""
-    return resnet50_layers() + unet_3x3_layers() + inception_v3_layers()
-
-
-QUICK_LABELS = ("RN50 stem 224 3->64 7x7 s2", "RN50 14x14 256->256 3x3", "RN50 7x7 2048->512 1x1",
-                "SD 8x8 1280->1280 3x3", "IncV3 73x73 80->192 3x3 p0", "IncV3 17x17 160->160 1x7")
-
-
-def quick_suite():
-    return [layer for layer in network_suite() if layer[0] in QUICK_LABELS]
 
 
 ROUNDS = 3
@@ -184,10 +86,6 @@ def minimum_bytes(geometry, element_size=2):
     """Bytes a conv must move at least: its input, its weights and its output, once each."""
     g = geometry
     return element_size * (g.N * g.H * g.W * g.Ci + g.Co * g.R * g.S * g.Ci + g.M * g.Co)
-
-
-def geometric_mean(values):
-    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def run_network_suite(outdir, quick=False, tune=True, dtype=torch.bfloat16, only=None, keep=None, resume=False,
@@ -261,7 +159,7 @@ def run_network_suite(outdir, quick=False, tune=True, dtype=torch.bfloat16, only
     info = common.versions()
     data = {**info, "dtype": str(dtype), "configs": f"replayed from {replay}" if replay else
             "autotuned" if tune else "heuristic",
-            "geomean_ratio": geometric_mean([r["ratio"] for r in records]),
+            "geomean_ratio": statistics.geometric_mean([r["ratio"] for r in records]),
             "min_ratio": min(r["ratio"] for r in records), "records": records}
     summarize(data)
     plot_network_suite(data, outdir)
@@ -275,13 +173,13 @@ def summarize(data):
     for prefix, name, _ in FAMILIES:
         ratios = [r["ratio"] for r in records if r["layer"].startswith(prefix + " ")]
         if ratios:
-            print(f"  {name}: geometric mean of ours/cuDNN {geometric_mean(ratios):.3f}x over "
+            print(f"  {name}: geometric mean of ours/cuDNN {statistics.geometric_mean(ratios):.3f}x over "
                   f"{len(ratios)} layers, lowest {min(ratios):.2f}x")
     print(f"  all {len(records)} layers: geometric mean {data['geomean_ratio']:.3f}x, lowest "
           f"{data['min_ratio']:.2f}x")
     if all("graph_ratio" in r for r in records):
         graph = [r["graph_ratio"] for r in records]
-        print(f"  kernels alone (CUDA-graph replay, no host time): geometric mean {geometric_mean(graph):.3f}x, "
+        print(f"  kernels alone (CUDA-graph replay, no host time): geometric mean {statistics.geometric_mean(graph):.3f}x, "
               f"lowest {min(graph):.2f}x")
 
 
@@ -406,22 +304,12 @@ def number_points(ax, points, fontsize=7):
 
 # %% The ladder of the series on lesson 05's benchmark shapes ----------------------------------------
 
-LADDER_SHAPES = [   # (label, N, H, W, Ci, Co, R, S, stride, padding)
-    common.HEADLINE_SHAPE,
-    *common.RESNET50_3X3_SHAPES,
-    ("RN50 56x56 128->128 3x3 s2", 128, 56, 56, 128, 128, 3, 3, 2, 1),
-    ("RN50 56x56 256->64 1x1", 128, 56, 56, 256, 64, 1, 1, 1, 0),
-    ("RN50 14x14 1024->256 1x1", 128, 14, 14, 1024, 256, 1, 1, 1, 0),
-    ("SD UNet 64x64 320->320 3x3", 8, 64, 64, 320, 320, 3, 3, 1, 1),
-]
-
-
 def run_ladder(outdir, quick=False, dtype=torch.bfloat16):
     """Lesson 05's `--bench`: per shape, lessons 02, 04 and 05 and cuDNN, printed, drawn, saved."""
     conv2d_fprop = runtime.conv2d          # lesson 05's kernel, autotuned per shape, through the runtime
     lesson02 = common.load_lesson("02-im2col-explicit")
     lesson04 = common.load_lesson("04-implicit-gemm-single-buffer")
-    shapes = LADDER_SHAPES[:3] if quick else LADDER_SHAPES
+    shapes = LADDER[:3] if quick else LADDER
     rows = []
     for label, N, H, W, Ci, Co, R, S, stride, padding in shapes:
         x_nhwc, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, dtype)
@@ -477,7 +365,7 @@ def run_ladder(outdir, quick=False, dtype=torch.bfloat16):
         print(f"  {row['shape']:<30} 05: " + " ".join(f"{t:6.1f}" for t in row["05 warp-specialized"]["rounds"])
               + "   cuDNN: " + " ".join(f"{t:6.1f}" for t in row["cuDNN"]["rounds"]))
     three_by_three = [r["ratio_05_cudnn"] for r in rows if "3x3" in r["shape"]]
-    geomean = math.exp(sum(math.log(r) for r in three_by_three) / len(three_by_three))
+    geomean = statistics.geometric_mean(three_by_three)
     print(f"  geometric mean of 05/cuDNN over the {len(three_by_three)} 3x3 shapes: {geomean:.3f}x")
     data = {"rows": rows, "geomean_3x3_ratio": geomean, "dtype": str(dtype), **info}
     plot_ladder(rows, info, dtype, outdir, data)
@@ -490,9 +378,6 @@ FP8_CANDIDATES = [KernelConfig(256, 128, 64, 3, 8), KernelConfig(128, 256, 64, 3
                   KernelConfig(128, 128, 64, 6, 8), KernelConfig(128, 128, 64, 4, 4), KernelConfig(256, 64, 64, 4, 8)]
 
 
-HEADLINE_LAYER = common.HEADLINE_SHAPE
-
-
 def run_fp8_suite(outdir, only=None, keep=None):
     """The headline shape and every suite layer (or those whose labels start with one of `only`)
     in e4m3 (x per tensor, w per output channel, bf16 out) and in bf16, each with the fastest of
@@ -500,10 +385,9 @@ def run_fp8_suite(outdir, only=None, keep=None):
     output's largest error against torch's fp32 conv of the unquantized operands, relative to the
     output's largest magnitude. Writes fp8.json (its "layers", and what `keep`, an earlier
     fp8.json, holds of other layers and of ResNet-50) and prints the geometric means."""
-    lesson05 = launch.lesson05
     arch = "sm_90" if common.is_hopper() else "sm_100"
     candidates = [c for c in FP8_CANDIDATES if arch == "sm_90" or c.block_m == 128]
-    layers = [layer for layer in (HEADLINE_LAYER,) + tuple(network_suite())
+    layers = [layer for layer in (HEADLINE,) + tuple(network_suite())
               if not only or layer[0].startswith(tuple(only))]
     kept = json.loads(Path(keep).read_text()) if keep else {}
     records = [r for r in kept.get("layers", []) if r["layer"] not in {layer[0] for layer in layers}]
@@ -512,9 +396,9 @@ def run_fp8_suite(outdir, only=None, keep=None):
         x_q, x_scale, w_q, w_scale = quantize_conv_operands(x, w)
         dequantize = x_scale * w_scale        # the epilogue's per-channel scale (lesson 05, section 9)
         flops = common.conv_geometry(x.shape, w.shape, stride, padding).flops
-        runs = {"fp8": lambda c: lambda: lesson05.conv2d_fprop_launch(x_q, w_q, None, stride, padding, config=c,
+        runs = {"fp8": lambda c: lambda: fprop.conv2d_fprop_launch(x_q, w_q, None, stride, padding, config=c,
                                                                       scale=dequantize),
-                "bf16": lambda c: lambda: lesson05.conv2d_fprop_launch(x, w, None, stride, padding, config=c)}
+                "bf16": lambda c: lambda: fprop.conv2d_fprop_launch(x, w, None, stride, padding, config=c)}
         best = {}
         for name, make in runs.items():
             timed = [(common.bench_tflops(make(c), flops, cuda_graph=True)["tflops"], c) for c in candidates]
@@ -533,14 +417,14 @@ def run_fp8_suite(outdir, only=None, keep=None):
         del x, w, x_q, w_q
         torch.cuda.empty_cache()
     info = common.versions()
-    order = [layer[0] for layer in (HEADLINE_LAYER,) + tuple(network_suite())]
+    order = [layer[0] for layer in (HEADLINE,) + tuple(network_suite())]
     records.sort(key=lambda r: order.index(r["layer"]))
     data = {**kept, **info, "timing": "kernels alone (CUDA-graph replay), each precision the fastest of the same "
                                       "candidate configs", "layers": records}
-    suite = [r for r in records if r["layer"] != HEADLINE_LAYER[0]]
+    suite = [r for r in records if r["layer"] != HEADLINE[0]]
     print(f"\nfp8 over {len(suite)} suite layers, {info['device']}: fp8 / our bf16 geometric mean "
-          f"{geometric_mean([r['fp8_tflops'] / r['bf16_tflops'] for r in suite]):.3f}x, fp8 / cuDNN bf16 "
-          f"{geometric_mean([r['fp8_tflops'] / r['cudnn_bf16_tflops'] for r in suite]):.3f}x")
+          f"{statistics.geometric_mean([r['fp8_tflops'] / r['bf16_tflops'] for r in suite]):.3f}x, fp8 / cuDNN bf16 "
+          f"{statistics.geometric_mean([r['fp8_tflops'] / r['cudnn_bf16_tflops'] for r in suite]):.3f}x")
     common.save_json(outdir, "fp8", data)
     return data
 

@@ -44,16 +44,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 from conv_tutorial import fp8, fusion, ops, selection  # noqa: E402
+from layers import FIRST_CALL  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-FIRST_CALL_LAYER = (128, 1024, 14, 14, 256, 1, 1, 1, 0)   # N, Ci, H, W, Co, R, S, stride, padding
-
 
 def first_call_child():
     """Run in a fresh process: time one conv layer's first call (compile and config choice included)."""
-    N, Ci, H, W, Co, R, S, stride, padding = FIRST_CALL_LAYER
+    _, N, H, W, Ci, Co, R, S, stride, padding = FIRST_CALL
     x = torch.randn(N, Ci, H, W, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
     w = torch.randn(Co, Ci, R, S, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
     torch.cuda.synchronize()
@@ -87,7 +86,7 @@ def profile_host_path(calls=300):
 
 
 def first_call_latencies():
-    """Seconds to the first result of FIRST_CALL_LAYER in fresh processes, cold Triton cache each."""
+    """Seconds to the first result of layers.FIRST_CALL in fresh processes, cold Triton cache each."""
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         tuning_file = Path(folder) / "tuning.json"

@@ -16,22 +16,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import network_suite  # noqa: E402
+from layers import TUNER_VS_HEURISTIC  # noqa: E402
 from conv_tutorial import launch, runtime, selection  # noqa: E402
 
 import torch  # noqa: E402
-
-LAYERS = [  # (label, N, H, W, Ci, Co, R, S, stride, padding)
-    common.HEADLINE_SHAPE,
-    ("33x47 67->100 3x3", 64, 33, 47, 67, 100, 3, 3, 1, 1),
-    ("stem 224 3->64 4x4 s4", 32, 224, 224, 3, 64, 4, 4, 4, 0),
-] + [shape for shape in network_suite.LADDER_SHAPES if shape[0] in ("RN50 7x7 512->512 3x3", "RN50 56x56 256->64 1x1")]
 
 
 def main():
     common.require_tma_mma_gpu("benchmarks/tuner_vs_heuristic.py")
     print(f"tuned vs heuristic configs, bf16, {common.gpu_name()}, do_bench medians of 3 alternating rounds:")
     rows = []
-    for label, N, H, W, Ci, Co, R, S, stride, padding in LAYERS:
+    for label, N, H, W, Ci, Co, R, S, stride, padding in TUNER_VS_HEURISTIC:
         x = torch.randn(N, H, W, Ci, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(Co, R, S, Ci, device="cuda", dtype=torch.bfloat16) / (R * S * Ci) ** 0.5
         geometry = common.conv_geometry(x.shape, w.shape, stride, padding)

@@ -1,26 +1,21 @@
-"""The conv's gradients for the operator's backward: torch's (cuDNN), or lesson 06's kernels.
+"""The conv's gradients for the operator's backward: torch's (cuDNN), or the package's kernels.
 
-    conv_tutorial.set_backward("lesson06")   # dgrad and wgrad on lesson 06's kernels where they run
+    conv_tutorial.set_backward("lesson06")   # dgrad and wgrad on the kernels lesson 06 teaches, where they run
     conv_tutorial.set_backward("torch")      # the default: aten.convolution_backward (cuDNN)
 
-The default stays torch's until lesson 06's kernels measure faster: on an H100 (ResNet-50's convs
-at batch 128, bf16, 2026-11-26; RESULTS.md, "The operator's gradients" and "Training") this
-operator's gradients ran at 1.05x (dgrad) and 0.98x (wgrad) cuDNN's speed, kernels alone,
-geometric means, and a training step at 1.00x torch.compile's with CUDA graphs (ResNet-50; 1.02x
-with the forward's fused BatchNorm statistics, 1.04x in another run; RegNetY-3.2GF 0.94x in an
-earlier run), 0.46x without (ResNet-50, an earlier run: host time). With "lesson06", each gradient
+The default stays torch's until the package's kernels measure faster in a whole training step with
+and without CUDA graphs (RESULTS.md, "The operator's gradients" and "Training"). With "lesson06", each gradient
 a call needs runs on the lesson's kernels where they cover the call (fp16 or bf16; groups 1, or
 groups whose channels the kernels' tiles keep to; input, weight and gradient on one Hopper or
 data-centre Blackwell GPU): dgrad as lesson 06's phases (or, with few channels at a stride, its
 folded conv), each a conv through this package's runtime that stores into its phase's pixels of
 dX (an output window), or, where every phase has taps (a 3x3 stride-2 conv), all of them as one
 conv (lesson 06, section 2b: one launch of lesson 05's kernel), the weights read where they lie
-(section 2c: a common.FlippedFilter, no flipped copy) where their rows are whole 16-byte vectors;
+(section 2c: a core.FlippedFilter, no flipped copy) where their rows are whole 16-byte vectors;
 wgrad as lesson 06's kernel
-through a plan per shape (wgrad.py). Elsewhere torch's convolution_backward computes it, with one
+(kernels/wgrad.py) through a plan per shape (wgrad.py). Elsewhere torch's convolution_backward computes it, with one
 warning per reason, and `backward_fallbacks()` counts every such gradient: what a model's backward
-left to torch, and why. `$CONV_TUTORIAL_BACKWARD` sets the choice for a process. Lesson 06 is
-loaded (kernel.lesson06) on the first call that uses it.
+left to torch, and why. `$CONV_TUTORIAL_BACKWARD` sets the choice for a process.
 """
 import os
 import warnings
@@ -31,7 +26,8 @@ import torch
 from . import runtime, selection, wgrad
 from .configs import grouped_conv_fits
 from .geometry import current_arch, nhwc_view
-from .kernel import common
+from . import core
+from .kernels import dgrad as dgrad_kernels, gradients
 
 BACKENDS = ("torch", "lesson06")
 _BACKEND = os.environ.get("CONV_TUTORIAL_BACKWARD", "torch")
@@ -70,14 +66,13 @@ def lesson06_reason(grad_output, input, weight, groups, kind="input", stride=1, 
         return (f"GPU {torch.cuda.get_device_name(input.device)} (lesson 06's kernels need Hopper sm_90 or "
                 f"data-centre Blackwell sm_100)")
     if groups != 1:
-        from .kernel import lesson06
         N, Ci, H, W = input.shape
-        g = common.conv_geometry((N, H, W, Ci), (weight.shape[0], *weight.shape[2:], weight.shape[1]), stride,
+        g = core.conv_geometry((N, H, W, Ci), (weight.shape[0], *weight.shape[2:], weight.shape[1]), stride,
                                  padding, dilation, groups)
         if kind == "input" and not grouped_conv_fits(g.Co_group, g.Ci_group, arch):
             return ("a grouped conv whose dX, a grouped conv of dY (Co / groups channels in, Ci / groups out), the "
                     "forward's kernel does not run (its tiles must keep to one group: lesson 05, section 10)")
-        if kind == "weight" and lesson06.backward_groups_reason(g, "wgrad") is not None:
+        if kind == "weight" and gradients.backward_groups_reason(g, "wgrad") is not None:
             return ("a grouped conv whose groups lesson 06's wgrad tiles cannot keep to (it takes a multiple of 64 "
                     "output and of 8 input channels per group)")
     return None
@@ -173,18 +168,17 @@ def _dgrad(grad_output, input, weight, stride, padding, dilation, groups, relu_g
         if relu_gated:
             dx = torch.where(input > 0, dx, torch.zeros((), dtype=dx.dtype, device=dx.device))
     else:
-        from .kernel import lesson06
         w_nhwc = nhwc_view(weight)                       # weight [Co, Ci, R, S] -> [Co, R, S, Ci]
         x_shape = (input.shape[0], input.shape[2], input.shape[3], input.shape[1])
-        geometry = common.conv_geometry(x_shape, tuple(w_nhwc.shape), stride, padding, dilation, groups)
+        geometry = core.conv_geometry(x_shape, tuple(w_nhwc.shape), stride, padding, dilation, groups)
         plan = _DGRAD_PLANS.get(geometry)
         if plan is None:
-            fold = lesson06.stride_fold(geometry, input.element_size())
-            plan = _DGRAD_PLANS[geometry] = (fold, lesson06.dgrad_phases(geometry if fold is None else fold.geometry))
-        options = dict(fold=plan[0], phases=plan[1], conv=lesson06.side_by_side_launch, in_place=True)
+            fold = gradients.stride_fold(geometry, input.element_size())
+            plan = _DGRAD_PLANS[geometry] = (fold, dgrad_kernels.dgrad_phases(geometry if fold is None else fold.geometry))
+        options = dict(fold=plan[0], phases=plan[1], conv=dgrad_kernels.side_by_side_launch, in_place=True)
         dy_nhwc = nhwc_view(grad_output)
-        dx = (lesson06.dgrad_through_relu(dy_nhwc, w_nhwc, nhwc_view(input), geometry, _fprop, **options) if relu_gated
-              else lesson06.dgrad(dy_nhwc, w_nhwc, geometry, _fprop, **options)).permute(0, 3, 1, 2)
+        dx = (dgrad_kernels.dgrad_through_relu(dy_nhwc, w_nhwc, nhwc_view(input), geometry, _fprop, **options) if relu_gated
+              else dgrad_kernels.dgrad(dy_nhwc, w_nhwc, geometry, _fprop, **options)).permute(0, 3, 1, 2)
     return dx.contiguous(memory_format=torch.channels_last)            # the layout the fake promises
 
 

@@ -9,14 +9,14 @@ import functools
 
 import triton
 
-from .kernel import lesson05
+from .kernels import fprop
 
-KernelConfig, FIXED_CONFIG, check_config = lesson05.KernelConfig, lesson05.FIXED_CONFIG, lesson05.check_config
+KernelConfig, FIXED_CONFIG, check_config = fprop.KernelConfig, fprop.FIXED_CONFIG, fprop.check_config
 PINGPONG_CONFIG = FIXED_CONFIG._replace(consumers=2)   # lesson 05, section 4: Hopper's ping-pong
 SHARED_MEMORY_PER_PROGRAM, ring_bytes, stores_by_row_blocks, tile_counts = (
-    lesson05.SHARED_MEMORY_PER_PROGRAM, lesson05.ring_bytes, lesson05.stores_by_row_blocks, lesson05.tile_counts)
+    fprop.SHARED_MEMORY_PER_PROGRAM, fprop.ring_bytes, fprop.stores_by_row_blocks, fprop.tile_counts)
 block_k_channels, groups_fit, check_groups_fit = (
-    lesson05.block_k_channels, lesson05.groups_fit, lesson05.check_groups_fit)
+    fprop.block_k_channels, fprop.groups_fit, fprop.check_groups_fit)
 
 
 def _candidates():
@@ -159,11 +159,10 @@ def fitted_to_epilogue(config, has_residual, arch="sm_90"):
     """How to run, given the epilogue, a config chosen without it (the heuristic's, or a plain
     conv's tuned choice); the autotuner times its candidates this way too when the call has a
     residual. A residual tile adds registers, and a row tail on 4-warp consumers has no room for
-    them: its build spills (232 bytes per thread; ResNet-50's 14x14 256->1024 1x1 + residual took
-    0.086 ms), so it moves to one 8-warp consumer, the same tile with half the registers per
-    thread (0.070 ms). Other builds that spill a little are kept: letting the heuristic pick one
-    with room instead measured slower (ResNet-50's 56x56 64->256 1x1 + residual: 0.241 ms against
-    0.215 for the tuned 128x256 tile, which spills 176 bytes)."""
+    them: its build spills, so it moves to one 8-warp consumer, the same tile with half the registers
+    per thread, which measured faster. Other builds that spill a little are kept: letting the
+    heuristic pick one with room instead measured slower (results/notebook.md, the epilogue's
+    tuning)."""
     if has_residual and config.block_m_tail and not residual_fits_in_registers(config, arch):
         return config._replace(num_warps=8, consumers=1, num_buffers=4)
     return config

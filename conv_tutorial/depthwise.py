@@ -21,11 +21,11 @@ import triton
 import triton.language as tl
 
 from .geometry import check_epilogue, conv_output_size, pair
-from .kernel import lesson05
+from .kernels import fprop
 from .launch import compiling_ahead_active
 
-apply_epilogue = lesson05.apply_epilogue     # act(acc * scale + bias + residual), per channel, in fp32 (the
-                                             # parts a lesson05.Epilogue names)
+apply_epilogue = fprop.apply_epilogue     # act(acc * scale + bias + residual), per channel, in fp32 (the
+                                             # parts a fprop.Epilogue names)
 
 DEPTHWISE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -102,7 +102,7 @@ def depthwise_conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, scal
     args = (x_nhwc, w.contiguous(), bias if bias is not None else out, scale if scale is not None else out,
             residual.contiguous() if residual is not None else out, out, N, H, W, out_h, out_w, sh, sw, ph, pw, dh, dw)
     constexprs = dict(C=C, R=R, S=S, BLOCK_P=block_p, BLOCK_C=block_c, enable_fp_fusion=True,
-                      EPILOGUE=lesson05.Epilogue(bias is not None, scale is not None, residual is not None, activation))
+                      EPILOGUE=fprop.Epilogue(bias is not None, scale is not None, residual is not None, activation))
     if compiling_ahead_active():       # launch.compiling_ahead: compile in its pool, run nothing
         depthwise_conv2d_kernel.warmup(*args, grid=grid, **constexprs)
         return out

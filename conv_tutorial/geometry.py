@@ -1,6 +1,6 @@
 """The operator's geometry and argument checks, fp8 quantization of a tensor, and the GPU it runs on.
 
-The rules a conv's arguments follow are taught by the lessons and live in their kit (common.py:
+The rules a conv's arguments follow are taught by the lessons and live in their kit (core.py:
 the geometry, the input and epilogue checks, the output dtype of e4m3 operands); this module names
 them for the package, which takes them from nowhere else, and adds what only the operator asks:
 which dtypes its kernel takes, the scales of e4m3 tensors (quantizing one, checking them, folding
@@ -10,15 +10,16 @@ import functools
 
 import torch
 
-from .kernel import common, lesson05
+from . import core
+from .kernels import fprop
 
 ConvGeometry, conv_geometry, conv_output_size, pair = (
-    common.ConvGeometry, common.conv_geometry, common.conv_output_size, common.pair)
+    core.ConvGeometry, core.conv_geometry, core.conv_output_size, core.pair)
 check_conv_call, check_epilogue, output_dtype, ACTIVATIONS = (
-    common.check_conv_call, common.check_epilogue, common.output_dtype, common.ACTIVATIONS)
-FP8, FP8_OUT_DTYPES = common.FP8, common.FP8_OUT_DTYPES
+    core.check_conv_call, core.check_epilogue, core.output_dtype, core.ACTIVATIONS)
+FP8, FP8_OUT_DTYPES = core.FP8, core.FP8_OUT_DTYPES
 FP8_MAX = 448.0                                  # e4m3's largest finite value
-KERNEL_DTYPES = lesson05.KERNEL_DTYPES           # fp16, bf16, and e4m3 (lesson 05, section 9)
+KERNEL_DTYPES = fprop.KERNEL_DTYPES           # fp16, bf16, and e4m3 (lesson 05, section 9)
 
 
 # %% fp8: quantizing a tensor, and the scales of an e4m3 conv ------------------------------------
@@ -131,31 +132,31 @@ def check_fp8_scales(x_scale, w_scale, Co, device, *, residual=None, activation=
 
 @functools.lru_cache(maxsize=None)
 def _device_facts_of(device_index):
-    arch, num_sms = common.tma_mma_arch_and_sms("conv2d_fprop")
+    arch, num_sms = core.tma_mma_arch_and_sms("conv2d_fprop")
     props = torch.cuda.get_device_properties(device_index)
-    smem = getattr(props, "shared_memory_per_block_optin", lesson05.SHARED_MEMORY_PER_PROGRAM)
+    smem = getattr(props, "shared_memory_per_block_optin", fprop.SHARED_MEMORY_PER_PROGRAM)
     return arch, num_sms, smem
 
 
 def device_facts():
     """(arch, SM count, shared-memory limit per program) of the current GPU, looked up once per device;
     a clear error where it is no Hopper or data-centre Blackwell GPU."""
-    if not common.HAS_CUDA:
-        common.require_tma_mma_gpu("conv2d_fprop")
+    if not core.HAS_CUDA:
+        core.require_tma_mma_gpu("conv2d_fprop")
     return _device_facts_of(torch.cuda.current_device())
 
 
 def current_arch(device=None):
     """"sm_90" or "sm_100" where the current GPU (or `device`, a torch.device) is the kernel's,
     else None (looked up once per device)."""
-    if not common.HAS_CUDA or (device is not None and device.type != "cuda"):
+    if not core.HAS_CUDA or (device is not None and device.type != "cuda"):
         return None
     return _arch_of_device(torch.cuda.current_device() if device is None or device.index is None else device.index)
 
 
 @functools.lru_cache(maxsize=None)
 def _arch_of_device(device_index):
-    if device_index is None or not common.is_tma_mma_capability(torch.cuda.get_device_capability(device_index)):
+    if device_index is None or not core.is_tma_mma_capability(torch.cuda.get_device_capability(device_index)):
         return None
     return _device_facts_of(device_index)[0]
 
@@ -173,7 +174,7 @@ def call_key(tensors, *arguments):
     stride, say): then the caller takes its full path, which checks and explains everything."""
     key = []
     for tensor in tensors:
-        if isinstance(tensor, common.FlippedFilter):     # lesson 06's dgrad weights, read in place: its taps too
+        if isinstance(tensor, core.FlippedFilter):     # lesson 06's dgrad weights, read in place: its taps too
             key.append((tensor.w.shape, tensor.dtype, tensor.device, tensor.along_h, tensor.along_w))
             continue
         if tensor is not None and not isinstance(tensor, torch.Tensor):

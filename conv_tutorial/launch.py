@@ -1,25 +1,22 @@
-"""Plans and the direct launch: what makes a call of lesson 05's kernel cheap on the host.
+"""Plans and the direct launch: what makes a call of the forward kernel (kernels/fprop.py) cheap on the host.
 
 - Plans (`ConvPlan`): everything that depends only on the problem's shape (geometry, TMA im2col
   settings, shared layouts, grid, the kernel's constexprs) is computed once per (shape, dtype,
-  config, device). Building the shared layouts alone costs ~10 us each.
+  config, device). (Building the shared layouts is the costly part.)
 - Descriptor templates: the first call's descriptors are validated by Triton; later calls copy
   them and swap in the new tensors (`_with_base`), checking the one property that can differ
-  (16-byte alignment). Re-validating costs ~30 us of Python per call. The plan keeps the
+  (16-byte alignment). (Re-validating is tens of microseconds of Python.) The plan keeps the
   templates without their tensors (`_tensorless`): it must not keep a call's input and output
   alive.
 - A direct launch (`DirectLaunch`): after the first launch of a plan, which goes through
   Triton's generic launcher (it binds and re-derives the specialization of ~25 arguments per call,
   tens of microseconds) and compiles, the compiled kernel is called through the CUDA launch that
   Triton's launcher ends in: arguments expanded once, pointers passed as addresses, each TMA
-  descriptor's tensor map encoded once per (descriptor, address) instead of on every launch.
-  Measured on an H100 host (benchmarks/host_time.py, 2026-11-22): 54 us per launch through the
-  generic launcher, 20 us calling the compiled kernel, 10 us through DirectLaunch.
+  descriptor's tensor map encoded once per (descriptor, address) instead of on every launch. What each
+  path costs: benchmarks/host_time.py measures it (figures in RESULTS.md).
 - Split-K's second kernel (lesson 05, section 7) is launched directly too.
 - Compiling ahead (`compiling_ahead`): a model's distinct kernels compiled side by side in a
-  pool of threads (Triton's `AsyncCompileMode`), before its first real call. Measured on an H100
-  host with 16 CPU cores (RESULTS.md, "The first call of a fused model"): ResNet-50's kernels at
-  batch 128 in 6.3 s.
+  pool of threads (Triton's `AsyncCompileMode`), before its first real call. (RESULTS.md, "The first call of a fused model").
 """
 import contextlib
 import contextvars
@@ -31,7 +28,8 @@ import triton
 
 from .configs import KernelConfig, check_config
 from .geometry import device_facts
-from .kernel import common, lesson05
+from . import core
+from .kernels import fprop
 
 
 class DirectLaunch:
@@ -139,14 +137,14 @@ class ConvPlan:
         key = _template_key(w, out_window)
         template = self.templates.get(key)
         if template is None:
-            launch = lesson05.prepare_launch(x_nhwc, w, bias, self.geometry, self.config,
+            launch = fprop.prepare_launch(x_nhwc, w, bias, self.geometry, self.config,
                                            self.arch, self.num_sms, scale, residual, self.out_dtype, out_window,
                                            channel_stats)
             self.templates[key] = _tensorless(launch)
             return launch
         # Same shapes, strides, boxes and layouts: only the base pointers change. Copy the
         # validated descriptors and swap the tensors in.
-        x_nhwc, w, _ = common.pad_channels_for_tma(x_nhwc, w)
+        x_nhwc, w, _ = core.pad_channels_for_tma(x_nhwc, w)
         out_2d = _new_like(template.out_2d, x_nhwc.device)
         w = _weight_tensor(w)
         w_2d = w.view(w.shape[0], -1)
@@ -161,7 +159,7 @@ class ConvPlan:
 
     def run(self, x_nhwc, w, bias=None, scale=None, residual=None, activation="none", out_window=None,
             channel_stats=None):
-        """The conv's NHWC output, or, given an `out_window` (common.OutputWindow, checked by the
+        """The conv's NHWC output, or, given an `out_window` (core.OutputWindow, checked by the
         caller; not with split-K), its view, where the kernel stored the output's pixels. Given
         `channel_stats` (checked by the caller; not with split-K; fp32 [2, Co]), the kernel also adds each
         output channel's sum and sum of squares into it, every program into the same tensor."""
@@ -186,12 +184,12 @@ class ConvPlan:
             # First launch of this variant: the generic path (binds, specializes, compiles), then
             # a DirectLaunch of the compiled kernel for the calls after it.
             launch = self.launch_for(x_nhwc, w, bias, scale, residual, out_window, channel_stats)
-            epilogue = lesson05.Epilogue(bias is not None, scale is not None, residual is not None, activation)
-            kwargs = lesson05.kernel_constexprs(self.config, self.arch, epilogue)
+            epilogue = fprop.Epilogue(bias is not None, scale is not None, residual is not None, activation)
+            kwargs = fprop.kernel_constexprs(self.config, self.arch, epilogue)
             if _COMPILE_ONLY.get():
                 out = self._compile_only(launch, kwargs, bias, scale, residual, activation)
                 return out if out_window is None else out_window.view
-            self.launches[variant] = DirectLaunch.first_launch(lesson05.conv2d_fprop_kernel, launch.grid,
+            self.launches[variant] = DirectLaunch.first_launch(fprop.conv2d_fprop_kernel, launch.grid,
                                                                launch.kernel_args(), kwargs,
                                                                _descriptors(self.templates[key]))
             if out_window is not None:
@@ -200,7 +198,7 @@ class ConvPlan:
             # Later launches: the tensors themselves where the kernel takes descriptors (their
             # tensor maps are remembered by address), addresses for the pointers, the run-time
             # scalars from the plan.
-            x_nhwc, w, _ = common.pad_channels_for_tma(x_nhwc, w)
+            x_nhwc, w, _ = core.pad_channels_for_tma(x_nhwc, w)
             w = _weight_tensor(w)
             _check_tma_aligned(x_nhwc)
             _check_tma_aligned(w)
@@ -223,24 +221,24 @@ class ConvPlan:
                 # split-K's second kernel: its grid and scalars are the plan's, only pointers change
                 reduce(self.reduce_grid, partial.data_ptr(), out_2d.data_ptr(), pointers, *self.reduce_scalars)
             if partial is None or reduce is not None:
-                return lesson05.output_nhwc(self.geometry, out_2d)
+                return fprop.output_nhwc(self.geometry, out_2d)
             launch = template._replace(out_2d=out_2d, partial=partial)
         if launch.partial is not None:          # split-K: the second kernel sums the slices
-            grid, args, kwargs = lesson05.split_k_epilogue_launch(launch, bias, scale, residual, activation)
-            self.reduces[variant] = DirectLaunch.first_launch(lesson05.split_k_epilogue_kernel, grid, args, kwargs)
+            grid, args, kwargs = fprop.split_k_epilogue_launch(launch, bias, scale, residual, activation)
+            self.reduces[variant] = DirectLaunch.first_launch(fprop.split_k_epilogue_kernel, grid, args, kwargs)
             self.reduce_grid, self.reduce_scalars = grid, args[3:]
-        return lesson05.output_nhwc(self.geometry, launch.out_2d)
+        return fprop.output_nhwc(self.geometry, launch.out_2d)
 
 
     def _compile_only(self, launch, kwargs, bias, scale, residual, activation):
         """Inside `compiling_ahead`: hand this variant's kernels to the compile pool and launch
         nothing; the output comes back unwritten. (The specialization, and so Triton's cache key,
         is the one a real first launch with these tensors computes.)"""
-        lesson05.conv2d_fprop_kernel.warmup(*launch.kernel_args(), grid=launch.grid, **kwargs)
+        fprop.conv2d_fprop_kernel.warmup(*launch.kernel_args(), grid=launch.grid, **kwargs)
         if launch.partial is not None:
-            grid, args, reduce_kwargs = lesson05.split_k_epilogue_launch(launch, bias, scale, residual, activation)
-            lesson05.split_k_epilogue_kernel.warmup(*args, grid=grid, **reduce_kwargs)
-        return lesson05.output_nhwc(self.geometry, launch.out_2d) if launch.out_window is None else None
+            grid, args, reduce_kwargs = fprop.split_k_epilogue_launch(launch, bias, scale, residual, activation)
+            fprop.split_k_epilogue_kernel.warmup(*args, grid=grid, **reduce_kwargs)
+        return fprop.output_nhwc(self.geometry, launch.out_2d) if launch.out_window is None else None
 
 
 _COMPILE_ONLY = contextvars.ContextVar("conv_tutorial_compile_only", default=False)
@@ -282,12 +280,12 @@ def _template_key(w, out_window):
     # for a tensor: its shape is the plan's). Two dgrads' phases can share a conv and its taps with filters of other
     # sizes (R 3 and 4 at stride 2, say), whose descriptors differ in their row length.
     return (out_window is not None,
-            (tuple(w.w.shape), w.kernel_args()) if isinstance(w, common.FlippedFilter) else None)
+            (tuple(w.w.shape), w.kernel_args()) if isinstance(w, core.FlippedFilter) else None)
 
 
 def _weight_tensor(w):
     # the tensor a weights descriptor points at: w, or a FlippedFilter's filter (contiguous: the checks passed)
-    return w.w if isinstance(w, common.FlippedFilter) else w
+    return w.w if isinstance(w, core.FlippedFilter) else w
 
 
 def _check_tma_aligned(tensor):
@@ -296,7 +294,7 @@ def _check_tma_aligned(tensor):
                          f"{tensor.data_ptr():#x} (a view into another tensor?); pass .clone()")
 
 
-def _tensorless(launch, descriptors=lesson05.DESCRIPTORS, buffers=("out_2d", "partial"),
+def _tensorless(launch, descriptors=fprop.DESCRIPTORS, buffers=("out_2d", "partial"),
                 cleared=("pointers", "out_window", "channel_stats")):
     """A plan's template of a launch (lesson 05's ConvLaunch by default; wgrad.py passes lesson
     06's WgradLaunch and its field names): its descriptors without their tensors, its output and
@@ -311,7 +309,7 @@ def _tensorless(launch, descriptors=lesson05.DESCRIPTORS, buffers=("out_2d", "pa
     return launch._replace(**fields)
 
 
-def _descriptors(launch, names=lesson05.DESCRIPTORS):
+def _descriptors(launch, names=fprop.DESCRIPTORS):
     """A launch's descriptors, in the kernel's order (None where it has none)."""
     return tuple(getattr(launch, name) for name in names)
 

@@ -43,7 +43,7 @@ from . import backward, depthwise, runtime, selection
 from .configs import grouped_conv_fits
 from .geometry import (FP8, FP8_MAX, KERNEL_DTYPES, check_epilogue, check_fp8_dtypes, check_fp8_scales,
                        conv_output_size, current_arch, fp8_epilogue, nhwc_view, output_dtype, pair)
-from .kernel import common
+from . import core
 
 _WARNED = set()
 
@@ -75,7 +75,7 @@ def unsupported_reason(input, weight, groups):
 def _gpu_reason(device_index):
     """Why this GPU cannot run the kernel, or None (asked once per device: it is on every call's path)."""
     capability = torch.cuda.get_device_capability(device_index)
-    if common.is_tma_mma_capability(capability):
+    if core.is_tma_mma_capability(capability):
         return None
     return (f"GPU {torch.cuda.get_device_name(device_index)} of capability {capability} (the kernel "
             f"needs Hopper sm_90 or data-centre Blackwell sm_100)")
@@ -88,9 +88,9 @@ def is_depthwise(groups, in_channels, out_channels, weight_shape):
 
 def reference_epilogue(conv_out, bias, scale, residual, activation):
     """act(conv_out * scale + bias + residual) in torch, per output channel of NCHW conv_out, in
-    conv_out's dtype (the lessons' reference epilogue, common.reference_epilogue, which computes
+    conv_out's dtype (the lessons' reference epilogue, core.reference_epilogue, which computes
     only the activation asked for: torch has no SiLU for every dtype it convolves)."""
-    return common.reference_epilogue(conv_out, bias, scale, residual, activation, channel_dim=1)
+    return core.reference_epilogue(conv_out, bias, scale, residual, activation, channel_dim=1)
 
 
 def check_operand_dtypes(input, weight):
@@ -111,9 +111,9 @@ def _out_shape(input, weight, stride, padding, dilation):
 
 
 def _check_forward_activation(activation):
-    if activation == common.RELU_GRAD:
+    if activation == core.RELU_GRAD:
         raise ValueError(f"activation {activation!r} is the backward's epilogue (conv2d_input_grad_relu), not one "
-                         f"of the forward operator's; use one of {common.ACTIVATIONS}")
+                         f"of the forward operator's; use one of {core.ACTIVATIONS}")
 
 
 def _conv2d_with_epilogue(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

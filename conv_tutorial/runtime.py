@@ -10,7 +10,7 @@ e4m3 output; their scales arrive folded into the epilogue's (ops.conv2d_fp8 fold
 
 Small channel counts (`FoldedConv`): a layer whose Ci is 8 or less (an RGB stem) is run as an
 R x 1 convolution over S*Ci folded channels, 7 k-steps instead of 49 for ResNet-50's stem.
-Measured on an H100 host (benchmarks/host_time.py): a whole call of `conv2d` 25 us, cuDNN's 19 us.
+What a call costs on the host: benchmarks/host_time.py measures it (figures in RESULTS.md).
 """
 import torch
 import triton
@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .configs import KernelConfig, grouped_conv_fits
 from .geometry import FP8, KERNEL_DTYPES, call_key, check_conv_call, conv_geometry, device_facts
-from .kernel import common
+from . import core
 from .launch import plan_for
 from .selection import epilogue_tag, known_or_heuristic_config, tuned_config
 
@@ -38,12 +38,12 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
     `tune`, else the heuristic (no timing). Channel counts so small that one tap's channels fill
     a fraction of a K step (a network's RGB stem) take the folded path (`FoldedConv`).
     groups > 1: w is [Co, R, S, Ci / groups], and a group's channel counts must fit a config's
-    tiles (`grouped_conv_fits`; lesson 05, section 10). out_window (a common.OutputWindow: lesson
+    tiles (`grouped_conv_fits`; lesson 05, section 10). out_window (a core.OutputWindow: lesson
     06's dgrad phases): the output's pixels go into its view, which is returned; a config with
     split-K stores densely and the window takes a copy. channel_stats (a zeroed fp32 [2, Co] tensor:
     lesson 06's BatchNorm statistics): each output channel's sum (row 0) and sum of squares (row 1)
     are added into it, by the epilogue, or, after a config with split-K, by torch from the output.
-    w may be a common.FlippedFilter (lesson 06's dgrad: the forward's filter, read in place)."""
+    w may be a core.FlippedFilter (lesson 06's dgrad: the forward's filter, read in place)."""
     key = call_key((x_nhwc, w, bias, scale, residual), stride, padding, dilation,
                    config if config is not None else tune, activation, out_dtype, groups)
     entry = _FAST_PLANS.get(key) if key is not None else None
@@ -82,7 +82,7 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
     if out_window is None and channel_stats is None:
         return plan.run(x_nhwc, w, bias, scale, residual, activation)
     # (a fold keeps the output's shape: the plan's geometry checks the destinations)
-    common.check_epilogue_destinations(out_window, channel_stats, plan.geometry, plan.out_dtype, x_nhwc.device)
+    core.check_epilogue_destinations(out_window, channel_stats, plan.geometry, plan.out_dtype, x_nhwc.device)
     if plan.config.split_k > 1:
         # split-K's second kernel stores densely, and its slices are partial sums: the window takes a copy of
         # the output, and the statistics come from the output
@@ -154,7 +154,7 @@ class FoldedConv:
         fold_columns_kernel[(triton.cdiv(rows * g.out_w, block_p),)](
             x_nhwc, x_fold, rows, g.W, g.out_w, g.Ci, g.stride[1], g.padding[1], g.dilation[1],
             self.channels, self.channels_padded, BLOCK_P=block_p,
-            BLOCK_C=triton.next_power_of_2(self.channels_padded))
+            BLOCK_C=triton.next_power_of_2(self.channels_padded), enable_fp_fusion=True)
         w_fold = w.new_zeros(g.Co, g.R, 1, self.channels_padded)      # small: Co x R x S*Ci
         w_fold[..., :self.channels] = w.reshape(g.Co, g.R, 1, self.channels)
         return x_fold, w_fold

@@ -11,7 +11,7 @@ a heuristic that needs no timing, an autotuner that times, and the tuning file t
   05's network suite, the share of useful work it does on this shape, and split-K's costs
   (benchmarks/fit_heuristic.py refits the numbers).
 - `autotune`: times each pruned candidate briefly, with the call's epilogue, then the three fastest
-  and the heuristic's config again as the benchmark times a layer (common.bench_tflops: do_bench's
+  and the heuristic's config again as the benchmark times a layer (core.bench_tflops: do_bench's
   median, L2 flushed) in alternating rounds, and keeps the fastest, the heuristic's on a tie: a
   tuned config is never slower than the heuristic's by that measure. The choice is kept per shape
   and epilogue (`epilogue_tag`) in this process and in a JSON tuning file, with the heuristic's
@@ -31,7 +31,7 @@ from .configs import (CANDIDATES, SMEM_LIMIT_BYTES, SMEM_PER_SM_BYTES, KernelCon
                       groups_fit, k_share, k_steps_of, shared_memory_bytes, split_k_workspace_bytes, split_tiles,
                       tail_pays, useful_share, wave_efficiency)
 from .geometry import device_facts
-from .kernel import common
+from .core import timing
 from .launch import compiling_ahead_active, plan_for
 
 _BEST_CONFIG = {}    # (geometry, dtype, device, epilogue tag) -> config chosen by the autotuner
@@ -81,12 +81,9 @@ def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
 # no columns, rows or channels past the layer): the median over the 84 layers of lesson 05's
 # network suite (ResNet-50, the SD UNet, Inception v3) of its measured TFLOPS divided by its share
 # of useful work (`useful_share`). Split-K adds its workspace's round trip (SPLIT_K x M x Co fp32
-# values, written and read), at the effective bandwidth fitted the same way. Measured on an H100
-# with Triton 3.9, 2026-11-24, from the autotuner's timings in the suite's run
-# (benchmarks/fit_heuristic.py refits both from the suite's logs). Checked leave-one-out (each layer's
-# config picked from the table fitted without it): 0.966x of that layer's fastest config, geometric
-# mean, worst 0.79x (IncV3 17x17 192->192 3x3 s2); the table fitted on ResNet-50 and the UNet alone
-# scored 0.950x on the same 84 layers.
+# values, written and read), at the effective bandwidth fitted the same way. Fitted on an H100 from
+# the autotuner's timings in the suite's run (benchmarks/fit_heuristic.py refits both from the
+# suite's logs); how well it picks, checked leave-one-out: RESULTS.md, "The network suite".
 HOPPER_CONFIG_TFLOPS = {   # split_k left at 1: split-K's cost is modelled apart
     KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=5, num_warps=4, block_n_tail=32): 679,
     KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=4, num_warps=4, consumers=2, block_n_tail=32): 653,
@@ -119,10 +116,8 @@ HOPPER_CONFIG_TFLOPS = {   # split_k left at 1: split-K's cost is modelled apart
 }
 SPLIT_K_WORKSPACE_BYTES_PER_S = 2.05e12   # fitted with the table (mostly L2: the slices meet there)
 # What split-K costs however little its workspace moves: the second kernel's start behind the first.
-# Measured apart, on ResNet-50's batch-1 layers (H100, 2026-11-24: 2-8 slices of 4-7 tiles took
-# 3-4.5 us longer than their share of the unsplit time), and not part of the check above; without
-# it the heuristic split layers with a few short tiles, such as 14x14 1024->256 1x1 at batch 1
-# (9.5 us instead of 5.8 with whole 128x64 tiles).
+# Measured apart, on ResNet-50's batch-1 layers (results/notebook.md, split-K's fixed cost); without
+# it the heuristic split layers with a few short tiles, which ran slower than whole ones.
 SPLIT_K_SECONDS = 3.5e-6
 
 
@@ -296,10 +291,10 @@ FINAL_ROUNDS = 3
 
 
 def _benchmark_ms(fn):
-    """A finalist's time as benchmarks/network_suite.py times a layer: common.bench_tflops, i.e.
+    """A finalist's time as benchmarks/network_suite.py times a layer: core.bench_tflops, i.e.
     do_bench's median (L2 flushed before each call, launch overhead included; warmup 25 ms, 100 ms
     of calls)."""
-    return common.bench_tflops(fn, 1)["ms"]
+    return timing.bench_tflops(fn, 1)["ms"]
 
 
 def _first_pass_ms(fn):

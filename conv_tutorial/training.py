@@ -14,11 +14,8 @@ forward's epilogue"), and the module below computes mean = sum / count and var =
 mean^2 from them: that read of the output is gone.
 The normalization, its gradient and the running statistics stay torch's (Inductor fuses them).
 
-Measured before kept (RESULTS.md, "Training fusions: BatchNorm's statistics ..."; an H200,
-2026-11-25): the fused sums cost the conv kernel a median 1.18x its own time and beat a separate reduction on all 23 of ResNet-50's
-distinct convs; a ResNet-50 training step under CUDA graphs ran 3.9% faster with this pass than
-without (6199 against 5969 images/s; torch.compile 6188), and 2.8% on an H100 (2026-11-26, the sums
-in one tensor: 5290 against 5148; torch.compile 5195). The pass is opt-in: it changes a
+Measured before kept (RESULTS.md, "Training fusions: BatchNorm's statistics ..."): a ResNet-50
+training step under CUDA graphs ran faster with this pass than without. The pass is opt-in: it changes a
 model's modules, and nothing else in the package uses it.
 
 - `torch.ops.conv_tutorial.conv2d_channel_stats(input, weight, bias, stride, padding, dilation,
@@ -37,11 +34,10 @@ model's modules, and nothing else in the package uses it.
   only user is a BatchNorm2d over its channels, and which the kernel runs (`stats_kernel_runs`), by
   a ConvBatchNorm2d.
 
-ReLU's backward in dgrad's epilogue (lesson 06, section 12), measured and not a default: on an H100
-(2026-11-26) a ResNet-50 step ran 5280 images/s with it against 5283 without (RESULTS.md,
-"Training fusions: BatchNorm's apply and ReLU ..."): the dgrad epilogue's read of the ReLU's output
-cost more GPU time (+0.37 ms a step in our convs) than Inductor's fused BatchNorm-and-ReLU backward
-saved (0.16 ms).
+ReLU's backward in dgrad's epilogue (lesson 06, section 12), measured and not a default (RESULTS.md,
+"Training fusions: BatchNorm's apply and ReLU ..."): a ResNet-50 step ran no faster with it, since
+the dgrad epilogue's read of the ReLU's output cost about as much GPU time as Inductor's fused
+BatchNorm-and-ReLU backward saved.
 
 - `fuse_relu_into_dgrad(model)`: a torch.fx pass; where a ReLU's output has one user, a conv whose
   dgrad gates in its epilogue (stride 1, no crop), the conv is called with the ReLU's input too
@@ -67,6 +63,7 @@ from .configs import grouped_conv_fits
 from .fusion import _activation_of, _single_user, install_module
 from .geometry import FP8, current_arch, nhwc_view
 from .ops import _wide
+from .kernels import dgrad as dgrad_kernels
 
 _LIBRARY = torch.library.Library("conv_tutorial", "FRAGMENT")
 
@@ -328,9 +325,8 @@ def _is_inplace(node, modules):
 
 def _gated_in_epilogue(conv):
     # lesson 06's test of where dgrad's epilogue gates dX, on the module's hyper-parameters ("same"/"valid" resolved)
-    from .kernel import lesson06
     pads = ops.resolve_padding(conv.padding, conv.weight.shape, tuple(conv.stride), tuple(conv.dilation))
-    return pads is not None and lesson06.epilogue_gates(conv.stride, pads, conv.dilation, conv.weight.shape[2:])
+    return pads is not None and dgrad_kernels.epilogue_gates(conv.stride, pads, conv.dilation, conv.weight.shape[2:])
 
 
 def fuse_relu_into_dgrad(model: torch.nn.Module, inplace: bool = False) -> torch.fx.GraphModule:

@@ -2,9 +2,9 @@
 
 Why: lesson 06's plain launcher, `conv2d_wgrad_launch`, does on every call what depends only on
 the shape: it validates, chooses the split, builds two TMA descriptors (Triton validates each,
-~30 us of Python) and launches the kernel and the split-K sum through Triton's generic launcher
-(~50 us each, binding and re-specializing their arguments). On an H100 (2026-11-25, ResNet-50 at
-batch 128) its kernels ran at 0.87x cuDNN's speed but whole calls at 0.26x. The forward solved
+tens of microseconds of Python) and launches the kernel and the split-K sum through Triton's generic
+launcher (binding and re-specializing their arguments each time): whole calls ran far slower than
+the kernels (RESULTS.md, "The operator's gradients"). The forward solved
 the same problem with plans (launch.py); this module does the same for wgrad:
 
 - `WgradPlan`, one per (geometry, dtype, device): the first call runs lesson 06's own
@@ -27,8 +27,7 @@ the same problem with plans (launch.py); this module does the same for wgrad:
   hyper-parameters), as runtime.conv2d does: a hit skips lesson 06's `check_backward_call`, which
   the first call of that key passed; contiguity is checked on every call.
 
-On an H100 (2026-11-25, ResNet-50's 23 convs at batch 128) a call's host time fell from ~290 us
-(lesson 06's launcher) to ~52 us, the kernels unchanged (RESULTS.md, "The operator's gradients");
+What a call costs with and without the plan: RESULTS.md, "The operator's gradients";
 tests/operator/test_wgrad_plan.py checks it on a GPU bit for bit against the plain launcher and on
 a CPU with stand-ins for the compiled kernels. Calls launch on the current device's current
 stream, as Triton's launcher does (autograd runs a backward with its tensors' device current).
@@ -37,6 +36,7 @@ import torch
 
 from .geometry import call_key, device_facts
 from .launch import DirectLaunch, _check_tma_aligned, _descriptors, _new_like, _tensorless
+from .kernels import gradients, wgrad as wgrad_kernels
 
 DESCRIPTORS = ("dy_desc", "x_desc")     # lesson 06's WgradLaunch fields, in conv2d_wgrad_kernel's order
 
@@ -45,10 +45,9 @@ class WgradPlan:
     """Everything about one wgrad (geometry, dtype, device) that does not depend on the tensors."""
 
     def __init__(self, geometry, dtype, arch, num_sms):
-        from .kernel import lesson06
         self.geometry, self.dtype, self.arch, self.num_sms = geometry, dtype, arch, num_sms
         # few channels (the stem): the conv lesson 06's launcher runs for it, folded (lesson 06's wgrad_problem)
-        self.problem = lesson06.wgrad_problem(geometry, dtype.itemsize)
+        self.problem = wgrad_kernels.wgrad_problem(geometry, dtype.itemsize)
         self.run_geometry = self.problem.geometry
         self.template = None      # the first call's WgradLaunch without its tensors: descriptors, grid, shape, split
         self.kernel = None        # DirectLaunch of conv2d_wgrad_kernel
@@ -59,14 +58,13 @@ class WgradPlan:
     def run(self, x_nhwc, dy_nhwc):
         """dW [Co, R, S, Ci] in the plan's dtype of x [N, H, W, Ci] and dY [N, out_h, out_w, Co]:
         contiguous, of the plan's shapes, dtype and device (the caller has checked)."""
-        from .kernel import lesson06
-        x_nhwc = lesson06.wgrad_input(x_nhwc, self.problem)       # x itself, unless folded
+        x_nhwc = wgrad_kernels.wgrad_input(x_nhwc, self.problem)       # x itself, unless folded
         g = self.run_geometry
         dw = torch.empty(g.Co, g.R * g.S * g.Ci_group, device=x_nhwc.device, dtype=self.dtype)
         if self.kernel is None:
-            self._first_launch(lesson06, x_nhwc, dy_nhwc, dw)
+            self._first_launch(x_nhwc, dy_nhwc, dw)
         else:
-            x_nhwc, dy_2d = lesson06.wgrad_operands(x_nhwc, dy_nhwc, g)
+            x_nhwc, dy_2d = wgrad_kernels.wgrad_operands(x_nhwc, dy_nhwc, g)
             _check_tma_aligned(x_nhwc)
             _check_tma_aligned(dy_2d)
             template = self.template
@@ -77,20 +75,20 @@ class WgradPlan:
             self.kernel(template.grid, dy_2d, x_nhwc, dw.data_ptr(), partial_ptr, template.shape)
             if self.sum is not None:
                 self.sum(self.sum_grid, partial_ptr, dw.data_ptr(), *self.sum_scalars)
-        return lesson06.wgrad_result(dw.view(g.Co, g.R, g.S, g.Ci_group), self.geometry, self.problem)
+        return wgrad_kernels.wgrad_result(dw.view(g.Co, g.R, g.S, g.Ci_group), self.geometry, self.problem)
 
-    def _first_launch(self, lesson06, x_nhwc, dy_nhwc, dw):
-        """Lesson 06's launch, through Triton's launcher (which compiles); keeps its template and a
+    def _first_launch(self, x_nhwc, dy_nhwc, dw):
+        """The kernels' first launch, through Triton's launcher (which compiles); keeps its template and a
         DirectLaunch of each kernel for the calls after it."""
-        launch = lesson06.prepare_wgrad(x_nhwc, dy_nhwc, self.run_geometry, None, self.arch, self.num_sms)
-        lesson06.check_wgrad_config(launch.config, self.arch)
+        launch = wgrad_kernels.prepare_wgrad(x_nhwc, dy_nhwc, self.run_geometry, None, self.arch, self.num_sms)
+        wgrad_kernels.check_wgrad_config(launch.config, self.arch)
         template = _tensorless(launch, DESCRIPTORS, buffers=("partial",), cleared=())
-        kernel = DirectLaunch.first_launch(lesson06.conv2d_wgrad_kernel, launch.grid, launch.kernel_args(dw),
-                                           lesson06.wgrad_kernel_options(launch.config, self.arch),
+        kernel = DirectLaunch.first_launch(wgrad_kernels.conv2d_wgrad_kernel, launch.grid, launch.kernel_args(dw),
+                                           wgrad_kernels.wgrad_kernel_options(launch.config, self.arch),
                                            _descriptors(template, DESCRIPTORS))
         if launch.partial is not None:
-            grid, args, constexprs = lesson06.sum_partials_launch(launch, dw)
-            self.sum = DirectLaunch.first_launch(lesson06.wgrad_split_k_sum_kernel, grid, args, constexprs)
+            grid, args, constexprs = wgrad_kernels.sum_partials_launch(launch, dw)
+            self.sum = DirectLaunch.first_launch(wgrad_kernels.wgrad_split_k_sum_kernel, grid, args, constexprs)
             self.sum_grid, self.sum_scalars = grid, args[2:]
         self.template, self.kernel = template, kernel
 
@@ -117,8 +115,7 @@ def conv2d_weight_grad(x_nhwc, dy_nhwc, w_shape, stride=1, padding=0, dilation=1
     key = call_key((x_nhwc, dy_nhwc), w_shape, stride, padding, dilation, type(groups), groups)
     plan = _FAST_PLANS.get(key) if key is not None else None
     if plan is None or not (x_nhwc.is_contiguous() and dy_nhwc.is_contiguous()):
-        from .kernel import lesson06       # the full check, with its errors
-        geometry = lesson06.check_backward_call({"x_nhwc": x_nhwc, "dy_nhwc": dy_nhwc}, getattr(x_nhwc, "shape", None),
+        geometry = gradients.check_backward_call({"x_nhwc": x_nhwc, "dy_nhwc": dy_nhwc}, getattr(x_nhwc, "shape", None),
                                                 w_shape, stride, padding, dilation, groups)
         plan = plan_for(geometry, x_nhwc.dtype, x_nhwc.device)
         if key is not None:

@@ -25,6 +25,7 @@ elif _satisfies "$(command -v python3)"; then
 else
   echo "[setup] creating $_root/.venv and installing requirements.txt (first run only)..."
   python3 -m venv "$_root/.venv"
+  rm -f "$_root/.venv/pip.conf"     # (written below, after the installs)
   PY=$_root/.venv/bin/python
   "$PY" -m pip install -q --upgrade pip
   # torch and the torchvision built for it, as one pair (a torchvision built for another torch does
@@ -44,6 +45,15 @@ else
   _torch=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
   "$PY" -m pip install -q -r <(grep -vE '^(triton|torch)' "$_root/requirements.txt") -c <(echo "torch==$_torch")
   _satisfies "$PY" || { echo "[setup] $_root/.venv does not satisfy requirements.txt after installing it" >&2; exit 1; }
+fi
+# Where ./.venv's torch pins an older Triton than the 3.9 installed over it (`pip check` says so), pip,
+# resolving anyone's dependencies there (`pip install -e .` too), would replace that torch with another
+# (a CPU 2.13 or PyPI's 2.15). So there pip installs only what it is asked to: the venv's own pip.conf.
+if [ "$PY" = "$_root/.venv/bin/python" ] && [ ! -e "$_root/.venv/pip.conf" ] && ! "$PY" -m pip check >/dev/null 2>&1; then
+  printf '%s\n' "# tools/bootstrap.sh: torch's metadata here pins an older Triton than the one installed (pip check);" \
+    "# resolving dependencies would replace torch, so pip in this venv installs without them." \
+    "[install]" "no-deps = true" > "$_root/.venv/pip.conf"
+  echo "[setup] $_root/.venv/pip.conf: pip installs without dependencies in this venv (torch pins another Triton)"
 fi
 export PY
 export MPLBACKEND=Agg PYTHONUNBUFFERED=1

@@ -1,10 +1,11 @@
-"""The PTX fingerprint of every candidate config of lesson 05's kernel, compiled ahead of time for
+"""The PTX fingerprint of every candidate config of the operator's forward kernel
+(conv_tutorial/kernels/fprop.py; with --lesson05, lesson 05's own kernel), compiled ahead of time for
 sm_90 and sm_100 on a machine without a GPU: each PTX opcode's count, shared memory, registers,
 stack frame and tensor-memory columns, and a hash of the PTX text itself (without its debug
 information: line numbers and file paths), for the plain and the fused epilogue, plus a build with
 a single k-step (a 1x1 layer of 64 channels: Triton passes k_steps == 1 as a constant).
 
-    python tools/ptx_fingerprint.py out.json          # then diff two of them (--compare a.json b.json)
+    python tools/ptx_fingerprint.py out.json [--lesson05]    # then diff two of them (--compare a.json b.json)
 
 A refactoring that must not change the kernel (moving code between files) compares the
 fingerprints before and after.
@@ -22,22 +23,19 @@ ROOT = Path(__file__).resolve().parent.parent
 EPILOGUES = {"plain": [False, False, False, "none"], "fused": [True, True, True, "relu"]}
 
 
-def _child(arch):
+def _child(arch, kernel):
     sys.path.insert(0, str(ROOT))
     import common
-    lesson05 = common.load_lesson("05-warp-specialized-conv")
-    try:
-        from conv_tutorial.configs import CANDIDATES
-    except ImportError:             # the layout before the package
-        from conv_runtime import CANDIDATES
+    from conv_tutorial.configs import CANDIDATES
+    from conv_tutorial.kernels import aot
+    build_of = common.load_lesson("05-warp-specialized-conv").aot_conv2d_fprop if kernel == "lesson05" else aot.fprop_build
     results = {}
     builds = [(f"{tuple(config)} {name}", dict(Ci=128 if config.split_k == 1 else 256, Co=256, config=config,
                                                  epilogue=epilogue))
               for config in CANDIDATES[arch] for name, epilogue in EPILOGUES.items()]
     builds.append(("one k-step", dict(Ci=64, Co=128, R=1, S=1, padding=0)))
     for label, build in builds:
-        kernel, args, kwargs = lesson05.aot_conv2d_fprop(arch, **build)
-        compiled = common.compile_kernel_for_target(kernel, args, kwargs, arch)
+        compiled = aot.compile_for_target(*build_of(arch, **build), arch)
         opcodes = Counter()
         for line in compiled.asm["ptx"].splitlines():
             line = re.sub(r"^@!?%\w+\s+", "", line.strip())
@@ -61,11 +59,12 @@ def ptx_text_hash(ptx):
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
-def fingerprint():
+def fingerprint(kernel="package"):
     everything = {}
     for arch in ("sm_90", "sm_100"):
         env = dict(os.environ, CONV_TUTORIAL_AOT="1", TRITON_INTERPRET="0")
-        proc = subprocess.run([sys.executable, __file__, "--child", arch], env=env, capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, __file__, "--child", arch, kernel], env=env, capture_output=True,
+                              text=True)
         found = [line for line in proc.stdout.splitlines() if line.startswith("FINGERPRINT:")]
         if not found:
             raise RuntimeError(f"{arch}: {proc.stderr[-3000:]}")
@@ -88,7 +87,7 @@ def compare(before, after):
 
 if __name__ == "__main__":
     if sys.argv[1] == "--child":
-        _child(sys.argv[2])
+        _child(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "--compare":
         a, b = (json.loads(Path(p).read_text()) for p in sys.argv[2:4])
         differences = compare(a, b)
@@ -96,4 +95,5 @@ if __name__ == "__main__":
                                           f"registers, stack, TMEM columns and (where both record it) the PTX text")
         sys.exit(1 if differences else 0)
     else:
-        Path(sys.argv[1]).write_text(json.dumps(fingerprint(), indent=1))
+        Path(sys.argv[1]).write_text(json.dumps(fingerprint("lesson05" if "--lesson05" in sys.argv else "package"),
+                                                indent=1))

@@ -122,7 +122,6 @@ CASES_06 = {
     "06 dgrad 3x3 stride 2, odd sizes, Co=48": ("dgrad", (2, 15, 17, 32, 48, 3, 3, 2, 1, 1), None),
     "06 dgrad 1x1 stride 2 (phases no tap reaches)": ("dgrad", (2, 14, 14, 64, 256, 1, 1, 2, 0, 1), None),
     "06 conv with BatchNorm's channel sums": ("channel sums", (2, 16, 16, 64, 128, 3, 3, 1, 1, 1), None),
-    "06 conv reading relu(x * scale + shift)": ("bn relu", (2, 16, 16, 64, 128, 3, 3, 1, 1, 1), None),
 }
 PROBE = "Triton warp_specialize probe (no shared memory of its own)"
 
@@ -200,7 +199,7 @@ def run_case_06(name):
         config = forced and lesson06.WgradConfig(*forced[:3], split_k=forced[3], programs=forced[4])
         out = lesson06.conv2d_wgrad_launch(x.cuda(), dy.cuda(), w.shape, stride, padding, dilation, config=config)
         expected, K = lesson06.reference_gradients(x, w, dy, g)[1], g.M
-    elif kind == "channel sums":
+    else:       # the channel sums
         out, sums = lesson06.conv2d_with_channel_stats(x.cuda(), w.cuda(), stride, padding, dilation)
         stored = out.cpu().reshape(-1, Co).double()
         # the sums of the values stored, up to fp32's rounding in the adds (lesson 06, check_channel_sums)
@@ -208,13 +207,6 @@ def run_case_06(name):
                                     (stored.abs().sum(0), (stored * stored).sum(0))):
             assert ((got - want).abs() <= 1e-5 * scale + 1e-4).all(), (got, want)
         expected, K = common.reference_conv2d_nhwc(x, w, None, stride, padding, dilation, torch.float32), g.K
-    else:
-        scale, shift = lesson06.batch_norm_factors(Ci, "cpu")
-        out = lesson06.conv2d_bn_relu_input_launch(x.cuda(), w.cuda(), scale.cuda(), shift.cuda(), stride, padding,
-                                                   dilation)
-        expected = lesson06.reference_conv2d_bn_relu_input(x, w, scale, shift, stride, padding, dilation,
-                                                           torch.float32)
-        K = g.K
     print_output_buffer(out)
     common.assert_close_to_reference(out.cpu(), expected.to(out.dtype), dtype=out.dtype, K=K)
     print(f"case ok: {name}")
@@ -297,7 +289,8 @@ def kernel_def_lines():
     """{kernel name: line of its `def`}: the line Triton gives the code it generates for the
     kernel as a whole, such as the warp_specialize dispatch."""
     import inspect
-    kernels = [_lesson("05-warp-specialized-conv").conv2d_fprop_kernel,
+    from conv_tutorial.kernels import fprop
+    kernels = [fprop.conv2d_fprop_kernel,      # (the operator's plans run the package's forward kernel)
                _lesson("06-conv-backward").conv2d_wgrad_kernel,
                _lesson("04-implicit-gemm-single-buffer").conv2d_tma_im2col_kernel, ws_probe_kernel]
     lines = {}

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import conv_tutorial
-from conv_tutorial import backward, kernel, wgrad
+from conv_tutorial import backward, wgrad
+from conv_tutorial.core.windows import FlippedFilter
+from conv_tutorial.kernels import dgrad as dgrad_kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import backward_layers  # noqa: E402
@@ -18,6 +20,7 @@ import host_time  # noqa: E402
 
 
 def test_operator_figures_check_then_time_every_path(monkeypatch):
+    lesson06 = common.load_lesson("06-conv-backward")     # its CPU models stand in for the kernels
     timed = []
 
     def fake_bench(fn, flops, cuda_graph=False):
@@ -34,18 +37,18 @@ def test_operator_figures_check_then_time_every_path(monkeypatch):
     monkeypatch.setattr(wgrad, "conv2d_weight_grad", wgrad_stand_in)
     monkeypatch.setattr(backward, "lesson06_reason", lambda *args: None)
     def fprop_stand_in(dy, w_phase, padding, dilation, groups=1, out_window=None):     # torch's conv per phase
-        if isinstance(w_phase, common.FlippedFilter):       # (lesson 06's weights read in place, on a GPU)
-            w_phase = kernel.lesson06.gathered_weights(w_phase)
+        if isinstance(w_phase, FlippedFilter):       # (the weights read in place, on a GPU)
+            w_phase = lesson06.gathered_weights(w_phase)
         out = torch.nn.functional.conv2d(dy.permute(0, 3, 1, 2), w_phase.permute(0, 3, 1, 2), None, 1, padding,
                                          dilation, groups).permute(0, 2, 3, 1)
         return out if out_window is None else out_window.write(out)
 
     monkeypatch.setattr(backward, "_fprop", fprop_stand_in)
-    # (lesson 06's one launch for all phases: its CPU model in the kernel's place)
-    monkeypatch.setattr(kernel.lesson06, "side_by_side_launch", kernel.lesson06.reference_side_by_side)
+    # (the one launch for all phases: lesson 06's CPU model in the kernel's place)
+    monkeypatch.setattr(dgrad_kernels, "side_by_side_launch", lesson06.reference_side_by_side)
     before = backward.backward_backend()
     try:
-        row = backward_layers.operator_figures(kernel.lesson06, ("tiny", 2, 9, 9, 8, 16, 3, 3, 2, 1), cuda_graph=False)
+        row = backward_layers.operator_figures(lesson06, ("tiny", 2, 9, 9, 8, 16, 3, 3, 2, 1), cuda_graph=False)
     finally:
         conv_tutorial.set_backward(before)
     assert {"dgrad operator", "wgrad operator", "wgrad plan"} <= row.keys() and timed == ["bench"] * 3

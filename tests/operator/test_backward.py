@@ -2,7 +2,6 @@
 and its errors, the fallback to torch with one warning per reason (CPU), the layouts handed to the
 lesson's launchers (CPU, with launchers computed by torch.nn.grad in their place), and on a GPU the
 gradients of the operator against torch's on awkward shapes."""
-import types
 import warnings
 
 import common
@@ -11,7 +10,8 @@ import pytest
 import torch
 
 import conv_tutorial
-from conv_tutorial import backward, kernel, wgrad
+from conv_tutorial import backward, wgrad
+from conv_tutorial.kernels import dgrad as dgrad_kernels, fprop
 
 needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
 
@@ -68,7 +68,7 @@ def test_cpu_tensors_fall_back_to_torch_with_one_warning(lesson06_backend):
 
 @pytest.fixture
 def lesson06_stand_ins(lesson06_backend, monkeypatch):
-    """Lesson 06's own phases for dgrad with torch's conv standing in for each phase's kernel, and
+    """The package's dgrad plans (lesson 06's phases) with torch's conv standing in for each phase's kernel, and
     torch standing in for the package's wgrad (wgrad.conv2d_weight_grad, whose plan
     tests/operator/test_wgrad_plan.py tests; same signature: NHWC x and dY, [Co, R, S, Ci] weight
     shape), on a CPU. Yields the list of what they were handed."""
@@ -95,9 +95,7 @@ def lesson06_stand_ins(lesson06_backend, monkeypatch):
         seen.append(("dgrad side by side", dy.shape, w_side_by_side.shape, type(dy)))
         lesson06.reference_side_by_side(dy, w_side_by_side, plan, out_window)
 
-    monkeypatch.setattr(kernel, "lesson06", types.SimpleNamespace(side_by_side_launch=side_by_side_stand_in, **{
-        name: getattr(lesson06, name) for name in ("dgrad", "dgrad_by_phases", "dgrad_phases", "stride_fold",
-                                                   "fold_weight", "unfold_input_grad")}), raising=False)
+    monkeypatch.setattr(dgrad_kernels, "side_by_side_launch", side_by_side_stand_in)
     monkeypatch.setattr(wgrad, "conv2d_weight_grad", wgrad_stand_in)
     monkeypatch.setattr(backward, "_fprop", phase_fprop)
     monkeypatch.setattr(backward, "lesson06_reason", lambda *args: None)
@@ -230,13 +228,12 @@ def test_a_plan_keeps_one_template_per_filter_read_in_place():
     # 2: the phase with taps 2 and 0, or 3 and 1) must not share a plan's template: their weights' descriptors
     # differ in their rows' length (launch.py keeps one per filter shape and taps; built on CPU tensors here)
     from conv_tutorial import launch
-    lesson05, lesson06 = kernel.lesson05, kernel.lesson06
     found = []
     for R in (3, 4):
         g = common.conv_geometry((1, 4, 8, 4), (8, R, 4, 4), (2, 1), (0, 1), (1, 2))
         w = torch.randn(8, R, 4, 4).to(torch.bfloat16)
-        tapped = [p for p in lesson06.dgrad_phases(g) if p[2].taps is not None and p[3].taps is not None]
-        for (_, _, h, v), flipped in zip(tapped, lesson06.filters_in_place(w, [(h.taps, v.taps) for _, _, h, v in
+        tapped = [p for p in dgrad_kernels.dgrad_phases(g) if p[2].taps is not None and p[3].taps is not None]
+        for (_, _, h, v), flipped in zip(tapped, dgrad_kernels.filters_in_place(w, [(h.taps, v.taps) for _, _, h, v in
                                                                                 tapped])):
             if flipped.kernel_args() == (((32, 32),), ((12, 4),)):
                 dy = torch.randn(1, g.out_h, g.out_w, 8).to(torch.bfloat16)
@@ -244,7 +241,7 @@ def test_a_plan_keeps_one_template_per_filter_read_in_place():
                                                    (h.dilation, v.dilation)), flipped, dy))
     (conv, first, dy_first), (other_conv, second, dy_second) = found
     assert conv == other_conv and first.kernel_args() == second.kernel_args()   # the same plan, the same taps
-    plan = launch.ConvPlan(conv, torch.bfloat16, lesson05.FIXED_CONFIG._replace(block_n=64), "sm_90", 132)
+    plan = launch.ConvPlan(conv, torch.bfloat16, fprop.FIXED_CONFIG._replace(block_n=64), "sm_90", 132)
     plan.launch_for(dy_first, first, None)
     launched = plan.launch_for(dy_second, second, None)
     assert tuple(launched.w_desc.shape) == tuple(second.w.reshape(8, -1).shape) and len(plan.templates) == 2

@@ -182,14 +182,14 @@ def test_random_layers_gradients_on_lesson06_match_torch(lesson06_backend, monke
 
 def test_grouped_cases_fit_both_gradients():
     """Runs on a CPU: every grouped case is one lesson 06 takes (so none may fall back below)."""
-    from conv_tutorial.kernel import lesson06
+    from conv_tutorial.kernels.gradients import backward_groups_reason
     assert len(set(GROUPED_CASES)) == len(GROUPED_CASES) == 16
     for case in GROUPED_CASES:
         g = conv_geometry((case.N, case.H, case.W, case.groups * case.Ci_group),
                           (case.groups * case.Co_group, case.R, case.S, case.Ci_group), case.stride, case.padding, 1,
                           case.groups)
-        assert lesson06.backward_groups_reason(g, "wgrad") is None
-        assert lesson06.backward_groups_reason(g, "dgrad") is None
+        assert backward_groups_reason(g, "wgrad") is None
+        assert backward_groups_reason(g, "dgrad") is None
     assert {case.stride for case in GROUPED_CASES} >= {(1, 1), (2, 2)}
     assert {case.groups for case in GROUPED_CASES} >= {2, 3, 4}
 

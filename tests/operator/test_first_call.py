@@ -7,17 +7,17 @@ import common
 import pytest
 import torch
 
-lesson05 = common.load_lesson("05-warp-specialized-conv")
+from conv_tutorial.kernels import fprop  # noqa: E402
 from conv_tutorial import fusion, runtime, selection  # noqa: E402
 from conv_tutorial import launch as plans  # noqa: E402
 
-needs_gpu = lesson05.needs_gpu
+needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
 
 
 @needs_gpu
 @pytest.mark.parametrize("N, H, W, Ci, Co, R, stride, config, epilogue", [
     (2, 13, 11, 40, 72, 3, 2, None, dict(activation="relu")),                      # the heuristic's config
-    (1, 7, 7, 512, 512, 3, 1, lesson05.KernelConfig(128, 128, 64, 4, 4, split_k=4),  # split-K: two kernels
+    (1, 7, 7, 512, 512, 3, 1, fprop.KernelConfig(128, 128, 64, 4, 4, split_k=4),  # split-K: two kernels
      dict(activation="silu")),
 ])
 def test_calls_after_compiling_ahead_compute_the_conv(N, H, W, Ci, Co, R, stride, config, epilogue):

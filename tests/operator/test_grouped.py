@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-lesson05 = common.load_lesson("05-warp-specialized-conv")
+from conv_tutorial.kernels import fprop  # noqa: E402
 from conv_tutorial import configs, fusion, ops, selection  # noqa: E402
 
-needs_gpu = lesson05.needs_gpu
+needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
 
 
 # %% Merging groups

@@ -9,7 +9,7 @@ import common
 import pytest
 import torch
 
-lesson05 = common.load_lesson("05-warp-specialized-conv")
+from conv_tutorial.kernels import fprop  # noqa: E402
 from conv_tutorial import configs, runtime, selection
 from conv_tutorial import launch as plans  # noqa: E402
 needs_hopper = pytest.mark.skipif(not (common.has_tma_mma_gpu() and common.is_hopper()),
@@ -20,8 +20,8 @@ def conv2d_fixed(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=c
     """The runtime with one given config (no autotuning)."""
     return runtime.conv2d(x_nhwc, w, bias, stride, padding, dilation, config=tuple(config), **epilogue)
 
-KernelConfig = lesson05.KernelConfig
-needs_gpu = lesson05.needs_gpu
+KernelConfig = fprop.KernelConfig
+needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
 
 
 def test_pruning():
@@ -32,7 +32,7 @@ def test_pruning():
     small = common.conv_geometry((1, 8, 8, 64), (256, 1, 1, 64))
     assert selection.prune_configs([(128, 256, 64, 4, 8, 1)], small, "sm_90") == []  # too much smem
     assert selection.prune_configs([(128, 256, 64, 3, 4, 1)], small, "sm_90") == []  # acc on 4 warps
-    assert configs.block_k_channels(lesson05.FIXED_CONFIG, 8, 2) == 16
+    assert configs.block_k_channels(fprop.FIXED_CONFIG, 8, 2) == 16
     assert selection.prune_configs([(128, 64, 64, 4, 8, 2)], geometry, "sm_90") == []  # no registers
     # tails only where they cut the wasted columns: Co=320 keeps the 160-wide tiles, Co=384 does not
     tails = [c for c in configs.HOPPER_CANDIDATES if c.block_n_tail]
@@ -45,7 +45,7 @@ def test_pruning():
 
 def test_every_blackwell_candidate_is_a_valid_config():
     for config in configs.BLACKWELL_CANDIDATES:
-        lesson05.check_config(config, "sm_100")
+        fprop.check_config(config, "sm_100")
     geometry = common.conv_geometry((8, 32, 32, 256), (256, 3, 3, 256), 1, 1)
     assert selection.prune_configs(configs.BLACKWELL_CANDIDATES, geometry, "sm_100")
 
@@ -101,7 +101,7 @@ def test_a_row_tail_with_a_residual_runs_on_8_warps(config):
     assert configs.fitted_to_epilogue(wide, has_residual=True) == wide
 
 
-@pytest.mark.parametrize("config", [lesson05.FIXED_CONFIG, KernelConfig(128, 128, 64, 4, 4, block_n_tail=32),
+@pytest.mark.parametrize("config", [fprop.FIXED_CONFIG, KernelConfig(128, 128, 64, 4, 4, block_n_tail=32),
                                     KernelConfig(128, 128, 64, 6, 8, split_k=3)], ids=str)
 def test_a_plans_template_holds_no_tensors(config):
     """A plan keeps the first call's launch as a template, without its tensors: else each plan
@@ -110,9 +110,9 @@ def test_a_plans_template_holds_no_tensors(config):
     x_nhwc, w = common.random_conv_inputs(2, 8, 8, 64, 160, 3, 3, torch.bfloat16, device_name="cpu")
     geometry = common.conv_geometry(x_nhwc.shape, w.shape, 1, 1)
     bias = torch.zeros(160)
-    launch = lesson05.prepare_launch(x_nhwc, w, bias, geometry, config, "sm_90", 132)
+    launch = fprop.prepare_launch(x_nhwc, w, bias, geometry, config, "sm_90", 132)
     template = plans._tensorless(launch)
-    names = lesson05.DESCRIPTORS
+    names = fprop.DESCRIPTORS
     descriptors = [getattr(template, name) for name in names if getattr(template, name) is not None]
     assert descriptors and all(d.base is None for d in descriptors)
     assert template.pointers is None                 # the epilogue's pointers
@@ -187,7 +187,7 @@ def test_direct_launch_remembers_tensor_maps_by_address(monkeypatch):
     for x in (x_a, x_b, x_a, x_b):
         check(x)
     geometry = common.conv_geometry(x_a.shape, w.shape, 1, 1)
-    direct = plans.plan_for(geometry, x_a.dtype, lesson05.FIXED_CONFIG).launches[("none", None, None, None)]
+    direct = plans.plan_for(geometry, x_a.dtype, fprop.FIXED_CONFIG).launches[("none", None, None, None)]
     encoded = []
     encode = direct.encode
     monkeypatch.setattr(direct, "encode", lambda descriptor, *rest: encoded.append(descriptor.base.data_ptr())

@@ -19,10 +19,11 @@ import pytest
 import torch
 
 import conv_tutorial
-from conv_tutorial import backward, kernel, launch, wgrad
+from conv_tutorial import backward, launch, wgrad
+from conv_tutorial.kernels import gradients, wgrad as wgrad_kernels
 
 needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
-lesson06 = kernel.lesson06
+lesson06 = common.load_lesson("06-conv-backward")    # its CPU models: wgrad_reference, the inputs, BAD_CALLS
 
 
 def at_address(address, dtype, numel):
@@ -50,7 +51,7 @@ class StandInLaunch:
     def first_launch(cls, kernel_fn, grid, args, kwargs, templates=()):
         made = cls(kernel_fn, kwargs, [t for t in templates if t is not None])
         made.first = (grid, args)
-        made.out_dtype = args[1 if kernel_fn is lesson06.wgrad_split_k_sum_kernel else 2].dtype
+        made.out_dtype = args[1 if kernel_fn is wgrad_kernels.wgrad_split_k_sum_kernel else 2].dtype
         made.compute(grid, args)
         cls.made.append(made)
         return made
@@ -61,7 +62,7 @@ class StandInLaunch:
         self.compute(grid, rebased + list(args[len(rebased):]))
 
     def compute(self, grid, args):
-        if self.kernel_fn is lesson06.conv2d_wgrad_kernel:
+        if self.kernel_fn is wgrad_kernels.conv2d_wgrad_kernel:
             self.wgrad(*args, out_dtype=self.out_dtype)
         else:                         # the split-K sum: lesson 06's kernel, in the interpreter
             partial, dw, Co, Ci_group, taps, _, _, _, split_tiles, split_k = args
@@ -70,10 +71,10 @@ class StandInLaunch:
                 partial = at_address(partial, torch.float32, split_k * split_tiles * tile)
                 dw = at_address(dw, self.out_dtype, Co * taps * Ci_group)
             if common.interpreter_mode():
-                lesson06.wgrad_split_k_sum_kernel[grid](partial, dw, *args[2:], **self.constexprs)
+                wgrad_kernels.wgrad_split_k_sum_kernel[grid](partial, dw, *args[2:], **self.constexprs)
             else:            # a GPU machine: the compiled kernel on copies of the CPU tensors
                 on_gpu = dw.cuda()
-                lesson06.wgrad_split_k_sum_kernel[grid](partial.cuda(), on_gpu, *args[2:], **self.constexprs)
+                wgrad_kernels.wgrad_split_k_sum_kernel[grid](partial.cuda(), on_gpu, *args[2:], **self.constexprs)
                 dw.copy_(on_gpu.cpu())
 
     @staticmethod
@@ -99,7 +100,7 @@ class StandInLaunch:
         dw = dw.view(shape.Co, shape.taps, shape.Ci_group)
 
         def tile_of(result, tile):       # a tile of a dW-shaped result, zero-padded to block_m x block_n
-            co0, tap, c0 = lesson06.wgrad_tile_origin.fn(tile, shape.num_pid_m, shape.ci_blocks, block_m, block_n)
+            co0, tap, c0 = wgrad_kernels.wgrad_tile_origin.fn(tile, shape.num_pid_m, shape.ci_blocks, block_m, block_n)
             padded = torch.zeros(block_m, block_n)
             part = result[co0:co0 + block_m, tap, c0:c0 + block_n]
             padded[:part.shape[0], :part.shape[1]] = part
@@ -129,7 +130,7 @@ def stand_ins(monkeypatch):
     monkeypatch.setattr(wgrad, "device_facts", lambda: ("sm_90", 132, 232448))
     monkeypatch.setattr(wgrad, "_PLANS", {})
     monkeypatch.setattr(wgrad, "_FAST_PLANS", {})
-    checked = lesson06.check_backward_call
+    checked = gradients.check_backward_call
 
     def checked_but_on_a_cpu(tensors, x_shape, w_shape, stride, padding, dilation, groups):
         try:
@@ -138,7 +139,7 @@ def stand_ins(monkeypatch):
             if "CUDA GPU" not in str(error):
                 raise
             return common.conv_geometry(tuple(x_shape), tuple(w_shape), stride, padding, dilation, groups)
-    monkeypatch.setattr(lesson06, "check_backward_call", checked_but_on_a_cpu)
+    monkeypatch.setattr(gradients, "check_backward_call", checked_but_on_a_cpu)
     return StandInLaunch
 
 
@@ -217,7 +218,7 @@ def test_a_later_call_rebases_the_descriptors_on_its_tensors(stand_ins, Ci, Co):
     x, w, dy, g = small_integer_inputs(2, 7, 6, Ci, Co, 3, 3, 1, 1, 1, seed=5)
     wgrad.conv2d_weight_grad(x, dy, w.shape, 1, 1)
     (_, _, (dy_desc, x_desc)), = stand_ins.made[0].calls
-    fresh = lesson06.prepare_wgrad(x, dy, g, None, "sm_90", 132)        # what Triton validates for these tensors
+    fresh = wgrad_kernels.prepare_wgrad(x, dy, g, None, "sm_90", 132)        # what Triton validates for these tensors
     for rebased, built in ((dy_desc, fresh.dy_desc), (x_desc, fresh.x_desc)):
         assert {k: v for k, v in vars(rebased).items() if k != "base"} == {k: v for k, v in vars(built).items()
                                                                           if k != "base"}
@@ -236,16 +237,16 @@ def test_kernel_arguments_follow_the_kernels_signatures(stand_ins):
     dw = wgrad.conv2d_weight_grad(x, dy, w.shape, 1, 1)
     kernel_launch, sum_launch = stand_ins.made
     ((_, args, _),), ((_, sum_args, _),) = kernel_launch.calls, sum_launch.calls
-    by_name = dict(zip(run_parameters(lesson06.conv2d_wgrad_kernel), args, strict=True))
+    by_name = dict(zip(run_parameters(wgrad_kernels.conv2d_wgrad_kernel), args, strict=True))
     assert list(by_name) == ["dy_desc", "x_desc", "dw_ptr", "partial_ptr", "shape"]
     assert by_name["dy_desc"].data_ptr() == dy.data_ptr() and by_name["x_desc"].data_ptr() == x.data_ptr()
-    assert by_name["shape"] == lesson06.prepare_wgrad(x, dy, g, None, "sm_90", 132).shape
-    kernel_constexprs = [p.name for p in lesson06.conv2d_wgrad_kernel.params if p.is_constexpr]
+    assert by_name["shape"] == wgrad_kernels.prepare_wgrad(x, dy, g, None, "sm_90", 132).shape
+    kernel_constexprs = [p.name for p in wgrad_kernels.conv2d_wgrad_kernel.params if p.is_constexpr]
     assert set(kernel_constexprs) <= set(kernel_launch.constexprs)
     sum_names = ["partial_ptr", "dw_ptr", "Co", "Ci_group", "taps", "num_pid_m", "ci_blocks", "whole_tiles",
                  "split_tiles", "split_k"]
     sum_by_name = dict(zip(sum_names, sum_args, strict=True))
-    assert list(inspect.signature(lesson06.wgrad_split_k_sum_kernel.fn).parameters)[:10] == sum_names
+    assert list(inspect.signature(wgrad_kernels.wgrad_split_k_sum_kernel.fn).parameters)[:10] == sum_names
     assert sum_by_name["partial_ptr"] == by_name["partial_ptr"] and by_name["dw_ptr"] == sum_by_name["dw_ptr"] == dw.data_ptr()
     shape = by_name["shape"]
     assert {name: sum_by_name[name] for name in sum_names[2:]} == {name: getattr(shape, name) for name in sum_names[2:]}
@@ -257,17 +258,17 @@ def test_split_and_grid_are_prepare_wgrads(stand_ins, N, H, W, Ci, Co, R, S, str
     x, w, dy, g = small_integer_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation)
     for _ in range(2):
         wgrad.conv2d_weight_grad(x, dy, w.shape, stride, padding, dilation)
-    problem = lesson06.wgrad_problem(g, x.element_size())      # the stem's: lesson 06's launcher folds it too
+    problem = wgrad_kernels.wgrad_problem(g, x.element_size())      # the stem's: lesson 06's launcher folds it too
     assert (problem.geometry != g) == (Ci == 3 and R == 7)
-    x, g = lesson06.wgrad_input(x, problem), problem.geometry
-    lesson = lesson06.prepare_wgrad(x, dy, g, None, "sm_90", 132)
+    x, g = wgrad_kernels.wgrad_input(x, problem), problem.geometry
+    lesson = wgrad_kernels.prepare_wgrad(x, dy, g, None, "sm_90", 132)
     plan, = wgrad._PLANS.values()
     assert (plan.template.grid, plan.template.shape, plan.template.config) == (lesson.grid, lesson.shape, lesson.config)
     kernel_launch, *sum_launch = stand_ins.made
     assert kernel_launch.first[0] == kernel_launch.calls[0][0] == lesson.grid
     assert len(sum_launch) == (lesson.partial is not None) == (lesson.shape.split_k > 1)
     if sum_launch:
-        sum_grid = lesson06.sum_partials_launch(lesson, w.new_empty(g.Co, g.R * g.S * g.Ci))[0]
+        sum_grid = wgrad_kernels.sum_partials_launch(lesson, w.new_empty(g.Co, g.R * g.S * g.Ci))[0]
         assert sum_launch[0].first[0] == sum_launch[0].calls[0][0] == sum_grid
     assert (lesson.shape.split_k > 1) == ((N, H) == (2, 64))      # the case with slices is one
 

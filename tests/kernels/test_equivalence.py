@@ -1,0 +1,109 @@
+"""The operator runs what the lessons teach: the package's production kernels, built with their
+extra features off, against the lessons' own kernels at the configs the lessons teach.
+
+Ahead of time, on any machine, for sm_90 and sm_100: both builds must have the same PTX
+instruction counts (every opcode), shared memory, warps, tensor-memory columns, and (where
+cuobjdump is at hand) registers and stack. The text itself may differ only where it names where
+the source was (debug lines, file paths) and the kernels' source lines. On a Hopper or Blackwell
+GPU: the same bits for the same inputs.
+
+- lesson 05's `conv2d_fprop_kernel` against `conv_tutorial.kernels.fprop`'s: the production kernel
+  adds the backward's switches (an output window and a dgrad's phases, a filter read in place,
+  channel statistics, ReLU's backward), each a constexpr None or off here;
+- lesson 06's `conv2d_wgrad_kernel` against `conv_tutorial.kernels.wgrad`'s (the same kernel).
+"""
+import re
+from collections import Counter
+
+import common
+import pytest
+import torch
+
+LESSON05, LESSON06 = "05-warp-specialized-conv", "06-conv-backward"
+PACKAGE_AOT = "conv_tutorial.kernels.aot"
+
+fprop = pytest.importorskip("conv_tutorial.kernels.fprop")
+FIXED = list(fprop.FIXED_CONFIG)
+PLAIN, FUSED = [False, False, False, "none"], [True, True, True, "relu"]
+
+# (arch, what lesson 05 teaches with it, build parameters): its configs, the plain and the fused
+# epilogue, the tails (section 6), split-K (section 7), e4m3 (section 9) and groups (section 10).
+FPROP_CASES = [
+    ("sm_90", "fixed config, plain epilogue", dict()),
+    ("sm_90", "fixed config, fused epilogue", dict(epilogue=FUSED)),
+    ("sm_90", "ping-pong", dict(config=list(fprop.FIXED_CONFIG._replace(consumers=2)), epilogue=FUSED)),
+    ("sm_90", "256-row tile, one 8-warp consumer",
+     dict(Ci=128, Co=256, config=list(fprop.KernelConfig(256, 128, 64, 4, 8)))),
+    ("sm_90", "row tail (128+64 rows)", dict(config=list(fprop.KernelConfig(128, 128, 64, 4, 4, block_m_tail=64)))),
+    ("sm_90", "column tail (128+32 columns)", dict(Co=160, config=list(fprop.KernelConfig(128, 128, 64, 4, 4,
+                                                                                          block_n_tail=32)))),
+    ("sm_90", "split-K", dict(Ci=256, config=list(fprop.FIXED_CONFIG._replace(split_k=2)), epilogue=FUSED)),
+    ("sm_90", "e4m3 operands", dict(dtype="float8_e4m3fn")),
+    ("sm_100", "fixed config, plain epilogue", dict()),
+    ("sm_100", "fixed config, fused epilogue", dict(epilogue=FUSED)),
+    ("sm_100", "column tail (128+32 columns)", dict(Co=160, config=list(fprop.KernelConfig(128, 128, 64, 4, 4,
+                                                                                           block_n_tail=32)))),
+]
+
+
+def fingerprint(build):
+    """What must agree between two builds of one kernel: each PTX opcode's count, shared memory,
+    warps, tensor-memory columns, registers and stack (None where cuobjdump is missing)."""
+    opcodes = Counter()
+    for line in build["ptx"].splitlines():
+        line = re.sub(r"^@!?%\w+\s+", "", line.strip())
+        match = re.match(r"([a-z][\w.:]*)\s", line)
+        if match and not line.startswith(("//", ".")):
+            opcodes[match.group(1)] += 1
+    return {"opcodes": dict(sorted(opcodes.items())),
+            **{key: build.get(key) for key in ("shared", "num_warps", "tmem_size", "registers", "stack")}}
+
+
+def differences(lesson, package):
+    """Where two fingerprints differ, one line each, naming the opcode or resource."""
+    lines = []
+    for op in sorted(set(lesson["opcodes"]) | set(package["opcodes"])):
+        a, b = lesson["opcodes"].get(op, 0), package["opcodes"].get(op, 0)
+        if a != b:
+            lines.append(f"{op}: lesson {a}, package {b}")
+    lines += [f"{key}: lesson {lesson[key]}, package {package[key]}" for key in lesson
+              if key != "opcodes" and lesson[key] != package[key]]
+    return lines
+
+
+@pytest.mark.parametrize("arch, what, params", FPROP_CASES, ids=[f"{a}-{w}" for a, w, _ in FPROP_CASES])
+def test_forward_kernel_builds_as_lesson_05_teaches_it(arch, what, params):
+    lesson = common.aot_compile_or_skip(LESSON05, "aot_conv2d_fprop", arch, **params)
+    package = common.aot_compile_or_skip(PACKAGE_AOT, "fprop_build", arch, **params)
+    found = differences(fingerprint(lesson), fingerprint(package))
+    assert not found, f"{arch}, {what}: the package's forward kernel and lesson 05's differ:\n" + "\n".join(found)
+
+
+def test_the_comparison_sees_one_instruction():
+    """The check above is not vacuous: one extra instruction, or one byte of shared memory, is a difference."""
+    ptx = ".visible .entry k()\n{\n\tadd.s32 \t%r1, %r2, %r3;\n\tret;\n}\n"
+    base = {"ptx": ptx, "shared": 1024, "num_warps": 4, "tmem_size": 0, "registers": None, "stack": None}
+    one_more = dict(base, ptx=ptx.replace("\tret;", "\tmul.lo.s32 \t%r4, %r1, %r1;\n\tret;"))
+    assert differences(fingerprint(base), fingerprint(base)) == []
+    assert differences(fingerprint(base), fingerprint(one_more)) == ["mul.lo.s32: lesson 0, package 1"]
+    assert differences(fingerprint(base), fingerprint(dict(base, shared=1025))) == ["shared: lesson 1024, package 1025"]
+
+
+@pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
+@pytest.mark.parametrize("config, epilogue", [(fprop.FIXED_CONFIG, fprop.Epilogue()),
+                                              (fprop.FIXED_CONFIG._replace(split_k=2),
+                                               fprop.Epilogue(True, True, True, "relu"))])
+def test_forward_kernel_gives_lesson_05s_bits(config, epilogue):
+    """On a GPU: the package's kernel and lesson 05's, launched on the same inputs, write the same bits."""
+    lesson05 = common.load_lesson(LESSON05)
+    x, w = common.random_conv_inputs(4, 20, 20, 128, 192, 3, 3, torch.bfloat16)
+    generator = torch.Generator().manual_seed(1)
+    g = common.conv_geometry(x.shape, w.shape, 1, 1)
+    bias, scale = (torch.randn(g.Co, generator=generator).cuda() for _ in range(2))
+    residual = torch.randn(*g.output_shape_nhwc, generator=generator).to("cuda", torch.bfloat16)
+    operands = {"bias": bias, "scale": scale, "residual": residual} if epilogue.bias else {}
+    activation = {"activation": epilogue.activation} if epilogue.bias else {}
+    ours = fprop.conv2d_fprop_launch(x, w, padding=1, config=config, **operands, **activation)
+    theirs = lesson05.conv2d_fprop_launch(x, w, padding=1, config=lesson05.KernelConfig(*config), **operands,
+                                          **activation)
+    assert torch.equal(ours, theirs)
