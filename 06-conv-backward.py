@@ -71,6 +71,7 @@ lesson05 = common.load_lesson("05-warp-specialized-conv")         # the parts of
 # and its host side, and the plans the sections below explain, as the operator runs them
 # (conv_tutorial/kernels/dgrad.py, gradients.py, wgrad.py). The wgrad kernel itself is this lesson's own.
 from conv_tutorial.kernels import fprop as forward  # noqa: E402
+from conv_tutorial.core.batchnorm import batch_stats_from_sums  # noqa: E402
 from conv_tutorial.kernels.aot import fprop_build  # noqa: E402
 from conv_tutorial.core.windows import (  # noqa: E402
     FlippedFilter, OutputWindow, check_channel_stats, flipped_filter_taps)
@@ -122,7 +123,8 @@ if __name__ == "__main__":
 #     wgrad   Co                     R*S*Ci             N*out_h*out_w pixels   dY^T            im2col(x)
 #
 # dgrad is a convolution again, of dY with the filter turned around, so lesson 05's kernel runs it
-# (sections 1-2). wgrad is not: it reduces over the pixels, the axis the forward pass tiles, and
+# (sections 1-2: the operator's copy of it, conv_tutorial/kernels/fprop.py, which adds the switches
+# this lesson explains and builds to lesson 05's PTX without them). wgrad is not: it reduces over the pixels, the axis the forward pass tiles, and
 # gets a kernel of its own (sections 3-6).
 #
 # The ground truth throughout is torch's own gradient code, `torch.nn.grad.conv2d_input` and
@@ -673,7 +675,8 @@ if __name__ == "__main__":
 # that tile multiplies: a box [BLOCK_K, BLOCK_N] whose N index (dX's channel) is the contiguous
 # one, an *N-major* B, where w' gave a K-major one. So the loader asks TMA for that box at
 # (c0, column), and the MMA takes the stage as it lies, [BLOCK_K, BLOCK_N], instead of the
-# [BLOCK_N, BLOCK_K] box seen transposed (`Ring.b` in lesson 05). Rows past Co lie outside w2d and
+# [BLOCK_N, BLOCK_K] box seen transposed (`Ring.b` in lesson 05; the operator's kernel adds the
+# switch, `Ring.B_N_MAJOR`). Rows past Co lie outside w2d and
 # arrive as zeros (so no uninitialized weight meets dY's zero-filled channels, which section 2b's
 # copy had to zero). Columns past the tap's Ci belong to the next tap (or lie outside w2d) and make
 # output columns nobody reads: the TMA store clips them or writes them into out_2d's padding
@@ -691,15 +694,15 @@ if __name__ == "__main__":
 #
 #     base_h - r * step_h + base_w - s * step_w + n
 #
-# (`FlippedTaps`, which lesson 05's `Im2colWindow.k_step` asks where the box starts). The
+# (`FlippedTaps`, which the operator's `Im2colWindow.k_step` asks where the box starts). The
 # per-phase convs of section 2 get one FlippedFilter each, section 2b's conv one with a residue
 # per phase row and column. It applies where w is on the GPU, fp16 or bf16, contiguous, 16-byte
 # aligned, its rows whole 16-byte vectors and groups is 1 (`reads_in_place`); elsewhere the copy
 # stays. (A dgrad with its stride folded into the channels, section 6, still copies w once to fold
 # it, then reads that copy in place.) The launcher and the operator take it; `gathered_weights`
-# is the CPU's model of what the loads read. Without a FlippedFilter lesson 05's kernel builds as
-# before (the same opcode counts, registers and shared memory for every candidate config, sm_90
-# and sm_100: `tools/ptx_fingerprint.py`). On the H100
+# is the CPU's model of what the loads read. Without a FlippedFilter the kernel builds as
+# lesson 05's (the same opcode counts, registers and shared memory at every candidate config, sm_90
+# and sm_100: `tools/ptx_fingerprint.py`, tests/kernels/test_equivalence.py). On the H100
 # (2026-11-26; RESULTS.md, "The operator's gradients") it took the operator's dgrad over
 # ResNet-50's 23 layers to 1.04x cuDNN's speed, kernels alone, geometric mean, from 0.99x in a
 # run before it on another H100: every layer gained, from under 1% (the 56x56 stride-2 layer) to
@@ -1274,34 +1277,16 @@ def test_split_k_sum_adds_the_slices_in_order():
 # power of two, 16 to 128 wide (the stem's 3 channels, padded to 8, would get a 16-channel box;
 # the end of this section folds its stride into the channels first). A tile of 128 x 64 or fewer
 # elements takes 128 pixels per k-step instead of 64: its MMA per k-step is small next to the
-# k-step's fixed costs (two barrier waits, two TMA issues, the box origin's three divisions), and
-# on an H100 the longer k-step was faster on 10 of the 11 such layers of a tuning set that is not
-# ResNet-50 (ResNet-18, VGG-16 and Inception v3 convs; up to 1.6x on 64->64 3x3 convs), as fast on
-# the 11th (results/notebook.md, 2026-11-26). On ResNet-50 itself it took the 56x56 64->64 3x3
-# from 0.67x cuDNN's speed to 1.00x, and two 56x56 1x1 layers with 128 x 64 tiles from 1.00x to
-# 0.96-0.98x. `default_wgrad_config` then trades rows for tiles where a wave would sit mostly idle:
-# where 128-row tiles fill at most half the SMs (every tile split: a workspace, a second kernel) and
-# 64-row tiles fill three quarters of them or more, whole, it takes the 64-row tiles. On the tuning
-# set it took Inception v3's 8x8 2048->448 1x1 from 39.6 to 30.6 us (H100, 2026-11-26); the
-# three-quarters line keeps the 128-row tiles of its 17x17 192->320 3x3 stride 2, where 90 tiles
-# of 64 rows (68% of a wave) took 41.7 us against 32.5. On ResNet-50's two 7x7 1x1 layers it went
-# from 0.67x and 0.81x cuDNN's speed to 0.83x and 0.97x (RESULTS.md, "The operator's gradients").
-# One more choice came from a second tuning run (H100, 2026-11-26, batch 128: Wide ResNet-50-2's
-# 13 stride-1 1x1 convs, ResNet-18's 11 convs, every second of Inception v3's 19 1x1 convs; 9 of
-# these shapes are also ResNet-50's, whose table in RESULTS.md therefore is not wholly held out).
-# Where x is read tiled (a 1x1 conv at stride 1, section 3), the tiles are 128 channels wide, the
-# 128-row tiles are fewer than the SMs (so each is split into slices, or the wave is left part idle)
-# and the 64-row tiles' slices fit one wave, the 64-row tiles win too: each program writes a partial
-# tile half the size, so the workspace and the second kernel's reads halve, while a k-step keeps its
-# 128 x 128 x 64 multiply-adds. On the 14 such tuning layers it won 11, up to 1.31x (Inception v3's
-# 8x8 1280->192: 15.5 -> 11.9 us; 17x17 768->160: 36.2 -> 31.3), and lost 3-6% on the three with 512
-# channels or more on both sides, whose long loops favour the bigger tile; the tuning set's geometric
-# mean went from 1.03x cuDNN's speed to 1.06x (results/notebook.md). It is kept to tiled x: on
-# Inception's 17x17 192->320 3x3 stride 2, read through im2col, 64-row tiles took 41.7 us against 32.5
-# (the three-quarters line above), though two small stride-2 1x1 layers of ResNet-18 would have
-# gained 1.5-2 us of 11-12. A deeper ring for the 128 x 128 tiles (6 stages instead of 4; 7 would
-# fit) was timed too: on the tuning set it moved the geometric mean by 0.3%, within the runs'
-# spread, so it was not kept.
+# k-step's fixed costs (two barrier waits, two TMA issues, the box origin's three divisions).
+# `default_wgrad_config` then trades rows for tiles where a wave would sit mostly idle: where
+# 128-row tiles fill at most half the SMs (every tile split: a workspace, a second kernel) and
+# 64-row tiles fill three quarters of them or more, whole, it takes the 64-row tiles; and where x is
+# read tiled (a 1x1 conv at stride 1, section 3) and the 64-row tiles' slices fit one wave, it takes
+# them too: each program writes a partial tile half the size, so the workspace and the second
+# kernel's reads halve, while a k-step keeps its 128 x 128 x 64 multiply-adds. Each rule was tuned on
+# layers that are not ResNet-50's and then measured on ResNet-50's (results/notebook.md, "wgrad's
+# tile rules", has the timings; RESULTS.md, "The operator's gradients", the result). The rules live
+# in the operator (conv_tutorial/kernels/wgrad.py), which this lesson imports.
 # `prepare_wgrad` builds what a launch needs (on CPU tensors too: the ahead-of-time compile and the
 # CPU model use it): x with its channels padded to 16 bytes (lesson 04) and its im2col descriptor
 # (or, where `x_reads_tiled`, x as [pixels, Ci] and a tiled descriptor), dY as a 2-D [pixels, Co]
@@ -2271,9 +2256,7 @@ def conv2d_with_channel_stats(x_nhwc, w, stride=1, padding=0, dilation=1, config
 
 def batch_norm_from_sums(y_nhwc, stats, gamma, beta, eps=1e-5):
     """BatchNorm's training-mode output (batch mean, biased variance) from a conv's channel sums."""
-    count = y_nhwc.numel() // y_nhwc.shape[-1]
-    mean = stats[0] / count
-    var = (stats[1] / count - mean * mean).clamp_min(0.0)
+    mean, var = batch_stats_from_sums(stats, y_nhwc.numel() // y_nhwc.shape[-1])   # (the operator's function)
     scale = gamma.float() * torch.rsqrt(var + eps)
     return (y_nhwc.float() * scale + (beta.float() - mean * scale)).to(y_nhwc.dtype)
 

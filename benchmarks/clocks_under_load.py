@@ -29,7 +29,7 @@ from layers import chosen_on_command_line  # noqa: E402
 
 import torch  # noqa: E402
 
-FLOPS_PER_SM_PER_CYCLE = {(9, 0): 4096}     # dense bf16/fp16 MMA, Hopper
+from conv_tutorial.core.device import FLOPS_PER_SM_PER_CYCLE  # noqa: E402  (dense bf16/fp16 MMA per SM per clock)
 SW_POWER_CAP = 0x4                           # NVML clock-event reasons, as nvidia-smi prints them
 HW_SLOWDOWN = 0x8
 SW_THERMAL = 0x20

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the lessons' ki
 import common  # noqa: E402
 from conv_tutorial.kernels.dgrad import (busiest_program, phase_order, side_by_side_config,  # noqa: E402
                                          side_by_side_plan, taps_per_tile)
-from conv_tutorial.kernels.fprop import block_k_channels, tile_counts  # noqa: E402
+from conv_tutorial.kernels.fprop import channel_blocks, tile_counts  # noqa: E402
 from layers import inception_v3_layers, resnet18_layers, resnet50_layers  # noqa: E402
 
 NETWORKS = (resnet50_layers, resnet18_layers, inception_v3_layers)
@@ -40,8 +40,8 @@ def k_steps_per_tile(plan, order=None):
     (`order`: as taps_per_tile's): the tile's taps times the K blocks of dY's channels."""
     g, config = plan.geometry, plan.config
     padded = -(-g.Ci_group // 8) * 8               # bf16 channels in whole 16-byte pixels, as TMA loads them
-    channel_blocks = -(-padded // block_k_channels(config, padded, 2))
-    return [taps * channel_blocks for taps in taps_per_tile(plan, order)]
+    blocks = channel_blocks(config, padded, 2)     # the launch's K blocks per tap
+    return [taps * blocks for taps in taps_per_tile(plan, order)]
 
 
 class Balance(NamedTuple):

@@ -2,8 +2,9 @@
 with them: the candidates it chooses among per architecture, the shared memory and registers a
 config needs, and the share of useful work it does on a shape.
 
-What the kernel itself must know (`KernelConfig`, the combinations it implements, its ring's shared
-memory, its grid and split tiles) is defined beside the kernel in lesson 05 and named here.
+What the kernel itself must know (`KernelConfig`, the combinations it implements, its shared memory
+and register budget, its tile grid and split tiles) is defined beside the kernel, in kernels/fprop.py,
+and named here: one home per fact.
 """
 import functools
 
@@ -15,6 +16,8 @@ KernelConfig, FIXED_CONFIG, check_config = fprop.KernelConfig, fprop.FIXED_CONFI
 PINGPONG_CONFIG = FIXED_CONFIG._replace(consumers=2)   # lesson 05, section 4: Hopper's ping-pong
 SHARED_MEMORY_PER_PROGRAM, ring_bytes, stores_by_row_blocks, tile_counts = (
     fprop.SHARED_MEMORY_PER_PROGRAM, fprop.ring_bytes, fprop.stores_by_row_blocks, fprop.tile_counts)
+shared_memory_bytes, fits_shared_memory, register_budget = (
+    fprop.shared_memory_bytes, fprop.fits_shared_memory, fprop.register_budget)
 block_k_channels, groups_fit, check_groups_fit = (
     fprop.block_k_channels, fprop.groups_fit, fprop.check_groups_fit)
 
@@ -82,16 +85,7 @@ def _candidates():
 HOPPER_CANDIDATES, BLACKWELL_CANDIDATES = _candidates()
 CANDIDATES = {"sm_90": HOPPER_CANDIDATES, "sm_100": BLACKWELL_CANDIDATES}
 SMEM_LIMIT_BYTES = {arch: SHARED_MEMORY_PER_PROGRAM for arch in ("sm_90", "sm_100")}
-SMEM_PER_SM_BYTES = 233472                               # 228 KB per SM, 1 KB of it reserved per program
-
-
-def shared_memory_bytes(config, element_size=2):
-    """Shared memory a config needs: the ring's A and B stages, one staging tile per consumer, barriers."""
-    c = KernelConfig(*config)
-    ring = ring_bytes(c, element_size)
-    staging_rows = c.block_m // 2 if stores_by_row_blocks(c) else c.tile_m
-    staging = c.consumers * staging_rows * c.tile_n * element_size
-    return ring + staging + 2 * c.num_buffers * 8 + 64
+SMEM_PER_SM_BYTES = fprop.SHARED_MEMORY_PER_SM          # 228 KB per SM, 1 KB of it reserved per program
 
 
 def wasted_columns(Co, tile_n):
@@ -143,16 +137,19 @@ def residual_fits_in_registers(config, arch="sm_90"):
     Blackwell the accumulator lives in tensor memory). The consumer holds TILE_M x TILE_N fp32
     accumulators spread over its threads, and beside them the residual of the rows it stores at
     once, bf16 (half a register per value): the whole tile, or where the tile is stored by row
-    blocks (lesson 05, section 6) half the main rows. One 4-warp consumer may use up to 256
-    registers per thread, and fits 192 of these; 8-warp consumers and ping-pong warpgroups get
-    232-240, and fit 160 (tests check this against the stack frame of every candidate's build)."""
+    blocks (lesson 05, section 6) half the main rows; against the kernel's register_budget with a
+    residual (tests check this against the stack frame of every candidate's build)."""
     if arch != "sm_90":
         return True
-    accumulators = config.tile_m * config.tile_n // (32 * config.num_warps)
+    accumulators = accumulator_registers(config)
     stored_rows = config.block_m // 2 if stores_by_row_blocks(config) else config.tile_m
     residual = accumulators * stored_rows // (2 * config.tile_m)
-    budget = 192 if (config.num_warps == 4 and config.consumers == 1) else 160
-    return accumulators + residual <= budget
+    return accumulators + residual <= register_budget(config, arch, residual=True)
+
+
+def accumulator_registers(config):
+    """The fp32 accumulators of a tile per thread of a consumer (on Hopper, where they live in registers)."""
+    return config.tile_m * config.tile_n // (32 * config.num_warps)
 
 
 def fitted_to_epilogue(config, has_residual, arch="sm_90"):

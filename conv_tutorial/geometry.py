@@ -134,7 +134,7 @@ def check_fp8_scales(x_scale, w_scale, Co, device, *, residual=None, activation=
 def _device_facts_of(device_index):
     arch, num_sms = core.tma_mma_arch_and_sms("conv2d_fprop")
     props = torch.cuda.get_device_properties(device_index)
-    smem = getattr(props, "shared_memory_per_block_optin", fprop.SHARED_MEMORY_PER_PROGRAM)
+    smem = getattr(props, "shared_memory_per_block_optin", core.SHARED_MEMORY_PER_PROGRAM)   # (the table's, else)
     return arch, num_sms, smem
 
 

@@ -1,10 +1,10 @@
 """Choosing a config per shape: pruning the candidates to what fits the device and suits the shape,
 a heuristic that needs no timing, an autotuner that times, and the tuning file that remembers.
 
-- `prune_configs`: candidates that cannot fit the device (shared memory per program and per SM,
-  tensor memory on Blackwell, accumulator registers on Hopper) or do not suit the shape (tiles
-  much wider than Co, tails that neither save columns nor fill SMs) are dropped before anything
-  is compiled.
+- `prune_configs`: candidates that the kernel cannot run (`check_config`), that do not fit the
+  device (shared memory per program and per SM, accumulator registers on Hopper) or do not suit
+  the shape (tiles much wider than Co, tails that neither save columns nor fill SMs) are dropped
+  before anything is compiled.
 - `heuristic_config`: a config from the shape alone, for callers that must not spend a second
   timing candidates on a shape's first call (the PyTorch operator, unless autotuning is asked
   for): the config with the shortest expected time, from its throughput as measured over lesson
@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 import triton
 
-from .configs import (CANDIDATES, SMEM_LIMIT_BYTES, SMEM_PER_SM_BYTES, KernelConfig, check_config, fitted_to_epilogue,
-                      groups_fit, k_share, k_steps_of, shared_memory_bytes, split_k_workspace_bytes, split_tiles,
-                      tail_pays, useful_share, wave_efficiency)
+from .configs import (CANDIDATES, SMEM_LIMIT_BYTES, SMEM_PER_SM_BYTES, KernelConfig, accumulator_registers,  # noqa: F401
+                      check_config, fits_shared_memory, fitted_to_epilogue, groups_fit, k_share, k_steps_of,
+                      register_budget, split_k_workspace_bytes, split_tiles, tail_pays, useful_share, wave_efficiency)
 from .geometry import device_facts
 from .core import timing
 from .launch import compiling_ahead_active, plan_for
@@ -38,24 +38,21 @@ _BEST_CONFIG = {}    # (geometry, dtype, device, epilogue tag) -> config chosen 
 
 
 def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
-    """Keep the configs that fit the device and suit the shape (no compilation needed)."""
+    """Keep the configs that the kernel runs on this device and that suit the shape (no compilation
+    needed). The kernel's own limits are check_config's; the device's are its shared memory and
+    register file (the kernel's models of them: fits_shared_memory, register_budget); the rest
+    are the shape's."""
     smem_limit = smem_limit or SMEM_LIMIT_BYTES[arch]
     kept, runnable = [], []     # suited to the shape; able to run it at all (a grouped conv's last resort)
     for config in map(lambda c: KernelConfig(*c), candidates):
         try:
-            check_config(config, arch)   # what the arch does not run (ping-pong, TMEM columns, row tails on
-        except ValueError:               # Blackwell), a ring too deep for the whole tile's staging buffer
+            check_config(config, arch)   # what the kernel does not run on the arch (ping-pong, TMEM columns,
+        except ValueError:               # row tails on Blackwell, warps that overfill the register file, ...)
             continue
-        smem = shared_memory_bytes(config)
-        if smem > smem_limit or config.programs_per_sm * (smem + 1024) > SMEM_PER_SM_BYTES:
-            continue
-        acc_registers = config.tile_m * config.tile_n // (32 * config.num_warps)  # fp32 per thread
-        if arch == "sm_90" and acc_registers > (192 if config.block_m_tail else 160):
-            continue                            # (a 192 x 128 tile on 4 warps compiles without spills)
-        if config.consumers > 1 and (config.num_warps != 4 or config.programs_per_sm > 1):
-            continue                            # 2 consumer warpgroups + the loader's fill the RF
-        if config.programs_per_sm > 1 and (config.num_warps != 4 or acc_registers > 64):
-            continue                            # 2 x (4 + loader) warps at 128 registers fill the RF
+        if not fits_shared_memory(config, smem_limit):
+            continue                            # per program, and its programs per SM
+        if arch == "sm_90" and accumulator_registers(config) > register_budget(config, arch):
+            continue                            # accumulators that would spill
         if geometry.groups > 1 and not groups_fit(config, geometry.Ci_group, geometry.Co_group):
             continue                            # a grouped conv's tiles in one group each (lesson 05, section 10)
         runnable.append(config)
@@ -67,7 +64,7 @@ def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
         if config.block_n_tail and not tail_pays(config, geometry, num_sms):
             continue                            # a tail only where it saves work or fills SMs
         if config.split_k > 1:
-            tiles = triton.cdiv(geometry.M, config.tile_m) * triton.cdiv(geometry.Co, config.tile_n)
+            tiles = split_tiles(config, geometry, num_sms)[1]
             if wave_efficiency(tiles, num_sms) >= 0.8 or k_steps_of(config, geometry) < 3 * config.split_k:
                 continue                        # split-K only where whole tiles leave SMs idle
         kept.append(config)

@@ -63,6 +63,7 @@ from .configs import grouped_conv_fits
 from .fusion import _activation_of, _single_user, install_module
 from .geometry import FP8, current_arch, nhwc_view
 from .ops import _wide
+from .core.batchnorm import batch_stats_from_sums
 from .kernels import dgrad as dgrad_kernels
 
 _LIBRARY = torch.library.Library("conv_tutorial", "FRAGMENT")
@@ -233,8 +234,7 @@ class ConvBatchNorm2d(torch.nn.Module):
         if count <= 1:
             raise ValueError(f"BatchNorm2d in training needs more than 1 value per channel, got an output of "
                              f"shape {tuple(y.shape)}")
-        mean = stats[0] / count
-        var = (stats[1] / count - mean * mean).clamp_min(0.0)
+        mean, var = batch_stats_from_sums(stats, count)
         if bn.training and bn.track_running_stats:
             with torch.no_grad():
                 bn.num_batches_tracked.add_(1)

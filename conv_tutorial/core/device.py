@@ -10,6 +10,9 @@ HAS_CUDA = torch.cuda.is_available()
 ARCH_CAPABILITY = {"sm_90": (9, 0), "sm_100": (10, 0)}
 MMA_FLAVOUR = {"sm_90": "wgmma", "sm_100": "tcgen05"}
 SHARED_MEMORY_PER_PROGRAM = 232448    # bytes: the opt-in maximum of a program on an H100 or B200
+SHARED_MEMORY_PER_SM = 233472         # bytes: 228 KB per SM on an H100 or B200, programs' reserves included
+SHARED_MEMORY_RESERVED_PER_PROGRAM = 1024   # bytes the driver keeps per resident program (the 1 KB above the opt-in)
+MBARRIER_BYTES = 8                    # one mbarrier: a 64-bit object in shared memory
 
 
 def arch_of(cap) -> str:
@@ -80,8 +83,19 @@ def tma_mma_arch_and_sms(what: str) -> tuple[str, int]:
     return arch_of(capability), props.multi_processor_count
 
 
-# datasheet peaks: dense bf16 TFLOPS and HBM TB/s (SXM parts)
-DEVICE_PEAKS = {"H100": (989.4, 3.35), "H200": (989.4, 4.8), "B200": (2250.0, 8.0)}
+# Dense bf16/fp16 MMA FLOPs per SM per clock, by compute capability (Hopper's WGMMA).
+FLOPS_PER_SM_PER_CYCLE = {(9, 0): 4096}
+HOPPER_SMS = 132      # H100 SXM and H200
+
+
+def hopper_peak_tflops(sm_clock_ghz, sms=HOPPER_SMS):
+    """A Hopper part's dense bf16 peak at an SM clock: SMs x FLOPs per SM per clock x clock."""
+    return sms * FLOPS_PER_SM_PER_CYCLE[(9, 0)] * sm_clock_ghz * 1e9 / 1e12
+
+
+# datasheet peaks: dense bf16 TFLOPS and HBM TB/s (SXM parts); Hopper's at its 1.83 GHz boost clock
+DEVICE_PEAKS = {"H100": (round(hopper_peak_tflops(1.83), 1), 3.35), "H200": (round(hopper_peak_tflops(1.83), 1), 4.8),
+                "B200": (2250.0, 8.0)}
 
 
 def device_peaks(device_name):
@@ -89,9 +103,9 @@ def device_peaks(device_name):
 
 
 # The dense bf16 peak the H100 can hold at its 700 W board limit on a compute-bound conv: the SM
-# clock falls to ~1440 MHz there (benchmarks/clocks_under_load.py), so 132 SMs x 4096 FLOP/cycle x
-# 1.44 GHz. Measured on an H100 SXM; other boards differ.
-POWER_LIMITED_PEAK_TFLOPS = {"H100": 779.0}
+# clock falls to ~1440 MHz there (benchmarks/clocks_under_load.py measures it; an H100 SXM, other
+# boards differ).
+POWER_LIMITED_PEAK_TFLOPS = {"H100": round(hopper_peak_tflops(1.44))}
 
 
 def dense_peak(device_name):

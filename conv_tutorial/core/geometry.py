@@ -5,7 +5,6 @@ import functools
 
 import torch
 
-from .device import require_tma_mma_gpu  # noqa: F401  (re-exported: the checks' device half)
 from .epilogue import check_epilogue, output_dtype
 from .windows import FlippedFilter
 

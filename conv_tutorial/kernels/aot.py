@@ -47,3 +47,18 @@ def fprop_build(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, paddin
     launch = fprop.prepare_launch(x_nhwc, w, bias, geometry, fprop.KernelConfig(*config), arch, 132, scale, residual,
                                   torch.bfloat16, out_window, channel_stats)
     return fprop.conv2d_fprop_kernel, launch.kernel_args(), fprop.kernel_constexprs(config, arch, epilogue)
+
+
+def wgrad_build(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, padding=1, split_k=2,
+                default_config=False):
+    """(kernel, args, kwargs) of the wgrad kernel's launch on zeroed CPU tensors of this conv, for
+    `compile_for_target`: wgrad_config's tile in `split_k` slices, or (default_config) the launcher's
+    choice for an H100's 132 SMs. The build lesson 06's `aot_conv2d_wgrad` makes of its own kernel."""
+    from . import wgrad
+    x = torch.zeros(N, H, W, Ci, dtype=torch.bfloat16)
+    geometry = conv_geometry(x.shape, (Co, R, S, Ci), stride, padding)
+    dy = torch.zeros(geometry.output_shape_nhwc, dtype=torch.bfloat16)
+    config = None if default_config else wgrad.wgrad_config(Co, Ci)._replace(split_k=split_k)
+    launch = wgrad.prepare_wgrad(x, dy, geometry, config, arch, 132)
+    dw = torch.empty(Co, R * S * Ci, dtype=x.dtype)
+    return wgrad.conv2d_wgrad_kernel, launch.kernel_args(dw), wgrad.wgrad_kernel_options(launch.config, arch)

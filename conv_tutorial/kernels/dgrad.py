@@ -351,14 +351,12 @@ def taps_per_tile(plan, order=None):
     kernel numbers the tiles: lesson 05's grouped order over the phases side by side (`order` None), or
     the phases one after another in `order` (WindowPhases.order), each phase's tiles in that order."""
     phases, config = plan.phases, fprop.KernelConfig(*plan.config)
-    num_pid_m, num_pid_n = -(-plan.geometry.M // config.tile_m), plan.geometry.Co // config.tile_n
-    group_m = fprop.GROUP_M.value
-    per_phase, group = phases.width // config.tile_n, group_m * num_pid_n
+    num_pid_m, num_pid_n = fprop.tile_grid(config, plan.geometry.M, plan.geometry.Co)
+    per_phase = phases.width // config.tile_n
     taps = [phases.along_h[p // len(phases.along_w)][1] * phases.along_w[p % len(phases.along_w)][1]
             for p in range(phases.count)]
-    if order is None:   # lesson 05's TileSchedule.work: pid_n of tile t
-        return [taps[t % group // min(num_pid_m - t // group * group_m, group_m) // per_phase]
-                for t in range(num_pid_m * num_pid_n)]
+    if order is None:   # the forward kernel's order (fprop.tile_order): the phase of tile t's columns
+        return [taps[fprop.tile_order(t, num_pid_m, num_pid_n)[1] // per_phase] for t in range(num_pid_m * num_pid_n)]
     return [taps[p] for (p,) in order for _ in range(num_pid_m * per_phase)]
 
 

@@ -20,7 +20,8 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
     TensorMemoryLayout, allocate_tensor_memory, tcgen05_commit, tcgen05_mma, tensor_memory_descriptor)
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from ..core.device import SHARED_MEMORY_PER_PROGRAM, tma_mma_arch_and_sms
+from ..core.device import (MBARRIER_BYTES, SHARED_MEMORY_PER_PROGRAM, SHARED_MEMORY_PER_SM,
+                           SHARED_MEMORY_RESERVED_PER_PROGRAM, tma_mma_arch_and_sms)
 from ..core.epilogue import output_dtype
 from ..core.geometry import check_conv_call
 from ..core.tma import conv_im2col_settings, conv_tma_descriptors, pad_channels_for_tma
@@ -545,12 +546,19 @@ FIXED_CONFIG = KernelConfig(block_m=128, block_n=128, block_k=64, num_buffers=4,
 
 
 def check_config(config, arch):
-    """Combinations the kernel does not implement get a ValueError naming the config and the rule."""
+    """Combinations the kernel does not implement, or cannot run on `arch` whatever the shape, get a
+    ValueError naming the config and the rule. (What does not suit a shape, or spills registers, is
+    the operator's pruning: selection.prune_configs.)"""
     c, hopper = config, arch == "sm_90"
     rules = [   # (broken, the rule)
         (c.consumers > 2 or (c.consumers > 1 and not hopper),
          f"consumers={c.consumers}; ping-pong (2 consumers) is a Hopper schedule, elsewhere 1"),
         (c.programs_per_sm > 1 and not hopper, "programs_per_sm > 1 is offered on Hopper only"),
+        (c.consumers > 1 and (c.num_warps != 4 or c.programs_per_sm > 1),    # the kernel's warp_specialize
+         "ping-pong runs 4-warp consumers, one program per SM: its 2 consumer warpgroups at 240 registers and "
+         "the loader's warp fill the register file"),
+        (c.programs_per_sm > 1 and c.num_warps != 4,      # kernel_constexprs: maxnreg 128 at 2 programs per SM
+         "programs_per_sm > 1 runs 4 warps: 2 x (4 + the loader's) warps at 128 registers fill the register file"),
         (not hopper and c.block_m not in (64, 128), "on Blackwell block_m must be 64 or 128 (TMEM has 128 lanes)"),
         (not hopper and 2 * c.tile_n > 512, f"two fp32 accumulators of {c.tile_n} columns exceed TMEM's 512 columns"),
         (c.split_k < 1 or (c.split_k > 1 and c.consumers > 1),
@@ -589,6 +597,61 @@ def stores_by_row_blocks(config, element_size=2):
     return ring_bytes(config, element_size) + whole_tile > SHARED_MEMORY_PER_PROGRAM
 
 
+# The barriers beside the ring's ready/empty pairs: ping-pong's turn pair (Hopper) or the two accumulator
+# pairs (Blackwell), at most 48 bytes, with room for their alignment. Both kernels' models use it.
+OTHER_BARRIER_BYTES = 64
+# What a build allocates beyond the models' count (shared_memory_bytes here and in wgrad.py): the
+# barriers' alignment and the warp specialization's own scratch. A few hundred bytes; the builds are
+# checked to stay within it (tests/operator/test_runtime.py, tests/kernels/test_host_model.py).
+BUILD_MARGIN_BYTES = 1024
+
+
+def barrier_bytes(num_buffers):
+    """Shared memory of a kernel's mbarriers: a ready and an empty barrier per ring stage, and the
+    others (OTHER_BARRIER_BYTES)."""
+    return 2 * num_buffers * MBARRIER_BYTES + OTHER_BARRIER_BYTES
+
+
+def shared_memory_bytes(config, element_size=2):
+    """The shared memory a build of this config allocates, to within BUILD_MARGIN_BYTES (the one
+    model of it; the builds of every candidate are checked against it): the ring's A and B stages,
+    one staging tile per consumer (half the main rows where it stores by row blocks, section 6), and
+    the barriers."""
+    c = KernelConfig(*config)
+    staging_rows = c.block_m // 2 if stores_by_row_blocks(c) else c.tile_m    # (the kernel asks it at 2 bytes)
+    staging = c.consumers * staging_rows * c.tile_n * element_size
+    return ring_bytes(c, element_size) + staging + barrier_bytes(c.num_buffers)
+
+
+def fits_shared_memory(config, limit=SHARED_MEMORY_PER_PROGRAM, element_size=2):
+    """Whether a config's shared memory fits a program (`limit`: the device's opt-in maximum) and its
+    programs_per_sm programs fit one SM, each with the driver's reserve beside it."""
+    smem = shared_memory_bytes(config, element_size)
+    return smem <= limit and \
+        KernelConfig(*config).programs_per_sm * (smem + SHARED_MEMORY_RESERVED_PER_PROGRAM) <= SHARED_MEMORY_PER_SM
+
+
+def register_budget(config, arch, residual=False):
+    """How many fp32 values of its tile one thread of a consumer holds in registers without spilling:
+    the accumulators and, with a residual epilogue (`residual`), the residual values of the rows it
+    stores at once. None on Blackwell: its accumulators live in tensor memory.
+
+    Why these numbers: the register file (64K per SM) is split by the kernel's warp_specialize among
+    the consumers and the loader. One 4-warp consumer may use up to 256 registers per thread and holds
+    192 values (the rest: addresses, loop state, the epilogue's offsets); ping-pong's warpgroups get
+    240 and hold 192 accumulators too, but beside a residual's loads only 160, as do 8-warp consumers
+    (about 232). Two programs per SM run at 128 registers (kernel_constexprs' maxnreg) and hold 96.
+    The builds of every Hopper candidate are checked against this (tests/operator/test_runtime.py)."""
+    if arch != "sm_90":
+        return None
+    c = KernelConfig(*config)
+    if c.programs_per_sm > 1:
+        return 96
+    if c.num_warps == 4 and (c.consumers == 1 or not residual):
+        return 192
+    return 160
+
+
 def block_k_channels(config, Ci_padded, element_size):
     """The K block in channels of the operand's dtype. A config's BLOCK_K counts 2-byte channels
     (64 of them: 128 bytes), so 1-byte e4m3 takes twice as many (section 9). Small channel counts
@@ -598,6 +661,12 @@ def block_k_channels(config, Ci_padded, element_size):
     if Ci_padded < block_k:
         block_k = max(16, triton.next_power_of_2(Ci_padded))
     return max(block_k, 32 // element_size)
+
+
+def channel_blocks(config, Ci_group, element_size):
+    """The K blocks of one filter tap: Ci_group (the channels per group, padded to whole 16-byte
+    pixels as TMA loads them) in K blocks of block_k_channels. A tap's share of the K loop."""
+    return triton.cdiv(Ci_group, block_k_channels(config, Ci_group, element_size))
 
 
 def groups_fit(config, Ci_group, Co_group, element_size=2):
@@ -615,10 +684,31 @@ def check_groups_fit(config, geometry, element_size=2):
                          f"({block_k}) must divide Ci / groups and the tile's width ({config.tile_n}) Co / groups")
 
 
+def tile_grid(config, M, Co):
+    """(num_pid_m, num_pid_n): the output tiles of a launch along the rows (M pixels, tile_m at a time)
+    and the columns (Co channels, tile_n at a time). The one home of the grid: the launch passes it to
+    the kernel (ConvShape), and every host count of tiles starts here."""
+    config = KernelConfig(*config)
+    return triton.cdiv(M, config.tile_m), triton.cdiv(Co, config.tile_n)
+
+
+def tile_order(tile_id, num_pid_m, num_pid_n, group_m=GROUP_M.value):
+    """(pid_m, pid_n) of linear tile `tile_id`: the host twin of TileSchedule.work's grouped order,
+    group_m row-tiles at a time down a group, then the next column (so tiles that run side by side
+    share strips of A and B in L2). The same integer arithmetic as the kernel's (a test runs both);
+    for host models of which program runs which tile (the backward's phase balance)."""
+    tiles_per_group = group_m * num_pid_n
+    first_m = tile_id // tiles_per_group * group_m
+    rows_in_group = min(num_pid_m - first_m, group_m)
+    return first_m + tile_id % tiles_per_group % rows_in_group, tile_id % tiles_per_group // rows_in_group
+
+
 def tile_counts(config, M, Co, num_sms):
     """(programs, tiles, whole tiles) of a launch: the persistent grid, the conv's output tiles,
     and how many of them run whole (section 7 splits those past the last full wave)."""
-    tiles = triton.cdiv(M, config.tile_m) * triton.cdiv(Co, config.tile_n)
+    config = KernelConfig(*config)
+    num_pid_m, num_pid_n = tile_grid(config, M, Co)
+    tiles = num_pid_m * num_pid_n
     programs = min(config.programs_per_sm * num_sms, tiles * config.split_k)
     return programs, tiles, whole_tile_count.fn(tiles, programs, config.split_k)
 
@@ -709,9 +799,9 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
         _, w_tail_desc, out_tail_desc = descriptors(config.block_m, config.block_n_tail)
     if config.block_m_tail or stores_by_row_blocks(config):
         out_tail_desc = descriptors(config.block_m_tail or config.block_m // 2, config.block_n)[2]
-    num_pid_m, num_pid_n = triton.cdiv(g.M, config.tile_m), triton.cdiv(g.Co, config.tile_n)
-    channel_blocks = triton.cdiv(Ci_group, BLOCK_K)
-    k_steps = g.R * g.S * channel_blocks
+    num_pid_m, num_pid_n = tile_grid(config, g.M, g.Co)
+    blocks = channel_blocks(config, Ci_group, x_nhwc.element_size())
+    k_steps = g.R * g.S * blocks
     if config.split_k > k_steps:
         raise ValueError(f"config {config}: split_k={config.split_k} exceeds the {k_steps} k-steps of {g.describe()}")
     # section 7: the fp32 workspace partial[split, m, co], on the output's device
@@ -719,7 +809,7 @@ def prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale=None,
     # absent epilogue tensors: any pointer will do, the constexprs compile their loads away
     pointers = tuple(t if t is not None else out_2d for t in (bias, scale, residual, partial))
     shape = ConvShape(g.M, g.Co, num_pid_m, num_pid_n, g.out_h, g.out_w, *g.stride, *g.padding, *g.dilation,
-                      Ci_group, g.Co_group, g.S, k_steps, channel_blocks, w_taps)
+                      Ci_group, g.Co_group, g.S, k_steps, blocks, w_taps)
     programs, _, whole_tiles = tile_counts(config, g.M, g.Co, num_sms)
     tiles = (config.tile_m, config.tile_n, num_pid_m, num_pid_n, whole_tiles) if partial is not None else None
     return ConvLaunch((programs, 1, 1), in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, pointers, shape,

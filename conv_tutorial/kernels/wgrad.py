@@ -371,9 +371,18 @@ def check_wgrad_config(config, arch):
     if arch == "sm_90" and config.block_m * config.block_n > 128 * 32 * config.num_warps:
         refuse(f"a {config.block_m} x {config.block_n} fp32 accumulator takes over 128 registers per thread "
                f"of {config.num_warps} warps; use more warps or a smaller tile")
-    ring_bytes = config.num_buffers * config.block_k * (config.block_m + config.block_n) * 2
-    if ring_bytes > fprop.SHARED_MEMORY_PER_PROGRAM - 1024:      # (a little room for the barriers)
-        refuse(f"the ring needs {ring_bytes} bytes of shared memory, more than a program has; use fewer stages")
+    if shared_memory_bytes(config) + fprop.BUILD_MARGIN_BYTES > fprop.SHARED_MEMORY_PER_PROGRAM:
+        refuse(f"the ring and its barriers need {shared_memory_bytes(config)} bytes of shared memory (and a build "
+               f"up to {fprop.BUILD_MARGIN_BYTES} more), more than a program has; use fewer stages")
+
+
+def shared_memory_bytes(config, element_size=2):
+    """The shared memory a build of the wgrad kernel allocates, to within fprop.BUILD_MARGIN_BYTES: the ring's stages, each a BLOCK_K-pixel
+    box of dY (BLOCK_M channels) and one of x (BLOCK_N channels), and the barriers by the forward
+    kernel's rule (fprop.barrier_bytes: the ring's pairs, and Blackwell's accumulator pairs among
+    the others). The tile goes from registers or tensor memory straight to global memory: no staging."""
+    ring = config.num_buffers * config.block_k * (config.block_m + config.block_n) * element_size
+    return ring + fprop.barrier_bytes(config.num_buffers)
 
 
 class WgradLaunch(NamedTuple):
@@ -397,7 +406,9 @@ def padded_to_16_bytes(t):
 
 
 def wgrad_tiles(geometry, config):
-    # (tiles along Co, channel blocks per tap, tiles in all, k-steps along the pixels)
+    """(tiles along Co, channel blocks per tap, tiles in all, k-steps along the pixels) of dW's GEMM,
+    Co x R*S*Ci: wgrad's own grid (BLOCK_N channels of one tap per tile, its taps side by side), the
+    one home of it for the launch, the config rule and the split rule."""
     g = geometry
     num_pid_m, ci_blocks = triton.cdiv(g.Co, config.block_m), triton.cdiv(g.Ci_group, config.block_n)
     return num_pid_m, ci_blocks, num_pid_m * g.R * g.S * ci_blocks, triton.cdiv(g.M, config.block_k)
@@ -455,7 +466,7 @@ def prepare_wgrad(x_nhwc, dy_nhwc, geometry, config, arch, num_sms):
     programs, whole_tiles, split_tiles = wgrad_split(tiles, split_k, num_sms)
     partial = (torch.empty(split_k, split_tiles, config.block_m, config.block_n, device=x_nhwc.device,
                            dtype=torch.float32) if split_tiles else None)
-    shape = WgradShape(g.Co, g.Ci_group, g.Co_group, g.R * g.S, g.S, num_pid_m, g.R * g.S * ci_blocks, ci_blocks,
+    shape = WgradShape(g.Co, g.Ci_group, g.Co_group, g.R * g.S, g.S, num_pid_m, tiles // num_pid_m, ci_blocks,
                        k_blocks, split_k, whole_tiles, max(split_tiles, 1),     # (1 if none: a divisor in the kernel)
                        g.out_h, g.out_w, *g.stride, *g.padding, *g.dilation)
     return WgradLaunch((programs,), dy_desc, x_desc, partial, shape, config._replace(split_k=split_k), settings)

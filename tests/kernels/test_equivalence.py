@@ -89,6 +89,27 @@ def test_the_comparison_sees_one_instruction():
     assert differences(fingerprint(base), fingerprint(dict(base, shared=1025))) == ["shared: lesson 1024, package 1025"]
 
 
+# (arch, what lesson 06 teaches with it, build parameters): the wgrad kernel with x read by im2col and split-K,
+# x read tiled (a 1x1 conv), the launcher's own configs, and a folded stem's few channels.
+WGRAD_CASES = [
+    ("sm_90", "3x3, split-K in 2", dict()),
+    ("sm_90", "1x1, x read tiled", dict(R=1, S=1, padding=0)),
+    ("sm_90", "the launcher's 128 x 128 x 64 tiles", dict(N=8, H=14, W=14, Ci=128, Co=256, default_config=True)),
+    ("sm_90", "the launcher's 64 x 128 x 128 tiles", dict(N=8, H=14, W=14, Ci=256, Co=512, R=1, S=1, padding=0,
+                                                         default_config=True)),
+    ("sm_100", "3x3, split-K in 2", dict()),
+    ("sm_100", "1x1, x read tiled", dict(R=1, S=1, padding=0)),
+]
+
+
+@pytest.mark.parametrize("arch, what, params", WGRAD_CASES, ids=[f"{a}-{w}" for a, w, _ in WGRAD_CASES])
+def test_wgrad_kernel_builds_as_lesson_06_teaches_it(arch, what, params):
+    lesson = common.aot_compile_or_skip(LESSON06, "aot_conv2d_wgrad", arch, **params)
+    package = common.aot_compile_or_skip(PACKAGE_AOT, "wgrad_build", arch, **params)
+    found = differences(fingerprint(lesson), fingerprint(package))
+    assert not found, f"{arch}, {what}: the package's wgrad kernel and lesson 06's differ:\n" + "\n".join(found)
+
+
 @pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
 @pytest.mark.parametrize("config, epilogue", [(fprop.FIXED_CONFIG, fprop.Epilogue()),
                                               (fprop.FIXED_CONFIG._replace(split_k=2),
@@ -107,3 +128,24 @@ def test_forward_kernel_gives_lesson_05s_bits(config, epilogue):
     theirs = lesson05.conv2d_fprop_launch(x, w, padding=1, config=lesson05.KernelConfig(*config), **operands,
                                           **activation)
     assert torch.equal(ours, theirs)
+
+
+@pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
+@pytest.mark.parametrize("R, split_k", [(3, 2), (1, 1)])
+def test_wgrad_kernel_gives_lesson_06s_bits(R, split_k):
+    """On a GPU: the package's wgrad kernel and lesson 06's, launched by the same prepared launch, write the same bits."""
+    lesson06 = common.load_lesson(LESSON06)
+    wgrad = pytest.importorskip("conv_tutorial.kernels.wgrad")
+    x, _, dy, g = lesson06.backward_inputs(4, 20, 20, 128, 256, R, R, 1, R // 2, device_name="cuda")
+    arch, num_sms = common.tma_mma_arch_and_sms("the wgrad equivalence test")
+    outputs = []
+    for kernel, total in ((lesson06.conv2d_wgrad_kernel, lesson06.wgrad_split_k_sum_kernel),
+                          (wgrad.conv2d_wgrad_kernel, wgrad.wgrad_split_k_sum_kernel)):
+        launch = wgrad.prepare_wgrad(x, dy, g, wgrad.wgrad_config(g.Co, g.Ci)._replace(split_k=split_k), arch, num_sms)
+        dw = torch.zeros(g.Co, g.R * g.S * g.Ci, device="cuda", dtype=x.dtype)
+        kernel[launch.grid](*launch.kernel_args(dw), **wgrad.wgrad_kernel_options(launch.config, arch))
+        if launch.partial is not None:
+            grid, args, constexprs = wgrad.sum_partials_launch(launch, dw)
+            total[grid](*args, **constexprs)
+        outputs.append(dw)
+    assert torch.equal(*outputs)

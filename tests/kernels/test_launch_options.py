@@ -1,0 +1,58 @@
+"""The package asks Triton for floating-point fusion in each of its own launches, so that a program
+using it sees no "TRITON_DEFAULT_FP_FUSION is unset" warning and the kernels build as they were
+measured whatever the program's environment says (Triton 3.10 turns the default off)."""
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import common
+
+PACKAGE = Path(__file__).resolve().parents[2] / "conv_tutorial"
+
+
+def launches_without_fp_fusion(source, filename="<source>"):
+    """`kernel[grid](...)` launches in `source` that name no `enable_fp_fusion` keyword and pass no
+    `**options` that could carry it: (line, text) each. A launch of an already compiled kernel
+    (`<...>.compiled[grid](...)`, a CompiledKernel) is left out: its options were fixed when it compiled."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and not (
+                isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "compiled"):
+            keywords = {k.arg for k in node.keywords}
+            if "enable_fp_fusion" not in keywords and None not in keywords:      # None: a ** splat
+                found.append((node.lineno, ast.get_source_segment(source, node.func)))
+    return found
+
+
+def test_every_launch_in_the_package_asks_for_fp_fusion():
+    missing = {f"{path.relative_to(PACKAGE.parent)}:{line}: {text}"
+               for path in sorted(PACKAGE.rglob("*.py"))
+               for line, text in launches_without_fp_fusion(path.read_text(), str(path))}
+    assert not missing, "launches that leave floating-point fusion to the environment:\n" + "\n".join(sorted(missing))
+
+
+def test_the_check_sees_a_launch_without_it():
+    source = ("k[grid](x, BLOCK=4)\nk[grid](x, BLOCK=4, enable_fp_fusion=True)\nk[grid](x, **options)\n"
+              "self.compiled[grid](x)\n")
+    assert launches_without_fp_fusion(source) == [(1, "k[grid]")]
+
+
+def test_building_the_kernels_warns_of_nothing():
+    """The forward and wgrad kernels compiled ahead of time for sm_90 in a fresh process whose
+    environment leaves fusion unset: no warning from Triton."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_DEFAULT_FP_FUSION", "TRITON_INTERPRET")}
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "from conv_tutorial.kernels import aot\n"
+            "for build in (aot.fprop_build, aot.wgrad_build):\n"
+            "    aot.compile_for_target(*build('sm_90'), 'sm_90')\n"
+            "print('built')\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPATH=str(PACKAGE.parent)),
+                          capture_output=True, text=True, timeout=900, cwd=PACKAGE.parent)
+    if "Cannot find ptxas" in proc.stderr:
+        import pytest
+        pytest.skip("this Triton install has no assembler for sm_90")
+    assert proc.returncode == 0 and "built" in proc.stdout, proc.stderr[-3000:]
+    assert "FP_FUSION" not in proc.stderr, proc.stderr[-3000:]
+    assert common   # (conftest's kit set the lessons' environment in this process, not in the child's)
