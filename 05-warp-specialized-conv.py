@@ -697,9 +697,10 @@ def conv2d_fprop_kernel(in_desc, w_desc, w_tail_desc, out_desc, out_tail_desc, e
 
 
 # `KernelConfig`'s fields name the sections they belong to. Beside it, the shared-memory arithmetic
-# the kernel, its launcher and the operator share, such as `stores_by_row_blocks` (section 6), a
-# constexpr function the kernel calls too. (The operator's candidates, and what it prunes them by,
-# live in its package: conv_tutorial/configs.py.)
+# the kernel and its launcher share, such as `stores_by_row_blocks` (section 6), a constexpr function
+# the kernel calls too. (The operator's copy of the kernel keeps the same rules beside it, in
+# conv_tutorial/kernels/fprop.py; its candidates, and what it prunes them by, are in
+# conv_tutorial/configs.py.)
 
 
 class KernelConfig(NamedTuple):
@@ -761,7 +762,7 @@ def check_config(config, arch):
             raise ValueError(f"config {config}: {rule}")
 
 
-SHARED_MEMORY_PER_PROGRAM = 232448    # bytes: the opt-in maximum of a program on an H100 or B200
+SHARED_MEMORY_PER_PROGRAM = common.SHARED_MEMORY_PER_PROGRAM    # bytes: a program's opt-in maximum (H100, B200)
 
 
 @gluon.constexpr_function

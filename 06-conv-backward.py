@@ -124,7 +124,8 @@ if __name__ == "__main__":
 #
 # dgrad is a convolution again, of dY with the filter turned around, so lesson 05's kernel runs it
 # (sections 1-2: the operator's copy of it, conv_tutorial/kernels/fprop.py, which adds the switches
-# this lesson explains and builds to lesson 05's PTX without them). wgrad is not: it reduces over the pixels, the axis the forward pass tiles, and
+# this lesson explains and builds to lesson 05's PTX without them). wgrad is not: it reduces over
+# the pixels, the axis the forward pass tiles, and
 # gets a kernel of its own (sections 3-6).
 #
 # The ground truth throughout is torch's own gradient code, `torch.nn.grad.conv2d_input` and
@@ -175,7 +176,9 @@ def backward_inputs(N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1, dtyp
 # took 24 us, against 39 us for the dgrad conv itself (H200, 2026-11-25, torch.profiler). One small
 # Triton kernel does it in one pass (`flipped_weights_kernel`): each program loads a [co, ci] tile
 # of one tap along ci and stores it along co, and Triton's coalescing pass moves the tile between
-# the two orders through shared memory. Section 2 hands it each phase's subset of the taps, all
+# the two orders through shared memory (it lives with the operator's dgrad plans in
+# conv_tutorial/kernels/dgrad.py, as `dgrad_by_phases` does). Section 2 hands it each phase's subset
+# of the taps, all
 # phases in one launch (each phase's taps and where its w' goes passed as integers), and grouped convs
 # (lesson 05, section 10) swap their channels within each group.
 #
@@ -285,8 +288,9 @@ if __name__ == "__main__":
 # step by sw*Ci elements along a row of dX and jump further at the row's end), so no box covers
 # them; a dense phase output copied into the view afterwards costs a write and a read of that
 # output (on ResNet-50's 3x3 stride-2 layers, dropping the copy, together with section 1's one-pass
-# weights, cut the dgrad's time by 29-33%: RESULTS.md, "The operator's gradients"). So lesson 05's
-# kernel takes an *output window*
+# weights, cut the dgrad's time by 29-33%: RESULTS.md, "The operator's gradients"). So the forward
+# kernel the operator runs (conv_tutorial/kernels/fprop.py, lesson 05's with switches) takes an
+# *output window*
 # (`OutputWindow`: the view and the crop). With one, `TileOutput.store` stages the tile in
 # shared memory as the TMA path does, but skips the TMA store: it reads the tile back in rows of
 # 16-byte vectors (`staged_tile_layout`: a warp's lanes cover a pixel's channels, two pixels
@@ -318,7 +322,8 @@ if __name__ == "__main__":
 # 2 (H100, 2026-11-26, torch.profiler), where three quarters of dX are zeros, so writing only those
 # saves a quarter of the memset's bytes. Filling the phases one by one with torch,
 # every stride-th pixel, had been slower still (three strided fills, 136 us, H200, 2026-11-25).
-# `dgrad_axis_phase` works out one axis of one phase; `dgrad_by_phases` above runs them.
+# `dgrad_axis_phase` works out one axis of one phase; `dgrad_by_phases` (conv_tutorial/kernels/dgrad.py)
+# runs them.
 #
 # The far edge now needs care too: a phase's conv must have at least as many output rows as the
 # phase has rows of dX, and lesson 05 pads both sides alike; where the last rows read dY past its
@@ -481,9 +486,9 @@ if __name__ == "__main__":
 #   again (from L2 where dY fits there, not where it is as large as half of it), so `phase_order`
 #   takes that order only where, counted on paper, it lightens the busiest program by more than 5%.
 #
-# Lesson 05's kernel takes the phases in its output window (`WindowPhases`); without them
-# the new lines are constexpr Nones, and every candidate config builds to the same opcode counts,
-# registers and shared memory as before (`tools/ptx_fingerprint.py`, sm_90 and sm_100). The plan applies where every phase has taps and
+# The operator's forward kernel takes the phases in its output window (`WindowPhases`); without
+# them the new lines are constexpr Nones, and it builds to lesson 05's PTX at every config lesson 05
+# teaches (tests/kernels/test_equivalence.py, sm_90 and sm_100). The plan applies where every phase has taps and
 # rows and the phases' windows line up: on a strided axis only at dilation 1 (a dilated stride-1
 # axis is fine). Elsewhere (a 1x1 conv at stride 2: three phases of zeros) the phases run one
 # launch each, as above. On the H100 (2026-11-26) the one launch took ResNet-50's three 3x3
@@ -617,7 +622,8 @@ def test_phase_tiles_hand_out_every_tile_once(N, H, W, Ci, Co, R, stride, paddin
     # count) says; without an order, lesson 05's (pid_m, pid_n), as handed in
     import types
     import conv_tutorial.kernels.windows as kernel_windows
-    monkeypatch.setattr(kernel_windows, "pick", lambda table, index, field: table[index if index < len(table) else 0][field])
+    monkeypatch.setattr(kernel_windows, "pick",
+                        lambda table, index, field: table[index if index < len(table) else 0][field])
     monkeypatch.setattr(kernel_windows, "gl", types.SimpleNamespace(minimum=min))
     g = common.conv_geometry((N, H, W, Ci), (Co, R, R, Ci), stride, padding)
     plan = side_by_side_plan(g, forward.FIXED_CONFIG._replace(block_m=tile_m, block_n=tile_n))
@@ -828,8 +834,8 @@ if __name__ == "__main__":
 #
 # The dgrad launcher
 # ------------------
-# `conv2d_dgrad_launch` checks its arguments and runs `dgrad_by_phases` with lesson 05's plain
-# launcher, or, where section 2b's plan applies, one launch of lesson 05's kernel for all phases
+# `conv2d_dgrad_launch` checks its arguments and runs `dgrad_by_phases` with the forward kernel's plain
+# launcher, or, where section 2b's plan applies, one launch of that kernel for all phases
 # (`side_by_side_launch`, `side_by_side_config`'s config). The phases' config is lesson 05's fixed
 # one, 64 columns wide where dX has 64 channels or fewer; the operator's tuned configs are a later
 # step.
@@ -837,8 +843,9 @@ if __name__ == "__main__":
 
 def conv2d_dgrad_launch(dy_nhwc, w, x_shape, stride=1, padding=0, dilation=1, groups=1):
     """dX [N, H, W, Ci] of a conv of x (shape `x_shape`, NHWC) with w [Co, R, S, Ci], from dY
-    [N, out_h, out_w, Co] (fp16 or bf16, contiguous, on a Hopper or Blackwell GPU): lesson 05's
-    kernel, once per phase of dX (one launch at stride 1), or once for all phases where section 2b
+    [N, out_h, out_w, Co] (fp16 or bf16, contiguous, on a Hopper or Blackwell GPU): the forward
+    kernel (the operator's copy of lesson 05's), once per phase of dX (one launch at stride 1), or
+    once for all phases where section 2b
     applies. groups > 1: w is [Co, R, S, Ci / groups], where backward_groups_reason allows it."""
     g = check_backward_call({"dy_nhwc": dy_nhwc, "w": w}, x_shape, getattr(w, "shape", None), stride, padding,
                             dilation, groups)
@@ -1758,7 +1765,8 @@ def run_show_ptx():
                                        arch)
         where = "imm-trans-a, imm-trans-b" if arch == "sm_90" else "instruction descriptor bits 15, 16"
         print(f"\n{arch}: operands transposed ({where}): wgrad A={ours[0]}, B={ours[1]}; "
-              f"lesson 05's fprop A={fprop_ops[0]}, B={fprop_ops[1]}; section 2c's dgrad A={in_place[0]}, B={in_place[1]}")
+              f"lesson 05's fprop A={fprop_ops[0]}, B={fprop_ops[1]}; "
+              f"section 2c's dgrad A={in_place[0]}, B={in_place[1]}")
 
 
 @pytest.mark.parametrize("arch", list(TAUGHT_PTX))
@@ -1800,8 +1808,9 @@ def test_forward_kernel_reads_its_operands_untransposed(arch):
 
 
 def aot_phase_conv(arch, N=2, H=16, W=16, Ci=64, Co=128):
-    """(kernel, args, kwargs) of lesson 05's kernel with section 2's out_window, on CPU tensors: a 3x3 conv
-    stored into every second row and column of a larger tensor, from its output's second row on."""
+    """(kernel, args, kwargs) of the forward kernel (the operator's) with section 2's out_window, on CPU
+    tensors: a 3x3 conv stored into every second row and column of a larger tensor, from its output's
+    second row on."""
     x, w = common.random_conv_inputs(N, H, W, Ci, Co, 3, 3, torch.bfloat16, device_name="cpu")
     dx = torch.empty(N, 2 * H, 2 * W, Co, dtype=torch.bfloat16)
     window = OutputWindow(dx[:, ::2, ::2][:, :H - 1], crop_h=1)
@@ -1818,7 +1827,8 @@ def test_phase_build_stores_16_byte_vectors_with_8_mod_16_channels(arch, Co):
 
 @pytest.mark.parametrize("arch", list(TAUGHT_PTX))
 def test_phase_build_stores_its_pixels_without_tma(arch):
-    # section 2: with an out_window, lesson 05's epilogue stages the tile in shared memory as for the TMA store,
+    # section 2: with an out_window, the forward kernel's epilogue stages the tile in shared memory as for the
+    # TMA store,
     # reads it back in 16-byte vectors along its rows and stores those with st.global.v4: a 128 x 128 bf16 tile
     # over the epilogue partition's 4 warps (128 threads: its `bar.sync 0, 128`), 16 stores of 16 bytes each; no
     # TMA store
@@ -1837,7 +1847,7 @@ def test_phase_build_stores_its_pixels_without_tma(arch):
 def aot_side_by_side(arch, N=2, H=16, W=16, Ci=128, Co=64, R=3, stride=2, padding=1, config=None, in_place=False,
                      heaviest_first=False):
     """(kernel, args, kwargs) of section 2b's conv, on CPU tensors: the dgrad of a 3x3 stride-2 conv, Ci -> Co,
-    every phase in one launch of lesson 05's kernel (`in_place`: its weights read from w, section 2c;
+    every phase in one launch of the forward kernel (`in_place`: its weights read from w, section 2c;
     `heaviest_first`: its tiles in that order)."""
     x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, R, stride, padding, 1, torch.bfloat16, device_name="cpu")
     # (the config of a build for `arch`, whatever GPU this machine has, if any)
@@ -1866,7 +1876,7 @@ def test_side_by_side_build(arch, heaviest_first):
 
 
 def aot_dgrad_in_place(arch, N=2, H=16, W=16, Ci=192, Co=64, R=3, config=(128, 128, 64, 4, 4, 1, 1, 64)):
-    """(kernel, args, kwargs) of a stride-1 dgrad, Ci -> Co, by lesson 05's kernel reading w in place (section
+    """(kernel, args, kwargs) of a stride-1 dgrad, Ci -> Co, by the forward kernel reading w in place (section
     2c), on CPU tensors; the default config has a column tail (lesson 05's section 6), whose box lies
     BLOCK_N columns further along w2d's rows."""
     x, w, dy, g = backward_inputs(N, H, W, Ci, Co, R, R, 1, R // 2, 1, torch.bfloat16, device_name="cpu")
@@ -2171,7 +2181,7 @@ if __name__ == "__main__" and on_gpu and args.bench:
 # W of the conv's output. torch.compile computes that reduction in a kernel of its own, which
 # reads the whole output once more before the kernel that normalizes it reads it again. The
 # forward kernel already holds each tile of the output on chip in its epilogue, so it can sum
-# there. Lesson 05's `TileOutput` has one more field for it, `channel_stats`: None, or a zeroed
+# there. The operator's forward kernel has one more field in its `TileOutput` for it, `channel_stats`: None, or a zeroed
 # fp32 tensor of shape [2, Co], into whose rows 0 and 1 `add_channel_sums` adds a tile's
 # column sums of y and of y^2. Rows past the last pixel (a partial tile) are masked out. From the
 # two sums::
@@ -2318,7 +2328,7 @@ def test_channel_stats_are_refused_where_they_would_be_wrong():
 
 
 def aot_conv_with_channel_stats(arch):
-    """(kernel, args, kwargs) of lesson 05's kernel with channel_stats, on CPU tensors (lesson 05's build)."""
+    """(kernel, args, kwargs) of the forward kernel (the operator's) with channel_stats, on CPU tensors."""
     return fprop_build(arch, channel_stats=torch.zeros(2, 128))
 
 
@@ -2421,8 +2431,9 @@ if __name__ == "__main__" and on_gpu:
 # one activation read per such conv, about 0.6 GB or 0.2 ms of a ResNet-50 step at batch 128 by a
 # count of bytes (under 1%; results/notebook.md), if the epilogue's own read of x costs less.
 # Lesson 05's epilogue already reads one such tensor in the accumulator's layout, the residual
-# (its section 5); the activation "relu_grad" (`common.RELU_GRAD`) has `apply_epilogue` keep the
-# tile where that tensor is positive instead of adding it. (x > 0 exactly where z > 0, so the
+# (its section 5); in the operator's copy of the kernel the activation "relu_grad" (`common.RELU_GRAD`)
+# has `apply_epilogue` keep the tile where that tensor is positive instead of adding it. (x > 0 exactly
+# where z > 0, so the
 # gate needs only x; the plain builds do not change: a constexpr branch.)
 #
 # It applies where dX is one conv's whole output: stride 1, no fold, and no crop (padding at most
@@ -2492,18 +2503,21 @@ def test_dgrad_through_relu_matches_autograd(case):
 
 def test_relu_grad_needs_its_gate():
     with pytest.raises(ValueError, match="pass residual"):
-        common.check_epilogue(8, (2, 4, 4, 8), torch.bfloat16, torch.device("cpu"), activation=common.RELU_GRAD)
+        common.check_epilogue(8, (2, 4, 4, 8), torch.bfloat16, torch.device("cpu"), activation=common.RELU_GRAD,
+                              activations=forward.EPILOGUE_ACTIVATIONS)
 
 
 @pytest.mark.parametrize("arch", list(TAUGHT_PTX))
 def test_relu_grad_build_reads_the_gate(arch):
-    # the gate arrives as the residual does, by loads in the accumulator's layout: the gated build has global
-    # loads the plain build has not, and still leaves through one TMA store
-    gated = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch,
-                                       epilogue=[False, False, True, common.RELU_GRAD])
-    plain = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch)
-    loads = [common.ptx_instructions(build["ptx"], ["ld.global"])["ld.global"] for build in (gated, plain)]
-    assert loads[0] > loads[1]
+    # the gate arrives as the residual does, by loads in the accumulator's layout, and selects instead of adding:
+    # the forward kernel's gated build has the residual build's global loads, selects where that build adds, and
+    # still leaves through one TMA store
+    gated, added = (common.aot_compile_or_skip("conv_tutorial.kernels.aot", "fprop_build", arch,
+                                               epilogue=[False, False, True, activation])
+                    for activation in (common.RELU_GRAD, "none"))
+    counts = [common.ptx_instructions(build["ptx"], ["ld.global", "selp"]) for build in (gated, added)]
+    assert counts[0]["ld.global"] == counts[1]["ld.global"] > 0
+    assert counts[0]["selp"] > counts[1]["selp"]
     assert common.ptx_instructions(gated["ptx"], [common.PTX_TMA_STORE])[common.PTX_TMA_STORE] == 1
 
 
@@ -2594,10 +2608,10 @@ if __name__ == "__main__":
 #   step (H100, 2026-11-26; RESULTS.md, "Training fusions: BatchNorm's apply and ReLU ...") shows
 #   where the rest of the time goes: the convs, forward and backward, take less than cuDNN's (9.13
 #   against 9.61 ms of GPU time per step), and Inductor's BatchNorm, ReLU, residual, pooling and
-#   loss kernels 12.2 of 22.4 ms. So a faster step needs those passes gone. Sections 11 and 12
-#   build the other two fusions and measure them: neither paid (section 11's conv lost on six of
-#   the eight layers timed; section 12's gate left the step's speed unchanged), and neither is in
-#   the operator's training path.
+#   loss kernels 12.2 of 22.4 ms. So a faster step needs those passes gone. The other two fusions
+#   were built and measured: neither paid (section 11's conv lost on six of the eight layers timed,
+#   and left the lesson; section 12's gate left the step's speed unchanged), and neither is in the
+#   operator's training path.
 # - Grouped convs only where a tile keeps to one group (64 or more output channels per group for
 #   wgrad; section 6), no depthwise convs, no fp8 (section 3). The grouped gradients match torch on
 #   an H100 (four layers, both gradients, and the operator's on 16 random grouped layers); not timed.

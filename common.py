@@ -93,9 +93,10 @@ if TRITON_VERSION[:2] != TRITON_SERIES:
 
 def quiet_teardown():
     """Triton 3.9's compiler library reports "nanobind: leaked N instances" on stderr as the
-    interpreter shuts down, after a program that compiled a Gluon kernel whose layouts Triton infers
-    (a compile, not a hit of Triton's disk cache): its bindings keep references to Gluon's layout
-    classes (README, "Versions"; Triton silences it the same way in its compile workers). A lesson run (lesson_args)
+    interpreter shuts down, after a program that built Gluon code whose layouts Triton's bindings
+    looked up (importing a Gluon kernel module can be enough): those bindings keep references to
+    Gluon's layout classes (README, "A report at exit that is Triton's"; Triton silences it the same
+    way in its compile workers). A lesson run (lesson_args)
     and the test run ask for this: at exit, once everything the program printed (and any
     traceback) is out, stderr goes to /dev/null. CONV_TUTORIAL_SHOW_TEARDOWN=1 keeps it."""
     if os.environ.get("CONV_TUTORIAL_SHOW_TEARDOWN") == "1":
@@ -114,20 +115,18 @@ def quiet_teardown():
 # device table, a conv's geometry and checks, the epilogue, TMA im2col's settings, the reference
 # conv) and its building blocks (the ring counter, barrier pairs): the kit names them for the lessons.
 from conv_tutorial.core.device import (  # noqa: E402,F401
-    ARCH_CAPABILITY, DEVICE_PEAKS, GLUON_SKIP_REASON, HAS_CUDA, POWER_LIMITED_PEAK_TFLOPS, capability, dense_peak,
-    device_peaks, gpu_name, has_tma_mma_gpu, interpreter_mode, is_blackwell, is_hopper, is_tma_mma_capability,
+    ARCH_CAPABILITY, DEVICE_PEAKS, GLUON_SKIP_REASON, HAS_CUDA, POWER_LIMITED_PEAK_TFLOPS, SHARED_MEMORY_PER_PROGRAM,
+    capability, dense_peak, device_peaks, gpu_name, has_tma_mma_gpu, interpreter_mode, is_blackwell, is_hopper,
     require_tma_mma_gpu, tma_mma_arch_and_sms)
 from conv_tutorial.core.epilogue import (  # noqa: E402,F401
-    ACTIVATIONS, FP8, FP8_OUT_DTYPES, RELU_GRAD, check_epilogue, output_dtype, reference_epilogue)
+    ACTIVATIONS, FP8, RELU_GRAD, check_epilogue, output_dtype, reference_epilogue)
 from conv_tutorial.core.geometry import (  # noqa: E402,F401
-    ConvGeometry, check_conv_call, check_conv_inputs, check_on_cuda, conv_geometry, conv_output_size, has_output,
-    pair)
+    check_conv_call, check_conv_inputs, conv_geometry, conv_output_size, has_output, pair)
 from conv_tutorial.core.reference import reference_conv2d_nhwc  # noqa: E402,F401
 from conv_tutorial.core.timing import bench_tflops  # noqa: E402,F401
 from conv_tutorial.core.tma import (  # noqa: E402,F401
-    GL_DTYPES, IM2COL_CORNER_RANGE, IM2COL_MAX_CHANNELS, IM2COL_MAX_ELEMENT_STRIDE, IM2COL_MAX_PIXELS,
-    ConvIm2ColSettings, canonical_strides, conv_im2col_settings, conv_tma_descriptors, conv_tma_layouts,
-    pad_channels_for_tma, validate_im2col_settings)
+    GL_DTYPES, canonical_strides, conv_im2col_settings, conv_tma_descriptors, pad_channels_for_tma,
+    validate_im2col_settings)
 from conv_tutorial.kernels.aot import compile_for_target  # noqa: E402,F401
 from conv_tutorial.kernels.blocks import Counter, allocate_barrier_pairs  # noqa: E402,F401
 

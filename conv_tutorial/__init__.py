@@ -10,11 +10,11 @@ as PyTorch operators, with a torch.fx fusion pass, an fp8 pass and its own backw
 
 Layers, each importing only those below it:
 - core: the facts, free of side effects (device table, geometry and checks, epilogue, TMA settings,
-  output windows, the fp32 reference);
+  output windows, BatchNorm from sums, the fp32 reference, the TFLOPS timer);
 - kernels: the device code and plain launchers (fprop: the forward kernel; dgrad: the backward's
   plans on it; wgrad: the weight-gradient kernel; blocks, windows: their parts);
 - the runtime: geometry (the operator's checks, fp8 scales, the device), configs (candidates),
-  launch (plans, direct launch), selection (pruning, heuristic, autotuner, tuning file), timing,
+  launch (plans, direct launch), selection (pruning, heuristic, autotuner, tuning file),
   runtime (`conv2d` on NHWC tensors), depthwise, wgrad (dW through a plan per shape), backward (the
   conv's gradients);
 - the torch layer: ops (torch.library operators), fusion (the fx pass), fp8 (the e4m3 pass),

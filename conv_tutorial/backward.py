@@ -174,10 +174,12 @@ def _dgrad(grad_output, input, weight, stride, padding, dilation, groups, relu_g
         plan = _DGRAD_PLANS.get(geometry)
         if plan is None:
             fold = gradients.stride_fold(geometry, input.element_size())
-            plan = _DGRAD_PLANS[geometry] = (fold, dgrad_kernels.dgrad_phases(geometry if fold is None else fold.geometry))
+            phases = dgrad_kernels.dgrad_phases(geometry if fold is None else fold.geometry)
+            plan = _DGRAD_PLANS[geometry] = (fold, phases)
         options = dict(fold=plan[0], phases=plan[1], conv=dgrad_kernels.side_by_side_launch, in_place=True)
         dy_nhwc = nhwc_view(grad_output)
-        dx = (dgrad_kernels.dgrad_through_relu(dy_nhwc, w_nhwc, nhwc_view(input), geometry, _fprop, **options) if relu_gated
+        dx = (dgrad_kernels.dgrad_through_relu(dy_nhwc, w_nhwc, nhwc_view(input), geometry, _fprop, **options)
+              if relu_gated
               else dgrad_kernels.dgrad(dy_nhwc, w_nhwc, geometry, _fprop, **options)).permute(0, 3, 1, 2)
     return dx.contiguous(memory_format=torch.channels_last)            # the layout the fake promises
 

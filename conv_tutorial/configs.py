@@ -167,7 +167,7 @@ def fitted_to_epilogue(config, has_residual, arch="sm_90"):
 
 
 def split_tiles(config, geometry, num_sms):
-    """(programs, tiles, tiles split by split-K), as the lesson's launch counts them (tile_counts)."""
+    """(programs, tiles, tiles split by split-K), as the forward kernel's launch counts them (tile_counts)."""
     programs, tiles, whole = tile_counts(config, geometry.M, geometry.Co, num_sms)
     return programs, tiles, tiles - whole
 

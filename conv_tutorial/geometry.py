@@ -1,8 +1,8 @@
 """The operator's geometry and argument checks, fp8 quantization of a tensor, and the GPU it runs on.
 
-The rules a conv's arguments follow are taught by the lessons and live in their kit (core.py:
-the geometry, the input and epilogue checks, the output dtype of e4m3 operands); this module names
-them for the package, which takes them from nowhere else, and adds what only the operator asks:
+The rules a conv's arguments follow live in the package's core (conv_tutorial/core: the geometry,
+the input and epilogue checks, the output dtype of e4m3 operands; the lessons' kit names the same
+ones); this module names them for the runtime and adds what only the operator asks:
 which dtypes its kernel takes, the scales of e4m3 tensors (quantizing one, checking them, folding
 them into the epilogue), and which GPU the current device is (looked up once per device).
 """

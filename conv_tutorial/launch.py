@@ -16,7 +16,8 @@
   path costs: benchmarks/host_time.py measures it (figures in RESULTS.md).
 - Split-K's second kernel (lesson 05, section 7) is launched directly too.
 - Compiling ahead (`compiling_ahead`): a model's distinct kernels compiled side by side in a
-  pool of threads (Triton's `AsyncCompileMode`), before its first real call. (RESULTS.md, "The first call of a fused model").
+  pool of threads (Triton's `AsyncCompileMode`), before its first real call (RESULTS.md, "The first
+  call of a fused model").
 """
 import contextlib
 import contextvars
@@ -131,7 +132,7 @@ class ConvPlan:
         self.reduce_grid = self.reduce_scalars = None   # split-K's second kernel: fixed by the plan
 
     def launch_for(self, x_nhwc, w, bias, scale=None, residual=None, out_window=None, channel_stats=None):
-        """The lesson's ConvLaunch for these tensors; after the first call, built from templates (one
+        """The forward kernel's ConvLaunch (kernels/fprop.py) for these tensors; after the first call, built from templates (one
         for calls that store a whole output, one for those with an `out_window`: its out_2d is a stand-in;
         and one per FlippedFilter's taps, lesson 06's dgrad weights read in place)."""
         key = _template_key(w, out_window)
@@ -296,8 +297,8 @@ def _check_tma_aligned(tensor):
 
 def _tensorless(launch, descriptors=fprop.DESCRIPTORS, buffers=("out_2d", "partial"),
                 cleared=("pointers", "out_window", "channel_stats")):
-    """A plan's template of a launch (lesson 05's ConvLaunch by default; wgrad.py passes lesson
-    06's WgradLaunch and its field names): its descriptors without their tensors, its output and
+    """A plan's template of a launch (the forward kernel's ConvLaunch by default; wgrad.py passes the
+    wgrad kernel's WgradLaunch and its field names): its descriptors without their tensors, its output and
     workspace `buffers` as shapes (meta tensors), its `cleared` fields None. A template holding
     the first call's tensors would keep them alive as long as the plan: an activation per layer
     of a network, and during autotuning one per candidate."""

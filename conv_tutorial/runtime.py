@@ -19,6 +19,7 @@ import triton.language as tl
 from .configs import KernelConfig, grouped_conv_fits
 from .geometry import FP8, KERNEL_DTYPES, call_key, check_conv_call, conv_geometry, device_facts
 from . import core
+from .kernels import fprop
 from .launch import plan_for
 from .selection import epilogue_tag, known_or_heuristic_config, tuned_config
 
@@ -52,7 +53,7 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
         # the slow path validates (and explains) everything
         geometry = check_conv_call(x_nhwc, w, bias, stride, padding, dilation, dtypes=KERNEL_DTYPES,
                                           scale=scale, residual=residual, activation=activation, out_dtype=out_dtype,
-                                          groups=groups)
+                                          groups=groups, activations=fprop.EPILOGUE_ACTIVATIONS)
         if groups > 1 and (x_nhwc.dtype == FP8 or (config is None and not grouped_conv_fits(
                 geometry.Ci_group, geometry.Co_group, device_facts()[0]))):
             raise ValueError(f"{geometry.describe()}: the kernel runs a grouped conv in fp16 or bf16, with whole "

@@ -523,7 +523,11 @@ def run_alone(site, code):
     TRITON_INTERPRET or TRITON_DEFAULT_FP_FUSION (the lessons' kit sets them in this process)."""
     environment = {name: value for name, value in os.environ.items()
                    if name not in ("PYTHONPATH", "TRITON_INTERPRET", "TRITON_DEFAULT_FP_FUSION")}
-    environment.update(PYTHONPATH=str(site / "site"), PYTHONNOUSERSITE="1")
+    # the copied package first; of the caller's PYTHONPATH only folders outside the repository (where a
+    # machine keeps its Triton, say), so that nothing of the checkout is found
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and not Path(p).resolve().is_relative_to(ROOT)]
+    environment.update(PYTHONPATH=os.pathsep.join([str(site / "site"), *kept]), PYTHONNOUSERSITE="1")
     return subprocess.run([sys.executable, "-c", code, str(site / "site")], cwd=site / "empty", env=environment,
                           capture_output=True, text=True, timeout=600)
 

@@ -8,11 +8,13 @@ ACTIVATIONS = ("none", "relu", "silu")     # what the fused epilogue applies las
 RELU_GRAD = "relu_grad"
 
 
-def check_epilogue(Co, out_shape, dtype, device, scale=None, residual=None, activation="none"):
+def check_epilogue(Co, out_shape, dtype, device, scale=None, residual=None, activation="none",
+                   activations=ACTIVATIONS):
     """Validate the fused epilogue's arguments of a conv with Co output channels whose output has
-    `out_shape`, `dtype` and `device` (the bias is checked with the conv's tensors)."""
-    if activation not in ACTIVATIONS + (RELU_GRAD,):
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    `out_shape`, `dtype` and `device` (the bias is checked with the conv's tensors). `activations`:
+    what the kernel behind the call applies (the operator's forward kernel adds RELU_GRAD)."""
+    if activation not in activations:
+        raise ValueError(f"activation must be one of {activations}, got {activation!r}")
     if activation == RELU_GRAD and residual is None:
         raise ValueError(f"activation {RELU_GRAD!r} keeps the output where the residual tensor (a ReLU's output) is "
                          f"positive: pass residual")

@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from .epilogue import check_epilogue, output_dtype
+from .epilogue import ACTIVATIONS, check_epilogue, output_dtype
 from .windows import FlippedFilter
 
 def pair(value, name: str, minimum: int) -> tuple[int, int]:
@@ -201,17 +201,17 @@ def check_conv_inputs(x_nhwc, w, stride=1, padding=0, dilation=1, *, dtypes, bia
 
 
 def check_conv_call(x_nhwc, w, bias, stride, padding, dilation, *, dtypes, scale=None, residual=None,
-                    activation="none", out_dtype=None, groups=1) -> ConvGeometry:
+                    activation="none", out_dtype=None, groups=1, activations=ACTIVATIONS) -> ConvGeometry:
     """Validate a call of a conv with the fused epilogue (lesson 05: its launcher, the runtime):
     tensors, hyper-parameters and epilogue, the device last so every other mistake is reported on
-    a machine without a GPU too. `out_dtype`: None (x's dtype), or for e4m3 operands bf16 or e4m3.
-    Returns the geometry."""
+    a machine without a GPU too. `out_dtype`: None (x's dtype), or for e4m3 operands bf16 or e4m3;
+    `activations`: what the kernel's epilogue applies (check_epilogue). Returns the geometry."""
     geometry = check_conv_inputs(x_nhwc, w, stride, padding, dilation, dtypes=dtypes, bias=bias, groups=groups)
     if bias is not None and not bias.is_contiguous():
         raise ValueError("bias must be contiguous")
     g = geometry
     check_epilogue(g.Co, g.output_shape_nhwc, output_dtype(x_nhwc.dtype, out_dtype), x_nhwc.device, scale,
-                   residual, activation)
+                   residual, activation, activations)
     if residual is not None and not residual.is_contiguous():
         raise ValueError(f"residual must be a contiguous NHWC tensor, got strides {residual.stride()}")
     check_on_cuda(x_nhwc)

@@ -22,7 +22,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ..core.device import (MBARRIER_BYTES, SHARED_MEMORY_PER_PROGRAM, SHARED_MEMORY_PER_SM,
                            SHARED_MEMORY_RESERVED_PER_PROGRAM, tma_mma_arch_and_sms)
-from ..core.epilogue import output_dtype
+from ..core.epilogue import ACTIVATIONS, RELU_GRAD, output_dtype
 from ..core.geometry import check_conv_call
 from ..core.tma import conv_im2col_settings, conv_tma_descriptors, pad_channels_for_tma
 from ..core.windows import check_epilogue_destinations, flipped_filter_taps
@@ -31,6 +31,7 @@ from .windows import (FlippedTaps, PhaseTiles, WindowStore, add_channel_sums, fl
                       window_store)
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+EPILOGUE_ACTIVATIONS = ACTIVATIONS + (RELU_GRAD,)    # the backward's ReLU gate besides the forward's activations
 # A run-time integer in an aggregate: a tensor, or a constexpr where Triton specialized the
 # argument (it compiles a value of 1 in as a constant).
 Int = gl.tensor | gl.constexpr
@@ -828,7 +829,8 @@ def conv2d_fprop_launch(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, c
     channel_stats (the backward): a zeroed fp32 [2, Co] tensor; the epilogue adds each output channel's sum and
     sum of squares (of the output as stored, summed in fp32) into it, every program into the same tensor."""
     geometry = check_conv_call(x_nhwc, w, bias, stride, padding, dilation, dtypes=KERNEL_DTYPES, scale=scale,
-                                      residual=residual, activation=activation, out_dtype=out_dtype, groups=groups)
+                               residual=residual, activation=activation, out_dtype=out_dtype, groups=groups,
+                               activations=EPILOGUE_ACTIVATIONS)
     arch, num_sms = tma_mma_arch_and_sms("conv2d_fprop_launch")
     launch = prepare_launch(x_nhwc, w, bias, geometry, config, arch, num_sms, scale, residual,
                             output_dtype(x_nhwc.dtype, out_dtype), out_window, channel_stats)

@@ -1,11 +1,12 @@
 """The operator runs what the lessons teach: the package's production kernels, built with their
 extra features off, against the lessons' own kernels at the configs the lessons teach.
 
-Ahead of time, on any machine, for sm_90 and sm_100: both builds must have the same PTX
-instruction counts (every opcode), shared memory, warps, tensor-memory columns, and (where
-cuobjdump is at hand) registers and stack. The text itself may differ only where it names where
-the source was (debug lines, file paths) and the kernels' source lines. On a Hopper or Blackwell
-GPU: the same bits for the same inputs.
+Ahead of time, on any machine, for sm_90 and sm_100: both builds must have the same PTX code, line
+for line (every instruction with its operands, in order; only what says where the source was is left
+out: the debug sections, `.loc` and `.file` lines, comments), hence the same count of every opcode;
+and the same shared memory, warps, tensor-memory columns and (where cuobjdump is at hand) registers
+and stack. On a Hopper or Blackwell GPU: the same bits for the same inputs. (Split-K's second kernel
+and wgrad's ordered sum are plain Triton kernels, compared by their bits on a GPU.)
 
 - lesson 05's `conv2d_fprop_kernel` against `conv_tutorial.kernels.fprop`'s: the production kernel
   adds the backward's switches (an output window and a dgrad's phases, a filter read in place,
@@ -27,7 +28,8 @@ FIXED = list(fprop.FIXED_CONFIG)
 PLAIN, FUSED = [False, False, False, "none"], [True, True, True, "relu"]
 
 # (arch, what lesson 05 teaches with it, build parameters): its configs, the plain and the fused
-# epilogue, the tails (section 6), split-K (section 7), e4m3 (section 9) and groups (section 10).
+# epilogue, the tails (section 6), split-K (section 7) and e4m3 (section 9). (A grouped conv, section
+# 10, is the same build with other run-time integers.)
 FPROP_CASES = [
     ("sm_90", "fixed config, plain epilogue", dict()),
     ("sm_90", "fixed config, fused epilogue", dict(epilogue=FUSED)),
@@ -46,28 +48,41 @@ FPROP_CASES = [
 ]
 
 
+def ptx_code(ptx):
+    """The PTX's code lines: without the debug sections, `.loc`/`.file` lines, comments and blank lines
+    (what says where the source was, which differs between two files holding the same kernel)."""
+    code = ptx.split(".section\t.debug")[0].split(".section .debug")[0]
+    return [line.strip() for line in code.splitlines()
+            if line.strip() and not re.match(r"\s*(\.loc|\.file|//)", line)]
+
+
 def fingerprint(build):
-    """What must agree between two builds of one kernel: each PTX opcode's count, shared memory,
-    warps, tensor-memory columns, registers and stack (None where cuobjdump is missing)."""
-    opcodes = Counter()
-    for line in build["ptx"].splitlines():
-        line = re.sub(r"^@!?%\w+\s+", "", line.strip())
-        match = re.match(r"([a-z][\w.:]*)\s", line)
-        if match and not line.startswith(("//", ".")):
+    """What must agree between two builds of one kernel: the PTX's code lines, each opcode's count
+    (for a readable report), shared memory, warps, tensor-memory columns, registers and stack (None
+    where cuobjdump is missing)."""
+    code, opcodes = ptx_code(build["ptx"]), Counter()
+    for line in code:
+        match = re.match(r"([a-z][\w.:]*)[\s;]", re.sub(r"^@!?%\w+\s+", "", line))
+        if match and not line.startswith("."):
             opcodes[match.group(1)] += 1
-    return {"opcodes": dict(sorted(opcodes.items())),
+    return {"code": code, "opcodes": dict(sorted(opcodes.items())),
             **{key: build.get(key) for key in ("shared", "num_warps", "tmem_size", "registers", "stack")}}
 
 
 def differences(lesson, package):
-    """Where two fingerprints differ, one line each, naming the opcode or resource."""
+    """Where two fingerprints differ, one line each: the opcodes whose counts differ, the resources,
+    and else the first code line that differs (same counts, other operands or order)."""
     lines = []
     for op in sorted(set(lesson["opcodes"]) | set(package["opcodes"])):
         a, b = lesson["opcodes"].get(op, 0), package["opcodes"].get(op, 0)
         if a != b:
             lines.append(f"{op}: lesson {a}, package {b}")
     lines += [f"{key}: lesson {lesson[key]}, package {package[key]}" for key in lesson
-              if key != "opcodes" and lesson[key] != package[key]]
+              if key not in ("code", "opcodes") and lesson[key] != package[key]]
+    if not lines and lesson["code"] != package["code"]:
+        at = next((i for i, (a, b) in enumerate(zip(lesson["code"], package["code"])) if a != b),
+                  min(len(lesson["code"]), len(package["code"])))
+        lines.append(f"PTX line {at}: lesson {lesson['code'][at:at + 1]}, package {package['code'][at:at + 1]}")
     return lines
 
 
@@ -80,12 +95,20 @@ def test_forward_kernel_builds_as_lesson_05_teaches_it(arch, what, params):
 
 
 def test_the_comparison_sees_one_instruction():
-    """The check above is not vacuous: one extra instruction, or one byte of shared memory, is a difference."""
-    ptx = ".visible .entry k()\n{\n\tadd.s32 \t%r1, %r2, %r3;\n\tret;\n}\n"
+    """The check above is not vacuous: one more instruction (one without operands too), one other
+    operand, or one byte of shared memory is a difference; where the source was is not."""
+    ptx = (".visible .entry k()\n{\n\t.loc\t1 10 4\n\tadd.s32 \t%r1, %r2, %r3;\n\tret;\n}\n"
+           ".section\t.debug_info\n{\n}\n")
     base = {"ptx": ptx, "shared": 1024, "num_warps": 4, "tmem_size": 0, "registers": None, "stack": None}
-    one_more = dict(base, ptx=ptx.replace("\tret;", "\tmul.lo.s32 \t%r4, %r1, %r1;\n\tret;"))
+    changed = lambda old, new: fingerprint(dict(base, ptx=ptx.replace(old, new)))  # noqa: E731
     assert differences(fingerprint(base), fingerprint(base)) == []
-    assert differences(fingerprint(base), fingerprint(one_more)) == ["mul.lo.s32: lesson 0, package 1"]
+    assert differences(fingerprint(base), changed("\t.loc\t1 10 4", "\t.loc\t2 99 1")) == []
+    assert differences(fingerprint(base), changed("\tret;", "\tmul.lo.s32 \t%r4, %r1, %r1;\n\tret;")) == [
+        "mul.lo.s32: lesson 0, package 1"]
+    assert differences(fingerprint(base), changed("\tret;", "\twgmma.fence.sync.aligned;\n\tret;")) == [
+        "wgmma.fence.sync.aligned: lesson 0, package 1"]
+    assert differences(fingerprint(base), changed("%r3;", "%r4;")) == [
+        "PTX line 2: lesson ['add.s32 \\t%r1, %r2, %r3;'], package ['add.s32 \\t%r1, %r2, %r4;']"]
     assert differences(fingerprint(base), fingerprint(dict(base, shared=1025))) == ["shared: lesson 1024, package 1025"]
 
 

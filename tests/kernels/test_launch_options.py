@@ -48,7 +48,8 @@ def test_building_the_kernels_warns_of_nothing():
             "for build in (aot.fprop_build, aot.wgrad_build):\n"
             "    aot.compile_for_target(*build('sm_90'), 'sm_90')\n"
             "print('built')\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPATH=str(PACKAGE.parent)),
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPATH=os.pathsep.join(
+                              [str(PACKAGE.parent), *filter(None, [os.environ.get("PYTHONPATH")])])),
                           capture_output=True, text=True, timeout=900, cwd=PACKAGE.parent)
     if "Cannot find ptxas" in proc.stderr:
         import pytest

@@ -11,6 +11,7 @@ import torch
 
 from conv_tutorial.kernels import fprop  # noqa: E402
 from conv_tutorial import configs, runtime, selection
+from conv_tutorial.core.windows import OutputWindow  # noqa: E402
 from conv_tutorial import launch as plans  # noqa: E402
 needs_hopper = pytest.mark.skipif(not (common.has_tma_mma_gpu() and common.is_hopper()),
                                   reason="needs a Hopper GPU (sm_90): ping-pong is its schedule")
@@ -216,7 +217,7 @@ def window_case(N=2, H=13, W=11, Ci=64, Co=200, step=(2, 3), crop=(1, 2), dtype=
     expected = common.reference_conv2d_nhwc(x_nhwc, w, None, 1, 1)
     rows, cols = H - crop[0] - 1, W - crop[1]
     larger = torch.full((N, rows * step[0] + 1, cols * step[1], Co), float("nan"), dtype=dtype, device=x_nhwc.device)
-    window = common.OutputWindow(larger[:, 1::step[0], ::step[1]][:, :rows, :cols], *crop)
+    window = OutputWindow(larger[:, 1::step[0], ::step[1]][:, :rows, :cols], *crop)
     return x_nhwc, w, larger, window, expected[:, crop[0]:crop[0] + rows, crop[1]:crop[1] + cols]
 
 
