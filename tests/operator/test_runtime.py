@@ -84,7 +84,7 @@ def test_register_model_of_the_residual_epilogue_matches_the_builds(config):
     without spilling: checked against each candidate's build with the whole fused epilogue (the
     stack frame per thread, from cuobjdump: where a Triton kernel spills to)."""
     Ci, Co = _shape_that_keeps(config)
-    compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", "sm_90",
+    compiled = common.aot_compile_or_skip("conv_tutorial.kernels.aot", "fprop_build", "sm_90",
                                           Ci=Ci, Co=Co, config=list(config), epilogue=[True, True, True, "relu"])
     assert compiled["stack"] is not None
     assert configs.residual_fits_in_registers(config) == (compiled["stack"] == 0), compiled["stack"]
