@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The package installs as a user installs it (issue 61, ask 4), end to end, on a machine with or without a GPU:
+# The package installs as a user installs it, end to end, on a machine with or without a GPU:
 #   1. a fresh clone of this repository's committed tree (--tree: a copy of the working tree instead)
 #   2. `pip wheel . --no-deps`; the wheel holds every module of conv_tutorial/, and declares the Triton pin
 #      of requirements.txt (the lessons' set-up), and no more dependencies than torch and Triton

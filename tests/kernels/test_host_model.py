@@ -1,4 +1,4 @@
-"""The host's models of the package's kernels, one home per fact (issue 61, ask 5): the forward
+"""The host's models of the package's kernels, one home per fact: the forward
 kernel's tile grid and grouped tile order (`fprop.tile_grid`, `fprop.tile_order`) against the
 kernel's own code run as Python and against an independent model; its config rules, shared memory
 and register budget as the operator's pruning uses them; wgrad's shared-memory model against its
