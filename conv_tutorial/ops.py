@@ -1,6 +1,6 @@
-"""Lesson 05's convolution as PyTorch operators (torch.library), a drop-in module, a converter.
+"""The forward kernel (lesson 05's) as PyTorch operators (torch.library), a drop-in module, a converter.
 
-    import conv_tutorial                                 # registers torch.ops.conv_tutorial.conv2d
+    import conv_tutorial.ops                             # registers torch.ops.conv_tutorial.conv2d
     model = conv_tutorial.convert_conv2d(model)          # every nn.Conv2d -> TutorialConv2d
     y = model(x.to(memory_format=torch.channels_last))   # NCHW shapes, channels_last memory
 
