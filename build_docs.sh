@@ -8,7 +8,8 @@ cd "$(dirname "$0")"
 source tools/bootstrap.sh
 if ! "$PY" -c 'import sphinx, sphinx_gallery, furo, myst_parser' 2>/dev/null; then
   echo "[setup] installing docs/requirements.txt (first run only)..."
-  "$PY" -m pip install -q -r docs/requirements.txt
+  # with their dependencies, which ./.venv's pip.conf turns off for what could replace its torch (tools/bootstrap.sh)
+  PIP_NO_DEPS=false "$PY" -m pip install -q -r docs/requirements.txt
 fi
 rm -rf docs/lessons docs/lessons_src docs/_generated site
 mkdir -p docs/lessons_src
