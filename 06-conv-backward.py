@@ -1203,6 +1203,7 @@ def conv2d_wgrad_kernel(dy_desc, x_desc, dw_ptr, partial_ptr, shape, NUM_BUFFERS
 #
 # The estimate is arithmetic on the shape, its constants an H100's. Timed on H100s
 # (results/notebook.md, 2026-11-26):
+#
 # - ResNet-50's 21 layers with fewer tiles than SMs: none of ten other split counts beat an
 #   earlier rule's choice (within two slices of this one's) by more than 4%.
 # - Its two layers with more tiles than SMs: a wave of whole tiles took the 7x7 and 14x14
@@ -2564,6 +2565,7 @@ if __name__ == "__main__":
 # - wgrad through the operator is at or above cuDNN's speed on 11 of 23 layers (up to 1.11x), its
 #   lowest the 7x7 512->2048 1x1 at 0.87x (0.79-0.91x over the day's runs, our kernel the same,
 #   cuDNN's between 556 and 625 TFLOPS). What moved it there:
+#
 #   - Section 5's split took the two 512-channel 3x3 layers with 144 tiles from 0.72-0.73x to
 #     0.95-0.97x (a wave of whole tiles, then 12 tiles in slices, where every tile had been cut in
 #     3), and 14x14 1024->2048 stride 2 from 0.84x to 0.96x (no split: no workspace, no second
@@ -2576,13 +2578,16 @@ if __name__ == "__main__":
 #   - Section 3's tiled load of x and section 6's 64-row tiles for split 1x1 layers took six of the
 #     seven 1x1 layers at 56x56 to 14x14 with 64-row tiles from 0.89-1.02x to 0.91-1.07x (the 14x14
 #     1024->512 went from 0.94x to 0.93x), and the mean from 0.98x to 0.998-1.005x (two runs).
+#
 #   What did not pay:
+#
 #   - Summing the split tiles in the kernel (the last slice to finish adds the others' partials in
 #     order): 0.73x against the second kernel's 0.98x in one run. The 1x1 layers cut into 32-63
 #     slices a tile fell to 0.45-0.68x: one program reads all of a tile's partials, where the
 #     second kernel spreads the sum over every SM (results/notebook.md).
 #   - The sum launched early by programmatic dependent launch, a deeper ring, and cuDNN's 128 x 64
 #     tile without its cluster: none beyond the runs' spread, or slower (RESULTS.md).
+#
 #   On the 7x7 512->2048 and 2048->512 layers Nsight Compute put our tensor pipes at 58% busy
 #   against cuDNN's 72%, L2 at 51-61% of its peak for ours and 62-71% for cuDNN's, whose kernel
 #   runs 128 x 64 tiles in 2-CTA clusters (RESULTS.md).
