@@ -20,7 +20,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
     TensorMemoryLayout, allocate_tensor_memory, tcgen05_commit, tcgen05_mma, tensor_memory_descriptor)
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from ..core.device import (MBARRIER_BYTES, SHARED_MEMORY_PER_PROGRAM, SHARED_MEMORY_PER_SM,
+from ..core.device import (MMA_FLAVOUR, MBARRIER_BYTES, SHARED_MEMORY_PER_PROGRAM, SHARED_MEMORY_PER_SM,
                            SHARED_MEMORY_RESERVED_PER_PROGRAM, tma_mma_arch_and_sms)
 from ..core.epilogue import ACTIVATIONS, RELU_GRAD, output_dtype
 from ..core.geometry import check_conv_call
@@ -762,7 +762,7 @@ def output_nhwc(geometry, out_2d):
 def kernel_constexprs(config, arch, epilogue=Epilogue()):
     # The kernel's constexprs and launch options, by name.
     config = KernelConfig(*config)
-    return dict(CONFIG=config, EPILOGUE=Epilogue(*epilogue), IS_BLACKWELL=arch == "sm_100",
+    return dict(CONFIG=config, EPILOGUE=Epilogue(*epilogue), IS_BLACKWELL=MMA_FLAVOUR[arch] == "tcgen05",
                 num_warps=config.num_warps, enable_fp_fusion=True,   # the epilogue's a * scale + bias as one FMA
                 **({"maxnreg": 128} if config.programs_per_sm > 1 else {}))
 

@@ -15,6 +15,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
     TensorMemoryLayout, allocate_tensor_memory, tcgen05_commit, tcgen05_mma)
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+from ..core.device import MMA_FLAVOUR
 from ..core.geometry import conv_geometry
 from ..core.tma import GL_DTYPES, canonical_strides, conv_im2col_settings
 from . import fprop
@@ -433,7 +434,7 @@ def wgrad_operands(x_nhwc, dy_nhwc, geometry):
 def wgrad_kernel_options(config, arch):
     # the kernel's constexprs and its launch options, for a launch or an ahead-of-time compile (floating-point
     # fusion asked for, as Triton 3.9 defaults to: a program's environment does not decide it)
-    return dict(NUM_BUFFERS=config.num_buffers, IS_BLACKWELL=arch == "sm_100", num_warps=config.num_warps,
+    return dict(NUM_BUFFERS=config.num_buffers, IS_BLACKWELL=MMA_FLAVOUR[arch] == "tcgen05", num_warps=config.num_warps,
                 enable_fp_fusion=True)
 
 

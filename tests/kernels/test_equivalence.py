@@ -86,12 +86,17 @@ def differences(lesson, package):
     return lines
 
 
+def assert_same_build(kernel, lesson_stem, lesson_builder, package_builder, arch, what, params):
+    """The lesson's build and the package's of one kernel at `params`, compared (`differences`)."""
+    lesson = common.aot_compile_or_skip(lesson_stem, lesson_builder, arch, **params)
+    package = common.aot_compile_or_skip(PACKAGE_AOT, package_builder, arch, **params)
+    found = differences(fingerprint(lesson), fingerprint(package))
+    assert not found, f"{arch}, {what}: the package's {kernel} and {lesson_stem}'s differ:\n" + "\n".join(found)
+
+
 @pytest.mark.parametrize("arch, what, params", FPROP_CASES, ids=[f"{a}-{w}" for a, w, _ in FPROP_CASES])
 def test_forward_kernel_builds_as_lesson_05_teaches_it(arch, what, params):
-    lesson = common.aot_compile_or_skip(LESSON05, "aot_conv2d_fprop", arch, **params)
-    package = common.aot_compile_or_skip(PACKAGE_AOT, "fprop_build", arch, **params)
-    found = differences(fingerprint(lesson), fingerprint(package))
-    assert not found, f"{arch}, {what}: the package's forward kernel and lesson 05's differ:\n" + "\n".join(found)
+    assert_same_build("forward kernel", LESSON05, "aot_conv2d_fprop", "fprop_build", arch, what, params)
 
 
 def test_the_comparison_sees_one_instruction():
@@ -127,10 +132,7 @@ WGRAD_CASES = [
 
 @pytest.mark.parametrize("arch, what, params", WGRAD_CASES, ids=[f"{a}-{w}" for a, w, _ in WGRAD_CASES])
 def test_wgrad_kernel_builds_as_lesson_06_teaches_it(arch, what, params):
-    lesson = common.aot_compile_or_skip(LESSON06, "aot_conv2d_wgrad", arch, **params)
-    package = common.aot_compile_or_skip(PACKAGE_AOT, "wgrad_build", arch, **params)
-    found = differences(fingerprint(lesson), fingerprint(package))
-    assert not found, f"{arch}, {what}: the package's wgrad kernel and lesson 06's differ:\n" + "\n".join(found)
+    assert_same_build("wgrad kernel", LESSON06, "aot_conv2d_wgrad", "wgrad_build", arch, what, params)
 
 
 @pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
