@@ -65,7 +65,9 @@ def run_sliding_window_example(verbose=True):
         print("input (a..i = 1..9):\n", image, "\nfilter (w0..w3):\n", filt)
         print("the four dot products:")
         print("\n".join(lines))
-    # torch's conv2d is a cross-correlation too (no filter flip), so it must agree exactly.
+    # The window above multiplies w0 with the top-left pixel: the filter is not flipped, which makes
+    # this a cross-correlation (a textbook convolution flips it). Deep-learning libraries call it a
+    # convolution all the same, and torch's conv2d computes exactly this, so it must agree exactly.
     expected = torch.nn.functional.conv2d(image[None, None], filt[None, None])[0, 0]
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     return out
@@ -172,8 +174,8 @@ def test_scalar_filter(H, W, R, S, dtype):
 #
 # 1. Stride and dilation change *where* a tap reads: output pixel (oy, ox) and tap (r, s) read
 #    input row oy*sh - ph + r*dh and column ox*sw - pw + s*dw. The tile of inputs one tap touches
-#    is now strided, but it is still one `tl.load` of a tile (in the compiled kernel, one 32-bit
-#    load per element and thread: the strided addresses leave nothing to vectorize).
+#    is now strided, but it is still one `tl.load` of a tile (in the compiled kernel, mostly one
+#    load per element: the section on the compiled kernel below counts them).
 # 2. Padding means those rows and columns may fall outside the image. Rather than padding the
 #    tensor in memory, the load's mask is false there and `other=0.0` supplies the zero.
 # 3. Channels: output channel co sums over every input channel ci. The grid gets two more axes,
@@ -413,16 +415,80 @@ def test_load_count_plot(tmp_path):
 
 
 # %%
+# What the compiled kernel issues (no GPU needed)
+# -----------------------------------------------
+# Compiled ahead of time for sm_90 (this works on a CPU), the direct kernel's loop body over ci holds
+# every tap unrolled: 4 warps share the 16 x 16 tile, 2 outputs per thread, so per input channel a
+# thread issues 9 weight loads, 18 input loads and 18 FMAs. Whether a tap's two input loads become
+# one wider load is decided by what the compiler can prove about the addresses: that neighbouring
+# outputs read neighbouring elements (stride 1, known at compile time because Triton specializes
+# an integer argument equal to 1) and that a pair starts aligned to the wider width. With the
+# demo's width W = 11 no row starts
+# aligned, so every load stays one element wide, 32-bit in fp32 and 16-bit in fp16: the width
+# follows the dtype, the count follows alignment. With W = 32 (a multiple of 16, which Triton
+# records at compile time, so every row starts aligned) and padding 1, the three taps of column
+# offset s = 1 read aligned pairs, and each becomes one 2-wide load.
+
+LOAD_BUILDS = {"fp32, W=11": dict(dtype="float32", W=11), "fp16, W=11": dict(dtype="float16", W=11),
+               "fp32, W=32": dict(dtype="float32", W=32)}
+
+
+def aot_direct_conv(arch, dtype="float32", W=11, H=13, Ci=3, Co=4, stride=1, padding=1):
+    """Launch arguments of conv2d_nchw_direct_kernel (3x3, 16x16 tiles) on CPU tensors, for common.aot_compile."""
+    x_nchw = torch.zeros(2, Ci, H, W, dtype=getattr(torch, dtype))
+    w_kcrs = torch.zeros(Co, Ci, 3, 3, dtype=x_nchw.dtype)
+    geometry = common.conv_geometry((2, H, W, Ci), (Co, 3, 3, Ci), stride, padding)
+    y = torch.zeros(2, Co, geometry.out_h, geometry.out_w, dtype=x_nchw.dtype)
+    return conv2d_nchw_direct_kernel, (x_nchw, w_kcrs, y, Ci, H, W, Co, geometry.out_h, geometry.out_w,
+                                       *geometry.stride, *geometry.padding, *geometry.dilation, 3, 3, 16, 16), {}
+
+
+def loads_and_fmas(ptx):
+    """{opcode: count} of the PTX's global loads (ld.global.b32, ld.global.v2.b32, ...) and fp32 FMAs."""
+    counts = {}
+    for line in ptx.splitlines():
+        words = line.split()
+        if words and words[0].startswith("@"):           # a predicated instruction: "@%p1 ld.global..."
+            words = words[1:]
+        if words and (words[0].startswith("ld.global") or words[0] == "fma.rn.f32"):
+            counts[words[0]] = counts.get(words[0], 0) + 1
+    return counts
+
+
+def run_show_loads(verbose=True):
+    table = {}
+    for name, params in LOAD_BUILDS.items():
+        compiled = common.aot_compile_or_say_why("01-conv-basics", "aot_direct_conv", "sm_90", **params)
+        if compiled is None:
+            return table
+        table[name] = loads_and_fmas(compiled["ptx"])
+    if verbose:
+        print("\nconv2d_nchw_direct_kernel, sm_90 PTX (3x3, padding 1, 16x16 tile, 4 warps), per input channel:")
+        for name, counts in table.items():
+            loads = " + ".join(f"{n} x {op}" for op, n in counts.items() if op.startswith("ld.global"))
+            print(f"  {name}: {loads}; {counts.get('fma.rn.f32', 0)} x fma.rn.f32")
+    return table
+
+
+def test_compiled_loads():
+    common.aot_compile_or_skip("01-conv-basics", "aot_direct_conv", "sm_90")   # skips without an assembler
+    table = run_show_loads(verbose=False)
+    assert table["fp32, W=11"] == {"ld.global.b32": 27, "fma.rn.f32": 18}   # 9 weights + 9 taps x 2 outputs
+    assert table["fp16, W=11"] == {"ld.global.b16": 27, "fma.rn.f32": 18}   # same count, half as wide
+    assert table["fp32, W=32"] == {"ld.global.b32": 21, "ld.global.v2.b32": 3, "fma.rn.f32": 18}
+
+
+# %%
 # What lesson 01 measured, what limits it, what comes next
 # --------------------------------------------------------
 # Checked and counted (not timed): the kernels match torch.nn.functional.conv2d (in the
 # interpreter on a CPU, compiled on a GPU), and the replay above counts Co*R*S loads of each
 # interior input element and one FMA per input load. That is the limit we expect: load
-# instructions and memory traffic, not arithmetic (its sm_90 PTX issues 27 scalar loads, 18 of the
-# input and 9 of weights, for 18 FMAs per thread and channel), and its FMAs run on the
-# general-purpose pipes, never on tensor cores. Lesson 02 rewrites the same sum as
-# a matrix product (im2col), so that one program computes many output channels from each load and
-# `tl.dot` hands the products to tensor cores.
+# instructions and memory traffic, not arithmetic (its sm_90 PTX, as `run_show_loads` prints it,
+# issues 27 one-element loads, 18 of the input and 9 of weights, for 18 FMAs per thread and input
+# channel), and its FMAs run on the general-purpose pipes, never on tensor cores. Lesson 02 rewrites
+# the same sum as a matrix product (im2col), so that one program computes many output channels from
+# each load and `tl.dot` hands the products to tensor cores.
 
 
 # %%
@@ -436,6 +502,7 @@ if __name__ == "__main__":
     run_direct_conv()
     run_direct_conv(N=2, Ci=3, H=20, W=17, Co=5, R=5, S=5, stride=2, padding=2, dtype=torch.float16)
     run_load_count(outdir)
+    run_show_loads()
     if args.bench:
         print("\n--bench: lesson 01 has no benchmark (a scalar sliding window is for reading, not for "
               "speed); lesson 02's --bench times its implicit GEMM against cuDNN")

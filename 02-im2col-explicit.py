@@ -24,6 +24,8 @@ Run:  python 02-im2col-explicit.py [--bench] [--outdir out]      Tests:  pytest 
 """
 
 # %%
+import json
+
 import common  # first: on a machine without a GPU it turns on the Triton interpreter
 
 import pytest
@@ -275,9 +277,13 @@ def time_im2col_vs_direct(N=16, H=56, W=56, Ci=64, Co=64, R=3, S=3, dtype=torch.
 # Programs are ordered in groups of GROUP_M row-tiles (as in Triton's matmul tutorial): the
 # programs that run at the same time cover GROUP_M row-tiles x several column-tiles. Every
 # column-tile re-reads the same activation rows, so grouped, those re-reads come soon after the
-# first and find the rows in L2. The weights need no help: the headline layer's are 2.65 MB
-# (384 x 3 x 3 x 384 bf16), small beside the L2 (50 MB on an H100), and the activations are 400 MB.
-# With Co <= BLOCK_N there is one column-tile and grouping changes nothing.
+# first and find the rows in L2. That pays against a column-major order (every row-tile of
+# column-tile 0, then of column-tile 1, ...), where a row's second read comes a whole pass over the
+# 400 MB of activations later. Against a row-major order (one row-tile's column-tiles back to back)
+# it gains little here: that order re-reads a row-tile at once too, and grouping's other gain in a
+# matmul, B reused across row-tiles, is not needed: the headline layer's weights are 2.65 MB
+# (384 x 3 x 3 x 384 bf16), small beside the L2 (50 MB on an H100). No run of this series compared
+# the orders. With Co <= BLOCK_N there is one column-tile and grouping changes nothing.
 
 
 @triton.jit
@@ -439,6 +445,14 @@ def test_rejects_bad_input(fn_name, make_args, kwargs, error, message):
 #   two. (A *proxy* is a path by which shared memory is accessed: the threads' own loads and stores
 #   and `cp.async` go through the generic proxy, the tensor cores and TMA through the async proxy;
 #   accesses through different proxies are ordered only by such a fence. Lesson 03 says more.)
+# - `wgmma.fence.sync.aligned` just before each step's wgmmas: the same word, another ordering.
+#   It orders *registers*, not memory: the PTX ISA requires it, issued by all warps of the
+#   warpgroup, before the first `wgmma.mma_async` and between any access of a thread to registers
+#   a `wgmma.mma_async` uses (the accumulator, or an A operand held in registers) and that
+#   wgmma; back-to-back wgmmas of one shape into the same accumulator are ordered without it.
+#   The MMA reads and writes those registers asynchronously: without the fence the ISA does not
+#   promise that it sees what the warps last wrote to them. Triton puts one before each step's
+#   batch of 4 (lesson 04's PTX has the same).
 #
 # `num_warps` sets how many warps share the tile: 8 warps split it between 2 warpgroups; 4 warps
 # are one warpgroup, which computes all 128 rows (8 MMAs per step instead of 4), issues twice the
@@ -460,6 +474,7 @@ IMPLICIT_GEMM_TAUGHT = {"sm_90": [
     ("cp.async.wait_group \t2", "in the loop: wait until only the next step's 2 groups (A, B) are pending"),
     ("cp.async.wait_group \t0", "after the last channel block of a tap: every copy landed (the drain)"),
     ("fence.proxy.async.shared::cta", "generic-proxy cp.async writes, async-proxy wgmma reads"),
+    ("wgmma.fence.sync.aligned", "once per step: the warps' register accesses before the wgmmas' own"),
 ]}
 
 
@@ -506,6 +521,8 @@ def test_dot_compiles_to_wgmma_and_cp_async():
     assert counts["wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"] == 4
     # 8 copies per thread per step (two 16 KB tiles over 256 threads, 16 B each), for 3 steps.
     assert counts["cp.async.cg.shared.global"] == 3 * 8
+    # one register fence per step, before its 4 wgmmas (in the text: once, in the loop body)
+    assert common.ptx_instructions(compiled["ptx"], ["wgmma.fence"])["wgmma.fence"] == 1
     assert compiled["shared"] >= 3 * 2 * 128 * 64 * 2        # 3 stages of A and B tiles, bf16
     single = common.aot_compile_or_skip("02-im2col-explicit", "aot_implicit_gemm", "sm_90", num_stages=1)
     assert common.ptx_instructions(single["ptx"], ["cp.async"])["cp.async"] == 0
@@ -564,14 +581,18 @@ def plot_implicit_vs_cudnn(rows, info, dtype, outdir, data=None, recorded=None):
     common.save_figure(fig, outdir, "02_implicit_gemm_vs_cudnn" + ("_recorded" if recorded else ""), data)
 
 
+QUOTED_RUN = "h100-2026-11-24"     # the ladder's run the closing cell quotes (lesson 04 quotes it too)
+
+
 def show_recorded_bench(outdir):
-    """Without a GPU: these layers' implicit GEMM and cuDNN figures from the latest recorded run of
-    lesson 05's ladder (which times lesson 02's kernel too), printed and drawn: one recorded
-    source for every lesson's figures."""
-    recorded = common.announce_recorded("05_tflops_per_shape", "Implicit GEMM vs cuDNN")
-    if recorded is None:
-        return None
-    data, info = recorded
+    """Without a GPU: these layers' implicit GEMM and cuDNN figures from the quoted run of the
+    ladder (which times lesson 02's kernel too), printed and drawn."""
+    path = common.RESULTS_DIR / QUOTED_RUN / "05_tflops_per_shape.json"
+    data = json.loads(path.read_text())
+    info = {key: data.get(key) for key in ("device", "torch", "triton", "cudnn")}
+    info.update(date=QUOTED_RUN[-10:])
+    print(f"\nImplicit GEMM vs cuDNN as measured on a GPU (RECORDED, not measured here; "
+          f"{path.relative_to(common.REPO_ROOT)}):")
     labels = [shape[0] for shape in [common.HEADLINE_SHAPE] + common.RESNET50_3X3_SHAPES]
     rows = [{"shape": r["shape"], "implicit_gemm_tflops": r["02 implicit GEMM"]["tflops"],
              "cudnn_tflops": r["cuDNN"]["tflops"], "ratio": r["02 implicit GEMM"]["tflops"] / r["cuDNN"]["tflops"]}
@@ -585,8 +606,9 @@ def show_recorded_bench(outdir):
 # --------------------------------------------------------
 # Measured: explicit and implicit GEMM match torch.nn.functional.conv2d; explicit im2col writes
 # and reads back R*S/(sh*sw) times the input; `tl.dot` compiles to warpgroup MMAs fed by a
-# 3-stage `cp.async` pipeline. On an H100 (80GB HBM3, bf16, Triton 3.8.0, 2026-11-24; RESULTS.md)
-# the implicit GEMM ran the headline layer at 445 TFLOPS (timed once), cuDNN at 675 (in rounds).
+# 3-stage `cp.async` pipeline. On an H100 (80GB HBM3, bf16, Triton 3.8.0, 2026-11-24; the ladder's
+# run `results/h100-2026-11-24/05_tflops_per_shape.json`, which lesson 04 quotes too) the implicit
+# GEMM ran the headline layer at 445 TFLOPS (timed once), cuDNN at 675 (in rounds).
 #
 # What limits it: the compiler owns the schedule. It pipelines only the channel blocks of one tap
 # and drains at every tap, and each step's addresses, masks and 64-bit pointers are integer work

@@ -30,6 +30,9 @@ Tests:  pytest 03-tma-im2col-modes.py tests/lessons/test_03_model.py tests/lesso
 """
 
 # %%
+# (The next line is for the website: sphinx-gallery shows a cell's figures one under the other, each
+# as wide as it was drawn, instead of side by side shrunk to 42% of the page.)
+# sphinx_gallery_multi_image = "single"
 import itertools
 import sys
 
@@ -42,6 +45,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
+
+# For the website (sphinx-gallery): a cell's figures one under another, as wide as drawn, not side by side.
+# sphinx_gallery_multi_image = "single"
 
 # %%
 # Each `if __name__ == "__main__"` cell runs the demo of the section above it.
@@ -197,7 +203,8 @@ def im2col_reference(x_nhwc, block_pixels, block_channels, pixel_box_lower_corne
 #   arrival and no byte is outstanding, the phase completes and the phase bit flips;
 # - `mbarrier.wait(bar, phase=0)` (PTX `mbarrier.try_wait.parity`) returns once the phase of
 #   parity 0 has completed. A barrier reused in a loop is waited on with parity 0, 1, 0, ...:
-#   lesson 04's ring counter carries that bit;
+#   lesson 04 flips that bit after every wait (`phase ^= 1`); lesson 05's ring counter derives it,
+#   with the ring slot, from one running count;
 # - `mbarrier.invalidate(bar)` (`mbarrier.inval`): the PTX ISA requires it before the barrier's
 #   8 bytes are used as anything else. This kernel ends right after, so here it is good form.
 #

@@ -27,7 +27,8 @@ What is in here
 - Plots (matplotlib, Agg backend, one output folder), recorded GPU results, the ladder plot.
 - Ahead-of-time builds of a lesson's kernel for sm_90 or sm_100 on a machine with no GPU (in a
   subprocess, through the package's one wrapper of Triton's internal compile API), and the PTX
-  walkthrough: instruction counts, the report, the assertions the lessons' tests make.
+  walkthrough: instruction counts, the report, the assertions the lessons' tests make, and which
+  MMA operands a build reads transposed (lessons 06 and 07).
 - A loader for the numbered lesson files (their names start with digits and hold dashes).
 """
 
@@ -525,6 +526,25 @@ def first_ptx_instruction(ptx: str, prefix: str) -> str:
                 parts.append(lines[i + len(parts)].strip())
             return " ".join(parts)
     return "(none)"
+
+
+def transposed_operands(ptx: str, arch: str) -> tuple:
+    """(A transposed, B transposed) of a build's first MMA, read from its PTX: on sm_90 the WGMMA's
+    imm-trans-a and imm-trans-b (its last two values); on sm_100 bits 15 and 16 of the tcgen05
+    instruction descriptor, an immediate the PTX moves into the register the MMA names. 0: the
+    operand is K-major, as the tensor cores read by default; 1: M- or N-major (lessons 06 and 07)."""
+    if arch == "sm_90":
+        trans_a, trans_b = re.search(r"wgmma\.mma_async[^;]*, (\d), (\d);", ptx).groups()
+        return int(trans_a), int(trans_b)
+    descriptor = tcgen05_instruction_descriptor(ptx)
+    return descriptor >> 15 & 1, descriptor >> 16 & 1
+
+
+def tcgen05_instruction_descriptor(ptx: str) -> int:
+    """The 32-bit instruction descriptor of a build's first tcgen05.mma: an immediate the PTX moves
+    into the register the MMA names (its fields: the PTX ISA's "Instruction descriptor" table)."""
+    register = re.search(r"tcgen05\.mma\.[^;]*, (%r\d+), %p\d+;", ptx).group(1)
+    return int(re.search(rf"mov\.b32\s+{re.escape(register)}, (\d+);", ptx).group(1))
 
 
 def cpu_closing_line(lesson: str, checked: str, needs_gpu: str, gpu: str = "a Hopper or Blackwell GPU") -> str:

@@ -92,13 +92,19 @@ def plot_conv_k_loop(lesson, outdir, H=5, W=6, R=3, S=3, padding=1, block_pixels
         positions = lesson.im2col_walk((1, H, W, 4), block_pixels, settings.pixel_box_lower_corner,
                                        settings.pixel_box_upper_corner, settings.element_strides,
                                        settings.start_coord(0), offsets)
-        draw_access(axes[r][s], (1, H, W, 4), positions, settings.pixel_box_lower_corner,
+        ax = axes[r][s]
+        draw_access(ax, (1, H, W, 4), positions, settings.pixel_box_lower_corner,
                     settings.pixel_box_upper_corner, offsets)
-        axes[r][s].set_title(f"tap (r={r}, s={s}): offsets {offsets}", fontsize=9)
+        ax.set_title(f"tap (r={r}, s={s}): offsets {offsets}", fontsize=13)
+        # The page shows this 9-panel figure at about 70% of its drawn size: large print, axis
+        # names on the outer panels only.
+        ax.tick_params(labelsize=11)
+        ax.set_xlabel("w (column)" if r == R - 1 else "", fontsize=12)
+        ax.set_ylabel("h (row)" if s == 0 else "", fontsize=12)
     fig.suptitle(f"One tile of A ({block_pixels} output pixels) for a {R}x{S} conv, pad {padding}, "
                  f"on a {H}x{W} image: one TMA im2col load per tap\n"
                  f"corners {list(settings.pixel_box_lower_corner)}/{list(settings.pixel_box_upper_corner)}, "
                  f"coord {settings.start_coord(0)}; circle k = row k of the tile (grey = padding, loaded as 0);\n"
                  f"red dashed = the access window, grey dotted = the window before the offsets shift it",
-                 fontsize=10)
+                 fontsize=13)
     return common.save_figure(fig, outdir, "03_conv_k_loop")

@@ -1,20 +1,21 @@
-"""Lesson 06's backward on ResNet-50's convs: dgrad and wgrad per layer, ours against cuDNN.
+"""Lessons 06 and 07's backward on ResNet-50's convs: dgrad and wgrad per layer, ours against cuDNN.
 
     python benchmarks/backward_layers.py [--outdir out] [--batch 128] [--quick] [--layers TEXT ...]
                                          [--zero-insertion] [--cuda-graphs]
                                          [--cudnn-benchmark] [--operator]
 
 For every distinct conv of ResNet-50 (layers.resnet50_layers: torchvision's v1.5, the stem,
-the 1x1s and the stride-2 layers included) at batch 128 in bf16, lesson 06's `bench_backward`:
-dgrad (conv2d_dgrad_launch: lesson 05's kernel per output phase) and wgrad (conv2d_wgrad_launch)
-are each checked against torch.nn.grad first, then timed next to cuDNN (aten.convolution_backward,
-as autograd calls it, on the channels_last tensors of the same dtype) with common.bench_tflops: do_bench's
-median, L2 flushed before every call, launch and host time included. TFLOPS count the forward
-pass's useful FLOPs, 2*N*out_h*out_w*Co*Ci*R*S, for both gradients. --zero-insertion also times
-the strided layers' dgrad as one stride-1 conv over dY with zeros inserted (lesson 06, section 2).
---quick: lesson 06's three --bench layers only (layers.BACKWARD_QUICK); --layers: those whose label
-holds a given text. --cudnn-benchmark: cuDNN picks its algorithms by
-timing them (torch.backends.cudnn.benchmark; off by default, as network_suite.py times cuDNN).
+the 1x1s and the stride-2 layers included) at batch 128 in bf16, `bench_backward`: dgrad (lesson
+06's conv2d_dgrad_launch: lesson 05's kernel per output phase) and wgrad (lesson 07's
+conv2d_wgrad_launch) are each checked against torch.nn.grad first, then timed next to cuDNN
+(aten.convolution_backward, as autograd calls it, on the channels_last tensors of the same dtype)
+with common.bench_tflops: do_bench's median, L2 flushed before every call, launch and host time
+included. TFLOPS count the forward pass's useful FLOPs, 2*N*out_h*out_w*Co*Ci*R*S, for both
+gradients. --zero-insertion also times the strided layers' dgrad as one stride-1 conv over dY with
+stride - 1 zeros between its rows and columns (and zero rows and columns after them, up to the
+stride-1 conv's output size), through lesson 06's launcher. --quick: three layers only
+(layers.BACKWARD_QUICK); --layers: those whose label holds a given text. --cudnn-benchmark: cuDNN
+picks its algorithms by timing them (torch.backends.cudnn.benchmark; off by default, as network_suite.py times cuDNN).
 --operator: also the operator's gradients as training calls them (conv_tutorial.set_backward("lesson06"):
 torch.ops.conv_tutorial.conv2d_input_grad, dgrad's phases through the forward's runtime, and
 conv2d_weight_grad, wgrad through its per-shape plan, conv_tutorial/wgrad.py), checked against torch, timed
@@ -35,11 +36,56 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from layers import BACKWARD_QUICK, resnet50_layers  # noqa: E402
 import torch  # noqa: E402
+from conv_tutorial.kernels.wgrad import prepare_wgrad, wgrad_input, wgrad_problem  # noqa: E402
 
 HOST_CALLS = 20      # calls per host-time sample: few enough that the GPU's launch queue never fills
 
 
-def operator_figures(lesson06, layer, cuda_graph, dtype=torch.bfloat16):
+def zero_insertion_dgrad(lesson06, dy_nhwc, w, x_shape, geometry):
+    """dX as one stride-1 conv (lesson 06's launcher) over dY spread out with zeros: dY's pixel (oy, ox) at
+    (oy*sh, ox*sw) of a tensor of the stride-1 conv's output size, zeros everywhere else."""
+    g = geometry
+    at_stride_1 = common.conv_geometry(tuple(x_shape), tuple(w.shape), 1, g.padding, g.dilation)
+    spread = dy_nhwc.new_zeros(at_stride_1.output_shape_nhwc)
+    spread[:, ::g.stride[0], ::g.stride[1]][:, :g.out_h, :g.out_w] = dy_nhwc
+    return lesson06.conv2d_dgrad_launch(spread, w, x_shape, 1, g.padding, g.dilation)
+
+
+def bench_backward(lesson06, lesson07, label, N, H, W, Ci, Co, R, S, stride, padding, dtype=torch.bfloat16,
+                   zero_insertion=False, cuda_graph=False):
+    """TFLOPS of dgrad and wgrad, ours (lessons 06 and 07's launchers) and cuDNN's, on one layer, each
+    checked against torch.nn.grad first; with cuda_graph, each call replayed in a CUDA graph: the
+    kernels' time without the host's."""
+    x, w, dy, g = lesson06.backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, 1, dtype)
+    x_nchw, w_kcrs, dy_nchw = x.permute(0, 3, 1, 2), w.permute(0, 3, 1, 2), dy.permute(0, 3, 1, 2)  # channels_last
+    expected_dx, expected_dw = lesson06.reference_gradients(x, w, dy, g)
+    calls = {
+        "dgrad": lambda: lesson06.conv2d_dgrad_launch(dy, w, x.shape, stride, padding),
+        # cuDNN as autograd calls it in training: convolution_backward on the real channels_last tensors
+        "dgrad cuDNN": lambda: torch.ops.aten.convolution_backward(
+            dy_nchw, x_nchw, w_kcrs, None, g.stride, g.padding, g.dilation, False, [0, 0], 1, (True, False, False))[0],
+        "wgrad": lambda: lesson07.conv2d_wgrad_launch(x, dy, w.shape, stride, padding),
+        "wgrad cuDNN": lambda: torch.ops.aten.convolution_backward(
+            dy_nchw, x_nchw, w_kcrs, None, g.stride, g.padding, g.dilation, False, [0, 0], 1, (False, True, False))[1],
+    }
+    if zero_insertion and max(g.stride) > 1:
+        calls["dgrad zero-insertion"] = lambda: zero_insertion_dgrad(lesson06, dy, w, x.shape, g)
+    for name in [name for name in calls if "cuDNN" not in name]:    # ours, each checked first (K: the length
+        dx_like = name.startswith("dgrad")                           # of each output's sum, as lesson 07 says)
+        common.assert_close_to_reference(calls[name](), expected_dx if dx_like else expected_dw, dtype=dtype,
+                                         K=Co * R * S if dx_like else g.M)
+    problem = wgrad_problem(g, x.element_size())       # the conv the wgrad kernel runs, and its split
+    wgrad_launch = prepare_wgrad(wgrad_input(x, problem), dy, problem.geometry, None,
+                                 *common.tma_mma_arch_and_sms("bench"))
+    row = {"layer": label, "geometry": g.describe(), "wgrad_split_k": wgrad_launch.config.split_k,
+           "wgrad_whole_tiles": wgrad_launch.shape.whole_tiles}
+    row.update({name: common.bench_tflops(call, g.flops, cuda_graph=cuda_graph) for name, call in calls.items()})
+    print(f"   {label:<28}" + "".join(f"  {name} {row[name]['tflops']:6.1f}" for name in calls)
+          + f"  (wgrad: {row['wgrad_whole_tiles']} tiles whole, the others in {row['wgrad_split_k']} slices)")
+    return row
+
+
+def operator_figures(lesson06, lesson07, layer, cuda_graph, dtype=torch.bfloat16):
     """The operator's dgrad and wgrad on one layer: checked against torch.nn.grad, TFLOPS, and host
     microseconds per call of each path (the plain launchers' and cuDNN's too)."""
     import conv_tutorial
@@ -60,11 +106,11 @@ def operator_figures(lesson06, layer, cuda_graph, dtype=torch.bfloat16):
         common.assert_close_to_reference(got if name == "wgrad plan" else got.permute(0, 2, 3, 1), expected,
                                          dtype=dtype, K=K)
     row = {name: common.bench_tflops(call, g.flops, cuda_graph=cuda_graph) for name, call in calls.items()}
-    def cudnn(mask):     # as lesson 06's bench_backward calls it, as autograd does
+    def cudnn(mask):     # as bench_backward calls it, as autograd does
         return torch.ops.aten.convolution_backward(dy_nchw, x_nchw, w_kcrs, None, g.stride, g.padding, g.dilation,
                                                    False, [0, 0], 1, mask)
     host_calls = {**calls, "dgrad": lambda: lesson06.conv2d_dgrad_launch(dy, w, x.shape, stride, padding),
-                  "wgrad": lambda: lesson06.conv2d_wgrad_launch(x, dy, w.shape, stride, padding),
+                  "wgrad": lambda: lesson07.conv2d_wgrad_launch(x, dy, w.shape, stride, padding),
                   "dgrad cuDNN": lambda: cudnn((True, False, False)),
                   "wgrad cuDNN": lambda: cudnn((False, True, False))}
     row["host_us"] = {name: host_time.median_host_us(call, calls=HOST_CALLS) for name, call in host_calls.items()}
@@ -77,7 +123,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--outdir", default=None, help="folder for backward_layers.json (default ./out)")
     parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--quick", action="store_true", help="lesson 06's three --bench layers only")
+    parser.add_argument("--quick", action="store_true", help="three layers only (layers.BACKWARD_QUICK)")
     parser.add_argument("--layers", nargs="+", metavar="TEXT",
                         help="only the layers whose label contains one of these texts (e.g. 'stem' 's2')")
     parser.add_argument("--zero-insertion", action="store_true",
@@ -92,7 +138,7 @@ def main(argv=None):
                              "plan), and every path's host microseconds per call")
     args = parser.parse_args(argv)
     common.require_tma_mma_gpu("benchmarks/backward_layers.py")
-    lesson06 = common.load_lesson("06-conv-backward")
+    lesson06, lesson07 = common.load_lesson("06-conv-dgrad"), common.load_lesson("07-conv-wgrad")
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     layers = BACKWARD_QUICK if args.quick else resnet50_layers(args.batch)
     if args.layers:
@@ -101,12 +147,12 @@ def main(argv=None):
             raise SystemExit(f"--layers {args.layers}: no layer's label contains any of them")
     how = "do_bench_cudagraph medians, kernels alone" if args.cuda_graphs else "do_bench medians, host time included"
     print(f"dgrad and wgrad, bf16, {common.gpu_name()}, TFLOPS of useful FLOPs ({how}):")
-    rows = [lesson06.bench_backward(*layer, zero_insertion=args.zero_insertion, cuda_graph=args.cuda_graphs)
-            for layer in layers]
+    rows = [bench_backward(lesson06, lesson07, *layer, zero_insertion=args.zero_insertion,
+                           cuda_graph=args.cuda_graphs) for layer in layers]
     if args.operator:
         print(f"the operator's gradients (conv_tutorial, set_backward('lesson06')), TFLOPS ({how}), host us per call:")
         for row, layer in zip(rows, layers):
-            row.update(operator_figures(lesson06, layer, args.cuda_graphs))
+            row.update(operator_figures(lesson06, lesson07, layer, args.cuda_graphs))
     kinds = ("dgrad", "wgrad") + (("dgrad operator", "wgrad operator", "wgrad plan") if args.operator else ())
     summary = {kind: statistics.geometric_mean([row[kind]["tflops"] / row[f"{kind.split()[0]} cuDNN"]["tflops"]
                                                 for row in rows])

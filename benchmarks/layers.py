@@ -180,7 +180,7 @@ TUNER_VS_HEURISTIC = [HEADLINE,
                       Layer("stem 224 3->64 4x4 s4", 32, 224, 224, 3, 64, 4, 4, 4, 0),
                       *by_label(["RN50 7x7 512->512 3x3", "RN50 56x56 256->64 1x1"], LADDER)]
 
-# backward_layers.py --quick: the three layers lesson 06's --bench times (its BENCH_LAYERS).
+# backward_layers.py --quick: three layers, a 3x3, a 3x3 at stride 2 (dgrad's phases) and a 1x1 (wgrad's x read tiled).
 BACKWARD_QUICK = by_label(["RN50 14x14 256->256 3x3", "RN50 56x56 128->128 3x3 s2", "RN50 56x56 64->256 1x1"],
                           _NETWORKS)
 

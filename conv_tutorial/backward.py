@@ -1,18 +1,18 @@
 """The conv's gradients for the operator's backward: torch's (cuDNN), or the package's kernels.
 
-    conv_tutorial.set_backward("lesson06")   # dgrad and wgrad on the kernels lesson 06 teaches, where they run
+    conv_tutorial.set_backward("lesson06")   # dgrad and wgrad on the kernels lessons 06 and 07 teach, where they run
     conv_tutorial.set_backward("torch")      # the default: aten.convolution_backward (cuDNN)
 
 The default stays torch's until the package's kernels measure faster in a whole training step with
 and without CUDA graphs (RESULTS.md, "The operator's gradients" and "Training"). With "lesson06", each gradient
-a call needs runs on the lesson's kernels where they cover the call (fp16 or bf16; groups 1, or
+a call needs runs on the lessons' kernels where they cover the call (fp16 or bf16; groups 1, or
 groups whose channels the kernels' tiles keep to; input, weight and gradient on one Hopper or
 data-centre Blackwell GPU): dgrad as lesson 06's phases (or, with few channels at a stride, its
 folded conv), each a conv through this package's runtime that stores into its phase's pixels of
 dX (an output window), or, where every phase has taps (a 3x3 stride-2 conv), all of them as one
-conv (lesson 06, section 2b: one launch of lesson 05's kernel), the weights read where they lie
-(section 2c: a core.FlippedFilter, no flipped copy) where their rows are whole 16-byte vectors;
-wgrad as lesson 06's kernel
+conv (kernels/dgrad.py: one launch of the forward kernel), the weights read where they lie
+(a core.FlippedFilter, no flipped copy) where their rows are whole 16-byte vectors;
+wgrad as lesson 07's kernel
 (kernels/wgrad.py) through a plan per shape (wgrad.py). Elsewhere torch's convolution_backward computes it, with one
 warning per reason, and `backward_fallbacks()` counts every such gradient: what a model's backward
 left to torch, and why. `$CONV_TUTORIAL_BACKWARD` sets the choice for a process.
@@ -32,12 +32,12 @@ from .kernels import dgrad as dgrad_kernels, gradients
 BACKENDS = ("torch", "lesson06")
 _BACKEND = os.environ.get("CONV_TUTORIAL_BACKWARD", "torch")
 _FALLBACKS = {}        # reason -> gradients torch computed for that reason, with "lesson06" chosen
-_DGRAD_PLANS = {}      # geometry -> (lesson 06's stride_fold, dgrad_phases): shape arithmetic only
+_DGRAD_PLANS = {}      # geometry -> (kernels.gradients.stride_fold, kernels.dgrad.dgrad_phases): shape arithmetic only
 
 
 def set_backward(backend: str):
     """Which code computes the conv's gradients in the operator's backward: "torch" (the default,
-    aten.convolution_backward: cuDNN on a GPU) or "lesson06" (lesson 06's dgrad and wgrad kernels
+    aten.convolution_backward: cuDNN on a GPU) or "lesson06" (the dgrad and wgrad kernels of lessons 06 and 07
     where they cover the call, torch elsewhere, with one warning per reason)."""
     global _BACKEND
     if backend not in BACKENDS:
@@ -52,18 +52,18 @@ def backward_backend() -> str:
 
 
 def lesson06_reason(grad_output, input, weight, groups, kind="input", stride=1, padding=0, dilation=1):
-    """Why lesson 06's kernels cannot compute this call's gradient `kind` ("input": dX, "weight": dW),
+    """Why the lessons' kernels cannot compute this call's gradient `kind` ("input": dX, "weight": dW),
     or None if they can."""
     dtypes = {grad_output.dtype, input.dtype, weight.dtype}
     if len(dtypes) != 1 or input.dtype not in (torch.float16, torch.bfloat16):
-        return (f"dtypes {grad_output.dtype}/{input.dtype}/{weight.dtype} of grad_output/input/weight (lesson 06's "
+        return (f"dtypes {grad_output.dtype}/{input.dtype}/{weight.dtype} of grad_output/input/weight (the backward "
                 f"kernels take float16 or bfloat16, all three the same)")
     devices = {grad_output.device, input.device, weight.device}
     if len(devices) != 1 or input.device.type != "cuda":
-        return f"tensors on {', '.join(sorted(map(str, devices)))} (lesson 06's kernels run on one CUDA GPU)"
+        return f"tensors on {', '.join(sorted(map(str, devices)))} (the lessons' kernels run on one CUDA GPU)"
     arch = current_arch(input.device)
     if arch is None:
-        return (f"GPU {torch.cuda.get_device_name(input.device)} (lesson 06's kernels need Hopper sm_90 or "
+        return (f"GPU {torch.cuda.get_device_name(input.device)} (the lessons' kernels need Hopper sm_90 or "
                 f"data-centre Blackwell sm_100)")
     if groups != 1:
         N, Ci, H, W = input.shape
@@ -73,7 +73,7 @@ def lesson06_reason(grad_output, input, weight, groups, kind="input", stride=1, 
             return ("a grouped conv whose dX, a grouped conv of dY (Co / groups channels in, Ci / groups out), the "
                     "forward's kernel does not run (its tiles must keep to one group: lesson 05, section 10)")
         if kind == "weight" and gradients.backward_groups_reason(g, "wgrad") is not None:
-            return ("a grouped conv whose groups lesson 06's wgrad tiles cannot keep to (it takes a multiple of 64 "
+            return ("a grouped conv whose groups lesson 07's wgrad tiles cannot keep to (it takes a multiple of 64 "
                     "output and of 8 input channels per group)")
     return None
 
@@ -81,7 +81,7 @@ def lesson06_reason(grad_output, input, weight, groups, kind="input", stride=1, 
 def backward_fallbacks() -> dict:
     """{reason: how many gradients (dX or dW, one per call) torch's convolution_backward computed
     for that reason} since the process started or the last reset, with "lesson06" chosen: what
-    lesson 06's kernels did not cover in a model (grouped convs, fp32, CPU tensors, ...). The
+    the lessons' kernels did not cover in a model (grouped convs, fp32, CPU tensors, ...). The
     warning comes once per reason; this counts every call."""
     return dict(_FALLBACKS)
 
@@ -99,9 +99,9 @@ def _count_fallback(reason):
 
 
 def _fprop(dy_nhwc, w_phase, padding, dilation, groups=1, out_window=None, residual=None, activation="none"):
-    """One phase's stride-1 conv for lesson 06's dgrad_by_phases, through the forward's runtime
+    """One phase's stride-1 conv for kernels.dgrad's dgrad_by_phases, through the forward's runtime
     (into dX's phase itself, given its out_window; with the epilogue's residual and activation, as
-    lesson 06's dgrad_through_relu gates dX)."""
+    kernels.dgrad's dgrad_through_relu gates dX)."""
     return runtime.conv2d(dy_nhwc, w_phase, None, 1, padding, dilation, tune=selection.autotune_enabled(),
                           groups=groups, out_window=out_window, residual=residual, activation=activation)
 
@@ -156,8 +156,8 @@ def _input_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Te
 def _input_grad_relu(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, stride: List[int],
                      padding: List[int], dilation: List[int], groups: int) -> torch.Tensor:
     """dX where input > 0, else 0: the gradient that reaches a ReLU's input when `input` is that
-    ReLU's output (ReLU's backward, taken from its output). On lesson 06's kernels, dgrad's epilogue
-    applies it where dX is one conv's whole output (lesson 06, section 12: lesson 05's kernel reads
+    ReLU's output (ReLU's backward, taken from its output). On the lessons' kernels, dgrad's epilogue
+    applies it where dX is one conv's whole output (lesson 08: the forward kernel reads
     `input` in the tile's own layout, as it reads a residual); elsewhere torch applies it to dX."""
     return _dgrad(grad_output, input, weight, stride, padding, dilation, groups, True)
 
@@ -186,7 +186,7 @@ def _dgrad(grad_output, input, weight, stride, padding, dilation, groups, relu_g
 
 def _weight_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, stride: List[int],
                  padding: List[int], dilation: List[int], groups: int) -> torch.Tensor:
-    """dW: lesson 06's wgrad kernel through a plan per shape (wgrad.py), or torch's."""
+    """dW: lesson 07's wgrad kernel through a plan per shape (wgrad.py), or torch's."""
     if _why_torch("weight", grad_output, input, weight, stride, padding, dilation, groups):
         dw = _torch_gradient("weight", grad_output, input, weight, stride, padding, dilation, groups)
     else:

@@ -155,7 +155,7 @@ def _conv2d_with_epilogue(input: torch.Tensor, weight: torch.Tensor, bias: Optio
 # The operator is defined with torch.library's define/impl, its schema inferred from the
 # function's annotations. (The @torch.library.custom_op decorator does the same plus checks on
 # every call, in Python, that cost more host time than the whole runtime call: RESULTS.md,
-# "ResNet-50 end to end".) One implementation serves every device: it sends what the kernel cannot
+# "Host time".) One implementation serves every device: it sends what the kernel cannot
 # run to torch itself.
 _LIBRARY = torch.library.Library("conv_tutorial", "DEF")
 _LIBRARY.define("conv2d" + torch.library.infer_schema(_conv2d_with_epilogue, mutates_args=()),

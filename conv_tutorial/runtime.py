@@ -42,7 +42,7 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
     tiles (`grouped_conv_fits`; lesson 05, section 10). out_window (a core.OutputWindow: lesson
     06's dgrad phases): the output's pixels go into its view, which is returned; a config with
     split-K stores densely and the window takes a copy. channel_stats (a zeroed fp32 [2, Co] tensor:
-    lesson 06's BatchNorm statistics): each output channel's sum (row 0) and sum of squares (row 1)
+    lesson 08's BatchNorm statistics): each output channel's sum (row 0) and sum of squares (row 1)
     are added into it, by the epilogue, or, after a config with split-K, by torch from the output.
     w may be a core.FlippedFilter (lesson 06's dgrad: the forward's filter, read in place)."""
     key = call_key((x_nhwc, w, bias, scale, residual), stride, padding, dilation,

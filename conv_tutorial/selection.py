@@ -155,7 +155,7 @@ def epilogue_tag(scale=None, residual=None, activation="none"):
     counts as plain: one add per column, nothing measurable), else e.g. "scale+residual+relu".
     Choices are tuned per tag: with a residual the epilogue loads a tile as large as the output
     and holds it in registers, and the fastest config can change (ResNet-50's 28x28 128->512 1x1
-    + residual: 0.147 ms with the plain conv's choice; RESULTS.md)."""
+    + residual: 0.147 ms with the plain conv's choice; results/notebook.md)."""
     parts = (["scale"] if scale is not None else []) + (["residual"] if residual is not None else []) \
         + ([activation] if activation != "none" else [])
     return "+".join(parts)

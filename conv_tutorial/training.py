@@ -9,7 +9,7 @@ In training, BatchNorm normalizes a conv's output with the batch's own mean and 
 reduction over N, H and W per channel, which torch.compile computes in a kernel of its own that
 reads the whole output once more before the pass that normalizes it. Here lesson 05's epilogue
 adds each output channel's sum and sum of squares into fp32 sums as it stores the tile (every
-program into one [2, Co] tensor: lesson 06, section 10, "Training: BatchNorm's statistics from the
+program into one [2, Co] tensor: lesson 08, "Training: BatchNorm's statistics from the
 forward's epilogue"), and the module below computes mean = sum / count and var = sum_sq / count -
 mean^2 from them: that read of the output is gone.
 The normalization, its gradient and the running statistics stay torch's (Inductor fuses them).
@@ -23,7 +23,7 @@ model's modules, and nothing else in the package uses it.
   [2, Co] (fp64 for fp64 operands): each output channel's sum (row 0) and sum of squares (row 1)
   over N, H, W of the output as stored, summed in fp32. Its backward adds what the
   statistics contribute (d sum / d out = 1, d sum_sq / d out = 2 out) to the output's gradient,
-  then takes the conv's gradients (backward.conv_gradients: torch's or lesson 06's). Where the
+  then takes the conv's gradients (backward.conv_gradients: torch's or lessons 06 and 07's). Where the
   kernel does not run the conv (ops.unsupported_reason, depthwise, CPU tensors), torch computes
   both, with the forward operator's warning. The kernel adds the statistics with atomics: their
   last bits vary from run to run (tiles arrive in any order).
@@ -34,7 +34,7 @@ model's modules, and nothing else in the package uses it.
   only user is a BatchNorm2d over its channels, and which the kernel runs (`stats_kernel_runs`), by
   a ConvBatchNorm2d.
 
-ReLU's backward in dgrad's epilogue (lesson 06, section 12), measured and not a default (RESULTS.md,
+ReLU's backward in dgrad's epilogue (lesson 08), measured and not a default (RESULTS.md,
 "Training fusions: BatchNorm's apply and ReLU ..."): a ResNet-50 step ran no faster with it, since
 the dgrad epilogue's read of the ReLU's output cost about as much GPU time as Inductor's fused
 BatchNorm-and-ReLU backward saved.
@@ -164,7 +164,7 @@ def _conv2d_after_relu(input: torch.Tensor, relu_input: torch.Tensor, weight: to
                        groups: int) -> torch.Tensor:
     """conv2d(input, weight, bias) (the forward operator's), where input is relu(relu_input): the
     forward does not read relu_input; the backward gives it the input's gradient through the ReLU
-    (backward.conv2d_input_grad_relu: on lesson 06's kernels, in dgrad's epilogue), and input none."""
+    (backward.conv2d_input_grad_relu: on lesson 06's dgrad kernel, in dgrad's epilogue), and input none."""
     return ops.conv2d_op(input, weight, bias, stride, padding, dilation, groups)
 
 
@@ -324,7 +324,7 @@ def _is_inplace(node, modules):
 
 
 def _gated_in_epilogue(conv):
-    # lesson 06's test of where dgrad's epilogue gates dX, on the module's hyper-parameters ("same"/"valid" resolved)
+    # lesson 08's test of where dgrad's epilogue gates dX, on the module's hyper-parameters ("same"/"valid" resolved)
     pads = ops.resolve_padding(conv.padding, conv.weight.shape, tuple(conv.stride), tuple(conv.dilation))
     return pads is not None and dgrad_kernels.epilogue_gates(conv.stride, pads, conv.dilation, conv.weight.shape[2:])
 
@@ -332,9 +332,9 @@ def _gated_in_epilogue(conv):
 def fuse_relu_into_dgrad(model: torch.nn.Module, inplace: bool = False) -> torch.fx.GraphModule:
     """A torch.fx pass: where a ReLU's output has one user, a conv that takes it as its input (an
     nn.Conv2d with zero padding, a TutorialConv2d or a ConvBatchNorm2d) and whose dX dgrad's
-    epilogue can gate (lesson 06, section 12: stride 1, no crop), the conv is called with the
+    epilogue can gate (lesson 08: stride 1, no crop), the conv is called with the
     ReLU's input too, and its backward applies ReLU's backward to dX itself (dgrad's epilogue, on
-    lesson 06's kernels: backward.conv2d_input_grad_relu); the ReLU's own backward never runs. The
+    lesson 06's dgrad kernel: backward.conv2d_input_grad_relu); the ReLU's own backward never runs. The
     ReLU becomes out of place (torch.relu), so an in-place ReLU is taken only where its input has no
     other user. `fused_relus` on the result counts them. `model`: a GraphModule (as
     fuse_conv_batchnorm_for_training returns) or any traceable model; a copy unless inplace=True

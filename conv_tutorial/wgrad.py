@@ -1,20 +1,20 @@
-"""dW through a per-shape plan: lesson 06's wgrad kernel behind the forward's cheap host path.
+"""dW through a per-shape plan: lesson 07's wgrad kernel behind the forward's cheap host path.
 
-Why: lesson 06's plain launcher, `conv2d_wgrad_launch`, does on every call what depends only on
+Why: lesson 07's plain launcher, `conv2d_wgrad_launch`, does on every call what depends only on
 the shape: it validates, chooses the split, builds two TMA descriptors (Triton validates each,
 tens of microseconds of Python) and launches the kernel and the split-K sum through Triton's generic
 launcher (binding and re-specializing their arguments each time): whole calls ran far slower than
 the kernels (RESULTS.md, "The operator's gradients"). The forward solved
 the same problem with plans (launch.py); this module does the same for wgrad:
 
-- `WgradPlan`, one per (geometry, dtype, device): the first call runs lesson 06's own
+- `WgradPlan`, one per (geometry, dtype, device): the first call runs lesson 07's own
   `prepare_wgrad` (config, split-K, grid, shared layouts, validated descriptors) and launches both
   kernels through Triton's launcher (compiling them); the plan keeps that launch without its
   tensors (launch.py's `_tensorless`) and a `DirectLaunch` of each compiled kernel.
-- A conv with few channels (ResNet-50's stem) runs as lesson 06's launcher runs it
+- A conv with few channels (ResNet-50's stem) runs as lesson 07's launcher runs it
   (`wgrad_problem`): the stride folded into the channels, the column taps too, x folded on each
   call, dW unfolded.
-- Later calls pad x's channels and dY's Co to 16-byte rows where the shape needs it (lesson 06's
+- Later calls pad x's channels and dY's Co to 16-byte rows where the shape needs it (lesson 07's
   `wgrad_operands`), allocate dW and, where some tiles are split, the fp32 workspace, and launch
   the kernel and (where some tiles are split) the sum directly: the
   descriptors are the templates re-based on this call's tensors (DirectLaunch encodes a tensor
@@ -24,10 +24,10 @@ the same problem with plans (launch.py); this module does the same for wgrad:
   another replays, never share one; a kept workspace would need a stream and graph discipline of
   its own, and would hold up to 16 MB per layer (ResNet-50's 14x14 256->256 3x3) between calls.
 - `conv2d_weight_grad` finds a call's plan by what it shows at a glance (shapes, dtypes, devices,
-  hyper-parameters), as runtime.conv2d does: a hit skips lesson 06's `check_backward_call`, which
+  hyper-parameters), as runtime.conv2d does: a hit skips `check_backward_call`, which
   the first call of that key passed; contiguity is checked on every call.
 
-What a call costs with and without the plan: RESULTS.md, "The operator's gradients";
+What a call costs with and without the plan: RESULTS.md, "Host time";
 tests/operator/test_wgrad_plan.py checks it on a GPU bit for bit against the plain launcher and on
 a CPU with stand-ins for the compiled kernels. Calls launch on the current device's current
 stream, as Triton's launcher does (autograd runs a backward with its tensors' device current).
@@ -38,7 +38,7 @@ from .geometry import call_key, device_facts
 from .launch import DirectLaunch, _check_tma_aligned, _descriptors, _new_like, _tensorless
 from .kernels import gradients, wgrad as wgrad_kernels
 
-DESCRIPTORS = ("dy_desc", "x_desc")     # lesson 06's WgradLaunch fields, in conv2d_wgrad_kernel's order
+DESCRIPTORS = ("dy_desc", "x_desc")     # lesson 07's WgradLaunch fields, in conv2d_wgrad_kernel's order
 
 
 class WgradPlan:
@@ -46,13 +46,13 @@ class WgradPlan:
 
     def __init__(self, geometry, dtype, arch, num_sms):
         self.geometry, self.dtype, self.arch, self.num_sms = geometry, dtype, arch, num_sms
-        # few channels (the stem): the conv lesson 06's launcher runs for it, folded (lesson 06's wgrad_problem)
+        # few channels (the stem): the conv lesson 07's launcher runs for it, folded (lesson 07's wgrad_problem)
         self.problem = wgrad_kernels.wgrad_problem(geometry, dtype.itemsize)
         self.run_geometry = self.problem.geometry
         self.template = None      # the first call's WgradLaunch without its tensors: descriptors, grid, shape, split
         self.kernel = None        # DirectLaunch of conv2d_wgrad_kernel
         self.sum = None           # DirectLaunch of wgrad_split_k_sum_kernel (split-K's ordered sum); None if
-                                  # no tile is split (lesson 06, section 5)
+                                  # no tile is split (lesson 07's split-K)
         self.sum_grid = self.sum_scalars = None    # the sum's grid and its integer arguments: fixed by the plan
 
     def run(self, x_nhwc, dy_nhwc):
@@ -109,9 +109,9 @@ def plan_for(geometry, dtype, device):
 
 def conv2d_weight_grad(x_nhwc, dy_nhwc, w_shape, stride=1, padding=0, dilation=1, groups=1):
     """dW [Co, R, S, Ci] (w_shape) of a conv of x [N, H, W, Ci] from dY [N, out_h, out_w, Co] (fp16
-    or bf16, contiguous NHWC, on a Hopper or Blackwell GPU), in x's dtype: lesson 06's
+    or bf16, contiguous NHWC, on a Hopper or Blackwell GPU), in x's dtype: lesson 07's
     `conv2d_wgrad_launch` with its default config, the same arguments, errors and result, through a
-    plan per shape. groups > 1 where lesson 06's backward_groups_reason allows it."""
+    plan per shape. groups > 1 where the package's backward_groups_reason allows it."""
     key = call_key((x_nhwc, dy_nhwc), w_shape, stride, padding, dilation, type(groups), groups)
     plan = _FAST_PLANS.get(key) if key is not None else None
     if plan is None or not (x_nhwc.is_contiguous() and dy_nhwc.is_contiguous()):

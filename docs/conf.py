@@ -1,5 +1,12 @@
-"""Sphinx configuration of the series' site: sphinx-gallery runs the six lessons (as they run
-on a machine without a GPU) and turns each into a page; RESULTS.md becomes a page through MyST."""
+"""Sphinx configuration of the series' site: sphinx-gallery runs every lesson ([0-9][0-9]-*.py, as
+they run on a machine without a GPU) and turns each into a page; RESULTS.md becomes a page through
+MyST. The index's list of lessons is written here from the lesson files, so the site follows
+whatever lessons exist.
+
+Headings in a lesson: its docstring's title is underlined with "=" (the page's one top-level
+heading); every section of a cell with "-", a sub-section with "~". A cell heading underlined with
+"=" would be a second top-level heading: a sibling of the lessons in the sidebar
+(tools/check_site.py fails such a page)."""
 import os
 import re
 import sys
@@ -75,5 +82,12 @@ def _results_pages():
     (DOCS / "notebook.md").write_text(notebook)
 
 
+def _lesson_list():
+    """The index's list of lessons: a link to each lesson file's page, titled by its docstring."""
+    lines = [f"- :doc:`lessons/{path.stem}`" for path in sorted(ROOT.glob("[0-9][0-9]-*.py"))]
+    (DOCS / "_generated" / "lesson_list.rst").write_text("\n".join(lines) + "\n")
+
+
 _recorded_ladder()
+_lesson_list()
 _results_pages()

@@ -339,6 +339,14 @@ def import_cycles(graph):
     return cycles
 
 
+def lessons_loading_later_lessons(graph):
+    """A lesson builds on earlier lessons only: it may load lesson NN only when NN is below its own
+    number (a reader meets a kernel before a lesson reuses it):"""
+    return [edge for name, edges in graph.items() if LESSON_STEM.fullmatch(name)
+            for edge in edges if edge.how == "load_lesson" and LESSON_STEM.fullmatch(edge.target)
+            and edge.target[:2] >= name[:2]]
+
+
 def explain(rule, edges):
     return "\n".join([textwrap.dedent(rule.__doc__).strip()] + [f"  {edge}" for edge in edges])
 
@@ -352,7 +360,8 @@ def graph():
 
 @pytest.mark.parametrize("rule", [lessons_and_kit_reaching_outside_the_series, package_reaching_outside_itself,
                                   lessons_and_kit_using_the_torch_layer, core_and_kernels_importing_above_themselves,
-                                  tools_importing_benchmarks], ids=lambda rule: rule.__name__)
+                                  tools_importing_benchmarks, lessons_loading_later_lessons],
+                         ids=lambda rule: rule.__name__)
 def test_the_repository_keeps_the_rule(graph, rule):
     edges = rule(graph)
     assert not edges, explain(rule, edges)
@@ -400,6 +409,8 @@ PLANTED = {
         def later(where):
             import conv_tutorial.ops
             runpy.run_path(where)
+        def ahead():
+            return common.load_lesson("03-third"), common.load_lesson("02-second")
         """,
     "tests/lessons/x.py": "",
     "benchmarks/suite.py": "",
@@ -454,6 +465,11 @@ def test_the_graph_sees_every_kind_of_edge(planted):
                                             ("tools/tool.py", "import", "common"),
                                             ("tools/tool.py", "import", "benchmarks.suite")}
     assert found(planted["common"]) == {("common.py", "path load", "*")}     # a lesson at the root
+
+
+def test_a_lesson_loading_itself_or_a_later_lesson_is_reported(planted):
+    assert found(lessons_loading_later_lessons(planted)) == {
+        ("02-second.py", "load_lesson", "03-third"), ("02-second.py", "load_lesson", "02-second")}
 
 
 def test_a_lesson_loading_a_test_file_is_reported(planted):
@@ -545,3 +561,36 @@ def test_core_and_kernels_import_without_the_torch_layer(site):
     loaded = result.stdout.split()
     above = [name for name in loaded if name != PACKAGE and not in_any(name, SIDE_EFFECT_FREE)]
     assert not above, f"importing conv_tutorial.core and conv_tutorial.kernels loaded {above}"
+
+
+# %% Each lesson is a chapter read in one sitting --------------------------------------------------
+
+LESSONS = sorted(ROOT.glob("[0-9][0-9]-*.py"))
+MAX_LESSON_LINES = 800      # ../docs: a chapter is read in one sitting, tests that teach included
+CLOSING = re.compile(r"^# What (this lesson|lesson \d\d) measured, what limits it(, what comes next)?", re.M)
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.stem)
+def test_a_lesson_is_at_most_800_lines(lesson):
+    lines = len(lesson.read_text().splitlines())
+    assert lines <= MAX_LESSON_LINES, f"{lesson.name}: {lines} lines, more than {MAX_LESSON_LINES}"
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.stem)
+def test_a_lesson_ends_with_what_it_measured_and_what_comes_next(lesson):
+    """Each lesson closes with a cell headed "What ... measured, what limits it, what comes next",
+    and every lesson but the last names the next one there: the series is one causal chain."""
+    text = lesson.read_text()
+    closing = list(CLOSING.finditer(text))
+    assert closing, f"{lesson.name}: no closing cell headed 'What ... measured, what limits it, what comes next'"
+    following = [path for path in LESSONS if path.name[:2] > lesson.name[:2]]
+    if following:
+        next_number = following[0].name[:2]
+        tail = text[closing[-1].start():]
+        assert re.search(rf"[Ll]esson {next_number}\b", tail), (
+            f"{lesson.name}: its closing cell does not name lesson {next_number}, the next one")
+
+
+def test_the_lessons_are_numbered_without_gaps():
+    numbers = [int(path.name[:2]) for path in LESSONS]
+    assert numbers == list(range(1, len(numbers) + 1)), [path.name for path in LESSONS]

@@ -23,10 +23,16 @@ elif [ -x "$_root/.venv/bin/python" ] && _satisfies "$_root/.venv/bin/python"; t
 elif _satisfies "$(command -v python3)"; then
   PY=$(command -v python3)
 else
-  echo "[setup] creating $_root/.venv and installing requirements.txt (first run only)..."
+  # Each step says what it installs and when it started; pip lists what it downloads (a progress bar
+  # on a terminal, one line per file in a CI log). Step 2 takes most of the time.
+  _t0=$SECONDS
+  _step() { echo "[setup] step $1/4 ($((SECONDS - _t0)) s): $2"; }
+  if [ -t 1 ]; then _pip_progress="--progress-bar on"; else _pip_progress="--progress-bar off"; fi
+  echo "[setup] creating $_root/.venv and installing requirements.txt (first run only)"
   python3 -m venv "$_root/.venv"
   rm -f "$_root/.venv/pip.conf"     # (written below, after the installs)
   PY=$_root/.venv/bin/python
+  _step 1 "a current pip"
   "$PY" -m pip install -q --upgrade pip
   # torch and the torchvision built for it, as one pair (a torchvision built for another torch does
   # not import). No NVIDIA driver: on x86_64 the pair 2.14.1/0.29.1, on Arm the CPU pair 2.9.1/0.24.1,
@@ -34,17 +40,24 @@ else
   if command -v nvidia-smi >/dev/null 2>&1; then _pair="torch torchvision"
   elif [ "$(uname -m)" = x86_64 ]; then _pair="torch==2.14.1 torchvision==0.29.1"
   else _pair="torch==2.9.1 torchvision==0.24.1"; fi
-  "$PY" -m pip install -q $_pair || "$PY" -m pip install -q torch torchvision --index-url https://download.pytorch.org/whl/cpu
+  _step 2 "$_pair (the largest step: torch and the libraries it brings)"
+  if ! "$PY" -m pip install $_pip_progress $_pair; then
+    echo "[setup] step 2/4: trying PyTorch's CPU index instead"
+    "$PY" -m pip install $_pip_progress torch torchvision --index-url https://download.pytorch.org/whl/cpu
+  fi
   # Then the Triton the series is written for, over the one torch pinned for its own compiler
   # (Inductor): no torch with a torchvision is built on Triton 3.9 yet, and torch.compile of the
   # series' models runs on 3.9 (RESULTS.md). pip would warn that the pins differ: expected, so kept quiet.
+  _step 3 "$(grep -E '^triton' "$_root/requirements.txt") over torch's own pin"
   if ! _out=$("$PY" -m pip install -q --no-deps "$(grep -E '^triton' "$_root/requirements.txt")" 2>&1); then
     echo "$_out" >&2; exit 1
   fi
   # The rest, keeping the torch just installed (an unpinned torchvision would pull a newer one).
   _torch=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
-  "$PY" -m pip install -q -r <(grep -vE '^(triton|torch)' "$_root/requirements.txt") -c <(echo "torch==$_torch")
+  _step 4 "the rest of requirements.txt (pytest, matplotlib, numpy), keeping torch $_torch"
+  "$PY" -m pip install -q $_pip_progress -r <(grep -vE '^(triton|torch)' "$_root/requirements.txt") -c <(echo "torch==$_torch")
   _satisfies "$PY" || { echo "[setup] $_root/.venv does not satisfy requirements.txt after installing it" >&2; exit 1; }
+  echo "[setup] $_root/.venv ready in $((SECONDS - _t0)) s ($(du -sh "$_root/.venv" 2>/dev/null | cut -f1))"
 fi
 # Where ./.venv's torch pins an older Triton than the 3.9 installed over it (`pip check` says so), pip,
 # resolving anyone's dependencies there (`pip install -e .` too), would replace that torch with another

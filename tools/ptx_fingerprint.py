@@ -1,5 +1,6 @@
 """The PTX fingerprint of every candidate config of the operator's forward kernel
-(conv_tutorial/kernels/fprop.py; with --lesson05, lesson 05's own kernel), compiled ahead of time for
+(conv_tutorial/kernels/fprop.py; with --lesson05, lesson 05's own kernel at the candidates it runs:
+those without a tail, row-block stores or split-K, which only the operator's copy has), compiled ahead of time for
 sm_90 and sm_100 on a machine without a GPU: each PTX opcode's count, shared memory, registers,
 stack frame and tensor-memory columns, and a hash of the PTX text itself (without its debug
 information: line numbers and file paths), for the plain and the fused epilogue, plus a build with
@@ -28,11 +29,13 @@ def _child(arch, kernel):
     import common
     from conv_tutorial.configs import CANDIDATES
     from conv_tutorial.kernels import aot
-    build_of = common.load_lesson("05-warp-specialized-conv").aot_conv2d_fprop if kernel == "lesson05" else aot.fprop_build
+    lesson05 = common.load_lesson("05-warp-specialized-conv") if kernel == "lesson05" else None
+    build_of = lesson05.aot_conv2d_fprop if lesson05 else aot.fprop_build
     results = {}
     builds = [(f"{tuple(config)} {name}", dict(Ci=128 if config.split_k == 1 else 256, Co=256, config=config,
                                                  epilogue=epilogue))
-              for config in CANDIDATES[arch] for name, epilogue in EPILOGUES.items()]
+              for config in CANDIDATES[arch] if lesson05 is None or lesson05.part_one_config(config)
+              for name, epilogue in EPILOGUES.items()]
     builds.append(("one k-step", dict(Ci=64, Co=128, R=1, S=1, padding=0)))
     for label, build in builds:
         compiled = aot.compile_for_target(*build_of(arch, **build), arch)

@@ -1,4 +1,4 @@
-"""Run NVIDIA compute-sanitizer's four tools over lessons 04, 05 and 06 on small shapes.
+"""Run NVIDIA compute-sanitizer's four tools over lessons 04 to 08 on small shapes.
 
     python tools/sanitize.py                 # every tool x every case, one summary line each
     python tools/sanitize.py --tools racecheck --only "05 128x128x64 4 stages 4 warps"   # a subset
@@ -10,10 +10,10 @@ lesson 05 (one consumer, ping-pong, tail tiles, 2 programs per SM), with and wit
 lesson 05 case runs on only two programs, so that every program walks several tiles: the ring
 wraps, the barrier phases flip, ping-pong turns alternate and TMA stores overlap the next tile,
 which is where a race would live. Split-K cases run on 64 programs (every tile split), and one
-on 3 (whole tiles, then the last wave's tiles in slices). Lesson 06's cases run its gradients
-(dgrad: lesson 05's kernel on dY, with the weight-flip and zero-fill kernels; wgrad: its own
-kernel on a few programs, with split tiles and the ordered sum of their slices) and the training
-fusions in lesson 05's kernel (the epilogue's channel sums, BatchNorm and ReLU on the input load).
+on 3 (whole tiles, then the last wave's tiles in slices). The backward lessons' cases run the
+gradients (lesson 06's dgrad: the forward kernel on dY, one launch per phase, with the zero-fill
+kernel; lesson 07's wgrad: its own kernel on a few programs, with split tiles and the ordered sum
+of their slices) and lesson 08's channel sums in the forward kernel's epilogue.
 Inputs are made and checked on the CPU (torch's reference conv and gradients), so the GPU runs
 only the kernels under test and a few copies.
 
@@ -110,18 +110,18 @@ def ws_probe_kernel(out_ptr):
 
 
 CASE_NAMES_04 = ["04 single-buffer", "04 single-buffer, Ci=3, stride 2"]
-# Lesson 06: name -> (what runs, (N, H, W, Ci, Co, R, S, stride, padding, dilation), wgrad's forced
+# Lessons 06-08: name -> (what runs, (N, H, W, Ci, Co, R, S, stride, padding, dilation), wgrad's forced
 # (block_m, block_n, block_k, split_k, programs), or None for the launcher's choice)
-CASES_06 = {
-    "06 wgrad 3x3, 4 programs: 8 tiles whole, 1 in 2 slices":
+CASES_BACKWARD = {
+    "07 wgrad 3x3, 4 programs: 8 tiles whole, 1 in 2 slices":
         ("wgrad", (2, 16, 16, 64, 128, 3, 3, 1, 1, 1), (128, 64, 128, 2, 4)),
-    "06 wgrad 1x1, x tiled, 64-row tiles, 3 programs: 2 tiles in 2 slices":
+    "07 wgrad 1x1, x tiled, 64-row tiles, 3 programs: 2 tiles in 2 slices":
         ("wgrad", (2, 16, 16, 128, 128, 1, 1, 1, 0, 1), (64, 128, 128, 2, 3)),
-    "06 wgrad of a stem, folded (Ci=3, 7x7 stride 2)": ("wgrad", (2, 20, 18, 3, 64, 7, 7, 2, 3, 1), None),
+    "07 wgrad of a stem, folded (Ci=3, 7x7 stride 2)": ("wgrad", (2, 20, 18, 3, 64, 7, 7, 2, 3, 1), None),
     "06 dgrad 3x3 stride 1": ("dgrad", (2, 16, 16, 64, 64, 3, 3, 1, 1, 1), None),
     "06 dgrad 3x3 stride 2, odd sizes, Co=48": ("dgrad", (2, 15, 17, 32, 48, 3, 3, 2, 1, 1), None),
     "06 dgrad 1x1 stride 2 (phases no tap reaches)": ("dgrad", (2, 14, 14, 64, 256, 1, 1, 2, 0, 1), None),
-    "06 conv with BatchNorm's channel sums": ("channel sums", (2, 16, 16, 64, 128, 3, 3, 1, 1, 1), None),
+    "08 conv with BatchNorm's channel sums": ("channel sums", (2, 16, 16, 64, 128, 3, 3, 1, 1, 1), None),
 }
 PROBE = "Triton warp_specialize probe (no shared memory of its own)"
 
@@ -132,7 +132,7 @@ def _lesson(stem):
 
 
 def all_case_names():
-    return CASE_NAMES_04 + [name for name, *_ in lesson05_cases()] + list(CASES_06) + [PROBE]
+    return CASE_NAMES_04 + [name for name, *_ in lesson05_cases()] + list(CASES_BACKWARD) + [PROBE]
 
 
 # %% One case, run in a child process (under a sanitizer, or plain to compile and warm the cache)
@@ -141,8 +141,8 @@ def run_case(name):
     import torch
     if name == PROBE:
         return run_probe()
-    if name in CASES_06:
-        return run_case_06(name)
+    if name in CASES_BACKWARD:
+        return run_case_backward(name)
     if name.startswith("04"):
         lesson04 = _lesson("04-implicit-gemm-single-buffer")
         shape = dict(SHAPE, Co=128) if name == CASE_NAMES_04[0] else \
@@ -186,23 +186,25 @@ def print_output_buffer(out):
     print(f"output buffer at {out.untyped_storage().data_ptr():#x}, {out.untyped_storage().nbytes()} bytes")
 
 
-def run_case_06(name):
-    """One of lesson 06's cases, checked against torch on the CPU (the lesson's tolerances)."""
+def run_case_backward(name):
+    """One of the backward lessons' cases (06 dgrad, 07 wgrad, 08 the channel sums), checked against torch on
+    the CPU (the lessons' tolerances)."""
     import torch
-    lesson06 = _lesson("06-conv-backward")
-    kind, (N, H, W, Ci, Co, R, S, stride, padding, dilation), forced = CASES_06[name]
+    lesson06 = _lesson("06-conv-dgrad")
+    kind, (N, H, W, Ci, Co, R, S, stride, padding, dilation), forced = CASES_BACKWARD[name]
     x, w, dy, g = lesson06.backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, device_name="cpu")
     if kind == "dgrad":
         out = lesson06.conv2d_dgrad_launch(dy.cuda(), w.cuda(), x.shape, stride, padding, dilation)
         expected, K = lesson06.reference_gradients(x, w, dy, g)[0], g.Co_group * R * S
     elif kind == "wgrad":
-        config = forced and lesson06.WgradConfig(*forced[:3], split_k=forced[3], programs=forced[4])
-        out = lesson06.conv2d_wgrad_launch(x.cuda(), dy.cuda(), w.shape, stride, padding, dilation, config=config)
+        lesson07 = _lesson("07-conv-wgrad")
+        config = forced and lesson07.WgradConfig(*forced[:3], split_k=forced[3], programs=forced[4])
+        out = lesson07.conv2d_wgrad_launch(x.cuda(), dy.cuda(), w.shape, stride, padding, dilation, config=config)
         expected, K = lesson06.reference_gradients(x, w, dy, g)[1], g.M
     else:       # the channel sums
-        out, sums = lesson06.conv2d_with_channel_stats(x.cuda(), w.cuda(), stride, padding, dilation)
+        out, sums = _lesson("08-training-fusions").conv2d_with_channel_stats(x.cuda(), w.cuda(), stride, padding, dilation)
         stored = out.cpu().reshape(-1, Co).double()
-        # the sums of the values stored, up to fp32's rounding in the adds (lesson 06, check_channel_sums)
+        # the sums of the values stored, up to fp32's rounding in the adds (lesson 08, check_channel_sums)
         for got, want, scale in zip(sums.cpu().double(), (stored.sum(0), (stored * stored).sum(0)),
                                     (stored.abs().sum(0), (stored * stored).sum(0))):
             assert ((got - want).abs() <= 1e-5 * scale + 1e-4).all(), (got, want)
@@ -291,7 +293,7 @@ def kernel_def_lines():
     import inspect
     from conv_tutorial.kernels import fprop
     kernels = [fprop.conv2d_fprop_kernel,      # (the operator's plans run the package's forward kernel)
-               _lesson("06-conv-backward").conv2d_wgrad_kernel,
+               _lesson("07-conv-wgrad").conv2d_wgrad_kernel,
                _lesson("04-implicit-gemm-single-buffer").conv2d_tma_im2col_kernel, ws_probe_kernel]
     lines = {}
     for kernel in kernels:

@@ -3,7 +3,7 @@ channel), the checks of its operands, the output dtype of e4m3 operands, and tor
 import torch
 
 ACTIVATIONS = ("none", "relu", "silu")     # what the fused epilogue applies last: nothing, ReLU, SiLU
-# lesson 06's dgrad: ReLU's backward, the tile kept where the residual operand (the ReLU's output, which is the
+# lesson 08's gate in dgrad: ReLU's backward, the tile kept where the residual operand (the ReLU's output, which is the
 # conv's input) is positive, else 0; the residual is not added
 RELU_GRAD = "relu_grad"
 
@@ -64,7 +64,7 @@ def reference_epilogue(conv_out, bias=None, scale=None, residual=None, activatio
     out = conv_out if scale is None else conv_out * scale.to(conv_out.dtype).view(shape)
     if bias is not None:
         out = out + bias.to(conv_out.dtype).view(shape)
-    if activation == RELU_GRAD:     # (lesson 06: the residual gates, it is not added)
+    if activation == RELU_GRAD:     # (lesson 08: the residual gates, it is not added)
         return torch.where(residual > 0, out, torch.zeros((), dtype=out.dtype, device=out.device))
     if residual is not None:
         out = out + residual.to(conv_out.dtype)

@@ -53,7 +53,7 @@ def wgrad_build(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, paddin
                 default_config=False):
     """(kernel, args, kwargs) of the wgrad kernel's launch on zeroed CPU tensors of this conv, for
     `compile_for_target`: wgrad_config's tile in `split_k` slices, or (default_config) the launcher's
-    choice for an H100's 132 SMs. The build lesson 06's `aot_conv2d_wgrad` makes of its own kernel."""
+    choice for an H100's 132 SMs. The build lesson 07's `aot_conv2d_wgrad` makes of its own kernel."""
     from . import wgrad
     x = torch.zeros(N, H, W, Ci, dtype=torch.bfloat16)
     geometry = conv_geometry(x.shape, (Co, R, S, Ci), stride, padding)

@@ -1,4 +1,4 @@
-"""wgrad, dW of a conv, as its own warp-specialized kernel (lesson 06 teaches it): dW = dY^T @ im2col(x),
+"""wgrad, dW of a conv, as its own warp-specialized kernel (lesson 07 teaches it): dW = dY^T @ im2col(x),
 with dY and x read as transposed (MN-major) operands, K the pixels, and split-K over the pixels
 summed in a fixed order by a second kernel, so every run gives the same bits; its configs, the
 tuned tile and split rules, and the launcher's preparation (`prepare_wgrad`)."""

@@ -226,7 +226,7 @@ def add_channel_sums(stats_ptr, staged, m0, co0, M, Co):
     """Add the per-channel sum and sum of squares of a tile of the output, staged in shared memory
     (`staged`: rows are output pixels m0, m0+1, ... of which those < M count; columns channels co0,
     co0+1, ... of which those < Co count), into rows 0 and 1 of `channel_stats`, fp32 [2, Co],
-    zeroed, that every program adds into (lesson 06, section 10): atomically (tiles arrive in any
+    zeroed, that every program adds into (lesson 08): atomically (tiles arrive in any
     order, so the last bits vary run to run). Read back in `staged_tile_layout` with the columns
     split among the warps, each thread sums its rows, then a warp's lanes, seldom warps."""
     ROWS: gl.constexpr = staged.shape[0]

@@ -1,6 +1,6 @@
-"""benchmarks/backward_layers.py's --operator figures on a CPU, with stand-ins for what needs a GPU: the
-operator's gradients are checked against torch before anything is timed, and every path's TFLOPS and
-host time land in the row under the names the summary reads."""
+"""benchmarks/backward_layers.py on a CPU, with stand-ins for what needs a GPU: every path is checked
+against torch before anything is timed (the zero-insertion dgrad's spread-out dY included), and its
+TFLOPS and host time land in the row under the names the summary reads."""
 import sys
 from pathlib import Path
 
@@ -11,44 +11,71 @@ import torch
 
 import conv_tutorial
 from conv_tutorial import backward, wgrad
-from conv_tutorial.core.windows import FlippedFilter
 from conv_tutorial.kernels import dgrad as dgrad_kernels
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import backward_layers  # noqa: E402
 import host_time  # noqa: E402
 
+lesson06, lesson07 = common.load_lesson("06-conv-dgrad"), common.load_lesson("07-conv-wgrad")
 
-def test_operator_figures_check_then_time_every_path(monkeypatch):
-    lesson06 = common.load_lesson("06-conv-backward")     # its CPU models stand in for the kernels
-    timed = []
+
+def dgrad_stand_in(dy, w, x_shape, stride=1, padding=0, dilation=1, groups=1):      # torch in a launcher's place
+    dx = torch.nn.grad.conv2d_input((x_shape[0], x_shape[3], *x_shape[1:3]), w.permute(0, 3, 1, 2).float(),
+                                    dy.permute(0, 3, 1, 2).float(), stride, padding, dilation, groups)
+    return dx.permute(0, 2, 3, 1).to(dy.dtype).contiguous()
+
+
+def wgrad_stand_in(x, dy, w_shape, stride=1, padding=0, dilation=1, groups=1, config=None):
+    dw = torch.nn.grad.conv2d_weight(x.permute(0, 3, 1, 2).float(), (w_shape[0], w_shape[3], *w_shape[1:3]),
+                                     dy.permute(0, 3, 1, 2).float(), stride, padding, dilation, groups)
+    return dw.permute(0, 2, 3, 1).to(x.dtype).contiguous()
+
+
+@pytest.fixture
+def timed(monkeypatch):
+    names = []
 
     def fake_bench(fn, flops, cuda_graph=False):
-        timed.append("bench")
+        names.append("bench")
         return {"ms": 1.0, "tflops": flops / 1e9, "tflops_p20": 0.0, "tflops_p80": 0.0}
-
-    def wgrad_stand_in(x, dy, w_shape, stride, padding, dilation=1, groups=1):   # torch in the plan's place (no GPU)
-        dw = torch.nn.grad.conv2d_weight(x.permute(0, 3, 1, 2).float(), (w_shape[0], w_shape[3], *w_shape[1:3]),
-                                         dy.permute(0, 3, 1, 2).float(), stride, padding, dilation, groups)
-        return dw.permute(0, 2, 3, 1).to(x.dtype).contiguous()
-
     monkeypatch.setattr(common, "bench_tflops", fake_bench)
     monkeypatch.setattr(host_time, "median_host_us", lambda call, calls: 7.0)
+    return names
+
+
+def test_bench_backward_checks_then_times_every_path(timed, monkeypatch):
+    monkeypatch.setattr(lesson06, "conv2d_dgrad_launch", dgrad_stand_in)
+    monkeypatch.setattr(lesson07, "conv2d_wgrad_launch", wgrad_stand_in)
+    monkeypatch.setattr(common, "tma_mma_arch_and_sms", lambda who: ("sm_90", 132))
+    row = backward_layers.bench_backward(lesson06, lesson07, "tiny", 2, 9, 10, 8, 16, 3, 3, 2, 1,
+                                         zero_insertion=True)
+    assert {"dgrad", "dgrad cuDNN", "wgrad", "wgrad cuDNN", "dgrad zero-insertion"} <= row.keys()
+    assert timed == ["bench"] * 5 and row["wgrad_split_k"] >= 1
+
+
+def test_zero_insertion_is_dgrad(monkeypatch):
+    """dY spread out with zeros, through a stride-1 dgrad, gives the strided conv's dX (stride 2 and 3)."""
+    monkeypatch.setattr(lesson06, "conv2d_dgrad_launch", dgrad_stand_in)
+    for stride, padding in ((2, 1), ((3, 2), (0, 2))):
+        x, w, dy, g = lesson06.backward_inputs(2, 11, 10, 4, 6, 3, 3, stride, padding, 1, torch.float32,
+                                               device_name="cpu")
+        dx = backward_layers.zero_insertion_dgrad(lesson06, dy, w, x.shape, g)
+        torch.testing.assert_close(dx, lesson06.reference_gradients(x, w, dy, g)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_operator_figures_check_then_time_every_path(timed, monkeypatch):
     monkeypatch.setattr(wgrad, "conv2d_weight_grad", wgrad_stand_in)
     monkeypatch.setattr(backward, "lesson06_reason", lambda *args: None)
-    def fprop_stand_in(dy, w_phase, padding, dilation, groups=1, out_window=None):     # torch's conv per phase
-        if isinstance(w_phase, FlippedFilter):       # (the weights read in place, on a GPU)
-            w_phase = lesson06.gathered_weights(w_phase)
-        out = torch.nn.functional.conv2d(dy.permute(0, 3, 1, 2), w_phase.permute(0, 3, 1, 2), None, 1, padding,
-                                         dilation, groups).permute(0, 2, 3, 1)
-        return out if out_window is None else out_window.write(out)
 
-    monkeypatch.setattr(backward, "_fprop", fprop_stand_in)
-    # (the one launch for all phases: lesson 06's CPU model in the kernel's place)
-    monkeypatch.setattr(dgrad_kernels, "side_by_side_launch", lesson06.reference_side_by_side)
+    def dgrad_phases_stand_in(dy, w, geometry, fprop, **options):     # the operator's dgrad: torch's, on a CPU
+        g = geometry
+        return dgrad_stand_in(dy, w, (g.N, g.H, g.W, g.Ci), g.stride, g.padding, g.dilation, g.groups)
+    monkeypatch.setattr(dgrad_kernels, "dgrad", dgrad_phases_stand_in)
     before = backward.backward_backend()
     try:
-        row = backward_layers.operator_figures(lesson06, ("tiny", 2, 9, 9, 8, 16, 3, 3, 2, 1), cuda_graph=False)
+        row = backward_layers.operator_figures(lesson06, lesson07, ("tiny", 2, 9, 9, 8, 16, 3, 3, 2, 1),
+                                               cuda_graph=False)
     finally:
         conv_tutorial.set_backward(before)
     assert {"dgrad operator", "wgrad operator", "wgrad plan"} <= row.keys() and timed == ["bench"] * 3

@@ -48,11 +48,13 @@ def test_by_label_names_what_it_cannot_find():
         layers.by_label(["RN50 stem 224 3->64 7x7 s2", "RN50 1x1x1"], layers.resnet50_layers())
 
 
-def test_backward_quick_holds_lesson_06s_bench_layers():
-    lesson06 = common.load_lesson("06-conv-backward")
-    if not hasattr(lesson06, "BENCH_LAYERS"):
-        pytest.skip("lesson 06 no longer has BENCH_LAYERS (its timing takes layers.BACKWARD_QUICK)")
-    assert layers.BACKWARD_QUICK == lesson06.BENCH_LAYERS
+def test_backward_quick_is_three_of_resnet50s_layers():
+    # backward_layers.py --quick: a stride-1 3x3, a stride-2 3x3 and a 1x1 layer of ResNet-50 at batch 128, as the
+    # full run (every distinct conv of ResNet-50) names them; no lesson keeps a copy of the list
+    assert [layer.label for layer in layers.BACKWARD_QUICK] == [
+        "RN50 14x14 256->256 3x3", "RN50 56x56 128->128 3x3 s2", "RN50 56x56 64->256 1x1"]
+    assert layers.BACKWARD_QUICK == layers.by_label([layer.label for layer in layers.BACKWARD_QUICK],
+                                                    layers.resnet50_layers())
 
 
 def test_scripts_take_the_suites_and_the_ladders_labels():

@@ -5,13 +5,14 @@ Ahead of time, on any machine, for sm_90 and sm_100: both builds must have the s
 for line (every instruction with its operands, in order; only what says where the source was is left
 out: the debug sections, `.loc` and `.file` lines, comments), hence the same count of every opcode;
 and the same shared memory, warps, tensor-memory columns and (where cuobjdump is at hand) registers
-and stack. On a Hopper or Blackwell GPU: the same bits for the same inputs. (Split-K's second kernel
-and wgrad's ordered sum are plain Triton kernels, compared by their bits on a GPU.)
+and stack. On a Hopper or Blackwell GPU: the same bits for the same inputs. (wgrad's ordered sum is a
+plain Triton kernel, compared by its bits on a GPU.)
 
-- lesson 05's `conv2d_fprop_kernel` against `conv_tutorial.kernels.fprop`'s: the production kernel
-  adds the backward's switches (an output window and a dgrad's phases, a filter read in place,
-  channel statistics, ReLU's backward), each a constexpr None or off here;
-- lesson 06's `conv2d_wgrad_kernel` against `conv_tutorial.kernels.wgrad`'s (the same kernel).
+- lesson 05's `conv2d_fprop_kernel` (Part I's kernel) against `conv_tutorial.kernels.fprop`'s: the
+  production kernel adds Part II's tails and split-K (sections 6 and 7, which the lesson tours there)
+  and the backward's switches (an output window and a dgrad's phases, a filter read in place, channel
+  statistics, ReLU's backward), each a constexpr None or off here;
+- lesson 07's `conv2d_wgrad_kernel` against `conv_tutorial.kernels.wgrad`'s (the same kernel).
 """
 import re
 from collections import Counter
@@ -20,31 +21,28 @@ import common
 import pytest
 import torch
 
-LESSON05, LESSON06 = "05-warp-specialized-conv", "06-conv-backward"
+LESSON05, LESSON07 = "05-warp-specialized-conv", "07-conv-wgrad"
 PACKAGE_AOT = "conv_tutorial.kernels.aot"
 
 fprop = pytest.importorskip("conv_tutorial.kernels.fprop")
 FIXED = list(fprop.FIXED_CONFIG)
 PLAIN, FUSED = [False, False, False, "none"], [True, True, True, "relu"]
 
-# (arch, what lesson 05 teaches with it, build parameters): its configs, the plain and the fused
-# epilogue, the tails (section 6), split-K (section 7) and e4m3 (section 9). (A grouped conv, section
-# 10, is the same build with other run-time integers.)
+# (arch, what lesson 05 teaches with it, build parameters): its configs (the headline's 256-row tile
+# among them), the plain and the fused epilogue, and e4m3 (section 9). (A grouped conv, section 10, is
+# the same build with other run-time integers; the tails and split-K of sections 6 and 7 are the
+# package's only, checked by tests/lessons/test_05_extensions.py.)
 FPROP_CASES = [
     ("sm_90", "fixed config, plain epilogue", dict()),
     ("sm_90", "fixed config, fused epilogue", dict(epilogue=FUSED)),
     ("sm_90", "ping-pong", dict(config=list(fprop.FIXED_CONFIG._replace(consumers=2)), epilogue=FUSED)),
     ("sm_90", "256-row tile, one 8-warp consumer",
-     dict(Ci=128, Co=256, config=list(fprop.KernelConfig(256, 128, 64, 4, 8)))),
-    ("sm_90", "row tail (128+64 rows)", dict(config=list(fprop.KernelConfig(128, 128, 64, 4, 4, block_m_tail=64)))),
-    ("sm_90", "column tail (128+32 columns)", dict(Co=160, config=list(fprop.KernelConfig(128, 128, 64, 4, 4,
-                                                                                          block_n_tail=32)))),
-    ("sm_90", "split-K", dict(Ci=256, config=list(fprop.FIXED_CONFIG._replace(split_k=2)), epilogue=FUSED)),
+     dict(Ci=128, Co=256, config=list(fprop.KernelConfig(256, 128, 64, 3, 8)))),
+    ("sm_90", "128 x 64 tile, 6 stages", dict(config=list(fprop.KernelConfig(128, 64, 64, 6, 4)), epilogue=FUSED)),
     ("sm_90", "e4m3 operands", dict(dtype="float8_e4m3fn")),
     ("sm_100", "fixed config, plain epilogue", dict()),
     ("sm_100", "fixed config, fused epilogue", dict(epilogue=FUSED)),
-    ("sm_100", "column tail (128+32 columns)", dict(Co=160, config=list(fprop.KernelConfig(128, 128, 64, 4, 4,
-                                                                                           block_n_tail=32)))),
+    ("sm_100", "128 x 64 tile, 6 stages", dict(config=list(fprop.KernelConfig(128, 64, 64, 6, 4)))),
 ]
 
 
@@ -117,7 +115,7 @@ def test_the_comparison_sees_one_instruction():
     assert differences(fingerprint(base), fingerprint(dict(base, shared=1025))) == ["shared: lesson 1024, package 1025"]
 
 
-# (arch, what lesson 06 teaches with it, build parameters): the wgrad kernel with x read by im2col and split-K,
+# (arch, what lesson 07 teaches with it, build parameters): the wgrad kernel with x read by im2col and split-K,
 # x read tiled (a 1x1 conv), the launcher's own configs, and a folded stem's few channels.
 WGRAD_CASES = [
     ("sm_90", "3x3, split-K in 2", dict()),
@@ -131,13 +129,13 @@ WGRAD_CASES = [
 
 
 @pytest.mark.parametrize("arch, what, params", WGRAD_CASES, ids=[f"{a}-{w}" for a, w, _ in WGRAD_CASES])
-def test_wgrad_kernel_builds_as_lesson_06_teaches_it(arch, what, params):
-    assert_same_build("wgrad kernel", LESSON06, "aot_conv2d_wgrad", "wgrad_build", arch, what, params)
+def test_wgrad_kernel_builds_as_lesson_07_teaches_it(arch, what, params):
+    assert_same_build("wgrad kernel", LESSON07, "aot_conv2d_wgrad", "wgrad_build", arch, what, params)
 
 
 @pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
 @pytest.mark.parametrize("config, epilogue", [(fprop.FIXED_CONFIG, fprop.Epilogue()),
-                                              (fprop.FIXED_CONFIG._replace(split_k=2),
+                                              (fprop.KernelConfig(256, 128, 64, 3, 8),
                                                fprop.Epilogue(True, True, True, "relu"))])
 def test_forward_kernel_gives_lesson_05s_bits(config, epilogue):
     """On a GPU: the package's kernel and lesson 05's, launched on the same inputs, write the same bits."""
@@ -157,14 +155,14 @@ def test_forward_kernel_gives_lesson_05s_bits(config, epilogue):
 
 @pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
 @pytest.mark.parametrize("R, split_k", [(3, 2), (1, 1)])
-def test_wgrad_kernel_gives_lesson_06s_bits(R, split_k):
-    """On a GPU: the package's wgrad kernel and lesson 06's, launched by the same prepared launch, write the same bits."""
-    lesson06 = common.load_lesson(LESSON06)
+def test_wgrad_kernel_gives_lesson_07s_bits(R, split_k):
+    """On a GPU: the package's wgrad kernel and lesson 07's, launched by the same prepared launch, write the same bits."""
+    lesson07 = common.load_lesson(LESSON07)
     wgrad = pytest.importorskip("conv_tutorial.kernels.wgrad")
-    x, _, dy, g = lesson06.backward_inputs(4, 20, 20, 128, 256, R, R, 1, R // 2, device_name="cuda")
+    x, _, dy, g = lesson07.backward_inputs(4, 20, 20, 128, 256, R, R, 1, R // 2, device_name="cuda")
     arch, num_sms = common.tma_mma_arch_and_sms("the wgrad equivalence test")
     outputs = []
-    for kernel, total in ((lesson06.conv2d_wgrad_kernel, lesson06.wgrad_split_k_sum_kernel),
+    for kernel, total in ((lesson07.conv2d_wgrad_kernel, lesson07.wgrad_split_k_sum_kernel),
                           (wgrad.conv2d_wgrad_kernel, wgrad.wgrad_split_k_sum_kernel)):
         launch = wgrad.prepare_wgrad(x, dy, g, wgrad.wgrad_config(g.Co, g.Ci)._replace(split_k=split_k), arch, num_sms)
         dw = torch.zeros(g.Co, g.R * g.S * g.Ci, device="cuda", dtype=x.dtype)

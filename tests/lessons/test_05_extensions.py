@@ -2,7 +2,9 @@
 the fused epilogue and bad input (through the plain launcher and through the operator's runtime,
 which runs the same kernel), the tails of section 6, split-K of section 7 and the grouped convs of
 section 10 on the GPU against torch, and the structure of the kernel's sm_90 and sm_100 builds
-(their PTX, compiled ahead of time, so these run on a CPU too)."""
+(their PTX, compiled ahead of time, so these run on a CPU too). Sections 6 and 7 live in the
+operator's copy of the kernel (conv_tutorial/kernels/fprop.py), which the lesson tours: their
+configs are launched and built there; every other config runs the lesson's own kernel."""
 import functools
 
 import common  # first: on a machine without a GPU it turns on the Triton interpreter
@@ -15,14 +17,21 @@ lesson05 = common.load_lesson("05-warp-specialized-conv")
 from conv_tutorial import configs, runtime  # noqa: E402
 from conv_tutorial.configs import KernelConfig, FIXED_CONFIG, PINGPONG_CONFIG, check_config, ring_bytes, \
     stores_by_row_blocks, SHARED_MEMORY_PER_PROGRAM  # noqa: E402
-Epilogue, ConvLaunch = lesson05.Epilogue, lesson05.ConvLaunch
-conv2d_fprop_launch, needs_gpu = lesson05.conv2d_fprop_launch, lesson05.needs_gpu
+from conv_tutorial.kernels import fprop  # noqa: E402  (Part II's tails and split-K: the operator's copy)
+Epilogue, ConvLaunch, needs_gpu = lesson05.Epilogue, fprop.ConvLaunch, lesson05.needs_gpu
+
+
+def conv2d_fprop_launch(*args, config=FIXED_CONFIG, **kwargs):
+    """Lesson 05's plain launcher; a Part II config (a tail, row-block stores, split-K) through the
+    plain launcher of the operator's copy of the kernel, where those sections' lines live."""
+    entry = lesson05.conv2d_fprop_launch if lesson05.part_one_config(config) else fprop.conv2d_fprop_launch
+    return entry(*args, config=config, **kwargs)
 
 
 def finish_split_k(launch, bias=None, scale=None, residual=None, activation="none"):
-    """Split-K's second kernel, launched plainly as lesson 05's launcher does."""
-    grid, args, constexprs = lesson05.split_k_epilogue_launch(launch, bias, scale, residual, activation)
-    lesson05.split_k_epilogue_kernel[grid](*args, **constexprs)
+    """Split-K's second kernel, launched plainly as the operator's plain launcher does."""
+    grid, args, constexprs = fprop.split_k_epilogue_launch(launch, bias, scale, residual, activation)
+    fprop.split_k_epilogue_kernel[grid](*args, **constexprs)
 
 
 def conv2d_fprop_fixed(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=FIXED_CONFIG, **epilogue):
@@ -163,9 +172,11 @@ def test_pingpong_with_fused_epilogue(config, epilogue):
 
 
 def aot_ptx(arch, config=FIXED_CONFIG, **params):
-    """The PTX of one build, for the tests below (skipped where this Triton cannot target `arch`)."""
-    return common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch,
-                                      config=list(config), **params)
+    """The PTX of one build, for the tests below (skipped where this Triton cannot target `arch`):
+    lesson 05's kernel, or for a Part II config the operator's copy (the same PTX where both build)."""
+    stem, builder = (("05-warp-specialized-conv", "aot_conv2d_fprop") if lesson05.part_one_config(config)
+                     else ("conv_tutorial.kernels.aot", "fprop_build"))
+    return common.aot_compile_or_skip(stem, builder, arch, config=list(config), **params)
 
 
 def test_pingpong_build_has_two_consumer_warpgroups():
@@ -447,3 +458,110 @@ def test_operator_shared_memory_model_covers_the_build(arch):
     the compiled kernel asks for."""
     compiled = common.aot_compile_or_skip("05-warp-specialized-conv", "aot_conv2d_fprop", arch)
     assert compiled["shared"] <= configs.shared_memory_bytes(FIXED_CONFIG) + 1024
+
+
+# Moved from the lesson (section 6's row tails, section 7's second kernel, section 10's groups).
+
+@pytest.mark.parametrize("N, H, W, R, S, stride, padding", [
+    (3, 7, 7, 1, 1, 1, 0),           # ResNet-50's 7x7 stage: 192-pixel tiles span images
+    (2, 9, 13, 3, 3, (2, 1), 1),     # stride 2 in H only, padding
+    (4, 5, 6, 3, 5, 2, (1, 2)),      # small images: a 64-pixel box covers several of them
+])
+def test_row_tail_boxes_read_what_one_tall_box_would(N, H, W, R, S, stride, padding):
+    """The row tail's 64-pixel boxes, each started at Im2colWindow.pixel_box_origin (the kernel's own
+    method, run here as plain Python), read exactly the pixels of one 192-pixel im2col box started at
+    the tile's first pixel: checked with lesson 03's model of the TMA im2col walk, for every tile and
+    tap, the last tile's rows past M included."""
+    import types
+    walk = common.load_lesson("03-tma-im2col-modes").im2col_walk
+    geometry = common.conv_geometry((N, H, W, 8), (8, R, S, 8), stride, padding)
+    settings = common.conv_im2col_settings(geometry)
+    window = (settings.pixel_box_lower_corner, settings.pixel_box_upper_corner, settings.element_strides)
+    shape, g = (N, H, W, 8), geometry
+    kernel_window = types.SimpleNamespace(out_h=g.out_h, out_w=g.out_w, stride_h=g.stride[0], stride_w=g.stride[1],
+                                          pad_h=g.padding[0], pad_w=g.padding[1])
+    for m0 in range(0, g.M, 192):
+        for r in range(R):
+            for s in range(S):
+                offsets = settings.tap_offsets(r, s)
+                tall = walk(shape, 192, *window, settings.start_coord(m0), offsets)
+                boxes = []
+                for box in range(3):
+                    n, y, x = lesson05.Im2colWindow.pixel_box_origin.fn(kernel_window, m0 + 64 * box)
+                    boxes += walk(shape, 64, *window, (n, y, x, 0), offsets)
+                assert boxes == tall, (m0, r, s)
+
+
+@pytest.mark.parametrize("split_k, epilogue", [(2, Epilogue()), (3, Epilogue(True, True, True, "relu")),
+                                               (4, Epilogue(True, False, False, "silu"))])
+def test_split_k_epilogue_kernel_against_torch(split_k, epilogue):
+    """The second kernel of split-K, on the CPU interpreter or a GPU: the slices' sum and the epilogue."""
+    M, Co = 77, 100
+    generator = torch.Generator().manual_seed(split_k)
+    rand = lambda *shape: torch.randn(*shape, generator=generator).to(common.device())  # noqa: E731
+    partial, bias, scale, residual = rand(split_k, M, Co), rand(Co), rand(Co), rand(M, Co)
+    bias, scale, residual = (t if on else None for t, on in zip((bias, scale, residual), epilogue[:3]))
+    out_2d = torch.full((M, 104), float("nan"), device=partial.device)
+    launch = ConvLaunch(None, None, None, None, None, None, None, None, out_2d, partial,
+                        (64, 64, 2, 2, 0))    # every tile split
+    finish_split_k(launch, bias, scale, residual, epilogue.activation)
+    expected = common.reference_epilogue(partial.sum(0), bias, scale, residual, epilogue.activation)
+    torch.testing.assert_close(out_2d[:, :Co], expected, rtol=1e-5, atol=1e-5)
+    assert out_2d[:, Co:].isnan().all()          # the row padding is not written
+
+
+@pytest.mark.parametrize("N, H, W, groups, Ci_group, Co_group, R, stride, padding, BLOCK_K, TILE_N", [
+    (2, 6, 5, 4, 16, 16, 3, 1, 1, 16, 16),     # 4 groups, a tile per group
+    (1, 7, 7, 2, 32, 64, 3, 2, 1, 16, 32),     # two K blocks and two tiles per group, stride 2
+    (2, 5, 6, 3, 16, 48, 1, 1, 0, 16, 16),     # 1x1, three tiles per group
+])
+def test_grouped_tiles_read_their_groups(N, H, W, groups, Ci_group, Co_group, R, stride, padding, BLOCK_K, TILE_N):
+    """The loader's own arithmetic (Im2colWindow's pixel_box_origin, tile_taps and k_step, run
+    as plain Python) with lesson 03's model of TMA im2col loads, and weight boxes cut from w2d,
+    computes torch's grouped conv2d: every tile, every k-step."""
+    import types
+    Im2colWindow = lesson05.Im2colWindow
+    reference = common.load_lesson("03-tma-im2col-modes").im2col_reference
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, (N, H, W, groups * Ci_group), generator=generator).float()
+    w = torch.randint(-3, 4, (groups * Co_group, R, R, Ci_group), generator=generator).float()
+    g = common.conv_geometry(x.shape, w.shape, stride, padding, 1, groups)
+    settings = common.conv_im2col_settings(g)
+    corners = (settings.pixel_box_lower_corner, settings.pixel_box_upper_corner, settings.element_strides)
+    window = types.SimpleNamespace(out_h=g.out_h, out_w=g.out_w, stride_h=g.stride[0], stride_w=g.stride[1],
+                                   pad_h=g.padding[0], pad_w=g.padding[1], dil_h=common.PlainInt(1),
+                                   dil_w=common.PlainInt(1), Ci_group=Ci_group, Co_group=Co_group, S=R,
+                                   channel_blocks=Ci_group // BLOCK_K)
+    window.group_channel = lambda co0: Im2colWindow.group_channel.fn(window, co0)
+    w2d, BLOCK_M, out = w.reshape(g.Co, -1), 32, torch.zeros(g.M, g.Co)
+    for m0 in range(0, g.M, BLOCK_M):
+        n, y, x0 = Im2colWindow.pixel_box_origin.fn(window, m0)
+        for co0 in range(0, g.Co, TILE_N):
+            tile_taps = Im2colWindow.tile_taps.fn(window, co0)
+            for k in range(R * R * window.channel_blocks):
+                offsets, c, (row, column) = Im2colWindow.k_step.fn(window, common.PlainInt(k), BLOCK_K, tile_taps)
+                a, _ = reference(x, BLOCK_M, BLOCK_K, *corners, [n, y, x0, c], offsets)
+                rows = min(BLOCK_M, g.M - m0)
+                out[m0:m0 + rows, co0:co0 + TILE_N] += (a @ w2d[row:row + TILE_N, column:column + BLOCK_K].T)[:rows]
+    expected = common.reference_conv2d_nhwc(x, w, None, stride, padding, groups=groups)
+    torch.testing.assert_close(out.view(expected.shape), expected)
+
+
+def test_grouped_configs_that_straddle_groups_are_refused():
+    x, w = common.random_conv_inputs(1, 8, 8, 128, 128, 3, 3, torch.bfloat16, device_name="cpu")
+    w = w[..., :64].contiguous()                     # 2 groups of 64 -> 64: a 128-wide tile holds both
+    geometry = common.conv_geometry(x.shape, w.shape, 1, 1, 1, groups=2)
+    with pytest.raises(ValueError, match="a tile must stay in one group"):
+        lesson05.prepare_launch(x, w, None, geometry, FIXED_CONFIG, "sm_90", 132)
+    lesson05.prepare_launch(x, w, None, geometry, FIXED_CONFIG._replace(block_n=64), "sm_90", 132)   # 64 wide: fits
+
+
+def test_part_two_configs_are_refused_by_the_lessons_launcher():
+    """The lesson's kernel is Part I's: a tail, row-block stores or split-K get a ValueError naming
+    the operator's launcher, where sections 6 and 7 live."""
+    x, w = common.random_conv_inputs(1, 8, 8, 64, 128, 3, 3, torch.bfloat16, device_name="cpu")
+    geometry = common.conv_geometry(x.shape, w.shape, 1, 1)
+    for config in (KernelConfig(128, 128, 64, 4, 4, block_n_tail=32), KernelConfig(128, 128, 64, 4, 4, split_k=2),
+                   KernelConfig(256, 128, 64, 4, 8)):
+        with pytest.raises(ValueError, match="conv_tutorial.kernels.fprop.conv2d_fprop_launch"):
+            lesson05.prepare_launch(x, w, None, geometry, config, "sm_90", 132)

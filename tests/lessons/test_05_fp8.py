@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from conv_tutorial import geometry
+from conv_tutorial.kernels import fprop
 
 lesson05 = common.load_lesson("05-warp-specialized-conv")
 FIXED_CONFIG, KernelConfig = lesson05.FIXED_CONFIG, lesson05.KernelConfig
@@ -65,8 +66,10 @@ def check_fp8_conv(x_q, x_scale, w_q, w_scale, stride, padding, config=FIXED_CON
     geometry.check_fp8_scales(x_scale, w_scale, g.Co, x_q.device, residual=residual_t, activation=activation,
                               out_dtype=out_dtype, out_scale=out_scale)
     epilogue_scale, epilogue_bias = geometry.fp8_epilogue(x_scale, w_scale, scale_t, bias_t, out_scale)
-    out = lesson05.conv2d_fprop_launch(x_q, w_q, epilogue_bias, stride, padding, config=config, scale=epilogue_scale,
-                                       residual=residual_t, activation=activation, out_dtype=out_dtype)
+    # (Part II's configs, a tail, row-block stores or split-K, run in the operator's copy of the kernel)
+    launch = lesson05.conv2d_fprop_launch if lesson05.part_one_config(config) else fprop.conv2d_fprop_launch
+    out = launch(x_q, w_q, epilogue_bias, stride, padding, config=config, scale=epilogue_scale,
+                 residual=residual_t, activation=activation, out_dtype=out_dtype)
     assert out.dtype == out_dtype and out.shape == expected.shape
     got = out.float() * (out_scale if out_scale is not None else 1.0)
     instructions = -(-g.R * g.S * g.Ci // 32)         # e4m3 WGMMAs along K: 32 one-byte channels each
@@ -168,3 +171,10 @@ def test_grouped_e4m3_is_refused():
     geometry = common.conv_geometry((1, 8, 8, 64), (64, 3, 3, 32), 1, 1, 1, groups=2)
     with pytest.raises(ValueError, match="grouped convs run in fp16 or bf16"):
         lesson05.check_groups_fit(FIXED_CONFIG, geometry, element_size=1)
+
+
+@pytest.mark.parametrize("arch", list(lesson05.TAUGHT_PTX_FP8))
+def test_fp8_kernel_compiles_to_e4m3_mmas(arch):
+    """Moved from the lesson: its fp8 build holds the e4m3 instructions its table explains."""
+    common.assert_ptx_teaches("05-warp-specialized-conv", "aot_conv2d_fprop", arch, lesson05.TAUGHT_PTX_FP8,
+                              **lesson05.FP8_BUILD)

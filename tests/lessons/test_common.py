@@ -142,15 +142,17 @@ def test_canonical_strides_gives_size_one_dimensions_a_contiguous_tensors_stride
 
 
 def test_launches_build_descriptors_for_a_1x1_input_with_odd_strides():
-    # the regression: lessons 05's and 06's descriptors on such a tensor raised Triton's
-    # "strides must be 16-byte aligned" (a RegNetY training step hit it in squeeze-excitation convs)
-    lesson05, lesson06 = common.load_lesson("05-warp-specialized-conv"), common.load_lesson("06-conv-backward")
+    # the regression: lesson 05's and the backward's descriptors on such a tensor raised Triton's
+    # "strides must be 16-byte aligned" (a RegNetY training step hit it in squeeze-excitation convs); the
+    # wgrad descriptors are the package's (conv_tutorial.kernels.wgrad), which lesson 07 teaches
+    from conv_tutorial.kernels.wgrad import prepare_wgrad
+    lesson05 = common.load_lesson("05-warp-specialized-conv")
     x = torch.randn(4, 72, 1, 1).bfloat16().permute(0, 2, 3, 1)
     w = torch.randn(24, 1, 1, 72).bfloat16()
     g = common.conv_geometry(x.shape, w.shape, 1, 0, 1)
     lesson05.prepare_launch(x, w, None, g, lesson05.FIXED_CONFIG, "sm_90", 132)
     dy = torch.randn(4, 24, 1, 1).bfloat16().permute(0, 2, 3, 1)
-    lesson06.prepare_wgrad(x, dy, g, None, "sm_90", 132)
+    prepare_wgrad(x, dy, g, None, "sm_90", 132)
 
 
 def test_reference_conv_of_one_channel_matches_a_fresh_copy():

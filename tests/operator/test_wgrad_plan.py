@@ -1,13 +1,13 @@
 """The operator's wgrad plan (conv_tutorial/wgrad.py): built once per shape, its descriptors re-based on
-each call's tensors, its kernel arguments in the kernel's order, lesson 06's split and grid, lesson 06's
+each call's tensors, its kernel arguments in the kernel's order, lesson 07's split and grid, lesson 07's
 errors for bad calls.
 
 On a CPU, a stand-in takes the place of the compiled kernels (`StandInLaunch`, patched over DirectLaunch):
 it computes what each kernel computes from exactly what the plan hands it (descriptors, pointers as
 addresses, the shape tuple), so a wrong tensor, address, slice or scalar shows up as a wrong dW, compared
-with torch.nn.grad. The split-K sum is lesson 06's Triton kernel itself, in the interpreter (on a GPU
+with torch.nn.grad. The split-K sum is the package's Triton kernel itself, in the interpreter (on a GPU
 machine, compiled, on copies). On a Hopper or
-Blackwell GPU: the plan's dW against torch's and against lesson 06's plain launcher, bit for bit."""
+Blackwell GPU: the plan's dW against torch's and against lesson 07's plain launcher, bit for bit."""
 import ctypes
 import inspect
 import re
@@ -23,7 +23,7 @@ from conv_tutorial import backward, launch, wgrad
 from conv_tutorial.kernels import gradients, wgrad as wgrad_kernels
 
 needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
-lesson06 = common.load_lesson("06-conv-backward")    # its CPU models: wgrad_reference, the inputs, BAD_CALLS
+lesson07 = common.load_lesson("07-conv-wgrad")    # its CPU models: wgrad_reference, the inputs, BAD_CALLS
 
 
 def at_address(address, dtype, numel):
@@ -64,7 +64,7 @@ class StandInLaunch:
     def compute(self, grid, args):
         if self.kernel_fn is wgrad_kernels.conv2d_wgrad_kernel:
             self.wgrad(*args, out_dtype=self.out_dtype)
-        else:                         # the split-K sum: lesson 06's kernel, in the interpreter
+        else:                         # the split-K sum: the package's kernel, in the interpreter
             partial, dw, Co, Ci_group, taps, _, _, _, split_tiles, split_k = args
             if isinstance(partial, int):
                 tile = self.constexprs["BLOCK_M"] * self.constexprs["BLOCK_N"]
@@ -80,8 +80,8 @@ class StandInLaunch:
     @staticmethod
     def wgrad(dy_desc, x_desc, dw, partial, shape, out_dtype):
         """What the kernel leaves: each whole tile of dW (tiles before whole_tiles) in dw, and each
-        slice's partial tile in the workspace (the tiles and k-steps lesson 06's wgrad_work_unit gives
-        them), from the descriptors' tensors: lesson 06's wgrad_reference on a dY whose other pixels
+        slice's partial tile in the workspace (the tiles and k-steps lesson 07's wgrad_work_unit gives
+        them), from the descriptors' tensors: lesson 07's wgrad_reference on a dY whose other pixels
         are zeroed."""
         for desc in (dy_desc, x_desc):        # TMA reads the descriptor's shape from its base address
             assert list(desc.base.shape) == list(desc.shape) and desc.base.is_contiguous()
@@ -106,7 +106,7 @@ class StandInLaunch:
             padded[:part.shape[0], :part.shape[1]] = part
             return padded, (co0, tap, c0, part.shape)
 
-        whole = lesson06.wgrad_reference(x, dy_2d.view(g.output_shape_nhwc), g).view(g.Co, shape.taps, -1)
+        whole = lesson07.wgrad_reference(x, dy_2d.view(g.output_shape_nhwc), g).view(g.Co, shape.taps, -1)
         for tile in range(shape.whole_tiles):
             _, (co0, tap, c0, (rows, cols)) = tile_of(whole, tile)
             dw[co0:co0 + rows, tap, c0:c0 + cols] = whole[co0:co0 + rows, tap, c0:c0 + cols].to(dw.dtype)
@@ -116,14 +116,14 @@ class StandInLaunch:
             k_begin, k_end = split * shape.k_blocks // shape.split_k, (split + 1) * shape.k_blocks // shape.split_k
             in_slice = torch.zeros_like(dy_2d)
             in_slice[k_begin * block_k:k_end * block_k] = dy_2d[k_begin * block_k:k_end * block_k]
-            sliced = lesson06.wgrad_reference(x, in_slice.view(g.output_shape_nhwc), g).view(g.Co, shape.taps, -1)
+            sliced = lesson07.wgrad_reference(x, in_slice.view(g.output_shape_nhwc), g).view(g.Co, shape.taps, -1)
             for index in range(split_tiles):
                 partial[split, index] = tile_of(sliced, shape.whole_tiles + index)[0]
 
 
 @pytest.fixture
 def stand_ins(monkeypatch):
-    """The plan on a CPU: StandInLaunch for DirectLaunch, an H100's facts for the device's, lesson 06's
+    """The plan on a CPU: StandInLaunch for DirectLaunch, an H100's facts for the device's, the package's
     check_backward_call with every check but the last (the device) kept, empty plan caches."""
     StandInLaunch.made = []
     monkeypatch.setattr(wgrad, "DirectLaunch", StandInLaunch)
@@ -145,14 +145,14 @@ def stand_ins(monkeypatch):
 
 def small_integer_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype=torch.float16, seed=0, groups=1):
     """x, w, dY of small integers: every product and sum below is exact in fp32 and in fp16 (|dW| < 2048)."""
-    x, w, dy, g = lesson06.backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, torch.float32, seed,
+    x, w, dy, g = lesson07.backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, torch.float32, seed,
                                            device_name="cpu", groups=groups)
     x, dy = ((t * 2).round().clamp(-2, 2).to(dtype) for t in (x, dy))
     return x, w, dy, g
 
 
 def expected_dw(x, w, dy, g):
-    return lesson06.reference_gradients(x.float(), w.float(), dy.float(), g)[1]
+    return lesson07.reference_gradients(x.float(), w.float(), dy.float(), g)[1]
 
 
 # (N, H, W, Ci, Co, R, S, stride, padding, dilation): Ci=3 (x padded), Co=20 (dY padded), stride 2, 1x1,
@@ -258,7 +258,7 @@ def test_split_and_grid_are_prepare_wgrads(stand_ins, N, H, W, Ci, Co, R, S, str
     x, w, dy, g = small_integer_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation)
     for _ in range(2):
         wgrad.conv2d_weight_grad(x, dy, w.shape, stride, padding, dilation)
-    problem = wgrad_kernels.wgrad_problem(g, x.element_size())      # the stem's: lesson 06's launcher folds it too
+    problem = wgrad_kernels.wgrad_problem(g, x.element_size())      # the stem's: lesson 07's launcher folds it too
     assert (problem.geometry != g) == (Ci == 3 and R == 7)
     x, g = wgrad_kernels.wgrad_input(x, problem), problem.geometry
     lesson = wgrad_kernels.prepare_wgrad(x, dy, g, None, "sm_90", 132)
@@ -273,10 +273,9 @@ def test_split_and_grid_are_prepare_wgrads(stand_ins, N, H, W, Ci, Co, R, S, str
     assert (lesson.shape.split_k > 1) == ((N, H) == (2, 64))      # the case with slices is one
 
 
-@pytest.mark.parametrize("changes, error, message", [(changes, error, message) for launcher, changes, error, message
-                                                      in lesson06.BAD_CALLS if launcher == "wgrad"])
-def test_bad_calls_get_lesson_06s_errors(changes, error, message):
-    x, w, dy, _ = lesson06.backward_inputs(1, 8, 8, 8, 16, 3, 3, 1, 1, 1, torch.bfloat16, device_name="cpu")
+@pytest.mark.parametrize("changes, error, message", lesson07.BAD_CALLS)
+def test_bad_calls_get_lesson_07s_errors(changes, error, message):
+    x, w, dy, _ = lesson07.backward_inputs(1, 8, 8, 8, 16, 3, 3, 1, 1, 1, torch.bfloat16, device_name="cpu")
     valid = dict(x_nhwc=x, dy_nhwc=dy, w_shape=w.shape, padding=1)
     with pytest.raises(error, match=re.escape(message)):
         wgrad.conv2d_weight_grad(**{**valid, **changes(x, w, dy)})
@@ -319,7 +318,7 @@ def test_the_operators_backward_runs_the_plan(stand_ins, monkeypatch):
     assert len(wgrad._PLANS) == 1 and [len(made.calls) for made in stand_ins.made] == [1] * launches_made()
 
 
-# --- GPU: the plan against torch and against lesson 06's plain launcher --------------------------------------
+# --- GPU: the plan against torch and against lesson 07's plain launcher --------------------------------------
 
 GPU_SHAPES = [    # N, H, W, Ci, Co, R, S, stride, padding, dilation
     (2, 20, 18, 3, 64, 7, 7, 2, 3, 1),            # the stem: Ci = 3
@@ -337,17 +336,17 @@ GPU_SHAPES = [    # N, H, W, Ci, Co, R, S, stride, padding, dilation
 @pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, dilation", GPU_SHAPES)
 def test_plan_matches_torch_and_the_plain_launcher(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype):
     for seed in (0, 1, 2):         # the first call, then two direct ones on new tensors
-        x, w, dy, g = lesson06.backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, seed)
+        x, w, dy, g = lesson07.backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, dtype, seed)
         dw = wgrad.conv2d_weight_grad(x, dy, w.shape, stride, padding, dilation)
         # common.assert_close_to_reference's tolerance: each dW element a sum of K = g.M products
-        common.assert_close_to_reference(dw, lesson06.reference_gradients(x, w, dy, g)[1], dtype=dtype, K=g.M)
+        common.assert_close_to_reference(dw, lesson07.reference_gradients(x, w, dy, g)[1], dtype=dtype, K=g.M)
         # the same kernel, split and sum as the plain launcher: the same bits
-        assert torch.equal(dw, lesson06.conv2d_wgrad_launch(x, dy, w.shape, stride, padding, dilation))
+        assert torch.equal(dw, lesson07.conv2d_wgrad_launch(x, dy, w.shape, stride, padding, dilation))
 
 
 @needs_gpu
 def test_plan_on_a_second_stream_and_in_a_cuda_graph():
-    x, w, dy, g = lesson06.backward_inputs(4, 14, 14, 64, 64, 3, 3, 1, 1, 1, torch.bfloat16)
+    x, w, dy, g = lesson07.backward_inputs(4, 14, 14, 64, 64, 3, 3, 1, 1, 1, torch.bfloat16)
     expected = wgrad.conv2d_weight_grad(x, dy, w.shape, 1, 1)         # the first call compiles
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -358,7 +357,7 @@ def test_plan_on_a_second_stream_and_in_a_cuda_graph():
     graph, static_x, static_dy = torch.cuda.CUDAGraph(), x.clone(), dy.clone()
     with torch.cuda.graph(graph):
         static_dw = wgrad.conv2d_weight_grad(static_x, static_dy, w.shape, 1, 1)
-    x2, _, dy2, _ = lesson06.backward_inputs(4, 14, 14, 64, 64, 3, 3, 1, 1, 1, torch.bfloat16, seed=7)
+    x2, _, dy2, _ = lesson07.backward_inputs(4, 14, 14, 64, 64, 3, 3, 1, 1, 1, torch.bfloat16, seed=7)
     static_x.copy_(x2)
     static_dy.copy_(dy2)
     graph.replay()
@@ -375,3 +374,70 @@ def test_stand_in_notices_a_wrong_tensor(stand_ins, monkeypatch):
     plan.kernel = lambda grid, dy_2d, *rest: real_kernel(grid, dy.reshape(dy_2d.shape), *rest)   # the stale dY
     x2, _, dy2, _ = small_integer_inputs(2, 9, 11, 8, 16, 3, 3, 2, 1, 1, seed=4)
     assert not torch.equal(wgrad.conv2d_weight_grad(x2, dy2, w.shape, 2, 1).float(), expected_dw(x2, w, dy2, g))
+
+
+# --- The package's host rules for the wgrad kernel (configs, split, x's load, groups), moved here from the ----------
+# --- lesson that teaches the kernel (lesson 07 points to them) -------------------------------------------------------
+
+def test_negative_programs_or_slices_are_refused():
+    x, _, dy, g = lesson07.backward_inputs(1, 6, 6, 8, 16, 3, 3, 1, 1, 1, torch.float32, device_name="cpu")
+    for bad in (dict(programs=-1), dict(split_k=-2)):
+        with pytest.raises(ValueError, match="programs and split_k must be >= 0"):
+            wgrad_kernels.prepare_wgrad(x, dy, g, wgrad_kernels.WgradConfig(16, 8, 8, **bad), "sm_90", 132)
+
+
+@pytest.mark.parametrize("N, H, Ci, Co, R, stride, block_m", [
+    (128, 7, 512, 2048, 1, 1, 64),     # 64 tiles of 128 rows, split in 2; 128 of 64 rows: 97% of a wave, whole
+    (128, 7, 2048, 512, 1, 1, 64),
+    (128, 8, 2048, 448, 1, 1, 64),     # 64 -> 112 tiles (85%)
+    (128, 8, 2048, 384, 1, 1, 64),     # 48 -> 96 tiles (73%): x read tiled, the 96 whole in one wave
+    (128, 17, 192, 320, 3, 2, 128),    # 54 -> 90 tiles (68%), x through im2col: 128-row tiles
+    (128, 14, 1024, 256, 1, 1, 64),    # 16 tiles in 8 slices -> 32 in 4: 128 units, one wave
+    (128, 56, 256, 256, 1, 1, 64),     # 4 tiles in 33 slices -> 8 in 16
+    (128, 7, 1024, 2048, 1, 1, 128),   # 128 tiles whole; 64-row tiles would need two waves
+    (128, 14, 1024, 2048, 1, 2, 128),  # 128 tiles already: a wave whole
+    (128, 56, 64, 64, 3, 1, 64),       # 64 output channels: 64 rows anyway
+    (128, 56, 64, 256, 1, 1, 128),     # 128 x 64 tiles (64 channels): already 128-pixel k-steps
+])
+def test_64_row_tiles_where_they_fill_a_wave(N, H, Ci, Co, R, stride, block_m):
+    g = common.conv_geometry((N, H, H, Ci), (Co, R, R, Ci), stride, R // 2)
+    config = wgrad_kernels.default_wgrad_config(g, Ci, 132)
+    assert config.block_m == block_m and config.num_buffers == 4
+    wgrad_kernels.check_wgrad_config(config, "sm_90")
+    wgrad_kernels.check_wgrad_config(config, "sm_100")
+
+
+@pytest.mark.parametrize("R, stride, padding, tiled", [(1, 1, 0, True), (1, 2, 0, False), (1, 1, 1, False),
+                                                      (3, 1, 1, False), ((1, 3), 1, 0, False)])
+def test_x_read_tiled_only_where_pixel_p_reads_pixel_p(R, stride, padding, tiled):
+    R, S = (R, R) if isinstance(R, int) else R
+    x, _, dy, g = lesson07.backward_inputs(2, 6, 5, 16, 8, R, S, stride, padding, 1, torch.float32, device_name="cpu")
+    assert wgrad_kernels.x_reads_tiled(g) == tiled
+    launch = wgrad_kernels.prepare_wgrad(x, dy, g, wgrad_kernels.WgradConfig(16, 16, 8, num_buffers=2), "sm_90", 132)
+    assert (type(launch.x_desc).__name__ == "TensorDescriptor") == tiled
+
+
+def test_split_choices():
+    choose_split, wgrad_split = wgrad_kernels.choose_split, wgrad_kernels.wgrad_split
+    assert choose_split(9, 3136, 132, block_k=128) == 14   # 126 units: one wave, 95% of the SMs
+    assert wgrad_split(9, 14, 132) == (126, 0, 9)           # every tile split
+    assert choose_split(4, 1, 132) == 1                     # one k-step: nothing to split
+    assert choose_split(144, 98, 132) == 7                  # a wave of whole tiles, then 12 in 7 slices
+    assert wgrad_split(144, 7, 132) == (132, 132, 12)
+    assert choose_split(264, 1000, 132) == 1                # two full waves already
+    assert wgrad_split(264, 1, 132) == (132, 264, 0)
+    assert choose_split(216, 512, 132) == 3                 # 84 tiles past the wave: 3 slices each, two short waves
+    assert choose_split(200, 4, 132) == 1                   # 4 k-steps: nothing to gain
+
+
+@pytest.mark.parametrize("Ci, Co, groups, dgrad_runs, wgrad_runs", [
+    (256, 256, 2, True, True),       # 128 -> 128 per group
+    (128, 512, 4, False, True),      # 32 -> 128: wgrad's 128-row tiles fit; dgrad's conv writes 32 per group,
+                                     # less than a tile's 64 columns
+    (72, 72, 3, False, False),       # RegNetY-3.2GF's 24 per group
+    (512, 128, 2, True, True),       # 256 -> 64: dgrad's conv reads 64 per group (one K block), writes 256
+])
+def test_which_grouped_convs_the_backward_runs(Ci, Co, groups, dgrad_runs, wgrad_runs):
+    g = common.conv_geometry((2, 8, 8, Ci), (Co, 3, 3, Ci // groups), 1, 1, 1, groups)
+    assert (gradients.backward_groups_reason(g, "dgrad") is None) == dgrad_runs
+    assert (gradients.backward_groups_reason(g, "wgrad") is None) == wgrad_runs
