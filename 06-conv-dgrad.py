@@ -132,7 +132,8 @@ def backward_inputs(N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1, dtyp
 # conv never has one), but its kernel does not care: it subtracts the padding from an output
 # row to find where the im2col box starts, and TMA's descriptor takes the window's corners,
 # -padding, as signed numbers (8 bits for a rank-4 tensor: -128 to 127). So the lesson builds the
-# dgrad conv's ConvGeometry itself (`stride_1_geometry`) and hands it to the kernel's
+# dgrad conv's ConvGeometry itself (`stride_1_geometry`; section 3's `phase_geometry` is the same at
+# stride 1) and hands it to the kernel's
 # `prepare_launch` (section 5).
 
 
@@ -562,8 +563,9 @@ TAUGHT_PTX = {
                                 "read where it lies."),
         ("wgmma.mma_async", "m64n64k16: 2 row blocks x 4 K steps = 8 per k-step. Ends in 1, 1, 0, 1: B read "
                             "transposed (N-major), A as lesson 05 reads it."),
-        ("bar.sync", "The epilogue's 4 warps (128 threads) around the staging buffer: between a tile's write and "
-                     "its read-back, and before the next tile overwrites it."),
+        ("bar.sync", "One between the staging buffer's write and the window store's read-back by the epilogue's "
+                     "4 warps (128 threads); the other three are the kernel's own (after the barriers' init, "
+                     "and before two arrives of the 4-warp partition)."),
         ("st.global.v4", "The window store: 16 bytes (8 bf16 channels of one pixel) per instruction, "
                          "128 x 64 x 2 bytes / (128 threads x 16 bytes) = 8 per thread; no TMA store."),
     ],
@@ -719,8 +721,9 @@ if __name__ == "__main__" and on_gpu:
 # a network's stem, 3 channels at stride 2, with its stride folded into the channels
 # (`stride_fold`, conv_tutorial/kernels/gradients.py); a one-pass Triton kernel for the rotated
 # copy where w cannot be read in place (`flipped_weights`); and configs tuned per layer by the
-# forward's runtime (conv_tutorial/runtime.py). RESULTS.md, "The operator's gradients", gives what
-# each step measured; tests/operator/test_backward.py and tests/kernels/ check them.
+# forward's runtime (conv_tutorial/runtime.py). RESULTS.md, "The backward: dgrad and wgrad per
+# layer", gives today's figures and results/notebook.md what each step measured;
+# tests/operator/test_backward.py and tests/kernels/ check them.
 #
 # What this lesson measured, what limits it, what comes next
 # ----------------------------------------------------------
@@ -728,7 +731,8 @@ if __name__ == "__main__" and on_gpu:
 # 2026-11-27 (bf16, batch 128, kernels alone; `results/h100-2026-11-27/backward_layers_operator_
 # cuda_graphs.json`). Its launcher ran this lesson's path on the stride-1 and 1x1 layers (the same
 # launches: one per tapped phase, w read in place, lesson 05's fixed config); on the 3x3 stride-2
-# layers it ran the package's one launch (above), so those rows are not this lesson's path::
+# layers it ran the package's one launch (above), and on the stem the package's stride fold, so
+# those rows are not this lesson's path::
 #
 #     layer (ResNet-50)             path                  TFLOPS   cuDNN   ratio
 #     56x56 64->64 3x3              stride 1, one launch   327.7   353.9   0.93x
@@ -738,8 +742,9 @@ if __name__ == "__main__" and on_gpu:
 #     28x28 256->256 3x3 s2         package: one launch    443.1   474.2   0.93x
 #     14x14 512->512 3x3 s2         package: one launch    558.9   513.6   1.09x
 #
-# Over all 23 layers that launcher ran at 1.01x cuDNN (geometric mean) and the operator, with its
-# tuned configs, at 1.05x. What limits this lesson's path:
+# Over the 19 layers where it ran this lesson's path, that launcher ran at 0.97x cuDNN (geometric
+# mean; 1.01x over all 23, the stem's fold at 2.05x among them), and the operator, with its tuned
+# configs, at 1.05x over all 23. What limits this lesson's path:
 #
 # - A fixed tile. 128 x 128 x 64 (or 128 x 64 x 64) with 4 stages is lesson 05's starting config,
 #   not the best per layer; on the two stride-1 layers above the operator, the same kernel with a

@@ -229,7 +229,8 @@ def tap_offsets(tap, shape):
 @gluon.aggregate
 class WgradSchedule:
     # the shape's integers, each a field of its own: a tuple held whole in an aggregate hung lesson 05's kernel
-    # where Triton passed one of its integers as a constant (results/notebook.md, 2026-11-25; not diagnosed)
+    # where Triton passed one of its integers as a constant (diagnosed in lesson 08: a ring counter built from it
+    # was not carried around the loop)
     Co: Int
     Ci_group: Int     # input channels per group: Ci (groups = 1)
     taps: Int
@@ -759,19 +760,19 @@ if __name__ == "__main__" and on_gpu:
 # - The 1x1 layers with few pixels, where cuDNN runs clusters. The 7x7 512->2048 is the lowest,
 #   0.84x: 128 tiles of 64 x 128, whole, in one wave, 26.7 us against 22.5. Nsight Compute put
 #   cuDNN's kernel for it at 128 x 64 tiles in 2-CTA clusters with busier tensor pipes than ours
-#   (RESULTS.md, "What limits wgrad's 1x1 layers", where other tiles and splits of ours lost too).
+#   (results/notebook.md, "What limits wgrad's 1x1 layers", where other tiles and splits of ours lost too).
 # - Clusters are what Gluon 3.9 cannot pipeline on Hopper. A pair of CTAs can load a shared tile
 #   once (TMA multicast runs), but before the leader refills a shared stage the other CTA's consumer
 #   must arrive on the leader's barrier, and `mbarrier.arrive(from_cta=...)` keeps a mask of CTA-ID
-#   bits: 0 sends CTA 0's arrive to every CTA; no value sends CTA 1's to CTA 0 (RESULTS.md,
+#   bits: 0 sends CTA 0's arrive to every CTA; no value sends CTA 1's to CTA 0 (results/notebook.md,
 #   "Clusters with TMA multicast"). So this kernel, like lesson 05's, runs one CTA per tile.
 # - The host, in a plain call: the launcher checks, chooses a split and builds descriptors and a
 #   workspace on every call, a median of 433 us per call over the 23 layers in the same run against
 #   cuDNN's 45 us, where the kernels take 22-551 us. The operator keeps a plan per shape (105 us);
 #   a training step replayed in a CUDA graph pays none of it.
 #
-# Next: lesson 08 (08-training-fusions.py). With both gradients at cuDNN's pace (the dgrad launcher
-# at 1.01x in the same run, lesson 06), what limits a training step is the passes around the convs:
+# Next: lesson 08 (08-training-fusions.py). With both gradients at cuDNN's pace (the operator's dgrad
+# at 1.05x and wgrad at 1.00x in the same run), what limits a training step is the passes around the convs:
 # BatchNorm, ReLU, the residual adds, and which of them a conv's epilogue or load can take over.
 
 # %%

@@ -108,7 +108,8 @@ if __name__ == "__main__":
 
 # %%
 # What you should see: Inductor's row is the largest in both columns (13.06 and 12.17 ms), ours has
-# no cuDNN rows, and the totals are 23.44 and 22.41 ms (5250 and 5283 images/s).
+# almost no cuDNN time (0.02 ms in its cuDNN/cuBLAS row), and the totals are 23.44 and 22.41 ms
+# (5250 and 5283 images/s).
 
 # %%
 # 2. BatchNorm's statistics from the forward's epilogue
@@ -124,9 +125,9 @@ if __name__ == "__main__":
 #     mean = sum / count        var = sum_sq / count - mean^2        (count = N * out_h * out_w)
 #
 # Where to sum. The obvious place is the accumulator's registers, before the cast. There it cost up
-# to 4.1x the kernel's time (H200; RESULTS.md, "Training fusions"): the accumulator's layout is the
-# MMA's, where a thread holds pieces of two rows, so a column's 128 values are spread over 64
-# threads of several warps, and `gl.sum(axis=0)`
+# to 4.1x the kernel's time (H200, results/h200-2026-11-25/channel_stats_first_build.json): the
+# accumulator's layout is the MMA's, where a thread holds pieces of two rows, so a column's 128
+# values are spread over 64 threads of several warps, and `gl.sum(axis=0)`
 # reduces them in rounds of shuffles and then across warps through shared memory (770 shuffles in
 # the sm_90 128 x 256 build, and spills with the fp32 tile live beside the sums; results/notebook.md).
 # But the epilogue already writes the tile, cast to the output's dtype, into a staging buffer for its
@@ -469,7 +470,7 @@ if __name__ == "__main__":
 #   flight), and the tensor cores idle while the next tile is loaded and mapped.
 #
 # It was built (commit 6f08b22: `Im2colWindow.input_transform` in lesson 05, `InputTransform` in
-# common.py, the launcher and its tests in lesson 06's section 11), checked against torch on an H100
+# common.py, the launcher and its tests in that commit's lesson 06, section 11), checked against torch on an H100
 # (10 GPU tests), and first timed with 128 x 128 and 128 x 256 tiles only (H100, 2026-11-26,
 # `results/h100-2026-11-26/bn_relu_on_load_timing.json`): 0.81x over eight layers, the fused conv
 # against the pass plus the same conv. But on the 64-channel layers those tiles are two to four times
@@ -547,15 +548,16 @@ if __name__ == "__main__":
 # %%
 # What this lesson measured, what limits it, and what the operator does with it
 # -----------------------------------------------------------------------------
-# Measured. The convs of a ResNet-50 training step run at cuDNN's pace: lesson 05's forward kernel
-# at 1.042x cuDNN's speed over the network suite's 84 layers
+# Measured. The convs of a ResNet-50 training step run at cuDNN's pace: the operator's forward (lesson
+# 05's kernel, a config per layer) at 1.042x cuDNN's speed over the network suite's 84 layers
 # (`results/h100-2026-11-27/network_suite_replay.json`), the operator's gradients at 1.05x (dgrad)
 # and 1.00x (wgrad) over ResNet-50's 23 layers, kernels alone, geometric means
 # (`results/h100-2026-11-27/backward_layers_operator_cuda_graphs.json`; H100, 2026-11-27). Of the
 # three fusions, BatchNorm's statistics in the forward's epilogue paid (2.8% on the step); the ReLU
-# gate in dgrad's epilogue left the step where it was; the BatchNorm apply on the next conv's load is
-# decided by section 4's table. A whole step with every conv ours and the statistics fused ran at
-# 1.02x torch.compile's images/s, both under CUDA graphs (5187 against 5074; H100, 2026-11-27,
+# gate in dgrad's epilogue left the step where it was; the BatchNorm apply on the next conv's load
+# was cut by section 4's table (0.91x over its five layers). A whole step with every conv ours and
+# the statistics fused ran at 1.02x torch.compile's images/s, both under CUDA graphs (5187 against
+# 5074; H100, 2026-11-27,
 # `results/h100-2026-11-27/training.json`, `python benchmarks/training.py --nets resnet50 --batch 128
 # --variants compile-cudagraphs ours-lesson06-bnstats-cudagraphs`; 1.00-1.05x over nine runs the day
 # before).
