@@ -113,7 +113,7 @@ def backward_inputs(N, H, W, Ci, Co, R, S, stride=1, padding=0, dilation=1, dtyp
 
 # %%
 # 2. dgrad at stride 1: the forward conv of dY, with the filter turned around
-# --------------------------------------------------------------------------
+# ---------------------------------------------------------------------------
 # Along one axis at stride 1, tap r links input row iy to output row oy = iy + ph - r*dh, so::
 #
 #     dX[iy] = sum over r of dY[iy + ph - r*dh] * w[r]     (channels: sum over co of dY[., co] * w[co, r, ci])
