@@ -16,8 +16,19 @@ Each number is the wall time of 500 calls divided by 500, without waiting for th
 work of those calls is still queued when the clock stops), the median of 5 such runs.
 
     python benchmarks/host_time.py [--json out/host_time.json] [--profile]
+    python benchmarks/host_time.py --paths [--json results/<device>-<date>/host_time.json]
 
 --profile adds a cProfile of 2000 runtime calls of the first layer: where the host time goes.
+
+--paths measures every path a model's conv takes through the operator, each beside cuDNN's call for
+the same work, as autograd and F.conv2d make it: the forward (a plain layer, and the stem through
+the stride fold), dgrad (stride 1; a 3x3 stride 2 in one launch; a 1x1 stride 2, one tapped phase
+and zeros), wgrad (whole tiles; split-K with its ordered sum) and the fp8 forward (against cuDNN's
+bf16 conv: cuDNN has no e4m3 conv). For each it also profiles the operator's calls with cProfile and
+sorts the time into where it went (`CATEGORIES`: the torch.library dispatch, the package's Python,
+its argument checks, plans, descriptor encoding, Triton's launcher, allocations, extra kernels).
+cProfile's own cost inflates every share alike: read the shares as where, the medians as how much.
+JSON: {"device", "torch", "triton", "rows": [{"path", "layer", "ours_us", "cudnn_us", "where"}]}.
 """
 import argparse
 import json
@@ -119,12 +130,132 @@ def profile_runtime(layer, calls=2000):
     pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
 
 
+# %% Every path of the operator, and where its host time goes (--paths) --------------------------
+
+# (path, layer of ResNet-50 at batch 128): what a training or inference step calls, one row each
+PATHS = [("forward", "RN50 14x14 256->256 3x3"), ("forward", "RN50 56x56 64->256 1x1"),
+         ("forward, stem folded", "RN50 stem 224 3->64 7x7 s2"),
+         ("dgrad, stride 1", "RN50 14x14 256->256 3x3"),
+         ("dgrad, 3x3 stride 2 in one launch", "RN50 28x28 256->256 3x3 s2"),
+         ("dgrad, 1x1 stride 2: one phase and zeros", "RN50 56x56 256->512 1x1 s2"),
+         ("wgrad, whole tiles", "RN50 14x14 256->256 3x3"), ("wgrad, split-K", "RN50 7x7 2048->512 1x1"),
+         ("fp8 forward (cuDNN: bf16)", "RN50 14x14 256->256 3x3")]
+
+# Where a profiled function's own time goes: the first category whose test its (file, line, name) passes.
+CATEGORIES = [
+    ("Triton's launcher", lambda file, name: ("triton" in file and ("driver" in file or "jit.py" in file
+                                                                    or "compiler" in file))
+                                             or (file == "~" and "launch" in name)),
+    ("descriptor encoding", lambda file, name: any(word in name.lower() for word in ("descriptor", "tensormap",
+                                                                                    "tensor_map"))),
+    ("argument checks", lambda file, name: "conv_tutorial" in file and (name.startswith("check") or "validate" in name
+                                                                         or "reason" in name)),
+    ("plans and keys", lambda file, name: "conv_tutorial" in file and ("plan" in name or "key" in name
+                                                                        or "lookup" in name)),
+    ("the package's launch path", lambda file, name: file.endswith(("conv_tutorial/launch.py",
+                                                                     "conv_tutorial/kernels/fprop.py"))),
+    ("allocations", lambda file, name: name.split(" ")[-1].rstrip(">").split(".")[-1] in (
+        "empty", "zeros", "empty_like", "zeros_like", "full", "new_empty", "new_zeros", "empty_strided")),
+    ("torch.library dispatch", lambda file, name: "torch/_ops.py" in file or "torch/_library" in file
+                                                  or "torch/library.py" in file or "torch._ops." in name),
+    ("the package's other Python", lambda file, name: "conv_tutorial" in file),
+    ("torch, other", lambda file, name: "torch" in file or "torch" in name or name.startswith("<method")),
+    ("other", lambda file, name: True),
+]
+
+
+def where_time_goes(stats, calls):
+    """{category: us per call} from a pstats.Stats' own times (tottime), by CATEGORIES."""
+    shares = {name: 0.0 for name, _ in CATEGORIES}
+    for (file, _, name), (_, _, tottime, _, _) in stats.stats.items():
+        category = next(label for label, test in CATEGORIES if test(file, name))
+        shares[category] += tottime / calls * 1e6
+    return {name: round(us, 1) for name, us in shares.items() if us >= 0.05}
+
+
+def path_calls(path, layer, device="cuda"):
+    """(ours, cuDNN's): two calls that do the same work, the operator's and torch's, for one path."""
+    import conv_tutorial
+    label, N, H, W, Ci, Co, R, S, stride, padding = layer
+    x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16, device_name=device)
+    x_nchw, w_oihw = x.permute(0, 3, 1, 2), w.permute(0, 3, 1, 2)       # channels_last, as a model holds them
+    g = common.conv_geometry(x.shape, w.shape, stride, padding)
+    dy_nchw = torch.randn(N, Co, *g.out_size, dtype=torch.bfloat16, device=device).to(
+        memory_format=torch.channels_last)
+    sizes, ones = [stride] * 2, [1, 1]
+    if path.startswith(("dgrad", "wgrad")):
+        conv_tutorial.set_backward("lesson06")
+        op = torch.ops.conv_tutorial.conv2d_input_grad if path.startswith("dgrad") else \
+            torch.ops.conv_tutorial.conv2d_weight_grad
+        mask = (True, False, False) if path.startswith("dgrad") else (False, True, False)
+        return (lambda: op(dy_nchw, x_nchw, w_oihw, sizes, [padding] * 2, ones, 1),
+                lambda: torch.ops.aten.convolution_backward(dy_nchw, x_nchw, w_oihw, None, sizes, [padding] * 2,
+                                                            ones, False, [0, 0], 1, mask))
+    cudnn = lambda: torch.nn.functional.conv2d(x_nchw, w_oihw, None, stride, padding)  # noqa: E731
+    if path.startswith("fp8"):
+        x8, w8 = x_nchw.to(torch.float8_e4m3fn), w_oihw.to(torch.float8_e4m3fn)
+        x_scale, w_scale = torch.tensor(1.0, device=device), torch.ones(Co, device=device)
+        return (lambda: torch.ops.conv_tutorial.conv2d_fp8(x8, x_scale, w8, w_scale, None, sizes, [padding] * 2,
+                                                          ones), cudnn)
+    return lambda: torch.ops.conv_tutorial.conv2d(x_nchw, w_oihw, None, sizes, [padding] * 2, ones, 1), cudnn
+
+
+def measure_paths(paths=PATHS, profile_calls=300):
+    import cProfile
+    import pstats
+    from layers import resnet50_layers
+    layers = {layer.label: layer for layer in resnet50_layers()}
+    rows = []
+    for path, label in paths:
+        try:
+            ours, cudnn = path_calls(path, layers[label])
+            ours(), cudnn()                                  # compile and plan outside the clock
+        except Exception as error:                           # noqa: BLE001  (recorded: the other paths still run)
+            rows.append({"path": path, "layer": label, "error": f"{type(error).__name__}: {error}"[:300]})
+            print(f"{path:<42} {label:<28} failed: {rows[-1]['error']}")
+            continue
+        torch.cuda.synchronize()
+        row = {"path": path, "layer": label, "ours_us": round(median_host_us(ours, calls=200), 1),
+               "cudnn_us": round(median_host_us(cudnn, calls=200), 1)}
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(profile_calls):
+            ours()
+        profiler.disable()
+        torch.cuda.synchronize()
+        row["where"] = where_time_goes(pstats.Stats(profiler), profile_calls)
+        rows.append(row)
+        top = sorted(row["where"].items(), key=lambda item: -item[1])[:4]
+        print(f"{path:<42} {label:<28} ours {row['ours_us']:7.1f} us  cuDNN {row['cudnn_us']:6.1f} us  "
+              f"{row['ours_us'] / row['cudnn_us']:5.2f}x   profiled: " + ", ".join(f"{k} {v:.0f}" for k, v in top))
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the table as JSON here")
     parser.add_argument("--profile", action="store_true", help="cProfile the runtime's calls")
+    parser.add_argument("--paths", action="store_true", help="every path of the operator against cuDNN's")
+    parser.add_argument("--dry-run", action="store_true", help="with --paths: list the paths and layers only")
     args = parser.parse_args()
+    if args.paths and args.dry_run:
+        from layers import resnet50_layers
+        labels = {layer.label for layer in resnet50_layers()}
+        for path, label in PATHS:
+            print(f"{path:<42} {label}" + ("" if label in labels else "   (no such layer)"))
+        return
     common.require_tma_mma_gpu("benchmarks/host_time.py")
+    if args.paths:
+        info = common.versions()
+        print(f"{info['device']}, torch {info['torch']}, Triton {info['triton']}: host us per call, "
+              f"the median of 5 runs of 200 calls, the GPU not waited for")
+        rows = measure_paths()
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"device": info["device"], "torch": info["torch"],
+                                             "triton": info["triton"], "rows": rows}, indent=1))
+            print(f"wrote {args.json}")
+        return
     info = common.versions()
     print(f"{info['device']}, torch {info['torch']}, Triton {info['triton']}: host us per call")
     columns = ["generic", "compiled", "direct", "runtime", "operator", "cudnn"]
