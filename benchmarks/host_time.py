@@ -176,11 +176,12 @@ def where_time_goes(stats, calls):
 def path_calls(path, layer, device="cuda"):
     """(ours, cuDNN's): two calls that do the same work, the operator's and torch's, for one path."""
     import conv_tutorial
+    import conv_tutorial.ops  # noqa: F401  (registers torch.ops.conv_tutorial.*)
     label, N, H, W, Ci, Co, R, S, stride, padding = layer
     x, w = common.random_conv_inputs(N, H, W, Ci, Co, R, S, torch.bfloat16, device_name=device)
     x_nchw, w_oihw = x.permute(0, 3, 1, 2), w.permute(0, 3, 1, 2)       # channels_last, as a model holds them
     g = common.conv_geometry(x.shape, w.shape, stride, padding)
-    dy_nchw = torch.randn(N, Co, *g.out_size, dtype=torch.bfloat16, device=device).to(
+    dy_nchw = torch.randn(N, Co, g.out_h, g.out_w, dtype=torch.bfloat16, device=device).to(
         memory_format=torch.channels_last)
     sizes, ones = [stride] * 2, [1, 1]
     if path.startswith(("dgrad", "wgrad")):
