@@ -7,7 +7,7 @@ ways to a conv's output and its per-channel sum and sum of squares (what BatchNo
 mode needs), each replayed in a CUDA graph (common.bench_tflops with cuda_graph=True: kernels
 alone, no host time), all in one run:
   ours           the operator's runtime (lesson 05's kernel), no statistics: the floor
-  ours+stats     the same kernel with channel_stats: the epilogue adds the sums (lesson 06, section 10)
+  ours+stats     the same kernel with channel_stats: the epilogue adds the sums (lesson 08)
                  into one fp32 [2, Co] tensor, zeroed before each call (timed)
   ours+reduce    ours, then the sums by a torch.compile'd reduction over the output (what Inductor
                  does in a training graph without the fusion)

@@ -1,9 +1,9 @@
-"""How evenly the one-launch strided dgrad (lesson 06, section 2b) loads the programs of the forward
+"""How evenly the one-launch strided dgrad (the package's one launch, kernels/dgrad.py) loads the programs of the forward
 kernel's persistent grid, counted on paper: no GPU needed.
 
     python benchmarks/phase_balance.py [--sms 132]
 
-For every strided 3x3-like conv of ResNet-50, ResNet-18 and Inception v3 that section 2b's plan
+For every strided 3x3-like conv of ResNet-50, ResNet-18 and Inception v3 that the one-launch plan
 takes (with the config `side_by_side_config` picks on Hopper), the k-steps each program runs when
 program p of P takes tiles p, p + P, p + 2P, ... (the persistent loop), and a tile of phase (a, b)
 runs that phase's taps times the K blocks of dY's channels. Two tile orders:
@@ -36,7 +36,7 @@ ARCH = "sm_90"          # side_by_side_config's choice on Hopper, whatever this 
 
 
 def k_steps_per_tile(plan, order=None):
-    """The k-steps of each tile of section 2b's conv `plan`, in the order the kernel numbers the tiles
+    """The k-steps of each tile of the one-launch conv `plan`, in the order the kernel numbers the tiles
     (`order`: as taps_per_tile's): the tile's taps times the K blocks of dY's channels."""
     g, config = plan.geometry, plan.config
     padded = -(-g.Ci_group // 8) * 8               # bf16 channels in whole 16-byte pixels, as TMA loads them
@@ -63,7 +63,7 @@ class Balance(NamedTuple):
 
 
 def balance(label, geometry, sms):
-    """The Balance of `geometry`'s dgrad on a grid of `sms` SMs, or None where section 2b's plan does
+    """The Balance of `geometry`'s dgrad on a grid of `sms` SMs, or None where the one-launch plan does
     not take it."""
     plan = side_by_side_plan(geometry, side_by_side_config(geometry, ARCH))
     if plan is None:
@@ -76,7 +76,7 @@ def balance(label, geometry, sms):
 
 
 def balances(layers, sms):
-    """The Balance of each distinct strided conv of `layers` whose dgrad section 2b's plan takes (a conv
+    """The Balance of each distinct strided conv of `layers` whose dgrad the one-launch plan takes (a conv
     of few input channels is left out: the operator folds its stride instead)."""
     seen, rows = set(), []
     for label, N, H, W, Ci, Co, R, S, stride, padding in layers:

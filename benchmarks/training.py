@@ -18,7 +18,7 @@ the same initial weights). Variants:
                    followed by a BatchNorm2d sums its output per channel in its epilogue (lesson 06,
                    section 10), and BatchNorm normalizes with those statistics
   ours-lesson06-bnstats-relugrad   the same after conv_tutorial.fuse_relu_into_dgrad too: a conv whose input
-                   is a ReLU's output applies ReLU's backward in dgrad's epilogue (lesson 06, section 12)
+                   is a ReLU's output applies ReLU's backward in dgrad's epilogue (lesson 08)
   ...-cudagraphs   compile, ours, ours-lesson06(-bnstats(-relugrad)) under torch.compile(mode="reduce-overhead"): each
                    compiled forward and backward replayed as a CUDA graph (kernels without host time)
 For each: images/s over the timed steps (after warm-up steps that compile; CUDA-synchronized wall

@@ -41,8 +41,8 @@ class FlippedFilter(NamedTuple):
     and its N is dX's channels, contiguous within each of w's taps: seen as w2d [Co, R*S*Ci], the
     weights of a k-step are a box [BLOCK_K rows, BLOCK_N columns] at (c0, its tap's column + n0),
     N-major, where the conv's own filter is K-major. along_h[a] = (r0, first, step, taps): the
-    rectangle of residue a (one residue without phases; one per residue of a `WindowPhases`, lesson
-    06's section 2b) starts at the conv's tap r0, and its conv taps r0, r0+1, ... read w's taps
+    rectangle of residue a (one residue without phases; one per residue of a `WindowPhases`, the
+    phases in one launch) starts at the conv's tap r0, and its conv taps r0, r0+1, ... read w's taps
     first + (taps-1)*step, ..., first (reversed); along_w likewise for s."""
     w: torch.Tensor           # the forward conv's filter [Co, R, S, Ci]: contiguous, fp16 or bf16
     along_h: tuple

@@ -21,7 +21,7 @@ from . import fprop
 from .gradients import dgrad_config, fold_weight, unfold_input_grad
 
 class AxisPhase(NamedTuple):
-    # One axis of one phase of dgrad (section 2; stride 1 has one phase): dX's rows phase,
+    # One axis of one phase of dgrad (lesson 06; stride 1 has one phase): dX's rows phase,
     # phase + stride, ... are rows crop, crop + 1, ... of a stride-1 conv of dY with the filter's
     # taps `taps` (a slice of r), flipped, at `dilation`, with `padding` on both sides.
     rows: int            # rows of dX in this phase (0 when the phase lies past the image)
@@ -32,7 +32,7 @@ class AxisPhase(NamedTuple):
 
 
 def dgrad_axis_phase(phase, size, out_size, R, stride, padding, dilation):
-    """Where dX's rows phase, phase + stride, ... come from, along one axis (section 2)."""
+    """Where dX's rows phase, phase + stride, ... come from, along one axis (lesson 06)."""
     rows = len(range(phase, size, stride))
     hits = [r for r in range(R) if (phase + padding - r * dilation) % stride == 0]
     if rows == 0 or not hits:
@@ -64,7 +64,7 @@ def flipped_weights_kernel(w_ptr, out_ptr, phases, Co, R, S, Ci_group, Co_group,
     """Every phase's w' at once. Entry i of `phases` (ints: first, r0, r_step, R2, s0, s_step, S2, at, pitch)
     is a phase whose taps r0 + a*r_step (a < R2) and s0 + b*s_step (b < S2) are programs first, first + 1,
     ... along axis 0, and whose w' [Ci, R2, S2, Co_group] starts at out_ptr + at, its rows `pitch` taps apart
-    (R2 * S2: w' on its own; more where the phases sit side by side, section 2b):
+    (R2 * S2: w' on its own; more where the phases sit side by side in one launch):
     out[at + ((k*Ci_group + ci) * pitch + r' * S2 + s') * Co_group + co]
         = w[k*Co_group + co, r0 + (R2-1-r')*r_step, s0 + (S2-1-s')*s_step, ci]     for group k.
     Axes 1 and 2: [BLOCK_CO, BLOCK_CI] tiles of w's channels. The tuple's length is fixed when the
@@ -108,7 +108,7 @@ def flipped_weights(w, phase_taps, groups=1, width=None):
     stride of 2 in both axes has 4), into one buffer (each w' a contiguous piece of it). The phases
     go to the kernel as integers, not as a table in GPU memory: a tensor made once and kept here
     would outlive the CUDA graph (a training step's) that allocated it.
-    With `width` (groups = 1; section 2b): one tensor [phases * width, 1, taps, Co], the phases side by
+    With `width` (groups = 1; the phases in one launch): one tensor [phases * width, 1, taps, Co], the phases side by
     side, rows p * width + ci of phase p holding its w'[ci] (its R2 * S2 taps first; `taps`: the
     most any phase has), rows past Ci zeros. Past a phase's own taps only a K block that straddles its last
     tap's end reads: zeros there where Co is not a multiple of 128 channels, else never read."""
@@ -202,9 +202,9 @@ def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None, conv=None, in_plac
     the phase's rows and columns of dX: stored there by the conv itself, handed the phase as
     `out_window=` (a OutputWindow), where the stride is > 1 and dX's pixels are 16-byte
     aligned; else copied (the only phase at stride 1 is the whole of dX unless a crop is needed).
-    `phases`: dgrad_phases(geometry), if the caller keeps it. `conv`: section 2b's conv (e.g.
-    side_by_side_launch); with one, every phase runs in one conv where section 2b's plan applies and
-    dX's pixels are 16-byte aligned. `in_place`: hand fprop and conv w' as section 2c's FlippedFilters where
+    `phases`: dgrad_phases(geometry), if the caller keeps it. `conv`: the one-launch conv of all phases (e.g.
+    side_by_side_launch); with one, every phase runs in one conv where `side_by_side_plan` applies and
+    dX's pixels are 16-byte aligned. `in_place`: hand fprop and conv w' as FlippedFilters (w read in place) where
     w can be read in place (`reads_in_place`), not as copies (fprop and conv must take them)."""
     g = geometry
     in_place = in_place and reads_in_place(w, g.groups)
@@ -224,7 +224,7 @@ def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None, conv=None, in_plac
             untapped_zeros(dx, g, phases)
     # w'[ci, r', s', co] = w[co, the phase's taps reversed, ci]; grouped (section 10 of lesson 05), group k's
     # filters swap their channels among themselves: w' is [Ci, r', s', Co / groups]. Every phase's in one launch,
-    # or (section 2c) none: the kernel reads w in place.
+    # or (in place) none: the kernel reads w where it lies.
     phase_taps = [(along_h.taps, along_w.taps) for _, _, along_h, along_w in tapped]
     w_phases = filters_in_place(w, phase_taps) if in_place else flipped_weights(w, phase_taps, G)
     for (py, px, along_h, along_w), w_phase in zip(tapped, w_phases):
@@ -255,7 +255,7 @@ class SideBySide(NamedTuple):
 
 
 def side_by_side_config(geometry, arch=None):
-    """Lesson 05's config for section 2b's conv, picked among its candidates without tails or split-K.
+    """Lesson 05's config for the one-launch conv, picked among its candidates without tails or split-K.
     Tuned over ResNet-18's and Inception v3's strided 3x3 dgrads (results/notebook.md): 128 x 128 x 64 tiles, 6 stages, 8 warps where dX's channels come in
     whole 128-column tiles, else 256 x 64 x 64 tiles, 4 stages, 8 warps (less padding of the
     phases' width). (On ResNet-50's own layers ping-pong or 128 x 256 tiles were as fast or faster;
@@ -289,7 +289,7 @@ def side_by_side_plan(geometry, config=None):
     (default side_by_side_config's), without split-K (the window stores whole tiles)."""
     config = fprop.KernelConfig(*(config or side_by_side_config(geometry)))
     if config.split_k != 1:
-        raise ValueError(f"config {config}: section 2b's conv stores through an output window, whole tiles: split_k=1")
+        raise ValueError(f"config {config}: the one-launch conv stores through an output window, whole tiles: split_k=1")
     return _side_by_side_plan(geometry, config)
 
 
@@ -318,9 +318,9 @@ def _side_by_side_plan(geometry, config):
 
 
 def dgrad_side_by_side(dy_nhwc, w, geometry, plan, conv, in_place=False):
-    """dX by section 2b: `plan` (side_by_side_plan of `geometry`) run by conv(dy, w_side_by_side, plan,
+    """dX in one launch: `plan` (side_by_side_plan of `geometry`) run by conv(dy, w_side_by_side, plan,
     out_window), lesson 05's kernel on a GPU (`side_by_side_launch`), torch on a CPU
-    (`reference_side_by_side`). `in_place`: w_side_by_side is section 2c's FlippedFilter of w, not a copy."""
+    (`reference_side_by_side`). `in_place`: w_side_by_side is a FlippedFilter of w (read in place), not a copy."""
     g = geometry
     if plan is None or plan.source != g:
         raise ValueError(f"plan must be side_by_side_plan of {g.describe()}, got "
@@ -335,7 +335,7 @@ def dgrad_side_by_side(dy_nhwc, w, geometry, plan, conv, in_place=False):
 
 
 def side_by_side_launch(dy_nhwc, w_side_by_side, plan, out_window):
-    # Lesson 05's kernel, launched plainly, on section 2b's conv, its tiles in phase_order's order.
+    # Lesson 05's kernel, launched plainly, on the one-launch conv, its tiles in phase_order's order.
     if out_window.phases is None:
         raise ValueError("out_window must carry the plan's phases (OutputWindow(dx, phases=plan.phases))")
     arch, num_sms = tma_mma_arch_and_sms("side_by_side_launch")
@@ -347,7 +347,7 @@ def side_by_side_launch(dy_nhwc, w_side_by_side, plan, out_window):
 
 
 def taps_per_tile(plan, order=None):
-    """The taps each tile of section 2b's conv runs (its k-steps, over dY's channel blocks), in the order the
+    """The taps each tile of the one-launch conv runs (its k-steps, over dY's channel blocks), in the order the
     kernel numbers the tiles: lesson 05's grouped order over the phases side by side (`order` None), or
     the phases one after another in `order` (WindowPhases.order), each phase's tiles in that order."""
     phases, config = plan.phases, fprop.KernelConfig(*plan.config)
@@ -382,7 +382,7 @@ def _phase_order(source, config, programs):
 
 
 def reads_in_place(w, groups=1):
-    """Whether lesson 05's kernel reads w [Co, R, S, Ci] in place as a dgrad's weights (section 2c): on a
+    """Whether lesson 05's kernel reads w [Co, R, S, Ci] in place as a dgrad's weights (lesson 06's weights read in place): on a
     GPU, fp16 or bf16, groups 1, w contiguous and 16-byte aligned, its rows of R*S*Ci elements whole
     16-byte vectors (`FlippedFilter.readable`)."""
     return w.is_cuda and groups == 1 and FlippedFilter.readable(w)
@@ -413,8 +413,8 @@ def side_by_side_in_place(w, plan):
 
 def dgrad(dy_nhwc, w, geometry, fprop, fold=None, phases=None, conv=None, in_place=False):
     """dX by `dgrad_by_phases`: of the conv `geometry`, or, given its `stride_fold`, of the folded
-    conv, unfolded (end of section 6). `phases`: dgrad_phases of the conv the phases run; `conv`:
-    section 2b's, where all phases may run as one conv; `in_place`: section 2c's weights read in place."""
+    conv, unfolded (kernels/gradients.py's stride fold). `phases`: dgrad_phases of the conv the phases run; `conv`:
+    the one-launch conv, where all phases may run as one; `in_place`: the weights read in place."""
     if fold is None:
         return dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases, conv, in_place)
     dx_folded = dgrad_by_phases(dy_nhwc, fold_weight(w, fold), fold.geometry, fprop, phases, conv, in_place)

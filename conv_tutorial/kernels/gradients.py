@@ -10,7 +10,7 @@ import triton
 from ..core.geometry import conv_geometry
 from . import fprop
 
-BACKWARD_DTYPES = (torch.float16, torch.bfloat16)   # why not e4m3: section 3
+BACKWARD_DTYPES = (torch.float16, torch.bfloat16)   # why not e4m3: lesson 07 (e4m3 WGMMA takes no transposed operand)
 
 
 def check_backward_call(tensors, x_shape, w_shape, stride, padding, dilation, groups):
@@ -137,7 +137,7 @@ def backward_groups_reason(geometry, kind):
         return None
     if kind == "wgrad" and (g.Co_group % 64 or g.Ci_group % 8):
         return (f"wgrad takes a grouped conv whose groups hold a multiple of 64 output channels (a tile's rows "
-                f"in one group) and of 8 input channels (section 6); got {g.Co_group} and {g.Ci_group} per group")
+                f"in one group) and of 8 input channels (lesson 07's wgrad tiles); got {g.Co_group} and {g.Ci_group} per group")
     if kind == "dgrad" and not fprop.groups_fit(dgrad_config(g), g.Co_group, g.Ci_group):
         return (f"dgrad runs as lesson 05's grouped conv of dY, {g.Co_group} -> {g.Ci_group} channels per group, "
                 f"whose tiles must stay in one group (lesson 05, section 10: K blocks dividing {g.Co_group}, "

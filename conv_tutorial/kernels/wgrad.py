@@ -47,7 +47,7 @@ class WgradUnit:
     c0: Int           # first input channel (within its group: dW's column)
     k_begin: Int      # the unit's pixel blocks, BLOCK_K pixels each
     k_end: Int
-    split: Int        # which slice of the pixels (section 5); -1: a tile run whole
+    split: Int        # which slice of the pixels (lesson 07's split-K); -1: a tile run whole
     tile: Int         # the tile's number: tiles past whole_tiles have a place in the workspace
 
 
@@ -70,7 +70,7 @@ def wgrad_work_unit(unit, shape):
 @triton.jit
 def wgrad_tile_origin(tile, num_pid_m, ci_blocks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # (co0, tap, c0) of a tile of dW; the tiles of one tap's channel block, which share an im2col box,
-    # are neighbours. The kernel and section 5's sum (a plain Triton kernel) both call it.
+    # are neighbours. The kernel and the split-K sum (a plain Triton kernel) both call it.
     pid_m = tile % num_pid_m
     pid_n = tile // num_pid_m          # (tap, channel block)
     return pid_m * BLOCK_M, pid_n // ci_blocks, pid_n % ci_blocks * BLOCK_N
@@ -129,7 +129,7 @@ def wgrad_loader_partition(dy_desc, x_desc, ring, schedule, window):
     for unit in range(gl.program_id(0), schedule.num_units(), gl.num_programs(0)):
         work = schedule.work(unit)
         offsets = tap_offsets(work.tap, schedule)
-        # the box's first channel: c0, counted from the group's first channel if grouped (section 6)
+        # the box's first channel: c0, counted from the group's first channel if grouped
         x_channel = window.group_channel(work.co0) + work.c0
         for k in range(work.k_begin, work.k_end):
             p0 = k * BLOCK_K
@@ -417,7 +417,7 @@ def wgrad_tiles(geometry, config):
 
 def x_reads_tiled(geometry):
     """A 1x1 conv at stride 1 without padding: output pixel p reads input pixel p, so x is a plain
-    [pixels, Ci] matrix, loaded by tiled TMA (section 3)."""
+    [pixels, Ci] matrix, loaded by tiled TMA (lesson 07: the transposed operands)."""
     g = geometry
     return (g.R, g.S, tuple(g.stride), tuple(g.padding)) == (1, 1, (1, 1), (0, 0))
 

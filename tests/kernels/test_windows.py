@@ -58,7 +58,7 @@ def test_output_window_refuses_channels_short_of_a_16_byte_vector():
     (4, 8, None, "a width of at least the channels"),
 ])
 def test_output_window_with_phases(width, channels, tile_n, message):
-    # lesson 06, section 2b: a conv of dY [2, 5, 4, .] whose 4 * width columns are a stride-2 dgrad's phases, stored
+    # the package's one launch (kernels/dgrad.py): a conv of dY [2, 5, 4, .] whose 4 * width columns are a stride-2 dgrad's phases, stored
     # into dX [2, 10, 8, channels]
     geometry = conv_geometry((2, 5, 4, 16), (4 * width, 1, 1, 16))
     phases = WindowPhases(width, channels, ((0, 1), (0, 2)), ((0, 1), (0, 2)))

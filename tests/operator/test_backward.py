@@ -123,7 +123,7 @@ def test_lesson06_path_gets_nhwc_tensors_and_gives_nchw_gradients(lesson06_stand
 
 
 def test_a_strided_dgrad_runs_its_phases_side_by_side(lesson06_stand_ins):
-    """16-byte pixels of dX (8 fp64 channels) at stride 2: the four phases as one conv (lesson 06, section 2b)."""
+    """16-byte pixels of dX (8 fp64 channels) at stride 2: the four phases as one conv (the package's one launch, kernels/dgrad.py)."""
     seen = lesson06_stand_ins
     x = torch.randn(2, 8, 9, 10, dtype=torch.float64, requires_grad=True)
     w = torch.randn(6, 8, 3, 3, dtype=torch.float64, requires_grad=True)
