@@ -422,8 +422,9 @@ def test_load_count_plot(tmp_path):
 # thread issues 9 weight loads, 18 input loads and 18 FMAs. Whether a tap's two input loads become
 # one wider load is decided by what the compiler can prove about the addresses: that neighbouring
 # outputs read neighbouring elements (stride 1, known at compile time because Triton specializes
-# an integer argument equal to 1) and that a pair starts aligned to the wider width. With the
-# demo's width W = 11 no row starts
+# an integer argument equal to 1), that a pair starts aligned to the wider width, and that the
+# bounds mask keeps or drops a pair whole (out_w a multiple of 16, which Triton also records: with
+# W = 32 and padding 0, out_w = 30 and the loads stay scalar). With the demo's width W = 11 no row starts
 # aligned, so every load stays one element wide, 32-bit in fp32 and 16-bit in fp16: the width
 # follows the dtype, the count follows alignment. With W = 32 (a multiple of 16, which Triton
 # records at compile time, so every row starts aligned) and padding 1, the three taps of column

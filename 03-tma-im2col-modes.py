@@ -30,9 +30,6 @@ Tests:  pytest 03-tma-im2col-modes.py tests/lessons/test_03_model.py tests/lesso
 """
 
 # %%
-# (The next line is for the website: sphinx-gallery shows a cell's figures one under the other, each
-# as wide as it was drawn, instead of side by side shrunk to 42% of the page.)
-# sphinx_gallery_multi_image = "single"
 import itertools
 import sys
 
@@ -46,7 +43,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
 
-# For the website (sphinx-gallery): a cell's figures one under another, as wide as drawn, not side by side.
+# For the website (sphinx-gallery): a cell's figures one under another, each as wide as drawn, not side by
+# side shrunk to 42% of the page.
 # sphinx_gallery_multi_image = "single"
 
 # %%
