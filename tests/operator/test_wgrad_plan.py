@@ -430,14 +430,3 @@ def test_split_choices():
     assert choose_split(200, 4, 132) == 1                   # 4 k-steps: nothing to gain
 
 
-@pytest.mark.parametrize("Ci, Co, groups, dgrad_runs, wgrad_runs", [
-    (256, 256, 2, True, True),       # 128 -> 128 per group
-    (128, 512, 4, False, True),      # 32 -> 128: wgrad's 128-row tiles fit; dgrad's conv writes 32 per group,
-                                     # less than a tile's 64 columns
-    (72, 72, 3, False, False),       # RegNetY-3.2GF's 24 per group
-    (512, 128, 2, True, True),       # 256 -> 64: dgrad's conv reads 64 per group (one K block), writes 256
-])
-def test_which_grouped_convs_the_backward_runs(Ci, Co, groups, dgrad_runs, wgrad_runs):
-    g = common.conv_geometry((2, 8, 8, Ci), (Co, 3, 3, Ci // groups), 1, 1, 1, groups)
-    assert (gradients.backward_groups_reason(g, "dgrad") is None) == dgrad_runs
-    assert (gradients.backward_groups_reason(g, "wgrad") is None) == wgrad_runs
