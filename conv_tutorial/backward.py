@@ -23,11 +23,12 @@ from typing import List
 
 import torch
 
-from . import runtime, selection, wgrad
+from . import hostpath, runtime, selection, wgrad
 from .configs import grouped_conv_fits
-from .geometry import current_arch, nhwc_view
+from .geometry import current_arch, device_facts, nhwc_view
+from .launch import DirectLaunch, plan_for, record_breaks, record_step, recording
 from . import core
-from .kernels import dgrad as dgrad_kernels, gradients
+from .kernels import dgrad as dgrad_kernels, fprop, gradients
 
 BACKENDS = ("torch", "lesson06")
 _BACKEND = os.environ.get("CONV_TUTORIAL_BACKWARD", "torch")
@@ -163,6 +164,22 @@ def _input_grad_relu(grad_output: torch.Tensor, input: torch.Tensor, weight: tor
 
 
 def _dgrad(grad_output, input, weight, stride, padding, dilation, groups, relu_gated):
+    if grad_output.is_cuda:     # a call of a key seen before: its replay (hostpath.py)
+        key = hostpath.replay_key((grad_output, input, weight), "conv2d_input_grad", *stride, *padding, *dilation,
+                                  groups, relu_gated, backward_backend())
+        tensors = {"grad_output": grad_output, "input": input, "weight": weight}
+        results = hostpath.replayed(key, grad_output.device, tensors)
+        if results is not None:
+            return results[0]
+        if hostpath.records(key):
+            with recording() as steps:
+                dx = _dgrad_full_path(grad_output, input, weight, stride, padding, dilation, groups, relu_gated)
+            hostpath.keep_replay(key, steps, tensors, {"grad_input": (dx, False)})
+            return dx
+    return _dgrad_full_path(grad_output, input, weight, stride, padding, dilation, groups, relu_gated)
+
+
+def _dgrad_full_path(grad_output, input, weight, stride, padding, dilation, groups, relu_gated):
     if _why_torch("input", grad_output, input, weight, stride, padding, dilation, groups):
         dx = _torch_gradient("input", grad_output, input, weight, stride, padding, dilation, groups)
         if relu_gated:
@@ -176,7 +193,7 @@ def _dgrad(grad_output, input, weight, stride, padding, dilation, groups, relu_g
             fold = gradients.stride_fold(geometry, input.element_size())
             phases = dgrad_kernels.dgrad_phases(geometry if fold is None else fold.geometry)
             plan = _DGRAD_PLANS[geometry] = (fold, phases)
-        options = dict(fold=plan[0], phases=plan[1], conv=dgrad_kernels.side_by_side_launch, in_place=True)
+        options = dict(fold=plan[0], phases=plan[1], conv=_side_by_side_conv, in_place=True, zeros=_launch_zeros)
         dy_nhwc = nhwc_view(grad_output)
         dx = (dgrad_kernels.dgrad_through_relu(dy_nhwc, w_nhwc, nhwc_view(input), geometry, _fprop, **options)
               if relu_gated
@@ -184,9 +201,53 @@ def _dgrad(grad_output, input, weight, stride, padding, dilation, groups, relu_g
     return dx.contiguous(memory_format=torch.channels_last)            # the layout the fake promises
 
 
+def _side_by_side_conv(dy_nhwc, w_side_by_side, plan, out_window):
+    """kernels.dgrad's one-launch conv (`side_by_side_launch`'s work) through the forward's plan of its
+    shape and config (launch.py): the tiles in phase_order's order, the window storing every phase."""
+    _, num_sms, _ = device_facts()
+    order = dgrad_kernels.phase_order(plan, fprop.tile_counts(plan.config, plan.geometry.M, plan.geometry.Co,
+                                                              num_sms)[0])
+    out_window = out_window._replace(phases=out_window.phases._replace(order=order))
+    plan_for(plan.geometry, dy_nhwc.dtype, plan.config).run(dy_nhwc, w_side_by_side, out_window=out_window)
+
+
+_ZEROS = {}     # (grid, scalars, constexprs) -> DirectLaunch of kernels.dgrad.untapped_zeros_kernel
+
+
+def _launch_zeros(kernel, grid, args, kwargs):
+    """untapped_zeros' launch: through Triton's launcher the first time (it compiles), directly after it."""
+    dx, *scalars = args
+    key = (grid, tuple(scalars), tuple(sorted(kwargs.items())), dx.dtype, dx.device)
+    direct = _ZEROS.get(key)
+    if direct is None or dx.data_ptr() % 16 or not direct.takes_addresses():
+        record_breaks()
+        launched = DirectLaunch.first_launch(kernel, grid, args, kwargs)
+        if dx.data_ptr() % 16 == 0:         # (what the kernel was compiled for: an aligned dX)
+            _ZEROS[key] = launched
+        return
+    direct(grid, dx.data_ptr(), *scalars)
+    record_step(("launch", direct, grid, (dx.data_ptr(), *scalars), (0,)))
+
+
 def _weight_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, stride: List[int],
                  padding: List[int], dilation: List[int], groups: int) -> torch.Tensor:
     """dW: lesson 07's wgrad kernel through a plan per shape (wgrad.py), or torch's."""
+    if grad_output.is_cuda:     # a call of a key seen before: its replay (hostpath.py)
+        key = hostpath.replay_key((grad_output, input, weight), "conv2d_weight_grad", *stride, *padding, *dilation,
+                                  groups, backward_backend())
+        tensors = {"grad_output": grad_output, "input": input}
+        results = hostpath.replayed(key, grad_output.device, tensors)
+        if results is not None:
+            return results[0]
+        if hostpath.records(key):
+            with recording() as steps:
+                dw = _weight_grad_full_path(grad_output, input, weight, stride, padding, dilation, groups)
+            hostpath.keep_replay(key, steps, tensors, {"grad_weight": (dw, False)})
+            return dw
+    return _weight_grad_full_path(grad_output, input, weight, stride, padding, dilation, groups)
+
+
+def _weight_grad_full_path(grad_output, input, weight, stride, padding, dilation, groups):
     if _why_torch("weight", grad_output, input, weight, stride, padding, dilation, groups):
         dw = _torch_gradient("weight", grad_output, input, weight, stride, padding, dilation, groups)
     else:

@@ -84,14 +84,21 @@ class DirectLaunch:
         return cls(compiled, tuple(kwargs[p.name] for p in kernel.params if p.is_constexpr), templates)
 
     def _tensor_map(self, tensor, position):
-        key = (position, tensor.data_ptr())
+        # `tensor`: a tensor, or its address (an int: a replay's, which the caller checked for 16-byte alignment)
+        key = (position, tensor if type(tensor) is int else tensor.data_ptr())
         encoded = self.tensor_maps.get(key)
         if encoded is None:                    # a new address: encode from the validated template
             if len(self.tensor_maps) >= self.MAX_TENSOR_MAPS:
                 self.tensor_maps.clear()
             meta, template = self.descriptor_at[position]
-            encoded = self.tensor_maps[key] = self.encode(_with_base(template, tensor), meta, None)
+            base = _Address(tensor) if type(tensor) is int else tensor
+            encoded = self.tensor_maps[key] = self.encode(_with_base(template, base), meta, None)
         return encoded
+
+    def takes_addresses(self):
+        """Whether a call may pass descriptors' tensors as addresses (ints): the lean path, no
+        profiler listening (Triton's path wants the tensors themselves)."""
+        return self.lean and not _launch_hooks_set()
 
     def __call__(self, grid, *args):
         """Launch on the current stream. `grid`: 1 to 3 program counts, as Triton takes it; `args`:
@@ -118,6 +125,220 @@ class DirectLaunch:
                     *self.launch_tail, expanded)
 
 
+class ForwardReplay:
+    """A plan's later launches of one variant: the conv kernel's DirectLaunch and, with split-K,
+    its second kernel's, with everything the plan fixes (grids, shapes, scalars, which tails have
+    descriptors, the buffers' shapes) taken once. A call passes only what changes between calls:
+    the input's and the weights' tensors or addresses (16-byte aligned: the caller checked), the
+    epilogue's pointers as addresses, a window's and the statistics' arguments; it allocates the
+    output and split-K's workspace on `device` (or takes the output's buffer, `out_2d`) and returns
+    the output's buffer."""
+
+    def __init__(self, plan, direct, template, reduce):
+        self.direct, self.grid, self.shape = direct, template.grid, template.shape
+        self.out_shape, self.out_dtype = tuple(template.out_2d.shape), template.out_2d.dtype
+        self.partial = None if template.partial is None else (tuple(template.partial.shape), template.partial.dtype)
+        self.w_tail, self.out_tail = template.w_tail_desc is not None, template.out_tail_desc is not None
+        self.reduce, self.reduce_grid, self.reduce_scalars = reduce, plan.reduce_grid, plan.reduce_scalars
+        self.dense = template.out_window is None and self.out_shape[1] == plan.geometry.Co
+
+    @property
+    def lean(self):
+        return self.direct.lean and (self.reduce is None or self.reduce.lean)
+
+    def takes_addresses(self):
+        return self.lean and not _launch_hooks_set()
+
+    def __call__(self, device, x, w, pointers, out_2d=None, window_args=None, stats=None):
+        if out_2d is None:
+            out_2d = torch.empty(self.out_shape, dtype=self.out_dtype, device=device)
+        out = out_2d.data_ptr()
+        pointers = tuple(out if p is None else p for p in pointers)      # (bias, scale, residual): absent ones unread
+        partial = None if self.partial is None else torch.empty(self.partial[0], dtype=self.partial[1], device=device)
+        self.direct(self.grid, x, w, w if self.w_tail else None, out_2d, out_2d if self.out_tail else None,
+                    (*pointers, out if partial is None else partial.data_ptr()), self.shape, window_args, stats)
+        if self.reduce is not None:             # split-K's second kernel sums the slices
+            self.reduce(self.reduce_grid, partial.data_ptr(), out, pointers, *self.reduce_scalars)
+        return out_2d
+
+
+class _Address(int):
+    # An address where a descriptor's template wants a tensor: all a tensor map's encoding reads of it is data_ptr()
+    def data_ptr(self):
+        return int(self)
+
+
+class Recording:
+    """The launches one call made, each with its pointers as addresses, for a replay of the call
+    (an operator's; backward.py builds them): `steps` are ("conv", ForwardReplay, x, w, pointers,
+    window_args, stats, out) (`out` the output's address, None for a window) and ("launch",
+    DirectLaunch, grid, args, pointer positions in args) and ("scratch", shape, dtype, (address,
+    bytes)), a workspace the call allocated; `broken` where the call did anything a
+    replay of these steps would not repeat (a first launch, a copy, torch's sums). A "fold" step,
+    ("fold", FoldedConv, x, w, (x_fold, bytes), (w_fold, bytes)), is runtime.FoldedConv.apply's:
+    the addresses of what it read and of the copies it made, which later steps read."""
+
+    def __init__(self):
+        self.steps, self.broken = [], False
+
+
+_RECORDING = contextvars.ContextVar("conv_tutorial_recording", default=None)
+
+
+@contextlib.contextmanager
+def recording():
+    """Record the launches made inside (a `Recording`). (A recording inside another breaks the outer one:
+    the outer would not see the inner's steps.)"""
+    record_breaks()
+    token = _RECORDING.set(Recording())
+    try:
+        yield _RECORDING.get()
+    finally:
+        _RECORDING.reset(token)
+
+
+def record_breaks():
+    """Say that the call being recorded did work its steps do not hold: it gets no replay."""
+    active = _RECORDING.get()
+    if active is not None:
+        active.broken = True
+
+
+
+def _address(t):
+    return t if t is None or type(t) is int else t.data_ptr()
+
+
+def _record(replay, x, w, pointers, window_args, stats, out_2d):
+    active = _RECORDING.get()
+    if active is not None:
+        active.steps.append(("conv", replay, _address(x), _address(w), pointers, window_args, stats,
+                             None if out_2d is None else out_2d.data_ptr()))
+
+
+def record_step(step):
+    """Add a step (a tuple, as `Recording` describes) to the call being recorded, if any."""
+    active = _RECORDING.get()
+    if active is not None:
+        active.steps.append(step)
+
+
+def record_scratch(tensor):
+    """Record a workspace the call allocated (its launches' addresses may lie in it)."""
+    if tensor is not None:
+        record_step(("scratch", tuple(tensor.shape), tensor.dtype, (tensor.data_ptr(), tensor.nbytes)))
+
+
+class Replay:
+    """An operator call replayed from its recording: the same launches on new tensors of the same
+    shapes, strides, dtypes and device, with nothing else run (no checks, no plans, no keys).
+
+    Built from a `Recording` of one call (`Replay.of`), where every address a launch took lies in
+    one of the call's `sources` (its input tensors by name, and its `results`: tensors the call
+    returned, which the replay allocates) or in a fold's products (a "fold" step: FoldedConv's
+    copies, remade by the replay). A call whose recording is broken, or has an address elsewhere
+    (a copy the call made, say), gets no replay: its calls keep the full path. A replay returns None
+    (and launches nothing) where its launches cannot take addresses (a profiler listens) or an
+    input is not 16-byte aligned (the full path explains)."""
+
+    def __init__(self, steps, results, sources, launches):
+        self.steps, self.results, self.sources = steps, results, sources
+        self.lean = all(launch.lean for launch in launches)      # (no scratch space to allocate: launch.py's DirectLaunch)
+
+    @classmethod
+    def of(cls, recording, sources, results):
+        """The replay of `recording`, or None. `sources`: {name: tensor or None} the call took;
+        `results`: {name: (tensor, zeroed)} it returned (zeroed: allocated as zeros)."""
+        if recording.broken or not recording.steps:
+            return None
+        spans = {}          # name -> (address, bytes)
+        for name, t in list(sources.items()) + [(name, t) for name, (t, _) in results.items()]:
+            if t is not None:
+                if t.data_ptr() % 16:
+                    return None
+                spans[name] = (t.data_ptr(), t.numel() * t.element_size())
+
+        def where(address):          # (name, offset) of an address, or None
+            if address is None:
+                return None
+            for name, (start, size) in spans.items():
+                if start <= address < start + max(size, 1):
+                    return (name, address - start)
+            raise LookupError(address)
+
+        steps, launches = [], []
+        try:
+            for step in recording.steps:
+                if step[0] == "fold":       # the fold's inputs: NCHW-shaped sources, in channels_last memory
+                    _, fold, x, w, x_fold, w_fold = step
+                    x, w = where(x), where(w)
+                    if x[1] or w[1] or x[0] not in sources or w[0] not in sources:
+                        return None
+                    steps.append(("fold", fold, x[0], w[0]))
+                    spans["x_fold"], spans["w_fold"] = x_fold, w_fold
+                elif step[0] == "scratch":  # a workspace the call allocated: the replay allocates its own
+                    _, shape, dtype, span = step
+                    name = f"scratch{len(steps)}"
+                    steps.append(("scratch", shape, dtype, name))
+                    spans[name] = span
+                elif step[0] == "conv":
+                    _, replay, x, w, pointers, window_args, stats, out = step
+                    out = where(out)
+                    if out is not None and (out[1] != 0 or out[0] not in results or not replay.dense):
+                        return None
+                    window = None if window_args is None else (where(window_args[0]), window_args[1:])
+                    steps.append(("conv", replay, where(x), where(w), tuple(where(p) for p in pointers), window,
+                                  where(stats), out and out[0]))
+                    launches.append(replay)
+                else:
+                    _, direct, grid, args, positions = step
+                    args = tuple(where(a) if i in positions else a for i, a in enumerate(args))
+                    steps.append(("launch", direct, grid, args, positions))
+                    launches.append(direct)
+        except LookupError:
+            return None
+        results = tuple((name, tuple(t.shape), t.stride(), t.dtype, zeroed) for name, (t, zeroed) in results.items())
+        return cls(tuple(steps), results, tuple(name for name, t in sources.items() if t is not None), launches)
+
+    def __call__(self, device, tensors):
+        """The results (a tuple, in the order given to `of`) of the call on `tensors` ({name: tensor}, as the sources
+        were given), or None."""
+        addresses = {}
+        for name in self.sources:
+            address = addresses[name] = tensors[name].data_ptr()
+            if address % 16:
+                return None
+        if not self.lean or _launch_hooks_set():
+            return None
+        record_breaks()         # (a call being recorded that replays another would not see its launches)
+        results = []
+        for name, shape, strides, dtype, zeroed in self.results:
+            t = torch.empty_strided(shape, strides, dtype=dtype, device=device)
+            if zeroed:
+                t.zero_()
+            results.append(t)
+            addresses[name] = t
+        at = lambda place: None if place is None else _address(addresses[place[0]]) + place[1]  # noqa: E731
+        for step in self.steps:
+            kind = step[0]
+            if kind == "conv":
+                _, replay, x, w, pointers, window, stats, out = step
+                replay(device, at(x), at(w), tuple(at(p) for p in pointers),
+                       out_2d=None if out is None else addresses[out],
+                       window_args=None if window is None else (at(window[0]), *window[1]), stats=at(stats))
+            elif kind == "launch":
+                _, direct, grid, args, positions = step
+                direct(grid, *(at(a) if i in positions else a for i, a in enumerate(args)))
+            elif kind == "scratch":
+                _, shape, dtype, name = step
+                addresses[name] = torch.empty(shape, dtype=dtype, device=device)
+            else:
+                _, fold, x_name, w_name = step
+                x_fold, w_fold = fold.apply(tensors[x_name].permute(0, 2, 3, 1), tensors[w_name].permute(0, 2, 3, 1))
+                addresses["x_fold"], addresses["w_fold"] = x_fold, w_fold
+        return tuple(results)
+
+
 class ConvPlan:
     """Everything about one (shape, dtype, config, device) that does not depend on the tensors."""
 
@@ -127,8 +348,8 @@ class ConvPlan:
         self.config = KernelConfig(*config)
         check_config(self.config, arch)
         self.templates = {}       # (windowed, w_taps) -> the first such call's ConvLaunch without its tensors
-        self.launches = {}        # epilogue variant -> DirectLaunch of the conv kernel
-        self.reduces = {}         # epilogue variant -> DirectLaunch of split-K's second kernel
+        self.replays = {}         # variant (`variant`) -> ForwardReplay: the conv kernel's DirectLaunch, split-K's
+                                  # second kernel's, and what their later launches take from the plan
         self.reduce_grid = self.reduce_scalars = None   # split-K's second kernel: fixed by the plan
 
     def launch_for(self, x_nhwc, w, bias, scale=None, residual=None, out_window=None, channel_stats=None):
@@ -158,18 +379,12 @@ class ConvPlan:
                                  out_window=None if out_window is None else out_window.kernel_args(),
                                  channel_stats=channel_stats)
 
-    def run(self, x_nhwc, w, bias=None, scale=None, residual=None, activation="none", out_window=None,
-            channel_stats=None):
-        """The conv's NHWC output, or, given an `out_window` (core.OutputWindow, checked by the
-        caller; not with split-K), its view, where the kernel stored the output's pixels. Given
-        `channel_stats` (checked by the caller; not with split-K; fp32 [2, Co]), the kernel also adds each
-        output channel's sum and sum of squares into it, every program into the same tensor."""
-        # The specialization Triton compiled for: the epilogue, and whether each of its pointers
-        # is 16-byte aligned (Triton specializes pointer alignment) and of which dtype; with a
-        # window, which of its integers are 1, multiples of 16 or past 32 bits (Triton specializes
-        # those too: a constexpr, an alignment, an i64 parameter).
-        # Everything else is fixed by the plan.
-        window_args = None if out_window is None else out_window.kernel_args()
+    def variant(self, bias, scale, residual, activation, window_args, channel_stats, template_key):
+        """What a launch of this plan specializes on beyond the plan: the epilogue, and whether each
+        of its pointers is 16-byte aligned (Triton specializes pointer alignment) and of which dtype;
+        with a window, which of its integers are 1, multiples of 16 or past 32 bits (Triton
+        specializes those too: a constexpr, an alignment, an i64 parameter); the statistics'
+        pointer; lesson 06's weights read in place, their taps."""
         variant = (activation,) + tuple(None if t is None else (t.dtype, t.data_ptr() % 16 == 0)
                                         for t in (bias, scale, residual))
         if window_args is not None:     # (and a dgrad's phases, if any, as they are: small integers)
@@ -177,59 +392,56 @@ class ConvPlan:
                                                                       for v in window_args[1:8])
         if channel_stats is not None:
             variant += ("channel_stats", channel_stats.data_ptr() % 16 == 0)
-        key = _template_key(w, out_window)
-        if key[1] is not None:          # lesson 06's weights read in place: their taps (a plan of their own)
-            variant += key[1:]
-        direct = self.launches.get(variant)
-        if direct is None:
-            # First launch of this variant: the generic path (binds, specializes, compiles), then
-            # a DirectLaunch of the compiled kernel for the calls after it.
-            launch = self.launch_for(x_nhwc, w, bias, scale, residual, out_window, channel_stats)
-            epilogue = fprop.Epilogue(bias is not None, scale is not None, residual is not None, activation)
-            kwargs = fprop.kernel_constexprs(self.config, self.arch, epilogue)
-            if _COMPILE_ONLY.get():
-                out = self._compile_only(launch, kwargs, bias, scale, residual, activation)
-                return out if out_window is None else out_window.view
-            self.launches[variant] = DirectLaunch.first_launch(fprop.conv2d_fprop_kernel, launch.grid,
-                                                               launch.kernel_args(), kwargs,
-                                                               _descriptors(self.templates[key]))
-            if out_window is not None:
-                return out_window.view
-        else:
-            # Later launches: the tensors themselves where the kernel takes descriptors (their
-            # tensor maps are remembered by address), addresses for the pointers, the run-time
-            # scalars from the plan.
-            x_nhwc, w, _ = core.pad_channels_for_tma(x_nhwc, w)
-            w = _weight_tensor(w)
-            _check_tma_aligned(x_nhwc)
-            _check_tma_aligned(w)
-            template = self.templates[key]
-            out_2d = _new_like(template.out_2d, x_nhwc.device)
-            partial = _new_like(template.partial, x_nhwc.device)
-            # the tails' descriptors, where the plan has them (weights: a column tail; output: either)
-            w_tail, out_tail = (None if desc is None else tensor
-                                for desc, tensor in ((template.w_tail_desc, w), (template.out_tail_desc, out_2d)))
-            pointers = tuple(t.data_ptr() if t is not None else out_2d.data_ptr() for t in (bias, scale, residual))
-            if window_args is not None:
-                window_args = (window_args[0].data_ptr(), *window_args[1:])
-            direct(template.grid, x_nhwc, w, w_tail, out_2d, out_tail,
-                   (*pointers, (partial if partial is not None else out_2d).data_ptr()), template.shape, window_args,
-                   None if channel_stats is None else channel_stats.data_ptr(), None)   # (no input transform)
-            if out_window is not None:
-                return out_window.view
-            reduce = self.reduces.get(variant) if partial is not None else None
-            if reduce is not None:
-                # split-K's second kernel: its grid and scalars are the plan's, only pointers change
-                reduce(self.reduce_grid, partial.data_ptr(), out_2d.data_ptr(), pointers, *self.reduce_scalars)
-            if partial is None or reduce is not None:
-                return fprop.output_nhwc(self.geometry, out_2d)
-            launch = template._replace(out_2d=out_2d, partial=partial)
-        if launch.partial is not None:          # split-K: the second kernel sums the slices
-            grid, args, kwargs = fprop.split_k_epilogue_launch(launch, bias, scale, residual, activation)
-            self.reduces[variant] = DirectLaunch.first_launch(fprop.split_k_epilogue_kernel, grid, args, kwargs)
-            self.reduce_grid, self.reduce_scalars = grid, args[3:]
-        return fprop.output_nhwc(self.geometry, launch.out_2d)
+        if template_key[1] is not None:
+            variant += template_key[1:]
+        return variant
 
+    def run(self, x_nhwc, w, bias=None, scale=None, residual=None, activation="none", out_window=None,
+            channel_stats=None):
+        """The conv's NHWC output, or, given an `out_window` (core.OutputWindow, checked by the
+        caller; not with split-K), its view, where the kernel stored the output's pixels. Given
+        `channel_stats` (checked by the caller; not with split-K; fp32 [2, Co]), the kernel also adds each
+        output channel's sum and sum of squares into it, every program into the same tensor."""
+        window_args = None if out_window is None else out_window.kernel_args()
+        key = _template_key(w, out_window)
+        variant = self.variant(bias, scale, residual, activation, window_args, channel_stats, key)
+        replay = self.replays.get(variant)
+        if replay is None:
+            return self._first_run(variant, key, x_nhwc, w, bias, scale, residual, activation, out_window,
+                                   channel_stats)
+        # Later launches: the tensors themselves where the kernel takes descriptors (their tensor maps are
+        # remembered by address), addresses for the pointers, the run-time scalars from the plan.
+        x_nhwc, w, _ = core.pad_channels_for_tma(x_nhwc, w)
+        w = _weight_tensor(w)
+        _check_tma_aligned(x_nhwc)
+        _check_tma_aligned(w)
+        if window_args is not None:
+            window_args = (window_args[0].data_ptr(), *window_args[1:])
+        pointers = tuple(None if t is None else t.data_ptr() for t in (bias, scale, residual))
+        stats = None if channel_stats is None else channel_stats.data_ptr()
+        out_2d = replay(x_nhwc.device, x_nhwc, w, pointers, window_args=window_args, stats=stats)
+        _record(replay, x_nhwc, w, pointers, window_args, stats, None if out_window is not None else out_2d)
+        return out_window.view if out_window is not None else fprop.output_nhwc(self.geometry, out_2d)
+
+    def _first_run(self, variant, key, x_nhwc, w, bias, scale, residual, activation, out_window, channel_stats):
+        """A variant's first launch: the generic path (binds, specializes, compiles), then a
+        DirectLaunch of each compiled kernel and the ForwardReplay of them, for the calls after it."""
+        record_breaks()          # (a recording's replay would not compile, nor launch this way)
+        launch = self.launch_for(x_nhwc, w, bias, scale, residual, out_window, channel_stats)
+        epilogue = fprop.Epilogue(bias is not None, scale is not None, residual is not None, activation)
+        kwargs = fprop.kernel_constexprs(self.config, self.arch, epilogue)
+        if _COMPILE_ONLY.get():
+            out = self._compile_only(launch, kwargs, bias, scale, residual, activation)
+            return out if out_window is None else out_window.view
+        direct = DirectLaunch.first_launch(fprop.conv2d_fprop_kernel, launch.grid, launch.kernel_args(), kwargs,
+                                           _descriptors(self.templates[key]))
+        reduce = None
+        if launch.partial is not None:          # split-K: the second kernel sums the slices
+            grid, args, reduce_kwargs = fprop.split_k_epilogue_launch(launch, bias, scale, residual, activation)
+            reduce = DirectLaunch.first_launch(fprop.split_k_epilogue_kernel, grid, args, reduce_kwargs)
+            self.reduce_grid, self.reduce_scalars = grid, args[3:]
+        self.replays[variant] = ForwardReplay(self, direct, self.templates[key], reduce)
+        return out_window.view if out_window is not None else fprop.output_nhwc(self.geometry, launch.out_2d)
 
     def _compile_only(self, launch, kwargs, bias, scale, residual, activation):
         """Inside `compiling_ahead`: hand this variant's kernels to the compile pool and launch

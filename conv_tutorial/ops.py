@@ -40,6 +40,8 @@ from typing import List, Optional
 import torch
 
 from . import backward, depthwise, runtime, selection
+from .hostpath import keep_replay, records, register_autograd, replay_key, replayed
+from .launch import recording
 from .configs import grouped_conv_fits
 from .geometry import (FP8, FP8_MAX, KERNEL_DTYPES, check_epilogue, check_fp8_dtypes, check_fp8_scales,
                        conv_output_size, current_arch, fp8_epilogue, nhwc_view, output_dtype, pair)
@@ -122,7 +124,30 @@ def _conv2d_with_epilogue(input: torch.Tensor, weight: torch.Tensor, bias: Optio
                           activation: str = "none", out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """conv2d(input, weight, bias) followed by the fused epilogue act(. * scale + residual): per
     output channel, out = act(conv * scale + bias + residual) computed in fp32 on the tile, cast to
-    out_dtype (None: the input's; e4m3 operands: bf16 or e4m3, see conv2d_fp8)."""
+    out_dtype (None: the input's; e4m3 operands: bf16 or e4m3, see conv2d_fp8).
+    A call of a key seen before is replayed (`replay_key`, launch.Replay): the same launches, nothing else."""
+    if not input.is_cuda:
+        return _conv2d_full_path(input, weight, bias, stride, padding, dilation, groups, scale, residual,
+                                 activation, out_dtype)
+    key = replay_key((input, weight, bias, scale, residual), "conv2d", *stride, *padding, *dilation, groups,
+                     activation, out_dtype)
+    tensors = {"input": input, "weight": weight, "bias": bias, "scale": scale, "residual": residual}
+    results = replayed(key, input.device, tensors)
+    if results is not None:
+        return results[0]
+    if not records(key):
+        return _conv2d_full_path(input, weight, bias, stride, padding, dilation, groups, scale, residual,
+                                 activation, out_dtype)
+    with recording() as steps:
+        out = _conv2d_full_path(input, weight, bias, stride, padding, dilation, groups, scale, residual, activation,
+                                out_dtype)
+    keep_replay(key, steps, tensors, {"output": (out, False)})
+    return out
+
+
+def _conv2d_full_path(input, weight, bias, stride, padding, dilation, groups, scale, residual, activation,
+                      out_dtype):
+    # every check, the fallbacks, the runtime's plans
     check_operand_dtypes(input, weight)
     out_dtype = output_dtype(input.dtype, out_dtype)
     _check_forward_activation(activation)
@@ -214,7 +239,7 @@ def _backward(ctx, grad_output):
     return grad_input, grad_weight, grad_bias, None, None, None, None, grad_scale, grad_residual, None, None
 
 
-torch.library.register_autograd("conv_tutorial::conv2d", _backward, setup_context=_setup_backward)
+register_autograd(_LIBRARY, "conv2d", _conv2d_with_epilogue, _backward, _setup_backward, (0, 1, 2, 7, 8))
 
 
 def resolve_padding(padding, weight_shape, stride, dilation):

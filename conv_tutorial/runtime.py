@@ -20,7 +20,7 @@ from .configs import KernelConfig, grouped_conv_fits
 from .geometry import FP8, KERNEL_DTYPES, call_key, check_conv_call, conv_geometry, device_facts
 from . import core
 from .kernels import fprop
-from .launch import plan_for
+from .launch import DirectLaunch, compiling_ahead_active, plan_for, record_breaks, record_step
 from .selection import epilogue_tag, known_or_heuristic_config, tuned_config
 
 
@@ -86,7 +86,8 @@ def conv2d(x_nhwc, w, bias=None, stride=1, padding=0, dilation=1, config=None, t
     core.check_epilogue_destinations(out_window, channel_stats, plan.geometry, plan.out_dtype, x_nhwc.device)
     if plan.config.split_k > 1:
         # split-K's second kernel stores densely, and its slices are partial sums: the window takes a copy of
-        # the output, and the statistics come from the output
+        # the output, and the statistics come from the output (torch's work: a replay would not repeat it)
+        record_breaks()
         out = plan.run(x_nhwc, w, bias, scale, residual, activation)
         if channel_stats is not None:
             channel_stats += channel_sums(out)
@@ -143,6 +144,7 @@ class FoldedConv:
         g = self.original = geometry
         self.channels = g.S * g.Ci
         self.channels_padded = -(-self.channels // 8) * 8       # 16-byte pixels for TMA
+        self.copy = None        # DirectLaunch of fold_columns_kernel, after its first launch
         self.geometry = conv_geometry(
             (g.N, g.H, g.out_w, self.channels_padded), (g.Co, g.R, 1, self.channels_padded),
             (g.stride[0], 1), (g.padding[0], 0), (g.dilation[0], 1))
@@ -152,12 +154,24 @@ class FoldedConv:
         g = self.original
         x_fold = x_nhwc.new_empty(g.N, g.H, g.out_w, self.channels_padded)
         rows, block_p = g.N * g.H, 64
-        fold_columns_kernel[(triton.cdiv(rows * g.out_w, block_p),)](
-            x_nhwc, x_fold, rows, g.W, g.out_w, g.Ci, g.stride[1], g.padding[1], g.dilation[1],
-            self.channels, self.channels_padded, BLOCK_P=block_p,
-            BLOCK_C=triton.next_power_of_2(self.channels_padded), enable_fp_fusion=True)
-        w_fold = w.new_zeros(g.Co, g.R, 1, self.channels_padded)      # small: Co x R x S*Ci
-        w_fold[..., :self.channels] = w.reshape(g.Co, g.R, 1, self.channels)
+        grid = (triton.cdiv(rows * g.out_w, block_p),)
+        scalars = (rows, g.W, g.out_w, g.Ci, g.stride[1], g.padding[1], g.dilation[1], self.channels,
+                   self.channels_padded)
+        aligned = x_nhwc.data_ptr() % 16 == 0 and x_nhwc.is_contiguous()     # (what the DirectLaunch compiled for)
+        if self.copy is not None and aligned and self.copy.takes_addresses():
+            self.copy(grid, x_nhwc.data_ptr(), x_fold.data_ptr(), *scalars)
+        else:       # the first copy, through Triton's launcher (it compiles); later ones launched directly
+            kwargs = dict(BLOCK_P=block_p, BLOCK_C=triton.next_power_of_2(self.channels_padded), enable_fp_fusion=True)
+            if aligned and self.copy is None and x_nhwc.is_cuda and not compiling_ahead_active():
+                self.copy = DirectLaunch.first_launch(fold_columns_kernel, grid, (x_nhwc, x_fold, *scalars), kwargs)
+            else:
+                record_breaks()
+                fold_columns_kernel[grid](x_nhwc, x_fold, *scalars, **kwargs)
+        # w's columns folded into its channels, zeros past them (small: Co x R x S*Ci)
+        w_fold = torch.nn.functional.pad(w.reshape(g.Co, g.R, 1, self.channels),
+                                         (0, self.channels_padded - self.channels))
+        record_step(("fold", self, x_nhwc.data_ptr(), w.data_ptr(), (x_fold.data_ptr(), x_fold.nbytes),
+                     (w_fold.data_ptr(), w_fold.nbytes)))
         return x_fold, w_fold
 
 

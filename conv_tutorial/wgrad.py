@@ -35,7 +35,8 @@ stream, as Triton's launcher does (autograd runs a backward with its tensors' de
 import torch
 
 from .geometry import call_key, device_facts
-from .launch import DirectLaunch, _check_tma_aligned, _descriptors, _new_like, _tensorless
+from .launch import (DirectLaunch, _check_tma_aligned, _descriptors, _new_like, _tensorless, record_breaks,
+                     record_scratch, record_step)
 from .kernels import gradients, wgrad as wgrad_kernels
 
 DESCRIPTORS = ("dy_desc", "x_desc")     # lesson 07's WgradLaunch fields, in conv2d_wgrad_kernel's order
@@ -62,6 +63,7 @@ class WgradPlan:
         g = self.run_geometry
         dw = torch.empty(g.Co, g.R * g.S * g.Ci_group, device=x_nhwc.device, dtype=self.dtype)
         if self.kernel is None:
+            record_breaks()
             self._first_launch(x_nhwc, dy_nhwc, dw)
         else:
             x_nhwc, dy_2d = wgrad_kernels.wgrad_operands(x_nhwc, dy_nhwc, g)
@@ -75,6 +77,12 @@ class WgradPlan:
             self.kernel(template.grid, dy_2d, x_nhwc, dw.data_ptr(), partial_ptr, template.shape)
             if self.sum is not None:
                 self.sum(self.sum_grid, partial_ptr, dw.data_ptr(), *self.sum_scalars)
+            # (for a replay of the operator's call: launch.Recording)
+            record_scratch(partial)
+            record_step(("launch", self.kernel, template.grid, (dy_2d.data_ptr(), x_nhwc.data_ptr(), dw.data_ptr(),
+                                                                partial_ptr, template.shape), (0, 1, 2, 3)))
+            if self.sum is not None:
+                record_step(("launch", self.sum, self.sum_grid, (partial_ptr, dw.data_ptr(), *self.sum_scalars), (0, 1)))
         return wgrad_kernels.wgrad_result(dw.view(g.Co, g.R, g.S, g.Ci_group), self.geometry, self.problem)
 
     def _first_launch(self, x_nhwc, dy_nhwc, dw):

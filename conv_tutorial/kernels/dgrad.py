@@ -175,8 +175,9 @@ def untapped_zeros_kernel(dx_ptr, H, W, C, stride_h, stride_w, rows_tapped, cols
                  mask=zero[:, None] & (c[None, :] < C))
 
 
-def untapped_zeros(dx, geometry, phases):
-    """Write zeros into the pixels of dX that none of `phases` (dgrad_phases) has taps for, and no others."""
+def untapped_zeros(dx, geometry, phases, launch=None):
+    """Write zeros into the pixels of dX that none of `phases` (dgrad_phases) has taps for, and no others.
+    `launch(kernel, grid, args, kwargs)`: how to launch the kernel (default: Triton's launcher)."""
     g = geometry
     # phase (py, px) has taps where both of its axes have: bit py of `rows`, bit px of `cols`
     rows = sum({1 << py for py, _, along_h, _ in phases if along_h.taps is not None})
@@ -189,13 +190,17 @@ def untapped_zeros(dx, geometry, phases):
                 reached[py::g.stride[0], px::g.stride[1]] = True
         return dx.masked_fill_(~reached[None, :, :, None], 0)
     BLOCK_P = 32
-    untapped_zeros_kernel[(g.N * g.H, triton.cdiv(g.W, BLOCK_P))](
-        dx, g.H, g.W, g.Ci, g.stride[0], g.stride[1], rows, cols, BLOCK_P=BLOCK_P,
-        BLOCK_C=min(128, triton.next_power_of_2(g.Ci)), enable_fp_fusion=True)
+    grid = (g.N * g.H, triton.cdiv(g.W, BLOCK_P))
+    args = (dx, g.H, g.W, g.Ci, g.stride[0], g.stride[1], rows, cols)
+    kwargs = dict(BLOCK_P=BLOCK_P, BLOCK_C=min(128, triton.next_power_of_2(g.Ci)), enable_fp_fusion=True)
+    if launch is None:
+        untapped_zeros_kernel[grid](*args, **kwargs)
+    else:
+        launch(untapped_zeros_kernel, grid, args, kwargs)
     return dx
 
 
-def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None, conv=None, in_place=False):
+def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None, conv=None, in_place=False, zeros=None):
     """dX of the conv `geometry` from dY: per phase of dX a stride-1 conv `fprop(dy, w_phase,
     padding=, dilation=, groups=)` (lesson 05's kernel on a GPU, torch's conv on a CPU) of dY with
     that phase's taps, flipped and channel-swapped (within each group), its output cropped into
@@ -205,7 +210,8 @@ def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None, conv=None, in_plac
     `phases`: dgrad_phases(geometry), if the caller keeps it. `conv`: the one-launch conv of all phases (e.g.
     side_by_side_launch); with one, every phase runs in one conv where `side_by_side_plan` applies and
     dX's pixels are 16-byte aligned. `in_place`: hand fprop and conv w' as FlippedFilters (w read in place) where
-    w can be read in place (`reads_in_place`), not as copies (fprop and conv must take them)."""
+    w can be read in place (`reads_in_place`), not as copies (fprop and conv must take them). `zeros`:
+    untapped_zeros' `launch`."""
     g = geometry
     in_place = in_place and reads_in_place(w, g.groups)
     plan = side_by_side_plan(g) if conv is not None and g.Ci * dy_nhwc.element_size() % 16 == 0 else None
@@ -221,7 +227,7 @@ def dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases=None, conv=None, in_plac
         if len(tapped) < len(phases):
             # pixels no tap reaches have a gradient of 0 (a 1x1 conv at stride 2: three phases of four): one
             # launch writes them, and only them
-            untapped_zeros(dx, g, phases)
+            untapped_zeros(dx, g, phases, zeros)
     # w'[ci, r', s', co] = w[co, the phase's taps reversed, ci]; grouped (section 10 of lesson 05), group k's
     # filters swap their channels among themselves: w' is [Ci, r', s', Co / groups]. Every phase's in one launch,
     # or (in place) none: the kernel reads w where it lies.
@@ -411,13 +417,14 @@ def side_by_side_in_place(w, plan):
         tuple((s0, *taps_read(plan.taps[b][1], S)) for b, (s0, _) in enumerate(plan.phases.along_w)))
 
 
-def dgrad(dy_nhwc, w, geometry, fprop, fold=None, phases=None, conv=None, in_place=False):
+def dgrad(dy_nhwc, w, geometry, fprop, fold=None, phases=None, conv=None, in_place=False, zeros=None):
     """dX by `dgrad_by_phases`: of the conv `geometry`, or, given its `stride_fold`, of the folded
     conv, unfolded (kernels/gradients.py's stride fold). `phases`: dgrad_phases of the conv the phases run; `conv`:
-    the one-launch conv, where all phases may run as one; `in_place`: the weights read in place."""
+    the one-launch conv, where all phases may run as one; `in_place`: the weights read in place; `zeros`:
+    how to launch untapped_zeros' kernel."""
     if fold is None:
-        return dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases, conv, in_place)
-    dx_folded = dgrad_by_phases(dy_nhwc, fold_weight(w, fold), fold.geometry, fprop, phases, conv, in_place)
+        return dgrad_by_phases(dy_nhwc, w, geometry, fprop, phases, conv, in_place, zeros)
+    dx_folded = dgrad_by_phases(dy_nhwc, fold_weight(w, fold), fold.geometry, fprop, phases, conv, in_place, zeros)
     return unfold_input_grad(dx_folded, geometry, fold)
 
 
@@ -437,7 +444,7 @@ def dgrad_through_relu(dy_nhwc, w, relu_out, geometry, fprop, **options):
     """dZ of z -> relu_out = relu(z) -> conv(relu_out, w) from dY: dX where relu_out > 0, else 0.
     Where relu_gated_in_epilogue, `fprop` is called with relu_out as its residual and activation
     "relu_grad" (lesson 05's epilogue gates the tile); else the gate is applied to dgrad's dX.
-    `options`: dgrad's (fold, phases, conv, in_place)."""
+    `options`: dgrad's (fold, phases, conv, in_place, zeros)."""
     if relu_gated_in_epilogue(geometry, options.get("fold")):
         def gated(dy, w_phase, **conv):
             return fprop(dy, w_phase, **conv, residual=relu_out, activation=RELU_GRAD)

@@ -190,7 +190,7 @@ def test_direct_launch_remembers_tensor_maps_by_address(monkeypatch):
     for x in (x_a, x_b, x_a, x_b):
         check(x)
     geometry = common.conv_geometry(x_a.shape, w.shape, 1, 1)
-    direct = plans.plan_for(geometry, x_a.dtype, fprop.FIXED_CONFIG).launches[("none", None, None, None)]
+    direct = plans.plan_for(geometry, x_a.dtype, fprop.FIXED_CONFIG).replays[("none", None, None, None)].direct
     encoded = []
     encode = direct.encode
     monkeypatch.setattr(direct, "encode", lambda descriptor, *rest: encoded.append(descriptor.base.data_ptr())

@@ -1,0 +1,205 @@
+"""Repeat calls of the operators (conv_tutorial/hostpath.py, launch.py's Replay): the first calls of a key
+take the full path and are recorded; later calls replay the recorded launches on new tensors. On a CPU:
+the recording's address arithmetic with stand-in launches. On a GPU: every path (forward, its epilogue,
+the folded stem, split-K, the channel statistics, dgrad in one conv, in phases with zeros and side by side,
+the ReLU gate, wgrad with and without split-K) called again and again on new tensors, each result against
+torch's, and the replay declining where it must (an unaligned input, a profiler listening)."""
+import common
+
+import pytest
+import torch
+
+import conv_tutorial
+import conv_tutorial.ops  # noqa: F401  (registers the operators)
+import conv_tutorial.training  # noqa: F401  (registers conv2d_channel_stats)
+from conv_tutorial import backward, hostpath, launch
+
+needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
+
+
+class StandIn:
+    """A launch that writes what it was given into a log: which addresses, in which order."""
+    lean = True
+
+    def __init__(self, log):
+        self.log = log
+
+    def __call__(self, grid, *args):
+        self.log.append((grid, args))
+
+
+def test_a_replay_moves_every_address_with_its_tensor():
+    log = []
+    direct = StandIn(log)
+    x, out = torch.empty(64, dtype=torch.uint8), torch.empty(32, dtype=torch.uint8)
+    scratch = torch.empty(16, dtype=torch.float32)
+    with launch.recording() as steps:
+        launch.record_scratch(scratch)
+        launch.record_step(("launch", direct, (3,), (x.data_ptr() + 16, scratch.data_ptr(), 7, out.data_ptr()),
+                            (0, 1, 3)))
+    replay = launch.Replay.of(steps, {"x": x}, {"out": (out, False)})
+    assert replay is not None
+    x2 = torch.empty(64, dtype=torch.uint8)
+    (out2,) = replay("cpu", {"x": x2})
+    (grid, (at_x, at_scratch, seven, at_out)), = log
+    assert (grid, at_x, seven, at_out) == ((3,), x2.data_ptr() + 16, 7, out2.data_ptr())
+    assert isinstance(at_scratch, int)          # a workspace of the replay's own, allocated on each call
+    assert out2.shape == out.shape and out2.data_ptr() != x2.data_ptr()
+
+
+def test_no_replay_where_an_address_lies_outside_the_call():
+    other = torch.empty(16, dtype=torch.uint8)        # a copy the call made, say: not an input, not a result
+    x = torch.empty(16, dtype=torch.uint8)
+    with launch.recording() as steps:
+        launch.record_step(("launch", StandIn([]), (1,), (other.data_ptr(),), (0,)))
+    assert launch.Replay.of(steps, {"x": x}, {}) is None
+
+
+def test_no_replay_where_the_call_broke_its_recording():
+    x = torch.empty(16, dtype=torch.uint8)
+    with launch.recording() as steps:
+        launch.record_step(("launch", StandIn([]), (1,), (x.data_ptr(),), (0,)))
+        launch.record_breaks()                      # a first launch, a copy, torch's sums
+    assert launch.Replay.of(steps, {"x": x}, {}) is None
+
+
+def test_a_recording_inside_another_breaks_the_outer_one():
+    with launch.recording() as outer:
+        with launch.recording() as inner:
+            pass
+    assert outer.broken and not inner.broken
+
+
+def test_a_replay_declines_an_unaligned_input():
+    x = torch.empty(64, dtype=torch.uint8)
+    with launch.recording() as steps:
+        launch.record_step(("launch", StandIn([]), (1,), (x.data_ptr(),), (0,)))
+    replay = launch.Replay.of(steps, {"x": x}, {})
+    assert replay("cpu", {"x": x[1:]}) is None
+
+
+# %% On a GPU: every path, called again and again --------------------------------------------------
+
+def _cl(t):
+    return t.to(memory_format=torch.channels_last)
+
+
+def _replay_of(op_name):
+    # the replays kept for an operator (hostpath's table), whatever their keys' other parts
+    return [r for k, r in hostpath._REPLAYS.items() if op_name in k and isinstance(r, launch.Replay)]
+
+
+FORWARD_LAYERS = [   # (N, Ci, H, W, Co, R, stride, padding): plain, 1x1, strided, the stem (folded), split-K
+    (4, 64, 14, 14, 64, 3, 1, 1), (2, 256, 28, 28, 64, 1, 1, 0), (2, 64, 29, 31, 128, 3, 2, 1),
+    (2, 3, 64, 64, 64, 7, 2, 3), (4, 1024, 7, 7, 256, 1, 1, 0)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("layer", FORWARD_LAYERS, ids=str)
+@pytest.mark.parametrize("epilogue", ["plain", "bias-residual-relu"])
+def test_forward_replays_match_torch_on_new_tensors(layer, epilogue):
+    N, Ci, H, W, Co, R, stride, padding = layer
+    torch.manual_seed(0)
+    hostpath._REPLAYS.clear()
+    for call in range(5):
+        x = _cl(torch.randn(N, Ci, H, W, device="cuda", dtype=torch.bfloat16))
+        w = _cl(torch.randn(Co, Ci, R, R, device="cuda", dtype=torch.bfloat16) / (Ci * R * R) ** 0.5)
+        b = torch.randn(Co, device="cuda", dtype=torch.bfloat16) if epilogue != "plain" else None
+        ref = torch.nn.functional.conv2d(x.float(), w.float(), None if b is None else b.float(), stride, padding)
+        residual = _cl(torch.randn_like(ref).to(torch.bfloat16)) if epilogue != "plain" else None
+        out = torch.ops.conv_tutorial.conv2d(x, w, b, [stride] * 2, [padding] * 2, [1, 1], 1,
+                                             residual=residual, activation="none" if epilogue == "plain" else "relu")
+        if residual is not None:
+            ref = torch.relu(ref + residual.float())
+        assert out.is_contiguous(memory_format=torch.channels_last) and out.shape == ref.shape
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2, msg=f"call {call}")
+    assert _replay_of("conv2d"), "the forward kept no replay"
+
+
+@needs_gpu
+def test_channel_stats_replays_start_from_zero():
+    torch.manual_seed(0)
+    hostpath._REPLAYS.clear()
+    for call in range(4):
+        x = _cl(torch.randn(4, 64, 14, 14, device="cuda", dtype=torch.bfloat16))
+        w = _cl(torch.randn(128, 64, 3, 3, device="cuda", dtype=torch.bfloat16) / 24)
+        out, stats = torch.ops.conv_tutorial.conv2d_channel_stats(x, w, None, [1, 1], [1, 1], [1, 1], 1)
+        ref = torch.nn.functional.conv2d(x.float(), w.float(), None, 1, 1)
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+        want = torch.stack((out.float().sum((0, 2, 3)), out.float().square().sum((0, 2, 3))))
+        torch.testing.assert_close(stats, want, atol=0.5, rtol=1e-2, msg=f"call {call}")
+    assert _replay_of("conv2d_channel_stats")
+
+
+DGRAD_LAYERS = [   # (N, Ci, H, W, Co, R, stride, padding): stride 1; 3x3 stride 2 side by side; 1x1 stride 2
+    (4, 64, 14, 14, 64, 3, 1, 1), (2, 128, 28, 28, 128, 3, 2, 1), (2, 256, 28, 28, 512, 1, 2, 0),
+    (2, 64, 15, 17, 64, 3, 2, 1)]
+
+
+@pytest.fixture
+def lesson06_backend():
+    before = backward.backward_backend()
+    conv_tutorial.set_backward("lesson06")
+    yield
+    conv_tutorial.set_backward(before)
+
+
+@needs_gpu
+@pytest.mark.parametrize("layer", DGRAD_LAYERS, ids=str)
+@pytest.mark.parametrize("relu_gated", [False, True])
+def test_gradient_replays_match_torch_on_new_tensors(layer, relu_gated, lesson06_backend):
+    N, Ci, H, W, Co, R, stride, padding = layer
+    torch.manual_seed(0)
+    hostpath._REPLAYS.clear()
+    input_grad = torch.ops.conv_tutorial.conv2d_input_grad_relu if relu_gated else \
+        torch.ops.conv_tutorial.conv2d_input_grad
+    for call in range(5):
+        x = _cl(torch.randn(N, Ci, H, W, device="cuda", dtype=torch.bfloat16))
+        w = _cl(torch.randn(Co, Ci, R, R, device="cuda", dtype=torch.bfloat16) / (Ci * R * R) ** 0.5)
+        out_shape = torch.nn.functional.conv2d(x[:1, :, :, :].float(), w.float(), None, stride, padding).shape[1:]
+        dy = _cl(torch.randn(N, *out_shape, device="cuda", dtype=torch.bfloat16))
+        args = (dy, x, w, [stride] * 2, [padding] * 2, [1, 1], 1)
+        dx = input_grad(*args)
+        dw = torch.ops.conv_tutorial.conv2d_weight_grad(*args)
+        want_dx, want_dw = torch.ops.aten.convolution_backward(dy.float(), x.float(), w.float(), None, [stride] * 2,
+                                                               [padding] * 2, [1, 1], False, [0, 0], 1,
+                                                               [True, True, False])[:2]
+        if relu_gated:
+            want_dx = torch.where(x > 0, want_dx, 0)
+        torch.testing.assert_close(dx.float(), want_dx, atol=5e-2, rtol=3e-2, msg=f"dX, call {call}")
+        torch.testing.assert_close(dw.float(), want_dw, atol=0.5, rtol=3e-2, msg=f"dW, call {call}")
+    assert _replay_of("conv2d_weight_grad")
+    # dX replays, except where a strided dX takes torch's ReLU gate after the kernels (a copy: its full path)
+    assert bool(_replay_of("conv2d_input_grad")) == (not relu_gated or stride == 1)
+
+
+@needs_gpu
+def test_a_replayed_key_still_explains_an_unaligned_input():
+    hostpath._REPLAYS.clear()
+    x = _cl(torch.randn(2, 64, 14, 14, device="cuda", dtype=torch.bfloat16))
+    w = _cl(torch.randn(64, 64, 3, 3, device="cuda", dtype=torch.bfloat16))
+    for _ in range(3):
+        torch.ops.conv_tutorial.conv2d(x, w, None, [1, 1], [1, 1], [1, 1], 1)
+    assert _replay_of("conv2d")
+    storage = torch.empty(x.numel() + 1, device="cuda", dtype=torch.bfloat16)
+    unaligned = storage[1:].view(2, 14, 14, 64).permute(0, 3, 1, 2)      # same shape and strides, 2 bytes off
+    unaligned.copy_(x)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        torch.ops.conv_tutorial.conv2d(unaligned, w, None, [1, 1], [1, 1], [1, 1], 1)
+
+
+@needs_gpu
+def test_a_profiler_listening_gets_the_full_path(monkeypatch):
+    """With a launch hook set (a profiler listens to Triton's launches), replays decline: every launch goes
+    through Triton's launcher, where the hook sees it."""
+    hostpath._REPLAYS.clear()
+    x = _cl(torch.randn(2, 64, 14, 14, device="cuda", dtype=torch.bfloat16))
+    w = _cl(torch.randn(64, 64, 3, 3, device="cuda", dtype=torch.bfloat16))
+    for _ in range(3):
+        torch.ops.conv_tutorial.conv2d(x, w, None, [1, 1], [1, 1], [1, 1], 1)
+    (replay,) = _replay_of("conv2d")
+    monkeypatch.setattr(launch, "_launch_hooks_set", lambda: True)
+    assert replay(x.device, {"input": x, "weight": w, "bias": None, "scale": None, "residual": None}) is None
+    out = torch.ops.conv_tutorial.conv2d(x, w, None, [1, 1], [1, 1], [1, 1], 1)
+    torch.testing.assert_close(out.float(), torch.nn.functional.conv2d(x.float(), w.float(), None, 1, 1),
+                               atol=3e-2, rtol=3e-2)
