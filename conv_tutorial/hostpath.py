@@ -23,14 +23,14 @@ MAX_KEYS = 4096
 
 
 def _facts(t):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)      # (a tensor's device: its index too)
 
 
 def replay_key(tensors, *arguments):
     """What a call of an operator shows at a glance, for its replay: each tensor's shape, strides,
     dtype and device, the other `arguments` (the backward's: its backend too), whether autotuning is
     on, and the current GPU. A replay is valid for every call of its key."""
-    return (*map(_facts, tensors), *arguments, selection.autotune_enabled(), torch.cuda.current_device())
+    return (*map(_facts, tensors), *arguments, selection.autotune_enabled(), torch._C._cuda_getDevice())
 
 
 def replayed(key, device, tensors):

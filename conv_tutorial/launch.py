@@ -57,6 +57,8 @@ class DirectLaunch:
         self.compiled, self.constexprs, self.encode = compiled, constexprs, make_tensordesc_arg
         driver = triton.runtime.driver.active
         self.current_device, self.current_stream = driver.get_current_device, driver.get_current_stream
+        if self.current_device is torch.cuda.current_device:      # (the same, without its lazy-init check)
+            self.current_device = torch._C._cuda_getDevice
         launcher = compiled.run
         metas = getattr(compiled.metadata, "tensordesc_meta", None) or []
         templates = [t for t in templates if t is not None]          # descriptors, in signature order
@@ -111,18 +113,22 @@ class DirectLaunch:
                 args[position] = _with_base(template, args[position])
             self.compiled[grid](*args, *self.constexprs)
             return
+        self.launch_lean(grid, args)
+
+    def launch_lean(self, grid, args):
+        """The lean path of __call__, for a caller that has checked `takes_addresses()`."""
         expanded = []
+        descriptor_at = self.descriptor_at
         for position in range(self.descriptors_end):
-            if position in self.descriptor_at:  # [tensor map, *shape, *strides], as Triton expands it
+            if position in descriptor_at:   # [tensor map, *shape, *strides], as Triton expands it
                 expanded += self._tensor_map(args[position], position)
             else:
                 expanded.append(args[position])
         expanded += args[self.descriptors_end:]
         expanded += self.constexprs
         stream = self.current_stream(self.current_device())
-        grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
-        self.launch(grid_x, grid_y, grid_z, stream, *self.launch_head, None, None, None, None, None,
-                    *self.launch_tail, expanded)
+        self.launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                    *self.launch_head, None, None, None, None, None, *self.launch_tail, expanded)
 
 
 class ForwardReplay:
@@ -149,14 +155,19 @@ class ForwardReplay:
     def takes_addresses(self):
         return self.lean and not _launch_hooks_set()
 
-    def __call__(self, device, x, w, pointers, out_2d=None, window_args=None, stats=None):
+    def __call__(self, device, x, w, pointers, out_2d=None, window_args=None, stats=None, checked=False):
+        # checked: the caller has seen takes_addresses() (a Replay): the launches' lean path, without asking again
         if out_2d is None:
             out_2d = torch.empty(self.out_shape, dtype=self.out_dtype, device=device)
         out = out_2d.data_ptr()
         pointers = tuple(out if p is None else p for p in pointers)      # (bias, scale, residual): absent ones unread
         partial = None if self.partial is None else torch.empty(self.partial[0], dtype=self.partial[1], device=device)
-        self.direct(self.grid, x, w, w if self.w_tail else None, out_2d, out_2d if self.out_tail else None,
-                    (*pointers, out if partial is None else partial.data_ptr()), self.shape, window_args, stats)
+        args = (x, w, w if self.w_tail else None, out_2d, out_2d if self.out_tail else None,
+                (*pointers, out if partial is None else partial.data_ptr()), self.shape, window_args, stats)
+        if checked:
+            self.direct.launch_lean(self.grid, args)
+        else:
+            self.direct(self.grid, *args)
         if self.reduce is not None:             # split-K's second kernel sums the slices
             self.reduce(self.reduce_grid, partial.data_ptr(), out, pointers, *self.reduce_scalars)
         return out_2d
@@ -318,17 +329,22 @@ class Replay:
                 t.zero_()
             results.append(t)
             addresses[name] = t
-        at = lambda place: None if place is None else _address(addresses[place[0]]) + place[1]  # noqa: E731
+        def at(place):
+            if place is None:
+                return None
+            address = addresses[place[0]]
+            return (address if type(address) is int else address.data_ptr()) + place[1]
+
         for step in self.steps:
             kind = step[0]
             if kind == "conv":
                 _, replay, x, w, pointers, window, stats, out = step
                 replay(device, at(x), at(w), tuple(at(p) for p in pointers),
-                       out_2d=None if out is None else addresses[out],
-                       window_args=None if window is None else (at(window[0]), *window[1]), stats=at(stats))
+                       None if out is None else addresses[out],
+                       None if window is None else (at(window[0]), *window[1]), at(stats), True)
             elif kind == "launch":
                 _, direct, grid, args, positions = step
-                direct(grid, *(at(a) if i in positions else a for i, a in enumerate(args)))
+                direct.launch_lean(grid, tuple(at(a) if i in positions else a for i, a in enumerate(args)))
             elif kind == "scratch":
                 _, shape, dtype, name = step
                 addresses[name] = torch.empty(shape, dtype=dtype, device=device)
