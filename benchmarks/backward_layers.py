@@ -3,6 +3,7 @@
     python benchmarks/backward_layers.py [--outdir out] [--batch 128] [--quick] [--layers TEXT ...]
                                          [--zero-insertion] [--cuda-graphs]
                                          [--cudnn-benchmark] [--operator]
+    python benchmarks/backward_layers.py --operator-only [--nets resnet50 inception_v3 vgg11 densenet121]
 
 For every distinct conv of ResNet-50 (layers.resnet50_layers: torchvision's v1.5, the stem,
 the 1x1s and the stride-2 layers included) at batch 128 in bf16, `bench_backward`: dgrad (lesson
@@ -24,6 +25,10 @@ issued without waiting for the GPU), the plain launchers' and cuDNN's beside the
 
 Prints one line per layer and the geometric mean of ours / cuDNN for each gradient; writes
 backward_layers.json (device, versions, one record per layer) to --outdir (default ./out).
+--operator-only: the operator's gradients alone against cuDNN's, on every distinct dense conv of each
+network of --nets (torchvision's, layers.torchvision_dense_convs), each checked on its first three
+calls (planned, then replayed); the geometric mean and the lowest ratio per gradient and network, in
+backward_layers_operator.json ({"device", ..., "nets": {net: {"summary", "rows"}}}).
 """
 import argparse
 import statistics
@@ -34,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the lessons' ki
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
-from layers import BACKWARD_QUICK, resnet50_layers  # noqa: E402
+from layers import BACKWARD_QUICK, resnet50_layers, torchvision_dense_convs  # noqa: E402
 import torch  # noqa: E402
 from conv_tutorial.kernels.wgrad import prepare_wgrad, wgrad_input, wgrad_problem  # noqa: E402
 
@@ -119,6 +124,74 @@ def operator_figures(lesson06, lesson07, layer, cuda_graph, dtype=torch.bfloat16
     return row
 
 
+NETS = {   # --nets: a torchvision network's distinct dense convs (layers.torchvision_dense_convs), at --batch
+    "resnet50": lambda batch: resnet50_layers(batch),
+    "resnet18": lambda batch: torchvision_dense_convs("resnet18", "RN18", batch, 224),
+    "inception_v3": lambda batch: torchvision_dense_convs("inception_v3", "IncV3", batch, 299, aux_logits=False,
+                                                          init_weights=False),
+    "vgg11": lambda batch: torchvision_dense_convs("vgg11", "VGG11", batch, 224),
+    "densenet121": lambda batch: torchvision_dense_convs("densenet121", "DN121", batch, 224),
+    "squeezenet1_1": lambda batch: torchvision_dense_convs("squeezenet1_1", "SQZ", batch, 224),
+    "googlenet": lambda batch: torchvision_dense_convs("googlenet", "GLN", batch, 224, aux_logits=False,
+                                                       init_weights=False),
+}
+
+
+def operator_against_cudnn(lesson06, layer, cuda_graph, dtype=torch.bfloat16):
+    """The operator's dgrad and wgrad (set_backward("lesson06")) on one layer, as a training step calls them,
+    each checked against torch.nn.grad, then timed beside cuDNN's (aten.convolution_backward, as
+    autograd calls it) with common.bench_tflops: host time included unless cuda_graph."""
+    import conv_tutorial
+    label, N, H, W, Ci, Co, R, S, stride, padding = layer
+    x, w, dy, g = lesson06.backward_inputs(N, H, W, Ci, Co, R, S, stride, padding, 1, dtype)
+    x_nchw, w_kcrs, dy_nchw = (t.permute(0, 3, 1, 2) for t in (x, w, dy))      # channels_last, as autograd has them
+    args = (dy_nchw, x_nchw, w_kcrs, list(g.stride), list(g.padding), list(g.dilation), 1)
+    conv_tutorial.set_backward("lesson06")
+
+    def cudnn(mask):
+        return torch.ops.aten.convolution_backward(dy_nchw, x_nchw, w_kcrs, None, g.stride, g.padding, g.dilation,
+                                                   False, [0, 0], 1, mask)
+    calls = {"dgrad operator": lambda: torch.ops.conv_tutorial.conv2d_input_grad(*args),
+             "dgrad cuDNN": lambda: cudnn((True, False, False))[0],
+             "wgrad operator": lambda: torch.ops.conv_tutorial.conv2d_weight_grad(*args),
+             "wgrad cuDNN": lambda: cudnn((False, True, False))[1]}
+    expected_dx, expected_dw = lesson06.reference_gradients(x, w, dy, g)
+    for _ in range(3):     # (the first calls plan, compile and record; later ones replay: each checked)
+        common.assert_close_to_reference(calls["dgrad operator"]().permute(0, 2, 3, 1), expected_dx, dtype=dtype,
+                                         K=Co * R * S)
+        common.assert_close_to_reference(calls["wgrad operator"]().permute(0, 2, 3, 1), expected_dw, dtype=dtype,
+                                         K=g.M)
+    row = {"layer": label, "geometry": g.describe()}
+    row.update({name: common.bench_tflops(call, g.flops, cuda_graph=cuda_graph) for name, call in calls.items()})
+    print(f"   {label:<30}" + "".join(f"  {name} {row[name]['tflops']:6.1f}" for name in calls)
+          + f"  dgrad {row['dgrad operator']['tflops'] / row['dgrad cuDNN']['tflops']:.2f}x"
+          + f"  wgrad {row['wgrad operator']['tflops'] / row['wgrad cuDNN']['tflops']:.2f}x")
+    return row
+
+
+def operator_only(args, lesson06):
+    """--operator-only: per network of --nets, the operator's gradients against cuDNN on each layer, the
+    geometric mean and the lowest ratio of each gradient."""
+    how = "do_bench_cudagraph medians, kernels alone" if args.cuda_graphs else "do_bench medians, host time included"
+    nets = {}
+    for net in args.nets:
+        layers = NETS[net](args.batch)
+        if args.layers:
+            layers = [layer for layer in layers if any(text in layer[0] for text in args.layers)]
+        print(f"{net}: the operator's dgrad and wgrad against cuDNN, bf16, {common.gpu_name()}, TFLOPS ({how}):")
+        rows = [operator_against_cudnn(lesson06, layer, args.cuda_graphs) for layer in layers]
+        ratios = {kind: [row[f"{kind} operator"]["tflops"] / row[f"{kind} cuDNN"]["tflops"] for row in rows]
+                  for kind in ("dgrad", "wgrad")}
+        summary = {kind: {"geomean": statistics.geometric_mean(r), "lowest": min(r), "layers": len(r)}
+                   for kind, r in ratios.items()}
+        print(f"{net}: ours / cuDNN, geometric mean (lowest) over {len(rows)} layers: "
+              + ", ".join(f"{k} {v['geomean']:.2f}x ({v['lowest']:.2f}x)" for k, v in summary.items()))
+        nets[net] = {"summary": summary, "rows": rows}
+    common.save_json(common.output_dir(args.outdir), "backward_layers_operator",
+                     {**common.versions(), "dtype": "bfloat16", "batch": args.batch, "cuda_graphs": args.cuda_graphs,
+                      "nets": nets})
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--outdir", default=None, help="folder for backward_layers.json (default ./out)")
@@ -136,10 +209,17 @@ def main(argv=None):
     parser.add_argument("--operator", action="store_true",
                         help="also the operator's gradients (set_backward('lesson06'): wgrad through its per-shape "
                              "plan), and every path's host microseconds per call")
+    parser.add_argument("--operator-only", action="store_true",
+                        help="only the operator's gradients against cuDNN, on every layer of each of --nets "
+                             "(backward_layers_operator.json)")
+    parser.add_argument("--nets", nargs="+", default=["resnet50"], choices=sorted(NETS),
+                        help="with --operator-only: the networks whose layers to time (default resnet50)")
     args = parser.parse_args(argv)
     common.require_tma_mma_gpu("benchmarks/backward_layers.py")
     lesson06, lesson07 = common.load_lesson("06-conv-dgrad"), common.load_lesson("07-conv-wgrad")
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
+    if args.operator_only:
+        return operator_only(args, lesson06)
     layers = BACKWARD_QUICK if args.quick else resnet50_layers(args.batch)
     if args.layers:
         layers = [layer for layer in layers if any(text in layer[0] for text in args.layers)]

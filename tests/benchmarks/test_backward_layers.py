@@ -87,3 +87,29 @@ def test_operator_figures_check_then_time_every_path(timed, monkeypatch):
 def test_main_says_it_needs_the_gpu():
     with pytest.raises(RuntimeError, match="backward_layers.py needs an NVIDIA GPU"):
         backward_layers.main(["--operator", "--quick"])
+
+
+def test_operator_against_cudnn_checks_each_call_then_times_both(timed, monkeypatch):
+    monkeypatch.setattr(wgrad, "conv2d_weight_grad", wgrad_stand_in)
+    monkeypatch.setattr(backward, "lesson06_reason", lambda *args: None)
+    calls = []
+
+    def dgrad_phases_stand_in(dy, w, geometry, fprop, **options):     # the operator's dgrad: torch's, on a CPU
+        calls.append("dgrad")
+        g = geometry
+        return dgrad_stand_in(dy, w, (g.N, g.H, g.W, g.Ci), g.stride, g.padding, g.dilation, g.groups)
+    monkeypatch.setattr(dgrad_kernels, "dgrad", dgrad_phases_stand_in)
+    before = backward.backward_backend()
+    try:
+        row = backward_layers.operator_against_cudnn(lesson06, ("tiny", 2, 9, 9, 8, 16, 3, 3, 2, 1), cuda_graph=False)
+    finally:
+        conv_tutorial.set_backward(before)
+    assert calls == ["dgrad"] * 3                       # checked on three calls before any timing
+    assert {"dgrad operator", "dgrad cuDNN", "wgrad operator", "wgrad cuDNN"} <= row.keys() and timed == ["bench"] * 4
+
+
+def test_every_net_lists_distinct_dense_convs():
+    for net, layers in backward_layers.NETS.items():
+        found = layers(8)
+        assert found and len({layer.label for layer in found}) == len(found), net
+        assert all(layer.N == 8 for layer in found), net
