@@ -83,8 +83,9 @@ def batches(steps, batch, size, classes, device, seed=1):
              torch.randint(0, classes, (batch,), generator=generator).to(device)) for _ in range(steps)]
 
 
-def prepared(variant, model):
-    """The model (and the callable a step runs) of one variant."""
+def prepared(variant, model, wrap=None):
+    """The model (and the callable a step runs) of one variant. `wrap`: applied to the prepared module
+    before torch.compile (DistributedDataParallel: training_ddp.py); the step then runs the wrapper."""
     import conv_tutorial
     conv_tutorial.set_backward("lesson06" if variant.startswith("ours-lesson06") else "torch")
     if "-bnstats" in variant:      # sharing the model's parameters (first_step_gradients finds them by storage)
@@ -93,11 +94,12 @@ def prepared(variant, model):
         model = conv_tutorial.fuse_relu_into_dgrad(model, inplace=True)
     if variant.startswith("ours"):
         model = conv_tutorial.convert_conv2d(model)
+    wrapped = model if wrap is None else wrap(model)
     if variant == "eager":
-        return model, model
+        return model, wrapped
     mode = {"compile-max-autotune": "max-autotune"}.get(variant)
     mode = "reduce-overhead" if variant.endswith("-cudagraphs") else mode
-    return model, torch.compile(model, mode=mode)
+    return model, torch.compile(wrapped, mode=mode)
 
 
 def train(variant, fp32_model, data, warmup, device, profile=0):

@@ -1,0 +1,212 @@
+"""Training steps under DistributedDataParallel, one process per GPU, against one GPU on the same batches.
+
+    torchrun --nproc-per-node N benchmarks/training_ddp.py [--nets resnet50] [--batch-per-gpu 128]
+        [--steps 50] [--warmup 5] [--variants compile ours-lesson06-bnstats ...] [--outdir DIR]
+    python benchmarks/training_ddp.py --smoke [--outdir DIR]    # two CPU processes over gloo: checks the script
+
+Every process runs the same variants as benchmarks/training.py (its `prepared`: eager, torch.compile in
+its default mode or with CUDA graphs, the operator's recipe), with DistributedDataParallel wrapped
+around the prepared module before torch.compile (DDP's graph breaks at its buckets are torch.compile's
+own), over NCCL (gloo for --smoke) with NVLink multicast off (NCCL_NVLS_ENABLE=0, set here unless the
+environment sets it). Each step's global batch is N chunks of --batch-per-gpu images (random, chunk c
+of step s seeded by (s, c), made on the GPU); rank r trains on chunk r, DDP averages the gradients.
+
+Then rank 0 alone runs the same variant on one GPU over the same global batches, accumulating the N
+chunks' gradients before each optimizer step: the same arithmetic as DDP's (BatchNorm's statistics
+per chunk, as each GPU computes them; the gradient the mean of the chunks'), summed in another order.
+It gives the scaling's baseline and the losses to compare:
+- img_s: images per second in all, the global batch over the median step (each step synchronized;
+  the slowest rank's time); per GPU: img_s / N.
+- scaling: img_s over N times the one-GPU run's img_s (1.0: linear).
+- loss_gap: the largest |loss difference| per step between the N-GPU run and the one-GPU run, beside
+  `loss_tolerance`: the two runs differ in the order of the gradients' fp32 sums, and through training
+  that difference reaches the bf16 rounding of the convs' outputs; the tolerance is two bf16 roundings
+  (2 x 2^-8) of the first step's loss.
+JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "rows": [{"net", "batch_per_gpu", "gpus",
+"variant", "img_s", "img_s_per_gpu", "scaling", "loss_50", "loss_last", "losses", "loss_gap",
+"loss_tolerance"}]}; a row per variant for N GPUs and one for the one-GPU run (gpus 1, scaling 1.0), or
+{"net", "variant", "gpus", "error"} for a variant that failed.
+"""
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import common  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import training  # noqa: E402
+
+BF16_ROUNDING = 2.0 ** -8
+
+
+def chunk(step, index, batch, size, classes, device):
+    """Chunk `index` of step `step`'s global batch: the same images wherever it is made."""
+    generator = torch.Generator(device=device).manual_seed(1_000_003 * step + index + 1)
+    x = torch.randn(batch, 3, size, size, generator=generator, device=device)
+    y = torch.randint(0, classes, (batch,), generator=generator, device=device)
+    return x.contiguous(memory_format=torch.channels_last), y
+
+
+def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, autocast):
+    """(losses per step, seconds per timed step) of one variant: with `ddp` this rank's chunk of each step under
+    DistributedDataParallel, else every chunk of each step accumulated before the optimizer's step."""
+    import copy
+    import conv_tutorial
+    torch._dynamo.reset()
+    conv_tutorial.reset_backward_fallbacks()
+    model = copy.deepcopy(fp32_model).to(device).to(memory_format=torch.channels_last)
+    wrap = None
+    if ddp:
+        wrap = lambda module: torch.nn.parallel.DistributedDataParallel(  # noqa: E731
+            module, device_ids=[torch.cuda.current_device()] if device == "cuda" else None)
+    model, step_model = training.prepared(variant, model, wrap)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    losses, seconds = [], []
+    for s in range(steps):
+        parts = [chunks(s, dist.get_rank())] if ddp else [chunks(s, c) for c in range(dist.get_world_size())]
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for x, y in parts:
+            with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=autocast):
+                loss = torch.nn.functional.cross_entropy(step_model(x), y) / len(parts)
+            loss.backward()
+            total = total + loss.detach()
+        optimizer.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if ddp:        # the slowest rank's time, and the mean of the ranks' losses (what DDP's gradient is of)
+            both = torch.tensor([elapsed, float(total)], dtype=torch.float64, device=device)
+            slowest = both[:1].clone()
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            dist.all_reduce(both[1:], op=dist.ReduceOp.SUM)
+            elapsed, total = float(slowest), float(both[1]) / dist.get_world_size()
+        if s >= warmup:
+            seconds.append(elapsed)
+        losses.append(float(total))
+    return losses, seconds
+
+
+def measure(args, device, size, classes, nets):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = []
+    for net in nets:
+        fp32_model = training.initial_model(net)
+        chunks = lambda s, c: chunk(s, c, args.batch_per_gpu, size, classes, device)  # noqa: E731
+        for variant in args.variants:
+            row = {"net": net, "batch_per_gpu": args.batch_per_gpu, "variant": variant}
+            results = {}
+            for gpus in (world, 1):
+                try:
+                    if gpus == world or rank == 0:
+                        with warnings.catch_warnings():
+                            warnings.simplefilter("ignore")
+                            results[gpus] = run_variant(variant, net, fp32_model, chunks, args.steps, args.warmup,
+                                                        device, gpus == world and world > 1, device == "cuda")
+                except Exception as error:            # noqa: BLE001  (recorded: the other variants still run)
+                    results[gpus] = f"{type(error).__name__}: {error}"[:400]
+                dist.barrier()
+            if rank != 0:
+                continue
+            global_batch = args.batch_per_gpu * world
+            one = results[1]
+            unit = "GPU(s)" if device == "cuda" else "process(es)"
+            for gpus in (world, 1):
+                got = results[gpus]
+                if isinstance(got, str):
+                    rows.append({**row, "gpus": gpus, "error": got})
+                    print(f"  {net:<12} {variant:<34} {gpus} {unit}: failed: {got}", flush=True)
+                    continue
+                losses, seconds = got
+                img_s = global_batch / statistics.median(seconds)
+                one_img_s = None if isinstance(one, str) else global_batch / statistics.median(one[1])
+                gap = None if isinstance(one, str) else max(abs(a - b) for a, b in zip(losses, one[0]))
+                rows.append({**row, "gpus": gpus, "img_s": img_s, "img_s_per_gpu": img_s / gpus,
+                             "scaling": None if one_img_s is None else img_s / (gpus * one_img_s),
+                             "loss_50": losses[49] if len(losses) >= 50 else None, "loss_last": losses[-1],
+                             "losses": losses, "loss_gap": gap,
+                             "loss_tolerance": 2 * BF16_ROUNDING * abs(losses[0])})
+                r = rows[-1]
+                print(f"  {net:<12} {variant:<34} {gpus} {unit}: {img_s:8.0f} img/s ({r['img_s_per_gpu']:.0f} each)"
+                      + ("" if r["scaling"] is None else f", scaling {r['scaling']:.2f}")
+                      + ("" if gap is None else f", largest loss gap to one GPU {gap:.4f} "
+                                                f"(tolerance {r['loss_tolerance']:.4f})")
+                      + ("" if all(math.isfinite(v) for v in losses) else ", loss not finite"), flush=True)
+    return rows
+
+
+def worker(args):
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")        # NVLink multicast off, as the GPU machines require
+    smoke = args.smoke
+    if smoke:
+        dist.init_process_group("gloo")
+        device, size, classes, nets = "cpu", 32, 10, ["smoke"]
+    else:
+        common.require_tma_mma_gpu("benchmarks/training_ddp.py")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl")
+        device, size, classes, nets = "cuda", 224, 1000, args.nets
+    import conv_tutorial
+    backend = conv_tutorial.backward_backend()
+    try:
+        rows = measure(args, device, size, classes, nets)
+    finally:
+        conv_tutorial.set_backward(backend)
+    if dist.get_rank() == 0:
+        info = common.versions()
+        common.save_json(common.output_dir(args.outdir), "training_ddp",
+                         {"device": info["device"], "gpus": dist.get_world_size(), "torch": info["torch"],
+                          "triton": info["triton"], "steps": args.steps, "rows": rows})
+    dist.destroy_process_group()
+    return rows
+
+
+def _spawned(rank, argv, init_file, world):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    args = parse(argv)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(args.port)
+    worker(args)
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nets", nargs="+", default=["resnet50"])
+    parser.add_argument("--batch-per-gpu", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the timing (compiles)")
+    parser.add_argument("--variants", nargs="+", choices=training.VARIANTS,
+                        default=["compile", "ours-lesson06-bnstats", "compile-cudagraphs",
+                                 "ours-lesson06-bnstats-cudagraphs"])
+    parser.add_argument("--smoke", action="store_true",
+                        help="a tiny network on two CPU processes over gloo (started here unless under torchrun)")
+    parser.add_argument("--port", type=int, default=29517, help="--smoke without torchrun: the rendezvous port")
+    parser.add_argument("--outdir", default=None)
+    args = parser.parse_args(argv)
+    if args.steps <= args.warmup:
+        raise ValueError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): no step would be timed")
+    return args
+
+
+def main(argv=None):
+    args = parse(argv)
+    if args.smoke and "RANK" not in os.environ:          # two CPU processes, started here
+        import torch.multiprocessing as mp
+        mp.spawn(_spawned, args=(argv if argv is not None else sys.argv[1:], None, 2), nprocs=2, join=True)
+        return None
+    return worker(args)
+
+
+if __name__ == "__main__":
+    main()
