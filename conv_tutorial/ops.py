@@ -334,16 +334,20 @@ def conv2d_fp8(input, input_scale, weight, weight_scale, bias=None, stride=1, pa
 class TutorialConv2d(torch.nn.Module):
     """A drop-in for nn.Conv2d that calls the tutorial's operator. The weight keeps PyTorch's
     [Co, Ci, R, S] shape (state_dict stays compatible) but is stored in channels_last memory,
-    i.e. physically [Co, R, S, Ci], so the kernel reads it without a copy."""
+    i.e. physically [Co, R, S, Ci], so the kernel reads it without a copy. channels_last_weight=False
+    keeps it in PyTorch's contiguous layout instead, as torch.distributed.fsdp.fully_shard requires
+    (it shards contiguous parameters only); each call then copies it into the kernel's layout, and
+    takes the operator's full host path (a copy is not replayed: hostpath.py)."""
 
-    def __init__(self, conv: torch.nn.Conv2d):
+    def __init__(self, conv: torch.nn.Conv2d, channels_last_weight: bool = True):
         super().__init__()
         if conv.padding_mode != "zeros":
             raise ValueError(f"padding_mode={conv.padding_mode!r}: the kernel pads with zeros only")
         self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
         self.kernel_size, self.stride, self.padding = conv.kernel_size, conv.stride, conv.padding
         self.dilation, self.groups = conv.dilation, conv.groups
-        self.weight = torch.nn.Parameter(conv.weight.detach().contiguous(memory_format=torch.channels_last),
+        layout = torch.channels_last if channels_last_weight else torch.contiguous_format
+        self.weight = torch.nn.Parameter(conv.weight.detach().contiguous(memory_format=layout),
                                          requires_grad=conv.weight.requires_grad)
         self.bias = None if conv.bias is None else torch.nn.Parameter(conv.bias.detach(),
                                                                       requires_grad=conv.bias.requires_grad)
@@ -373,18 +377,17 @@ class TutorialConv2d(torch.nn.Module):
                 f"groups={self.groups}, bias={self.bias is not None}")
 
 
-def convert_conv2d(model: torch.nn.Module) -> torch.nn.Module:
+def convert_conv2d(model: torch.nn.Module, channels_last_weight: bool = True) -> torch.nn.Module:
     """Replace every nn.Conv2d of `model` (in place) by a TutorialConv2d with the same weights;
     everything else stays. Convs with a padding mode other than zeros are left alone (with a
-    warning). Returns the model."""
+    warning). channels_last_weight: TutorialConv2d's (False for torch.distributed.fsdp.fully_shard).
+    Returns the model."""
     for name, child in list(model.named_children()):
         if isinstance(child, torch.nn.Conv2d):
             if child.padding_mode != "zeros":
                 warnings.warn(f"{name}: padding_mode={child.padding_mode!r} stays an nn.Conv2d")
                 continue
-            setattr(model, name, TutorialConv2d(child))
+            setattr(model, name, TutorialConv2d(child, channels_last_weight))
         else:
-            convert_conv2d(child)
+            convert_conv2d(child, channels_last_weight)
     return model
-
-

@@ -1,10 +1,12 @@
-"""The operator under torch.distributed's DistributedDataParallel (DDP).
+"""The operator under torch.distributed's DistributedDataParallel (DDP), and under FSDP2 (fully_shard).
 
 DDP all-reduces each parameter's gradient as autograd accumulates it (hooks on the gradient's
 accumulator, in buckets), so a converted model trains under DDP if the operator's backward hands
 autograd its gradients as any op does. Checked here as a user would see it: two processes, each on
 half of the global batch, end with the same weights as one process on the whole batch; also with
 gradients accumulated over two micro-batches under `no_sync` (the all-reduce only on the last).
+FSDP2 shards contiguous parameters only: with PyTorch's weight layout (convert_conv2d's
+channels_last_weight=False) the same holds; its own error refuses channels_last weights.
 On a CPU over gloo (the operator's CPU path: torch's conv in the forward, the backward's fallback
 to torch with lesson 06's backend chosen), in float64 so that the two runs differ only by the order
 of the all-reduce's sums; on two GPUs over NCCL, the kernels themselves, in bf16 autocast.
@@ -21,7 +23,7 @@ WORLD = 2
 STEPS = 3
 
 
-def small_net(seed=0):
+def small_net(seed=0, channels_last_weight=True):
     """A small convnet with the operator's convs (stride 2, a bias, no bias), the same weights for a seed."""
     import conv_tutorial
     torch.manual_seed(seed)
@@ -30,7 +32,7 @@ def small_net(seed=0):
         torch.nn.Conv2d(16, 32, 3, stride=2, padding=1, bias=False), torch.nn.ReLU(),
         torch.nn.Conv2d(32, 32, 1), torch.nn.ReLU(),
         torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, 5))
-    return conv_tutorial.convert_conv2d(net)
+    return conv_tutorial.convert_conv2d(net, channels_last_weight)
 
 
 def global_batches(dtype, device, batch=8, size=12):
@@ -64,8 +66,9 @@ class _nothing:
         return False
 
 
-def ddp_worker(rank, init_file, out_file, backend, micro_batches):
-    """One process of WORLD: DDP over `backend`, this rank's share of every global batch; rank 0 saves the weights."""
+def ddp_worker(rank, init_file, out_file, backend, micro_batches, wrapper="ddp"):
+    """One process of WORLD: DDP (or FSDP2's fully_shard, `wrapper`) over `backend`, this rank's share of every
+    global batch; rank 0 saves the weights."""
     import conv_tutorial
     import torch.distributed as dist
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")      # NVLink multicast stays off
@@ -76,23 +79,32 @@ def ddp_worker(rank, init_file, out_file, backend, micro_batches):
     try:
         conv_tutorial.set_backward("lesson06")
         device = f"cuda:{rank}" if cuda else "cpu"
-        model = small_net().to(device).to(memory_format=torch.channels_last)
+        model = small_net(channels_last_weight=wrapper == "ddp").to(device)
         model = model if cuda else model.double()
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)
+        if wrapper == "ddp":
+            wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)
+        else:       # FSDP2: each layer with parameters sharded, then the whole
+            from torch.distributed.fsdp import fully_shard
+            for layer in model:
+                if any(True for _ in layer.parameters()):
+                    fully_shard(layer)
+            wrapped = fully_shard(model)
         batches = [(x.chunk(WORLD)[rank], y.chunk(WORLD)[rank])
                    for x, y in global_batches(torch.float32 if cuda else torch.float64, device)]
-        train(ddp, batches, micro_batches, autocast=True if cuda else None)
+        train(wrapped, batches, micro_batches, autocast=True if cuda else None)
+        weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu()   # (every rank gathers)
+                   for k, v in model.state_dict().items()}
         if rank == 0:
-            torch.save({k: v.cpu() for k, v in model.state_dict().items()}, out_file)
+            torch.save(weights, out_file)
     finally:
         dist.destroy_process_group()
 
 
-def run_ddp(backend, micro_batches):
+def run_ddp(backend, micro_batches, wrapper="ddp"):
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as folder:
         init_file, out_file = os.path.join(folder, "init"), os.path.join(folder, "weights.pt")
-        mp.spawn(ddp_worker, args=(init_file, out_file, backend, micro_batches), nprocs=WORLD, join=True)
+        mp.spawn(ddp_worker, args=(init_file, out_file, backend, micro_batches, wrapper), nprocs=WORLD, join=True)
         return torch.load(out_file)
 
 
@@ -115,6 +127,31 @@ def test_two_processes_end_with_the_weights_of_one_on_the_whole_batch(micro_batc
     for name in want:
         assert not torch.equal(want[name], initial[name]), f"{name} did not train"
         torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_fully_shard_trains_the_operator_with_contiguous_weights():
+    """FSDP2 (torch.distributed.fsdp.fully_shard) shards contiguous parameters only: with the weights in
+    PyTorch's layout (convert_conv2d(..., channels_last_weight=False)) two sharded processes end with one
+    process's weights; the default channels_last weights are refused, with fully_shard's own error."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = one_process(torch.float64, "cpu")
+        got = run_ddp("gloo", 1, wrapper="fsdp2")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_fully_shard_says_why_it_refuses_channels_last_weights():
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    with tempfile.TemporaryDirectory() as folder:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'init')}", rank=0, world_size=1)
+        try:
+            with pytest.raises(NotImplementedError, match="non-contiguous parameters"):
+                fully_shard(small_net()[0])
+        finally:
+            dist.destroy_process_group()
 
 
 needs_two_gpus = pytest.mark.skipif(not (common.has_tma_mma_gpu() and torch.cuda.device_count() >= WORLD),
