@@ -26,7 +26,7 @@ import torch
 from . import hostpath, runtime, selection, wgrad
 from .configs import grouped_conv_fits
 from .geometry import current_arch, device_facts, nhwc_view
-from .launch import DirectLaunch, plan_for, record_breaks, record_step, recording
+from .launch import DirectLaunch, plan_for, record_breaks, record_step
 from . import core
 from .kernels import dgrad as dgrad_kernels, fprop, gradients
 
@@ -168,14 +168,8 @@ def _dgrad(grad_output, input, weight, stride, padding, dilation, groups, relu_g
         key = hostpath.replay_key((grad_output, input, weight), "conv2d_input_grad", *stride, *padding, *dilation,
                                   groups, relu_gated, backward_backend())
         tensors = {"grad_output": grad_output, "input": input, "weight": weight}
-        results = hostpath.replayed(key, grad_output.device, tensors)
-        if results is not None:
-            return results[0]
-        if hostpath.records(key):
-            with recording() as steps:
-                dx = _dgrad_full_path(grad_output, input, weight, stride, padding, dilation, groups, relu_gated)
-            hostpath.keep_replay(key, steps, tensors, {"grad_input": (dx, False)})
-            return dx
+        return hostpath.call(key, grad_output.device, tensors, lambda: _dgrad_full_path(
+            grad_output, input, weight, stride, padding, dilation, groups, relu_gated), ("grad_input",))
     return _dgrad_full_path(grad_output, input, weight, stride, padding, dilation, groups, relu_gated)
 
 
@@ -194,6 +188,8 @@ def _dgrad_full_path(grad_output, input, weight, stride, padding, dilation, grou
             phases = dgrad_kernels.dgrad_phases(geometry if fold is None else fold.geometry)
             plan = _DGRAD_PLANS[geometry] = (fold, phases)
         options = dict(fold=plan[0], phases=plan[1], conv=_side_by_side_conv, in_place=True, zeros=_launch_zeros)
+        if max(stride) > 62:
+            record_breaks()     # (kernels.dgrad's untapped_zeros then fills dX with torch, which no replay repeats)
         dy_nhwc = nhwc_view(grad_output)
         dx = (dgrad_kernels.dgrad_through_relu(dy_nhwc, w_nhwc, nhwc_view(input), geometry, _fprop, **options)
               if relu_gated
@@ -226,7 +222,7 @@ def _launch_zeros(kernel, grid, args, kwargs):
             _ZEROS[key] = launched
         return
     direct(grid, dx.data_ptr(), *scalars)
-    record_step(("launch", direct, grid, (dx.data_ptr(), *scalars), (0,)))
+    record_step(("launch", direct, grid, (dx.data_ptr(), *scalars), (0,)), (dx,))
 
 
 def _weight_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, stride: List[int],
@@ -236,14 +232,8 @@ def _weight_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.T
         key = hostpath.replay_key((grad_output, input, weight), "conv2d_weight_grad", *stride, *padding, *dilation,
                                   groups, backward_backend())
         tensors = {"grad_output": grad_output, "input": input}
-        results = hostpath.replayed(key, grad_output.device, tensors)
-        if results is not None:
-            return results[0]
-        if hostpath.records(key):
-            with recording() as steps:
-                dw = _weight_grad_full_path(grad_output, input, weight, stride, padding, dilation, groups)
-            hostpath.keep_replay(key, steps, tensors, {"grad_weight": (dw, False)})
-            return dw
+        return hostpath.call(key, grad_output.device, tensors, lambda: _weight_grad_full_path(
+            grad_output, input, weight, stride, padding, dilation, groups), ("grad_weight",))
     return _weight_grad_full_path(grad_output, input, weight, stride, padding, dilation, groups)
 
 

@@ -15,7 +15,7 @@ plain tensors. What each path costs: benchmarks/host_time.py, figures in RESULTS
 import torch
 
 from . import selection
-from .launch import Replay
+from .launch import Replay, record_breaks, recording
 
 _REPLAYS = {}        # a forward call's key (`replay_key`) -> its Replay (launch.py); an int: failed attempts to build one
 REPLAY_ATTEMPTS = 3  # calls of a key recorded before its calls keep the full path for good
@@ -33,14 +33,6 @@ def replay_key(tensors, *arguments):
     return (*map(_facts, tensors), *arguments, selection.autotune_enabled(), torch._C._cuda_getDevice())
 
 
-def replayed(key, device, tensors):
-    """The results of a replay of `key` on `tensors`, or None (no replay yet, or it declines)."""
-    replay = _REPLAYS.get(key)
-    if replay is None or type(replay) is int:
-        return None
-    return replay(device, tensors)
-
-
 def keep_replay(key, recording, sources, results):
     """After a call of `key` made on its full path under `recording`: keep its replay, if it has one;
     after REPLAY_ATTEMPTS calls without one, stop recording the key's calls."""
@@ -56,6 +48,25 @@ def keep_replay(key, recording, sources, results):
 def records(key):
     """Whether a full-path call of `key` should be recorded (launch.recording) for a replay."""
     return type(_REPLAYS.get(key, 0)) is int and _REPLAYS.get(key, 0) < REPLAY_ATTEMPTS
+
+
+def call(key, device, tensors, full_path, results, zeroed=()):
+    """What an operator's call returns: the replay of `key` on `tensors` (its sources, by name), or
+    `full_path()` (recorded while the key may still get a replay). `results`: the names of what
+    full_path returns (one name: a tensor; more: a tuple); `zeroed`: those a replay allocates as zeros."""
+    replay = _REPLAYS.get(key)
+    if replay is not None and type(replay) is not int:
+        out = replay(device, tensors)
+        if out is not None:
+            return out[0] if len(results) == 1 else out
+    if not records(key):
+        record_breaks()     # (a call recorded around this one would not see its launches)
+        return full_path()
+    with recording() as steps:
+        out = full_path()
+    outs = (out,) if len(results) == 1 else out
+    keep_replay(key, steps, tensors, {name: (t, name in zeroed) for name, t in zip(results, outs)})
+    return out
 
 
 def _plain(tensors):

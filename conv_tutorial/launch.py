@@ -191,6 +191,8 @@ class Recording:
 
     def __init__(self):
         self.steps, self.broken = [], False
+        self.keep = []      # the tensors whose addresses the steps hold, alive until the recording ends: no
+                            # address can be freed and handed to another tensor of the same call meanwhile
 
 
 _RECORDING = contextvars.ContextVar("conv_tutorial_recording", default=None)
@@ -223,21 +225,24 @@ def _address(t):
 def _record(replay, x, w, pointers, window_args, stats, out_2d):
     active = _RECORDING.get()
     if active is not None:
+        active.keep += [t for t in (x, w, out_2d) if isinstance(t, torch.Tensor)]
         active.steps.append(("conv", replay, _address(x), _address(w), pointers, window_args, stats,
                              None if out_2d is None else out_2d.data_ptr()))
 
 
-def record_step(step):
-    """Add a step (a tuple, as `Recording` describes) to the call being recorded, if any."""
+def record_step(step, keep=()):
+    """Add a step (a tuple, as `Recording` describes) to the call being recorded, if any; `keep`: the
+    tensors whose addresses it holds (kept alive until the recording ends)."""
     active = _RECORDING.get()
     if active is not None:
         active.steps.append(step)
+        active.keep += keep
 
 
 def record_scratch(tensor):
     """Record a workspace the call allocated (its launches' addresses may lie in it)."""
     if tensor is not None:
-        record_step(("scratch", tuple(tensor.shape), tensor.dtype, (tensor.data_ptr(), tensor.nbytes)))
+        record_step(("scratch", tuple(tensor.shape), tensor.dtype, (tensor.data_ptr(), tensor.nbytes)), (tensor,))
 
 
 class Replay:
@@ -268,6 +273,11 @@ class Replay:
                 if t.data_ptr() % 16:
                     return None
                 spans[name] = (t.data_ptr(), t.numel() * t.element_size())
+        # Inputs that share memory (a residual that is the input itself, say): an address in both would be
+        # taken from the first, and every later call would read that input in the other's place. No replay.
+        ordered = sorted(spans[name] for name, t in sources.items() if t is not None)
+        if any(start + size > next_start for (start, size), (next_start, _) in zip(ordered, ordered[1:])):
+            return None
 
         def where(address):          # (name, offset) of an address, or None
             if address is None:

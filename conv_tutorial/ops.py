@@ -40,8 +40,8 @@ from typing import List, Optional
 import torch
 
 from . import backward, depthwise, runtime, selection
-from .hostpath import keep_replay, records, register_autograd, replay_key, replayed
-from .launch import recording
+from . import hostpath
+from .hostpath import register_autograd, replay_key
 from .configs import grouped_conv_fits
 from .geometry import (FP8, FP8_MAX, KERNEL_DTYPES, check_epilogue, check_fp8_dtypes, check_fp8_scales,
                        conv_output_size, current_arch, fp8_epilogue, nhwc_view, output_dtype, pair)
@@ -132,17 +132,8 @@ def _conv2d_with_epilogue(input: torch.Tensor, weight: torch.Tensor, bias: Optio
     key = replay_key((input, weight, bias, scale, residual), "conv2d", *stride, *padding, *dilation, groups,
                      activation, out_dtype)
     tensors = {"input": input, "weight": weight, "bias": bias, "scale": scale, "residual": residual}
-    results = replayed(key, input.device, tensors)
-    if results is not None:
-        return results[0]
-    if not records(key):
-        return _conv2d_full_path(input, weight, bias, stride, padding, dilation, groups, scale, residual,
-                                 activation, out_dtype)
-    with recording() as steps:
-        out = _conv2d_full_path(input, weight, bias, stride, padding, dilation, groups, scale, residual, activation,
-                                out_dtype)
-    keep_replay(key, steps, tensors, {"output": (out, False)})
-    return out
+    return hostpath.call(key, input.device, tensors, lambda: _conv2d_full_path(
+        input, weight, bias, stride, padding, dilation, groups, scale, residual, activation, out_dtype), ("output",))
 
 
 def _conv2d_full_path(input, weight, bias, stride, padding, dilation, groups, scale, residual, activation,

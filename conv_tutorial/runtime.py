@@ -171,7 +171,7 @@ class FoldedConv:
         w_fold = torch.nn.functional.pad(w.reshape(g.Co, g.R, 1, self.channels),
                                          (0, self.channels_padded - self.channels))
         record_step(("fold", self, x_nhwc.data_ptr(), w.data_ptr(), (x_fold.data_ptr(), x_fold.nbytes),
-                     (w_fold.data_ptr(), w_fold.nbytes)))
+                     (w_fold.data_ptr(), w_fold.nbytes)), (x_nhwc, w, x_fold, w_fold))
         return x_fold, w_fold
 
 

@@ -65,7 +65,7 @@ from .geometry import FP8, current_arch, nhwc_view
 from .ops import _wide
 from .core.batchnorm import batch_stats_from_sums
 from .kernels import dgrad as dgrad_kernels
-from .launch import recording
+from .launch import record_breaks
 
 _LIBRARY = torch.library.Library("conv_tutorial", "FRAGMENT")
 
@@ -95,20 +95,15 @@ def _conv2d_channel_stats(input: torch.Tensor, weight: torch.Tensor, bias: Optio
         key = hostpath.replay_key((input, weight, bias), "conv2d_channel_stats", *stride, *padding, *dilation,
                                   groups)
         tensors = {"input": input, "weight": weight, "bias": bias}
-        results = hostpath.replayed(key, input.device, tensors)
-        if results is not None:
-            return results
-        if hostpath.records(key):
-            with recording() as steps:
-                out, stats = _channel_stats_full_path(input, weight, bias, stride, padding, dilation, groups)
-            hostpath.keep_replay(key, steps, tensors, {"output": (out, False), "stats": (stats, True)})
-            return out, stats
+        return hostpath.call(key, input.device, tensors, lambda: _channel_stats_full_path(
+            input, weight, bias, stride, padding, dilation, groups), ("output", "stats"), zeroed=("stats",))
     return _channel_stats_full_path(input, weight, bias, stride, padding, dilation, groups)
 
 
 def _channel_stats_full_path(input, weight, bias, stride, padding, dilation, groups):
     ops.check_operand_dtypes(input, weight)
     if not _kernel_runs(input, weight, groups):    # torch's conv (or depthwise.py), then torch's sums
+        record_breaks()                            # (torch's sums: no replay repeats them)
         out = ops._conv2d_with_epilogue(input, weight, bias, stride, padding, dilation, groups)
         return out, torch_channel_stats(out)
     stats = torch.zeros(2, weight.shape[0], device=input.device, dtype=torch.float32)   # the epilogue adds into it

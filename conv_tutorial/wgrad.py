@@ -80,7 +80,8 @@ class WgradPlan:
             # (for a replay of the operator's call: launch.Recording)
             record_scratch(partial)
             record_step(("launch", self.kernel, template.grid, (dy_2d.data_ptr(), x_nhwc.data_ptr(), dw.data_ptr(),
-                                                                partial_ptr, template.shape), (0, 1, 2, 3)))
+                                                                partial_ptr, template.shape), (0, 1, 2, 3)),
+                        (dy_2d, x_nhwc, dw))
             if self.sum is not None:
                 record_step(("launch", self.sum, self.sum_grid, (partial_ptr, dw.data_ptr(), *self.sum_scalars), (0, 1)))
         return wgrad_kernels.wgrad_result(dw.view(g.Co, g.R, g.S, g.Ci_group), self.geometry, self.problem)

@@ -81,6 +81,39 @@ def test_a_replay_declines_an_unaligned_input():
     assert replay("cpu", {"x": x[1:]}) is None
 
 
+def test_no_replay_where_inputs_share_memory():
+    """A call whose residual is its input: an address in both would be taken from the first source, and every
+    later call of the key would read its input in the residual's place. Such a recording makes no replay."""
+    x = torch.empty(64, dtype=torch.uint8)
+    with launch.recording() as steps:
+        launch.record_step(("launch", StandIn([]), (1,), (x.data_ptr(), x.data_ptr()), (0, 1)))
+    assert launch.Replay.of(steps, {"input": x, "residual": x}, {}) is None
+    assert launch.Replay.of(steps, {"input": x, "residual": x[16:]}, {}) is None       # overlapping views too
+    assert launch.Replay.of(steps, {"input": x[:32], "residual": x[32:]}, {}) is not None   # side by side: fine
+
+
+def test_a_key_is_recorded_then_replayed_and_its_fallback_breaks_an_outer_recording(monkeypatch):
+    log, full_path_calls = [], []
+    direct = StandIn(log)
+    x = torch.empty(64, dtype=torch.uint8)
+
+    def full_path():
+        full_path_calls.append(1)
+        out = torch.empty(32, dtype=torch.uint8)
+        launch.record_step(("launch", direct, (1,), (x.data_ptr(), out.data_ptr()), (0, 1)), (out,))
+        direct((1,), x.data_ptr(), out.data_ptr())
+        return out
+    monkeypatch.setattr(hostpath, "_REPLAYS", {})
+    key = ("a key",)
+    for _ in range(3):
+        hostpath.call(key, "cpu", {"x": x}, full_path, ("out",))
+    assert len(full_path_calls) == 1 and len(log) == 3           # recorded once, replayed twice
+    monkeypatch.setattr(launch, "_launch_hooks_set", lambda: True)  # the replay declines: the full path, and
+    with launch.recording() as outer:                                # a recording around it is broken
+        hostpath.call(key, "cpu", {"x": x}, full_path, ("out",))
+    assert len(full_path_calls) == 2 and outer.broken
+
+
 # %% On a GPU: every path, called again and again --------------------------------------------------
 
 def _cl(t):
@@ -206,3 +239,49 @@ def test_a_profiler_listening_gets_the_full_path(monkeypatch):
     out = torch.ops.conv_tutorial.conv2d(x, w, None, [1, 1], [1, 1], [1, 1], 1)
     torch.testing.assert_close(out.float(), torch.nn.functional.conv2d(x.float(), w.float(), None, 1, 1),
                                atol=3e-2, rtol=3e-2)
+
+
+@needs_gpu
+def test_a_call_whose_residual_is_its_input_does_not_bind_later_calls():
+    """Recorded with residual=input, a later call of the same key with another residual must add that one."""
+    torch.manual_seed(0)
+    hostpath._REPLAYS.clear()
+    x = _cl(torch.randn(2, 64, 14, 14, device="cuda", dtype=torch.bfloat16))
+    w = _cl(torch.randn(64, 64, 3, 3, device="cuda", dtype=torch.bfloat16) / 24)
+    for _ in range(3):
+        torch.ops.conv_tutorial.conv2d(x, w, None, [1, 1], [1, 1], [1, 1], 1, residual=x)
+    other = _cl(torch.randn_like(x))
+    out = torch.ops.conv_tutorial.conv2d(x, w, None, [1, 1], [1, 1], [1, 1], 1, residual=other)
+    want = torch.nn.functional.conv2d(x.float(), w.float(), None, 1, 1) + other.float()
+    torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)
+
+
+@needs_gpu
+def test_every_result_of_interleaved_calls_kept_alive_stays_right(lesson06_backend):
+    """Two layers' forward and gradients called in turn, every input and result kept alive (each call gets new
+    addresses, none reused), then every result checked against torch at the end: no replay wrote where it
+    should not."""
+    torch.manual_seed(0)
+    hostpath._REPLAYS.clear()
+    layers = [(2, 64, 14, 14, 64, 3, 1, 1), (2, 128, 28, 28, 128, 3, 2, 1)]
+    kept = []
+    for call in range(6):
+        for N, Ci, H, W, Co, R, stride, padding in layers:
+            x = _cl(torch.randn(N, Ci, H, W, device="cuda", dtype=torch.bfloat16))
+            w = _cl(torch.randn(Co, Ci, R, R, device="cuda", dtype=torch.bfloat16) / (Ci * R * R) ** 0.5)
+            args = ([stride] * 2, [padding] * 2, [1, 1], 1)
+            y = torch.ops.conv_tutorial.conv2d(x, w, None, *args)
+            dy = _cl(torch.randn_like(y))
+            dx = torch.ops.conv_tutorial.conv2d_input_grad(dy, x, w, *args)
+            dw = torch.ops.conv_tutorial.conv2d_weight_grad(dy, x, w, *args)
+            kept.append((x, w, dy, y, dx, dw, stride, padding))
+    torch.cuda.synchronize()
+    for x, w, dy, y, dx, dw, stride, padding in kept:
+        torch.testing.assert_close(y.float(), torch.nn.functional.conv2d(x.float(), w.float(), None, stride, padding),
+                                   atol=3e-2, rtol=3e-2)
+        want_dx, want_dw = torch.ops.aten.convolution_backward(dy.float(), x.float(), w.float(), None, [stride] * 2,
+                                                               [padding] * 2, [1, 1], False, [0, 0], 1,
+                                                               [True, True, False])[:2]
+        torch.testing.assert_close(dx.float(), want_dx, atol=5e-2, rtol=3e-2)
+        torch.testing.assert_close(dw.float(), want_dw, atol=0.5, rtol=3e-2)
+    assert _replay_of("conv2d") and _replay_of("conv2d_input_grad") and _replay_of("conv2d_weight_grad")
