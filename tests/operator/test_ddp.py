@@ -3,8 +3,9 @@
 DDP all-reduces each parameter's gradient as autograd accumulates it (hooks on the gradient's
 accumulator, in buckets), so a converted model trains under DDP if the operator's backward hands
 autograd its gradients as any op does. Checked here as a user would see it: two processes, each on
-half of the global batch, end with the same weights as one process on the whole batch; also with
-gradients accumulated over two micro-batches under `no_sync` (the all-reduce only on the last).
+half of the global batch, end with the same weights as one process on the whole batch, every
+parameter's gradient passing through DDP's buckets once per step (`find_unused_parameters` off);
+also with gradients accumulated over two micro-batches under `no_sync` (the all-reduce only on the last).
 FSDP2 shards contiguous parameters only: with PyTorch's weight layout (convert_conv2d's
 channels_last_weight=False) the same holds; its own error refuses channels_last weights.
 On a CPU over gloo (the operator's CPU path: torch's conv in the forward, the backward's fallback
@@ -81,8 +82,16 @@ def ddp_worker(rank, init_file, out_file, backend, micro_batches, wrapper="ddp")
         device = f"cuda:{rank}" if cuda else "cpu"
         model = small_net(channels_last_weight=wrapper == "ddp").to(device)
         model = model if cuda else model.double()
+        buckets = []        # (the gradients' elements each all-reduce carried, per bucket)
         if wrapper == "ddp":
             wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)
+
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            def counted(state, bucket):       # DDP's own all-reduce, counted: what the backward handed it
+                buckets.append(bucket.buffer().numel())
+                return allreduce_hook(state, bucket)
+            wrapped.register_comm_hook(None, counted)
         else:       # FSDP2: each layer with parameters sharded, then the whole
             from torch.distributed.fsdp import fully_shard
             for layer in model:
@@ -94,6 +103,9 @@ def ddp_worker(rank, init_file, out_file, backend, micro_batches, wrapper="ddp")
         train(wrapped, batches, micro_batches, autocast=True if cuda else None)
         weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu()   # (every rank gathers)
                    for k, v in model.state_dict().items()}
+        if wrapper == "ddp":     # every parameter's gradient reached DDP's buckets, once per all-reduced step
+            total = sum(p.numel() for p in model.parameters())
+            assert sum(buckets) == total * len(batches), (sum(buckets), total, len(batches))
         if rank == 0:
             torch.save(weights, out_file)
     finally:
