@@ -152,9 +152,6 @@ class ForwardReplay:
     def lean(self):
         return self.direct.lean and (self.reduce is None or self.reduce.lean)
 
-    def takes_addresses(self):
-        return self.lean and not _launch_hooks_set()
-
     def __call__(self, device, x, w, pointers, out_2d=None, window_args=None, stats=None, checked=False):
         # checked: the caller has seen takes_addresses() (a Replay): the launches' lean path, without asking again
         if out_2d is None:
