@@ -33,8 +33,10 @@ lesson 06's gradients the check that isolates the convs is "conv_grad_err" (conv
 one more step of the model, run eagerly, in which every conv gradient the operator computes is
 compared with torch's fp32 gradient of that call's own inputs, beside cuDNN's of the same inputs;
 null for other variants and with --no-gradient-check. Writes training.json
-({"device", "torch", "triton", "steps", "rows": [{"net", "batch", "variant", "img_s", "loss_50", "loss_last",
-"losses", "grad_rel_err_median", "grad_rel_err_max", "conv_grad_err", "backward_fallbacks"}]}; loss_50: the loss of the
+({"device", "torch", "triton", "steps", "rows": [{"net", "batch", "variant", "img_s", "first_steps_s", "loss_50", "loss_last",
+"losses", "grad_rel_err_median", "grad_rel_err_max", "conv_grad_err", "backward_fallbacks"}]}; first_steps_s: the wall
+seconds of each warm-up step, in which the variant compiles (in a fresh process: the first steps a user waits for,
+with the Triton and Inductor caches cold or warm from an earlier run); loss_50: the loss of the
 50th step, null in a run of fewer steps (loss_last: its last step's); backward_fallbacks: with lesson 06's
 gradients chosen, the conv gradients torch computed instead, by reason, over all of the variant's
 steps) and training_loss.png (the loss per step of every variant) to --outdir.
@@ -103,8 +105,8 @@ def prepared(variant, model, wrap=None):
 
 
 def train(variant, fp32_model, data, warmup, device, profile=0):
-    """(losses of every step, seconds of each timed step, and with `profile` steps the GPU time per step
-    by kind of kernel, else None) of one variant from the same weights."""
+    """(losses of every step, seconds of each step, and with `profile` steps the GPU time per step by kind
+    of kernel, else None) of one variant from the same weights. The first `warmup` steps compile."""
     model, step_model = prepared(variant, copy.deepcopy(fp32_model).to(device).to(memory_format=torch.channels_last))
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
@@ -123,8 +125,7 @@ def train(variant, fp32_model, data, warmup, device, profile=0):
         loss = step(x, y)
         if device == "cuda":
             torch.cuda.synchronize()
-        if i >= warmup:
-            seconds.append(time.perf_counter() - start)
+        seconds.append(time.perf_counter() - start)
         losses.append(loss.item())
     by_kind = profile_steps(lambda: step(*data[-1]), profile) if profile and device == "cuda" else None
     return losses, seconds, by_kind
@@ -324,11 +325,13 @@ def run(argv=None):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 torch._dynamo.reset()
-                losses, seconds, by_kind = train(variant, fp32_model, data, args.warmup, device, args.profile)
+                losses, all_seconds, by_kind = train(variant, fp32_model, data, args.warmup, device, args.profile)
+                seconds = all_seconds[args.warmup:]
                 error = (None, None) if reference is None else gradient_error(
                     first_step_gradients(variant, fp32_model, *data[0], device), reference)
             row = {"net": net, "batch": args.batch, "variant": variant,
                    "img_s": args.batch / statistics.median(seconds),
+                   "first_steps_s": all_seconds[:args.warmup],
                    "loss_50": losses[49] if len(losses) >= 50 else None, "loss_last": losses[-1], "losses": losses,
                    "grad_rel_err_median": error[0], "grad_rel_err_max": error[1], "conv_grad_err": None,
                    "backward_fallbacks": conv_tutorial.backward_fallbacks()}
@@ -339,7 +342,8 @@ def run(argv=None):
                     warnings.simplefilter("ignore")
                     row["conv_grad_err"] = conv_gradient_errors(variant, fp32_model, *data[0], device)
             rows.append(row)
-            print(f"  {net:<16} {variant:<22} {row['img_s']:8.0f} img/s   loss after {len(losses)} steps "
+            print(f"  {net:<16} {variant:<22} {row['img_s']:8.0f} img/s   first {args.warmup} steps "
+                  f"{sum(row['first_steps_s']):.1f} s   loss after {len(losses)} steps "
                   f"{losses[-1]:.4f}" + ("" if reference is None else f"   first step's gradients: rel. error median "
                                          f"{error[0]:.1e}, largest {error[1]:.1e}"), flush=True)
             per_conv = row["conv_grad_err"]
