@@ -1,7 +1,7 @@
 """Training steps of torchvision networks: eager cuDNN, torch.compile, and the operator under torch.compile.
 
     python benchmarks/training.py [--nets resnet50 regnet_y_3_2gf] [--batch 128] [--steps 50] [--max-autotune]
-                                  [--no-gradient-check] [--profile STEPS]
+                                  [--no-gradient-check] [--profile STEPS] [--compile-ahead]
                                   [--variants eager compile ours ours-lesson06] [--outdir DIR]
 
 Each network is torchvision's with its own random initialisation (seed 0), channels_last, trained
@@ -33,10 +33,12 @@ lesson 06's gradients the check that isolates the convs is "conv_grad_err" (conv
 one more step of the model, run eagerly, in which every conv gradient the operator computes is
 compared with torch's fp32 gradient of that call's own inputs, beside cuDNN's of the same inputs;
 null for other variants and with --no-gradient-check. Writes training.json
-({"device", "torch", "triton", "steps", "rows": [{"net", "batch", "variant", "img_s", "first_steps_s", "loss_50", "loss_last",
+({"device", "torch", "triton", "steps", "rows": [{"net", "batch", "variant", "img_s", "first_steps_s", "compile_ahead_s", "loss_50", "loss_last",
 "losses", "grad_rel_err_median", "grad_rel_err_max", "conv_grad_err", "backward_fallbacks"}]}; first_steps_s: the wall
 seconds of each warm-up step, in which the variant compiles (in a fresh process: the first steps a user waits for,
-with the Triton and Inductor caches cold or warm from an earlier run); loss_50: the loss of the
+with the Triton and Inductor caches cold or warm from an earlier run); compile_ahead_s: with --compile-ahead, the
+seconds the operator's variants spent in conv_tutorial.compile_kernels_ahead before their first step (else
+null); loss_50: the loss of the
 50th step, null in a run of fewer steps (loss_last: its last step's); backward_fallbacks: with lesson 06's
 gradients chosen, the conv gradients torch computed instead, by reason, over all of the variant's
 steps) and training_loss.png (the loss per step of every variant) to --outdir.
@@ -104,11 +106,17 @@ def prepared(variant, model, wrap=None):
     return model, torch.compile(wrapped, mode=mode)
 
 
-def train(variant, fp32_model, data, warmup, device, profile=0):
+def train(variant, fp32_model, data, warmup, device, profile=0, compile_ahead=False):
     """(losses of every step, seconds of each step, and with `profile` steps the GPU time per step by kind
-    of kernel, else None) of one variant from the same weights. The first `warmup` steps compile."""
+    of kernel, else None, and the seconds of conv_tutorial.compile_kernels_ahead, None without it) of one
+    variant from the same weights. The first `warmup` steps compile. `compile_ahead`: the operator's variants
+    compile their kernels side by side before the first step."""
     model, step_model = prepared(variant, copy.deepcopy(fp32_model).to(device).to(memory_format=torch.channels_last))
     model.train()
+    ahead_s = None
+    if compile_ahead and variant.startswith("ours"):
+        import conv_tutorial
+        ahead_s = conv_tutorial.compile_kernels_ahead(model, data[0][0], autocast_dtype=torch.bfloat16)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     losses, seconds = [], []
     autocast = dict(device_type=device, dtype=torch.bfloat16)
@@ -128,7 +136,7 @@ def train(variant, fp32_model, data, warmup, device, profile=0):
         seconds.append(time.perf_counter() - start)
         losses.append(loss.item())
     by_kind = profile_steps(lambda: step(*data[-1]), profile) if profile and device == "cuda" else None
-    return losses, seconds, by_kind
+    return losses, seconds, by_kind, ahead_s
 
 
 # kernel name fragment -> what the kernel does (the first match wins; lower-case)
@@ -298,6 +306,8 @@ def run(argv=None):
     parser.add_argument("--variants", nargs="+", default=["eager", "compile", "ours", "ours-lesson06"],
                         choices=VARIANTS)
     parser.add_argument("--max-autotune", action="store_true", help="also torch.compile(mode='max-autotune')")
+    parser.add_argument("--compile-ahead", action="store_true",
+                        help="the operator's variants: conv_tutorial.compile_kernels_ahead before the first step")
     parser.add_argument("--no-gradient-check", action="store_true",
                         help="skip the first step's gradients against fp32 (each variant compiles once less)")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
@@ -325,13 +335,14 @@ def run(argv=None):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 torch._dynamo.reset()
-                losses, all_seconds, by_kind = train(variant, fp32_model, data, args.warmup, device, args.profile)
+                losses, all_seconds, by_kind, ahead_s = train(variant, fp32_model, data, args.warmup, device,
+                                                              args.profile, args.compile_ahead)
                 seconds = all_seconds[args.warmup:]
                 error = (None, None) if reference is None else gradient_error(
                     first_step_gradients(variant, fp32_model, *data[0], device), reference)
             row = {"net": net, "batch": args.batch, "variant": variant,
                    "img_s": args.batch / statistics.median(seconds),
-                   "first_steps_s": all_seconds[:args.warmup],
+                   "first_steps_s": all_seconds[:args.warmup], "compile_ahead_s": ahead_s,
                    "loss_50": losses[49] if len(losses) >= 50 else None, "loss_last": losses[-1], "losses": losses,
                    "grad_rel_err_median": error[0], "grad_rel_err_max": error[1], "conv_grad_err": None,
                    "backward_fallbacks": conv_tutorial.backward_fallbacks()}
@@ -343,7 +354,8 @@ def run(argv=None):
                     row["conv_grad_err"] = conv_gradient_errors(variant, fp32_model, *data[0], device)
             rows.append(row)
             print(f"  {net:<16} {variant:<22} {row['img_s']:8.0f} img/s   first {args.warmup} steps "
-                  f"{sum(row['first_steps_s']):.1f} s   loss after {len(losses)} steps "
+                  f"{sum(row['first_steps_s']):.1f} s" + ("" if ahead_s is None else f" after {ahead_s:.1f} s compiling ahead")
+                  + f"   loss after {len(losses)} steps "
                   f"{losses[-1]:.4f}" + ("" if reference is None else f"   first step's gradients: rel. error median "
                                          f"{error[0]:.1e}, largest {error[1]:.1e}"), flush=True)
             per_conv = row["conv_grad_err"]

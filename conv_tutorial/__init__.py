@@ -34,6 +34,7 @@ import importlib
 _API = {
     **dict.fromkeys(["backward_backend", "backward_fallbacks", "reset_backward_fallbacks", "set_backward"], "backward"),
     **dict.fromkeys(["CANDIDATES", "FIXED_CONFIG", "KernelConfig"], "configs"),
+    "compile_kernels_ahead": "compile_ahead",
     "depthwise_conv2d": "depthwise",
     "quantize_fp8": "fp8",
     **dict.fromkeys(["FusedConv2d", "TorchConvEpilogue", "fuse_conv_bn_act", "keep_faster_convs"], "fusion"),

@@ -15,7 +15,7 @@ plain tensors. What each path costs: benchmarks/host_time.py, figures in RESULTS
 import torch
 
 from . import selection
-from .launch import Replay, record_breaks, recording
+from .launch import Replay, compiling_ahead_active, record_breaks, recording
 
 _REPLAYS = {}        # a forward call's key (`replay_key`) -> its Replay (launch.py); an int: failed attempts to build one
 REPLAY_ATTEMPTS = 3  # calls of a key recorded before its calls keep the full path for good
@@ -54,6 +54,8 @@ def call(key, device, tensors, full_path, results, zeroed=()):
     """What an operator's call returns: the replay of `key` on `tensors` (its sources, by name), or
     `full_path()` (recorded while the key may still get a replay). `results`: the names of what
     full_path returns (one name: a tensor; more: a tuple); `zeroed`: those a replay allocates as zeros."""
+    if compiling_ahead_active():
+        return full_path()  # (compiles and launches nothing: no replay to record, no attempt spent)
     replay = _REPLAYS.get(key)
     if replay is not None and type(replay) is not int:
         out = replay(device, tensors)

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
+from triton.runtime._async_compile import FutureKernel
 
 from .configs import KernelConfig, check_config
 from .geometry import device_facts
@@ -83,6 +84,8 @@ class DirectLaunch:
         """Launch `kernel` through Triton's generic launcher (it binds, specializes and compiles),
         and return a DirectLaunch of the compiled kernel for the calls after it."""
         compiled = kernel[grid](*args, **kwargs)
+        if isinstance(compiled, FutureKernel):      # inside compiling_ahead: the compile's future (launched once done)
+            compiled = compiled.result()
         return cls(compiled, tuple(kwargs[p.name] for p in kernel.params if p.is_constexpr), templates)
 
     def _tensor_map(self, tensor, position):
@@ -487,9 +490,10 @@ def compiling_ahead(workers=None):
     per CPU, at most 32) and returns its output unwritten. On exit every compile has finished, and
     Triton's in-memory cache holds them: the calls after it launch without compiling. A model run
     once inside it has its distinct kernels compiled side by side instead of one after another
-    (its outputs are garbage: run it for the compiles alone). Depthwise convs (depthwise.py) are
-    compiled in the pool too and not run; other kernels (the folded stem's copy) compile and run
-    as usual. Autotuning must be off inside (the tuner times real launches). Triton reports a
+    (its outputs are garbage: run it for the compiles alone). Depthwise convs (depthwise.py) and
+    wgrad's kernels (wgrad.py) are compiled in the pool too and not run; other kernels (the folded
+    stem's copy, dgrad's zero fill) compile and run as usual. A whole training step:
+    compile_ahead.compile_kernels_ahead. Autotuning must be off inside (the tuner times real launches). Triton reports a
     failed compile when the block exits."""
     workers = workers or min(32, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers) as pool, triton.AsyncCompileMode(pool):

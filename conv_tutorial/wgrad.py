@@ -35,8 +35,8 @@ stream, as Triton's launcher does (autograd runs a backward with its tensors' de
 import torch
 
 from .geometry import call_key, device_facts
-from .launch import (DirectLaunch, _check_tma_aligned, _descriptors, _new_like, _tensorless, record_breaks,
-                     record_scratch, record_step)
+from .launch import (DirectLaunch, _check_tma_aligned, _descriptors, _new_like, _tensorless, compiling_ahead_active,
+                     record_breaks, record_scratch, record_step)
 from .kernels import gradients, wgrad as wgrad_kernels
 
 DESCRIPTORS = ("dy_desc", "x_desc")     # lesson 07's WgradLaunch fields, in conv2d_wgrad_kernel's order
@@ -64,7 +64,10 @@ class WgradPlan:
         dw = torch.empty(g.Co, g.R * g.S * g.Ci_group, device=x_nhwc.device, dtype=self.dtype)
         if self.kernel is None:
             record_breaks()
-            self._first_launch(x_nhwc, dy_nhwc, dw)
+            if compiling_ahead_active():          # launch.compiling_ahead: compile in its pool, run nothing
+                self._compile_only(x_nhwc, dy_nhwc, dw)
+            else:
+                self._first_launch(x_nhwc, dy_nhwc, dw)
         else:
             x_nhwc, dy_2d = wgrad_kernels.wgrad_operands(x_nhwc, dy_nhwc, g)
             _check_tma_aligned(x_nhwc)
@@ -100,6 +103,18 @@ class WgradPlan:
             self.sum = DirectLaunch.first_launch(wgrad_kernels.wgrad_split_k_sum_kernel, grid, args, constexprs)
             self.sum_grid, self.sum_scalars = grid, args[2:]
         self.template, self.kernel = template, kernel
+
+    def _compile_only(self, x_nhwc, dy_nhwc, dw):
+        """Inside `launch.compiling_ahead`: hand both kernels' compiles to its pool and launch nothing (dW
+        comes back unwritten). The specialization, and so Triton's cache key, is the one `_first_launch`
+        computes for these tensors, which the first real call then finds compiled."""
+        launch = wgrad_kernels.prepare_wgrad(x_nhwc, dy_nhwc, self.run_geometry, None, self.arch, self.num_sms)
+        wgrad_kernels.check_wgrad_config(launch.config, self.arch)
+        wgrad_kernels.conv2d_wgrad_kernel.warmup(*launch.kernel_args(dw), grid=launch.grid,
+                                                 **wgrad_kernels.wgrad_kernel_options(launch.config, self.arch))
+        if launch.partial is not None:
+            grid, args, constexprs = wgrad_kernels.sum_partials_launch(launch, dw)
+            wgrad_kernels.wgrad_split_k_sum_kernel.warmup(*args, grid=grid, **constexprs)
 
 
 _PLANS = {}          # (geometry, dtype, device) -> WgradPlan

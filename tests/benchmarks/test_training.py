@@ -20,7 +20,7 @@ def test_smoke_run_writes_rows_and_plot(tmp_path):
         # 3 steps: no 50th step's loss (the field), the last step's beside it
         assert row["loss_50"] is None and row["loss_last"] == row["losses"][-1]
         # the warm-up step's own time (what a user waits for first), apart from the timed steps
-        assert len(row["first_steps_s"]) == 1 and row["first_steps_s"][0] > 0
+        assert len(row["first_steps_s"]) == 1 and row["first_steps_s"][0] > 0 and row["compile_ahead_s"] is None
         # bf16 autocast against fp32: each operand rounded to 2^-8 relative, a few percent after
         # several layers; a gradient that is mostly cancellation (BatchNorm's) errs most
         assert row["img_s"] > 0 and row["grad_rel_err_median"] < 0.05 and row["grad_rel_err_max"] < 0.25
@@ -123,3 +123,10 @@ def test_a_run_leaves_the_gradients_backend_as_it_found_it(tmp_path):
     training.main(["--smoke", "--batch", "2", "--steps", "2", "--warmup", "1", "--variants", "ours-lesson06",
                    "--no-gradient-check", "--outdir", str(tmp_path)])
     assert conv_tutorial.backward_backend() == before
+
+
+def test_compile_ahead_is_timed_for_the_operators_variants(tmp_path):
+    rows = training.main(["--smoke", "--batch", "4", "--steps", "2", "--warmup", "1", "--variants", "eager", "ours",
+                          "--no-gradient-check", "--compile-ahead", "--outdir", str(tmp_path)])
+    # (a CPU: nothing to compile, 0 seconds; eager is not the operator's)
+    assert [r["compile_ahead_s"] for r in rows] == [None, 0.0]

@@ -1,0 +1,154 @@
+"""conv_tutorial.compile_kernels_ahead: a training step's kernels compiled side by side before the step.
+
+On a CPU: bad arguments get clear errors; the pass keeps nothing of the step it runs (no parameter's
+gradient written, BatchNorm's running statistics and counter put back, though a train-mode forward
+moves them); an operator call inside `launch.compiling_ahead` records no replay. On a GPU: the
+backward's calls see the compile-only mode (autograd would otherwise run them on a thread of its
+own), the step after the pass compiles no Gluon kernel of its own, and its gradients are torch's."""
+import copy
+import warnings
+
+import common
+
+import pytest
+import torch
+
+import conv_tutorial
+from conv_tutorial import compile_ahead, hostpath
+from conv_tutorial import launch as plans
+
+needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
+
+
+def small_net(device="cpu"):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3, padding=1, bias=False), torch.nn.BatchNorm2d(32),
+                              torch.nn.ReLU(), torch.nn.Conv2d(32, 64, 3, stride=2, padding=1, bias=False),
+                              torch.nn.BatchNorm2d(64), torch.nn.ReLU(), torch.nn.Conv2d(64, 64, 1, stride=2, bias=False),
+                              torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    return net.to(device).to(memory_format=torch.channels_last).train()
+
+
+@pytest.mark.parametrize("model, inputs, kwargs, error, match", [
+    ("not a module", (torch.zeros(1),), {}, TypeError, "model must be a torch.nn.Module"),
+    (None, (), {}, TypeError, "example_inputs must be one or more tensors"),
+    (None, ([1, 2],), {}, TypeError, "example_inputs must be one or more tensors"),
+    (None, (torch.zeros(1, 3, 8, 8),), {"autocast_dtype": torch.float32}, ValueError, "autocast_dtype must be"),
+    (None, (torch.zeros(1, 3, 8, 8),), {"workers": 0}, ValueError, "workers must be"),
+    (None, (torch.zeros(1, 3, 8, 8),), {"workers": True}, ValueError, "workers must be"),
+])
+def test_refuses_bad_arguments(model, inputs, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        conv_tutorial.compile_kernels_ahead(small_net() if model is None else model, *inputs, **kwargs)
+
+
+def test_refuses_a_ddp_wrapper():
+    class FakeDDP(torch.nn.parallel.DistributedDataParallel):   # (no process group needed to be one)
+        def __init__(self, module):
+            torch.nn.Module.__init__(self)
+            self.module = module
+    with pytest.raises(ValueError, match="model.module"):
+        conv_tutorial.compile_kernels_ahead(FakeDDP(small_net()), torch.zeros(2, 3, 8, 8))
+
+
+def test_nothing_to_compile_off_the_gpu():
+    model = small_net()
+    before = copy.deepcopy(model.state_dict())
+    assert conv_tutorial.compile_kernels_ahead(model, torch.randn(2, 3, 8, 8)) == 0.0
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_the_step_it_runs_leaves_no_trace():
+    """The pass itself (on a CPU, where the operator runs torch's conv): a train-mode forward moves
+    BatchNorm's running statistics and counter, and a backward would write every `.grad`; after the
+    pass, all are as they were (the `.grad`s that existed unchanged, the others still None)."""
+    model = conv_tutorial.convert_conv2d(small_net())
+    x = torch.randn(4, 3, 12, 12).contiguous(memory_format=torch.channels_last)
+    model[-1].weight.grad = torch.ones_like(model[-1].weight)       # one gradient already there
+    state = copy.deepcopy(model.state_dict())
+    probe = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")         # (the operator's word that torch runs these convs on a CPU)
+        with torch.no_grad():
+            probe(x)
+        compile_ahead._step_once(model, (x,), backward=True, autocast_dtype=torch.bfloat16, workers=1)
+    moved = [name for name, value in probe.state_dict().items() if not torch.equal(value, state[name])]
+    assert any("running_mean" in name for name in moved) and any("num_batches_tracked" in name for name in moved)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, state[name]), name
+    for name, p in model.named_parameters():
+        if p is model[-1].weight:
+            assert torch.equal(p.grad, torch.ones_like(p))
+        else:
+            assert p.grad is None, name
+
+
+def test_an_operator_call_inside_compiling_ahead_records_no_replay():
+    key = ("a key of no real call", 1)
+    calls = []
+    with plans.compiling_ahead(workers=1):
+        out = hostpath.call(key, "cpu", {}, lambda: calls.append(1) or "result", ("output",))
+    assert out == "result" and calls == [1] and key not in hostpath._REPLAYS
+
+
+@needs_gpu
+def test_the_backward_runs_where_the_compile_only_mode_is_set():
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(plans.compiling_ahead_active())
+            return grad
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4, device="cuda"))
+
+        def forward(self, x):
+            return Probe.apply(x * self.w)
+    compile_ahead._step_once(Net(), (torch.ones(4, device="cuda"),), True, None, 1)
+    assert seen == [True]
+
+
+def _compiled_kernels():
+    from conv_tutorial.kernels import fprop, wgrad
+    device = torch.cuda.current_device()
+    return sum(len(kernel.device_caches[device][0]) for kernel in (fprop.conv2d_fprop_kernel, wgrad.conv2d_wgrad_kernel))
+
+
+@needs_gpu
+def test_the_step_after_it_compiles_nothing_and_trains_as_torch():
+    """A converted net with BatchNorm's sums fused and lesson 06's gradients, under bf16 autocast: after the
+    pass, one real step adds no forward or wgrad kernel to Triton's caches (each was compiled ahead), and its
+    gradients match the same net on cuDNN (bf16's tolerance, as the training fusions' tests). Its 1x1 stride-2
+    conv's dgrad zero-fills the pixels no tap reaches: a kernel the pass launches (through its compile's future)."""
+    before = conv_tutorial.backward_backend()
+    conv_tutorial.set_backward("lesson06")
+    try:
+        reference = small_net("cuda")
+        twin = copy.deepcopy(reference)
+        names = {p.data_ptr(): name for name, p in twin.named_parameters()}      # (the passes keep the storage)
+        model = conv_tutorial.convert_conv2d(conv_tutorial.fuse_conv_batchnorm_for_training(twin, inplace=True))
+        x = torch.randn(16, 3, 40, 36, device="cuda").contiguous(memory_format=torch.channels_last)
+        seconds = conv_tutorial.compile_kernels_ahead(model, x, autocast_dtype=torch.bfloat16, workers=4)
+        assert seconds > 0
+        compiled = _compiled_kernels()
+        for net in (model, reference):
+            with torch.autocast("cuda", torch.bfloat16):
+                net(x).float().square().sum().backward()
+        assert _compiled_kernels() == compiled
+        ours = {names[p.data_ptr()]: p.grad for p in model.parameters()}
+        assert ours.keys() == {name for name, _ in reference.named_parameters()}
+        for name, expected in reference.named_parameters():
+            scale = expected.grad.abs().max().item()
+            torch.testing.assert_close(ours[name].float(), expected.grad.float(), rtol=2e-2, atol=3e-2 * scale,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+    finally:
+        conv_tutorial.set_backward(before)
