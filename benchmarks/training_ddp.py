@@ -1,7 +1,7 @@
 """Training steps under DistributedDataParallel, one process per GPU, against one GPU on the same batches.
 
     torchrun --nproc-per-node N benchmarks/training_ddp.py [--nets resnet50] [--batch-per-gpu 128]
-        [--steps 50] [--warmup 5] [--variants compile ours-lesson06-bnstats ...] [--outdir DIR]
+        [--steps 50] [--warmup 5] [--variants compile ours-lesson06-bnstats ...] [--compile-ahead] [--outdir DIR]
     python benchmarks/training_ddp.py --smoke [--outdir DIR]    # two CPU processes over gloo: checks the script
 
 Every process runs the same variants as benchmarks/training.py (its `prepared`: eager, torch.compile in
@@ -57,9 +57,11 @@ def chunk(step, index, batch, size, classes, device):
     return x.contiguous(memory_format=torch.channels_last), y
 
 
-def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, autocast):
+def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, autocast, compile_ahead=False):
     """(losses per step, seconds per timed step) of one variant: with `ddp` this rank's chunk of each step under
-    DistributedDataParallel, else every chunk of each step accumulated before the optimizer's step."""
+    DistributedDataParallel, else every chunk of each step accumulated before the optimizer's step.
+    `compile_ahead`: the operator's variants compile their kernels side by side first
+    (conv_tutorial.compile_kernels_ahead, on the module DDP wraps: its pass reaches no DDP hook)."""
     import copy
     import conv_tutorial
     torch._dynamo.reset()
@@ -71,6 +73,8 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
             module, device_ids=[torch.cuda.current_device()] if device == "cuda" else None)
     model, step_model = training.prepared(variant, model, wrap)
     model.train()
+    if compile_ahead and variant.startswith("ours"):
+        conv_tutorial.compile_kernels_ahead(model, chunks(0, 0)[0], autocast_dtype=torch.bfloat16 if autocast else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     losses, seconds = [], []
     for s in range(steps):
@@ -114,7 +118,8 @@ def measure(args, device, size, classes, nets):
                         with warnings.catch_warnings():
                             warnings.simplefilter("ignore")
                             results[gpus] = run_variant(variant, net, fp32_model, chunks, args.steps, args.warmup,
-                                                        device, gpus == world and world > 1, device == "cuda")
+                                                        device, gpus == world and world > 1, device == "cuda",
+                                                        args.compile_ahead)
                 except Exception as error:            # noqa: BLE001  (recorded: the other variants still run)
                     results[gpus] = f"{type(error).__name__}: {error}"[:400]
                 dist.barrier()
@@ -186,6 +191,8 @@ def parse(argv=None):
     parser.add_argument("--batch-per-gpu", type=int, default=128)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the timing (compiles)")
+    parser.add_argument("--compile-ahead", action="store_true",
+                        help="the operator's variants: conv_tutorial.compile_kernels_ahead before the first step")
     parser.add_argument("--variants", nargs="+", choices=training.VARIANTS,
                         default=["compile", "ours-lesson06-bnstats", "compile-cudagraphs",
                                  "ours-lesson06-bnstats-cudagraphs"])

@@ -18,7 +18,7 @@ def free_port():
 
 def test_smoke_run_trains_each_variant_on_two_processes_and_one(tmp_path):
     training_ddp.main(["--smoke", "--batch-per-gpu", "4", "--steps", "3", "--warmup", "1", "--variants", "eager",
-                       "ours", "--port", str(free_port()), "--outdir", str(tmp_path)])
+                       "ours", "--compile-ahead", "--port", str(free_port()), "--outdir", str(tmp_path)])
     data = json.loads((tmp_path / "training_ddp.json").read_text())
     assert {"device", "gpus", "torch", "triton", "rows"} <= data.keys() and data["gpus"] == 2
     assert [(r["variant"], r["gpus"]) for r in data["rows"]] == [("eager", 2), ("eager", 1), ("ours", 2), ("ours", 1)]
