@@ -1,5 +1,6 @@
 """A model's kernels compiled side by side before its first step (the forward's, dgrad's and wgrad's).
 
+    conv_tutorial.set_backward("lesson06")                            # (before: the pass compiles what the step runs)
     conv_tutorial.compile_kernels_ahead(model, example_input, autocast_dtype=torch.bfloat16)
     step = torch.compile(model)                                      # train as usual
 
@@ -12,20 +13,25 @@ own, depthwise convs too), so the compiles overlap; on exit Triton's in-memory c
 the step's first calls launch without compiling. Small Triton kernels around the convs (dgrad's
 zero fill, the stem's fold) compile and run as usual.
 
-The pass computes garbage (nothing is launched) and keeps none of it: it differentiates the sum of
-the outputs with `torch.autograd.grad`, so no parameter's `.grad` is touched, and puts every buffer
-back (BatchNorm's running statistics, which a forward in train mode updates). Call it on the module
-itself, before torch.compile or DistributedDataParallel wrap it, with an input of the step's shape,
-dtype and device, in the mode (train or eval) and under the autocast dtype the step will use: the
-kernels compiled are those of these shapes and dtypes. A kernel the step needs that this pass did
-not compile (another shape, say) compiles at its first call, as without it.
+The pass computes garbage (the operators launch nothing) and keeps none of it: it differentiates the
+sum of the outputs with `torch.autograd.grad`, so no parameter's `.grad` is touched; it puts every
+buffer back (BatchNorm's running statistics, which a forward in train mode updates), the random
+number generators' states and the count of `backward_fallbacks()`. What it cannot keep from seeing
+the garbage: hooks on the model's tensors run (a gradient hook that all-reduces would wait for
+ranks that do not run the pass), and code that branches on values takes whichever branch. Call it on
+the module itself, before torch.compile or DistributedDataParallel wrap it, after `set_backward`, with
+an input of the step's shape, dtype and device, in the mode (train or eval) and under the autocast
+dtype the step will use: the kernels compiled are those of these shapes and dtypes. A kernel the
+step needs that this pass did not compile (another shape, a checkpointed segment whose backward
+`torch.autograd.grad` does not reach) compiles at its first call, as without it.
 """
+import os
 import time
 import warnings
 
 import torch
 
-from . import selection
+from . import backward as backward_module, selection
 from .launch import compiling_ahead
 
 
@@ -33,10 +39,11 @@ def compile_kernels_ahead(model: torch.nn.Module, *example_inputs, backward: boo
                           autocast_dtype=None, workers=None) -> float:
     """Compile the kernels one step of `model` on `example_inputs` needs (its forward, and with
     `backward` its gradients: dgrad and wgrad), side by side in a pool of `workers` threads (default:
-    one per CPU, at most 32), and return the seconds it took. `autocast_dtype`: the dtype the step
-    runs under torch.autocast (None: no autocast). The model's parameters, their gradients and its
-    buffers are left as they were. On a CPU, or with autotuning on (the tuner compiles its
-    candidates as it times them), nothing is compiled ahead and 0.0 is returned."""
+    the CPUs this process may use, shared among the processes of a torchrun node, at most 32), and
+    return the seconds it took. `autocast_dtype`: the dtype the step runs under torch.autocast (None:
+    no autocast). The model's parameters, their gradients and its buffers are left as they were. On
+    a CPU, or with autotuning on (the tuner compiles its candidates as it times them), nothing is
+    compiled ahead and 0.0 is returned."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -49,40 +56,70 @@ def compile_kernels_ahead(model: torch.nn.Module, *example_inputs, backward: boo
         raise ValueError(f"autocast_dtype must be None, torch.float16 or torch.bfloat16, got {autocast_dtype!r}")
     if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
         raise ValueError(f"workers must be None or a positive int, got {workers!r}")
+    lazy = [name for name, t in (*model.named_parameters(), *model.named_buffers())
+            if isinstance(t, torch.nn.parameter.UninitializedTensorMixin)]
+    if lazy:
+        raise ValueError(f"the model has uninitialized (lazy) parameters or buffers ({', '.join(lazy[:3])}): run "
+                         f"one forward to initialize them before compiling its kernels ahead")
     device = example_inputs[0].device
+    on_gpu = {t.device for t in model.parameters() if t.device.type == "cuda"}
     if device.type != "cuda":
+        if on_gpu:
+            raise ValueError(f"example_inputs are on {device} and the model's parameters on "
+                             f"{', '.join(map(str, sorted(on_gpu, key=str)))}: pass an input on the device the step "
+                             f"runs on")
         return 0.0        # the operator runs torch's conv off the GPU: nothing to compile
     if selection.autotune_enabled():
         warnings.warn("compile_kernels_ahead: autotuning is on, and the tuner compiles its candidates as it "
                       "times them; nothing was compiled ahead")
         return 0.0
     start = time.perf_counter()
-    _step_once(model, example_inputs, backward, autocast_dtype, workers)
+    _step_once(model, example_inputs, backward, autocast_dtype, workers or _pool_size())
     torch.cuda.synchronize(device)
     return time.perf_counter() - start
 
 
+def _pool_size():
+    # the CPUs this process may use, shared among the processes torchrun started on this node
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(32, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))))
+
+
 def _step_once(model, example_inputs, backward, autocast_dtype, workers):
     """One step's forward and, with `backward`, its gradients, inside launch.compiling_ahead, keeping
-    nothing: no `.grad` written, every buffer put back as it was."""
-    device_type = example_inputs[0].device.type
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    parameters = [p for p in model.parameters() if p.requires_grad]
+    nothing: no `.grad` written; every buffer (the same tensor, its values and shape), the random
+    number generators and the backward's fallback count put back as they were."""
+    device = example_inputs[0].device
+    buffers = [(module, name, b, b.detach().clone()) for module in model.modules()
+               for name, b in module._buffers.items() if b is not None]
+    fallbacks = backward_module.backward_fallbacks()
+    inputs = [p for p in model.parameters() if p.requires_grad] + [x for x in example_inputs if x.requires_grad]
     try:
-        with compiling_ahead(workers), torch.autocast(device_type, dtype=autocast_dtype or torch.bfloat16,
-                                                      enabled=autocast_dtype is not None):
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                torch.autograd.set_detect_anomaly(False), compiling_ahead(workers), \
+                torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
             with torch.set_grad_enabled(backward):
-                outputs = model(*example_inputs)
-                total = sum(o.float().sum() for o in _tensors(outputs))
-            if backward and parameters and isinstance(total, torch.Tensor) and total.requires_grad:
-                # On this thread: autograd runs a GPU's backward on a thread of its own, where
-                # compiling_ahead's context variables (and Triton's compile mode) are not set.
-                with torch.autograd.set_multithreading_enabled(False):
-                    torch.autograd.grad(total, parameters, allow_unused=True)
+                outputs = _tensors(model(*example_inputs))
+                total = sum(o.float().sum() for o in outputs if o.requires_grad)
+            if backward and inputs:
+                if not isinstance(total, torch.Tensor):
+                    warnings.warn("compile_kernels_ahead: the model's output holds no tensor that needs a gradient "
+                                  "(tensors, and tuples, lists and dicts of them, are looked at): only the "
+                                  "forward's kernels were compiled ahead")
+                else:
+                    # On this thread: autograd runs a GPU's backward on a thread of its own, where
+                    # compiling_ahead's context variables (and Triton's compile mode) are not set.
+                    with torch.autograd.set_multithreading_enabled(False):
+                        torch.autograd.grad(total, inputs, allow_unused=True)
     finally:
         with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
+            for module, name, original, saved in buffers:
+                module._buffers[name] = original            # (a forward may have put another tensor there)
+                if original.shape != saved.shape:
+                    original.resize_(saved.shape)
+                original.copy_(saved)
+        backward_module._FALLBACKS.clear()
+        backward_module._FALLBACKS.update(fallbacks)
 
 
 def _tensors(outputs):

@@ -2,7 +2,9 @@
 
 On a CPU: bad arguments get clear errors; the pass keeps nothing of the step it runs (no parameter's
 gradient written, BatchNorm's running statistics and counter put back, though a train-mode forward
-moves them); an operator call inside `launch.compiling_ahead` records no replay. On a GPU: the
+moves them; a buffer the forward replaces, the random number generator, the backward's fallback
+count); an output it cannot differentiate is said; an operator call inside `launch.compiling_ahead`
+records no replay. On a GPU: the
 backward's calls see the compile-only mode (autograd would otherwise run them on a thread of its
 own), the step after the pass compiles no Gluon kernel of its own, and its gradients are torch's."""
 import copy
@@ -84,12 +86,66 @@ def test_the_step_it_runs_leaves_no_trace():
             assert p.grad is None, name
 
 
+def test_the_pass_puts_back_what_a_forward_moves_besides_batchnorm():
+    """The random number generator (a Dropout draws from it), a buffer the forward replaces by another tensor,
+    and the count of the backward's fallbacks (on a CPU, lesson 06's backend hands every gradient to torch)."""
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 8, 3)
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x):
+            self.calls = self.calls + 1                        # another tensor in the buffer's place
+            return torch.nn.functional.dropout(self.conv(x), 0.5, training=True)
+    model = conv_tutorial.convert_conv2d(Counting())
+    backend = conv_tutorial.backward_backend()
+    conv_tutorial.set_backward("lesson06")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(torch.randn(1, 3, 6, 6)).sum().backward()         # one real step: one fallback per gradient
+            counted = conv_tutorial.backward_fallbacks()
+            assert counted
+            x = torch.randn(2, 3, 8, 8)
+            buffer, rng = model.calls, torch.get_rng_state()
+            compile_ahead._step_once(model, (x,), True, None, 1)
+    finally:
+        conv_tutorial.set_backward(backend)
+    assert model.calls is buffer and model.calls.item() == 1
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert conv_tutorial.backward_fallbacks() == counted
+
+
+def test_an_output_it_cannot_differentiate_is_said():
+    class Boxed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 1)
+
+        def forward(self, x):
+            return type("Box", (), {"value": self.conv(x)})()       # not a tensor, tuple, list or dict
+    with pytest.warns(UserWarning, match="only the forward's kernels"):
+        compile_ahead._step_once(Boxed(), (torch.randn(1, 3, 4, 4),), True, None, 1)
+
+
+def test_refuses_a_lazy_model():
+    with pytest.raises(ValueError, match="lazy"):
+        conv_tutorial.compile_kernels_ahead(torch.nn.LazyConv2d(8, 3), torch.randn(1, 3, 8, 8))
+
+
 def test_an_operator_call_inside_compiling_ahead_records_no_replay():
     key = ("a key of no real call", 1)
     calls = []
     with plans.compiling_ahead(workers=1):
         out = hostpath.call(key, "cpu", {}, lambda: calls.append(1) or "result", ("output",))
     assert out == "result" and calls == [1] and key not in hostpath._REPLAYS
+
+
+@needs_gpu
+def test_refuses_an_input_off_the_models_gpu():
+    with pytest.raises(ValueError, match="pass an input on the device the step runs on"):
+        conv_tutorial.compile_kernels_ahead(small_net("cuda"), torch.randn(2, 3, 8, 8))
 
 
 @needs_gpu
