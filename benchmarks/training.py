@@ -1,7 +1,7 @@
 """Training steps of torchvision networks: eager cuDNN, torch.compile, and the operator under torch.compile.
 
     python benchmarks/training.py [--nets resnet50 regnet_y_3_2gf] [--batch 128] [--steps 50] [--max-autotune]
-                                  [--no-gradient-check] [--profile STEPS] [--compile-ahead]
+                                  [--no-gradient-check] [--profile STEPS] [--compile-ahead] [--first-step-breakdown]
                                   [--variants eager compile ours ours-lesson06] [--outdir DIR]
 
 Each network is torchvision's with its own random initialisation (seed 0), channels_last, trained
@@ -33,12 +33,14 @@ lesson 06's gradients the check that isolates the convs is "conv_grad_err" (conv
 one more step of the model, run eagerly, in which every conv gradient the operator computes is
 compared with torch's fp32 gradient of that call's own inputs, beside cuDNN's of the same inputs;
 null for other variants and with --no-gradient-check. Writes training.json
-({"device", "torch", "triton", "steps", "rows": [{"net", "batch", "variant", "img_s", "first_steps_s", "compile_ahead_s", "loss_50", "loss_last",
+({"device", "torch", "triton", "steps", "rows": [{"net", "batch", "variant", "img_s", "first_steps_s", "compile_ahead_s", "first_step", "loss_50", "loss_last",
 "losses", "grad_rel_err_median", "grad_rel_err_max", "conv_grad_err", "backward_fallbacks"}]}; first_steps_s: the wall
 seconds of each warm-up step, in which the variant compiles (in a fresh process: the first steps a user waits for,
 with the Triton and Inductor caches cold or warm from an earlier run); compile_ahead_s: with --compile-ahead, the
 seconds the operator's variants spent in conv_tutorial.compile_kernels_ahead before their first step (else
-null); loss_50: the loss of the
+null); first_step: with --first-step-breakdown, where the first step's seconds went (FirstStepBreakdown: Triton
+kernels compiled or loaded from its cache, torch.compile's own seconds and cache counters; else null); loss_50:
+the loss of the
 50th step, null in a run of fewer steps (loss_last: its last step's); backward_fallbacks: with lesson 06's
 gradients chosen, the conv gradients torch computed instead, by reason, over all of the variant's
 steps) and training_loss.png (the loss per step of every variant) to --outdir.
@@ -106,14 +108,61 @@ def prepared(variant, model, wrap=None):
     return model, torch.compile(wrapped, mode=mode)
 
 
-def train(variant, fp32_model, data, warmup, device, profile=0, compile_ahead=False):
-    """(losses of every step, seconds of each step, and with `profile` steps the GPU time per step by kind
-    of kernel, else None, and the seconds of conv_tutorial.compile_kernels_ahead, None without it) of one
-    variant from the same weights. The first `warmup` steps compile. `compile_ahead`: the operator's variants
-    compile their kernels side by side before the first step."""
+class FirstStepBreakdown:
+    """Where a first step's seconds go, beside its wall time: the Triton kernels it compiled or loaded
+    from Triton's cache (each a call of Triton's JIT hooks, the one after the other timed: a kernel that
+    took more than COMPILED_S counts as compiled), and torch.compile's own compile time and cache
+    counters (torch._dynamo's). Triton kernels that Inductor launches are not seen here."""
+    COMPILED_S = 0.2
+
+    def __enter__(self):
+        import triton
+        from torch._dynamo.utils import counters
+        self.knobs, self.started, self.kernels = triton.knobs.runtime, {}, []
+        self.hooks = (self.knobs.jit_cache_hook, self.knobs.jit_post_compile_hook)
+        self.counters = {k: dict(counters[k]) for k in ("inductor", "aot_autograd")}
+        self.dynamo_s = self._dynamo_seconds()
+
+        def before(*, key, fn, **_):
+            self.started[(fn.name, str(key))] = time.perf_counter()
+            return False                     # (compile as usual)
+
+        def after(*, key, fn, **_):
+            begun = self.started.pop((fn.name, str(key)), None)
+            if begun is not None:
+                self.kernels.append((fn.name, time.perf_counter() - begun))
+        self.knobs.jit_cache_hook, self.knobs.jit_post_compile_hook = before, after
+        return self
+
+    def __exit__(self, *exc):
+        self.knobs.jit_cache_hook, self.knobs.jit_post_compile_hook = self.hooks
+
+    @staticmethod
+    def _dynamo_seconds():
+        metrics = getattr(torch._dynamo.utils, "compilation_time_metrics", {})
+        return sum(metrics.get("_compile.compile_inner", []))
+
+    def summary(self):
+        from torch._dynamo.utils import counters
+        compiled = [s for _, s in self.kernels if s > self.COMPILED_S]
+        moved = {f"{group}.{name}": value - self.counters[group].get(name, 0)
+                 for group in self.counters for name, value in counters[group].items()
+                 if "cache" in name and value != self.counters[group].get(name, 0)}
+        return {"triton_kernels_compiled": len(compiled), "triton_compile_s": sum(compiled),
+                "triton_kernels_from_cache": len(self.kernels) - len(compiled),
+                "triton_from_cache_s": sum(s for _, s in self.kernels) - sum(compiled),
+                "torch_compile_s": self._dynamo_seconds() - self.dynamo_s, "torch_compile_caches": moved}
+
+
+def train(variant, fp32_model, data, warmup, device, profile=0, compile_ahead=False, breakdown=False):
+    """One variant trained from the same weights: {"losses": every step's, "seconds": each step's (the first
+    `warmup` compile), "by_kind": with `profile` steps the GPU ms per step by kind of kernel (else None),
+    "compile_ahead_s": the seconds of conv_tutorial.compile_kernels_ahead (with `compile_ahead`, the operator's
+    variants, before the first step; else None), "first_step": with `breakdown`, FirstStepBreakdown's summary
+    of the first step (else None)}."""
     model, step_model = prepared(variant, copy.deepcopy(fp32_model).to(device).to(memory_format=torch.channels_last))
     model.train()
-    ahead_s = None
+    ahead_s = first_step = None
     if compile_ahead and variant.startswith("ours"):
         import conv_tutorial
         ahead_s = conv_tutorial.compile_kernels_ahead(model, data[0][0], autocast_dtype=torch.bfloat16)
@@ -130,13 +179,21 @@ def train(variant, fp32_model, data, warmup, device, profile=0, compile_ahead=Fa
         return loss
     for i, (x, y) in enumerate(data):
         start = time.perf_counter()
-        loss = step(x, y)
+        if i == 0 and breakdown:
+            with FirstStepBreakdown() as watch:
+                loss = step(x, y)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+            first_step = watch.summary()
+        else:
+            loss = step(x, y)
         if device == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
         losses.append(loss.item())
     by_kind = profile_steps(lambda: step(*data[-1]), profile) if profile and device == "cuda" else None
-    return losses, seconds, by_kind, ahead_s
+    return {"losses": losses, "seconds": seconds, "by_kind": by_kind, "compile_ahead_s": ahead_s,
+            "first_step": first_step}
 
 
 # kernel name fragment -> what the kernel does (the first match wins; lower-case)
@@ -308,6 +365,8 @@ def run(argv=None):
     parser.add_argument("--max-autotune", action="store_true", help="also torch.compile(mode='max-autotune')")
     parser.add_argument("--compile-ahead", action="store_true",
                         help="the operator's variants: conv_tutorial.compile_kernels_ahead before the first step")
+    parser.add_argument("--first-step-breakdown", action="store_true",
+                        help="where each variant's first step goes (first_step in the rows)")
     parser.add_argument("--no-gradient-check", action="store_true",
                         help="skip the first step's gradients against fp32 (each variant compiles once less)")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
@@ -335,14 +394,17 @@ def run(argv=None):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 torch._dynamo.reset()
-                losses, all_seconds, by_kind, ahead_s = train(variant, fp32_model, data, args.warmup, device,
-                                                              args.profile, args.compile_ahead)
+                trained = train(variant, fp32_model, data, args.warmup, device, args.profile, args.compile_ahead,
+                                args.first_step_breakdown)
+                losses, all_seconds, by_kind, ahead_s = (trained[k] for k in ("losses", "seconds", "by_kind",
+                                                                              "compile_ahead_s"))
                 seconds = all_seconds[args.warmup:]
                 error = (None, None) if reference is None else gradient_error(
                     first_step_gradients(variant, fp32_model, *data[0], device), reference)
             row = {"net": net, "batch": args.batch, "variant": variant,
                    "img_s": args.batch / statistics.median(seconds),
                    "first_steps_s": all_seconds[:args.warmup], "compile_ahead_s": ahead_s,
+                   "first_step": trained["first_step"],
                    "loss_50": losses[49] if len(losses) >= 50 else None, "loss_last": losses[-1], "losses": losses,
                    "grad_rel_err_median": error[0], "grad_rel_err_max": error[1], "conv_grad_err": None,
                    "backward_fallbacks": conv_tutorial.backward_fallbacks()}

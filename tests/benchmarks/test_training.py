@@ -3,6 +3,7 @@ runs, every variant trains from the same weights on the same batches, and what i
 fields the training table reads."""
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -130,3 +131,37 @@ def test_compile_ahead_is_timed_for_the_operators_variants(tmp_path):
                           "--no-gradient-check", "--compile-ahead", "--outdir", str(tmp_path)])
     # (a CPU: nothing to compile, 0 seconds; eager is not the operator's)
     assert [r["compile_ahead_s"] for r in rows] == [None, 0.0]
+
+
+def test_first_step_breakdown_is_recorded_and_leaves_tritons_hooks(tmp_path):
+    import triton
+    hooks = (triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook)
+    rows = training.main(["--smoke", "--batch", "4", "--steps", "2", "--warmup", "1", "--variants", "eager", "ours",
+                          "--no-gradient-check", "--first-step-breakdown", "--outdir", str(tmp_path)])
+    for row in rows:
+        first = row["first_step"]
+        # (a CPU: the operator runs torch's conv, no Triton kernel of its own; torch.compile compiles "ours")
+        assert first["triton_kernels_compiled"] == 0 and first["triton_compile_s"] == 0
+        assert first["torch_compile_s"] >= 0 and isinstance(first["torch_compile_caches"], dict)
+    assert rows[1]["first_step"]["torch_compile_s"] > rows[0]["first_step"]["torch_compile_s"] == 0
+    assert (triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook) == hooks
+
+
+def test_first_step_breakdown_sorts_kernels_compiled_from_loaded(monkeypatch):
+    """Triton's JIT hooks as Triton calls them around a kernel's compile (none runs on a CPU): one kernel
+    that took longer than COMPILED_S counts as compiled, one that did not as loaded from the cache."""
+    import types
+    import triton
+    monkeypatch.setattr(training.FirstStepBreakdown, "COMPILED_S", 0.02)
+    with training.FirstStepBreakdown() as watch:
+        knobs = triton.knobs.runtime
+        for name, seconds in (("slow_kernel", 0.05), ("cached_kernel", 0.0)):
+            fn = types.SimpleNamespace(name=name)
+            assert knobs.jit_cache_hook(key=(name,), fn=fn, repr=name, compile={}, is_manual_warmup=False,
+                                        already_compiled=False) is False
+            time.sleep(seconds)
+            knobs.jit_post_compile_hook(key=(name,), fn=fn, repr=name, compile={}, is_manual_warmup=False,
+                                        already_compiled=False)
+    summary = watch.summary()
+    assert summary["triton_kernels_compiled"] == 1 and summary["triton_compile_s"] >= 0.05
+    assert summary["triton_kernels_from_cache"] == 1 and summary["triton_from_cache_s"] < 0.02
