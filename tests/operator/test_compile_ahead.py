@@ -183,7 +183,8 @@ def _compiled_kernels():
 def test_the_step_after_it_compiles_nothing_and_trains_as_torch():
     """A converted net with BatchNorm's sums fused and lesson 06's gradients, under bf16 autocast: after the
     pass, one real step adds no forward or wgrad kernel to Triton's caches (each was compiled ahead), and its
-    gradients match the same net on cuDNN (bf16's tolerance, as the training fusions' tests). Its 1x1 stride-2
+    gradients match the same net on cuDNN (bf16's rounding through three convs and two BatchNorms: 5e-2 of each
+    gradient's largest value; garbage, a missed launch, would be off by its whole size). Its 1x1 stride-2
     conv's dgrad zero-fills the pixels no tap reaches: a kernel the pass launches (through its compile's future)."""
     before = conv_tutorial.backward_backend()
     conv_tutorial.set_backward("lesson06")
@@ -204,7 +205,7 @@ def test_the_step_after_it_compiles_nothing_and_trains_as_torch():
         assert ours.keys() == {name for name, _ in reference.named_parameters()}
         for name, expected in reference.named_parameters():
             scale = expected.grad.abs().max().item()
-            torch.testing.assert_close(ours[name].float(), expected.grad.float(), rtol=2e-2, atol=3e-2 * scale,
+            torch.testing.assert_close(ours[name].float(), expected.grad.float(), rtol=5e-2, atol=5e-2 * scale,
                                        msg=lambda m, name=name: f"{name}: {m}")
     finally:
         conv_tutorial.set_backward(before)
