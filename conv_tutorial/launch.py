@@ -493,8 +493,8 @@ def compiling_ahead(workers=None):
     (its outputs are garbage: run it for the compiles alone). Depthwise convs (depthwise.py) and
     wgrad's kernels (wgrad.py) are compiled in the pool too and not run; other kernels (the folded
     stem's copy, dgrad's zero fill) compile and run as usual. A whole training step:
-    compile_ahead.compile_kernels_ahead. Autotuning must be off inside (the tuner times real launches). Triton reports a
-    failed compile when the block exits."""
+    compile_ahead.compile_kernels_ahead. Autotuning must be off inside (the tuner times real
+    launches). Triton reports a failed compile when the block exits."""
     workers = workers or min(32, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers) as pool, triton.AsyncCompileMode(pool):
         token = _COMPILE_ONLY.set(True)
