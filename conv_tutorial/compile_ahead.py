@@ -19,7 +19,9 @@ buffer back (BatchNorm's running statistics, which a forward in train mode updat
 number generators' states and the count of `backward_fallbacks()`. What it cannot keep from seeing
 the garbage: hooks on the model's tensors run (a gradient hook that all-reduces would wait for
 ranks that do not run the pass), and code that branches on values takes whichever branch. Call it on
-the module itself, before torch.compile or DistributedDataParallel wrap it, after `set_backward`, with
+the module itself, before torch.compile or DistributedDataParallel wrap it (either wrapper is refused:
+torch.compile's CUDA graphs could record the pass, which launches none of the operators' kernels, and
+replay it in the steps after; DDP's hooks wait for an optimizer step), after `set_backward`, with
 an input of the step's shape, dtype and device, in the mode (train or eval) and under the autocast
 dtype the step will use: the kernels compiled are those of these shapes and dtypes. A kernel the
 step needs that this pass did not compile (another shape, a checkpointed segment whose backward
@@ -49,6 +51,14 @@ def compile_kernels_ahead(model: torch.nn.Module, *example_inputs, backward: boo
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError("model is wrapped in DistributedDataParallel, whose gradient hooks expect every backward "
                          "to reach the optimizer; pass the module it wraps (model.module), before wrapping it")
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        # (its CUDA graphs, with mode="reduce-overhead", could record this pass, which launches none of the
+        # operators' kernels, and replay it in the steps after)
+        raise ValueError("model is wrapped by torch.compile; pass the module it compiles (model._orig_mod), and "
+                         "compile it after this pass")
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("compile_kernels_ahead: a CUDA graph is being captured on this stream, and it would "
+                           "record a pass that launches none of the operators' kernels; call it before capturing")
     if not example_inputs or not all(isinstance(x, torch.Tensor) for x in example_inputs):
         raise TypeError(f"example_inputs must be one or more tensors, got "
                         f"{[type(x).__name__ for x in example_inputs] or 'none'}")

@@ -53,6 +53,11 @@ def test_refuses_a_ddp_wrapper():
         conv_tutorial.compile_kernels_ahead(FakeDDP(small_net()), torch.zeros(2, 3, 8, 8))
 
 
+def test_refuses_a_compiled_module():
+    with pytest.raises(ValueError, match="_orig_mod"):
+        conv_tutorial.compile_kernels_ahead(torch.compile(small_net()), torch.zeros(2, 3, 8, 8))
+
+
 def test_nothing_to_compile_off_the_gpu():
     model = small_net()
     before = copy.deepcopy(model.state_dict())
