@@ -496,10 +496,13 @@ def compiling_ahead(workers=None):
     compile_ahead.compile_kernels_ahead. Autotuning must be off inside (the tuner times real
     launches). Triton reports a failed compile when the block exits."""
     workers = workers or min(32, os.cpu_count() or 1)
-    with ThreadPoolExecutor(max_workers=workers) as pool, triton.AsyncCompileMode(pool):
+    with ThreadPoolExecutor(max_workers=workers) as pool, triton.AsyncCompileMode(pool) as mode:
         token = _COMPILE_ONLY.set(True)
         try:
             yield
+        except BaseException:
+            mode.ignore_errors = True    # (the block's own error, not a compile's failing after it, is the one to see)
+            raise
         finally:
             _COMPILE_ONLY.reset(token)
 

@@ -1,7 +1,8 @@
 """The first call of a fused model: kernels compiled ahead in a pool (conv_tutorial.launch.compiling_ahead),
 and keep_faster_convs' own timer. On a GPU: calls after the compile-ahead block run right (split-K's second
 kernel and an epilogue variant included), the autotuner refuses to time inside it, and the timer ranks a
-kernel twice as long as twice as long."""
+kernel twice as long as twice as long. On a CPU: a compile that fails in the pool is reported when the block
+ends, unless the block itself failed (its error is the one raised)."""
 import common
 
 import pytest
@@ -60,3 +61,24 @@ def test_depthwise_calls_after_compiling_ahead_compute_the_conv():
     expected = torch.relu(torch.nn.functional.conv2d(x.permute(0, 3, 1, 2).float(), w.float().unsqueeze(1), stride=2,
                                                      padding=1, groups=48)).permute(0, 2, 3, 1)
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * 3)
+
+
+def _submit_failing_compile():
+    # what a kernel's warmup hands Triton's pool inside compiling_ahead, with a compile that fails
+    from triton.runtime._async_compile import active_mode
+
+    def compile_fails():
+        raise RuntimeError("the compile failed")
+    active_mode.get().submit("a key", compile_fails, lambda kernel: None, lambda future: None)
+
+
+def test_a_failed_compile_is_reported_when_compiling_ahead_ends():
+    with pytest.raises(RuntimeError, match="the compile failed"), plans.compiling_ahead(workers=1):
+        _submit_failing_compile()
+
+
+def test_an_error_inside_compiling_ahead_is_the_one_raised():
+    """The block's own error, not a compile that failed beside it (which would hide where the block failed)."""
+    with pytest.raises(ValueError, match="the block's error"), plans.compiling_ahead(workers=1):
+        _submit_failing_compile()
+        raise ValueError("the block's error")
