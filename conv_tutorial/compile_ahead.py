@@ -27,7 +27,6 @@ dtype the step will use: the kernels compiled are those of these shapes and dtyp
 step needs that this pass did not compile (another shape, a checkpointed segment whose backward
 `torch.autograd.grad` does not reach) compiles at its first call, as without it.
 """
-import os
 import time
 import warnings
 
@@ -41,8 +40,7 @@ def compile_kernels_ahead(model: torch.nn.Module, *example_inputs, backward: boo
                           autocast_dtype=None, workers=None) -> float:
     """Compile the kernels one step of `model` on `example_inputs` needs (its forward, and with
     `backward` its gradients: dgrad and wgrad), side by side in a pool of `workers` threads (default:
-    the CPUs this process may use, shared among the processes of a torchrun node, at most 32), and
-    return the seconds it took. `autocast_dtype`: the dtype the step runs under torch.autocast (None:
+    launch.compiling_ahead's), and return the seconds it took. `autocast_dtype`: the dtype the step runs under torch.autocast (None:
     no autocast). The model's parameters, their gradients and its buffers are left as they were. On
     a CPU, or with autotuning on (the tuner compiles its candidates as it times them), nothing is
     compiled ahead and 0.0 is returned."""
@@ -84,15 +82,9 @@ def compile_kernels_ahead(model: torch.nn.Module, *example_inputs, backward: boo
                       "times them; nothing was compiled ahead")
         return 0.0
     start = time.perf_counter()
-    _step_once(model, example_inputs, backward, autocast_dtype, workers or _pool_size())
+    _step_once(model, example_inputs, backward, autocast_dtype, workers)
     torch.cuda.synchronize(device)
     return time.perf_counter() - start
-
-
-def _pool_size():
-    # the CPUs this process may use, shared among the processes torchrun started on this node
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(32, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))))
 
 
 def _step_once(model, example_inputs, backward, autocast_dtype, workers):

@@ -486,8 +486,9 @@ _COMPILE_ONLY = contextvars.ContextVar("conv_tutorial_compile_only", default=Fal
 @contextlib.contextmanager
 def compiling_ahead(workers=None):
     """While active, the first call of each (plan, epilogue variant) does not run: it submits the
-    kernel's compile (and split-K's second kernel's) to a pool of `workers` threads (default: one
-    per CPU, at most 32) and returns its output unwritten. On exit every compile has finished, and
+    kernel's compile (and split-K's second kernel's) to a pool of `workers` threads (default: the
+    CPUs this process may use, shared among the processes torchrun started on this node, at most
+    32) and returns its output unwritten. On exit every compile has finished, and
     Triton's in-memory cache holds them: the calls after it launch without compiling. A model run
     once inside it has its distinct kernels compiled side by side instead of one after another
     (its outputs are garbage: run it for the compiles alone). Depthwise convs (depthwise.py) and
@@ -495,7 +496,7 @@ def compiling_ahead(workers=None):
     stem's copy, dgrad's zero fill) compile and run as usual. A whole training step:
     compile_ahead.compile_kernels_ahead. Autotuning must be off inside (the tuner times real
     launches). Triton reports a failed compile when the block exits."""
-    workers = workers or min(32, os.cpu_count() or 1)
+    workers = workers or _compile_pool_size()
     with ThreadPoolExecutor(max_workers=workers) as pool, triton.AsyncCompileMode(pool) as mode:
         token = _COMPILE_ONLY.set(True)
         try:
@@ -505,6 +506,11 @@ def compiling_ahead(workers=None):
             raise
         finally:
             _COMPILE_ONLY.reset(token)
+
+
+def _compile_pool_size():
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(32, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))))
 
 
 def compiling_ahead_active() -> bool:

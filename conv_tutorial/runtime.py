@@ -20,7 +20,7 @@ from .configs import KernelConfig, grouped_conv_fits
 from .geometry import FP8, KERNEL_DTYPES, call_key, check_conv_call, conv_geometry, device_facts
 from . import core
 from .kernels import fprop
-from .launch import DirectLaunch, compiling_ahead_active, plan_for, record_breaks, record_step
+from .launch import DirectLaunch, plan_for, record_breaks, record_step
 from .selection import epilogue_tag, known_or_heuristic_config, tuned_config
 
 
@@ -162,7 +162,7 @@ class FoldedConv:
             self.copy(grid, x_nhwc.data_ptr(), x_fold.data_ptr(), *scalars)
         else:       # the first copy, through Triton's launcher (it compiles); later ones launched directly
             kwargs = dict(BLOCK_P=block_p, BLOCK_C=triton.next_power_of_2(self.channels_padded), enable_fp_fusion=True)
-            if aligned and self.copy is None and x_nhwc.is_cuda and not compiling_ahead_active():
+            if aligned and self.copy is None and x_nhwc.is_cuda:
                 self.copy = DirectLaunch.first_launch(fold_columns_kernel, grid, (x_nhwc, x_fold, *scalars), kwargs)
             else:
                 record_breaks()

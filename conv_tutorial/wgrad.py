@@ -89,11 +89,16 @@ class WgradPlan:
                 record_step(("launch", self.sum, self.sum_grid, (partial_ptr, dw.data_ptr(), *self.sum_scalars), (0, 1)))
         return wgrad_kernels.wgrad_result(dw.view(g.Co, g.R, g.S, g.Ci_group), self.geometry, self.problem)
 
+    def _prepared(self, x_nhwc, dy_nhwc):
+        # lesson 07's launch of this call (config, split, grid, descriptors), its config checked
+        launch = wgrad_kernels.prepare_wgrad(x_nhwc, dy_nhwc, self.run_geometry, None, self.arch, self.num_sms)
+        wgrad_kernels.check_wgrad_config(launch.config, self.arch)
+        return launch
+
     def _first_launch(self, x_nhwc, dy_nhwc, dw):
         """The kernels' first launch, through Triton's launcher (which compiles); keeps its template and a
         DirectLaunch of each kernel for the calls after it."""
-        launch = wgrad_kernels.prepare_wgrad(x_nhwc, dy_nhwc, self.run_geometry, None, self.arch, self.num_sms)
-        wgrad_kernels.check_wgrad_config(launch.config, self.arch)
+        launch = self._prepared(x_nhwc, dy_nhwc)
         template = _tensorless(launch, DESCRIPTORS, buffers=("partial",), cleared=())
         kernel = DirectLaunch.first_launch(wgrad_kernels.conv2d_wgrad_kernel, launch.grid, launch.kernel_args(dw),
                                            wgrad_kernels.wgrad_kernel_options(launch.config, self.arch),
@@ -108,8 +113,7 @@ class WgradPlan:
         """Inside `launch.compiling_ahead`: hand both kernels' compiles to its pool and launch nothing (dW
         comes back unwritten). The specialization, and so Triton's cache key, is the one `_first_launch`
         computes for these tensors, which the first real call then finds compiled."""
-        launch = wgrad_kernels.prepare_wgrad(x_nhwc, dy_nhwc, self.run_geometry, None, self.arch, self.num_sms)
-        wgrad_kernels.check_wgrad_config(launch.config, self.arch)
+        launch = self._prepared(x_nhwc, dy_nhwc)
         wgrad_kernels.conv2d_wgrad_kernel.warmup(*launch.kernel_args(dw), grid=launch.grid,
                                                  **wgrad_kernels.wgrad_kernel_options(launch.config, self.arch))
         if launch.partial is not None:
