@@ -28,7 +28,8 @@ bf16 conv: cuDNN has no e4m3 conv). For each it also profiles the operator's cal
 sorts the time into where it went (`CATEGORIES`: the torch.library dispatch, the package's Python,
 its argument checks, plans, descriptor encoding, Triton's launcher, allocations, extra kernels).
 cProfile's own cost inflates every share alike: read the shares as where, the medians as how much.
-JSON: {"device", "torch", "triton", "rows": [{"path", "layer", "ours_us", "cudnn_us", "where"}]}.
+JSON: {"device", "torch", "triton", "rows": [{"path", "layer", "ours_us", "cudnn_us", "ours_python_launch_us",
+"where"}]} (ours_python_launch_us: the replays' launches through Triton's launcher, packed launches off).
 """
 import argparse
 import json
@@ -43,7 +44,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from conv_tutorial import launch, runtime, selection  # noqa: E402
+from conv_tutorial import hostpath, launch, packed, runtime, selection  # noqa: E402
 from conv_tutorial.kernels import fprop  # noqa: E402
 from layers import HOST_TIME  # noqa: E402
 
@@ -219,6 +220,18 @@ def measure_paths(paths=PATHS, profile_calls=300):
         torch.cuda.synchronize()
         row = {"path": path, "layer": label, "ours_us": round(median_host_us(ours, calls=200), 1),
                "cudnn_us": round(median_host_us(cudnn, calls=200), 1)}
+        # the same calls with the replays' launches through Triton's launcher (packed launches off: packed.py)
+        previous = packed.set_enabled(False)
+        hostpath._REPLAYS.clear()
+        try:
+            for _ in range(3):
+                ours()
+            row["ours_python_launch_us"] = round(median_host_us(ours, calls=200), 1)
+        finally:
+            packed.set_enabled(previous)
+            hostpath._REPLAYS.clear()
+        for _ in range(3):
+            ours()
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(profile_calls):
@@ -228,7 +241,8 @@ def measure_paths(paths=PATHS, profile_calls=300):
         row["where"] = where_time_goes(pstats.Stats(profiler), profile_calls)
         rows.append(row)
         top = sorted(row["where"].items(), key=lambda item: -item[1])[:4]
-        print(f"{path:<42} {label:<28} ours {row['ours_us']:7.1f} us  cuDNN {row['cudnn_us']:6.1f} us  "
+        print(f"{path:<42} {label:<28} ours {row['ours_us']:7.1f} us (Python launches "
+              f"{row['ours_python_launch_us']:.1f})  cuDNN {row['cudnn_us']:6.1f} us  "
               f"{row['ours_us'] / row['cudnn_us']:5.2f}x   profiled: " + ", ".join(f"{k} {v:.0f}" for k, v in top))
     return rows
 

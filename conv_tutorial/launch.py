@@ -173,6 +173,32 @@ class ForwardReplay:
         return out_2d
 
 
+    def packed_program(self, x, w, pointers, out, window_args, stats, new_base, device):
+        """This launch (and split-K's second) as a packed program's ops (Replay._packed_program): `x`, `w`,
+        `pointers`, `stats`, the window's address: Slots (or None); `out`: the output's base index (None:
+        a window's call, whose stand-in output the program allocates, as __call__ does); `new_base()`: the
+        index of a new base, for a buffer the program allocates."""
+        from . import packed
+        ops = []
+        if out is None:
+            out = new_base()
+            ops.append(("alloc", out, self.out_shape, None, self.out_dtype, False, False))
+        out_slot = packed.Slot(out)
+        pointers = tuple(out_slot if p is None else p for p in pointers)
+        partial_slot = None
+        if self.partial is not None:
+            partial_index = new_base()
+            ops.append(("alloc", partial_index, self.partial[0], None, self.partial[1], False, False))
+            partial_slot = packed.Slot(partial_index)
+        args = (x, w, w if self.w_tail else None, out_slot, out_slot if self.out_tail else None,
+                (*pointers, out_slot if partial_slot is None else partial_slot), self.shape, window_args, stats)
+        ops.append(("launch", packed.pack(self.direct, self.grid, args, device)))
+        if self.reduce is not None:
+            ops.append(("launch", packed.pack(self.reduce, self.reduce_grid,
+                                              (partial_slot, out_slot, pointers, *self.reduce_scalars), device)))
+        return ops
+
+
 class _Address(int):
     # An address where a descriptor's template wants a tensor: all a tensor map's encoding reads of it is data_ptr()
     def data_ptr(self):
@@ -260,6 +286,7 @@ class Replay:
     def __init__(self, steps, results, sources, launches):
         self.steps, self.results, self.sources = steps, results, sources
         self.lean = all(launch.lean for launch in launches)      # (no scratch space to allocate: launch.py's DirectLaunch)
+        self.program = None     # the steps with their launches packed (`_packed_program`); False: the Python loop
 
     @classmethod
     def of(cls, recording, sources, results):
@@ -332,6 +359,10 @@ class Replay:
         if not self.lean or _launch_hooks_set():
             return None
         record_breaks()         # (a call being recorded that replays another would not see its launches)
+        if self.program is None:
+            self.program = self._packed_program()
+        if self.program:
+            return self._run_packed(device, tensors, addresses)
         results = []
         for name, shape, strides, dtype, zeroed in self.results:
             t = torch.empty_strided(shape, strides, dtype=dtype, device=device)
@@ -362,6 +393,82 @@ class Replay:
                 _, fold, x_name, w_name = step
                 x_fold, w_fold = fold.apply(tensors[x_name].permute(0, 2, 3, 1), tensors[w_name].permute(0, 2, 3, 1))
                 addresses["x_fold"], addresses["w_fold"] = x_fold, w_fold
+        return tuple(results)
+
+
+    def _packed_program(self):
+        """The steps as a program of packed launches (packed.py): ("alloc", base, shape, strides, dtype, zeroed,
+        result) and ("launch", PackedLaunch), ("fold", fold, x base, w base, x_fold base, w_fold base, x name,
+        w name), with every address a `bases` index plus a displacement. False where a launch is not a
+        DirectLaunch (the CPU tests' stand-ins) or packed launches are unavailable."""
+        from . import packed
+        launches = [step[1] for step in self.steps if step[0] in ("conv", "launch")]
+        if not all(isinstance(getattr(launch, "direct", launch), DirectLaunch) for launch in launches):
+            return False
+        if not packed.available():
+            return False
+        device = torch._C._cuda_getDevice()
+        bases = {name: i for i, name in enumerate(self.sources)}
+        program = []
+
+        def base_of(name):
+            if name not in bases:
+                bases[name] = len(bases)
+            return bases[name]
+
+        def slot(place):
+            return None if place is None else packed.Slot(bases[place[0]], place[1])
+
+        for name, shape, strides, dtype, zeroed in self.results:
+            program.append(("alloc", base_of(name), shape, strides, dtype, zeroed, True))
+        try:
+            for step in self.steps:
+                kind = step[0]
+                if kind == "conv":
+                    _, replay, x, w, pointers, window, stats, out = step
+                    program += replay.packed_program(slot(x), slot(w), tuple(slot(p) for p in pointers),
+                                                     None if out is None else bases[out],
+                                                     None if window is None else (slot(window[0]), *window[1]),
+                                                     slot(stats), lambda: base_of(object()), device)
+                elif kind == "launch":
+                    _, direct, grid, args, positions = step
+                    args = tuple(slot(a) if i in positions else a for i, a in enumerate(args))
+                    program.append(("launch", packed.pack(direct, grid, args, device)))
+                elif kind == "scratch":
+                    _, shape, dtype, name = step
+                    program.append(("alloc", base_of(name), shape, None, dtype, False, False))
+                else:
+                    _, fold, x_name, w_name = step
+                    program.append(("fold", fold, x_name, w_name, base_of("x_fold"), base_of("w_fold")))
+        except (TypeError, ValueError) as error:       # a launch packed.py cannot pack: the Python loop serves
+            import warnings
+            warnings.warn(f"conv_tutorial: a replay keeps the Python launch path ({error})", RuntimeWarning)
+            return False
+        return (len(bases), tuple(program))
+
+    def _run_packed(self, device, tensors, addresses):
+        size, program = self.program
+        bases = [0] * size
+        for i, name in enumerate(self.sources):
+            bases[i] = addresses[name]
+        stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+        results, keep = [], []
+        for op in program:
+            if op[0] == "launch":
+                op[1].launch(stream, bases)
+            elif op[0] == "alloc":
+                _, index, shape, strides, dtype, zeroed, result = op
+                t = (torch.empty(shape, dtype=dtype, device=device) if strides is None else
+                     torch.empty_strided(shape, strides, dtype=dtype, device=device))
+                if zeroed:
+                    t.zero_()
+                bases[index] = t.data_ptr()
+                (results if result else keep).append(t)
+            else:
+                _, fold, x_name, w_name, x_index, w_index = op
+                x_fold, w_fold = fold.apply(tensors[x_name].permute(0, 2, 3, 1), tensors[w_name].permute(0, 2, 3, 1))
+                bases[x_index], bases[w_index] = x_fold.data_ptr(), w_fold.data_ptr()
+                keep += (x_fold, w_fold)
         return tuple(results)
 
 

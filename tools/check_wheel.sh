@@ -8,7 +8,8 @@
 #   4. from an empty folder, with the checkout nowhere on the path: `import conv_tutorial` (from the
 #      venv), a conv on CPU tensors through conv_tutorial.conv2d (the fallback to torch) against
 #      torch.nn.functional.conv2d, and the package's forward kernel compiled ahead of time for sm_90
-#      from the installed files (conv_tutorial.kernels.aot; Triton compiles for a target without a GPU).
+#      from the installed files (conv_tutorial.kernels.aot; Triton compiles for a target without a GPU), and
+#      the replays' packed launches (conv_tutorial/packed_launch.c) built by Triton's build.
 # Usage: tools/check_wheel.sh [--tree] [--pypi] [--torch SPEC] [--keep]
 #   --pypi  resolve as a user's pip does: PyPI only, without this machine's pip configuration
 #           (PIP_CONFIG_FILE=/dev/null; on this machine it caps torch at its local wheels). On Linux x86_64
@@ -60,7 +61,7 @@ echo "[check_wheel] 2. $(basename "$wheel"), $(stat -c %s "$wheel") bytes"
 import pathlib, re, sys, zipfile
 wheel, src = sys.argv[1], pathlib.Path(sys.argv[2])
 names = set(zipfile.ZipFile(wheel).namelist())
-modules = {p.relative_to(src).as_posix() for p in (src / "conv_tutorial").rglob("*.py")}
+modules = {p.relative_to(src).as_posix() for pattern in ("*.py", "*.c") for p in (src / "conv_tutorial").rglob(pattern)}
 missing = sorted(modules - names)
 assert not missing, f"the wheel lacks {missing} (a subpackage without __init__.py?)"
 meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
@@ -75,7 +76,7 @@ lessons = dict(name_and_specs(line) for line in (src / "requirements.txt").read_
                if line.strip() and not line.lstrip().startswith("#"))
 for name in ("triton", "torch"):
     assert declared[name] == lessons[name], f"{name}: pyproject.toml says {declared[name]}, requirements.txt {lessons[name]}"
-print(f"   {len(modules)} modules of conv_tutorial/ in the wheel; torch and Triton pinned as requirements.txt pins them")
+print(f"   {len(modules)} modules and sources of conv_tutorial/ in the wheel; torch and Triton pinned as requirements.txt pins them")
 PY
 
 # 3. the install, pip resolving the dependencies
@@ -147,5 +148,9 @@ counts = {op: len(re.findall(rf"\b{re.escape(op)}\b", ptx)) for op in ("wgmma.mm
 print(f"   {kernel.__name__} compiled ahead of time for {arch} by {where.relative_to(where.parents[2])} with Triton "
       f"{triton.__version__}: {len(ptx.splitlines())} PTX lines, cubin {len(compiled.asm['cubin'])} bytes, "
       f"{compiled.metadata.shared} bytes of shared memory; " + ", ".join(f"{op} x{n}" for op, n in counts.items()))
+# the replays' packed launches, built from the installed C source by Triton's build (packed.py)
+from conv_tutorial import packed
+built = pathlib.Path(packed.module().__file__)
+print(f"   conv_tutorial/packed_launch.c built by Triton's build: {built.name}")
 PY
 echo "[check_wheel] passed"

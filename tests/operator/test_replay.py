@@ -125,6 +125,12 @@ def _replay_of(op_name):
     return [r for k, r in hostpath._REPLAYS.items() if op_name in k and isinstance(r, launch.Replay)]
 
 
+def _packed(op_name):
+    # whether every replay of the operator that has run launches through packed launches (packed.py)
+    replays = [r for r in _replay_of(op_name) if r.program is not None]
+    return bool(replays) and all(r.program for r in replays)
+
+
 FORWARD_LAYERS = [   # (N, Ci, H, W, Co, R, stride, padding): plain, 1x1, strided, the stem (folded), split-K
     (4, 64, 14, 14, 64, 3, 1, 1), (2, 256, 28, 28, 64, 1, 1, 0), (2, 64, 29, 31, 128, 3, 2, 1),
     (2, 3, 64, 64, 64, 7, 2, 3), (4, 1024, 7, 7, 256, 1, 1, 0)]
@@ -150,6 +156,7 @@ def test_forward_replays_match_torch_on_new_tensors(layer, epilogue):
         assert out.is_contiguous(memory_format=torch.channels_last) and out.shape == ref.shape
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2, msg=f"call {call}")
     assert _replay_of("conv2d"), "the forward kept no replay"
+    assert _packed("conv2d"), "the forward's replays launch through Python"
 
 
 @needs_gpu
@@ -164,7 +171,7 @@ def test_channel_stats_replays_start_from_zero():
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
         want = torch.stack((out.float().sum((0, 2, 3)), out.float().square().sum((0, 2, 3))))
         torch.testing.assert_close(stats, want, atol=0.5, rtol=1e-2, msg=f"call {call}")
-    assert _replay_of("conv2d_channel_stats")
+    assert _replay_of("conv2d_channel_stats") and _packed("conv2d_channel_stats")
 
 
 DGRAD_LAYERS = [   # (N, Ci, H, W, Co, R, stride, padding): stride 1; 3x3 stride 2 side by side; 1x1 stride 2
@@ -204,9 +211,54 @@ def test_gradient_replays_match_torch_on_new_tensors(layer, relu_gated, lesson06
             want_dx = torch.where(x > 0, want_dx, 0)
         torch.testing.assert_close(dx.float(), want_dx, atol=5e-2, rtol=3e-2, msg=f"dX, call {call}")
         torch.testing.assert_close(dw.float(), want_dw, atol=0.5, rtol=3e-2, msg=f"dW, call {call}")
-    assert _replay_of("conv2d_weight_grad")
+    assert _replay_of("conv2d_weight_grad") and _packed("conv2d_weight_grad")
     # dX replays, except where a strided dX takes torch's ReLU gate after the kernels (a copy: its full path)
     assert bool(_replay_of("conv2d_input_grad")) == (not relu_gated or stride == 1)
+    assert not _replay_of("conv2d_input_grad") or _packed("conv2d_input_grad")
+
+
+@needs_gpu
+@pytest.mark.parametrize("packed_launches", [True, False], ids=["packed", "python"])
+def test_packed_and_python_launches_give_the_same_bits(packed_launches, lesson06_backend):
+    """Every path (the forward with its epilogue, the folded stem, split-K; dX in one conv, in phases with
+    zeros, side by side; dW with and without split-K) replayed on the same tensors with packed launches
+    and with the Python launch path: the same bits, calls after calls. (The "python" case is the control:
+    the Python path against itself, that the paths give the same bits at all.)"""
+    from conv_tutorial import packed
+    torch.manual_seed(0)
+    layers = FORWARD_LAYERS + DGRAD_LAYERS
+    inputs = []
+    for N, Ci, H, W, Co, R, stride, padding in layers:
+        x = _cl(torch.randn(N, Ci, H, W, device="cuda", dtype=torch.bfloat16))
+        w = _cl(torch.randn(Co, Ci, R, R, device="cuda", dtype=torch.bfloat16) / (Ci * R * R) ** 0.5)
+        b = torch.randn(Co, device="cuda", dtype=torch.bfloat16)
+        y = torch.nn.functional.conv2d(x, w, None, stride, padding)
+        inputs.append((x, w, b, _cl(torch.randn_like(y)), _cl(torch.randn_like(y)), [stride] * 2, [padding] * 2))
+
+    def run():
+        hostpath._REPLAYS.clear()
+        outs = []
+        for call in range(4):
+            for x, w, b, residual, dy, stride, padding in inputs:
+                args = (stride, padding, [1, 1], 1)
+                outs.append(torch.ops.conv_tutorial.conv2d(x, w, b, *args, residual=residual, activation="relu"))
+                outs.append(torch.ops.conv_tutorial.conv2d_input_grad(dy, x, w, *args))
+                outs.append(torch.ops.conv_tutorial.conv2d_weight_grad(dy, x, w, *args))
+        return outs, [r.program for r in hostpath._REPLAYS.values() if isinstance(r, launch.Replay)]
+
+    before = packed.set_enabled(packed_launches)
+    try:
+        got, programs = run()
+    finally:
+        packed.set_enabled(before)
+    packed.set_enabled(False)
+    try:
+        want, _ = run()
+    finally:
+        packed.set_enabled(before)
+    assert programs and all(bool(p) == packed_launches for p in programs if p is not None)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"result {i} (layer {i // 3 % len(layers)}, call {i // (3 * len(layers))})"
 
 
 @needs_gpu
