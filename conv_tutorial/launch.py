@@ -100,6 +100,11 @@ class DirectLaunch:
             encoded = self.tensor_maps[key] = self.encode(_with_base(template, base), meta, None)
         return encoded
 
+    def tensor_map_at(self, position, address):
+        """The tensor map of descriptor argument `position` pointing at `address` (16-byte aligned: the
+        caller checked), as _tensor_map keeps it (packed.py's launches ask for a new address's)."""
+        return self._tensor_map(_Address(address), position)[0]
+
     def takes_addresses(self):
         """Whether a call may pass descriptors' tensors as addresses (ints): the lean path, no
         profiler listening (Triton's path wants the tensors themselves)."""

@@ -139,7 +139,7 @@ def pack(direct, grid, args, device):
             if not isinstance(args[position], Slot):
                 raise TypeError(f"argument {position} (a descriptor) takes a Slot")
             expanded += [args[position], *template.shape, *template.strides]
-            encoders.append(functools.partial(_encode, direct, position))
+            encoders.append(functools.partial(direct.tensor_map_at, position))
         else:
             expanded.append(args[position])
     expanded += list(args[direct.descriptors_end:]) + list(direct.constexprs)
@@ -153,12 +153,6 @@ def pack(direct, grid, args, device):
     grid = tuple(grid) + (1,) * (3 - len(grid))
     return module().PackedLaunch(function, grid, (num_warps, num_ctas, shared), bool(cooperative), bool(pdl),
                                  device, packed.buffer, packed.params, packed.addresses, packed.maps)
-
-
-def _encode(direct, position, address):
-    # a new address's tensor map, from the descriptor's validated template (DirectLaunch keeps it too)
-    from .launch import _Address
-    return direct._tensor_map(_Address(address), position)[0]
 
 
 @functools.lru_cache(maxsize=None)
