@@ -86,7 +86,7 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
             with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=autocast):
                 loss = torch.nn.functional.cross_entropy(step_model(x), y) / len(parts)
             loss.backward()
-            total = total + loss.detach()
+            total = total + loss.detach().clone()   # (a CUDA graph's next run overwrites its own output)
         optimizer.step()
         if device == "cuda":
             torch.cuda.synchronize()

@@ -94,11 +94,15 @@ def ddp_worker(rank, init_file, out_file, backend, micro_batches, wrapper="ddp")
                 return allreduce_hook(state, bucket)
             wrapped.register_comm_hook(None, counted)
         else:       # FSDP2: each layer with parameters sharded, then the whole
+            from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
+            # the mesh named: without one, fully_shard takes the machine's GPU where it has one, and moves a
+            # CPU test's weights there
+            mesh = init_device_mesh("cuda" if cuda else "cpu", (WORLD,))
             for layer in model:
                 if any(True for _ in layer.parameters()):
-                    fully_shard(layer)
-            wrapped = fully_shard(model)
+                    fully_shard(layer, mesh=mesh)
+            wrapped = fully_shard(model, mesh=mesh)
         batches = [(x.chunk(WORLD)[rank], y.chunk(WORLD)[rank])
                    for x, y in global_batches(torch.float32 if cuda else torch.float64, device)]
         train(wrapped, batches, micro_batches, autocast=True if cuda else None)
