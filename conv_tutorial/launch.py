@@ -21,6 +21,7 @@
 """
 import contextlib
 import contextvars
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -218,7 +219,11 @@ class Recording:
     bytes)), a workspace the call allocated; `broken` where the call did anything a
     replay of these steps would not repeat (a first launch, a copy, torch's sums). A "fold" step,
     ("fold", FoldedConv, x, w, (x_fold, bytes), (w_fold, bytes)), is runtime.FoldedConv.apply's:
-    the addresses of what it read and of the copies it made, which later steps read."""
+    the addresses of what it read and of the copies it made, which later steps read. A "derive" step,
+    ("derive", fn, source, (address, bytes)): a new tensor fn(NHWC view of the source at address
+    `source`), which later steps read (wgrad's folded x); a "finish" step, ("finish", fn, buffer,
+    (address, bytes)): a result computed as fn(the workspace at `buffer`) by torch (wgrad's unfolded dW).
+    A replay reruns both: each `fn` is torch's work on its argument alone."""
 
     def __init__(self):
         self.steps, self.broken = [], False
@@ -319,7 +324,7 @@ class Replay:
                     return (name, address - start)
             raise LookupError(address)
 
-        steps, launches = [], []
+        steps, launches, produced = [], [], set()
         try:
             for step in recording.steps:
                 if step[0] == "fold":       # the fold's inputs: NCHW-shaped sources, in channels_last memory
@@ -329,6 +334,21 @@ class Replay:
                         return None
                     steps.append(("fold", fold, x[0], w[0]))
                     spans["x_fold"], spans["w_fold"] = x_fold, w_fold
+                elif step[0] == "derive":   # a tensor the call made from an input: the replay makes its own
+                    _, fn, source, span = step
+                    source = where(source)
+                    if source[1] or source[0] not in sources:
+                        return None
+                    name = f"derived{len(steps)}"
+                    steps.append(("derive", fn, source[0], name))
+                    spans[name] = span
+                elif step[0] == "finish":   # a result torch computed from a workspace: the replay computes it
+                    _, fn, buffer, (address, _) = step
+                    buffer, out = where(buffer), where(address)
+                    if buffer[1] or out[1] or buffer[0] in sources or buffer[0] in results or out[0] not in results:
+                        return None
+                    steps.append(("finish", fn, buffer[0], out[0]))
+                    produced.add(out[0])
                 elif step[0] == "scratch":  # a workspace the call allocated: the replay allocates its own
                     _, shape, dtype, span = step
                     name = f"scratch{len(steps)}"
@@ -350,7 +370,8 @@ class Replay:
                     launches.append(direct)
         except LookupError:
             return None
-        results = tuple((name, tuple(t.shape), t.stride(), t.dtype, zeroed) for name, (t, zeroed) in results.items())
+        results = tuple((name, tuple(t.shape), t.stride(), t.dtype, zeroed, name in produced)
+                        for name, (t, zeroed) in results.items())
         return cls(tuple(steps), results, tuple(name for name, t in sources.items() if t is not None), launches)
 
     def __call__(self, device, tensors):
@@ -368,13 +389,14 @@ class Replay:
             self.program = self._packed_program()
         if self.program:
             return self._run_packed(device, tensors, addresses)
-        results = []
-        for name, shape, strides, dtype, zeroed in self.results:
-            t = torch.empty_strided(shape, strides, dtype=dtype, device=device)
-            if zeroed:
-                t.zero_()
-            results.append(t)
-            addresses[name] = t
+        results = {}
+        for name, shape, strides, dtype, zeroed, produced in self.results:
+            if not produced:        # (a "finish" step computes it)
+                t = torch.empty_strided(shape, strides, dtype=dtype, device=device)
+                if zeroed:
+                    t.zero_()
+                results[name] = addresses[name] = t
+
         def at(place):
             if place is None:
                 return None
@@ -394,17 +416,33 @@ class Replay:
             elif kind == "scratch":
                 _, shape, dtype, name = step
                 addresses[name] = torch.empty(shape, dtype=dtype, device=device)
+            elif kind == "derive":
+                _, fn, source, name = step
+                addresses[name] = fn(tensors[source].permute(0, 2, 3, 1))
+            elif kind == "finish":
+                _, fn, buffer, name = step
+                results[name] = self._as_recorded(name, fn(addresses[buffer]))
             else:
                 _, fold, x_name, w_name = step
                 x_fold, w_fold = fold.apply(tensors[x_name].permute(0, 2, 3, 1), tensors[w_name].permute(0, 2, 3, 1))
                 addresses["x_fold"], addresses["w_fold"] = x_fold, w_fold
-        return tuple(results)
+        return tuple(results[entry[0]] for entry in self.results)
+
+    def _as_recorded(self, name, t):
+        # result `name` as the recorded call returned it: a view of what its "finish" step computed (say, a
+        # permuted [Co, R, S, Ci] as the NCHW-shaped dW), with the same shape and strides
+        _, shape, strides, dtype, _, _ = next(entry for entry in self.results if entry[0] == name)
+        if t.dtype != dtype or t.numel() != math.prod(shape) or t.storage_offset() or not t.is_contiguous():
+            raise RuntimeError(f"a replay's finish step made {t.dtype} {tuple(t.shape)}, not the contiguous "
+                               f"{dtype} {shape} the recorded call returned a view of")
+        return t.as_strided(shape, strides)
 
 
     def _packed_program(self):
         """The steps as a program of packed launches (packed.py): ("alloc", base, shape, strides, dtype, zeroed,
-        result) and ("launch", PackedLaunch), ("fold", fold, x base, w base, x_fold base, w_fold base, x name,
-        w name), with every address a `bases` index plus a displacement. False where a launch is not a
+        result's position or None), ("launch", PackedLaunch), ("fold", fold, x name, w name, x_fold base, w_fold
+        base), ("derive", fn, source name, base), ("finish", fn, buffer's base, result name, result's position),
+        with every address a `bases` index plus a displacement. False where a launch is not a
         DirectLaunch (the CPU tests' stand-ins) or packed launches are unavailable."""
         from . import packed
         launches = [step[1] for step in self.steps if step[0] in ("conv", "launch")]
@@ -424,8 +462,9 @@ class Replay:
         def slot(place):
             return None if place is None else packed.Slot(bases[place[0]], place[1])
 
-        for name, shape, strides, dtype, zeroed in self.results:
-            program.append(("alloc", base_of(name), shape, strides, dtype, zeroed, True))
+        for position, (name, shape, strides, dtype, zeroed, produced) in enumerate(self.results):
+            if not produced:
+                program.append(("alloc", base_of(name), shape, strides, dtype, zeroed, position))
         try:
             for step in self.steps:
                 kind = step[0]
@@ -441,7 +480,14 @@ class Replay:
                     program.append(("launch", packed.pack(direct, grid, args, device)))
                 elif kind == "scratch":
                     _, shape, dtype, name = step
-                    program.append(("alloc", base_of(name), shape, None, dtype, False, False))
+                    program.append(("alloc", base_of(name), shape, None, dtype, False, None))
+                elif kind == "derive":
+                    _, fn, source, name = step
+                    program.append(("derive", fn, source, base_of(name)))
+                elif kind == "finish":
+                    _, fn, buffer, name = step
+                    program.append(("finish", fn, bases[buffer], name,
+                                    next(i for i, entry in enumerate(self.results) if entry[0] == name)))
                 else:
                     _, fold, x_name, w_name = step
                     program.append(("fold", fold, x_name, w_name, base_of("x_fold"), base_of("w_fold")))
@@ -457,23 +503,33 @@ class Replay:
         for i, name in enumerate(self.sources):
             bases[i] = addresses[name]
         stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-        results, keep = [], []
+        results, held = [None] * len(self.results), {}      # held: what the program allocated or derived, by base
         for op in program:
-            if op[0] == "launch":
+            kind = op[0]
+            if kind == "launch":
                 op[1].launch(stream, bases)
-            elif op[0] == "alloc":
-                _, index, shape, strides, dtype, zeroed, result = op
+            elif kind == "alloc":
+                _, index, shape, strides, dtype, zeroed, position = op
                 t = (torch.empty(shape, dtype=dtype, device=device) if strides is None else
                      torch.empty_strided(shape, strides, dtype=dtype, device=device))
                 if zeroed:
                     t.zero_()
                 bases[index] = t.data_ptr()
-                (results if result else keep).append(t)
+                held[index] = t
+                if position is not None:
+                    results[position] = t
+            elif kind == "derive":
+                _, fn, source, index = op
+                held[index] = t = fn(tensors[source].permute(0, 2, 3, 1))
+                bases[index] = t.data_ptr()
+            elif kind == "finish":
+                _, fn, buffer, name, position = op
+                results[position] = self._as_recorded(name, fn(held[buffer]))
             else:
                 _, fold, x_name, w_name, x_index, w_index = op
                 x_fold, w_fold = fold.apply(tensors[x_name].permute(0, 2, 3, 1), tensors[w_name].permute(0, 2, 3, 1))
                 bases[x_index], bases[w_index] = x_fold.data_ptr(), w_fold.data_ptr()
-                keep += (x_fold, w_fold)
+                held[x_index], held[w_index] = x_fold, w_fold
         return tuple(results)
 
 

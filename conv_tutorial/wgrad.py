@@ -32,6 +32,8 @@ tests/operator/test_wgrad_plan.py checks it on a GPU bit for bit against the pla
 a CPU with stand-ins for the compiled kernels. Calls launch on the current device's current
 stream, as Triton's launcher does (autograd runs a backward with its tensors' device current).
 """
+import functools
+
 import torch
 
 from .geometry import call_key, device_facts
@@ -59,6 +61,7 @@ class WgradPlan:
     def run(self, x_nhwc, dy_nhwc):
         """dW [Co, R, S, Ci] in the plan's dtype of x [N, H, W, Ci] and dY [N, out_h, out_w, Co]:
         contiguous, of the plan's shapes, dtype and device (the caller has checked)."""
+        x_given = x_nhwc
         x_nhwc = wgrad_kernels.wgrad_input(x_nhwc, self.problem)       # x itself, unless folded
         g = self.run_geometry
         dw = torch.empty(g.Co, g.R * g.S * g.Ci_group, device=x_nhwc.device, dtype=self.dtype)
@@ -69,6 +72,7 @@ class WgradPlan:
             else:
                 self._first_launch(x_nhwc, dy_nhwc, dw)
         else:
+            x_run = x_nhwc
             x_nhwc, dy_2d = wgrad_kernels.wgrad_operands(x_nhwc, dy_nhwc, g)
             _check_tma_aligned(x_nhwc)
             _check_tma_aligned(dy_2d)
@@ -80,13 +84,27 @@ class WgradPlan:
             self.kernel(template.grid, dy_2d, x_nhwc, dw.data_ptr(), partial_ptr, template.shape)
             if self.sum is not None:
                 self.sum(self.sum_grid, partial_ptr, dw.data_ptr(), *self.sum_scalars)
-            # (for a replay of the operator's call: launch.Recording)
+            # (for a replay of the operator's call: launch.Recording; a folded x, and a dW unfolded from a
+            # workspace, are remade by torch on each replay)
+            if x_run is not x_given:
+                record_step(("derive", functools.partial(wgrad_kernels.wgrad_input, problem=self.problem),
+                             x_given.data_ptr(), (x_run.data_ptr(), x_run.nbytes)), (x_run,))
+            if self.problem.fold is not None:
+                record_scratch(dw)
             record_scratch(partial)
             record_step(("launch", self.kernel, template.grid, (dy_2d.data_ptr(), x_nhwc.data_ptr(), dw.data_ptr(),
                                                                 partial_ptr, template.shape), (0, 1, 2, 3)),
                         (dy_2d, x_nhwc, dw))
             if self.sum is not None:
                 record_step(("launch", self.sum, self.sum_grid, (partial_ptr, dw.data_ptr(), *self.sum_scalars), (0, 1)))
+        result = self._result(dw)
+        if self.kernel is not None and self.problem.fold is not None:
+            record_step(("finish", self._result, dw.data_ptr(), (result.data_ptr(), result.nbytes)), (result,))
+        return result
+
+    def _result(self, dw):
+        # the conv's dW [Co, R, S, Ci] from the kernel's [Co, R' * S' * Ci'] (unfolded where the problem folds)
+        g = self.run_geometry
         return wgrad_kernels.wgrad_result(dw.view(g.Co, g.R, g.S, g.Ci_group), self.geometry, self.problem)
 
     def _prepared(self, x_nhwc, dy_nhwc):

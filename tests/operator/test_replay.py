@@ -50,6 +50,52 @@ def test_a_replay_moves_every_address_with_its_tensor():
     assert out2.shape == out.shape and out2.data_ptr() != x2.data_ptr()
 
 
+def test_a_replay_remakes_a_derived_input_and_a_finished_result():
+    """wgrad's stem: x folded by torch before the launch ("derive"), dW unfolded by torch from the kernel's
+    workspace after it ("finish"): the replay reruns both on the new call's tensors, the launch reads the new
+    derived tensor and writes a workspace of its own, and the result is the finish's output, viewed as the
+    recorded call returned it."""
+    log, made, finished = [], [], []
+
+    def derive(nhwc):
+        made.append((nhwc * 2).contiguous())
+        return made[-1]
+
+    def finish(workspace):
+        finished.append((workspace, workspace.view(3, 8).t().contiguous()))
+        return finished[-1][1]
+
+    x = torch.randn(2, 3, 2, 2).contiguous(memory_format=torch.channels_last)
+    with launch.recording() as steps:
+        derived = derive(x.permute(0, 2, 3, 1))
+        launch.record_step(("derive", derive, x.data_ptr(), (derived.data_ptr(), derived.nbytes)), (derived,))
+        workspace = torch.empty(24)
+        launch.record_scratch(workspace)
+        launch.record_step(("launch", StandIn(log), (1,), (derived.data_ptr(), workspace.data_ptr()), (0, 1)))
+        out = finish(workspace)
+        launch.record_step(("finish", finish, workspace.data_ptr(), (out.data_ptr(), out.nbytes)), (out,))
+    returned = out.t()                          # (the call returns a view of what torch computed)
+    replay = launch.Replay.of(steps, {"x": x}, {"out": (returned, False)})
+    assert replay is not None
+    log.clear()
+    x2 = torch.randn(2, 3, 2, 2).contiguous(memory_format=torch.channels_last)
+    (got,) = replay("cpu", {"x": x2})
+    (_, (at_derived, at_workspace)), = log
+    assert torch.equal(made[-1], x2.permute(0, 2, 3, 1) * 2) and at_derived == made[-1].data_ptr()
+    workspace2, out2 = finished[-1]
+    assert at_workspace == workspace2.data_ptr() != workspace.data_ptr()
+    assert got.data_ptr() == out2.data_ptr() and got.shape == returned.shape and got.stride() == returned.stride()
+
+
+def test_no_replay_where_a_finish_step_reads_an_input():
+    x = torch.empty(16, dtype=torch.uint8)
+    out = x.clone()
+    with launch.recording() as steps:
+        launch.record_step(("launch", StandIn([]), (1,), (x.data_ptr(),), (0,)))
+        launch.record_step(("finish", torch.clone, x.data_ptr(), (out.data_ptr(), out.nbytes)), (out,))
+    assert launch.Replay.of(steps, {"x": x}, {"out": (out, False)}) is None
+
+
 def test_no_replay_where_an_address_lies_outside_the_call():
     other = torch.empty(16, dtype=torch.uint8)        # a copy the call made, say: not an input, not a result
     x = torch.empty(16, dtype=torch.uint8)
@@ -215,6 +261,24 @@ def test_gradient_replays_match_torch_on_new_tensors(layer, relu_gated, lesson06
     # dX replays, except where a strided dX takes torch's ReLU gate after the kernels (a copy: its full path)
     assert bool(_replay_of("conv2d_input_grad")) == (not relu_gated or stride == 1)
     assert not _replay_of("conv2d_input_grad") or _packed("conv2d_input_grad")
+
+
+@needs_gpu
+def test_the_stems_weight_grad_replays_its_fold(lesson06_backend):
+    """ResNet-50's stem (3 channels, 7x7, stride 2): wgrad folds x and unfolds dW by torch around the kernel;
+    its calls replay both ("derive" and "finish" steps) and match torch's dW on new tensors, call after call."""
+    torch.manual_seed(0)
+    hostpath._REPLAYS.clear()
+    for call in range(5):
+        x = _cl(torch.randn(4, 3, 64, 64, device="cuda", dtype=torch.bfloat16))
+        w = _cl(torch.randn(64, 3, 7, 7, device="cuda", dtype=torch.bfloat16) / 12)
+        dy = _cl(torch.randn(4, 64, 32, 32, device="cuda", dtype=torch.bfloat16))
+        dw = torch.ops.conv_tutorial.conv2d_weight_grad(dy, x, w, [2, 2], [3, 3], [1, 1], 1)
+        want = torch.ops.aten.convolution_backward(dy.float(), x.float(), w.float(), None, [2, 2], [3, 3], [1, 1],
+                                                   False, [0, 0], 1, [False, True, False])[1]
+        assert dw.shape == want.shape and dw.is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(dw.float(), want, atol=0.5, rtol=3e-2, msg=f"dW, call {call}")
+    assert _replay_of("conv2d_weight_grad") and _packed("conv2d_weight_grad")
 
 
 @needs_gpu
