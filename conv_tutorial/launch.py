@@ -185,23 +185,27 @@ class ForwardReplay:
         a window's call, whose stand-in output the program allocates, as __call__ does); `new_base()`: the
         index of a new base, for a buffer the program allocates."""
         from . import packed
-        ops = []
+        ops, freed = [], []
         if out is None:
             out = new_base()
-            ops.append(("alloc", out, self.out_shape, None, self.out_dtype, False, False))
+            ops.append(("alloc", out, self.out_shape, None, self.out_dtype, False, None))
+            freed.append(out)
         out_slot = packed.Slot(out)
         pointers = tuple(out_slot if p is None else p for p in pointers)
         partial_slot = None
         if self.partial is not None:
             partial_index = new_base()
-            ops.append(("alloc", partial_index, self.partial[0], None, self.partial[1], False, False))
+            ops.append(("alloc", partial_index, self.partial[0], None, self.partial[1], False, None))
             partial_slot = packed.Slot(partial_index)
+            freed.append(partial_index)
         args = (x, w, w if self.w_tail else None, out_slot, out_slot if self.out_tail else None,
                 (*pointers, out_slot if partial_slot is None else partial_slot), self.shape, window_args, stats)
         ops.append(("launch", packed.pack(self.direct, self.grid, args, device)))
         if self.reduce is not None:
             ops.append(("launch", packed.pack(self.reduce, self.reduce_grid,
                                               (partial_slot, out_slot, pointers, *self.reduce_scalars), device)))
+        # (the workspace and a window's stand-in freed once launched, as __call__ frees them: stream-ordered)
+        ops += [("free", index) for index in freed]
         return ops
 
 
@@ -386,6 +390,7 @@ class Replay:
             return None
         record_breaks()         # (a call being recorded that replays another would not see its launches)
         if self.program is None:
+            self.program = False        # (until built: a failure below leaves the Python loop, not a retry per call)
             self.program = self._packed_program()
         if self.program:
             return self._run_packed(device, tensors, addresses)
@@ -491,7 +496,7 @@ class Replay:
                 else:
                     _, fold, x_name, w_name = step
                     program.append(("fold", fold, x_name, w_name, base_of("x_fold"), base_of("w_fold")))
-        except (TypeError, ValueError) as error:       # a launch packed.py cannot pack: the Python loop serves
+        except Exception as error:      # noqa: BLE001  (a launch packed.py cannot pack: the Python loop serves)
             import warnings
             warnings.warn(f"conv_tutorial: a replay keeps the Python launch path ({error})", RuntimeWarning)
             return False
@@ -525,6 +530,8 @@ class Replay:
             elif kind == "finish":
                 _, fn, buffer, name, position = op
                 results[position] = self._as_recorded(name, fn(held[buffer]))
+            elif kind == "free":
+                del held[op[1]]
             else:
                 _, fold, x_name, w_name, x_index, w_index = op
                 x_fold, w_fold = fold.apply(tensors[x_name].permute(0, 2, 3, 1), tensors[w_name].permute(0, 2, 3, 1))

@@ -151,7 +151,7 @@ def pack(direct, grid, args, device):
     packed = layout(params, encoders)
     function, cooperative, pdl, (num_warps, num_ctas, shared) = direct.launch_head
     grid = tuple(grid) + (1,) * (3 - len(grid))
-    return module().PackedLaunch(function, grid, (num_warps, num_ctas, shared), bool(cooperative), bool(pdl),
+    return module().PackedLaunch(direct, function, grid, (num_warps, num_ctas, shared), bool(cooperative), bool(pdl),
                                  device, packed.buffer, packed.params, packed.addresses, packed.maps)
 
 
@@ -180,8 +180,8 @@ def set_enabled(enabled: bool) -> bool:
 
 
 def available() -> bool:
-    """Whether replays pack their launches: turned on, and the C module built (the first call builds
-    it; a failure warns once, and replays keep the Python launch path)."""
+    """Whether replays pack their launches: turned on, the C module built and the CUDA driver found (the
+    first call builds it; a failure warns once, and replays keep the Python launch path)."""
     if not _ENABLED[0]:
         return False
     return _built()
@@ -190,9 +190,9 @@ def available() -> bool:
 @functools.lru_cache(maxsize=None)
 def _built():
     try:
-        module()
+        module().load_driver()
         return True
-    except Exception as error:  # (no compiler, no Python headers: the Python path still serves)
+    except Exception as error:  # (no compiler, no Python headers, no driver: the Python path still serves)
         warnings.warn(f"conv_tutorial: packed launches could not be built ({type(error).__name__}: {error}); "
                       f"repeat calls take the Python launch path", RuntimeWarning, stacklevel=3)
         return False

@@ -93,7 +93,7 @@ static int cuda_failed(CUresult status, const char *what) {
 
 typedef struct {
   uint64_t address;
-  alignas(MAP_ALIGN) unsigned char map[MAP_BYTES];
+  unsigned char map[MAP_BYTES]; /* (copied with memcpy: no alignment needed) */
 } KeptMap;
 
 typedef struct {
@@ -112,6 +112,7 @@ typedef struct {
 
 typedef struct {
   PyObject_HEAD;
+  PyObject *owner; /* what keeps `function` loaded (the DirectLaunch of its compiled kernel) */
   CUfunction function;
   unsigned grid[3], num_warps, num_ctas, shared;
   int cooperative, pdl, device;
@@ -129,6 +130,7 @@ static void PackedLaunch_dealloc(PackedLaunch *self) {
     PyMem_Free(self->maps[i].kept);
   }
   PyMem_Free(self->maps);
+  Py_XDECREF(self->owner);
   PyMem_Free(self->addresses);
   PyMem_Free(self->param_offsets);
   PyMem_Free(self->param_sizes);
@@ -136,18 +138,35 @@ static void PackedLaunch_dealloc(PackedLaunch *self) {
   Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* PackedLaunch(function, grid (3 ints), (num_warps, num_ctas, shared), cooperative, pdl, device,
+/* PackedLaunch(owner, function, grid (3 ints), (num_warps, num_ctas, shared), cooperative, pdl, device,
  *              buffer (bytes), params ((offset, size), ...), addresses ((offset, base, displacement), ...),
  *              maps ((offset, base, displacement, encode), ...)) */
 static int PackedLaunch_init(PackedLaunch *self, PyObject *args, PyObject *kwargs) {
   unsigned long long function;
+  long long grid[3];
   Py_buffer buffer;
-  PyObject *params, *addresses, *maps;
-  if (!PyArg_ParseTuple(args, "K(III)(III)ppiy*O!O!O!", &function, &self->grid[0], &self->grid[1],
-                        &self->grid[2], &self->num_warps, &self->num_ctas, &self->shared, &self->cooperative,
-                        &self->pdl, &self->device, &buffer, &PyTuple_Type, &params, &PyTuple_Type,
-                        &addresses, &PyTuple_Type, &maps))
+  PyObject *owner, *params, *addresses, *maps;
+  if (self->buffer_memory) { /* (a second __init__ would free what a launch in progress reads) */
+    PyErr_SetString(PyExc_TypeError, "a PackedLaunch is initialised once");
     return -1;
+  }
+  if (!PyArg_ParseTuple(args, "OK(LLL)(III)ppiy*O!O!O!", &owner, &function, &grid[0], &grid[1], &grid[2],
+                        &self->num_warps, &self->num_ctas, &self->shared, &self->cooperative, &self->pdl,
+                        &self->device, &buffer, &PyTuple_Type, &params, &PyTuple_Type, &addresses, &PyTuple_Type,
+                        &maps))
+    return -1;
+  /* the driver's limits: x < 2^31 (after the cluster's factor), y and z < 2^16 */
+  if (grid[0] < 0 || grid[1] < 0 || grid[2] < 0 || self->num_ctas < 1 ||
+      grid[0] * (long long)self->num_ctas > 2147483647LL || grid[1] > 65535 || grid[2] > 65535) {
+    PyBuffer_Release(&buffer);
+    PyErr_Format(PyExc_ValueError, "a grid of (%lld, %lld, %lld) with clusters of %u is outside the driver's limits",
+                 grid[0], grid[1], grid[2], self->num_ctas);
+    return -1;
+  }
+  for (int i = 0; i < 3; i++)
+    self->grid[i] = (unsigned)grid[i];
+  Py_INCREF(owner);
+  self->owner = owner;
   self->function = (CUfunction)(uintptr_t)function;
   self->size = buffer.len;
   self->buffer_memory = PyMem_Malloc(buffer.len + MAP_ALIGN);
@@ -296,7 +315,11 @@ static PyObject *PackedLaunch_call(PackedLaunch *self, PyObject *const *args, Py
     return NULL;
   }
   unsigned long long stream = PyLong_AsUnsignedLongLong(args[0]);
-  if (PyErr_Occurred() || load_driver() < 0)
+  if (PyErr_Occurred())
+    return NULL;
+  if (self->grid[0] == 0 || self->grid[1] == 0 || self->grid[2] == 0) /* no program: no launch (as Triton's) */
+    Py_RETURN_NONE;
+  if (load_driver() < 0)
     return NULL;
   ALIGNED_STACK_BUFFER(buffer, self->size);
   if (fill(self, args[1], buffer) < 0)
@@ -304,8 +327,6 @@ static PyObject *PackedLaunch_call(PackedLaunch *self, PyObject *const *args, Py
   void **params = alloca((self->n_params + 1) * sizeof(void *));
   for (Py_ssize_t i = 0; i < self->n_params; i++)
     params[i] = buffer + self->param_offsets[i];
-  if (self->grid[0] * self->grid[1] * self->grid[2] == 0)
-    Py_RETURN_NONE;
 
   CUlaunchAttribute attributes[5];
   memset(attributes, 0, sizeof(attributes));
@@ -415,8 +436,20 @@ static PyTypeObject PackedLaunchType = {
     .tp_methods = PackedLaunch_methods,
 };
 
+/* load_driver(): open the CUDA driver now (packed.py asks before it packs: a failure falls back there) */
+static PyObject *module_load_driver(PyObject *self, PyObject *unused) {
+  if (load_driver() < 0)
+    return NULL;
+  Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"load_driver", module_load_driver, METH_NOARGS, "Open the CUDA driver's launch functions"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "conv_tutorial_packed_launch",
-                                    "Kernel launches with their parameters packed once", -1, NULL};
+                                    "Kernel launches with their parameters packed once", -1, module_methods};
 
 PyMODINIT_FUNC PyInit_conv_tutorial_packed_launch(void) {
   if (PyType_Ready(&PackedLaunchType) < 0)

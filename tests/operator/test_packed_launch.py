@@ -16,7 +16,7 @@ from conv_tutorial.packed import Slot
 
 def _launch(params, encoders=(), grid=(1, 1, 1)):
     layout = packed.layout(params, encoders)
-    return packed.module().PackedLaunch(0, grid, (4, 1, 0), False, False, 0, layout.buffer, layout.params,
+    return packed.module().PackedLaunch(None, 0, grid, (4, 1, 0), False, False, 0, layout.buffer, layout.params,
                                         layout.addresses, layout.maps)
 
 
@@ -119,6 +119,21 @@ def test_packing_refuses_what_it_cannot_pass():
         bad.parameters([0x1000])
     with pytest.raises(TypeError, match=re.escape("launch(stream: int, bases: list[int])")):
         launch.launch(0, (0,))
+
+
+def test_a_grid_outside_the_drivers_limits_is_refused_and_an_empty_one_launches_nothing():
+    with pytest.raises(ValueError, match="outside the driver's limits"):
+        _launch([("i32", 1)], grid=(1, 65536, 1))
+    with pytest.raises(ValueError, match="outside the driver's limits"):
+        _launch([("i32", 1)], grid=(-1, 1, 1))
+    assert _launch([("i32", 1)], grid=(0, 1, 1)).launch(0, []) is None     # (as Triton's launcher: no launch)
+
+
+def test_a_packed_launch_is_initialised_once():
+    launch = _launch([("i32", 1)])
+    layout = packed.layout([("i32", 1)], [])
+    with pytest.raises(TypeError, match="initialised once"):
+        launch.__init__(None, 0, (1, 1, 1), (4, 1, 0), False, False, 0, layout.buffer, layout.params, (), ())
 
 
 @pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="checks the error on a machine without a CUDA driver")

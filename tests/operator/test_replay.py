@@ -301,13 +301,15 @@ def test_packed_and_python_launches_give_the_same_bits(packed_launches, lesson06
 
     def run():
         hostpath._REPLAYS.clear()
-        outs = []
+        outs, kept = [], []
         for call in range(4):
-            for x, w, b, residual, dy, stride, padding in inputs:
+            for *tensors, stride, padding in inputs:
+                x, w, b, residual, dy = (t.clone() for t in tensors)      # (new addresses on every call)
                 args = (stride, padding, [1, 1], 1)
                 outs.append(torch.ops.conv_tutorial.conv2d(x, w, b, *args, residual=residual, activation="relu"))
                 outs.append(torch.ops.conv_tutorial.conv2d_input_grad(dy, x, w, *args))
                 outs.append(torch.ops.conv_tutorial.conv2d_weight_grad(dy, x, w, *args))
+                kept.append((x, w, b, residual, dy))     # (kept alive: no address handed back within a run)
         return outs, [r.program for r in hostpath._REPLAYS.values() if isinstance(r, launch.Replay)]
 
     before = packed.set_enabled(packed_launches)
