@@ -46,6 +46,18 @@ _EXTRACTORS = {"*": 1, "i8": 2, "i16": 3, "i1": 4, "i32": 4, "i64": 5, "u8": 6, 
                "u64": 9, "fp16": 10, "bf16": 11, "fp32": 12, "f32": 12, "fp64": 13, "nvTmaDesc": 14}
 
 
+def parameter_size(kind):
+    """The bytes a parameter of type `kind` takes where Triton's launcher passes it."""
+    if kind == "nvTmaDesc":
+        return _MAP_BYTES
+    if kind.startswith("*"):
+        return 8
+    fmt = _FORMATS.get(kind)
+    if fmt is None:
+        raise TypeError(f"no packing for a parameter of type {kind!r}")
+    return 2 if fmt == "bf16" else struct.calcsize(fmt)
+
+
 def parameter_bytes(kind, value):
     """The bytes Triton's launcher passes for `value` as a parameter of type `kind` (a constant: not a
     Slot). Out-of-range integers raise (Triton's launcher would wrap them)."""
@@ -101,13 +113,10 @@ def layout(params, encoders):
     buffer, offsets, addresses, maps = bytearray(), [], [], []
     encoders = iter(encoders)
     for kind, value in list(params) + [("*i8", None)] * _SCRATCH_POINTERS:
-        if kind == "nvTmaDesc":
-            if not isinstance(value, Slot):
-                raise TypeError("a tensor map's parameter takes a Slot")
-            size, align = _MAP_BYTES, _MAP_ALIGN
-        else:
-            size = 8 if kind.startswith("*") else struct.calcsize(_FORMATS.get(kind, "<Q").replace("bf16", "<H"))
-            align = size
+        if kind == "nvTmaDesc" and not isinstance(value, Slot):
+            raise TypeError("a tensor map's parameter takes a Slot")
+        size = parameter_size(kind)
+        align = _MAP_ALIGN if kind == "nvTmaDesc" else size
         offset = -len(buffer) % align + len(buffer)
         buffer += bytes(offset - len(buffer))
         if isinstance(value, Slot):

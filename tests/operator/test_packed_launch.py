@@ -95,8 +95,7 @@ def test_the_extractor_table_is_tritons():
     for name, c_type, names in entries:
         for kind in re.findall(r'"(\w+)"', names or ""):
             assert packed._EXTRACTORS[kind] == int(enum[name]), kind
-            size = 128 if kind == "nvTmaDesc" else struct.calcsize(packed._FORMATS[kind].replace("bf16", "<H"))
-            assert size == c_sizes[c_type], kind
+            assert packed.parameter_size(kind) == c_sizes[c_type], kind
             seen.add(kind)
     assert int(enum["POINTER"]) == packed._EXTRACTORS["*"]
     assert seen == set(packed._EXTRACTORS) - {"*"}
