@@ -30,7 +30,8 @@ import triton
 from triton.runtime._async_compile import FutureKernel
 
 from .configs import KernelConfig, check_config
-from .geometry import device_facts
+from .geometry import device_facts, nhwc_view
+from .packed import Slot
 from . import core
 from .kernels import fprop
 
@@ -168,8 +169,7 @@ class ForwardReplay:
         out = out_2d.data_ptr()
         pointers = tuple(out if p is None else p for p in pointers)      # (bias, scale, residual): absent ones unread
         partial = None if self.partial is None else torch.empty(self.partial[0], dtype=self.partial[1], device=device)
-        args = (x, w, w if self.w_tail else None, out_2d, out_2d if self.out_tail else None,
-                (*pointers, out if partial is None else partial.data_ptr()), self.shape, window_args, stats)
+        args = self._conv_args(x, w, out_2d, pointers, out if partial is None else partial.data_ptr(), window_args, stats)
         if checked:
             self.direct.launch_lean(self.grid, args)
         else:
@@ -178,31 +178,36 @@ class ForwardReplay:
             self.reduce(self.reduce_grid, partial.data_ptr(), out, pointers, *self.reduce_scalars)
         return out_2d
 
+    def _conv_args(self, x, w, out, pointers, written, window_args, stats):
+        # the conv kernel's run-time arguments: `out` the output (its tensor, address or Slot) where the kernel
+        # takes its descriptors, `pointers` the epilogue's (bias, scale, residual), `written` where it stores (the
+        # output, or split-K's workspace)
+        return (x, w, w if self.w_tail else None, out, out if self.out_tail else None, (*pointers, written),
+                self.shape, window_args, stats)
 
-    def packed_program(self, x, w, pointers, out, window_args, stats, new_base, device):
-        """This launch (and split-K's second) as a packed program's ops (Replay._packed_program): `x`, `w`,
-        `pointers`, `stats`, the window's address: Slots (or None); `out`: the output's base index (None:
-        a window's call, whose stand-in output the program allocates, as __call__ does); `new_base()`: the
-        index of a new base, for a buffer the program allocates."""
-        from . import packed
+    def program_ops(self, x, w, pointers, out, window_args, stats, new_base, make_launch, device):
+        """This launch (and split-K's second) as a replay's program ops (Replay._build), each launch made by
+        `make_launch(direct, grid, args, device)`: `x`, `w`, `pointers`, `stats`, the window's address:
+        Slots (or None); `out`: the output's base index (None: a window's call, whose stand-in output the
+        program allocates, as __call__ does); `new_base()`: the index of a new base, for a buffer the
+        program allocates."""
         ops, freed = [], []
         if out is None:
             out = new_base()
             ops.append(("alloc", out, self.out_shape, None, self.out_dtype, False, None))
             freed.append(out)
-        out_slot = packed.Slot(out)
+        out_slot = Slot(out)
         pointers = tuple(out_slot if p is None else p for p in pointers)
         partial_slot = None
         if self.partial is not None:
-            partial_index = new_base()
-            ops.append(("alloc", partial_index, self.partial[0], None, self.partial[1], False, None))
-            partial_slot = packed.Slot(partial_index)
-            freed.append(partial_index)
-        args = (x, w, w if self.w_tail else None, out_slot, out_slot if self.out_tail else None,
-                (*pointers, out_slot if partial_slot is None else partial_slot), self.shape, window_args, stats)
-        ops.append(("launch", packed.pack(self.direct, self.grid, args, device)))
+            partial_slot = Slot(new_base())
+            ops.append(("alloc", partial_slot.base, self.partial[0], None, self.partial[1], False, None))
+            freed.append(partial_slot.base)
+        args = self._conv_args(x, w, out_slot, pointers, out_slot if partial_slot is None else partial_slot,
+                               window_args, stats)
+        ops.append(("launch", make_launch(self.direct, self.grid, args, device)))
         if self.reduce is not None:
-            ops.append(("launch", packed.pack(self.reduce, self.reduce_grid,
+            ops.append(("launch", make_launch(self.reduce, self.reduce_grid,
                                               (partial_slot, out_slot, pointers, *self.reduce_scalars), device)))
         # (the workspace and a window's stand-in freed once launched, as __call__ frees them: stream-ordered)
         ops += [("free", index) for index in freed]
@@ -300,7 +305,8 @@ class Replay:
     def __init__(self, steps, results, sources, launches):
         self.steps, self.results, self.sources = steps, results, sources
         self.lean = all(launch.lean for launch in launches)      # (no scratch space to allocate: launch.py's DirectLaunch)
-        self.program = None     # the steps with their launches packed (`_packed_program`); False: the Python loop
+        self.program = None     # the steps as a program (`_program`), built at the first replay
+        self.packed = None      # whether its launches are packed (packed.py) or Python launches
 
     @classmethod
     def of(cls, recording, sources, results):
@@ -381,57 +387,18 @@ class Replay:
     def __call__(self, device, tensors):
         """The results (a tuple, in the order given to `of`) of the call on `tensors` ({name: tensor}, as the sources
         were given), or None."""
-        addresses = {}
+        bases = []
         for name in self.sources:
-            address = addresses[name] = tensors[name].data_ptr()
+            address = tensors[name].data_ptr()
             if address % 16:
                 return None
+            bases.append(address)
         if not self.lean or _launch_hooks_set():
             return None
         record_breaks()         # (a call being recorded that replays another would not see its launches)
         if self.program is None:
-            self.program = False        # (until built: a failure below leaves the Python loop, not a retry per call)
-            self.program = self._packed_program()
-        if self.program:
-            return self._run_packed(device, tensors, addresses)
-        results = {}
-        for name, shape, strides, dtype, zeroed, produced in self.results:
-            if not produced:        # (a "finish" step computes it)
-                t = torch.empty_strided(shape, strides, dtype=dtype, device=device)
-                if zeroed:
-                    t.zero_()
-                results[name] = addresses[name] = t
-
-        def at(place):
-            if place is None:
-                return None
-            address = addresses[place[0]]
-            return (address if type(address) is int else address.data_ptr()) + place[1]
-
-        for step in self.steps:
-            kind = step[0]
-            if kind == "conv":
-                _, replay, x, w, pointers, window, stats, out = step
-                replay(device, at(x), at(w), tuple(at(p) for p in pointers),
-                       None if out is None else addresses[out],
-                       None if window is None else (at(window[0]), *window[1]), at(stats), True)
-            elif kind == "launch":
-                _, direct, grid, args, positions = step
-                direct.launch_lean(grid, tuple(at(a) if i in positions else a for i, a in enumerate(args)))
-            elif kind == "scratch":
-                _, shape, dtype, name = step
-                addresses[name] = torch.empty(shape, dtype=dtype, device=device)
-            elif kind == "derive":
-                _, fn, source, name = step
-                addresses[name] = fn(tensors[source].permute(0, 2, 3, 1))
-            elif kind == "finish":
-                _, fn, buffer, name = step
-                results[name] = self._as_recorded(name, fn(addresses[buffer]))
-            else:
-                _, fold, x_name, w_name = step
-                x_fold, w_fold = fold.apply(tensors[x_name].permute(0, 2, 3, 1), tensors[w_name].permute(0, 2, 3, 1))
-                addresses["x_fold"], addresses["w_fold"] = x_fold, w_fold
-        return tuple(results[entry[0]] for entry in self.results)
+            self.program = self._program()
+        return self._run(device, tensors, bases)
 
     def _as_recorded(self, name, t):
         # result `name` as the recorded call returned it: a view of what its "finish" step computed (say, a
@@ -442,20 +409,29 @@ class Replay:
                                f"{dtype} {shape} the recorded call returned a view of")
         return t.as_strided(shape, strides)
 
-
-    def _packed_program(self):
-        """The steps as a program of packed launches (packed.py): ("alloc", base, shape, strides, dtype, zeroed,
-        result's position or None), ("launch", PackedLaunch), ("fold", fold, x name, w name, x_fold base, w_fold
-        base), ("derive", fn, source name, base), ("finish", fn, buffer's base, result name, result's position),
-        with every address a `bases` index plus a displacement. False where a launch is not a
-        DirectLaunch (the CPU tests' stand-ins) or packed launches are unavailable."""
+    def _program(self):
+        """The steps as a program over a list of base addresses (`_build`), its launches packed (packed.py)
+        where every launch is a DirectLaunch and packed launches are available, else Python launches
+        (`PythonLaunch`: the CPU tests' stand-ins, packed launches off or failing to pack)."""
         from . import packed
         launches = [step[1] for step in self.steps if step[0] in ("conv", "launch")]
-        if not all(isinstance(getattr(launch, "direct", launch), DirectLaunch) for launch in launches):
-            return False
-        if not packed.available():
-            return False
-        device = torch._C._cuda_getDevice()
+        if all(isinstance(getattr(launch, "direct", launch), DirectLaunch) for launch in launches) and packed.available():
+            try:
+                program = self._build(packed.pack, torch._C._cuda_getDevice())
+                self.packed = True
+                return program
+            except Exception as error:      # noqa: BLE001  (a launch packed.py cannot pack: Python launches serve)
+                import warnings
+                warnings.warn(f"conv_tutorial: a replay keeps the Python launch path ({error})", RuntimeWarning)
+        self.packed = False
+        return self._build(PythonLaunch, None)
+
+    def _build(self, make_launch, device):
+        """(number of bases, ops): ("alloc", base, shape, strides, dtype, zeroed, result's position or None),
+        ("launch", make_launch(direct, grid, args, device)), ("fold", fold, x name, w name, x_fold base,
+        w_fold base), ("derive", fn, source name, base), ("finish", fn, buffer's base, result name,
+        result's position), ("free", base), with every address a packed.Slot: a `bases` index plus a
+        displacement (the sources' addresses first, in order)."""
         bases = {name: i for i, name in enumerate(self.sources)}
         program = []
 
@@ -465,49 +441,42 @@ class Replay:
             return bases[name]
 
         def slot(place):
-            return None if place is None else packed.Slot(bases[place[0]], place[1])
+            return None if place is None else Slot(bases[place[0]], place[1])
 
         for position, (name, shape, strides, dtype, zeroed, produced) in enumerate(self.results):
             if not produced:
                 program.append(("alloc", base_of(name), shape, strides, dtype, zeroed, position))
-        try:
-            for step in self.steps:
-                kind = step[0]
-                if kind == "conv":
-                    _, replay, x, w, pointers, window, stats, out = step
-                    program += replay.packed_program(slot(x), slot(w), tuple(slot(p) for p in pointers),
-                                                     None if out is None else bases[out],
-                                                     None if window is None else (slot(window[0]), *window[1]),
-                                                     slot(stats), lambda: base_of(object()), device)
-                elif kind == "launch":
-                    _, direct, grid, args, positions = step
-                    args = tuple(slot(a) if i in positions else a for i, a in enumerate(args))
-                    program.append(("launch", packed.pack(direct, grid, args, device)))
-                elif kind == "scratch":
-                    _, shape, dtype, name = step
-                    program.append(("alloc", base_of(name), shape, None, dtype, False, None))
-                elif kind == "derive":
-                    _, fn, source, name = step
-                    program.append(("derive", fn, source, base_of(name)))
-                elif kind == "finish":
-                    _, fn, buffer, name = step
-                    program.append(("finish", fn, bases[buffer], name,
-                                    next(i for i, entry in enumerate(self.results) if entry[0] == name)))
-                else:
-                    _, fold, x_name, w_name = step
-                    program.append(("fold", fold, x_name, w_name, base_of("x_fold"), base_of("w_fold")))
-        except Exception as error:      # noqa: BLE001  (a launch packed.py cannot pack: the Python loop serves)
-            import warnings
-            warnings.warn(f"conv_tutorial: a replay keeps the Python launch path ({error})", RuntimeWarning)
-            return False
+        for step in self.steps:
+            kind = step[0]
+            if kind == "conv":
+                _, replay, x, w, pointers, window, stats, out = step
+                program += replay.program_ops(slot(x), slot(w), tuple(slot(p) for p in pointers),
+                                              None if out is None else bases[out],
+                                              None if window is None else (slot(window[0]), *window[1]),
+                                              slot(stats), lambda: base_of(object()), make_launch, device)
+            elif kind == "launch":
+                _, direct, grid, args, positions = step
+                args = tuple(slot(a) if i in positions else a for i, a in enumerate(args))
+                program.append(("launch", make_launch(direct, grid, args, device)))
+            elif kind == "scratch":
+                _, shape, dtype, name = step
+                program.append(("alloc", base_of(name), shape, None, dtype, False, None))
+            elif kind == "derive":
+                _, fn, source, name = step
+                program.append(("derive", fn, source, base_of(name)))
+            elif kind == "finish":
+                _, fn, buffer, name = step
+                program.append(("finish", fn, bases[buffer], name,
+                                next(i for i, entry in enumerate(self.results) if entry[0] == name)))
+            else:
+                _, fold, x_name, w_name = step
+                program.append(("fold", fold, x_name, w_name, base_of("x_fold"), base_of("w_fold")))
         return (len(bases), tuple(program))
 
-    def _run_packed(self, device, tensors, addresses):
+    def _run(self, device, tensors, sources):
         size, program = self.program
-        bases = [0] * size
-        for i, name in enumerate(self.sources):
-            bases[i] = addresses[name]
-        stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+        bases = sources + [0] * (size - len(sources))
+        stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()) if self.packed else None
         results, held = [None] * len(self.results), {}      # held: what the program allocated or derived, by base
         for op in program:
             kind = op[0]
@@ -525,7 +494,7 @@ class Replay:
                     results[position] = t
             elif kind == "derive":
                 _, fn, source, index = op
-                held[index] = t = fn(tensors[source].permute(0, 2, 3, 1))
+                held[index] = t = fn(nhwc_view(tensors[source]))
                 bases[index] = t.data_ptr()
             elif kind == "finish":
                 _, fn, buffer, name, position = op
@@ -534,10 +503,31 @@ class Replay:
                 del held[op[1]]
             else:
                 _, fold, x_name, w_name, x_index, w_index = op
-                x_fold, w_fold = fold.apply(tensors[x_name].permute(0, 2, 3, 1), tensors[w_name].permute(0, 2, 3, 1))
+                x_fold, w_fold = fold.apply(nhwc_view(tensors[x_name]), nhwc_view(tensors[w_name]))
                 bases[x_index], bases[w_index] = x_fold.data_ptr(), w_fold.data_ptr()
                 held[x_index], held[w_index] = x_fold, w_fold
         return tuple(results)
+
+
+class PythonLaunch:
+    """A program's launch (Replay._build) through DirectLaunch.launch_lean, the Python launch path, called
+    as packed.py's PackedLaunch is: `launch(stream, bases)`, each packed.Slot in `args` (in a tuple too)
+    at bases[slot.base] + slot.displacement. (launch_lean launches on the current stream: `stream` is it.)"""
+
+    def __init__(self, direct, grid, args, device=None):
+        self.direct, self.grid, self.args = direct, grid, args
+
+    def launch(self, stream, bases):
+        self.direct.launch_lean(self.grid, _at(self.args, bases))
+
+
+def _at(value, bases):
+    # `value` with each packed.Slot in it replaced by its address on `bases`
+    if isinstance(value, Slot):
+        return bases[value.base] + value.displacement
+    if isinstance(value, tuple):
+        return tuple(_at(v, bases) for v in value)
+    return value
 
 
 class ConvPlan:

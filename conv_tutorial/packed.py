@@ -148,7 +148,7 @@ def pack(direct, grid, args, device):
             if not isinstance(args[position], Slot):
                 raise TypeError(f"argument {position} (a descriptor) takes a Slot")
             expanded += [args[position], *template.shape, *template.strides]
-            encoders.append(functools.partial(direct.tensor_map_at, position))
+            encoders.append(map_encoder(direct, position))
         else:
             expanded.append(args[position])
     expanded += list(args[direct.descriptors_end:]) + list(direct.constexprs)
@@ -162,6 +162,50 @@ def pack(direct, grid, args, device):
     grid = tuple(grid) + (1,) * (3 - len(grid))
     return module().PackedLaunch(direct, function, grid, (num_warps, num_ctas, shared), bool(cooperative), bool(pdl),
                                  device, packed.buffer, packed.params, packed.addresses, packed.maps)
+
+
+def fill_arguments(template, meta):
+    """Triton's tensor-map encoding function for descriptor `template` (its tensordesc metadata `meta`) and
+    the arguments after the address that triton.backends.nvidia.driver.make_tensordesc_arg passes it."""
+    import triton
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST, TMA_TF32
+    utils = triton.runtime.driver.active.utils
+    shape = list(template.shape)
+    if meta["fp4_padded"]:
+        shape[-1] *= 2
+    elem_type = TMA_TF32 if template.round_f32_to_tf32 else meta["elem_type"]
+    arguments = (meta["swizzle"], meta["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[elem_type], meta["block_size"], shape,
+                 template.strides, 1 if template.padding == "nan" else 0)
+    if meta.get("is_im2col", False):
+        element_strides = template.element_strides
+        return utils.fill_tma_descriptor_im2col, arguments + (
+            template.pixel_box_lower_corner, template.pixel_box_upper_corner,
+            [1] * len(template.shape) if element_strides is None else element_strides)
+    return utils.fill_tma_descriptor_tiled, arguments
+
+
+_TEST_ADDRESS = 1 << 40      # (an encoding reads no memory: any 16-byte-aligned address serves)
+
+
+def map_encoder(direct, position):
+    """address -> the tensor map of `direct`'s descriptor argument `position` (a launch.DirectLaunch)
+    pointing at that address, for a packed launch's addresses not seen before: Triton's encoding
+    function called straight with the validated template's arguments (`fill_arguments`), not through
+    DirectLaunch.tensor_map_at's Python (a copy of the descriptor, make_tensordesc_arg reading its
+    fields; ~20 us a new address inside a training step, RESULTS.md). Used where it gives
+    tensor_map_at's 128 bytes at a test address; else (another Triton's fields) tensor_map_at."""
+    fallback = functools.partial(direct.tensor_map_at, position)
+    try:
+        fill, arguments = fill_arguments(direct.descriptor_at[position][1], direct.descriptor_at[position][0])
+        same = module().map_bytes(fill(_TEST_ADDRESS, *arguments)) == module().map_bytes(fallback(_TEST_ADDRESS))
+    except Exception:  # noqa: BLE001  (fields this Triton does not have: its own path serves)
+        return fallback
+    if not same:
+        return fallback
+
+    def encode(address):
+        return fill(address, *arguments)
+    return encode
 
 
 @functools.lru_cache(maxsize=None)

@@ -443,8 +443,17 @@ static PyObject *module_load_driver(PyObject *self, PyObject *unused) {
   Py_RETURN_NONE;
 }
 
+/* map_bytes(encoded): the 128 bytes of a tensor map as a launch copies them (packed.py compares two encodings) */
+static PyObject *module_map_bytes(PyObject *self, PyObject *encoded) {
+  unsigned char map[MAP_BYTES];
+  if (copy_map(encoded, map) < 0)
+    return NULL;
+  return PyBytes_FromStringAndSize((const char *)map, MAP_BYTES);
+}
+
 static PyMethodDef module_methods[] = {
     {"load_driver", module_load_driver, METH_NOARGS, "Open the CUDA driver's launch functions"},
+    {"map_bytes", module_map_bytes, METH_O, "The 128 bytes of a tensor map (Triton's object or a buffer)"},
     {NULL, NULL, 0, NULL},
 };
 

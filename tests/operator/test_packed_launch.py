@@ -149,3 +149,60 @@ def test_set_enabled_takes_a_bool_and_turns_replays_packing_off():
         assert packed.available() is False
     finally:
         packed.set_enabled(before)
+
+
+class _RecordingUtils:
+    # Triton's driver utilities as make_tensordesc_arg calls them: each fill records its arguments
+    def __init__(self):
+        self.calls = []
+
+    def fill_tma_descriptor_tiled(self, *args):
+        self.calls.append(("tiled", args))
+        return ("map", len(self.calls))
+
+    def fill_tma_descriptor_im2col(self, *args):
+        self.calls.append(("im2col", args))
+        return ("map", len(self.calls))
+
+
+@pytest.mark.parametrize("kind", ["tiled", "im2col"])
+@pytest.mark.parametrize("nan_padding", [False, True])
+def test_a_new_address_is_encoded_with_the_arguments_make_tensordesc_arg_passes(monkeypatch, kind, nan_padding):
+    """packed.map_encoder calls Triton's encoding function straight (packed.fill_arguments): for a tiled and an
+    im2col descriptor, the same function with the same arguments as Triton's make_tensordesc_arg gives it
+    for the descriptor at that address (a driver that records the calls stands in for the GPU's)."""
+    import torch
+    from types import SimpleNamespace
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor, TensorDescriptorIm2Col
+
+    utils = _RecordingUtils()
+    monkeypatch.setattr(triton.runtime.driver, "_active", SimpleNamespace(utils=utils), raising=False)
+    monkeypatch.setattr(type(triton.runtime.driver), "active", property(lambda self: self._active))
+    padding = "nan" if nan_padding else "zero"
+    if kind == "tiled":
+        t = torch.empty(200, 96, dtype=torch.bfloat16)
+        layout = gl.NVMMASharedLayout.get_default_for([64, 32], gl.bfloat16)
+        desc = TensorDescriptor.from_tensor(t, [64, 32], layout, padding=padding)
+        meta = {"swizzle": 2, "elem_size": 2, "elem_type": 10, "block_size": [64, 32], "fp4_padded": False}
+    else:
+        t = torch.empty(2, 9, 11, 64, dtype=torch.bfloat16)
+        layout = gl.NVMMASharedLayout.get_default_for([128, 64], gl.bfloat16)
+        desc = TensorDescriptorIm2Col.from_tensor(t, [128, 64], layout, padding=padding, element_strides=[1, 2, 2, 1],
+                                                  pixel_box_lower_corner=[-1, -1], pixel_box_upper_corner=[-1, -1])
+        meta = {"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [128, 64], "fp4_padded": False,
+                "is_im2col": True}
+    make_tensordesc_arg(desc, meta, None)
+    fill, arguments = packed.fill_arguments(desc, meta)
+    fill(t.data_ptr(), *arguments)
+    (want_kind, want), (got_kind, got) = utils.calls
+    assert got_kind == want_kind == kind and fill.__name__ == f"fill_tma_descriptor_{kind}"
+    assert [list(a) if isinstance(a, (list, tuple)) else a for a in got] == \
+           [list(a) if isinstance(a, (list, tuple)) else a for a in want]
+
+
+def test_map_bytes_reads_a_128_byte_map_and_refuses_another_size():
+    assert packed.module().map_bytes(bytes(range(128))) == bytes(range(128))
+    with pytest.raises(ValueError, match="not 128"):
+        packed.module().map_bytes(bytes(64))

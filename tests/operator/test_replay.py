@@ -174,7 +174,7 @@ def _replay_of(op_name):
 def _packed(op_name):
     # whether every replay of the operator that has run launches through packed launches (packed.py)
     replays = [r for r in _replay_of(op_name) if r.program is not None]
-    return bool(replays) and all(r.program for r in replays)
+    return bool(replays) and all(r.packed for r in replays)
 
 
 FORWARD_LAYERS = [   # (N, Ci, H, W, Co, R, stride, padding): plain, 1x1, strided, the stem (folded), split-K
@@ -203,6 +203,30 @@ def test_forward_replays_match_torch_on_new_tensors(layer, epilogue):
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2, msg=f"call {call}")
     assert _replay_of("conv2d"), "the forward kept no replay"
     assert _packed("conv2d"), "the forward's replays launch through Python"
+
+
+@needs_gpu
+def test_packed_launches_encode_new_addresses_as_triton_does():
+    """A packed launch encodes a tensor map for an address it has not seen by calling Triton's encoding
+    function straight (packed.map_encoder): on this Triton it takes that path for every descriptor of the
+    forward's launches (not the Python fallback), and gives Triton's own 128 bytes at real addresses."""
+    import functools
+    from conv_tutorial import packed
+    hostpath._REPLAYS.clear()
+    x = _cl(torch.randn(2, 64, 14, 14, device="cuda", dtype=torch.bfloat16))
+    w = _cl(torch.randn(128, 64, 3, 3, device="cuda", dtype=torch.bfloat16))
+    for _ in range(3):
+        torch.ops.conv_tutorial.conv2d(x, w, None, [1, 1], [1, 1], [1, 1], 1)
+    directs = [r.direct for plan in launch._PLANS.values() for r in plan.replays.values()]
+    assert directs
+    addresses = [t.data_ptr() for t in (x, w, torch.empty(4096, device="cuda"))]
+    for direct in directs:
+        for position in direct.descriptor_at:
+            encode = packed.map_encoder(direct, position)
+            assert not isinstance(encode, functools.partial), "a new address takes the Python path"
+            for address in addresses:
+                assert packed.module().map_bytes(encode(address)) == \
+                    packed.module().map_bytes(direct.tensor_map_at(position, address))
 
 
 @needs_gpu
@@ -310,7 +334,7 @@ def test_packed_and_python_launches_give_the_same_bits(packed_launches, lesson06
                 outs.append(torch.ops.conv_tutorial.conv2d_input_grad(dy, x, w, *args))
                 outs.append(torch.ops.conv_tutorial.conv2d_weight_grad(dy, x, w, *args))
                 kept.append((x, w, b, residual, dy))     # (kept alive: no address handed back within a run)
-        return outs, [r.program for r in hostpath._REPLAYS.values() if isinstance(r, launch.Replay)]
+        return outs, [r.packed for r in hostpath._REPLAYS.values() if isinstance(r, launch.Replay)]
 
     before = packed.set_enabled(packed_launches)
     try:
@@ -322,7 +346,7 @@ def test_packed_and_python_launches_give_the_same_bits(packed_launches, lesson06
         want, _ = run()
     finally:
         packed.set_enabled(before)
-    assert programs and all(bool(p) == packed_launches for p in programs if p is not None)
+    assert programs and all(p == packed_launches for p in programs if p is not None)
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"result {i} (layer {i // 3 % len(layers)}, call {i // (3 * len(layers))})"
 
