@@ -1,7 +1,7 @@
 """Training steps of torchvision networks: eager cuDNN, torch.compile, and the operator under torch.compile.
 
     python benchmarks/training.py [--nets resnet50 regnet_y_3_2gf] [--batch 128] [--steps 50] [--max-autotune]
-                                  [--no-gradient-check] [--profile STEPS] [--compile-ahead] [--first-step-breakdown]
+                                  [--no-gradient-check] [--profile STEPS] [--compile-ahead [background]] [--first-step-breakdown]
                                   [--variants eager compile ours ours-lesson06] [--outdir DIR]
 
 Each network is torchvision's with its own random initialisation (seed 0), channels_last, trained
@@ -33,12 +33,13 @@ lesson 06's gradients the check that isolates the convs is "conv_grad_err" (conv
 one more step of the model, run eagerly, in which every conv gradient the operator computes is
 compared with torch's fp32 gradient of that call's own inputs, beside cuDNN's of the same inputs;
 null for other variants and with --no-gradient-check. Writes training.json
-({"device", "torch", "triton", "steps", "rows": [{"net", "batch", "variant", "img_s", "first_steps_s", "compile_ahead_s", "first_step", "loss_50", "loss_last",
+({"device", "torch", "triton", "steps", "compile_ahead", "rows": [{"net", "batch", "variant", "img_s", "first_steps_s", "compile_ahead_s", "first_step", "loss_50", "loss_last",
 "losses", "grad_rel_err_median", "grad_rel_err_max", "conv_grad_err", "backward_fallbacks"}]}; first_steps_s: the wall
 seconds of each warm-up step, in which the variant compiles (in a fresh process: the first steps a user waits for,
 with the Triton and Inductor caches cold or warm from an earlier run); compile_ahead_s: with --compile-ahead, the
 seconds the operator's variants spent in conv_tutorial.compile_kernels_ahead before their first step (else
-null); first_step: with --first-step-breakdown, where the first step's seconds went (FirstStepBreakdown: Triton
+null; with --compile-ahead background, the pass alone: its compiles go on while the first step is traced, and
+the first step's first launches wait for them); first_step: with --first-step-breakdown, where the first step's seconds went (FirstStepBreakdown: Triton
 kernels compiled or loaded from its cache, torch.compile's own seconds and cache counters; else null); loss_50:
 the loss of the
 50th step, null in a run of fewer steps (loss_last: its last step's); backward_fallbacks: with lesson 06's
@@ -154,18 +155,19 @@ class FirstStepBreakdown:
                 "torch_compile_s": self._dynamo_seconds() - self.dynamo_s, "torch_compile_caches": moved}
 
 
-def train(variant, fp32_model, data, warmup, device, profile=0, compile_ahead=False, breakdown=False):
+def train(variant, fp32_model, data, warmup, device, profile=0, compile_ahead=None, breakdown=False):
     """One variant trained from the same weights: {"losses": every step's, "seconds": each step's (the first
     `warmup` compile), "by_kind": with `profile` steps the GPU ms per step by kind of kernel (else None),
-    "compile_ahead_s": the seconds of conv_tutorial.compile_kernels_ahead (with `compile_ahead`, the operator's
-    variants, before the first step; else None), "first_step": with `breakdown`, FirstStepBreakdown's summary
+    "compile_ahead_s": the seconds of conv_tutorial.compile_kernels_ahead (with `compile_ahead`, "wait" or
+    "background", the operator's variants, before the first step; else None), "first_step": with `breakdown`, FirstStepBreakdown's summary
     of the first step (else None)}."""
     model, step_model = prepared(variant, copy.deepcopy(fp32_model).to(device).to(memory_format=torch.channels_last))
     model.train()
     ahead_s = first_step = None
     if compile_ahead and variant.startswith("ours"):
         import conv_tutorial
-        ahead_s = conv_tutorial.compile_kernels_ahead(model, data[0][0], autocast_dtype=torch.bfloat16)
+        ahead_s = conv_tutorial.compile_kernels_ahead(model, data[0][0], autocast_dtype=torch.bfloat16,
+                                                      wait=compile_ahead != "background")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     losses, seconds = [], []
     autocast = dict(device_type=device, dtype=torch.bfloat16)
@@ -363,8 +365,9 @@ def run(argv=None):
     parser.add_argument("--variants", nargs="+", default=["eager", "compile", "ours", "ours-lesson06"],
                         choices=VARIANTS)
     parser.add_argument("--max-autotune", action="store_true", help="also torch.compile(mode='max-autotune')")
-    parser.add_argument("--compile-ahead", action="store_true",
-                        help="the operator's variants: conv_tutorial.compile_kernels_ahead before the first step")
+    parser.add_argument("--compile-ahead", nargs="?", const="wait", choices=["wait", "background"], default=None,
+                        help="the operator's variants: conv_tutorial.compile_kernels_ahead before the first step "
+                             "(background: wait=False, the compiles going on during the first step)")
     parser.add_argument("--first-step-breakdown", action="store_true",
                         help="where each variant's first step goes (first_step in the rows)")
     parser.add_argument("--no-gradient-check", action="store_true",
@@ -436,7 +439,8 @@ def run(argv=None):
                 print(f"  {net} {variant}: the loss is not finite", flush=True)
     outdir = common.output_dir(args.outdir)
     info = common.versions()
-    common.save_json(outdir, "training", {**info, "steps": args.steps, "rows": rows})
+    common.save_json(outdir, "training", {**info, "steps": args.steps, "compile_ahead": args.compile_ahead,
+                                          "rows": rows})
     plot(rows, outdir, info)
     return rows
 

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node N benchmarks/training_ddp.py [--nets resnet50] [--batch-per-gpu 128]
         [--steps 50] [--warmup 5] [--variants compile ours-lesson06-bnstats ...] [--compile-ahead] [--outdir DIR]
+        [--bucket-cap-mb MB] [--gradient-as-bucket-view] [--no-graph-split]   # DDP's own settings, for every variant
     python benchmarks/training_ddp.py --smoke [--outdir DIR]    # two CPU processes over gloo: checks the script
 
 Every process runs the same variants as benchmarks/training.py (its `prepared`: eager, torch.compile in
@@ -22,7 +23,11 @@ It gives the scaling's baseline and the losses to compare:
   `loss_tolerance`: the two runs differ in the order of the gradients' fp32 sums, and through training
   that difference reaches the bf16 rounding of the convs' outputs; the tolerance is two bf16 roundings
   (2 x 2^-8) of the first step's loss.
-JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "rows": [{"net", "batch_per_gpu", "gpus",
+DDP's settings (the same for every variant; DDP's defaults unless given): --bucket-cap-mb, the size of
+its gradient buckets (25 MB); --gradient-as-bucket-view, gradients as views into the buckets (no copy
+into them); --no-graph-split, torch._dynamo.config.optimize_ddp off: torch.compile keeps the whole
+model one graph instead of breaking it at each bucket, so every all-reduce waits for the backward's end.
+JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "steps", "ddp", "rows": [{"net", "batch_per_gpu", "gpus",
 "variant", "img_s", "img_s_per_gpu", "scaling", "loss_50", "loss_last", "losses", "loss_gap",
 "loss_tolerance"}]}; a row per variant for N GPUs and one for the one-GPU run (gpus 1, scaling 1.0), or
 {"net", "variant", "gpus", "error"} for a variant that failed.
@@ -57,11 +62,13 @@ def chunk(step, index, batch, size, classes, device):
     return x.contiguous(memory_format=torch.channels_last), y
 
 
-def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, autocast, compile_ahead=False):
+def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, autocast, compile_ahead=False,
+                ddp_options=None):
     """(losses per step, seconds per timed step) of one variant: with `ddp` this rank's chunk of each step under
     DistributedDataParallel, else every chunk of each step accumulated before the optimizer's step.
     `compile_ahead`: the operator's variants compile their kernels side by side first
-    (conv_tutorial.compile_kernels_ahead, on the module DDP wraps: its pass reaches no DDP hook)."""
+    (conv_tutorial.compile_kernels_ahead, on the module DDP wraps: its pass reaches no DDP hook).
+    `ddp_options`: DistributedDataParallel's keyword arguments beyond its devices (`ddp_settings`)."""
     import copy
     import conv_tutorial
     torch._dynamo.reset()
@@ -70,7 +77,7 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
     wrap = None
     if ddp:
         wrap = lambda module: torch.nn.parallel.DistributedDataParallel(  # noqa: E731
-            module, device_ids=[torch.cuda.current_device()] if device == "cuda" else None)
+            module, device_ids=[torch.cuda.current_device()] if device == "cuda" else None, **(ddp_options or {}))
     model, step_model = training.prepared(variant, model, wrap)
     model.train()
     if compile_ahead and variant.startswith("ours"):
@@ -119,7 +126,7 @@ def measure(args, device, size, classes, nets):
                             warnings.simplefilter("ignore")
                             results[gpus] = run_variant(variant, net, fp32_model, chunks, args.steps, args.warmup,
                                                         device, gpus == world and world > 1, device == "cuda",
-                                                        args.compile_ahead)
+                                                        args.compile_ahead, ddp_options(args))
                 except Exception as error:            # noqa: BLE001  (recorded: the other variants still run)
                     results[gpus] = f"{type(error).__name__}: {error}"[:400]
                 dist.barrier()
@@ -152,8 +159,21 @@ def measure(args, device, size, classes, nets):
     return rows
 
 
+def ddp_options(args):
+    """DistributedDataParallel's keyword arguments from the command line (none: DDP's defaults)."""
+    options = {}
+    if args.bucket_cap_mb is not None:
+        options["bucket_cap_mb"] = args.bucket_cap_mb
+    if args.gradient_as_bucket_view:
+        options["gradient_as_bucket_view"] = True
+    return options
+
+
 def worker(args):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")        # NVLink multicast off, as the GPU machines require
+    if args.no_graph_split:
+        import torch._dynamo
+        torch._dynamo.config.optimize_ddp = False
     smoke = args.smoke
     if smoke:
         dist.init_process_group("gloo")
@@ -173,7 +193,8 @@ def worker(args):
         info = common.versions()
         common.save_json(common.output_dir(args.outdir), "training_ddp",
                          {"device": info["device"], "gpus": dist.get_world_size(), "torch": info["torch"],
-                          "triton": info["triton"], "steps": args.steps, "rows": rows})
+                          "triton": info["triton"], "steps": args.steps,
+                          "ddp": {**ddp_options(args), "graph_split": not args.no_graph_split}, "rows": rows})
     dist.destroy_process_group()
     return rows
 
@@ -200,7 +221,15 @@ def parse(argv=None):
                         help="a tiny network on two CPU processes over gloo (started here unless under torchrun)")
     parser.add_argument("--port", type=int, default=29517, help="--smoke without torchrun: the rendezvous port")
     parser.add_argument("--outdir", default=None)
+    parser.add_argument("--bucket-cap-mb", type=float, default=None,
+                        help="DDP's bucket size in MB (default: DDP's own, 25)")
+    parser.add_argument("--gradient-as-bucket-view", action="store_true",
+                        help="DDP's gradients as views into its buckets")
+    parser.add_argument("--no-graph-split", action="store_true",
+                        help="torch._dynamo.config.optimize_ddp off: one graph, not one per bucket")
     args = parser.parse_args(argv)
+    if args.bucket_cap_mb is not None and not args.bucket_cap_mb > 0:
+        raise ValueError(f"--bucket-cap-mb must be positive, got {args.bucket_cap_mb}")
     if args.steps <= args.warmup:
         raise ValueError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): no step would be timed")
     return args

@@ -37,13 +37,16 @@ from .launch import compiling_ahead
 
 
 def compile_kernels_ahead(model: torch.nn.Module, *example_inputs, backward: bool = True,
-                          autocast_dtype=None, workers=None) -> float:
+                          autocast_dtype=None, workers=None, wait: bool = True) -> float:
     """Compile the kernels one step of `model` on `example_inputs` needs (its forward, and with
     `backward` its gradients: dgrad and wgrad), side by side in a pool of `workers` threads (default:
     launch.compiling_ahead's), and return the seconds it took. `autocast_dtype`: the dtype the step runs under torch.autocast (None:
     no autocast). The model's parameters, their gradients and its buffers are left as they were. On
     a CPU, or with autotuning on (the tuner compiles its candidates as it times them), nothing is
-    compiled ahead and 0.0 is returned."""
+    compiled ahead and 0.0 is returned. `wait=False`: return once every compile is submitted (the
+    seconds of the pass alone); the compiles go on in the pool while the caller goes on (torch.compile
+    tracing the step, say), and each kernel's first launch waits for its own compile and raises its
+    failure (launch.compiling_ahead)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -64,6 +67,8 @@ def compile_kernels_ahead(model: torch.nn.Module, *example_inputs, backward: boo
         raise ValueError(f"autocast_dtype must be None, torch.float16 or torch.bfloat16, got {autocast_dtype!r}")
     if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
         raise ValueError(f"workers must be None or a positive int, got {workers!r}")
+    if not isinstance(wait, bool):
+        raise TypeError(f"wait must be a bool, got {wait!r}")
     lazy = [name for name, t in (*model.named_parameters(), *model.named_buffers())
             if isinstance(t, torch.nn.parameter.UninitializedTensorMixin)]
     if lazy:
@@ -82,12 +87,12 @@ def compile_kernels_ahead(model: torch.nn.Module, *example_inputs, backward: boo
                       "times them; nothing was compiled ahead")
         return 0.0
     start = time.perf_counter()
-    _step_once(model, example_inputs, backward, autocast_dtype, workers)
+    _step_once(model, example_inputs, backward, autocast_dtype, workers, wait)
     torch.cuda.synchronize(device)
     return time.perf_counter() - start
 
 
-def _step_once(model, example_inputs, backward, autocast_dtype, workers):
+def _step_once(model, example_inputs, backward, autocast_dtype, workers, wait=True):
     """One step's forward and, with `backward`, its gradients, inside launch.compiling_ahead, keeping
     nothing: no `.grad` written; every buffer (the same tensor, its values and shape), the random
     number generators and the backward's fallback count put back as they were."""
@@ -98,7 +103,7 @@ def _step_once(model, example_inputs, backward, autocast_dtype, workers):
     inputs = [p for p in model.parameters() if p.requires_grad] + [x for x in example_inputs if x.requires_grad]
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
-                torch.autograd.set_detect_anomaly(False), compiling_ahead(workers), \
+                torch.autograd.set_detect_anomaly(False), compiling_ahead(workers, wait), \
                 torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
             with torch.set_grad_enabled(backward):
                 outputs = _tensors(model(*example_inputs))

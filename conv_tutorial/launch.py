@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
+from triton.runtime import _async_compile
 from triton.runtime._async_compile import FutureKernel
 
 from .configs import KernelConfig, check_config
@@ -649,7 +650,7 @@ _COMPILE_ONLY = contextvars.ContextVar("conv_tutorial_compile_only", default=Fal
 
 
 @contextlib.contextmanager
-def compiling_ahead(workers=None):
+def compiling_ahead(workers=None, wait=True):
     """While active, the first call of each (plan, epilogue variant) does not run: it submits the
     kernel's compile (and split-K's second kernel's) to a pool of `workers` threads (default: the
     CPUs this process may use, shared among the processes torchrun started on this node, at most
@@ -660,17 +661,33 @@ def compiling_ahead(workers=None):
     wgrad's kernels (wgrad.py) are compiled in the pool too and not run; other kernels (the folded
     stem's copy, dgrad's zero fill) compile and run as usual. A whole training step:
     compile_ahead.compile_kernels_ahead. Autotuning must be off inside (the tuner times real
-    launches). Triton reports a failed compile when the block exits."""
+    launches). Triton reports a failed compile when the block exits.
+
+    `wait=False`: the block exits once every compile is submitted, and the pool goes on compiling.
+    Triton's cache holds each kernel's compile in progress (its FutureKernel): the kernel's first
+    launch waits for that compile alone, and raises its failure, where a compile that failed is
+    not reported at the block's exit."""
     workers = workers or _compile_pool_size()
-    with ThreadPoolExecutor(max_workers=workers) as pool, triton.AsyncCompileMode(pool) as mode:
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="conv_tutorial_compile")
+    if wait:
+        with pool, triton.AsyncCompileMode(pool) as mode:
+            token = _COMPILE_ONLY.set(True)
+            try:
+                yield
+            except BaseException:
+                mode.ignore_errors = True    # (the block's own error, not a compile's failing after it, is the one to see)
+                raise
+            finally:
+                _COMPILE_ONLY.reset(token)
+    else:
+        triton.AsyncCompileMode(pool).__enter__()
         token = _COMPILE_ONLY.set(True)
         try:
             yield
-        except BaseException:
-            mode.ignore_errors = True    # (the block's own error, not a compile's failing after it, is the one to see)
-            raise
         finally:
             _COMPILE_ONLY.reset(token)
+            _async_compile.active_mode.set(None)    # (not the mode's __exit__, which waits for every compile)
+            pool.shutdown(wait=False)                # (its threads finish the compiles submitted)
 
 
 def _compile_pool_size():

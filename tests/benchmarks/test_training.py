@@ -133,6 +133,14 @@ def test_compile_ahead_is_timed_for_the_operators_variants(tmp_path):
     assert [r["compile_ahead_s"] for r in rows] == [None, 0.0]
 
 
+def test_compile_ahead_in_the_background_is_said_in_the_json(tmp_path):
+    import json
+    rows = training.main(["--smoke", "--batch", "4", "--steps", "2", "--warmup", "1", "--variants", "ours",
+                          "--no-gradient-check", "--compile-ahead", "background", "--outdir", str(tmp_path)])
+    assert [r["compile_ahead_s"] for r in rows] == [0.0]
+    assert json.loads((tmp_path / "training.json").read_text())["compile_ahead"] == "background"
+
+
 def test_first_step_breakdown_is_recorded_and_leaves_tritons_hooks(tmp_path):
     import triton
     hooks = (triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook)

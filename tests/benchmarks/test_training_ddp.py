@@ -28,3 +28,26 @@ def test_smoke_run_trains_each_variant_on_two_processes_and_one(tmp_path):
         # the same arithmetic in another order (fp32 sums): far inside the bf16 tolerance
         assert row["loss_gap"] < 1e-5 < row["loss_tolerance"]
     assert [row["scaling"] for row in data["rows"] if row["gpus"] == 1] == [1.0, 1.0]
+
+
+def test_ddps_settings_reach_it_and_the_json(tmp_path):
+    """--bucket-cap-mb, --gradient-as-bucket-view and --no-graph-split: the two processes train with them and
+    the JSON says them (which keyword arguments DDP gets: the next test)."""
+    training_ddp.main(["--smoke", "--batch-per-gpu", "4", "--steps", "2", "--warmup", "1", "--variants", "eager",
+                       "--bucket-cap-mb", "1.5", "--gradient-as-bucket-view", "--no-graph-split",
+                       "--port", str(free_port()), "--outdir", str(tmp_path)])
+    data = json.loads((tmp_path / "training_ddp.json").read_text())
+    assert data["ddp"] == {"bucket_cap_mb": 1.5, "gradient_as_bucket_view": True, "graph_split": False}
+    assert all(row["img_s"] > 0 for row in data["rows"])
+
+
+def test_ddp_options_from_the_command_line():
+    args = training_ddp.parse(["--bucket-cap-mb", "50", "--gradient-as-bucket-view"])
+    assert training_ddp.ddp_options(args) == {"bucket_cap_mb": 50.0, "gradient_as_bucket_view": True}
+    assert training_ddp.ddp_options(training_ddp.parse([])) == {}
+
+
+def test_a_bucket_size_must_be_positive():
+    import pytest
+    with pytest.raises(ValueError, match="--bucket-cap-mb must be positive"):
+        training_ddp.parse(["--bucket-cap-mb", "0"])

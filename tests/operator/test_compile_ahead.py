@@ -38,6 +38,7 @@ def small_net(device="cpu"):
     (None, (torch.zeros(1, 3, 8, 8),), {"autocast_dtype": torch.float32}, ValueError, "autocast_dtype must be"),
     (None, (torch.zeros(1, 3, 8, 8),), {"workers": 0}, ValueError, "workers must be"),
     (None, (torch.zeros(1, 3, 8, 8),), {"workers": True}, ValueError, "workers must be"),
+    (None, (torch.zeros(1, 3, 8, 8),), {"wait": "no"}, TypeError, "wait must be a bool"),
 ])
 def test_refuses_bad_arguments(model, inputs, kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -185,12 +186,14 @@ def _compiled_kernels():
 
 
 @needs_gpu
-def test_the_step_after_it_compiles_nothing_and_trains_as_torch():
+@pytest.mark.parametrize("wait", [True, False], ids=["waiting", "not waiting"])
+def test_the_step_after_it_compiles_nothing_and_trains_as_torch(wait):
     """A converted net with BatchNorm's sums fused and lesson 06's gradients, under bf16 autocast: after the
     pass, one real step adds no forward or wgrad kernel to Triton's caches (each was compiled ahead), and its
     gradients match the same net on cuDNN (bf16's rounding through three convs and two BatchNorms: 5e-2 of each
     gradient's largest value; garbage, a missed launch, would be off by its whole size). Its 1x1 stride-2
-    conv's dgrad zero-fills the pixels no tap reaches: a kernel the pass launches (through its compile's future)."""
+    conv's dgrad zero-fills the pixels no tap reaches: a kernel the pass launches (through its compile's future).
+    Not waiting (wait=False), the step's first launches wait for the compiles still running."""
     before = conv_tutorial.backward_backend()
     conv_tutorial.set_backward("lesson06")
     try:
@@ -198,8 +201,9 @@ def test_the_step_after_it_compiles_nothing_and_trains_as_torch():
         twin = copy.deepcopy(reference)
         names = {p.data_ptr(): name for name, p in twin.named_parameters()}      # (the passes keep the storage)
         model = conv_tutorial.convert_conv2d(conv_tutorial.fuse_conv_batchnorm_for_training(twin, inplace=True))
-        x = torch.randn(16, 3, 40, 36, device="cuda").contiguous(memory_format=torch.channels_last)
-        seconds = conv_tutorial.compile_kernels_ahead(model, x, autocast_dtype=torch.bfloat16, workers=4)
+        # (a height of its own per case: shapes no plan has seen, so the pass submits every compile)
+        x = torch.randn(16, 3, 40 if wait else 44, 36, device="cuda").contiguous(memory_format=torch.channels_last)
+        seconds = conv_tutorial.compile_kernels_ahead(model, x, autocast_dtype=torch.bfloat16, workers=4, wait=wait)
         assert seconds > 0
         compiled = _compiled_kernels()
         for net in (model, reference):

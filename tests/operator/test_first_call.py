@@ -82,3 +82,32 @@ def test_an_error_inside_compiling_ahead_is_the_one_raised():
     with pytest.raises(ValueError, match="the block's error"), plans.compiling_ahead(workers=1):
         _submit_failing_compile()
         raise ValueError("the block's error")
+
+
+def test_without_waiting_the_block_exits_before_its_compiles_and_a_launch_waits_for_its_own():
+    """compiling_ahead(wait=False): the block ends while a compile is still running; Triton's cache entry (the
+    FutureKernel) gives the compiled kernel once the compile ends, and the compile-only mode is off after it."""
+    import threading
+    from triton.runtime._async_compile import active_mode
+    release, finalized = threading.Event(), []
+
+    def compile_waits():
+        release.wait(timeout=30)
+        return "the compiled kernel"
+    with plans.compiling_ahead(workers=1, wait=False):
+        future_kernel = active_mode.get().submit("a key", compile_waits, finalized.append, lambda future: None)
+    assert active_mode.get() is None and not plans.compiling_ahead_active()
+    assert not future_kernel.future.done() and not finalized
+    release.set()
+    assert future_kernel.result() == "the compiled kernel" and finalized == ["the compiled kernel"]
+
+
+def test_without_waiting_a_failed_compile_is_raised_where_its_kernel_is_first_used():
+    from triton.runtime._async_compile import active_mode
+
+    def compile_fails():
+        raise RuntimeError("the compile failed")
+    with plans.compiling_ahead(workers=1, wait=False):      # (no error at the block's exit)
+        future_kernel = active_mode.get().submit("a key", compile_fails, lambda kernel: None, lambda future: None)
+    with pytest.raises(RuntimeError, match="the compile failed"):
+        future_kernel.result()
