@@ -45,6 +45,9 @@ the loss of the
 50th step, null in a run of fewer steps (loss_last: its last step's); backward_fallbacks: with lesson 06's
 gradients chosen, the conv gradients torch computed instead, by reason, over all of the variant's
 steps) and training_loss.png (the loss per step of every variant) to --outdir.
+--rounds R (--round-steps K) adds, per row, "img_s_interleaved" and "img_s_rounds": after every variant's run,
+the variants take turns, R rounds of K steps each (`interleaved`), so that each round times them all on the
+same host: the batch over the median step of all rounds, and of each round.
 --profile STEPS adds, per row, "gpu_ms_by_kind": the GPU time of one step's kernels by what they do
 (our forward conv, dgrad, wgrad; cuDNN/cuBLAS; Inductor's kernels; the optimizer; copies and fills),
 the mean over STEPS steps profiled by torch.profiler after the timed ones (kernel durations only:
@@ -155,12 +158,13 @@ class FirstStepBreakdown:
                 "torch_compile_s": self._dynamo_seconds() - self.dynamo_s, "torch_compile_caches": moved}
 
 
-def train(variant, fp32_model, data, warmup, device, profile=0, compile_ahead=None, breakdown=False):
+def train(variant, fp32_model, data, warmup, device, profile=0, compile_ahead=None, breakdown=False, keep=False):
     """One variant trained from the same weights: {"losses": every step's, "seconds": each step's (the first
     `warmup` compile), "by_kind": with `profile` steps the GPU ms per step by kind of kernel (else None),
     "compile_ahead_s": the seconds of conv_tutorial.compile_kernels_ahead (with `compile_ahead`, "wait" or
-    "background", the operator's variants, before the first step; else None), "first_step": with `breakdown`, FirstStepBreakdown's summary
-    of the first step (else None)}."""
+    "background", the operator's variants, before the first step; else None), "first_step": with `breakdown`,
+    FirstStepBreakdown's summary of the first step (else None)}; with `keep`, also "step": the step function
+    (x, y) -> loss, which goes on training the same model (`interleaved`)."""
     model, step_model = prepared(variant, copy.deepcopy(fp32_model).to(device).to(memory_format=torch.channels_last))
     model.train()
     ahead_s = first_step = None
@@ -195,7 +199,35 @@ def train(variant, fp32_model, data, warmup, device, profile=0, compile_ahead=No
         losses.append(loss.item())
     by_kind = profile_steps(lambda: step(*data[-1]), profile) if profile and device == "cuda" else None
     return {"losses": losses, "seconds": seconds, "by_kind": by_kind, "compile_ahead_s": ahead_s,
-            "first_step": first_step}
+            "first_step": first_step, **({"step": step} if keep else {})}
+
+
+def interleaved(steps, data, rounds, round_steps, device):
+    """Seconds of each variant's steps timed in turns: `rounds` rounds, in each every variant (`steps`:
+    {variant: its step function}) runs `round_steps` steps in a row, the order rotated from round to round.
+    Variants timed one after another in a run move apart when the host does (a default-mode step is
+    host-bound); in turns, each round sees the same host. Before the rounds each variant takes two
+    untimed steps: torch._dynamo.reset() between the variants' runs dropped their compiled code, which
+    compiles again (from the caches the runs filled). Returns {variant: [each round's step seconds]}."""
+    import conv_tutorial
+
+    def run(variant, x, y):
+        conv_tutorial.set_backward("lesson06" if variant.startswith("ours-lesson06") else "torch")
+        start = time.perf_counter()
+        steps[variant](x, y)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+    order = list(steps)
+    for variant in order:
+        for _ in range(2):
+            run(variant, *data[0])
+    seconds = {variant: [] for variant in order}
+    for r in range(rounds):
+        for variant in order[r % len(order):] + order[:r % len(order)]:
+            seconds[variant].append([run(variant, *data[(r * round_steps + i) % len(data)])
+                                     for i in range(round_steps)])
+    return seconds
 
 
 # kernel name fragment -> what the kernel does (the first match wins; lower-case)
@@ -374,9 +406,15 @@ def run(argv=None):
                         help="skip the first step's gradients against fp32 (each variant compiles once less)")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="also profile STEPS steps: each row's GPU time per step by kind of kernel")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="then time the variants in turns: ROUNDS rounds of --round-steps steps each "
+                             "(img_s_interleaved, img_s_rounds in the rows)")
+    parser.add_argument("--round-steps", type=int, default=10)
     parser.add_argument("--smoke", action="store_true", help="a tiny network on the CPU: checks the script")
     parser.add_argument("--outdir", default=None)
     args = parser.parse_args(argv)
+    if args.rounds < 0 or args.round_steps < 1:
+        raise ValueError(f"--rounds must be >= 0 and --round-steps >= 1, got {args.rounds} and {args.round_steps}")
     variants = list(args.variants) + (["compile-max-autotune"] if args.max_autotune else [])
     if args.smoke:
         nets, device, size, classes = ["smoke"], "cpu", 32, 10
@@ -389,6 +427,7 @@ def run(argv=None):
     import conv_tutorial
     rows = []
     for net in nets:
+        kept = {}
         fp32_model = initial_model(net)
         data = batches(args.steps, args.batch, size, classes, device)
         reference = None if args.no_gradient_check else first_step_gradients(None, fp32_model, *data[0], device)
@@ -398,7 +437,9 @@ def run(argv=None):
                 warnings.simplefilter("ignore")
                 torch._dynamo.reset()
                 trained = train(variant, fp32_model, data, args.warmup, device, args.profile, args.compile_ahead,
-                                args.first_step_breakdown)
+                                args.first_step_breakdown, keep=args.rounds > 0)
+                if args.rounds:
+                    kept[variant] = trained["step"]
                 losses, all_seconds, by_kind, ahead_s = (trained[k] for k in ("losses", "seconds", "by_kind",
                                                                               "compile_ahead_s"))
                 seconds = all_seconds[args.warmup:]
@@ -437,6 +478,21 @@ def run(argv=None):
                       flush=True)
             if not all(math.isfinite(v) for v in losses):
                 print(f"  {net} {variant}: the loss is not finite", flush=True)
+        if args.rounds:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                timed = interleaved(kept, data, args.rounds, args.round_steps, device)
+            kept.clear()
+            net_rows = {row["variant"]: row for row in rows if row["net"] == net}
+            first = variants[0]
+            for variant, per_round in timed.items():
+                row = net_rows[variant]
+                row["img_s_interleaved"] = args.batch / statistics.median([t for times in per_round for t in times])
+                row["img_s_rounds"] = [args.batch / statistics.median(times) for times in per_round]
+                ratios = [a / b for a, b in zip(row["img_s_rounds"], net_rows[first]["img_s_rounds"])]
+                print(f"  {net:<16} {variant:<22} {row['img_s_interleaved']:8.0f} img/s in {args.rounds} rounds of "
+                      f"{args.round_steps} steps in turns; against {first} round by round: median "
+                      f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)", flush=True)
     outdir = common.output_dir(args.outdir)
     info = common.versions()
     common.save_json(outdir, "training", {**info, "steps": args.steps, "compile_ahead": args.compile_ahead,

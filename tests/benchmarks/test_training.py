@@ -173,3 +173,36 @@ def test_first_step_breakdown_sorts_kernels_compiled_from_loaded(monkeypatch):
     summary = watch.summary()
     assert summary["triton_kernels_compiled"] == 1 and summary["triton_compile_s"] >= 0.05
     assert summary["triton_kernels_from_cache"] == 1 and summary["triton_from_cache_s"] < 0.02
+
+
+def test_rounds_time_the_variants_in_turns(tmp_path):
+    rows = training.main(["--smoke", "--batch", "4", "--steps", "2", "--warmup", "1", "--variants", "eager", "ours",
+                          "--no-gradient-check", "--rounds", "3", "--round-steps", "2", "--outdir", str(tmp_path)])
+    for row in rows:
+        assert len(row["img_s_rounds"]) == 3 and all(v > 0 for v in row["img_s_rounds"])
+        assert min(row["img_s_rounds"]) <= row["img_s_interleaved"] <= max(row["img_s_rounds"])
+
+
+def test_interleaved_rotates_the_order_and_sets_each_variants_backward():
+    import conv_tutorial
+    seen = []
+
+    def step_of(variant):
+        return lambda x, y: seen.append((variant, conv_tutorial.backward_backend()))
+    before = conv_tutorial.backward_backend()
+    try:
+        seconds = training.interleaved({"compile": step_of("compile"), "ours-lesson06": step_of("ours-lesson06")},
+                                       [(0, 0)], 2, 1, "cpu")
+    finally:
+        conv_tutorial.set_backward(before)
+    assert {v: len(s) for v, s in seconds.items()} == {"compile": 2, "ours-lesson06": 2}
+    # two untimed steps each, then round 0 in the given order and round 1 rotated
+    assert [v for v, _ in seen] == ["compile"] * 2 + ["ours-lesson06"] * 2 + ["compile", "ours-lesson06",
+                                                                             "ours-lesson06", "compile"]
+    assert all(backend == ("lesson06" if v == "ours-lesson06" else "torch") for v, backend in seen)
+
+
+def test_rounds_must_be_counted_sensibly(tmp_path):
+    import pytest
+    with pytest.raises(ValueError, match="--round-steps"):
+        training.main(["--smoke", "--rounds", "2", "--round-steps", "0", "--outdir", str(tmp_path)])
