@@ -46,8 +46,11 @@ the loss of the
 gradients chosen, the conv gradients torch computed instead, by reason, over all of the variant's
 steps) and training_loss.png (the loss per step of every variant) to --outdir.
 --rounds R (--round-steps K) adds, per row, "img_s_interleaved" and "img_s_rounds": after every variant's run,
-the variants take turns, R rounds of K steps each (`interleaved`), so that each round times them all on the
-same host: the batch over the median step of all rounds, and of each round.
+the variants take turns, R rounds of K steps each (`interleaved`; R even balances the order), so that each
+round times them all on the same host: the batch over the median step of all rounds, and of each round. Every
+variant's model, gradients and optimizer state stay alive until the rounds. With --compile-ahead background,
+the first step's wait for the compiles still running is not broken out in "first_step" (Triton's hooks see
+no compile start there).
 --profile STEPS adds, per row, "gpu_ms_by_kind": the GPU time of one step's kernels by what they do
 (our forward conv, dgrad, wgrad; cuDNN/cuBLAS; Inductor's kernels; the optimizer; copies and fills),
 the mean over STEPS steps profiled by torch.profiler after the timed ones (kernel durations only:
@@ -204,29 +207,41 @@ def train(variant, fp32_model, data, warmup, device, profile=0, compile_ahead=No
 
 def interleaved(steps, data, rounds, round_steps, device):
     """Seconds of each variant's steps timed in turns: `rounds` rounds, in each every variant (`steps`:
-    {variant: its step function}) runs `round_steps` steps in a row, the order rotated from round to round.
-    Variants timed one after another in a run move apart when the host does (a default-mode step is
-    host-bound); in turns, each round sees the same host. Before the rounds each variant takes two
-    untimed steps: torch._dynamo.reset() between the variants' runs dropped their compiled code, which
-    compiles again (from the caches the runs filled). Returns {variant: [each round's step seconds]}."""
+    {variant: its step function}) runs one untimed step, then `round_steps` timed steps in a row; the order
+    is given, then reversed, round after round (A B, B A, A B, ...: each variant as often first as last,
+    over an even number of rounds). Variants timed one after another in a run move apart when the host
+    does (a default-mode step is host-bound); in turns, each round sees the same host. Before the rounds
+    each variant takes two untimed steps: torch._dynamo.reset() between the variants' runs dropped their
+    compiled code, which compiles again (from the caches the runs filled); torch.compile may keep a
+    compiled version per variant (its recompile limit raised to their number), and raises rather than run
+    one eagerly. Returns {variant: [each round's step seconds]}."""
     import conv_tutorial
 
     def run(variant, x, y):
-        conv_tutorial.set_backward("lesson06" if variant.startswith("ours-lesson06") else "torch")
         start = time.perf_counter()
         steps[variant](x, y)
         if device == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - start
+
+    def backend_of(variant):
+        conv_tutorial.set_backward("lesson06" if variant.startswith("ours-lesson06") else "torch")
+    config = torch._dynamo.config
+    limits = {name: value for name, value in (("recompile_limit", max(8, len(steps) + 2)),
+                                              ("fail_on_recompile_limit_hit", True)) if hasattr(config, name)}
     order = list(steps)
-    for variant in order:
-        for _ in range(2):
-            run(variant, *data[0])
     seconds = {variant: [] for variant in order}
-    for r in range(rounds):
-        for variant in order[r % len(order):] + order[:r % len(order)]:
-            seconds[variant].append([run(variant, *data[(r * round_steps + i) % len(data)])
-                                     for i in range(round_steps)])
+    with config.patch(**limits):
+        for variant in order:
+            backend_of(variant)
+            for _ in range(2):
+                run(variant, *data[0])
+        for r in range(rounds):
+            for variant in (order if r % 2 == 0 else order[::-1]):
+                backend_of(variant)
+                run(variant, *data[(r * round_steps) % len(data)])          # (untimed: the switch's own cost)
+                seconds[variant].append([run(variant, *data[(r * round_steps + i) % len(data)])
+                                         for i in range(round_steps)])
     return seconds
 
 

@@ -26,7 +26,7 @@ import torch
 from . import hostpath, runtime, selection, wgrad
 from .configs import grouped_conv_fits
 from .geometry import current_arch, device_facts, nhwc_view
-from .launch import DirectLaunch, plan_for, record_breaks, record_step
+from .launch import DirectLaunch, compiling_ahead_active, plan_for, record_breaks, record_step
 from . import core
 from .kernels import dgrad as dgrad_kernels, fprop, gradients
 
@@ -213,6 +213,9 @@ _ZEROS = {}     # (grid, scalars, constexprs) -> DirectLaunch of kernels.dgrad.u
 def _launch_zeros(kernel, grid, args, kwargs):
     """untapped_zeros' launch: through Triton's launcher the first time (it compiles), directly after it."""
     dx, *scalars = args
+    if compiling_ahead_active():       # launch.compiling_ahead: compile in its pool, launch nothing (dX is garbage)
+        kernel.warmup(*args, grid=grid, **kwargs)
+        return
     key = (grid, tuple(scalars), tuple(sorted(kwargs.items())), dx.dtype, dx.device)
     direct = _ZEROS.get(key)
     if direct is None or dx.data_ptr() % 16 or not direct.takes_addresses():

@@ -103,6 +103,12 @@ class DirectLaunch:
             encoded = self.tensor_maps[key] = self.encode(_with_base(template, base), meta, None)
         return encoded
 
+    def encoded_at(self, position, address):
+        """The tensor map of descriptor argument `position` at `address`, encoded from the template and
+        not kept (packed.map_encoder checks its own encoding against it)."""
+        meta, template = self.descriptor_at[position]
+        return self.encode(_with_base(template, _Address(address)), meta, None)[0]
+
     def tensor_map_at(self, position, address):
         """The tensor map of descriptor argument `position` pointing at `address` (16-byte aligned: the
         caller checked), as _tensor_map keeps it (packed.py's launches ask for a new address's)."""
@@ -176,7 +182,7 @@ class ForwardReplay:
         else:
             self.direct(self.grid, *args)
         if self.reduce is not None:             # split-K's second kernel sums the slices
-            self.reduce(self.reduce_grid, partial.data_ptr(), out, pointers, *self.reduce_scalars)
+            self.reduce(self.reduce_grid, *self._reduce_args(partial.data_ptr(), out, pointers))
         return out_2d
 
     def _conv_args(self, x, w, out, pointers, written, window_args, stats):
@@ -185,6 +191,10 @@ class ForwardReplay:
         # output, or split-K's workspace)
         return (x, w, w if self.w_tail else None, out, out if self.out_tail else None, (*pointers, written),
                 self.shape, window_args, stats)
+
+    def _reduce_args(self, partial, out, pointers):
+        # split-K's second kernel's run-time arguments: the slices, the output, the epilogue's pointers
+        return (partial, out, pointers, *self.reduce_scalars)
 
     def program_ops(self, x, w, pointers, out, window_args, stats, new_base, make_launch, device):
         """This launch (and split-K's second) as a replay's program ops (Replay._build), each launch made by
@@ -209,7 +219,7 @@ class ForwardReplay:
         ops.append(("launch", make_launch(self.direct, self.grid, args, device)))
         if self.reduce is not None:
             ops.append(("launch", make_launch(self.reduce, self.reduce_grid,
-                                              (partial_slot, out_slot, pointers, *self.reduce_scalars), device)))
+                                              self._reduce_args(partial_slot, out_slot, pointers), device)))
         # (the workspace and a window's stand-in freed once launched, as __call__ frees them: stream-ordered)
         ops += [("free", index) for index in freed]
         return ops
@@ -398,7 +408,15 @@ class Replay:
             return None
         record_breaks()         # (a call being recorded that replays another would not see its launches)
         if self.program is None:
-            self.program = self._program()
+            self.program = False        # (a build that fails leaves the full path to serve, not a retry per call)
+            try:
+                self.program = self._program()
+            except Exception as error:  # noqa: BLE001
+                import warnings
+                warnings.warn(f"conv_tutorial: a replay could not be built ({type(error).__name__}: {error}); its "
+                              f"calls take the full path", RuntimeWarning)
+        if not self.program:
+            return None
         return self._run(device, tensors, bases)
 
     def _as_recorded(self, name, t):
@@ -474,9 +492,9 @@ class Replay:
                 program.append(("fold", fold, x_name, w_name, base_of("x_fold"), base_of("w_fold")))
         return (len(bases), tuple(program))
 
-    def _run(self, device, tensors, sources):
+    def _run(self, device, tensors, source_addresses):
         size, program = self.program
-        bases = sources + [0] * (size - len(sources))
+        bases = source_addresses + [0] * (size - len(source_addresses))
         stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()) if self.packed else None
         results, held = [None] * len(self.results), {}      # held: what the program allocated or derived, by base
         for op in program:
@@ -512,23 +530,37 @@ class Replay:
 
 class PythonLaunch:
     """A program's launch (Replay._build) through DirectLaunch.launch_lean, the Python launch path, called
-    as packed.py's PackedLaunch is: `launch(stream, bases)`, each packed.Slot in `args` (in a tuple too)
-    at bases[slot.base] + slot.displacement. (launch_lean launches on the current stream: `stream` is it.)"""
+    as packed.py's PackedLaunch is: `launch(stream, bases)`, each packed.Slot in `args` (at the top level
+    or in a tuple there) at bases[slot.base] + slot.displacement. (launch_lean launches on the current
+    stream; `stream` is not read.)"""
 
     def __init__(self, direct, grid, args, device=None):
-        self.direct, self.grid, self.args = direct, grid, args
+        self.direct, self.grid, self.args = direct, grid, list(args)
+        # where the Slots are: (position, None) for an argument, (position, index) for a tuple's entry
+        self.slots = []
+        for i, a in enumerate(args):
+            if isinstance(a, Slot):
+                self.slots.append((i, None, a))
+            elif isinstance(a, tuple):
+                for j, v in enumerate(a):
+                    if isinstance(v, Slot):
+                        self.slots.append((i, j, v))
+                    elif isinstance(v, tuple) and any(isinstance(e, Slot) for e in v):
+                        raise TypeError(f"argument {i}: a Slot two tuples deep (PythonLaunch resolves an argument "
+                                        f"and its tuple's entries)")
 
     def launch(self, stream, bases):
-        self.direct.launch_lean(self.grid, _at(self.args, bases))
-
-
-def _at(value, bases):
-    # `value` with each packed.Slot in it replaced by its address on `bases`
-    if isinstance(value, Slot):
-        return bases[value.base] + value.displacement
-    if isinstance(value, tuple):
-        return tuple(_at(v, bases) for v in value)
-    return value
+        args = list(self.args)
+        nested = {}
+        for i, j, slot in self.slots:
+            address = bases[slot.base] + slot.displacement
+            if j is None:
+                args[i] = address
+            else:
+                nested.setdefault(i, list(args[i]))[j] = address
+        for i, entries in nested.items():
+            args[i] = tuple(entries)
+        self.direct.launch_lean(self.grid, args)
 
 
 class ConvPlan:
@@ -658,15 +690,18 @@ def compiling_ahead(workers=None, wait=True):
     Triton's in-memory cache holds them: the calls after it launch without compiling. A model run
     once inside it has its distinct kernels compiled side by side instead of one after another
     (its outputs are garbage: run it for the compiles alone). Depthwise convs (depthwise.py) and
-    wgrad's kernels (wgrad.py) are compiled in the pool too and not run; other kernels (the folded
-    stem's copy, dgrad's zero fill) compile and run as usual. A whole training step:
+    wgrad's kernels (wgrad.py), the folded stem's copy (runtime.FoldedConv) and dgrad's zero fill
+    (backward.py) are compiled in the pool too and not run. A whole training step:
     compile_ahead.compile_kernels_ahead. Autotuning must be off inside (the tuner times real
     launches). Triton reports a failed compile when the block exits.
 
     `wait=False`: the block exits once every compile is submitted, and the pool goes on compiling.
     Triton's cache holds each kernel's compile in progress (its FutureKernel): the kernel's first
     launch waits for that compile alone, and raises its failure, where a compile that failed is
-    not reported at the block's exit."""
+    not reported at the block's exit (one whose kernel is never launched is not reported at all). The
+    process's exit waits for the compiles still queued, as for any pool's work."""
+    if not isinstance(wait, bool):
+        raise TypeError(f"wait must be a bool, got {wait!r}")
     workers = workers or _compile_pool_size()
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="conv_tutorial_compile")
     if wait:

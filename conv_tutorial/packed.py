@@ -197,7 +197,8 @@ def map_encoder(direct, position):
     fallback = functools.partial(direct.tensor_map_at, position)
     try:
         fill, arguments = fill_arguments(direct.descriptor_at[position][1], direct.descriptor_at[position][0])
-        same = module().map_bytes(fill(_TEST_ADDRESS, *arguments)) == module().map_bytes(fallback(_TEST_ADDRESS))
+        same = (module().map_bytes(fill(_TEST_ADDRESS, *arguments)) ==
+                module().map_bytes(direct.encoded_at(position, _TEST_ADDRESS)))
     except Exception:  # noqa: BLE001  (fields this Triton does not have: its own path serves)
         return fallback
     if not same:

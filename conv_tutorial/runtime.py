@@ -20,7 +20,7 @@ from .configs import KernelConfig, grouped_conv_fits
 from .geometry import FP8, KERNEL_DTYPES, call_key, check_conv_call, conv_geometry, device_facts
 from . import core
 from .kernels import fprop
-from .launch import DirectLaunch, plan_for, record_breaks, record_step
+from .launch import DirectLaunch, compiling_ahead_active, plan_for, record_breaks, record_step
 from .selection import epilogue_tag, known_or_heuristic_config, tuned_config
 
 
@@ -158,10 +158,12 @@ class FoldedConv:
         scalars = (rows, g.W, g.out_w, g.Ci, g.stride[1], g.padding[1], g.dilation[1], self.channels,
                    self.channels_padded)
         aligned = x_nhwc.data_ptr() % 16 == 0 and x_nhwc.is_contiguous()     # (what the DirectLaunch compiled for)
-        if self.copy is not None and aligned and self.copy.takes_addresses():
+        kwargs = dict(BLOCK_P=block_p, BLOCK_C=triton.next_power_of_2(self.channels_padded), enable_fp_fusion=True)
+        if compiling_ahead_active() and x_nhwc.is_cuda:     # launch.compiling_ahead: compile, launch nothing
+            fold_columns_kernel.warmup(x_nhwc, x_fold, *scalars, grid=grid, **kwargs)
+        elif self.copy is not None and aligned and self.copy.takes_addresses():
             self.copy(grid, x_nhwc.data_ptr(), x_fold.data_ptr(), *scalars)
         else:       # the first copy, through Triton's launcher (it compiles); later ones launched directly
-            kwargs = dict(BLOCK_P=block_p, BLOCK_C=triton.next_power_of_2(self.channels_padded), enable_fp_fusion=True)
             if aligned and self.copy is None and x_nhwc.is_cuda:
                 self.copy = DirectLaunch.first_launch(fold_columns_kernel, grid, (x_nhwc, x_fold, *scalars), kwargs)
             else:

@@ -32,7 +32,8 @@ def test_smoke_run_trains_each_variant_on_two_processes_and_one(tmp_path):
 
 def test_ddps_settings_reach_it_and_the_json(tmp_path):
     """--bucket-cap-mb, --gradient-as-bucket-view and --no-graph-split: the two processes train with them and
-    the JSON says them (which keyword arguments DDP gets: the next test)."""
+    the JSON says them. (The next test checks the keyword arguments they make; that run_variant hands them
+    to DistributedDataParallel is not checked here.)"""
     training_ddp.main(["--smoke", "--batch-per-gpu", "4", "--steps", "2", "--warmup", "1", "--variants", "eager",
                        "--bucket-cap-mb", "1.5", "--gradient-as-bucket-view", "--no-graph-split",
                        "--port", str(free_port()), "--outdir", str(tmp_path)])

@@ -179,6 +179,22 @@ def test_the_backward_runs_where_the_compile_only_mode_is_set():
     assert seen == [True]
 
 
+def _clear_in_memory_caches():
+    # Triton's in-memory caches of the forward's and wgrad's kernels on this GPU (the plans built so far keep
+    # their compiled kernels)
+    from conv_tutorial.kernels import fprop, wgrad
+    for kernel in (fprop.conv2d_fprop_kernel, wgrad.conv2d_wgrad_kernel):
+        kernel.device_caches[torch.cuda.current_device()][0].clear()
+
+
+def _cache_entries():
+    # every entry of Triton's in-memory caches of the forward's and wgrad's kernels on this GPU, by (kernel, key)
+    from conv_tutorial.kernels import fprop, wgrad
+    device = torch.cuda.current_device()
+    return {(kernel.fn.__name__, key): entry for kernel in (fprop.conv2d_fprop_kernel, wgrad.conv2d_wgrad_kernel)
+            for key, entry in kernel.device_caches[device][0].items()}
+
+
 def _compiled_kernels():
     from conv_tutorial.kernels import fprop, wgrad
     device = torch.cuda.current_device()
@@ -192,8 +208,10 @@ def test_the_step_after_it_compiles_nothing_and_trains_as_torch(wait):
     pass, one real step adds no forward or wgrad kernel to Triton's caches (each was compiled ahead), and its
     gradients match the same net on cuDNN (bf16's rounding through three convs and two BatchNorms: 5e-2 of each
     gradient's largest value; garbage, a missed launch, would be off by its whole size). Its 1x1 stride-2
-    conv's dgrad zero-fills the pixels no tap reaches: a kernel the pass launches (through its compile's future).
-    Not waiting (wait=False), the step's first launches wait for the compiles still running."""
+    conv's dgrad zero-fills the pixels no tap reaches: a kernel the pass compiles and does not launch.
+    Not waiting (wait=False), the pass leaves its compiles in progress in Triton's cache (FutureKernels),
+    and the step's first launches wait for them; waiting, it leaves none."""
+    from triton.runtime._async_compile import FutureKernel
     before = conv_tutorial.backward_backend()
     conv_tutorial.set_backward("lesson06")
     try:
@@ -201,10 +219,14 @@ def test_the_step_after_it_compiles_nothing_and_trains_as_torch(wait):
         twin = copy.deepcopy(reference)
         names = {p.data_ptr(): name for name, p in twin.named_parameters()}      # (the passes keep the storage)
         model = conv_tutorial.convert_conv2d(conv_tutorial.fuse_conv_batchnorm_for_training(twin, inplace=True))
-        # (a height of its own per case: shapes no plan has seen, so the pass submits every compile)
+        # (a height of its own per case: shapes no plan has seen, so the pass goes through every plan's compile)
         x = torch.randn(16, 3, 40 if wait else 44, 36, device="cuda").contiguous(memory_format=torch.channels_last)
+        _clear_in_memory_caches()      # (so the pass submits every compile: Triton's disk cache still serves)
         seconds = conv_tutorial.compile_kernels_ahead(model, x, autocast_dtype=torch.bfloat16, workers=4, wait=wait)
         assert seconds > 0
+        entries = _cache_entries()
+        pending = [key for key, entry in entries.items() if isinstance(entry, FutureKernel)]
+        assert entries and bool(pending) == (not wait), f"{len(pending)} of {len(entries)} compiles left in progress"
         compiled = _compiled_kernels()
         for net in (model, reference):
             with torch.autocast("cuda", torch.bfloat16):

@@ -111,3 +111,8 @@ def test_without_waiting_a_failed_compile_is_raised_where_its_kernel_is_first_us
         future_kernel = active_mode.get().submit("a key", compile_fails, lambda kernel: None, lambda future: None)
     with pytest.raises(RuntimeError, match="the compile failed"):
         future_kernel.result()
+
+
+def test_compiling_ahead_refuses_a_wait_that_is_not_a_bool():
+    with pytest.raises(TypeError, match="wait must be a bool"), plans.compiling_ahead(workers=1, wait="no"):
+        pass

@@ -87,6 +87,34 @@ def test_a_replay_remakes_a_derived_input_and_a_finished_result():
     assert got.data_ptr() == out2.data_ptr() and got.shape == returned.shape and got.stride() == returned.stride()
 
 
+def test_a_replayed_conv_launches_its_kernel_and_split_ks_sum_in_their_argument_order():
+    """A "conv" step (a ForwardReplay's launch, here with stand-ins for its two kernels) replayed: the conv
+    kernel takes x, w (twice: its tail descriptor), the new output, the epilogue's pointers with the absent
+    ones pointing at the output and a split-K workspace of the replay's own last, then the plan's shape;
+    split-K's sum takes that workspace, the output and the same pointers, then the plan's scalars."""
+    log = []
+    conv = object.__new__(launch.ForwardReplay)
+    conv.direct, conv.reduce, conv.grid, conv.reduce_grid = StandIn(log), StandIn(log), (7,), (5,)
+    conv.shape, conv.reduce_scalars, conv.w_tail, conv.out_tail, conv.dense = (1, 2, 3), (11, 12), True, False, True
+    conv.out_shape, conv.out_dtype, conv.partial = (4, 8), torch.float32, ((2, 4, 8), torch.float32)
+    x, w, b = torch.empty(64, dtype=torch.uint8), torch.empty(32), torch.empty(16)
+    out = torch.empty(4, 8)
+    with launch.recording() as steps:
+        launch._record(conv, x, w, (b.data_ptr(), None, None), None, None, out)
+    replay = launch.Replay.of(steps, {"x": x, "w": w, "b": b}, {"out": (out, False)})
+    assert replay is not None
+    x2, w2, b2 = torch.empty_like(x), torch.empty_like(w), torch.empty_like(b)
+    (out2,) = replay("cpu", {"x": x2, "w": w2, "b": b2})
+    assert not replay.packed and out2.shape == (4, 8)
+    (conv_grid, conv_args), (sum_grid, sum_args) = log
+    o = out2.data_ptr()
+    workspace = conv_args[5][3]
+    assert conv_grid == (7,) and conv_args == (x2.data_ptr(), w2.data_ptr(), w2.data_ptr(), o, None,
+                                               (b2.data_ptr(), o, o, workspace), (1, 2, 3), None, None)
+    assert workspace not in (o, x2.data_ptr(), w2.data_ptr(), b2.data_ptr())
+    assert sum_grid == (5,) and sum_args == (workspace, o, (b2.data_ptr(), o, o), 11, 12)
+
+
 def test_no_replay_where_a_finish_step_reads_an_input():
     x = torch.empty(16, dtype=torch.uint8)
     out = x.clone()
@@ -427,3 +455,13 @@ def test_every_result_of_interleaved_calls_kept_alive_stays_right(lesson06_backe
         torch.testing.assert_close(dx.float(), want_dx, atol=5e-2, rtol=3e-2)
         torch.testing.assert_close(dw.float(), want_dw, atol=0.5, rtol=3e-2)
     assert _replay_of("conv2d") and _replay_of("conv2d_input_grad") and _replay_of("conv2d_weight_grad")
+
+
+def test_a_python_launch_resolves_slots_in_arguments_and_their_tuples_and_refuses_deeper_ones():
+    from conv_tutorial.packed import Slot
+    log = []
+    python_launch = launch.PythonLaunch(StandIn(log), (3,), (Slot(0, 8), 5, (Slot(1), 6, (7, 8)), None))
+    python_launch.launch(None, [100, 200])
+    assert log == [((3,), (108, 5, (200, 6, (7, 8)), None))]
+    with pytest.raises(TypeError, match="two tuples deep"):
+        launch.PythonLaunch(StandIn([]), (1,), ((1, (Slot(0),)),))
