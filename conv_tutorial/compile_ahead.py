@@ -10,8 +10,9 @@ Gluon kernels serially, about 1.4 s each, 95 of its 159 s (RESULTS.md, "Training
 runs once inside `launch.compiling_ahead`: every operator call hands its kernels' compiles to a pool
 of threads and launches nothing (the forward's and dgrad's through their plans, wgrad's through its
 own, depthwise convs too), so the compiles overlap; on exit Triton's in-memory cache holds them, and
-the step's first calls launch without compiling. Small Triton kernels around the convs (dgrad's
-zero fill, the stem's fold) compile and run as usual.
+the step's first calls launch without compiling. Of the small Triton kernels around the convs,
+dgrad's zero fill and the stem's fold are compiled in the pool too; dgrad's weight flips compile
+and run as usual.
 
 The pass computes garbage (the operators launch nothing) and keeps none of it: it differentiates the
 sum of the outputs with `torch.autograd.grad`, so no parameter's `.grad` is touched; it puts every

@@ -691,7 +691,8 @@ def compiling_ahead(workers=None, wait=True):
     once inside it has its distinct kernels compiled side by side instead of one after another
     (its outputs are garbage: run it for the compiles alone). Depthwise convs (depthwise.py) and
     wgrad's kernels (wgrad.py), the folded stem's copy (runtime.FoldedConv) and dgrad's zero fill
-    (backward.py) are compiled in the pool too and not run. A whole training step:
+    (backward.py) are compiled in the pool too and not run; dgrad's weight flips (kernels/dgrad.py)
+    compile and run as usual, their launch waiting for its compile. A whole training step:
     compile_ahead.compile_kernels_ahead. Autotuning must be off inside (the tuner times real
     launches). Triton reports a failed compile when the block exits.
 
