@@ -23,6 +23,7 @@ import contextlib
 import contextvars
 import math
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -32,6 +33,7 @@ from triton.runtime._async_compile import FutureKernel
 
 from .configs import KernelConfig, check_config
 from .geometry import device_facts, nhwc_view
+from . import packed
 from .packed import Slot
 from . import core
 from .kernels import fprop
@@ -98,16 +100,18 @@ class DirectLaunch:
         if encoded is None:                    # a new address: encode from the validated template
             if len(self.tensor_maps) >= self.MAX_TENSOR_MAPS:
                 self.tensor_maps.clear()
-            meta, template = self.descriptor_at[position]
-            base = _Address(tensor) if type(tensor) is int else tensor
-            encoded = self.tensor_maps[key] = self.encode(_with_base(template, base), meta, None)
+            encoded = self.tensor_maps[key] = self._encode(position, _Address(tensor) if type(tensor) is int else tensor)
         return encoded
+
+    def _encode(self, position, base):
+        # [tensor map, *shape, *strides] of descriptor argument `position` re-based on `base` (a tensor or an _Address)
+        meta, template = self.descriptor_at[position]
+        return self.encode(_with_base(template, base), meta, None)
 
     def encoded_at(self, position, address):
         """The tensor map of descriptor argument `position` at `address`, encoded from the template and
         not kept (packed.map_encoder checks its own encoding against it)."""
-        meta, template = self.descriptor_at[position]
-        return self.encode(_with_base(template, _Address(address)), meta, None)[0]
+        return self._encode(position, _Address(address))[0]
 
     def tensor_map_at(self, position, address):
         """The tensor map of descriptor argument `position` pointing at `address` (16-byte aligned: the
@@ -412,7 +416,6 @@ class Replay:
             try:
                 self.program = self._program()
             except Exception as error:  # noqa: BLE001
-                import warnings
                 warnings.warn(f"conv_tutorial: a replay could not be built ({type(error).__name__}: {error}); its "
                               f"calls take the full path", RuntimeWarning)
         if not self.program:
@@ -432,7 +435,6 @@ class Replay:
         """The steps as a program over a list of base addresses (`_build`), its launches packed (packed.py)
         where every launch is a DirectLaunch and packed launches are available, else Python launches
         (`PythonLaunch`: the CPU tests' stand-ins, packed launches off or failing to pack)."""
-        from . import packed
         launches = [step[1] for step in self.steps if step[0] in ("conv", "launch")]
         if all(isinstance(getattr(launch, "direct", launch), DirectLaunch) for launch in launches) and packed.available():
             try:
@@ -440,7 +442,6 @@ class Replay:
                 self.packed = True
                 return program
             except Exception as error:      # noqa: BLE001  (a launch packed.py cannot pack: Python launches serve)
-                import warnings
                 warnings.warn(f"conv_tutorial: a replay keeps the Python launch path ({error})", RuntimeWarning)
         self.packed = False
         return self._build(PythonLaunch, None)
