@@ -28,8 +28,12 @@ bf16 conv: cuDNN has no e4m3 conv). For each it also profiles the operator's cal
 sorts the time into where it went (`CATEGORIES`: the torch.library dispatch, the package's Python,
 its argument checks, plans, descriptor encoding, Triton's launcher, allocations, extra kernels).
 cProfile's own cost inflates every share alike: read the shares as where, the medians as how much.
-JSON: {"device", "torch", "triton", "rows": [{"path", "layer", "ours_us", "cudnn_us", "ours_python_launch_us",
-"where"}]} (ours_python_launch_us: the replays' launches through Triton's launcher, packed launches off).
+A repeat call is served by the operators' C++ kernels where they are built (native.py; `native`: whether
+they served the path's calls); `ours_python_us` is the same call on the Python path (native kernels off),
+`ours_python_launch_us` that path with its launches through Triton's launcher (packed launches off too),
+and `where` profiles the Python path.
+JSON: {"device", "torch", "triton", "rows": [{"path", "layer", "ours_us", "cudnn_us", "native", "ours_python_us",
+"ours_python_launch_us", "where"}]}.
 """
 import argparse
 import json
@@ -44,7 +48,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from conv_tutorial import hostpath, launch, packed, runtime, selection  # noqa: E402
+from conv_tutorial import hostpath, launch, native, packed, runtime, selection  # noqa: E402
 from conv_tutorial.kernels import fprop  # noqa: E402
 from layers import HOST_TIME  # noqa: E402
 
@@ -202,10 +206,16 @@ def path_calls(path, layer, device="cuda"):
     return lambda: torch.ops.conv_tutorial.conv2d(x_nchw, w_oihw, None, sizes, [padding] * 2, ones, 1), cudnn
 
 
+def _served():
+    return sum(hits for hits, _, _ in native.counts().values())
+
+
 def measure_paths(paths=PATHS, profile_calls=300):
     import cProfile
     import pstats
     from layers import resnet50_layers
+    if not native.ensure():
+        print("the native kernels (conv_tutorial/native.py) are not built here: every call takes the Python path")
     layers = {layer.label: layer for layer in resnet50_layers()}
     rows = []
     for path, label in paths:
@@ -218,31 +228,40 @@ def measure_paths(paths=PATHS, profile_calls=300):
             print(f"{path:<42} {label:<28} failed: {rows[-1]['error']}")
             continue
         torch.cuda.synchronize()
+        served = _served()
         row = {"path": path, "layer": label, "ours_us": round(median_host_us(ours, calls=200), 1),
                "cudnn_us": round(median_host_us(cudnn, calls=200), 1)}
-        # the same calls with the replays' launches through Triton's launcher (packed launches off: packed.py)
-        previous = packed.set_enabled(False)
-        hostpath._REPLAYS.clear()
+        row["native"] = _served() > served     # (served by the C++ kernels: native.py)
+        # the same calls on the Python path (native kernels off), then with its launches through Triton's
+        # launcher (packed launches off too: packed.py); the profile below is the Python path's
+        previous_native = native.set_enabled(False)
         try:
+            row["ours_python_us"] = round(median_host_us(ours, calls=200), 1)
+            previous = packed.set_enabled(False)
+            hostpath.clear()
+            try:
+                for _ in range(3):
+                    ours()
+                row["ours_python_launch_us"] = round(median_host_us(ours, calls=200), 1)
+            finally:
+                packed.set_enabled(previous)
+                hostpath.clear()
             for _ in range(3):
                 ours()
-            row["ours_python_launch_us"] = round(median_host_us(ours, calls=200), 1)
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(profile_calls):
+                ours()
+            profiler.disable()
         finally:
-            packed.set_enabled(previous)
-            hostpath._REPLAYS.clear()
-        for _ in range(3):
-            ours()
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(profile_calls):
-            ours()
-        profiler.disable()
+            native.set_enabled(previous_native)
         torch.cuda.synchronize()
         row["where"] = where_time_goes(pstats.Stats(profiler), profile_calls)
         rows.append(row)
         top = sorted(row["where"].items(), key=lambda item: -item[1])[:4]
-        print(f"{path:<42} {label:<28} ours {row['ours_us']:7.1f} us (Python launches "
-              f"{row['ours_python_launch_us']:.1f})  cuDNN {row['cudnn_us']:6.1f} us  "
+        print(f"{path:<42} {label:<28} ours {row['ours_us']:7.1f} us ({'C++' if row['native'] else 'Python'}; the "
+              f"Python path {row['ours_python_us']:.1f}, with Python launches {row['ours_python_launch_us']:.1f})  "
+              f"cuDNN {row['cudnn_us']:6.1f} us  "
               f"{row['ours_us'] / row['cudnn_us']:5.2f}x   profiled: " + ", ".join(f"{k} {v:.0f}" for k, v in top))
     return rows
 

@@ -23,7 +23,7 @@ from typing import List
 
 import torch
 
-from . import hostpath, runtime, selection, wgrad
+from . import hostpath, native, runtime, selection, wgrad
 from .configs import grouped_conv_fits
 from .geometry import current_arch, device_facts, nhwc_view
 from .launch import DirectLaunch, compiling_ahead_active, plan_for, record_breaks, record_step
@@ -44,6 +44,7 @@ def set_backward(backend: str):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     _BACKEND = backend
+    native.invalidate()     # (the gradients' path depends on it: the native programs of the other are stale)
 
 
 def backward_backend() -> str:
@@ -168,7 +169,8 @@ def _dgrad(grad_output, input, weight, stride, padding, dilation, groups, relu_g
         key = hostpath.replay_key((grad_output, input, weight), "conv2d_input_grad", *stride, *padding, *dilation,
                                   groups, relu_gated, backward_backend())
         tensors = {"grad_output": grad_output, "input": input, "weight": weight}
-        return hostpath.call(key, grad_output.device, tensors, lambda: _dgrad_full_path(
+        op = "conv_tutorial::conv2d_input_grad_relu" if relu_gated else "conv_tutorial::conv2d_input_grad"
+        return hostpath.call(op, key, grad_output.device, tensors, lambda: _dgrad_full_path(
             grad_output, input, weight, stride, padding, dilation, groups, relu_gated), ("grad_input",))
     return _dgrad_full_path(grad_output, input, weight, stride, padding, dilation, groups, relu_gated)
 
@@ -235,7 +237,7 @@ def _weight_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.T
         key = hostpath.replay_key((grad_output, input, weight), "conv2d_weight_grad", *stride, *padding, *dilation,
                                   groups, backward_backend())
         tensors = {"grad_output": grad_output, "input": input}
-        return hostpath.call(key, grad_output.device, tensors, lambda: _weight_grad_full_path(
+        return hostpath.call("conv_tutorial::conv2d_weight_grad", key, grad_output.device, tensors, lambda: _weight_grad_full_path(
             grad_output, input, weight, stride, padding, dilation, groups), ("grad_weight",))
     return _weight_grad_full_path(grad_output, input, weight, stride, padding, dilation, groups)
 
@@ -257,6 +259,7 @@ for _name, _function, _like in (("conv2d_input_grad", _input_grad, "input"),
     _LIBRARY.define(_name + torch.library.infer_schema(_function, mutates_args=()),
                     tags=(torch.Tag.pt2_compliant_tag,))
     _LIBRARY.impl(_name, _function, "CompositeExplicitAutograd")
+    native.register(_LIBRARY, _name, _function)     # (no autograd kernel: the CUDA key's alone)
 
     def _fake(grad_output, input, weight, stride, padding, dilation, groups, _like=_like):
         like = input if _like == "input" else weight

@@ -9,12 +9,15 @@ other arguments, the settings that choose a path) allocate the results and make 
 on the new addresses, nothing else. A call whose path does other work (a copy, torch's sums, a
 fallback to torch) records no replay and keeps its full path.
 
+A replay that serves a call is handed to the operator's C++ kernel (native.py), which runs it for
+the key's later calls with no Python at all, where the extension is built.
+
 The autograd kernel (`register_autograd`) is torch.library.register_autograd's, made cheaper for
 plain tensors. What each path costs: benchmarks/host_time.py, figures in RESULTS.md ("Host time").
 """
 import torch
 
-from . import selection
+from . import native, selection
 from .launch import Replay, compiling_ahead_active, record_breaks, recording
 
 _REPLAYS = {}        # a forward call's key (`replay_key`) -> its Replay (launch.py); an int: failed attempts to build one
@@ -33,12 +36,18 @@ def replay_key(tensors, *arguments):
     return (*map(_facts, tensors), *arguments, selection.autotune_enabled(), torch._C._cuda_getDevice())
 
 
+def clear():
+    """Forget every replay, here and in the native kernels (a new key's first calls record again)."""
+    _REPLAYS.clear()
+    native.invalidate()
+
+
 def keep_replay(key, recording, sources, results):
     """After a call of `key` made on its full path under `recording`: keep its replay, if it has one;
     after REPLAY_ATTEMPTS calls without one, stop recording the key's calls."""
     replay = Replay.of(recording, sources, results)
     if len(_REPLAYS) >= MAX_KEYS:      # (shapes that keep changing: start over)
-        _REPLAYS.clear()
+        clear()
     if replay is not None:
         _REPLAYS[key] = replay
     else:
@@ -50,16 +59,22 @@ def records(key):
     return type(_REPLAYS.get(key, 0)) is int and _REPLAYS.get(key, 0) < REPLAY_ATTEMPTS
 
 
-def call(key, device, tensors, full_path, results, zeroed=()):
-    """What an operator's call returns: the replay of `key` on `tensors` (its sources, by name), or
-    `full_path()` (recorded while the key may still get a replay). `results`: the names of what
-    full_path returns (one name: a tensor; more: a tuple); `zeroed`: those a replay allocates as zeros."""
+def call(op, key, device, tensors, full_path, results, zeroed=()):
+    """What a call of operator `op` ("namespace::name") returns: the replay of `key` on `tensors` (its
+    sources, by their argument names), or `full_path()` (recorded while the key may still get a
+    replay). `results`: the names of what full_path returns (one name: a tensor; more: a tuple);
+    `zeroed`: those a replay allocates as zeros. A replay that serves the call is offered to the C++
+    kernel serving it, if any (native.py)."""
     if compiling_ahead_active():
         return full_path()  # (compiles and launches nothing: no replay to record, no attempt spent)
     replay = _REPLAYS.get(key)
     if replay is not None and type(replay) is not int:
         out = replay(device, tensors)
         if out is not None:
+            if native.ACTIVE[0]:
+                native.offer(op, replay)
+            elif str(device).startswith("cuda"):
+                native.start()      # (once: built in the background, installed when built)
             return out[0] if len(results) == 1 else out
     if not records(key):
         record_breaks()     # (a call recorded around this one would not see its launches)
@@ -113,3 +128,4 @@ def register_autograd(library, name, implementation, backward, setup_context, te
         return run(args)
 
     library.impl(name, kernel, "Autograd")
+    native.register(library, name, implementation, kernel)

@@ -33,7 +33,7 @@ from triton.runtime._async_compile import FutureKernel
 
 from .configs import KernelConfig, check_config
 from .geometry import device_facts, nhwc_view
-from . import packed
+from . import native, packed
 from .packed import Slot
 from . import core
 from .kernels import fprop
@@ -265,7 +265,8 @@ def recording():
     record_breaks()
     token = _RECORDING.set(Recording())
     try:
-        yield _RECORDING.get()
+        with native.suspended():    # (an operator called inside runs its Python path, which this recording sees)
+            yield _RECORDING.get()
     finally:
         _RECORDING.reset(token)
 
@@ -707,7 +708,7 @@ def compiling_ahead(workers=None, wait=True):
     workers = workers or _compile_pool_size()
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="conv_tutorial_compile")
     if wait:
-        with pool, triton.AsyncCompileMode(pool) as mode:
+        with pool, triton.AsyncCompileMode(pool) as mode, native.suspended():
             token = _COMPILE_ONLY.set(True)
             try:
                 yield
@@ -720,7 +721,8 @@ def compiling_ahead(workers=None, wait=True):
         triton.AsyncCompileMode(pool).__enter__()
         token = _COMPILE_ONLY.set(True)
         try:
-            yield
+            with native.suspended():
+                yield
         finally:
             _COMPILE_ONLY.reset(token)
             _async_compile.active_mode.set(None)    # (not the mode's __exit__, which waits for every compile)
@@ -741,6 +743,10 @@ def _launch_hooks_set():
     hooks in a HookChain, which is never None; older versions, a callable or None."""
     hook = triton.knobs.runtime.launch_enter_hook
     return bool(hook.calls) if hasattr(hook, "calls") else hook is not None
+
+
+native.use_launches(lambda: packed.module()._C_API if packed.available() else None,
+                    lambda: _launch_hooks_set())     # (looked up per call: a test may replace it)
 
 
 def _template_key(w, out_window):

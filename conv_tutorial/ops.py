@@ -132,7 +132,7 @@ def _conv2d_with_epilogue(input: torch.Tensor, weight: torch.Tensor, bias: Optio
     key = replay_key((input, weight, bias, scale, residual), "conv2d", *stride, *padding, *dilation, groups,
                      activation, out_dtype)
     tensors = {"input": input, "weight": weight, "bias": bias, "scale": scale, "residual": residual}
-    return hostpath.call(key, input.device, tensors, lambda: _conv2d_full_path(
+    return hostpath.call("conv_tutorial::conv2d", key, input.device, tensors, lambda: _conv2d_full_path(
         input, weight, bias, stride, padding, dilation, groups, scale, residual, activation, out_dtype), ("output",))
 
 

@@ -230,6 +230,8 @@ def set_enabled(enabled: bool) -> bool:
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {enabled!r}")
     previous, _ENABLED[0] = _ENABLED[0], enabled
+    from . import native
+    native.invalidate()     # (programs handed to the native kernels keep the launches they were built with)
     return previous
 
 

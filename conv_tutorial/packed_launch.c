@@ -231,13 +231,23 @@ static int PackedLaunch_init(PackedLaunch *self, PyObject *args, PyObject *kwarg
   return 0;
 }
 
-static int read_base(PyObject *bases, Py_ssize_t index, uint64_t *out) {
-  if (index < 0 || index >= PyList_GET_SIZE(bases)) {
-    PyErr_Format(PyExc_IndexError, "packed_launch: base %zd of %zd", index, PyList_GET_SIZE(bases));
+/* the addresses in `bases` (a list of ints), into `out` (room for all of them) */
+static int read_bases(PyObject *bases, uint64_t *out) {
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(bases); i++) {
+    out[i] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(bases, i));
+    if (PyErr_Occurred())
+      return -1;
+  }
+  return 0;
+}
+
+static int read_base(const uint64_t *bases, Py_ssize_t n_bases, Py_ssize_t index, uint64_t *out) {
+  if (index < 0 || index >= n_bases) {
+    PyErr_Format(PyExc_IndexError, "packed_launch: base %zd of %zd", index, n_bases);
     return -1;
   }
-  *out = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(bases, index));
-  return PyErr_Occurred() ? -1 : 0;
+  *out = bases[index];
+  return 0;
 }
 
 /* The 128 bytes of the tensor map `encode` returned: Triton's object, or any 128-byte buffer. */
@@ -282,12 +292,12 @@ static int write_map(MapSlot *slot, uint64_t address, unsigned char *to) {
 }
 
 /* The parameters of a launch on `bases`, written into `buffer` (a copy of the packed one) */
-static int fill(PackedLaunch *self, PyObject *bases, unsigned char *buffer) {
+static int fill(PackedLaunch *self, const uint64_t *bases, Py_ssize_t n_bases, unsigned char *buffer) {
   memcpy(buffer, self->buffer, self->size);
   for (Py_ssize_t i = 0; i < self->n_addresses; i++) {
     AddressSlot *slot = &self->addresses[i];
     uint64_t base;
-    if (read_base(bases, slot->base, &base) < 0)
+    if (read_base(bases, n_bases, slot->base, &base) < 0)
       return -1;
     uint64_t address = base + (uint64_t)slot->displacement;
     memcpy(buffer + slot->offset, &address, 8);
@@ -295,7 +305,7 @@ static int fill(PackedLaunch *self, PyObject *bases, unsigned char *buffer) {
   for (Py_ssize_t i = 0; i < self->n_maps; i++) {
     MapSlot *slot = &self->maps[i];
     uint64_t base;
-    if (read_base(bases, slot->base, &base) < 0)
+    if (read_base(bases, n_bases, slot->base, &base) < 0)
       return -1;
     if (write_map(slot, base + (uint64_t)slot->displacement, buffer + slot->offset) < 0)
       return -1;
@@ -307,23 +317,17 @@ static int fill(PackedLaunch *self, PyObject *bases, unsigned char *buffer) {
   unsigned char *name = (unsigned char *)(((uintptr_t)alloca((size) + MAP_ALIGN) + MAP_ALIGN - 1) & \
                                           ~(uintptr_t)(MAP_ALIGN - 1))
 
-/* launch(stream, bases): the kernel on `stream` (an address), its addresses read from `bases` (a list
- * of ints) */
-static PyObject *PackedLaunch_call(PackedLaunch *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 2 || !PyList_Check(args[1])) {
-    PyErr_SetString(PyExc_TypeError, "launch(stream: int, bases: list[int])");
-    return NULL;
-  }
-  unsigned long long stream = PyLong_AsUnsignedLongLong(args[0]);
-  if (PyErr_Occurred())
-    return NULL;
+/* The launch on `stream` (an address), its addresses from `bases[0..n_bases)`; 0, or -1 with a Python
+ * error set. The GIL must be held (a new address's tensor map calls `encode`); it is let go around the
+ * driver's calls. The C entry of native.cpp's repeat calls (`_C_API`), and of `launch` below. */
+static int packed_run(PackedLaunch *self, uint64_t stream, const uint64_t *bases, Py_ssize_t n_bases) {
   if (self->grid[0] == 0 || self->grid[1] == 0 || self->grid[2] == 0) /* no program: no launch (as Triton's) */
-    Py_RETURN_NONE;
+    return 0;
   if (load_driver() < 0)
-    return NULL;
+    return -1;
   ALIGNED_STACK_BUFFER(buffer, self->size);
-  if (fill(self, args[1], buffer) < 0)
-    return NULL;
+  if (fill(self, bases, n_bases, buffer) < 0)
+    return -1;
   void **params = alloca((self->n_params + 1) * sizeof(void *));
   for (Py_ssize_t i = 0; i < self->n_params; i++)
     params[i] = buffer + self->param_offsets[i];
@@ -387,7 +391,21 @@ static PyObject *PackedLaunch_call(PackedLaunch *self, PyObject *const *args, Py
     status = cu.launch_kernel(&config, self->function, params, NULL);
   }
   Py_END_ALLOW_THREADS;
-  if (cuda_failed(status, what))
+  return cuda_failed(status, what) ? -1 : 0;
+}
+
+/* launch(stream, bases): the kernel on `stream` (an address), its addresses read from `bases` (a list
+ * of ints) */
+static PyObject *PackedLaunch_call(PackedLaunch *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyList_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "launch(stream: int, bases: list[int])");
+    return NULL;
+  }
+  unsigned long long stream = PyLong_AsUnsignedLongLong(args[0]);
+  if (PyErr_Occurred())
+    return NULL;
+  uint64_t *bases = alloca((PyList_GET_SIZE(args[1]) + 1) * sizeof(uint64_t));
+  if (read_bases(args[1], bases) < 0 || packed_run(self, stream, bases, PyList_GET_SIZE(args[1])) < 0)
     return NULL;
   Py_RETURN_NONE;
 }
@@ -399,8 +417,11 @@ static PyObject *PackedLaunch_parameters(PackedLaunch *self, PyObject *bases) {
     PyErr_SetString(PyExc_TypeError, "parameters(bases: list[int])");
     return NULL;
   }
+  uint64_t *addresses = alloca((PyList_GET_SIZE(bases) + 1) * sizeof(uint64_t));
+  if (read_bases(bases, addresses) < 0)
+    return NULL;
   ALIGNED_STACK_BUFFER(buffer, self->size);
-  if (fill(self, bases, buffer) < 0)
+  if (fill(self, addresses, PyList_GET_SIZE(bases), buffer) < 0)
     return NULL;
   PyObject *out = PyTuple_New(self->n_params);
   if (!out)
@@ -457,6 +478,18 @@ static PyMethodDef module_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* What native.cpp calls, in the capsule `_C_API` (native.cpp declares the same struct) */
+typedef struct {
+  PyTypeObject *type;
+  int (*run)(PyObject *launch, uint64_t stream, const uint64_t *bases, Py_ssize_t n_bases);
+} PackedLaunchApi;
+
+static int api_run(PyObject *launch, uint64_t stream, const uint64_t *bases, Py_ssize_t n_bases) {
+  return packed_run((PackedLaunch *)launch, stream, bases, n_bases);
+}
+
+static PackedLaunchApi api = {&PackedLaunchType, api_run};
+
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "conv_tutorial_packed_launch",
                                     "Kernel launches with their parameters packed once", -1, module_methods};
 
@@ -469,6 +502,12 @@ PyMODINIT_FUNC PyInit_conv_tutorial_packed_launch(void) {
   Py_INCREF(&PackedLaunchType);
   if (PyModule_AddObject(m, "PackedLaunch", (PyObject *)&PackedLaunchType) < 0) {
     Py_DECREF(&PackedLaunchType);
+    Py_DECREF(m);
+    return NULL;
+  }
+  PyObject *capsule = PyCapsule_New(&api, "conv_tutorial_packed_launch._C_API", NULL);
+  if (!capsule || PyModule_AddObject(m, "_C_API", capsule) < 0) {
+    Py_XDECREF(capsule);
     Py_DECREF(m);
     return NULL;
   }

@@ -30,6 +30,7 @@ import triton
 from .configs import (CANDIDATES, SMEM_LIMIT_BYTES, SMEM_PER_SM_BYTES, KernelConfig, accumulator_registers,  # noqa: F401
                       check_config, fits_shared_memory, fitted_to_epilogue, groups_fit, k_share, k_steps_of,
                       register_budget, split_k_workspace_bytes, split_tiles, tail_pays, useful_share, wave_efficiency)
+from . import native
 from .geometry import device_facts
 from .core import timing
 from .launch import compiling_ahead_active, plan_for
@@ -210,6 +211,7 @@ def set_autotune(enabled: bool):
     takes the heuristic's config (False, the default; $CONV_TUTORIAL_AUTOTUNE=1 sets it)."""
     global _AUTOTUNE
     _AUTOTUNE = bool(enabled)
+    native.invalidate()     # (a call's path depends on it: the native programs of the other setting are stale)
 
 
 def autotune_enabled() -> bool:

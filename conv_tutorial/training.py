@@ -95,7 +95,7 @@ def _conv2d_channel_stats(input: torch.Tensor, weight: torch.Tensor, bias: Optio
         key = hostpath.replay_key((input, weight, bias), "conv2d_channel_stats", *stride, *padding, *dilation,
                                   groups)
         tensors = {"input": input, "weight": weight, "bias": bias}
-        return hostpath.call(key, input.device, tensors, lambda: _channel_stats_full_path(
+        return hostpath.call("conv_tutorial::conv2d_channel_stats", key, input.device, tensors, lambda: _channel_stats_full_path(
             input, weight, bias, stride, padding, dilation, groups), ("output", "stats"), zeroed=("stats",))
     return _channel_stats_full_path(input, weight, bias, stride, padding, dilation, groups)
 

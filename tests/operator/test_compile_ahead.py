@@ -144,7 +144,7 @@ def test_an_operator_call_inside_compiling_ahead_records_no_replay():
     key = ("a key of no real call", 1)
     calls = []
     with plans.compiling_ahead(workers=1):
-        out = hostpath.call(key, "cpu", {}, lambda: calls.append(1) or "result", ("output",))
+        out = hostpath.call("test::op", key, "cpu", {}, lambda: calls.append(1) or "result", ("output",))
     assert out == "result" and calls == [1] and key not in hostpath._REPLAYS
 
 

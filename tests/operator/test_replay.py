@@ -12,7 +12,7 @@ import torch
 import conv_tutorial
 import conv_tutorial.ops  # noqa: F401  (registers the operators)
 import conv_tutorial.training  # noqa: F401  (registers conv2d_channel_stats)
-from conv_tutorial import backward, hostpath, launch
+from conv_tutorial import backward, hostpath, launch, native
 
 needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
 
@@ -180,11 +180,11 @@ def test_a_key_is_recorded_then_replayed_and_its_fallback_breaks_an_outer_record
     monkeypatch.setattr(hostpath, "_REPLAYS", {})
     key = ("a key",)
     for _ in range(3):
-        hostpath.call(key, "cpu", {"x": x}, full_path, ("out",))
+        hostpath.call("test::op", key, "cpu", {"x": x}, full_path, ("out",))
     assert len(full_path_calls) == 1 and len(log) == 3           # recorded once, replayed twice
     monkeypatch.setattr(launch, "_launch_hooks_set", lambda: True)  # the replay declines: the full path, and
     with launch.recording() as outer:                                # a recording around it is broken
-        hostpath.call(key, "cpu", {"x": x}, full_path, ("out",))
+        hostpath.call("test::op", key, "cpu", {"x": x}, full_path, ("out",))
     assert len(full_path_calls) == 2 and outer.broken
 
 
@@ -216,7 +216,7 @@ FORWARD_LAYERS = [   # (N, Ci, H, W, Co, R, stride, padding): plain, 1x1, stride
 def test_forward_replays_match_torch_on_new_tensors(layer, epilogue):
     N, Ci, H, W, Co, R, stride, padding = layer
     torch.manual_seed(0)
-    hostpath._REPLAYS.clear()
+    hostpath.clear()
     for call in range(5):
         x = _cl(torch.randn(N, Ci, H, W, device="cuda", dtype=torch.bfloat16))
         w = _cl(torch.randn(Co, Ci, R, R, device="cuda", dtype=torch.bfloat16) / (Ci * R * R) ** 0.5)
@@ -240,7 +240,7 @@ def test_packed_launches_encode_new_addresses_as_triton_does():
     forward's launches (not the Python fallback), and gives Triton's own 128 bytes at real addresses."""
     import functools
     from conv_tutorial import packed
-    hostpath._REPLAYS.clear()
+    hostpath.clear()
     x = _cl(torch.randn(2, 64, 14, 14, device="cuda", dtype=torch.bfloat16))
     w = _cl(torch.randn(128, 64, 3, 3, device="cuda", dtype=torch.bfloat16))
     for _ in range(3):
@@ -260,7 +260,7 @@ def test_packed_launches_encode_new_addresses_as_triton_does():
 @needs_gpu
 def test_channel_stats_replays_start_from_zero():
     torch.manual_seed(0)
-    hostpath._REPLAYS.clear()
+    hostpath.clear()
     for call in range(4):
         x = _cl(torch.randn(4, 64, 14, 14, device="cuda", dtype=torch.bfloat16))
         w = _cl(torch.randn(128, 64, 3, 3, device="cuda", dtype=torch.bfloat16) / 24)
@@ -291,7 +291,7 @@ def lesson06_backend():
 def test_gradient_replays_match_torch_on_new_tensors(layer, relu_gated, lesson06_backend):
     N, Ci, H, W, Co, R, stride, padding = layer
     torch.manual_seed(0)
-    hostpath._REPLAYS.clear()
+    hostpath.clear()
     input_grad = torch.ops.conv_tutorial.conv2d_input_grad_relu if relu_gated else \
         torch.ops.conv_tutorial.conv2d_input_grad
     for call in range(5):
@@ -320,7 +320,7 @@ def test_the_stems_weight_grad_replays_its_fold(lesson06_backend):
     """ResNet-50's stem (3 channels, 7x7, stride 2): wgrad folds x and unfolds dW by torch around the kernel;
     its calls replay both ("derive" and "finish" steps) and match torch's dW on new tensors, call after call."""
     torch.manual_seed(0)
-    hostpath._REPLAYS.clear()
+    hostpath.clear()
     for call in range(5):
         x = _cl(torch.randn(4, 3, 64, 64, device="cuda", dtype=torch.bfloat16))
         w = _cl(torch.randn(64, 3, 7, 7, device="cuda", dtype=torch.bfloat16) / 12)
@@ -352,7 +352,7 @@ def test_packed_and_python_launches_give_the_same_bits(packed_launches, lesson06
         inputs.append((x, w, b, _cl(torch.randn_like(y)), _cl(torch.randn_like(y)), [stride] * 2, [padding] * 2))
 
     def run():
-        hostpath._REPLAYS.clear()
+        hostpath.clear()
         outs, kept = [], []
         for call in range(4):
             for *tensors, stride, padding in inputs:
@@ -380,8 +380,54 @@ def test_packed_and_python_launches_give_the_same_bits(packed_launches, lesson06
 
 
 @needs_gpu
+def test_native_calls_give_the_python_paths_bits(lesson06_backend):
+    """Every path's repeat calls (the forward, with the channel sums too; dX at stride 1, strided, with zeros;
+    dW with and without split-K) served by the operators' C++ kernels (native.py) on new tensors: the same
+    bits as the Python path, and the C++ kernels did serve them (the stem's fold and wgrad's derived input
+    keep the Python path)."""
+    assert native.ensure(), "the native kernels could not be built here"
+    torch.manual_seed(0)
+    inputs = []
+    for N, Ci, H, W, Co, R, stride, padding in FORWARD_LAYERS + DGRAD_LAYERS:
+        x = _cl(torch.randn(N, Ci, H, W, device="cuda", dtype=torch.bfloat16))
+        w = _cl(torch.randn(Co, Ci, R, R, device="cuda", dtype=torch.bfloat16) / (Ci * R * R) ** 0.5)
+        b = torch.randn(Co, device="cuda", dtype=torch.bfloat16)
+        y = torch.nn.functional.conv2d(x, w, None, stride, padding)
+        inputs.append((x, w, b, _cl(torch.randn_like(y)), _cl(torch.randn_like(y)), [stride] * 2, [padding] * 2))
+    ops = ("conv2d", "conv2d_channel_stats", "conv2d_input_grad", "conv2d_weight_grad")
+
+    def run(enabled):
+        previous = native.set_enabled(enabled)
+        hostpath.clear()
+        outs, kept = [], []
+        try:
+            for call in range(4):
+                for *tensors, stride, padding in inputs:
+                    x, w, b, residual, dy = (t.clone() for t in tensors)      # (new addresses on every call)
+                    args = (stride, padding, [1, 1], 1)
+                    outs.append(torch.ops.conv_tutorial.conv2d(x, w, b, *args, residual=residual, activation="relu"))
+                    outs += torch.ops.conv_tutorial.conv2d_channel_stats(x, w, None, *args)
+                    outs.append(torch.ops.conv_tutorial.conv2d_input_grad(dy, x, w, *args))
+                    outs.append(torch.ops.conv_tutorial.conv2d_weight_grad(dy, x, w, *args))
+                    kept.append((x, w, b, residual, dy))
+        finally:
+            native.set_enabled(previous)
+        return outs
+
+    before = native.counts()
+    got = run(True)
+    served = {op: native.counts()[f"conv_tutorial::{op}"][0] - before.get(f"conv_tutorial::{op}", (0,))[0]
+              for op in ops}
+    want = run(False)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"result {i}"
+    layers = len(FORWARD_LAYERS + DGRAD_LAYERS)
+    assert all(served[op] >= layers for op in ops), f"calls served natively, of {4 * layers} per operator: {served}"
+
+
+@needs_gpu
 def test_a_replayed_key_still_explains_an_unaligned_input():
-    hostpath._REPLAYS.clear()
+    hostpath.clear()
     x = _cl(torch.randn(2, 64, 14, 14, device="cuda", dtype=torch.bfloat16))
     w = _cl(torch.randn(64, 64, 3, 3, device="cuda", dtype=torch.bfloat16))
     for _ in range(3):
@@ -398,7 +444,7 @@ def test_a_replayed_key_still_explains_an_unaligned_input():
 def test_a_profiler_listening_gets_the_full_path(monkeypatch):
     """With a launch hook set (a profiler listens to Triton's launches), replays decline: every launch goes
     through Triton's launcher, where the hook sees it."""
-    hostpath._REPLAYS.clear()
+    hostpath.clear()
     x = _cl(torch.randn(2, 64, 14, 14, device="cuda", dtype=torch.bfloat16))
     w = _cl(torch.randn(64, 64, 3, 3, device="cuda", dtype=torch.bfloat16))
     for _ in range(3):
@@ -415,7 +461,7 @@ def test_a_profiler_listening_gets_the_full_path(monkeypatch):
 def test_a_call_whose_residual_is_its_input_does_not_bind_later_calls():
     """Recorded with residual=input, a later call of the same key with another residual must add that one."""
     torch.manual_seed(0)
-    hostpath._REPLAYS.clear()
+    hostpath.clear()
     x = _cl(torch.randn(2, 64, 14, 14, device="cuda", dtype=torch.bfloat16))
     w = _cl(torch.randn(64, 64, 3, 3, device="cuda", dtype=torch.bfloat16) / 24)
     for _ in range(3):
@@ -432,7 +478,7 @@ def test_every_result_of_interleaved_calls_kept_alive_stays_right(lesson06_backe
     addresses, none reused), then every result checked against torch at the end: no replay wrote where it
     should not."""
     torch.manual_seed(0)
-    hostpath._REPLAYS.clear()
+    hostpath.clear()
     layers = [(2, 64, 14, 14, 64, 3, 1, 1), (2, 128, 28, 28, 128, 3, 2, 1)]
     kept = []
     for call in range(6):

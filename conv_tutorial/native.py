@@ -1,0 +1,165 @@
+"""The operators' repeat calls in C++: a replay run with no Python in the call (native.cpp).
+
+A replay (hostpath.py, launch.Replay) takes the Python out of a repeat call's checks and plans, but
+the call still enters Python: the dispatcher converts its arguments for the Python kernel, which
+makes a key, walks the replay's program and allocates through torch's Python bindings, ~20 us of
+a forward's ~25 (RESULTS.md, "Host time"). native.cpp registers a C++ kernel for each operator
+(at the CUDA key, and at AutogradCUDA over the autograd kernel) that keys the call from the
+dispatcher's stack and runs the program the Python path built for that key: its allocations by
+ATen and its packed launches (packed.py) by packed_launch.c's C entry. The Python path hands each
+program over (`offer`) on the first repeat call the C++ kernel could not serve; every other call
+(a gradient to record, a tensor subclass, a new key, anything but allocations and launches) goes
+to the Python kernel, as before.
+
+The extension is built with torch's headers at the first repeat call on a GPU, in a background
+thread (`start`; torch.utils.cpp_extension, which needs a C++ compiler and ninja), and cached per
+torch version; where it cannot be built, the Python path serves, with a warning. CONV_TUTORIAL_NATIVE=0
+(or `set_enabled(False)`) keeps every call on the Python path.
+"""
+import os
+import threading
+import warnings
+
+_HERE = os.path.dirname(__file__)
+_ENABLED = [os.environ.get("CONV_TUTORIAL_NATIVE", "1") != "0"]
+_OPERATORS = []             # (namespace, name, implementation, autograd kernel or None), as registered
+_STATE = {"module": None, "thread": None, "failed": False}
+_LOCK = threading.Lock()
+_SUSPENDED = [0]            # recordings and compile-ahead passes under way: no program runs meanwhile
+ACTIVE = [False]            # the kernels are installed: hostpath.call offers programs
+
+
+def register(library, name, implementation, autograd=None):
+    """Serve operator `name` of `library` natively once the extension is built: `implementation` is its
+    Python kernel at the CUDA key (CompositeExplicitAutograd's), `autograd` its autograd kernel, if any."""
+    _OPERATORS.append((library.ns, name, implementation, autograd))
+
+
+def _module():
+    from torch.utils import cpp_extension
+    import torch
+    try:        # (pip's ninja: its binary sits beside the interpreter, which need not be on PATH)
+        import ninja
+        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    version = "".join(c if c.isalnum() else "_" for c in torch.__version__)
+    return cpp_extension.load(name=f"conv_tutorial_native_{version}", sources=[os.path.join(_HERE, "native.cpp")],
+                              extra_cflags=["-O2"], verbose=False)
+
+
+_LAUNCHES = {}      # what launch.py tells (`use_launches`): the packed launches' C entry, the profiler check
+
+
+def use_launches(packed_api, hooks_set):
+    """launch.py's part: `packed_api()`, packed_launch.c's capsule or None (packed launches not available),
+    and `hooks_set()`, whether a profiler listens to Triton's launches (no program runs then)."""
+    _LAUNCHES.update(packed_api=packed_api, hooks_set=hooks_set)
+
+
+def _attach(module, packed_launches=True):
+    # the module's settings from Python's: the packed launches' C entry, the profiler check, the suspensions
+    capsule = _LAUNCHES["packed_api"]() if packed_launches else None
+    if capsule is not None:
+        module.set_packed_api(capsule)
+    module.set_hooks_check(_LAUNCHES["hooks_set"])
+    module.set_enabled(_ENABLED[0])
+    with _LOCK:
+        module.suspend(_SUSPENDED[0])
+        _STATE["module"] = module
+
+
+def _build():
+    try:
+        module = _module()
+        _attach(module)
+        for ns, name, implementation, autograd in _OPERATORS:
+            module.install(ns, name, "CUDA", implementation, autograd)
+    except Exception as error:  # noqa: BLE001  (no compiler, no ninja, another torch: the Python path serves)
+        _STATE["failed"] = True
+        warnings.warn(f"conv_tutorial: the native repeat path could not be built ({type(error).__name__}: "
+                      f"{error}); repeat calls take the Python path", RuntimeWarning)
+        return
+    ACTIVE[0] = True
+
+
+def start():
+    """Build and install the native kernels in a background thread, once (hostpath.call asks at the
+    first replay on a GPU; compile_ahead.compile_kernels_ahead before its pass)."""
+    if not _ENABLED[0] or _STATE["thread"] is not None or _STATE["failed"]:
+        return
+    with _LOCK:
+        if _STATE["thread"] is None:
+            _STATE["thread"] = threading.Thread(target=_build, name="conv_tutorial_native_build", daemon=True)
+            _STATE["thread"].start()
+
+
+def ensure() -> bool:
+    """Build and install the native kernels now (waiting for a build under way); whether they serve."""
+    start()
+    if _STATE["thread"] is not None:
+        _STATE["thread"].join()
+    return ACTIVE[0] and _ENABLED[0]
+
+
+def set_enabled(enabled: bool) -> bool:
+    """Turn the native repeat path on or off (off: every call goes to the Python kernels, as with
+    CONV_TUTORIAL_NATIVE=0); returns the previous setting."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {enabled!r}")
+    previous, _ENABLED[0] = _ENABLED[0], enabled
+    if _STATE["module"] is not None:
+        _STATE["module"].set_enabled(enabled)
+    return previous
+
+
+def invalidate():
+    """Forget every program handed over: a setting that chooses a call's path changed (autotuning, the
+    backward's backend, packed launches), or the replays were cleared."""
+    if _STATE["module"] is not None:
+        _STATE["module"].clear()
+
+
+def offer(qualified_name, replay):
+    """Hand the program of `replay` (a launch.Replay that just served a call of operator `qualified_name`)
+    to the C++ kernel serving that call, if one is, under the call's key. Programs with steps that run
+    torch's Python (a fold, a derived tensor, a finish) stay in Python."""
+    if not replay.program:
+        return False
+    size, program = replay.program
+    steps = []
+    for op in program:
+        kind = op[0]
+        if kind == "alloc":
+            _, base, shape, strides, dtype, zeroed, position = op
+            steps.append(("alloc", base, tuple(shape), None if strides is None else tuple(strides), dtype, zeroed,
+                          position))
+        elif kind in ("launch", "free"):
+            steps.append(op)
+        else:
+            return False
+    return _STATE["module"].offer(qualified_name, size, list(replay.sources), steps)
+
+
+class suspended:
+    """While active (a recording, a compile-ahead pass), no call runs a native program: the Python path
+    sees every launch."""
+
+    def __enter__(self):
+        with _LOCK:
+            _SUSPENDED[0] += 1
+            if _STATE["module"] is not None:
+                _STATE["module"].suspend(1)
+
+    def __exit__(self, *exc):
+        with _LOCK:
+            _SUSPENDED[0] -= 1
+            if _STATE["module"] is not None:
+                _STATE["module"].suspend(-1)
+
+
+def counts():
+    """{operator: (calls served natively, calls sent to Python, programs kept)} (the tests and the
+    benchmarks read it); {} before the kernels are installed."""
+    return {} if _STATE["module"] is None else dict(_STATE["module"].counts())

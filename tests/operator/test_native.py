@@ -1,0 +1,172 @@
+"""The native repeat path (conv_tutorial/native.py, native.cpp), on a CPU: the extension built with
+torch's headers, its kernels installed for a test operator at the CPU key and at AutogradCPU, over
+Python kernels that record their calls and hand over a program whose launch is a stand-in (it copies
+the input into the output through the addresses it is given, as a kernel would). What a hit runs,
+what goes to Python, and when a program is forgotten. On a GPU (test_replay.py): every path of the
+operators through the native kernels, with the bits of the Python path."""
+import ctypes
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import conv_tutorial.launch  # noqa: F401  (tells native.py how launches are made)
+from conv_tutorial import native
+
+NS, NAME = "conv_tutorial_native_test", "f"
+QUALIFIED = f"{NS}::{NAME}"
+
+
+class CopyLaunch:
+    """A program's launch: copies the input (bases[0]) into the output (bases[2]), as many bytes as the input has."""
+
+    def __init__(self, nbytes):
+        self.nbytes, self.seen = nbytes, []
+
+    def launch(self, stream, bases):
+        self.seen.append((stream, list(bases)))
+        ctypes.memmove(bases[2], bases[0], self.nbytes)
+
+
+class Program:
+    """What native.offer reads of a launch.Replay: its sources and its program (number of bases, steps)."""
+
+    def __init__(self, shape, launch):
+        self.sources = ("input", "weight")
+        self.program = (5, (("alloc", 2, shape, None, torch.float32, False, 0),
+                            ("alloc", 3, (2, 3), (1, 2), torch.float32, True, 1),     # strided, zeroed
+                            ("alloc", 4, (16,), None, torch.float32, False, None),    # a workspace
+                            ("launch", launch),
+                            ("free", 4)))
+
+
+class Operator:
+    def __init__(self, module):
+        self.python_calls, self.autograd_calls, self.offers, self.launches = [], [], [], {}
+        lib = torch.library.Library(NS, "DEF")
+        lib.define(f"{NAME}(Tensor input, Tensor weight, Tensor? bias, int[] stride, str activation=\"none\", "
+                   f"ScalarType? out_dtype=None) -> (Tensor, Tensor)")
+        lib.impl(NAME, self.implementation, "CompositeExplicitAutograd")
+        lib.impl(NAME, self.autograd, "Autograd")
+        lib.define("g(Tensor input) -> (Tensor, int)")
+        self.lib = lib
+        native._attach(module, packed_launches=False)
+        module.install(NS, NAME, "CPU", self.implementation, self.autograd)
+        self.op = getattr(getattr(torch.ops, NS), NAME).default
+
+    def implementation(self, input, weight, bias, stride, activation="none", out_dtype=None):
+        self.python_calls.append((type(stride), stride, activation, out_dtype, bias is None))
+        if activation == "raise":
+            raise ValueError("activation 'raise' is refused (a test of errors through the native kernel)")
+        shape = tuple(input.shape)
+        launch = self.launches.setdefault(shape, CopyLaunch(input.nbytes))
+        self.offers.append(native.offer(f"{NS}::g", Program(shape, launch)))     # another operator's: refused
+        self.offers.append(native.offer(QUALIFIED, Program(shape, launch)))
+        return input.clone(), torch.zeros(3, 2).t()
+
+    def autograd(self, *args):
+        self.autograd_calls.append(len(args))
+        with torch._C._AutoDispatchBelowAutograd():
+            return self.op(*args)
+
+
+@pytest.fixture(scope="module")
+def operator():
+    module = native._module()       # (a C++ compiler and ninja: CI builds it, ~20-60 s)
+    return Operator(module)
+
+
+def _args(shape=(2, 3, 4, 4)):
+    x = torch.randn(shape)
+    return x, torch.randn(5, 3, 1, 1)
+
+
+def test_a_repeat_call_runs_the_program_handed_over(operator):
+    x, w = _args()
+    operator.op(x, w, None, [1, 1])                      # a miss: Python, which hands its program over
+    assert operator.offers[-2:] == [False, True]
+    hits_before = native.counts()[QUALIFIED][0]
+    python_calls = len(operator.python_calls)
+    x2, w2 = _args()
+    out, stats = operator.op(x2, w2, None, [1, 1])
+    assert len(operator.python_calls) == python_calls and native.counts()[QUALIFIED][0] == hits_before + 1
+    torch.testing.assert_close(out, x2, rtol=0, atol=0)      # the launch's copy, into the output allocated
+    assert stats.shape == (2, 3) and stats.stride() == (1, 2) and not stats.any()   # zeroed, strided as recorded
+    stream, bases = operator.launches[tuple(x.shape)].seen[-1]
+    assert stream == 0 and bases[:4] == [x2.data_ptr(), w2.data_ptr(), out.data_ptr(), stats.data_ptr()]
+    assert bases[4] != 0                                     # the workspace, allocated for the launch
+
+
+def test_python_takes_what_a_program_may_not_serve(operator):
+    x, w = _args((1, 3, 6, 6))
+    operator.op(x, w, None, [1, 1])
+    operator.op(x, w, None, [1, 1])                          # served natively from here
+    n = len(operator.python_calls)
+
+    def python_serves(*args):
+        calls = len(operator.python_calls)
+        operator.op(*args)
+        assert len(operator.python_calls) == calls + 1
+
+    # A gradient to record: the autograd kernel in Python (whose own call below autograd may then be served)
+    autograd_calls = len(operator.autograd_calls)
+    operator.op(x.clone().requires_grad_(), w, None, [1, 1])
+    assert len(operator.autograd_calls) == autograd_calls + 1
+    with torch.no_grad():                                    # ... and none without grad mode
+        operator.op(x.clone().requires_grad_(), w, None, [1, 1])
+    assert len(operator.autograd_calls) == autograd_calls + 1 and len(operator.python_calls) == n
+    python_serves(x, w, None, [2, 2])                        # another key: its first call
+    python_serves(x, w, torch.zeros(5), [1, 1])
+    python_serves(torch.randn(1 * 3 * 36 + 1)[1:].view(1, 3, 6, 6), w, None, [1, 1])  # 4 bytes off 16
+    with native.suspended():                                 # a recording, a compile-ahead pass
+        python_serves(x, w, None, [1, 1])
+
+    seen = []
+
+    class Listening(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Listening():                                        # a mode sees the call (not a program run past it)
+        operator.op(x, w, None, [1, 1])
+    assert operator.op in seen
+    previous = native.set_enabled(False)
+    try:
+        python_serves(x, w, None, [1, 1])
+    finally:
+        native.set_enabled(previous)
+    native.invalidate()                                      # a setting changed: programs forgotten
+    python_serves(x, w, None, [1, 1])                        # ... and handed over again
+    calls = len(operator.python_calls)
+    operator.op(x, w, None, [1, 1])
+    assert len(operator.python_calls) == calls and n > 0
+
+
+def test_python_gets_the_arguments_as_torch_gives_them(operator):
+    x, w = _args((1, 3, 2, 2))
+    operator.op(x, w, None, [1, 2], "relu", torch.bfloat16)
+    assert operator.python_calls[-1] == (list, [1, 2], "relu", torch.bfloat16, True)
+
+
+def test_an_error_in_python_reaches_the_caller_and_the_next_call_is_served(operator):
+    x, w = _args((1, 3, 3, 3))
+    with pytest.raises(ValueError, match="activation 'raise' is refused"):
+        operator.op(x, w, None, [1, 1], "raise")
+    operator.op(x, w, None, [1, 1])
+    calls = len(operator.python_calls)
+    out, _ = operator.op(x, w, None, [1, 1])
+    assert len(operator.python_calls) == calls
+    torch.testing.assert_close(out, x, rtol=0, atol=0)
+
+
+def test_no_offer_outside_a_call_and_no_operator_that_returns_other_than_tensors(operator):
+    x, w = _args((1, 3, 5, 5))
+    assert native.offer(QUALIFIED, Program(tuple(x.shape), CopyLaunch(x.nbytes))) is False
+    with pytest.raises(ValueError, match="not only tensors"):
+        native._STATE["module"].install(NS, "g", "CPU", lambda x: (x, 1), None)
+
+
+def test_set_enabled_checks_its_argument():
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        native.set_enabled("yes")
