@@ -74,7 +74,7 @@ def call(op, key, device, tensors, full_path, results, zeroed=()):
             if native.ACTIVE[0]:
                 native.offer(op, replay)
             elif str(device).startswith("cuda"):
-                native.start()      # (once: built in the background, installed when built)
+                native.start()      # (built in the background once, installed at a call after that)
             return out[0] if len(results) == 1 else out
     if not records(key):
         record_breaks()     # (a call recorded around this one would not see its launches)

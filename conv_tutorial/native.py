@@ -30,9 +30,13 @@ ACTIVE = [False]            # the kernels are installed: hostpath.call offers pr
 
 
 def register(library, name, implementation, autograd=None):
-    """Serve operator `name` of `library` natively once the extension is built: `implementation` is its
-    Python kernel at the CUDA key (CompositeExplicitAutograd's), `autograd` its autograd kernel, if any."""
-    _OPERATORS.append((library.ns, name, implementation, autograd))
+    """Serve operator `name` of `library` natively once the extension is built (at once, if it is):
+    `implementation` is its Python kernel at the CUDA key (CompositeExplicitAutograd's), `autograd`
+    its autograd kernel, if any."""
+    with _LOCK:
+        _OPERATORS.append((library.ns, name, implementation, autograd))
+        if ACTIVE[0]:
+            _STATE["module"].install(library.ns, name, "CUDA", implementation, autograd)
 
 
 def _module():
@@ -66,33 +70,42 @@ def _attach(module, packed_launches=True):
     module.set_hooks_check(_LAUNCHES["hooks_set"])
     module.set_enabled(_ENABLED[0])
     with _LOCK:
-        module.suspend(_SUSPENDED[0])
-        _STATE["module"] = module
+        if _STATE["module"] is not module:      # (attached once: the suspensions under way counted once)
+            module.suspend(_SUSPENDED[0])
+            _STATE["module"] = module
 
 
 def _build():
+    # (in a background thread: the compile and the load; the kernels are installed by a caller's thread, `start`)
     try:
-        module = _module()
-        _attach(module)
-        for ns, name, implementation, autograd in _OPERATORS:
-            module.install(ns, name, "CUDA", implementation, autograd)
+        _attach(_module())
     except Exception as error:  # noqa: BLE001  (no compiler, no ninja, another torch: the Python path serves)
         _STATE["failed"] = True
         warnings.warn(f"conv_tutorial: the native repeat path could not be built ({type(error).__name__}: "
                       f"{error}); repeat calls take the Python path", RuntimeWarning)
-        return
-    ACTIVE[0] = True
 
 
 def start():
-    """Build and install the native kernels in a background thread, once (hostpath.call asks at the
-    first replay on a GPU; compile_ahead.compile_kernels_ahead before its pass)."""
-    if not _ENABLED[0] or _STATE["thread"] is not None or _STATE["failed"]:
+    """Build the native kernels in a background thread, once, and install them once built (hostpath.call
+    asks at each replay on a GPU until they are; compile_ahead.compile_kernels_ahead before its pass).
+    Installing changes the dispatcher's tables, so it happens here, in a thread that calls the operators,
+    not in the build's thread while another call may be under way."""
+    if ACTIVE[0] or not _ENABLED[0] or _STATE["failed"]:
         return
     with _LOCK:
         if _STATE["thread"] is None:
             _STATE["thread"] = threading.Thread(target=_build, name="conv_tutorial_native_build", daemon=True)
             _STATE["thread"].start()
+        elif _STATE["module"] is not None and not _STATE["thread"].is_alive() and not ACTIVE[0]:
+            try:
+                for ns, name, implementation, autograd in _OPERATORS:
+                    _STATE["module"].install(ns, name, "CUDA", implementation, autograd)
+            except Exception as error:  # noqa: BLE001
+                _STATE["failed"] = True
+                warnings.warn(f"conv_tutorial: the native kernels could not be installed ({type(error).__name__}: "
+                              f"{error}); repeat calls take the Python path", RuntimeWarning)
+                return
+            ACTIVE[0] = True
 
 
 def ensure() -> bool:
@@ -100,6 +113,7 @@ def ensure() -> bool:
     start()
     if _STATE["thread"] is not None:
         _STATE["thread"].join()
+    start()
     return ACTIVE[0] and _ENABLED[0]
 
 
@@ -125,21 +139,28 @@ def offer(qualified_name, replay):
     """Hand the program of `replay` (a launch.Replay that just served a call of operator `qualified_name`)
     to the C++ kernel serving that call, if one is, under the call's key. Programs with steps that run
     torch's Python (a fold, a derived tensor, a finish) stay in Python."""
-    if not replay.program:
-        return False
-    size, program = replay.program
-    steps = []
-    for op in program:
-        kind = op[0]
-        if kind == "alloc":
-            _, base, shape, strides, dtype, zeroed, position = op
-            steps.append(("alloc", base, tuple(shape), None if strides is None else tuple(strides), dtype, zeroed,
-                          position))
-        elif kind in ("launch", "free"):
-            steps.append(op)
-        else:
+    steps = getattr(replay, "native_steps", None)      # (worked out once per replay)
+    if steps is None:
+        if not replay.program:
             return False
-    return _STATE["module"].offer(qualified_name, size, list(replay.sources), steps)
+        size, program = replay.program
+        steps = []
+        for op in program:
+            kind = op[0]
+            if kind == "alloc":
+                _, base, shape, strides, dtype, zeroed, position = op
+                steps.append(("alloc", base, tuple(shape), None if strides is None else tuple(strides), dtype,
+                              zeroed, position))
+            elif kind in ("launch", "free"):
+                steps.append(op)
+            else:
+                steps = False
+                break
+        replay.native_steps = steps = steps and (size, list(replay.sources), steps)
+    if not steps:
+        return False
+    size, sources, steps = steps
+    return _STATE["module"].offer(qualified_name, size, sources, steps)
 
 
 class suspended:

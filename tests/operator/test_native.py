@@ -170,3 +170,12 @@ def test_no_offer_outside_a_call_and_no_operator_that_returns_other_than_tensors
 def test_set_enabled_checks_its_argument():
     with pytest.raises(TypeError, match="enabled must be a bool"):
         native.set_enabled("yes")
+
+
+def test_a_program_with_a_python_step_stays_in_python(operator):
+    """A replay whose program runs torch's Python (the stem's fold, wgrad's derived input) is not handed over;
+    the verdict is kept on the replay, so later calls do not work it out again."""
+    x, w = _args((1, 3, 7, 7))
+    folding = Program(tuple(x.shape), CopyLaunch(x.nbytes))
+    folding.program = (folding.program[0], (("fold", None, "input", "weight", 3, 4),) + folding.program[1])
+    assert native.offer(QUALIFIED, folding) is False and folding.native_steps is False
