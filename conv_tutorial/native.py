@@ -64,7 +64,8 @@ def use_launches(packed_api, hooks_set):
 
 def _attach(module, packed_launches=True):
     # the module's settings from Python's: the packed launches' C entry, the profiler check, the suspensions
-    capsule = _LAUNCHES["packed_api"]() if packed_launches else None
+    packed_api = _LAUNCHES["packed_api"]
+    capsule = packed_api() if packed_launches else None
     if capsule is not None:
         module.set_packed_api(capsule)
     module.set_hooks_check(_LAUNCHES["hooks_set"])

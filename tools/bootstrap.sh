@@ -10,7 +10,7 @@ import importlib.metadata as md, sys
 def ver(name):
     return tuple(int(p) for p in md.version(name).split("+")[0].split(".")[:2])
 ok = ver("triton") == (3, 9) and ver("torch") >= (2, 9)
-for name in ("pytest", "matplotlib", "numpy", "torchvision"):
+for name in ("pytest", "matplotlib", "numpy", "torchvision", "ninja"):
     md.version(name)
 import torchvision  # noqa: F401  (a torchvision built for another torch fails here: "torchvision::nms does not exist")
 sys.exit(0 if ok else 1)

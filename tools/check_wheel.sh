@@ -2,14 +2,15 @@
 # The package installs as a user installs it, end to end, on a machine with or without a GPU:
 #   1. a fresh clone of this repository's committed tree (--tree: a copy of the working tree instead)
 #   2. `pip wheel . --no-deps`; the wheel holds every module of conv_tutorial/, and declares the Triton pin
-#      of requirements.txt (the lessons' set-up), and no more dependencies than torch and Triton
+#      of requirements.txt (the lessons' set-up), and no more dependencies than torch, Triton and ninja
 #   3. a new venv, `pip install <wheel>`, its dependencies resolved by pip alone (first a dry run that
 #      says which torch and Triton pip picks)
 #   4. from an empty folder, with the checkout nowhere on the path: `import conv_tutorial` (from the
 #      venv), a conv on CPU tensors through conv_tutorial.conv2d (the fallback to torch) against
 #      torch.nn.functional.conv2d, and the package's forward kernel compiled ahead of time for sm_90
 #      from the installed files (conv_tutorial.kernels.aot; Triton compiles for a target without a GPU), and
-#      the replays' packed launches (conv_tutorial/packed_launch.c) built by Triton's build.
+#      the replays' packed launches (conv_tutorial/packed_launch.c) built by Triton's build, and the repeat
+#      calls' C++ kernels (conv_tutorial/native.cpp) built by torch's, with the ninja pip installed.
 # Usage: tools/check_wheel.sh [--tree] [--pypi] [--torch SPEC] [--keep]
 #   --pypi  resolve as a user's pip does: PyPI only, without this machine's pip configuration
 #           (PIP_CONFIG_FILE=/dev/null; on this machine it caps torch at its local wheels). On Linux x86_64
@@ -61,7 +62,7 @@ echo "[check_wheel] 2. $(basename "$wheel"), $(stat -c %s "$wheel") bytes"
 import pathlib, re, sys, zipfile
 wheel, src = sys.argv[1], pathlib.Path(sys.argv[2])
 names = set(zipfile.ZipFile(wheel).namelist())
-modules = {p.relative_to(src).as_posix() for pattern in ("*.py", "*.c") for p in (src / "conv_tutorial").rglob(pattern)}
+modules = {p.relative_to(src).as_posix() for pattern in ("*.py", "*.c", "*.cpp") for p in (src / "conv_tutorial").rglob(pattern)}
 missing = sorted(modules - names)
 assert not missing, f"the wheel lacks {missing} (a subpackage without __init__.py?)"
 meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
@@ -71,12 +72,12 @@ def name_and_specs(requirement):
     name, specs = re.match(r"\s*([A-Za-z0-9_.-]+)\s*(.*)", requirement).groups()
     return name.lower(), sorted(s.replace(" ", "") for s in specs.split(";")[0].split(",") if s.strip())
 declared = dict(name_and_specs(r) for r in requires if "extra ==" not in r)
-assert set(declared) == {"torch", "triton"}, f"the package should declare torch and triton only, not {sorted(declared)}"
+assert set(declared) == {"torch", "triton", "ninja"}, f"the package should declare torch, triton and ninja only, not {sorted(declared)}"
 lessons = dict(name_and_specs(line) for line in (src / "requirements.txt").read_text().splitlines()
                if line.strip() and not line.lstrip().startswith("#"))
 for name in ("triton", "torch"):
     assert declared[name] == lessons[name], f"{name}: pyproject.toml says {declared[name]}, requirements.txt {lessons[name]}"
-print(f"   {len(modules)} modules and sources of conv_tutorial/ in the wheel; torch and Triton pinned as requirements.txt pins them")
+print(f"   {len(modules)} modules and sources of conv_tutorial/ in the wheel; torch and Triton pinned as requirements.txt pins them, and ninja")
 PY
 
 # 3. the install, pip resolving the dependencies
@@ -152,5 +153,9 @@ print(f"   {kernel.__name__} compiled ahead of time for {arch} by {where.relativ
 from conv_tutorial import packed
 built = pathlib.Path(packed.module().__file__)
 print(f"   conv_tutorial/packed_launch.c built by Triton's build: {built.name}")
+# the repeat calls' C++ kernels, built from the installed source by torch's build with pip's ninja (native.py)
+import conv_tutorial.launch  # noqa: F401  (tells native.py how launches are made)
+from conv_tutorial import native
+print(f"   conv_tutorial/native.cpp built by torch's build: {pathlib.Path(native._module().__file__).name}")
 PY
 echo "[check_wheel] passed"
