@@ -165,8 +165,10 @@ py::object to_python(const c10::IValue &v, const c10::Argument &argument) {
 
 class Kernel : public c10::OperatorKernel {
  public:
-  Kernel(Operator *op, py::object fallback, c10::DispatchKey backend, bool autograd)
-      : op_(op), fallback_(std::move(fallback)), backend_(backend), autograd_(autograd) {}
+  // `fallback` is kept for good (never released): the dispatcher frees its kernels at the process's exit,
+  // after Python has finalized, when no Python object may be touched.
+  Kernel(Operator *op, const py::object &fallback, c10::DispatchKey backend, bool autograd)
+      : op_(op), fallback_(fallback.inc_ref().ptr()), backend_(backend), autograd_(autograd) {}
 
   void operator()(const c10::OperatorHandle &handle, c10::DispatchKeySet keys, torch::jit::Stack *stack) {
     const auto &schema = handle.schema();
@@ -190,7 +192,7 @@ class Kernel : public c10::OperatorKernel {
       py::tuple args(arguments.size());
       for (size_t i = 0; i < arguments.size(); ++i)
         args[i] = to_python(arguments[i], schema.arguments()[i]);
-      out = fallback_(*args);
+      out = py::reinterpret_borrow<py::object>(fallback_)(*args);
     } catch (...) {
       if (keyed)
         pending.pop_back();
@@ -302,7 +304,7 @@ class Kernel : public c10::OperatorKernel {
   }
 
   Operator *op_;
-  py::object fallback_;
+  PyObject *fallback_;
   c10::DispatchKey backend_;
   bool autograd_;
 };

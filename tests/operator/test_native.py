@@ -179,3 +179,24 @@ def test_a_program_with_a_python_step_stays_in_python(operator):
     folding = Program(tuple(x.shape), CopyLaunch(x.nbytes))
     folding.program = (folding.program[0], (("fold", None, "input", "weight", 3, 4),) + folding.program[1])
     assert native.offer(QUALIFIED, folding) is False and folding.native_steps is False
+
+
+def test_a_process_with_the_kernels_installed_exits_cleanly(operator):
+    """The dispatcher frees its kernels at exit, after Python has finalized: a kernel that let go of its Python
+    kernel then would crash the process (it did: a segmentation fault after every test had passed)."""
+    import os
+    import subprocess
+    import sys
+    code = ("import torch, conv_tutorial.launch\n"
+            "from conv_tutorial import native\n"
+            "lib = torch.library.Library('conv_tutorial_native_exit', 'DEF')\n"
+            "lib.define('f(Tensor x) -> Tensor')\n"
+            "lib.impl('f', lambda x: x.clone(), 'CompositeExplicitAutograd')\n"
+            "native._attach(native._module(), packed_launches=False)\n"
+            "native._STATE['module'].install('conv_tutorial_native_exit', 'f', 'CPU', lambda x: x.clone(), None)\n"
+            "torch.ops.conv_tutorial_native_exit.f(torch.ones(2))\n"
+            "print('called')\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0 and "called" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
