@@ -72,7 +72,7 @@ def call(op, key, device, tensors, full_path, results, zeroed=()):
         out = replay(device, tensors)
         if out is not None:
             if native.ACTIVE[0]:
-                native.offer(op, replay)
+                native.offer_or_stop(op, replay)
             elif str(device).startswith("cuda"):
                 native.start()      # (built in the background once, installed at a call after that)
             return out[0] if len(results) == 1 else out
@@ -95,13 +95,14 @@ def _plain(tensors):
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def register_autograd(library, name, implementation, backward, setup_context, tensor_positions):
+def register_autograd(library, name, implementation, backward, setup_context, tensor_positions, serve_natively=True):
     """The autograd kernel of operator `name` (of `library`): as torch.library.register_autograd's,
     an autograd.Function where a gradient is needed, else the call itself, with less host time:
     plain tensors (`_plain`) go straight to `implementation` (one Python call, not a redispatch
     through the dispatcher to it), and the check that a gradient is needed is one C call. Other
     tensors (torch.compile's tracing, a dispatch mode) are redispatched below autograd, as torch
-    does. `tensor_positions`: which arguments are (optional) tensors."""
+    does. `tensor_positions`: which arguments are (optional) tensors. `serve_natively`: the operator's
+    repeat calls may run in C++ (native.py); False for one whose replays are another operator's."""
     op = getattr(getattr(torch.ops, library.ns), name).default
     defaults = tuple(a.default_value for a in op._schema.arguments)
 
@@ -128,4 +129,5 @@ def register_autograd(library, name, implementation, backward, setup_context, te
         return run(args)
 
     library.impl(name, kernel, "Autograd")
-    native.register(library, name, implementation, kernel)
+    if serve_natively:
+        native.register(library, name, implementation, kernel)

@@ -12,8 +12,10 @@
 // generation, bumped by Python on every setting that chooses a path), a call while Python records or
 // compiles ahead (`suspend`), an unaligned input, a profiler listening to Triton's launches.
 //
-// Everything here runs with the GIL held (the dispatcher lets it go before a kernel runs): it guards
-// the programs, which Python hands over, and the packed launches, which keep tensor maps per address.
+// A kernel takes the GIL for its call (the dispatcher lets it go before a kernel runs): it guards the
+// programs, which Python hands over, and the packed launches, which keep tensor maps per address. A
+// program's run lets it go around each launch's driver call (packed_launch.c) and may call Python (the
+// profiler check), where another thread may drop or replace the program: a run holds its own reference.
 #include <torch/extension.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -81,7 +83,7 @@ struct Operator {
   std::string name;                  // as Python names it: the library's operator name, no namespace
   std::vector<std::string> arguments;  // the schema's argument names
   size_t n_returns = 0;
-  std::unordered_map<Key, Program, KeyHash> programs;
+  std::unordered_map<Key, std::shared_ptr<const Program>, KeyHash> programs;
   uint64_t hits = 0, misses = 0;
 };
 
@@ -90,6 +92,7 @@ struct Pending {
   Operator *op;
   const Key *key;
   const std::vector<c10::IValue> *arguments;
+  uint64_t generation;  // the settings' generation when the call missed: a program offered under it
   bool taken = false;
 };
 thread_local std::vector<Pending *> pending;
@@ -178,13 +181,16 @@ class Kernel : public c10::OperatorKernel {
     bool keyed = enabled && eligible(keys, arguments) && make_key(arguments, current_device(), key);
     if (keyed && suspended.load() == 0) {
       auto found = op_->programs.find(key);
-      if (found != op_->programs.end() && found->second.generation == generation && run(found->second, arguments, stack)) {
-        op_->hits++;
-        return;
+      if (found != op_->programs.end() && found->second->generation == generation) {
+        std::shared_ptr<const Program> program = found->second;  // (kept alive through the run)
+        if (run(*program, arguments, stack)) {
+          op_->hits++;
+          return;
+        }
       }
     }
     op_->misses++;
-    Pending call{op_, &key, &arguments};
+    Pending call{op_, &key, &arguments, generation};
     if (keyed)
       pending.push_back(&call);
     py::object out;
@@ -245,11 +251,13 @@ class Kernel : public c10::OperatorKernel {
     if (hooks_set && (*hooks_set)().cast<bool>())
       return false;
     const at::Tensor &like = arguments[program.device_argument].toTensor();
-    c10::Device device = like.device();
-    uint64_t stream = 0;
-    if (device.is_cuda())
+    c10::Device device = like.device();  // the results' (the Python path's `device`: the input's)
+    uint64_t stream = 0;                 // the launches', as Python's: the current device's current stream
+    if (device.is_cuda()) {
+      c10::Device current(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(current_device()));
       stream = reinterpret_cast<uint64_t>(
-          c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(device).native_handle());
+          c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(current).native_handle());
+    }
     std::vector<at::Tensor> results(op_->n_returns);
     std::unordered_map<int, at::Tensor> held;
     py::list base_list;  // (for launches that are not packed: the CPU tests' stand-ins)
@@ -360,7 +368,7 @@ bool offer(const std::string &qualified, int n_bases, const std::vector<std::str
   Operator *op = call->op;
   Program program;
   program.n_bases = n_bases;
-  program.generation = generation;
+  program.generation = call->generation;  // (a setting changed since the call missed: the program is stale)
   for (const std::string &source : sources) {
     auto at = std::find(op->arguments.begin(), op->arguments.end(), source);
     if (at == op->arguments.end())
@@ -412,7 +420,7 @@ bool offer(const std::string &qualified, int n_bases, const std::vector<std::str
       return false;
   if (op->programs.size() >= kMaxPrograms)
     op->programs.clear();
-  op->programs[*call->key] = std::move(program);
+  op->programs[*call->key] = std::make_shared<const Program>(std::move(program));
   call->taken = true;
   return true;
 }

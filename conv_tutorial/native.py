@@ -64,16 +64,24 @@ def use_launches(packed_api, hooks_set):
 
 def _attach(module, packed_launches=True):
     # the module's settings from Python's: the packed launches' C entry, the profiler check, the suspensions
-    packed_api = _LAUNCHES["packed_api"]
-    capsule = packed_api() if packed_launches else None
-    if capsule is not None:
-        module.set_packed_api(capsule)
     module.set_hooks_check(_LAUNCHES["hooks_set"])
-    module.set_enabled(_ENABLED[0])
     with _LOCK:
+        module.set_enabled(_ENABLED[0])
         if _STATE["module"] is not module:      # (attached once: the suspensions under way counted once)
             module.suspend(_SUSPENDED[0])
             _STATE["module"] = module
+    if packed_launches:
+        _attach_packed_launches()
+
+
+def _attach_packed_launches():
+    # packed_launch.c's C entry, once it is built (packed launches turned on later: at the first offer then)
+    if not _STATE.get("packed"):
+        packed_api = _LAUNCHES["packed_api"]
+        capsule = packed_api()
+        if capsule is not None:
+            _STATE["module"].set_packed_api(capsule)
+            _STATE["packed"] = True
 
 
 def _build():
@@ -90,7 +98,9 @@ def start():
     """Build the native kernels in a background thread, once, and install them once built (hostpath.call
     asks at each replay on a GPU until they are; compile_ahead.compile_kernels_ahead before its pass).
     Installing changes the dispatcher's tables, so it happens here, in a thread that calls the operators,
-    not in the build's thread while another call may be under way."""
+    not in the build's thread. A process whose threads call the operators at the same time should
+    install them before it starts those threads (`ensure()`), or keep them off (CONV_TUTORIAL_NATIVE=0):
+    a call under way in another thread could read a table being rewritten."""
     if ACTIVE[0] or not _ENABLED[0] or _STATE["failed"]:
         return
     with _LOCK:
@@ -123,9 +133,10 @@ def set_enabled(enabled: bool) -> bool:
     CONV_TUTORIAL_NATIVE=0); returns the previous setting."""
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {enabled!r}")
-    previous, _ENABLED[0] = _ENABLED[0], enabled
-    if _STATE["module"] is not None:
-        _STATE["module"].set_enabled(enabled)
+    with _LOCK:
+        previous, _ENABLED[0] = _ENABLED[0], enabled
+        if _STATE["module"] is not None:
+            _STATE["module"].set_enabled(enabled)
     return previous
 
 
@@ -158,10 +169,24 @@ def offer(qualified_name, replay):
                 steps = False
                 break
         replay.native_steps = steps = steps and (size, list(replay.sources), steps)
+        if steps and replay.packed:
+            _attach_packed_launches()
     if not steps:
         return False
     size, sources, steps = steps
     return _STATE["module"].offer(qualified_name, size, sources, steps)
+
+
+def offer_or_stop(qualified_name, replay):
+    """`offer`, for hostpath.call, whose result is already computed: a failure to hand a program over (a
+    fault of this module's) turns the native path off with a warning, and fails no call."""
+    try:
+        return offer(qualified_name, replay)
+    except Exception as error:  # noqa: BLE001
+        set_enabled(False)
+        warnings.warn(f"conv_tutorial: a replay could not be handed to the native kernels ({type(error).__name__}: "
+                      f"{error}); repeat calls take the Python path from now on", RuntimeWarning)
+        return False
 
 
 class suspended:

@@ -211,7 +211,7 @@ def _backward_after_relu(ctx, grad_out):
 
 
 hostpath.register_autograd(_LIBRARY, "conv2d_after_relu", _conv2d_after_relu, _backward_after_relu, _setup_after_relu,
-                      (0, 1, 2, 3))
+                      (0, 1, 2, 3), serve_natively=False)     # (its calls replay as conv2d's, served natively there)
 
 
 class ConvBatchNorm2d(torch.nn.Module):

@@ -29,10 +29,11 @@ class CopyLaunch:
 
 
 class Program:
-    """What native.offer reads of a launch.Replay: its sources and its program (number of bases, steps)."""
+    """What native.offer reads of a launch.Replay: its sources, its program (number of bases, steps), and
+    whether its launches are packed (here: stand-ins, which the C++ kernel calls through Python)."""
 
     def __init__(self, shape, launch):
-        self.sources = ("input", "weight")
+        self.sources, self.packed = ("input", "weight"), False
         self.program = (5, (("alloc", 2, shape, None, torch.float32, False, 0),
                             ("alloc", 3, (2, 3), (1, 2), torch.float32, True, 1),     # strided, zeroed
                             ("alloc", 4, (16,), None, torch.float32, False, None),    # a workspace
@@ -43,6 +44,7 @@ class Program:
 class Operator:
     def __init__(self, module):
         self.python_calls, self.autograd_calls, self.offers, self.launches = [], [], [], {}
+        self.setting_changes_during_call = False
         lib = torch.library.Library(NS, "DEF")
         lib.define(f"{NAME}(Tensor input, Tensor weight, Tensor? bias, int[] stride, str activation=\"none\", "
                    f"ScalarType? out_dtype=None) -> (Tensor, Tensor)")
@@ -60,6 +62,8 @@ class Operator:
             raise ValueError("activation 'raise' is refused (a test of errors through the native kernel)")
         shape = tuple(input.shape)
         launch = self.launches.setdefault(shape, CopyLaunch(input.nbytes))
+        if self.setting_changes_during_call:     # (another thread's set_backward, say, while this call runs)
+            native.invalidate()
         self.offers.append(native.offer(f"{NS}::g", Program(shape, launch)))     # another operator's: refused
         self.offers.append(native.offer(QUALIFIED, Program(shape, launch)))
         return input.clone(), torch.zeros(3, 2).t()
@@ -153,6 +157,7 @@ def test_an_error_in_python_reaches_the_caller_and_the_next_call_is_served(opera
     x, w = _args((1, 3, 3, 3))
     with pytest.raises(ValueError, match="activation 'raise' is refused"):
         operator.op(x, w, None, [1, 1], "raise")
+    assert native.offer(QUALIFIED, Program(tuple(x.shape), CopyLaunch(x.nbytes))) is False    # nothing left pending
     operator.op(x, w, None, [1, 1])
     calls = len(operator.python_calls)
     out, _ = operator.op(x, w, None, [1, 1])
@@ -200,3 +205,17 @@ def test_a_process_with_the_kernels_installed_exits_cleanly(operator):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0 and "called" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_a_program_made_before_a_setting_changed_does_not_serve(operator):
+    """A program is stamped with the settings of the call that missed, not of the moment it is handed over: a
+    setting changed in between (by another thread) leaves it stale."""
+    x, w = _args((1, 3, 4, 5))
+    operator.setting_changes_during_call = True
+    try:
+        operator.op(x, w, None, [1, 1])
+    finally:
+        operator.setting_changes_during_call = False
+    calls = len(operator.python_calls)
+    operator.op(x, w, None, [1, 1])
+    assert len(operator.python_calls) == calls + 1
