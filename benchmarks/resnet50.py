@@ -339,8 +339,8 @@ def plot(data, outdir):
         ax.set_xlabel("model variant (green: cuDNN convs; blue: lesson 05's)")
         ax.set_title(f"ResNet-50 inference, batch {batch}, bf16", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"{data['device']}, torch {data['torch']}, Triton {data['triton']}, cuDNN {data['cudnn']}; "
-                 f"configs: {data['configs']}", fontsize=9)
+    fig.suptitle(f"{data['device']}, torch {data['torch']}, Triton {data['triton']}, cuDNN {data['cudnn']}\n"
+                 f"configs: {data['configs']}", fontsize=9)     # (two lines: a one-batch figure is narrow)
     common.save_figure(fig, outdir, "resnet50", data)
 
 
