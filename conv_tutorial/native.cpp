@@ -438,9 +438,8 @@ void set_hooks_check(py::object check) {
   *hooks_set = std::move(check);
 }
 
-// Forget every program (Python: a setting that chooses a path changed, or its replays were cleared)
-void invalidate() { generation++; }
-
+// Forget every program (Python: a setting that chooses a path changed, or its replays were cleared); the
+// generation makes stale the programs of calls that missed before it and are handed over after it
 void clear() {
   generation++;
   for (auto &entry : operators)
@@ -469,7 +468,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("offer", &offer);
   m.def("set_packed_api", &set_packed_api);
   m.def("set_hooks_check", &set_hooks_check);
-  m.def("invalidate", &invalidate);
   m.def("clear", &clear);
   m.def("set_enabled", &set_enabled);
   m.def("suspend", &suspend);

@@ -23,7 +23,7 @@ import warnings
 _HERE = os.path.dirname(__file__)
 _ENABLED = [os.environ.get("CONV_TUTORIAL_NATIVE", "1") != "0"]
 _OPERATORS = []             # (namespace, name, implementation, autograd kernel or None), as registered
-_STATE = {"module": None, "thread": None, "failed": False}
+_STATE = {"module": None, "thread": None, "failed": False, "packed": False}   # packed: the C entry attached
 _LOCK = threading.Lock()
 _SUSPENDED = [0]            # recordings and compile-ahead passes under way: no program runs meanwhile
 ACTIVE = [False]            # the kernels are installed: hostpath.call offers programs
@@ -76,7 +76,7 @@ def _attach(module, packed_launches=True):
 
 def _attach_packed_launches():
     # packed_launch.c's C entry, once it is built (packed launches turned on later: at the first offer then)
-    if not _STATE.get("packed"):
+    if not _STATE["packed"]:
         packed_api = _LAUNCHES["packed_api"]
         capsule = packed_api()
         if capsule is not None:

@@ -22,6 +22,8 @@ import struct
 import warnings
 from typing import NamedTuple
 
+from . import native
+
 _MODULE = "conv_tutorial_packed_launch"
 _MAP_BYTES = _MAP_ALIGN = 128
 _SCRATCH_POINTERS = 2        # Triton's launcher passes a global and a profile scratch pointer after the arguments
@@ -230,7 +232,6 @@ def set_enabled(enabled: bool) -> bool:
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {enabled!r}")
     previous, _ENABLED[0] = _ENABLED[0], enabled
-    from . import native
     native.invalidate()     # (programs handed to the native kernels keep the launches they were built with)
     return previous
 
