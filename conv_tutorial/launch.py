@@ -241,9 +241,7 @@ class Recording:
     window_args, stats, out) (`out` the output's address, None for a window) and ("launch",
     DirectLaunch, grid, args, pointer positions in args) and ("scratch", shape, dtype, (address,
     bytes)), a workspace the call allocated; `broken` where the call did anything a
-    replay of these steps would not repeat (a first launch, a copy, torch's sums). A "fold" step,
-    ("fold", FoldedConv, x, w, (x_fold, bytes), (w_fold, bytes)), is runtime.FoldedConv.apply's:
-    the addresses of what it read and of the copies it made, which later steps read. A "derive" step,
+    replay of these steps would not repeat (a first launch, a copy, torch's sums). A "derive" step,
     ("derive", fn, source, (address, bytes)): a new tensor fn(NHWC view of the source at address
     `source`), which later steps read (wgrad's folded x); a "finish" step, ("finish", fn, buffer,
     (address, bytes)): a result computed as fn(the workspace at `buffer`) by torch (wgrad's unfolded dW).
@@ -312,8 +310,8 @@ class Replay:
 
     Built from a `Recording` of one call (`Replay.of`), where every address a launch took lies in
     one of the call's `sources` (its input tensors by name, and its `results`: tensors the call
-    returned, which the replay allocates) or in a fold's products (a "fold" step: FoldedConv's
-    copies, remade by the replay). A call whose recording is broken, or has an address elsewhere
+    returned, which the replay allocates) or in what the replay remakes (a workspace, a derived
+    tensor). A call whose recording is broken, or has an address elsewhere
     (a copy the call made, say), gets no replay: its calls keep the full path. A replay returns None
     (and launches nothing) where its launches cannot take addresses (a profiler listens) or an
     input is not 16-byte aligned (the full path explains)."""
@@ -353,14 +351,7 @@ class Replay:
         steps, launches, produced = [], [], set()
         try:
             for step in recording.steps:
-                if step[0] == "fold":       # the fold's inputs: NCHW-shaped sources, in channels_last memory
-                    _, fold, x, w, x_fold, w_fold = step
-                    x, w = where(x), where(w)
-                    if x[1] or w[1] or x[0] not in sources or w[0] not in sources:
-                        return None
-                    steps.append(("fold", fold, x[0], w[0]))
-                    spans["x_fold"], spans["w_fold"] = x_fold, w_fold
-                elif step[0] == "derive":   # a tensor the call made from an input: the replay makes its own
+                if step[0] == "derive":     # a tensor the call made from an input: the replay makes its own
                     _, fn, source, span = step
                     source = where(source)
                     if source[1] or source[0] not in sources:
@@ -449,8 +440,7 @@ class Replay:
 
     def _build(self, make_launch, device):
         """(number of bases, ops): ("alloc", base, shape, strides, dtype, zeroed, result's position or None),
-        ("launch", make_launch(direct, grid, args, device)), ("fold", fold, x name, w name, x_fold base,
-        w_fold base), ("derive", fn, source name, base), ("finish", fn, buffer's base, result name,
+        ("launch", make_launch(direct, grid, args, device)), ("derive", fn, source name, base), ("finish", fn, buffer's base, result name,
         result's position), ("free", base), with every address a packed.Slot: a `bases` index plus a
         displacement (the sources' addresses first, in order)."""
         bases = {name: i for i, name in enumerate(self.sources)}
@@ -485,13 +475,10 @@ class Replay:
             elif kind == "derive":
                 _, fn, source, name = step
                 program.append(("derive", fn, source, base_of(name)))
-            elif kind == "finish":
+            else:
                 _, fn, buffer, name = step
                 program.append(("finish", fn, bases[buffer], name,
                                 next(i for i, entry in enumerate(self.results) if entry[0] == name)))
-            else:
-                _, fold, x_name, w_name = step
-                program.append(("fold", fold, x_name, w_name, base_of("x_fold"), base_of("w_fold")))
         return (len(bases), tuple(program))
 
     def _run(self, device, tensors, source_addresses):
@@ -520,13 +507,8 @@ class Replay:
             elif kind == "finish":
                 _, fn, buffer, name, position = op
                 results[position] = self._as_recorded(name, fn(held[buffer]))
-            elif kind == "free":
-                del held[op[1]]
             else:
-                _, fold, x_name, w_name, x_index, w_index = op
-                x_fold, w_fold = fold.apply(nhwc_view(tensors[x_name]), nhwc_view(tensors[w_name]))
-                bases[x_index], bases[w_index] = x_fold.data_ptr(), w_fold.data_ptr()
-                held[x_index], held[w_index] = x_fold, w_fold
+                del held[op[1]]
         return tuple(results)
 
 
@@ -692,7 +674,7 @@ def compiling_ahead(workers=None, wait=True):
     Triton's in-memory cache holds them: the calls after it launch without compiling. A model run
     once inside it has its distinct kernels compiled side by side instead of one after another
     (its outputs are garbage: run it for the compiles alone). Depthwise convs (depthwise.py) and
-    wgrad's kernels (wgrad.py), the folded stem's copy (runtime.FoldedConv) and dgrad's zero fill
+    wgrad's kernels (wgrad.py), the folded stem's copies (runtime.FoldedConv) and dgrad's zero fill
     (backward.py) are compiled in the pool too and not run; dgrad's weight flips (kernels/dgrad.py)
     compile and run as usual, their launch waiting for its compile. A whole training step:
     compile_ahead.compile_kernels_ahead. Autotuning must be off inside (the tuner times real

@@ -20,7 +20,7 @@ from .configs import KernelConfig, grouped_conv_fits
 from .geometry import FP8, KERNEL_DTYPES, call_key, check_conv_call, conv_geometry, device_facts
 from . import core
 from .kernels import fprop
-from .launch import DirectLaunch, compiling_ahead_active, plan_for, record_breaks, record_step
+from .launch import DirectLaunch, compiling_ahead_active, plan_for, record_breaks, record_scratch, record_step
 from .selection import epilogue_tag, known_or_heuristic_config, tuned_config
 
 
@@ -144,37 +144,51 @@ class FoldedConv:
         g = self.original = geometry
         self.channels = g.S * g.Ci
         self.channels_padded = -(-self.channels // 8) * 8       # 16-byte pixels for TMA
-        self.copy = None        # DirectLaunch of fold_columns_kernel, after its first launch
+        self.copies = {}        # "x" / "w" -> DirectLaunch of fold_columns_kernel, after its first launch
         self.geometry = conv_geometry(
             (g.N, g.H, g.out_w, self.channels_padded), (g.Co, g.R, 1, self.channels_padded),
             (g.stride[0], 1), (g.padding[0], 0), (g.dilation[0], 1))
 
     def apply(self, x_nhwc, w):
-        """(x_fold [N, H, out_w, channels_padded], w_fold [Co, R, 1, channels_padded])."""
+        """(x_fold [N, H, out_w, channels_padded], w_fold [Co, R, 1, channels_padded]): two launches of
+        fold_columns_kernel. The weight [Co, R, S, Ci] folds as an input of Co*R rows of S columns does
+        into one output column (stride 1, no padding): w_fold[co, r, 0, s*Ci + c] = w[co, r, s, c], zeros
+        past S*Ci. (Both are launches, so a replay of the call, launch.Replay, repeats them as it does
+        the conv's.)"""
         g = self.original
         x_fold = x_nhwc.new_empty(g.N, g.H, g.out_w, self.channels_padded)
-        rows, block_p = g.N * g.H, 64
-        grid = (triton.cdiv(rows * g.out_w, block_p),)
-        scalars = (rows, g.W, g.out_w, g.Ci, g.stride[1], g.padding[1], g.dilation[1], self.channels,
-                   self.channels_padded)
-        aligned = x_nhwc.data_ptr() % 16 == 0 and x_nhwc.is_contiguous()     # (what the DirectLaunch compiled for)
-        kwargs = dict(BLOCK_P=block_p, BLOCK_C=triton.next_power_of_2(self.channels_padded), enable_fp_fusion=True)
-        if compiling_ahead_active() and x_nhwc.is_cuda:     # launch.compiling_ahead: compile, launch nothing
-            fold_columns_kernel.warmup(x_nhwc, x_fold, *scalars, grid=grid, **kwargs)
-        elif self.copy is not None and aligned and self.copy.takes_addresses():
-            self.copy(grid, x_nhwc.data_ptr(), x_fold.data_ptr(), *scalars)
-        else:       # the first copy, through Triton's launcher (it compiles); later ones launched directly
-            if aligned and self.copy is None and x_nhwc.is_cuda:
-                self.copy = DirectLaunch.first_launch(fold_columns_kernel, grid, (x_nhwc, x_fold, *scalars), kwargs)
-            else:
-                record_breaks()
-                fold_columns_kernel[grid](x_nhwc, x_fold, *scalars, **kwargs)
-        # w's columns folded into its channels, zeros past them (small: Co x R x S*Ci)
-        w_fold = torch.nn.functional.pad(w.reshape(g.Co, g.R, 1, self.channels),
-                                         (0, self.channels_padded - self.channels))
-        record_step(("fold", self, x_nhwc.data_ptr(), w.data_ptr(), (x_fold.data_ptr(), x_fold.nbytes),
-                     (w_fold.data_ptr(), w_fold.nbytes)), (x_nhwc, w, x_fold, w_fold))
+        w_fold = w.new_empty(g.Co, g.R, 1, self.channels_padded)
+        self._copy("x", x_nhwc, x_fold, (g.N * g.H, g.W, g.out_w, g.Ci, g.stride[1], g.padding[1], g.dilation[1]))
+        self._copy("w", w, w_fold, (g.Co * g.R, g.S, 1, g.Ci, 1, 0, 1))
         return x_fold, w_fold
+
+    def _copy(self, which, source, folded, scalars):
+        """Fold `source` ([rows, W, Ci] as rows of pixels) into `folded` with fold_columns_kernel's
+        `scalars` (rows, W, out_w, Ci, stride_w, pad_w, dil_w); record the launch for a replay."""
+        if not source.is_contiguous():
+            record_breaks()             # (a copy the replay would not make)
+            source = source.contiguous()
+        rows, out_w = scalars[0], scalars[2]
+        block_p = 64
+        grid = (triton.cdiv(rows * out_w, block_p),)
+        scalars = (*scalars, self.channels, self.channels_padded)
+        aligned = source.data_ptr() % 16 == 0                     # (what the DirectLaunch compiled for)
+        kwargs = dict(BLOCK_P=block_p, BLOCK_C=triton.next_power_of_2(self.channels_padded), enable_fp_fusion=True)
+        direct = self.copies.get(which)
+        if compiling_ahead_active() and source.is_cuda:     # launch.compiling_ahead: compile, launch nothing
+            fold_columns_kernel.warmup(source, folded, *scalars, grid=grid, **kwargs)
+        elif direct is not None and aligned and direct.takes_addresses():
+            direct(grid, source.data_ptr(), folded.data_ptr(), *scalars)
+            record_scratch(folded)
+            record_step(("launch", direct, grid, (source.data_ptr(), folded.data_ptr(), *scalars), (0, 1)),
+                        (source, folded))
+        else:       # the first copy, through Triton's launcher (it compiles); later ones launched directly
+            record_breaks()
+            if aligned and direct is None and source.is_cuda:
+                self.copies[which] = DirectLaunch.first_launch(fold_columns_kernel, grid, (source, folded, *scalars),
+                                                               kwargs)
+            else:
+                fold_columns_kernel[grid](source, folded, *scalars, **kwargs)
 
 
 def folded_geometry(geometry):

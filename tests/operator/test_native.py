@@ -178,12 +178,13 @@ def test_set_enabled_checks_its_argument():
 
 
 def test_a_program_with_a_python_step_stays_in_python(operator):
-    """A replay whose program runs torch's Python (the stem's fold, wgrad's derived input) is not handed over;
-    the verdict is kept on the replay, so later calls do not work it out again."""
+    """A replay whose program runs torch's Python (wgrad's derived input for the folded stem) is not handed
+    over; the verdict is kept on the replay, so later calls do not work it out again."""
     x, w = _args((1, 3, 7, 7))
-    folding = Program(tuple(x.shape), CopyLaunch(x.nbytes))
-    folding.program = (folding.program[0], (("fold", None, "input", "weight", 3, 4),) + folding.program[1])
-    assert native.offer(QUALIFIED, folding) is False and folding.native_steps is False
+    deriving = Program(tuple(x.shape), CopyLaunch(x.nbytes))
+    deriving.program = (deriving.program[0] + 1, (("derive", torch.clone, "input", deriving.program[0]),)
+                        + deriving.program[1])
+    assert native.offer(QUALIFIED, deriving) is False and deriving.native_steps is False
 
 
 def test_a_process_with_the_kernels_installed_exits_cleanly(operator):

@@ -383,8 +383,8 @@ def test_packed_and_python_launches_give_the_same_bits(packed_launches, lesson06
 def test_native_calls_give_the_python_paths_bits(lesson06_backend):
     """Every path's repeat calls (the forward, with the channel sums too; dX at stride 1, strided, with zeros;
     dW with and without split-K) served by the operators' C++ kernels (native.py) on new tensors: the same
-    bits as the Python path, and the C++ kernels did serve them (the stem's fold and wgrad's derived input
-    keep the Python path)."""
+    bits as the Python path, and the C++ kernels did serve them (the forward's folded stem too; wgrad's
+    derived input for the stem keeps the Python path)."""
     assert native.ensure(), "the native kernels could not be built here"
     torch.manual_seed(0)
     inputs = []
@@ -427,6 +427,15 @@ def test_native_calls_give_the_python_paths_bits(lesson06_backend):
             assert torch.equal(a, b), f"result {i}"
     layers = len(FORWARD_LAYERS + DGRAD_LAYERS)
     assert all(served[op] >= layers for op in ops), f"calls served natively, of {4 * layers} per operator: {served}"
+    # the folded stem's forward (its fold two launches of the replay's program) is served too, and right
+    (x, w, *_), stride, padding = inputs[3][:5], inputs[3][5], inputs[3][6]
+    assert x.shape[1] == 3, "FORWARD_LAYERS[3] is the stem"
+    before = native.counts()["conv_tutorial::conv2d"][0]
+    for _ in range(4):       # (the first records, the second replays in Python and hands over, two in C++)
+        out = torch.ops.conv_tutorial.conv2d(x.clone(), w.clone(), None, stride, padding, [1, 1], 1)
+    assert native.counts()["conv_tutorial::conv2d"][0] - before >= 2
+    torch.testing.assert_close(out.float(), torch.nn.functional.conv2d(x.float(), w.float(), None, stride, padding),
+                               atol=3e-2, rtol=3e-2)
 
 
 @needs_gpu
