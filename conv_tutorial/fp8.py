@@ -164,7 +164,7 @@ class FusedConv2dFp8(torch.nn.Module):
             raise ValueError(f"this FusedConv2dFp8 {'takes' if self.takes_residual else 'takes no'} residual")
         if residual is not None and self.out_dtype != FP8 and residual.dtype != torch.bfloat16:
             residual = residual.to(torch.bfloat16)
-        out = ops.conv2d_fp8_op(x_q, self.input_scale, self.weight_q, self.weight_scale, self.bias,
+        out = ops.call_conv2d_fp8(x_q, self.input_scale, self.weight_q, self.weight_scale, self.bias,
                                 *self._op_args, residual, self.activation, self.out_dtype, self.out_scale)
         return out if self.out_dtype == FP8 or self.model_dtype == torch.bfloat16 else out.to(self.model_dtype)
 

@@ -43,6 +43,7 @@ from . import backward, depthwise, runtime, selection
 from . import hostpath
 from .hostpath import register_autograd, replay_key
 from .configs import grouped_conv_fits
+from .launch import record_breaks
 from .geometry import (FP8, FP8_MAX, KERNEL_DTYPES, check_epilogue, check_fp8_dtypes, check_fp8_scales,
                        conv_output_size, current_arch, fp8_epilogue, nhwc_view, output_dtype, pair)
 from . import core
@@ -153,6 +154,7 @@ def _conv2d_full_path(input, weight, bias, stride, padding, dilation, groups, sc
     reason = unsupported_reason(input, weight, groups)
     if reason is not None:
         _fall_back(reason)
+        record_breaks()     # (torch's conv: a replay of the call's other launches would leave the output unwritten)
         wide = input.dtype == FP8          # torch has no e4m3 conv: its exact fp32 values instead
         conv_out = torch.nn.functional.conv2d(input.float() if wide else input, weight.float() if wide else weight,
                                               None, stride, padding, dilation, groups)
@@ -272,27 +274,81 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
 # The kernel op above takes e4m3 operands as they are (its `scale` then dequantizes, `out_dtype`
 # picks bf16 or e4m3). conv2d_fp8 speaks in the quantities a user has: the input's scale (one per
 # tensor), the weight's (one per output channel), the output's (for an e4m3 output), and folds
-# them into the epilogue's scale and shift. It is CompositeImplicitAutograd: torch.compile traces
-# through it, so the folding is three small torch ops that Inductor's freezing computes once.
+# them into the epilogue's scale and shift (geometry.fp8_epilogue). On a GPU the folding is one
+# small launch (runtime.fp8_epilogue_on_gpu), so that a repeat call is the replay of two launches,
+# which the C++ kernels serve (native.py). Under torch.compile, `call_conv2d_fp8` (what conv2d_fp8
+# and fp8.py's modules call) traces the decomposition instead: the folding is three small torch
+# ops that Inductor's freezing computes once.
 
-def _conv2d_fp8(input: torch.Tensor, input_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                bias: Optional[torch.Tensor], stride: List[int], padding: List[int], dilation: List[int],
-                residual: Optional[torch.Tensor] = None, activation: str = "none",
-                out_dtype: Optional[torch.dtype] = None, out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _conv2d_fp8_decomposed(input: torch.Tensor, input_scale: torch.Tensor, weight: torch.Tensor,
+                           weight_scale: torch.Tensor, bias: Optional[torch.Tensor], stride: List[int],
+                           padding: List[int], dilation: List[int], residual: Optional[torch.Tensor] = None,
+                           activation: str = "none", out_dtype: Optional[torch.dtype] = None,
+                           out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """act(conv2d(input * input_scale, weight * weight_scale) + bias + residual) in bf16 (out_dtype
-    None or bf16), or that divided by out_scale in e4m3 (out_dtype float8_e4m3fn)."""
-    check_fp8_dtypes("conv2d_fp8", input=input, weight=weight)
-    out_dtype = out_dtype or torch.bfloat16
-    check_fp8_scales(input_scale, weight_scale, weight.shape[0], input.device, residual=residual,
-                            activation=activation, out_dtype=out_dtype, out_scale=out_scale)
+    None or bf16), or that divided by out_scale in e4m3 (out_dtype float8_e4m3fn): the scales folded by
+    torch's ops, the conv by the kernel op."""
+    out_dtype = _check_fp8_call(input, input_scale, weight, weight_scale, residual, activation, out_dtype, out_scale)
     scale, bias = fp8_epilogue(input_scale, weight_scale, None, bias, out_scale)
     return conv2d_op(input, weight, bias, stride, padding, dilation, 1, scale, residual, activation, out_dtype)
 
 
-_LIBRARY.define("conv2d_fp8" + torch.library.infer_schema(_conv2d_fp8, mutates_args=()),
+def _check_fp8_call(input, input_scale, weight, weight_scale, residual, activation, out_dtype, out_scale):
+    # the fp8 op's own checks (the kernel op checks the rest); returns the output's dtype
+    check_fp8_dtypes("conv2d_fp8", input=input, weight=weight)
+    out_dtype = out_dtype or torch.bfloat16
+    check_fp8_scales(input_scale, weight_scale, weight.shape[0], input.device, residual=residual,
+                     activation=activation, out_dtype=out_dtype, out_scale=out_scale)
+    return out_dtype
+
+
+def _conv2d_fp8(input, input_scale, weight, weight_scale, bias, stride, padding, dilation, residual=None,
+                activation="none", out_dtype=None, out_scale=None):
+    """The op's implementation: on a GPU, a repeat call of a key is replayed (launch.Replay); on a CPU, the
+    decomposition."""
+    if not input.is_cuda:
+        return _conv2d_fp8_decomposed(input, input_scale, weight, weight_scale, bias, stride, padding, dilation,
+                                      residual, activation, out_dtype, out_scale)
+    key = replay_key((input, input_scale, weight, weight_scale, bias, residual, out_scale), "conv2d_fp8", *stride,
+                     *padding, *dilation, activation, out_dtype)
+    tensors = {"input": input, "input_scale": input_scale, "weight": weight, "weight_scale": weight_scale,
+               "bias": bias, "residual": residual, "out_scale": out_scale}
+    return hostpath.call("conv_tutorial::conv2d_fp8", key, input.device, tensors, lambda: _conv2d_fp8_full_path(
+        input, input_scale, weight, weight_scale, bias, stride, padding, dilation, residual, activation, out_dtype,
+        out_scale), ("output",))
+
+
+def _conv2d_fp8_full_path(input, input_scale, weight, weight_scale, bias, stride, padding, dilation, residual,
+                          activation, out_dtype, out_scale):
+    # every check; the scales folded by one launch, the conv by the kernel op's full path (not the op: a call of
+    # an operator inside this one's recording would break it)
+    out_dtype = _check_fp8_call(input, input_scale, weight, weight_scale, residual, activation, out_dtype, out_scale)
+    scale, bias = runtime.fp8_epilogue_on_gpu(input_scale, weight_scale, bias, out_scale)
+    return _conv2d_full_path(input, weight, bias, stride, padding, dilation, 1, scale, residual, activation,
+                             out_dtype)
+
+
+_LIBRARY.define("conv2d_fp8" + torch.library.infer_schema(_conv2d_fp8_decomposed, mutates_args=()),
                 tags=(torch.Tag.pt2_compliant_tag,))
-_LIBRARY.impl("conv2d_fp8", _conv2d_fp8, "CompositeImplicitAutograd")
+_LIBRARY.impl("conv2d_fp8", _conv2d_fp8, "CompositeExplicitAutograd")
 conv2d_fp8_op = torch.ops.conv_tutorial.conv2d_fp8.default
+torch.library.register_fake("conv_tutorial::conv2d_fp8")(_conv2d_fp8_decomposed)    # (shapes: the kernel op's fake)
+
+
+def _no_fp8_backward(*_):
+    # (the setup of a call that needs a gradient: it fails there, before any backward)
+    raise NotImplementedError("conv_tutorial::conv2d_fp8 has no backward (e4m3 operands: inference only)")
+
+
+register_autograd(_LIBRARY, "conv2d_fp8", _conv2d_fp8, _no_fp8_backward, _no_fp8_backward, (0, 1, 2, 3, 4, 8, 11))
+
+
+def call_conv2d_fp8(*args):
+    """conv2d_fp8_op(*args), or under torch.compile its decomposition, whose folded scales Inductor's
+    freezing computes once (the op would fold them on every call)."""
+    if torch.compiler.is_compiling():
+        return _conv2d_fp8_decomposed(*args)
+    return conv2d_fp8_op(*args)
 
 
 def conv2d_fp8(input, input_scale, weight, weight_scale, bias=None, stride=1, padding=0, dilation=1,
@@ -318,7 +374,7 @@ def conv2d_fp8(input, input_scale, weight, weight_scale, bias=None, stride=1, pa
     pads = resolve_padding(padding, weight.shape, stride, dilation)
     if pads is None:
         raise ValueError(f"padding={padding!r} needs asymmetric padding, which the kernel does not do")
-    return conv2d_fp8_op(input, input_scale, weight, weight_scale, bias, list(stride), list(pads), list(dilation),
+    return call_conv2d_fp8(input, input_scale, weight, weight_scale, bias, list(stride), list(pads), list(dilation),
                          residual, activation, out_dtype, out_scale)
 
 

@@ -205,3 +205,62 @@ def run_operands(geometry, x_nhwc, w):
     return (fold, fold.geometry, *fold.apply(x_nhwc, w)) if fold is not None else (None, geometry, x_nhwc, w)
 
 
+
+
+# %% fp8: the scales folded into the epilogue's, on the GPU -------------------------------------------
+
+@triton.jit
+def fp8_epilogue_kernel(x_scale_ptr, w_scale_ptr, bias_ptr, out_scale_ptr, scale_ptr, shift_ptr, Co,
+                        E4M3_OUT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """geometry.fp8_epilogue on the GPU, the same fp32 operations in the same order: scale[co] =
+    x_scale * w_scale[co], and for an e4m3 output scale[co] / out_scale and shift[co] = bias[co] /
+    out_scale (round-to-nearest divisions, as torch's)."""
+    co = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = co < Co
+    scale = tl.load(x_scale_ptr) * tl.load(w_scale_ptr + co, mask=inside, other=1.0)
+    if E4M3_OUT:
+        out_scale = tl.load(out_scale_ptr)
+        scale = tl.div_rn(scale, out_scale)
+        if HAS_BIAS:
+            shift = tl.div_rn(tl.load(bias_ptr + co, mask=inside, other=0.0).to(tl.float32), out_scale)
+            tl.store(shift_ptr + co, shift, mask=inside)
+    tl.store(scale_ptr + co, scale, mask=inside)
+
+
+_FP8_EPILOGUES = {}     # (Co, e4m3 out, bias, bias dtype, device) -> DirectLaunch of fp8_epilogue_kernel
+
+
+def fp8_epilogue_on_gpu(x_scale, w_scale, bias, out_scale):
+    """(scale, bias) as geometry.fp8_epilogue(x_scale, w_scale, None, bias, out_scale) computes them, by one
+    launch of fp8_epilogue_kernel (a launch a replay repeats, where torch's ops would keep the call in
+    Python): CUDA tensors, checked by geometry.check_fp8_scales. The bias comes back as it is without
+    out_scale, else in fp32 divided by it."""
+    Co, e4m3_out = w_scale.shape[0], out_scale is not None
+    has_bias = e4m3_out and bias is not None
+    scale = torch.empty(Co, dtype=torch.float32, device=w_scale.device)
+    shift = torch.empty(Co, dtype=torch.float32, device=w_scale.device) if has_bias else bias
+    block = 256
+    grid = (triton.cdiv(Co, block),)
+    # absent pointers: the scale's (not read)
+    pointers = (x_scale, w_scale, bias if has_bias else x_scale, out_scale if e4m3_out else x_scale, scale,
+                shift if has_bias else scale)
+    kwargs = dict(E4M3_OUT=e4m3_out, HAS_BIAS=has_bias, BLOCK=block)
+    key = (Co, e4m3_out, has_bias, None if bias is None else bias.dtype, w_scale.device)
+    direct = _FP8_EPILOGUES.get(key)
+    aligned = all(t.data_ptr() % 16 == 0 for t in pointers)       # (what a DirectLaunch was compiled for)
+    if compiling_ahead_active():        # launch.compiling_ahead: compile, launch nothing
+        fp8_epilogue_kernel.warmup(*pointers, Co, grid=grid, **kwargs)
+    elif direct is not None and aligned and direct.takes_addresses():
+        addresses = tuple(t.data_ptr() for t in pointers)
+        direct(grid, *addresses, Co)
+        record_scratch(scale)
+        if has_bias:
+            record_scratch(shift)
+        record_step(("launch", direct, grid, (*addresses, Co), tuple(range(len(pointers)))), pointers)
+    else:       # the first launch, through Triton's launcher (it compiles); later ones launched directly
+        record_breaks()
+        if aligned and direct is None:
+            _FP8_EPILOGUES[key] = DirectLaunch.first_launch(fp8_epilogue_kernel, grid, (*pointers, Co), kwargs)
+        else:
+            fp8_epilogue_kernel[grid](*pointers, Co, **kwargs)
+    return scale, shift

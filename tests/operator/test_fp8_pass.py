@@ -457,3 +457,54 @@ def test_a_bad_scale_on_the_gpu_is_not_checked_and_shows_in_the_output():
     x_q, x_scale, w_q, w_scale = quantized(1, 16, 6, 6, 24, 3, 3)
     out = ops.conv2d_fp8(x_q, torch.tensor(float("nan"), device="cuda"), w_q, w_scale, None, 1, 1)
     assert torch.isnan(out.float()).all()
+
+
+def test_the_fp8_operator_has_no_backward():
+    """e4m3 operands are for inference: a call that needs a gradient (a scale that requires one) is an error
+    that says so, not a gradient that silently skips the scales."""
+    x_q, x_scale, w_q, w_scale = quantized(1, 16, 6, 6, 24, 3, 3)
+    with pytest.raises(NotImplementedError, match="conv2d_fp8 has no backward"):
+        quiet(lambda: ops.conv2d_fp8(x_q, x_scale.clone().requires_grad_(), w_q, w_scale, None, 1, 1))
+
+
+@needs_gpu
+@pytest.mark.parametrize("out", ["bf16", "bf16-bias", "fp8", "fp8-bias-residual"])
+def test_the_fp8_operator_gives_its_decompositions_bits_and_repeats_in_cpp(out):
+    """The op folds its scales with one launch (runtime.fp8_epilogue_on_gpu), so its repeat calls replay and
+    the C++ kernels serve them (native.py); torch.compile traces the decomposition (torch's ops fold the
+    scales). Both: the same bits, on new tensors call after call (a layer of odd channel counts)."""
+    from conv_tutorial import hostpath, native
+    native.ensure()
+    hostpath.clear()
+    Co = 40
+    x_q, x_scale, w_q, w_scale = quantized(2, 32, 9, 11, Co, 3, 3)
+    bias = torch.randn(Co, device="cuda") if "bias" in out else None
+    out_dtype, out_scale = (FP8, torch.tensor(0.07, device="cuda")) if out.startswith("fp8") else (None, None)
+    residual = torch.randn(2, Co, 9, 11, device="cuda").to(FP8).contiguous(
+        memory_format=torch.channels_last) if "residual" in out else None
+    args = (x_q, x_scale, w_q, w_scale, bias, [1, 1], [1, 1], [1, 1], residual, "relu", out_dtype, out_scale)
+    before = native.counts().get("conv_tutorial::conv2d_fp8", (0,))[0]
+    for call in range(5):
+        fresh = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)   # (new addresses)
+        got = ops.conv2d_fp8_op(*fresh)
+        want = ops._conv2d_fp8_decomposed(*fresh)
+        assert got.dtype == want.dtype and got.stride() == want.stride()
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"call {call}"
+    if native.ACTIVE[0]:
+        assert native.counts()["conv_tutorial::conv2d_fp8"][0] - before >= 2, native.counts()
+
+
+@needs_gpu
+@pytest.mark.parametrize("Co", [1, 40, 64, 300])
+def test_the_fp8_epilogue_kernel_computes_torchs_scales(Co):
+    """runtime.fp8_epilogue_on_gpu against geometry.fp8_epilogue (torch's ops) on awkward scales: bit for bit."""
+    from conv_tutorial import runtime
+    generator = torch.Generator().manual_seed(Co)
+    x_scale = torch.rand((), generator=generator).cuda() / 3 + 0.01
+    w_scale = (torch.rand(Co, generator=generator) * 10.0 ** torch.randint(-20, 20, (Co,), generator=generator)).cuda()
+    for bias in (None, torch.randn(Co, generator=generator).cuda(), torch.randn(Co).cuda().to(torch.bfloat16)):
+        for out_scale in (None, torch.tensor(0.013, device="cuda"), torch.tensor(3.0e-7, device="cuda")):
+            got = runtime.fp8_epilogue_on_gpu(x_scale, w_scale, bias, out_scale)
+            want = geometry.fp8_epilogue(x_scale, w_scale, None, bias, out_scale)
+            for g, w in zip(got, want):
+                assert (g is None) == (w is None) and (g is None or (g.dtype == w.dtype and torch.equal(g, w)))
