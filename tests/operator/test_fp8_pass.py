@@ -468,15 +468,16 @@ def test_the_fp8_operator_has_no_backward():
 
 
 @needs_gpu
+@pytest.mark.parametrize("Co", [40, 48])
 @pytest.mark.parametrize("out", ["bf16", "bf16-bias", "fp8", "fp8-bias-residual"])
-def test_the_fp8_operator_gives_its_decompositions_bits_and_repeats_in_cpp(out):
+def test_the_fp8_operator_gives_its_decompositions_bits_and_repeats_in_cpp(out, Co):
     """The op folds its scales with one launch (runtime.fp8_epilogue_on_gpu), so its repeat calls replay and
     the C++ kernels serve them (native.py); torch.compile traces the decomposition (torch's ops fold the
-    scales). Both: the same bits, on new tensors call after call (a layer of odd channel counts)."""
+    scales). Both: the same bits, on new tensors call after call. (An output whose pixels are not whole
+    16-byte rows, 40 channels of e4m3, is stored through a wider buffer: such calls keep the full path.)"""
     from conv_tutorial import hostpath, native
     native.ensure()
     hostpath.clear()
-    Co = 40
     x_q, x_scale, w_q, w_scale = quantized(2, 32, 9, 11, Co, 3, 3)
     bias = torch.randn(Co, device="cuda") if "bias" in out else None
     out_dtype, out_scale = (FP8, torch.tensor(0.07, device="cuda")) if out.startswith("fp8") else (None, None)
@@ -491,7 +492,7 @@ def test_the_fp8_operator_gives_its_decompositions_bits_and_repeats_in_cpp(out):
         assert got.dtype == want.dtype and got.stride() == want.stride()
         bits = torch.uint8 if got.dtype == FP8 else torch.int16      # (bit patterns: a NaN equals itself)
         assert torch.equal(got.view(bits), want.view(bits)), f"call {call}"
-    if native.ACTIVE[0]:
+    if native.ACTIVE[0] and Co * got.element_size() % 16 == 0:
         assert native.counts()["conv_tutorial::conv2d_fp8"][0] - before >= 2, native.counts()
 
 
