@@ -11,8 +11,8 @@ runs once inside `launch.compiling_ahead`: every operator call hands its kernels
 of threads and launches nothing (the forward's and dgrad's through their plans, wgrad's through its
 own, depthwise convs too), so the compiles overlap; on exit Triton's in-memory cache holds them, and
 the step's first calls launch without compiling. Of the small Triton kernels around the convs,
-dgrad's zero fill and the stem's fold are compiled in the pool too; dgrad's weight flips compile
-and run as usual.
+dgrad's zero fill, the stem's fold and the fp8 operator's fold of its scales are compiled in the
+pool too; dgrad's weight flips compile and run as usual.
 
 The pass computes garbage (the operators launch nothing) and keeps none of it: it differentiates the
 sum of the outputs with `torch.autograd.grad`, so no parameter's `.grad` is touched; it puts every

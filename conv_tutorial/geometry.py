@@ -55,9 +55,11 @@ def dequantize_conv_operands(x_q, x_scale, w_q, w_scale):
 
 
 def _readable_on_host(t):
-    """A plain tensor in CPU memory: its values can be read without a device synchronization (a
-    fake tensor under torch.compile, or a CUDA tensor, cannot be read for free)."""
-    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+    """A plain tensor in CPU memory, outside torch.compile's tracing: its values can be read without a device
+    synchronization or a break in the traced graph (a fake tensor, a tensor Dynamo traces, or a CUDA tensor,
+    cannot be read for free)."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+            and not torch.compiler.is_compiling())
 
 
 def _check_fp8_scale(name, value, shape, device):
@@ -102,8 +104,8 @@ def check_fp8_scales(x_scale, w_scale, Co, device, *, residual=None, activation=
     out_scale (ReLU or none: the scale folds into the epilogue's), a residual in the output's dtype
     (in e4m3, at the output's scale).
 
-    Scales must be positive and finite. On CPU tensors their values are checked (ValueError); on a
-    GPU they are not, because reading a value back would synchronize the device on every call (and
+    Scales must be positive and finite. On CPU tensors their values are checked (ValueError; not while
+    torch.compile traces, which cannot branch on a value); on a GPU they are not, because reading a value back would synchronize the device on every call (and
     break CUDA-graph capture). There a bad scale is not detected: it is folded into the epilogue's
     per-channel factor, so a NaN or infinite scale makes the affected outputs NaN or inf, a zero
     input or weight scale makes them zero (plus the bias), a negative one flips their sign (before the

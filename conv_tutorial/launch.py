@@ -440,9 +440,9 @@ class Replay:
 
     def _build(self, make_launch, device):
         """(number of bases, ops): ("alloc", base, shape, strides, dtype, zeroed, result's position or None),
-        ("launch", make_launch(direct, grid, args, device)), ("derive", fn, source name, base), ("finish", fn, buffer's base, result name,
-        result's position), ("free", base), with every address a packed.Slot: a `bases` index plus a
-        displacement (the sources' addresses first, in order)."""
+        ("launch", make_launch(direct, grid, args, device)), ("derive", fn, source name, base), ("finish", fn,
+        buffer's base, result name, result's position), ("free", base), with every address a packed.Slot: a
+        `bases` index plus a displacement (the sources' addresses first, in order)."""
         bases = {name: i for i, name in enumerate(self.sources)}
         program = []
 
@@ -475,10 +475,12 @@ class Replay:
             elif kind == "derive":
                 _, fn, source, name = step
                 program.append(("derive", fn, source, base_of(name)))
-            else:
+            elif kind == "finish":
                 _, fn, buffer, name = step
                 program.append(("finish", fn, bases[buffer], name,
                                 next(i for i, entry in enumerate(self.results) if entry[0] == name)))
+            else:
+                raise ValueError(f"a replay step of unknown kind {kind!r}")
         return (len(bases), tuple(program))
 
     def _run(self, device, tensors, source_addresses):
@@ -507,8 +509,10 @@ class Replay:
             elif kind == "finish":
                 _, fn, buffer, name, position = op
                 results[position] = self._as_recorded(name, fn(held[buffer]))
-            else:
+            elif kind == "free":
                 del held[op[1]]
+            else:
+                raise ValueError(f"a program op of unknown kind {kind!r}")
         return tuple(results)
 
 
@@ -674,8 +678,9 @@ def compiling_ahead(workers=None, wait=True):
     Triton's in-memory cache holds them: the calls after it launch without compiling. A model run
     once inside it has its distinct kernels compiled side by side instead of one after another
     (its outputs are garbage: run it for the compiles alone). Depthwise convs (depthwise.py) and
-    wgrad's kernels (wgrad.py), the folded stem's copies (runtime.FoldedConv) and dgrad's zero fill
-    (backward.py) are compiled in the pool too and not run; dgrad's weight flips (kernels/dgrad.py)
+    wgrad's kernels (wgrad.py), the folded stem's copies (runtime.FoldedConv), the fp8 operator's fold of
+    its scales (runtime.fold_fp8_scales) and dgrad's zero fill (backward.py) are compiled in the pool too
+    and not run; dgrad's weight flips (kernels/dgrad.py)
     compile and run as usual, their launch waiting for its compile. A whole training step:
     compile_ahead.compile_kernels_ahead. Autotuning must be off inside (the tuner times real
     launches). Triton reports a failed compile when the block exits.

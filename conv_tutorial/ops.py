@@ -275,7 +275,7 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
 # picks bf16 or e4m3). conv2d_fp8 speaks in the quantities a user has: the input's scale (one per
 # tensor), the weight's (one per output channel), the output's (for an e4m3 output), and folds
 # them into the epilogue's scale and shift (geometry.fp8_epilogue). On a GPU the folding is one
-# small launch (runtime.fp8_epilogue_on_gpu), so that a repeat call is the replay of two launches,
+# small launch (runtime.fold_fp8_scales), so that a repeat call is the replay of two launches,
 # which the C++ kernels serve (native.py). Under torch.compile, `call_conv2d_fp8` (what conv2d_fp8
 # and fp8.py's modules call) traces the decomposition instead: the folding is three small torch
 # ops that Inductor's freezing computes once.
@@ -288,17 +288,20 @@ def _conv2d_fp8_decomposed(input: torch.Tensor, input_scale: torch.Tensor, weigh
     """act(conv2d(input * input_scale, weight * weight_scale) + bias + residual) in bf16 (out_dtype
     None or bf16), or that divided by out_scale in e4m3 (out_dtype float8_e4m3fn): the scales folded by
     torch's ops, the conv by the kernel op."""
-    out_dtype = _check_fp8_call(input, input_scale, weight, weight_scale, residual, activation, out_dtype, out_scale)
+    out_dtype = _check_fp8_call(input, input_scale, weight, weight_scale, bias, residual, activation, out_dtype,
+                                out_scale)
     scale, bias = fp8_epilogue(input_scale, weight_scale, None, bias, out_scale)
     return conv2d_op(input, weight, bias, stride, padding, dilation, 1, scale, residual, activation, out_dtype)
 
 
-def _check_fp8_call(input, input_scale, weight, weight_scale, residual, activation, out_dtype, out_scale):
-    # the fp8 op's own checks (the kernel op checks the rest); returns the output's dtype
+def _check_fp8_call(input, input_scale, weight, weight_scale, bias, residual, activation, out_dtype, out_scale):
+    # the fp8 op's own checks, and the bias's, which the scales' fold reads by address (the kernel op checks the
+    # rest); returns the output's dtype
     check_fp8_dtypes("conv2d_fp8", input=input, weight=weight)
     out_dtype = out_dtype or torch.bfloat16
     check_fp8_scales(input_scale, weight_scale, weight.shape[0], input.device, residual=residual,
                      activation=activation, out_dtype=out_dtype, out_scale=out_scale)
+    core.check_bias(bias, weight.shape[0], input.device, "input", contiguous=True)
     return out_dtype
 
 
@@ -321,9 +324,14 @@ def _conv2d_fp8(input, input_scale, weight, weight_scale, bias, stride, padding,
 def _conv2d_fp8_full_path(input, input_scale, weight, weight_scale, bias, stride, padding, dilation, residual,
                           activation, out_dtype, out_scale):
     # every check; the scales folded by one launch, the conv by the kernel op's full path (not the op: a call of
-    # an operator inside this one's recording would break it)
-    out_dtype = _check_fp8_call(input, input_scale, weight, weight_scale, residual, activation, out_dtype, out_scale)
-    scale, bias = runtime.fp8_epilogue_on_gpu(input_scale, weight_scale, bias, out_scale)
+    # an operator inside this one's recording would break it). A GPU the kernel does not run on: the
+    # decomposition, torch's ops and torch's conv (its op call inside this recording breaks it: no replay)
+    out_dtype = _check_fp8_call(input, input_scale, weight, weight_scale, bias, residual, activation, out_dtype,
+                                out_scale)
+    if unsupported_reason(input, weight, 1) is not None:
+        return _conv2d_fp8_decomposed(input, input_scale, weight, weight_scale, bias, stride, padding, dilation,
+                                      residual, activation, out_dtype, out_scale)
+    scale, bias = runtime.fold_fp8_scales(input_scale, weight_scale, bias, out_scale)
     return _conv2d_full_path(input, weight, bias, stride, padding, dilation, 1, scale, residual, activation,
                              out_dtype)
 
@@ -375,7 +383,7 @@ def conv2d_fp8(input, input_scale, weight, weight_scale, bias=None, stride=1, pa
     if pads is None:
         raise ValueError(f"padding={padding!r} needs asymmetric padding, which the kernel does not do")
     return call_conv2d_fp8(input, input_scale, weight, weight_scale, bias, list(stride), list(pads), list(dilation),
-                         residual, activation, out_dtype, out_scale)
+                           residual, activation, out_dtype, out_scale)
 
 
 class TutorialConv2d(torch.nn.Module):

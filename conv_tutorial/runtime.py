@@ -6,7 +6,8 @@ hyper-parameters); a dictionary hit skips the full validation that the first cal
 passed, while contiguity and alignment are still checked on every call. A miss validates
 everything (geometry.check_conv_call), picks a config (selection.py: given, tuned or heuristic)
 and a plan (launch.py). e4m3 operands (lesson 05, section 9) take the same plans, with a bf16 or
-e4m3 output; their scales arrive folded into the epilogue's (ops.conv2d_fp8 folds them).
+e4m3 output; their scales arrive folded into the epilogue's (ops.conv2d_fp8 folds them, on a GPU
+by one launch: `fold_fp8_scales`).
 
 Small channel counts (`FoldedConv`): a layer whose Ci is 8 or less (an RGB stem) is run as an
 R x 1 convolution over S*Ci folded channels, 7 k-steps instead of 49 for ResNet-50's stem.
@@ -205,13 +206,11 @@ def run_operands(geometry, x_nhwc, w):
     return (fold, fold.geometry, *fold.apply(x_nhwc, w)) if fold is not None else (None, geometry, x_nhwc, w)
 
 
-
-
 # %% fp8: the scales folded into the epilogue's, on the GPU -------------------------------------------
 
 @triton.jit
-def fp8_epilogue_kernel(x_scale_ptr, w_scale_ptr, bias_ptr, out_scale_ptr, scale_ptr, shift_ptr, Co,
-                        E4M3_OUT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def fold_fp8_scales_kernel(x_scale_ptr, w_scale_ptr, bias_ptr, out_scale_ptr, scale_ptr, shift_ptr, Co,
+                           E4M3_OUT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """geometry.fp8_epilogue on the GPU, the same fp32 operations in the same order: scale[co] =
     x_scale * w_scale[co], and for an e4m3 output scale[co] / out_scale and shift[co] = bias[co] /
     out_scale (round-to-nearest divisions, as torch's)."""
@@ -227,14 +226,14 @@ def fp8_epilogue_kernel(x_scale_ptr, w_scale_ptr, bias_ptr, out_scale_ptr, scale
     tl.store(scale_ptr + co, scale, mask=inside)
 
 
-_FP8_EPILOGUES = {}     # (Co, e4m3 out, bias, bias dtype, device) -> DirectLaunch of fp8_epilogue_kernel
+_FP8_SCALE_FOLDS = {}     # (Co, e4m3 out, the bias's dtype if read, device) -> DirectLaunch of fold_fp8_scales_kernel
 
 
-def fp8_epilogue_on_gpu(x_scale, w_scale, bias, out_scale):
+def fold_fp8_scales(x_scale, w_scale, bias, out_scale):
     """(scale, bias) as geometry.fp8_epilogue(x_scale, w_scale, None, bias, out_scale) computes them, by one
-    launch of fp8_epilogue_kernel (a launch a replay repeats, where torch's ops would keep the call in
-    Python): CUDA tensors, checked by geometry.check_fp8_scales. The bias comes back as it is without
-    out_scale, else in fp32 divided by it."""
+    launch of fold_fp8_scales_kernel (a launch a replay repeats, where torch's ops would keep the call in
+    Python): CUDA tensors on one device, checked by ops.conv2d_fp8 (geometry.check_fp8_scales, core.check_bias).
+    The bias comes back as it is without out_scale, else in fp32 divided by it."""
     Co, e4m3_out = w_scale.shape[0], out_scale is not None
     has_bias = e4m3_out and bias is not None
     scale = torch.empty(Co, dtype=torch.float32, device=w_scale.device)
@@ -245,11 +244,11 @@ def fp8_epilogue_on_gpu(x_scale, w_scale, bias, out_scale):
     pointers = (x_scale, w_scale, bias if has_bias else x_scale, out_scale if e4m3_out else x_scale, scale,
                 shift if has_bias else scale)
     kwargs = dict(E4M3_OUT=e4m3_out, HAS_BIAS=has_bias, BLOCK=block)
-    key = (Co, e4m3_out, has_bias, None if bias is None else bias.dtype, w_scale.device)
-    direct = _FP8_EPILOGUES.get(key)
+    key = (Co, e4m3_out, has_bias and bias.dtype, w_scale.device)      # (all on one device: the caller checked)
+    direct = _FP8_SCALE_FOLDS.get(key)
     aligned = all(t.data_ptr() % 16 == 0 for t in pointers)       # (what a DirectLaunch was compiled for)
     if compiling_ahead_active():        # launch.compiling_ahead: compile, launch nothing
-        fp8_epilogue_kernel.warmup(*pointers, Co, grid=grid, **kwargs)
+        fold_fp8_scales_kernel.warmup(*pointers, Co, grid=grid, **kwargs)
     elif direct is not None and aligned and direct.takes_addresses():
         addresses = tuple(t.data_ptr() for t in pointers)
         direct(grid, *addresses, Co)
@@ -260,7 +259,7 @@ def fp8_epilogue_on_gpu(x_scale, w_scale, bias, out_scale):
     else:       # the first launch, through Triton's launcher (it compiles); later ones launched directly
         record_breaks()
         if aligned and direct is None:
-            _FP8_EPILOGUES[key] = DirectLaunch.first_launch(fp8_epilogue_kernel, grid, (*pointers, Co), kwargs)
+            _FP8_SCALE_FOLDS[key] = DirectLaunch.first_launch(fold_fp8_scales_kernel, grid, (*pointers, Co), kwargs)
         else:
-            fp8_epilogue_kernel[grid](*pointers, Co, **kwargs)
+            fold_fp8_scales_kernel[grid](*pointers, Co, **kwargs)
     return scale, shift

@@ -186,18 +186,27 @@ def check_conv_inputs(x_nhwc, w, stride=1, padding=0, dilation=1, *, dtypes, bia
         raise ValueError(f"w must be a contiguous [Co, R, S, Ci] tensor, got strides {w.stride()} "
                          f"for shape {tuple(w.shape)}; a [Co, Ci, R, S] weight becomes "
                          f"[Co, R, S, Ci] with w.permute(0, 2, 3, 1).contiguous()")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-        if bias.shape != (geometry.Co,):
-            raise ValueError(f"bias must have shape [Co]=({geometry.Co},), got {tuple(bias.shape)}")
-        if bias.device != x_nhwc.device:
-            raise ValueError(f"bias is on {bias.device} but x_nhwc is on {x_nhwc.device}")
-        if not bias.dtype.is_floating_point:
-            raise TypeError(f"bias must be a floating-point tensor, got {bias.dtype}")
+    check_bias(bias, geometry.Co, x_nhwc.device, "x_nhwc")
     if need_cuda:
         check_on_cuda(x_nhwc)
     return geometry
+
+
+def check_bias(bias, Co, device, input_name, contiguous=False):
+    """A conv's bias: None, or a floating-point tensor of shape [Co] on the input's device (the input
+    named `input_name` in the error); with `contiguous`, contiguous too (what a kernel reads by address)."""
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if bias.shape != (Co,):
+        raise ValueError(f"bias must have shape [Co]=({Co},), got {tuple(bias.shape)}")
+    if bias.device != device:
+        raise ValueError(f"bias is on {bias.device} but {input_name} is on {device}")
+    if not bias.dtype.is_floating_point:
+        raise TypeError(f"bias must be a floating-point tensor, got {bias.dtype}")
+    if contiguous and not bias.is_contiguous():
+        raise ValueError("bias must be contiguous")
 
 
 def check_conv_call(x_nhwc, w, bias, stride, padding, dilation, *, dtypes, scale=None, residual=None,
@@ -207,8 +216,7 @@ def check_conv_call(x_nhwc, w, bias, stride, padding, dilation, *, dtypes, scale
     a machine without a GPU too. `out_dtype`: None (x's dtype), or for e4m3 operands bf16 or e4m3;
     `activations`: what the kernel's epilogue applies (check_epilogue). Returns the geometry."""
     geometry = check_conv_inputs(x_nhwc, w, stride, padding, dilation, dtypes=dtypes, bias=bias, groups=groups)
-    if bias is not None and not bias.is_contiguous():
-        raise ValueError("bias must be contiguous")
+    check_bias(bias, geometry.Co, x_nhwc.device, "x_nhwc", contiguous=True)
     g = geometry
     check_epilogue(g.Co, g.output_shape_nhwc, output_dtype(x_nhwc.dtype, out_dtype), x_nhwc.device, scale,
                    residual, activation, activations)

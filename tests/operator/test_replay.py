@@ -431,11 +431,12 @@ def test_native_calls_give_the_python_paths_bits(lesson06_backend):
     (x, w, *_), stride, padding = inputs[3][:5], inputs[3][5], inputs[3][6]
     assert x.shape[1] == 3, "FORWARD_LAYERS[3] is the stem"
     before = native.counts()["conv_tutorial::conv2d"][0]
-    for _ in range(6):       # (a new variant's first call compiles, the next records, one replays in Python and
-        out = torch.ops.conv_tutorial.conv2d(x.clone(), w.clone(), None, stride, padding, [1, 1], 1)   # hands over)
+    want = torch.nn.functional.conv2d(x.float(), w.float(), None, stride, padding)
+    # six calls: a new variant's first call compiles, the next records, one replays in Python and hands over
+    for call in range(6):
+        out = torch.ops.conv_tutorial.conv2d(x.clone(), w.clone(), None, stride, padding, [1, 1], 1)
+        torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2, msg=f"the stem, call {call}")
     assert native.counts()["conv_tutorial::conv2d"][0] - before >= 3
-    torch.testing.assert_close(out.float(), torch.nn.functional.conv2d(x.float(), w.float(), None, stride, padding),
-                               atol=3e-2, rtol=3e-2)
 
 
 @needs_gpu
