@@ -105,9 +105,10 @@ def check_fp8_scales(x_scale, w_scale, Co, device, *, residual=None, activation=
     (in e4m3, at the output's scale).
 
     Scales must be positive and finite. On CPU tensors their values are checked (ValueError; not while
-    torch.compile traces, which cannot branch on a value); on a GPU they are not, because reading a value back would synchronize the device on every call (and
-    break CUDA-graph capture). There a bad scale is not detected: it is folded into the epilogue's
-    per-channel factor, so a NaN or infinite scale makes the affected outputs NaN or inf, a zero
+    torch.compile traces, which cannot branch on a value); on a GPU they are not, because reading a
+    value back would synchronize the device on every call (and break CUDA-graph capture). There a bad
+    scale is not detected: it is folded into the epilogue's per-channel factor, so a NaN or infinite
+    scale makes the affected outputs NaN or inf, a zero
     input or weight scale makes them zero (plus the bias), a negative one flips their sign (before the
     activation), and a zero out_scale divides by zero: outputs saturate at +-448 or become NaN.
     `conv_tutorial.quantize_tensor` and the fp8 pass only make valid scales."""

@@ -522,7 +522,8 @@ def test_the_fp8_scale_fold_computes_torchs_scales(Co):
 
     generator = torch.Generator().manual_seed(Co)
     x_scale = (torch.rand((), generator=generator) / 3 + 0.01).to(device)
-    w_scale = (torch.rand(Co, generator=generator) * 10.0 ** torch.randint(-20, 20, (Co,), generator=generator)).to(device)
+    mantissas = torch.rand(Co, generator=generator)        # (drawn before the magnitudes, as the test always did)
+    w_scale = (mantissas * 10.0 ** torch.randint(-20, 20, (Co,), generator=generator)).to(device)
     for bias in (None, torch.randn(Co, generator=generator).to(device),
                  torch.randn(Co, generator=generator).to(device, torch.bfloat16)):
         for out_scale in (None, torch.tensor(0.013, device=device), torch.tensor(3.0e-7, device=device)):
