@@ -522,7 +522,7 @@ def test_the_fp8_scale_fold_computes_torchs_scales(Co):
 
     generator = torch.Generator().manual_seed(Co)
     x_scale = (torch.rand((), generator=generator) / 3 + 0.01).to(device)
-    mantissas = torch.rand(Co, generator=generator)        # (drawn before the magnitudes, as the test always did)
+    mantissas = torch.rand(Co, generator=generator)
     w_scale = (mantissas * 10.0 ** torch.randint(-20, 20, (Co,), generator=generator)).to(device)
     for bias in (None, torch.randn(Co, generator=generator).to(device),
                  torch.randn(Co, generator=generator).to(device, torch.bfloat16)):
