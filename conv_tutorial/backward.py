@@ -26,7 +26,7 @@ import torch
 from . import hostpath, native, runtime, selection, wgrad
 from .configs import grouped_conv_fits
 from .geometry import current_arch, device_facts, nhwc_view
-from .launch import DirectLaunch, compiling_ahead_active, plan_for, record_breaks, record_step
+from .launch import SmallLaunches, plan_for, record_breaks
 from . import core
 from .kernels import dgrad as dgrad_kernels, fprop, gradients
 
@@ -209,25 +209,14 @@ def _side_by_side_conv(dy_nhwc, w_side_by_side, plan, out_window):
     plan_for(plan.geometry, dy_nhwc.dtype, plan.config).run(dy_nhwc, w_side_by_side, out_window=out_window)
 
 
-_ZEROS = {}     # (grid, scalars, constexprs) -> DirectLaunch of kernels.dgrad.untapped_zeros_kernel
+_ZEROS = SmallLaunches(dgrad_kernels.untapped_zeros_kernel)
 
 
 def _launch_zeros(kernel, grid, args, kwargs):
-    """untapped_zeros' launch: through Triton's launcher the first time (it compiles), directly after it."""
-    dx, *scalars = args
-    if compiling_ahead_active():       # launch.compiling_ahead: compile in its pool, launch nothing (dX is garbage)
-        kernel.warmup(*args, grid=grid, **kwargs)
-        return
-    key = (grid, tuple(scalars), tuple(sorted(kwargs.items())), dx.dtype, dx.device)
-    direct = _ZEROS.get(key)
-    if direct is None or dx.data_ptr() % 16 or not direct.takes_addresses():
-        record_breaks()
-        launched = DirectLaunch.first_launch(kernel, grid, args, kwargs)
-        if dx.data_ptr() % 16 == 0:         # (what the kernel was compiled for: an aligned dX)
-            _ZEROS[key] = launched
-        return
-    direct(grid, dx.data_ptr(), *scalars)
-    record_step(("launch", direct, grid, (dx.data_ptr(), *scalars), (0,)), (dx,))
+    """untapped_zeros' launch, a launch a replay repeats (launch.SmallLaunches)."""
+    if kernel is not _ZEROS.kernel:
+        raise ValueError(f"_launch_zeros launches {_ZEROS.kernel.fn.__name__}, got {kernel}")
+    _ZEROS(grid, args, kwargs)
 
 
 def _weight_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, stride: List[int],

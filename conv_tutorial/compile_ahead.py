@@ -8,7 +8,7 @@ Why: each distinct kernel a model needs (a shape, a config, an epilogue) compile
 and a training step's first calls come one after another: ResNet-50's first step compiled its 68
 Gluon kernels serially, about 1.4 s each, 95 of its 159 s (RESULTS.md, "Training"). Here the model
 runs once inside `launch.compiling_ahead`: every operator call hands its kernels' compiles to a pool
-of threads and launches nothing (the forward's and dgrad's through their plans, wgrad's through its
+of worker processes and launches nothing (the forward's and dgrad's through their plans, wgrad's through its
 own, depthwise convs too), so the compiles overlap; on exit Triton's in-memory cache holds them, and
 the step's first calls launch without compiling. Of the small Triton kernels around the convs,
 dgrad's zero fill, the stem's fold and the fp8 operator's fold of its scales are compiled in the
@@ -40,14 +40,14 @@ from .launch import compiling_ahead
 def compile_kernels_ahead(model: torch.nn.Module, *example_inputs, backward: bool = True,
                           autocast_dtype=None, workers=None, wait: bool = True) -> float:
     """Compile the kernels one step of `model` on `example_inputs` needs (its forward, and with
-    `backward` its gradients: dgrad and wgrad), side by side in a pool of `workers` threads (default:
-    launch.compiling_ahead's), and return the seconds it took. `autocast_dtype`: the dtype the step runs under torch.autocast (None:
-    no autocast). The model's parameters, their gradients and its buffers are left as they were. On
-    a CPU, or with autotuning on (the tuner compiles its candidates as it times them), nothing is
-    compiled ahead and 0.0 is returned. `wait=False`: return once every compile is submitted (the
-    seconds of the pass alone); the compiles go on in the pool while the caller goes on (torch.compile
-    tracing the step, say), and each kernel's first launch waits for its own compile and raises its
-    failure (launch.compiling_ahead)."""
+    `backward` its gradients: dgrad and wgrad), side by side in a pool of `workers` processes
+    (default: launch.compiling_ahead's), and return the seconds it took. `autocast_dtype`: the dtype
+    the step runs under torch.autocast (None: no autocast). The model's parameters, their gradients
+    and its buffers are left as they were. On a CPU, or with autotuning on (the tuner compiles its
+    candidates as it times them), nothing is compiled ahead and 0.0 is returned. `wait=False`:
+    return once every compile is submitted (the seconds of the pass alone); the compiles go on in
+    the pool while the caller goes on (torch.compile tracing the step, say), and each kernel's first
+    launch waits for its own compile and raises its failure (launch.compiling_ahead)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):

@@ -15,8 +15,8 @@
   descriptor's tensor map encoded once per (descriptor, address) instead of on every launch. What each
   path costs: benchmarks/host_time.py measures it (figures in RESULTS.md).
 - Split-K's second kernel (lesson 05, section 7) is launched directly too.
-- Compiling ahead (`compiling_ahead`): a model's distinct kernels compiled side by side in a
-  pool of threads (Triton's `AsyncCompileMode`), before its first real call (RESULTS.md, "The first
+- Compiling ahead (`compiling_ahead`): a model's distinct kernels compiled side by side in worker
+  processes (Triton's `AsyncCompileMode`, compile_pool.py), before its first real call (RESULTS.md, "The first
   call of a fused model").
 """
 import contextlib
@@ -24,7 +24,6 @@ import contextvars
 import math
 import os
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
@@ -33,7 +32,7 @@ from triton.runtime._async_compile import FutureKernel
 
 from .configs import KernelConfig, check_config
 from .geometry import device_facts, nhwc_view
-from . import native, packed
+from . import compile_pool, native, packed
 from .packed import Slot
 from . import core
 from .kernels import fprop
@@ -302,6 +301,46 @@ def record_scratch(tensor):
     """Record a workspace the call allocated (its launches' addresses may lie in it)."""
     if tensor is not None:
         record_step(("scratch", tuple(tensor.shape), tensor.dtype, (tensor.data_ptr(), tensor.nbytes)), (tensor,))
+
+
+class SmallLaunches:
+    """The launches of one small Triton kernel of pointers and scalars around the convs (the folded
+    stem's copies, the fp8 operator's fold of its scales, dgrad's zero fill), made so that a replay
+    repeats them: the first launch of each specialization through Triton's launcher (it compiles), the
+    ones after it straight (a DirectLaunch), each recorded as a launch step. Inside compiling_ahead,
+    compiled in its pool and not launched."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._direct = {}      # (scalars, constexprs, the tensors' dtypes, device) -> DirectLaunch
+
+    def __call__(self, grid, args, kwargs, allocated=()):
+        """Launch the kernel on `args` (tensors where it takes pointers, then its scalars) with constexprs
+        `kwargs`. `allocated`: workspaces the caller allocated for this launch, recorded as the call's
+        scratch (a replay allocates them again)."""
+        places = tuple(i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor))
+        tensors = tuple(args[i] for i in places)
+        on_gpu = all(t.is_cuda for t in tensors)
+        if compiling_ahead_active() and on_gpu:
+            self.kernel.warmup(*args, grid=grid, **kwargs)
+            return
+        # (the key holds every scalar: Triton specializes a kernel on their values, 1 and multiples of 16)
+        key = (tuple(arg for arg in args if not isinstance(arg, torch.Tensor)), tuple(sorted(kwargs.items())),
+               tuple(t.dtype for t in tensors), tensors[0].device if tensors else None)
+        aligned = all(t.data_ptr() % 16 == 0 for t in tensors)      # (what a DirectLaunch was compiled for)
+        direct = self._direct.get(key)
+        if direct is not None and aligned and direct.takes_addresses():
+            values = tuple(arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args)
+            direct(grid, *values)
+            for workspace in allocated:
+                record_scratch(workspace)
+            record_step(("launch", direct, grid, values, places), tensors)
+            return
+        record_breaks()
+        if aligned and on_gpu and direct is None:
+            self._direct[key] = DirectLaunch.first_launch(self.kernel, grid, args, kwargs)
+        else:
+            self.kernel[grid](*args, **kwargs)
 
 
 class Replay:
@@ -672,18 +711,19 @@ _COMPILE_ONLY = contextvars.ContextVar("conv_tutorial_compile_only", default=Fal
 @contextlib.contextmanager
 def compiling_ahead(workers=None, wait=True):
     """While active, the first call of each (plan, epilogue variant) does not run: it submits the
-    kernel's compile (and split-K's second kernel's) to a pool of `workers` threads (default: the
-    CPUs this process may use, shared among the processes torchrun started on this node, at most
-    32) and returns its output unwritten. On exit every compile has finished, and
-    Triton's in-memory cache holds them: the calls after it launch without compiling. A model run
-    once inside it has its distinct kernels compiled side by side instead of one after another
-    (its outputs are garbage: run it for the compiles alone). Depthwise convs (depthwise.py) and
-    wgrad's kernels (wgrad.py), the folded stem's copies (runtime.FoldedConv), the fp8 operator's fold of
-    its scales (runtime.fold_fp8_scales) and dgrad's zero fill (backward.py) are compiled in the pool too
-    and not run; dgrad's weight flips (kernels/dgrad.py)
-    compile and run as usual, their launch waiting for its compile. A whole training step:
-    compile_ahead.compile_kernels_ahead. Autotuning must be off inside (the tuner times real
-    launches). Triton reports a failed compile when the block exits.
+    kernel's compile (and split-K's second kernel's) to a pool of `workers` (default: the CPUs this
+    process may use, shared among the processes torchrun started on this node, at most 32) and
+    returns its output unwritten. Each compile runs in a worker process where it can
+    (compile_pool.ProcessCompiles: the caller keeps the GIL), else on the pool's thread. On exit
+    every compile has finished, and Triton's in-memory cache holds them: the calls after it launch
+    without compiling. A model run once inside it has its distinct kernels compiled side by side
+    instead of one after another (its outputs are garbage: run it for the compiles alone).
+    Depthwise convs (depthwise.py) and wgrad's kernels (wgrad.py), the folded stem's copies
+    (runtime.FoldedConv), the fp8 operator's fold of its scales (runtime.fold_fp8_scales) and
+    dgrad's zero fill (backward.py) are compiled in the pool too and not run; dgrad's weight flips
+    (kernels/dgrad.py) compile and run as usual, their launch waiting for its compile. A whole
+    training step: compile_ahead.compile_kernels_ahead. Autotuning must be off inside (the tuner
+    times real launches). Triton reports a failed compile when the block exits.
 
     `wait=False`: the block exits once every compile is submitted, and the pool goes on compiling.
     Triton's cache holds each kernel's compile in progress (its FutureKernel): the kernel's first
@@ -693,7 +733,7 @@ def compiling_ahead(workers=None, wait=True):
     if not isinstance(wait, bool):
         raise TypeError(f"wait must be a bool, got {wait!r}")
     workers = workers or _compile_pool_size()
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="conv_tutorial_compile")
+    pool = compile_pool.ProcessCompiles(workers)
     if wait:
         with pool, triton.AsyncCompileMode(pool) as mode, native.suspended():
             token = _COMPILE_ONLY.set(True)

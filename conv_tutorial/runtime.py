@@ -21,7 +21,7 @@ from .configs import KernelConfig, grouped_conv_fits
 from .geometry import FP8, KERNEL_DTYPES, call_key, check_conv_call, conv_geometry, device_facts
 from . import core
 from .kernels import fprop
-from .launch import DirectLaunch, compiling_ahead_active, plan_for, record_breaks, record_scratch, record_step
+from .launch import SmallLaunches, plan_for, record_breaks
 from .selection import epilogue_tag, known_or_heuristic_config, tuned_config
 
 
@@ -145,7 +145,6 @@ class FoldedConv:
         g = self.original = geometry
         self.channels = g.S * g.Ci
         self.channels_padded = -(-self.channels // 8) * 8       # 16-byte pixels for TMA
-        self.copies = {}        # "x" / "w" -> DirectLaunch of fold_columns_kernel, after its first launch
         self.geometry = conv_geometry(
             (g.N, g.H, g.out_w, self.channels_padded), (g.Co, g.R, 1, self.channels_padded),
             (g.stride[0], 1), (g.padding[0], 0), (g.dilation[0], 1))
@@ -159,37 +158,24 @@ class FoldedConv:
         g = self.original
         x_fold = x_nhwc.new_empty(g.N, g.H, g.out_w, self.channels_padded)
         w_fold = w.new_empty(g.Co, g.R, 1, self.channels_padded)
-        self._copy("x", x_nhwc, x_fold, (g.N * g.H, g.W, g.out_w, g.Ci, g.stride[1], g.padding[1], g.dilation[1]))
-        self._copy("w", w, w_fold, (g.Co * g.R, g.S, 1, g.Ci, 1, 0, 1))
+        self._copy(x_nhwc, x_fold, (g.N * g.H, g.W, g.out_w, g.Ci, g.stride[1], g.padding[1], g.dilation[1]))
+        self._copy(w, w_fold, (g.Co * g.R, g.S, 1, g.Ci, 1, 0, 1))
         return x_fold, w_fold
 
-    def _copy(self, which, source, folded, scalars):
+    def _copy(self, source, folded, scalars):
         """Fold `source` ([rows, W, Ci] as rows of pixels) into `folded` with fold_columns_kernel's
-        `scalars` (rows, W, out_w, Ci, stride_w, pad_w, dil_w); record the launch for a replay."""
+        `scalars` (rows, W, out_w, Ci, stride_w, pad_w, dil_w), a launch a replay repeats."""
         if not source.is_contiguous():
             record_breaks()             # (a copy the replay would not make)
             source = source.contiguous()
         rows, out_w = scalars[0], scalars[2]
         block_p = 64
-        grid = (triton.cdiv(rows * out_w, block_p),)
-        scalars = (*scalars, self.channels, self.channels_padded)
-        aligned = source.data_ptr() % 16 == 0                     # (what the DirectLaunch compiled for)
         kwargs = dict(BLOCK_P=block_p, BLOCK_C=triton.next_power_of_2(self.channels_padded), enable_fp_fusion=True)
-        direct = self.copies.get(which)
-        if compiling_ahead_active() and source.is_cuda:     # launch.compiling_ahead: compile, launch nothing
-            fold_columns_kernel.warmup(source, folded, *scalars, grid=grid, **kwargs)
-        elif direct is not None and aligned and direct.takes_addresses():
-            direct(grid, source.data_ptr(), folded.data_ptr(), *scalars)
-            record_scratch(folded)
-            record_step(("launch", direct, grid, (source.data_ptr(), folded.data_ptr(), *scalars), (0, 1)),
-                        (source, folded))
-        else:       # the first copy, through Triton's launcher (it compiles); later ones launched directly
-            record_breaks()
-            if aligned and direct is None and source.is_cuda:
-                self.copies[which] = DirectLaunch.first_launch(fold_columns_kernel, grid, (source, folded, *scalars),
-                                                               kwargs)
-            else:
-                fold_columns_kernel[grid](source, folded, *scalars, **kwargs)
+        _FOLD_COLUMNS((triton.cdiv(rows * out_w, block_p),),
+                      (source, folded, *scalars, self.channels, self.channels_padded), kwargs, allocated=(folded,))
+
+
+_FOLD_COLUMNS = SmallLaunches(fold_columns_kernel)
 
 
 def folded_geometry(geometry):
@@ -226,7 +212,7 @@ def fold_fp8_scales_kernel(x_scale_ptr, w_scale_ptr, bias_ptr, out_scale_ptr, sc
     tl.store(scale_ptr + co, scale, mask=inside)
 
 
-_FP8_SCALE_FOLDS = {}     # (Co, e4m3 out, the bias's dtype if read, device) -> DirectLaunch of fold_fp8_scales_kernel
+_FOLD_FP8_SCALES = SmallLaunches(fold_fp8_scales_kernel)
 
 
 def fold_fp8_scales(x_scale, w_scale, bias, out_scale):
@@ -243,23 +229,6 @@ def fold_fp8_scales(x_scale, w_scale, bias, out_scale):
     # absent pointers: the scale's (not read)
     pointers = (x_scale, w_scale, bias if has_bias else x_scale, out_scale if e4m3_out else x_scale, scale,
                 shift if has_bias else scale)
-    kwargs = dict(E4M3_OUT=e4m3_out, HAS_BIAS=has_bias, BLOCK=block)
-    key = (Co, e4m3_out, has_bias and bias.dtype, w_scale.device)      # (all on one device: the caller checked)
-    direct = _FP8_SCALE_FOLDS.get(key)
-    aligned = all(t.data_ptr() % 16 == 0 for t in pointers)       # (what a DirectLaunch was compiled for)
-    if compiling_ahead_active():        # launch.compiling_ahead: compile, launch nothing
-        fold_fp8_scales_kernel.warmup(*pointers, Co, grid=grid, **kwargs)
-    elif direct is not None and aligned and direct.takes_addresses():
-        addresses = tuple(t.data_ptr() for t in pointers)
-        direct(grid, *addresses, Co)
-        record_scratch(scale)
-        if has_bias:
-            record_scratch(shift)
-        record_step(("launch", direct, grid, (*addresses, Co), tuple(range(len(pointers)))), pointers)
-    else:       # the first launch, through Triton's launcher (it compiles); later ones launched directly
-        record_breaks()
-        if aligned and direct is None:
-            _FP8_SCALE_FOLDS[key] = DirectLaunch.first_launch(fold_fp8_scales_kernel, grid, (*pointers, Co), kwargs)
-        else:
-            fold_fp8_scales_kernel[grid](*pointers, Co, **kwargs)
+    _FOLD_FP8_SCALES(grid, (*pointers, Co), dict(E4M3_OUT=e4m3_out, HAS_BIAS=has_bias, BLOCK=block),
+                     allocated=(scale, shift) if has_bias else (scale,))
     return scale, shift

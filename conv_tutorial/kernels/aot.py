@@ -15,8 +15,16 @@ def compile_for_target(kernel, args, kwargs, arch: str):
     `args`/`kwargs` are what a launch would get (CPU tensors and host TensorDescriptor objects are
     fine; launch options like num_warps go in kwargs). Returns the CompiledKernel, whose
     `.asm["ptx"]` holds the PTX and `.metadata.shared` the shared memory a launch needs.
-    These are Triton-internal APIs: keep every use behind this one function. (Run it where
-    TRITON_INTERPRET is unset or 0: under the interpreter `triton.jit` builds no compilable kernel.)"""
+    (Run it where TRITON_INTERPRET is unset or 0: under the interpreter `triton.jit` builds no
+    compilable kernel.)"""
+    src, target, options = compile_source(kernel, args, kwargs, arch)
+    return triton.compile(src, target=target, options=options)
+
+
+def compile_source(kernel, args, kwargs, arch: str):
+    """(src, target, options): what `triton.compile` takes to build `kernel`'s launch on `args`/`kwargs`
+    for `arch`, as compile_for_target builds it. These are Triton-internal APIs: keep every use behind
+    this one function."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
@@ -30,7 +38,7 @@ def compile_for_target(kernel, args, kwargs, arch: str):
     bound_args, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
     source_cls = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
-    return triton.compile(source_cls(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+    return source_cls(kernel, signature, constexprs, attrs), target, options.__dict__
 
 
 def fprop_build(arch, N=2, H=16, W=16, Ci=64, Co=128, R=3, S=3, stride=1, padding=1, config=fprop.FIXED_CONFIG,

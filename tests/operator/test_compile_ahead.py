@@ -14,6 +14,7 @@ import common
 
 import pytest
 import torch
+import triton
 
 import conv_tutorial
 from conv_tutorial import compile_ahead, hostpath
@@ -203,15 +204,19 @@ def _compiled_kernels():
 
 @needs_gpu
 @pytest.mark.parametrize("wait", [True, False], ids=["waiting", "not waiting"])
-def test_the_step_after_it_compiles_nothing_and_trains_as_torch(wait):
+def test_the_step_after_it_compiles_nothing_and_trains_as_torch(wait, tmp_path, monkeypatch):
     """A converted net with BatchNorm's sums fused and lesson 06's gradients, under bf16 autocast: after the
     pass, one real step adds no forward or wgrad kernel to Triton's caches (each was compiled ahead), and its
     gradients match the same net on cuDNN (bf16's rounding through three convs and two BatchNorms: 5e-2 of each
     gradient's largest value; garbage, a missed launch, would be off by its whole size). Its 1x1 stride-2
     conv's dgrad zero-fills the pixels no tap reaches: a kernel the pass compiles and does not launch.
     Not waiting (wait=False), the pass leaves its compiles in progress in Triton's cache (FutureKernels),
-    and the step's first launches wait for them; waiting, it leaves none."""
+    and the step's first launches wait for them; waiting, it leaves none. With Triton's file cache empty,
+    the compiles run in worker processes (compile_pool)."""
     from triton.runtime._async_compile import FutureKernel
+    from conv_tutorial import compile_pool
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))       # (every compile a miss: to the workers)
+    in_workers = compile_pool.compiles_in_workers()
     before = conv_tutorial.backward_backend()
     conv_tutorial.set_backward("lesson06")
     try:
@@ -232,6 +237,7 @@ def test_the_step_after_it_compiles_nothing_and_trains_as_torch(wait):
             with torch.autocast("cuda", torch.bfloat16):
                 net(x).float().square().sum().backward()
         assert _compiled_kernels() == compiled
+        assert compile_pool.compiles_in_workers() >= in_workers + len(entries)
         ours = {names[p.data_ptr()]: p.grad for p in model.parameters()}
         assert ours.keys() == {name for name, _ in reference.named_parameters()}
         for name, expected in reference.named_parameters():

@@ -1,0 +1,256 @@
+"""Kernel compiles in worker processes, for launch.compiling_ahead.
+
+Why processes: a compile's front end (Python walking the kernel's source into MLIR) holds the GIL.
+In a pool of threads, the compiles take turns on the caller's interpreter with whatever the caller
+runs beside them: with `compile_kernels_ahead(wait=False)`, torch.compile tracing the first step.
+ResNet-50's first steps took longer with the compiles in the background on threads than after them
+(RESULTS.md, "Training"). A worker process gives each compile an interpreter of its own.
+
+How: Triton's AsyncCompileMode hands each compile to its executor as a closure over the kernel's
+ASTSource, the GPU target, the options and the environment variables that key Triton's cache.
+`ProcessCompiles.submit` runs the closure on one of its threads, which first sends those four (the
+kernel named by module and name) to an idle worker. The worker compiles into Triton's file cache,
+at the same key in the same folder. The closure then finds the kernel there and only loads it. Where the
+worker cannot help, the closure compiles on the thread, as a pool of threads would. That is a kernel
+already in the cache, one defined where a worker cannot import it, one whose parts do not pickle, or a
+worker that failed. So the result is the same kernel, and a compile that fails raises Triton's own error.
+
+Workers are `python -c` processes reading requests on their standard input. They are not
+multiprocessing's, which would import the caller's main script. They start at the first compile that
+needs one, at most one per thread. They exit when the executor shuts down, or with the caller's process.
+"""
+import hashlib
+import importlib
+import inspect
+import io
+import json
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+import warnings
+from concurrent.futures import Executor, ThreadPoolExecutor
+
+import triton
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+# What Triton's asynchronous compile closure (JITFunction._do_compile's `async_compile`) closes over: a test
+# checks that Triton's closure still has these names.
+CLOSURE_NAMES = ("src", "target", "options", "env_vars")
+
+_HEADER = struct.Struct("<Q")      # a request's length; 0 asks the worker to exit
+_WORKER_MAIN = ("import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
+                "from conv_tutorial.compile_pool import serve; serve()")
+
+_compiles_in_workers = 0           # compiles the workers finished, in this process (the tests read it)
+_count_lock = threading.Lock()
+
+
+def compiles_in_workers() -> int:
+    """How many compiles worker processes have finished for this process so far."""
+    return _compiles_in_workers
+
+
+class ProcessCompiles(Executor):
+    """An executor for triton.AsyncCompileMode: `workers` threads, each sending its compile to a worker
+    process of its own where one can take it (module docstring). `shutdown(wait=False)` returns at
+    once; the compiles submitted finish and the workers exit after them."""
+
+    def __init__(self, workers: int):
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+            raise ValueError(f"workers must be a positive int, got {workers!r}")
+        self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="conv_tutorial_compile")
+        self._idle = []            # workers waiting for a request
+        self._all = []
+        self._lock = threading.Lock()
+        self._warned = False
+
+    def submit(self, fn, /, *args, **kwargs):
+        return self._threads.submit(self._compile, fn, args, kwargs)
+
+    def shutdown(self, wait=True, *, cancel_futures=False):
+        if wait:
+            self._threads.shutdown(wait=True, cancel_futures=cancel_futures)
+            self._stop_workers()
+        else:
+            self._threads.shutdown(wait=False, cancel_futures=cancel_futures)
+            # (not a daemon: the process's exit waits for the compiles submitted, as it does for the threads)
+            threading.Thread(target=self._stop_after_compiles, name="conv_tutorial_compile_stop").start()
+
+    def _stop_after_compiles(self):
+        self._threads.shutdown(wait=True)
+        self._stop_workers()
+
+    def _compile(self, fn, args, kwargs):
+        request = None if args or kwargs else _request(fn)
+        if request is not None and self._in_worker(request):
+            global _compiles_in_workers
+            with _count_lock:
+                _compiles_in_workers += 1
+        return fn(*args, **kwargs)     # (the kernel from Triton's cache where the worker compiled it)
+
+    def _in_worker(self, request) -> bool:
+        with self._lock:
+            worker = self._idle.pop() if self._idle else None
+        if worker is None:
+            worker = _Worker.start()
+            if worker is None:
+                return self._say_once("no worker process could be started")
+            with self._lock:
+                self._all.append(worker)
+        done = worker.compile(request)
+        if worker.alive:
+            with self._lock:
+                self._idle.append(worker)
+        elif not done:
+            self._say_once(f"a worker process exited ({worker.returncode()})")
+        return done
+
+    def _say_once(self, what) -> bool:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"conv_tutorial: {what}; its kernel compiles in this process instead", RuntimeWarning,
+                          stacklevel=2)
+        return False
+
+    def _stop_workers(self):
+        with self._lock:
+            workers, self._all, self._idle = self._all, [], []
+        for worker in workers:
+            worker.stop()
+
+
+def _request(fn):
+    """The pickled request for a worker to compile what Triton's closure `fn` compiles, or None where a
+    worker cannot or need not: the closure is not Triton's, the kernel is in Triton's cache already, or
+    its parts do not pickle."""
+    try:
+        names = inspect.getclosurevars(fn).nonlocals
+    except (TypeError, ValueError):
+        return None
+    if not all(name in names for name in CLOSURE_NAMES) or not isinstance(names["src"], ASTSource):
+        return None
+    src, target, options, env_vars = (names[name] for name in CLOSURE_NAMES)
+    options = getattr(options, "__dict__", options)
+    if not isinstance(options, dict) or _in_triton_cache(src, target, options, env_vars):
+        return None
+    buffer = io.BytesIO()
+    try:
+        _KernelsByName(buffer).dump((src, target, options, env_vars, triton.knobs.cache.dir))
+    except Exception:        # (a kernel a worker cannot import, or a part that does not pickle)
+        return None
+    return buffer.getvalue()
+
+
+def _in_triton_cache(src, target, options, env_vars) -> bool:
+    """Whether triton.compile(src, target, options) would load the kernel from Triton's cache: its key
+    and file name as triton.compiler.compile makes them (Triton 3.9). Settings that make every compile
+    run (always_compile, a stages inspection hook) count as a hit: a worker's compile would be wasted."""
+    knobs = triton.knobs
+    if knobs.compilation.always_compile or knobs.runtime.add_stages_inspection_hook is not None:
+        return True
+    try:
+        from triton.compiler.compiler import make_backend
+        from triton.runtime.cache import get_cache_key, get_cache_manager
+        backend = make_backend(target)
+        parsed = backend.parse_options(dict(options, **src.parse_options()))
+        key = get_cache_key(src, backend, parsed, env_vars=env_vars)
+        metadata = f"{src.name[:150]}.json"
+        group = get_cache_manager(hashlib.sha256(key.encode("utf-8")).hexdigest()).get_group(metadata) or {}
+        return group.get(metadata) is not None
+    except Exception:        # (another Triton's internals: no worker then, the closure decides)
+        return True
+
+
+class _KernelsByName(pickle.Pickler):
+    """Pickles a JITFunction as its module and name, where importing that module gives it back."""
+
+    def reducer_override(self, obj):
+        if not isinstance(obj, JITFunction):
+            return NotImplemented
+        module, name = obj.fn.__module__, obj.fn.__qualname__
+        if module == "__main__" or getattr(sys.modules.get(module), name, None) is not obj:
+            raise pickle.PicklingError(f"{module}.{name} cannot be imported by name")
+        return _kernel_named, (module, name)
+
+
+def _kernel_named(module, name):
+    return getattr(importlib.import_module(module), name)
+
+
+class _Worker:
+    """One worker process and its pipes."""
+
+    def __init__(self, process):
+        self.process = process
+        self.alive = True
+
+    @classmethod
+    def start(cls):
+        if not sys.executable:
+            return None
+        paths = [os.path.abspath(path or os.curdir) for path in sys.path]
+        try:
+            process = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, json.dumps(paths)],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        except OSError:
+            return None
+        return cls(process)
+
+    def compile(self, request: bytes) -> bool:
+        """Send a request and wait for its answer: whether the worker compiled it."""
+        try:
+            self.process.stdin.write(_HEADER.pack(len(request)) + request)
+            self.process.stdin.flush()
+            answer = self.process.stdout.read(1)
+        except (BrokenPipeError, OSError, ValueError):
+            answer = b""
+        if answer == b"":
+            self.alive = False
+        return answer == b"1"
+
+    def returncode(self):
+        return self.process.poll()
+
+    def stop(self):
+        try:
+            self.process.stdin.write(_HEADER.pack(0))
+            self.process.stdin.close()
+            self.process.wait(timeout=10)
+        except (BrokenPipeError, OSError, ValueError, subprocess.TimeoutExpired):
+            self.process.kill()
+        for pipe in (self.process.stdin, self.process.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+
+def serve():
+    """A worker's loop: read a request, compile it into Triton's cache, answer b"1" (compiled) or b"0"
+    (failed: the caller compiles it again and sees Triton's error). Anything written to standard output
+    while compiling goes to standard error instead, so that only answers reach the caller."""
+    requests = sys.stdin.buffer
+    answers = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    while True:
+        header = requests.read(_HEADER.size)
+        if len(header) < _HEADER.size:
+            return
+        (length,) = _HEADER.unpack(header)
+        if length == 0:
+            return
+        request = requests.read(length)
+        try:
+            src, target, options, env_vars, cache_dir = pickle.loads(request)
+            if cache_dir and triton.knobs.cache.dir != cache_dir:
+                triton.knobs.cache.dir = cache_dir
+            triton.compile(src, target=target, options=options, _env_vars=env_vars)
+            answer = b"1"
+        except Exception:
+            answer = b"0"
+        answers.write(answer)

@@ -1,0 +1,128 @@
+"""compile_pool.ProcessCompiles, the executor of launch.compiling_ahead: compiles in worker processes that
+give the caller the same kernels, from Triton's own cache, as compiling them on its threads would. On a CPU:
+the kernels are built for sm_90 (no GPU needed) in a fresh process where Triton's interpreter is off."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import common
+
+# A fresh process: a small kernel of the package's (dgrad's zero fill) compiled through the executor as
+# Triton's AsyncCompileMode hands it a compile (a closure over src, target, options and env_vars), beside
+# triton.compile's own build of the same source; then the cases a worker cannot take.
+SCRIPT = textwrap.dedent("""
+    import json, sys, warnings
+    import torch, triton
+    import triton.language as tl
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from conv_tutorial import compile_pool
+    from conv_tutorial.kernels import aot, dgrad
+    import failing_kernel
+
+    def closure(src, target, options, env_vars):
+        def async_compile():         # (what JITFunction._do_compile submits, with the same names)
+            return triton.compile(src, target=target, options=options, _env_vars=env_vars)
+        return async_compile
+
+    @triton.jit
+    def kernel_in_main(out_ptr, BLOCK: tl.constexpr):
+        tl.store(out_ptr + tl.arange(0, BLOCK), tl.zeros([BLOCK], tl.float32))
+
+    env_vars = get_cache_invalidating_env_vars()
+    dx = torch.zeros(2, 8, 8, 16, dtype=torch.bfloat16)
+    def zeros_source(block_c):
+        return aot.compile_source(dgrad.untapped_zeros_kernel, (dx, 8, 8, 16, 2, 2, 1, 1),
+                                  dict(BLOCK_P=32, BLOCK_C=block_c), "sm_90")
+    report = {}
+    pool = compile_pool.ProcessCompiles(2)
+    src, target, options = zeros_source(16)
+    kernel = pool.submit(closure(src, target, options, env_vars)).result()
+    report["worker_first"] = compile_pool.compiles_in_workers()
+    report["same_as_triton"] = kernel.hash == triton.compile(src, target=target, options=options).hash
+    report["stores"] = "st.global" in kernel.asm["ptx"]
+    again = pool.submit(closure(src, target, options, env_vars)).result()
+    report["worker_after_hit"] = compile_pool.compiles_in_workers()
+    report["hit_same"] = again.hash == kernel.hash
+
+    main_src, main_target, main_options = aot.compile_source(kernel_in_main, (torch.zeros(16),), dict(BLOCK=16),
+                                                             "sm_90")
+    in_main = pool.submit(closure(main_src, main_target, main_options, env_vars)).result()
+    report["main_compiled_here"] = ("st.global" in in_main.asm["ptx"], compile_pool.compiles_in_workers())
+
+    bad = aot.compile_source(failing_kernel.odd_block, (torch.zeros(16),), dict(BLOCK=3), "sm_90")
+    try:
+        pool.submit(closure(*bad, env_vars)).result()
+        report["failure"] = None
+    except Exception as error:
+        report["failure"] = type(error).__name__
+    report["worker_after_failure"] = compile_pool.compiles_in_workers()
+
+    for worker in pool._all:
+        worker.process.kill()
+        worker.process.wait()
+    src32 = zeros_source(32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        after_kill = pool.submit(closure(*src32, env_vars)).result()
+    report["after_kill"] = (after_kill.hash == triton.compile(src32[0], target=src32[1], options=src32[2]).hash,
+                            [str(w.message) for w in caught])
+    src64 = zeros_source(64)
+    pool.submit(closure(*src64, env_vars)).result()
+    report["worker_after_kill"] = compile_pool.compiles_in_workers()
+    workers = list(pool._all)
+    pool.shutdown()
+    report["stopped"] = bool(workers) and all(worker.process.poll() is not None for worker in workers)
+    print("POOL-JSON:" + json.dumps(report))
+""")
+
+FAILING_KERNEL = textwrap.dedent("""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def odd_block(out_ptr, BLOCK: tl.constexpr):       # (tl.arange needs a power of two: its compile fails)
+        tl.store(out_ptr + tl.arange(0, BLOCK), tl.zeros([BLOCK], tl.float32))
+""")
+
+
+def test_tritons_compile_closure_has_the_names_the_pool_reads():
+    """The pool reads src, target, options and env_vars off the closure Triton's JITFunction submits; if a
+    Triton release renames them, every compile silently goes back to the threads: this says so instead."""
+    from conv_tutorial import compile_pool
+    from triton.runtime.jit import JITFunction
+    nested = [const for const in JITFunction._do_compile.__code__.co_consts
+              if getattr(const, "co_name", None) == "async_compile"]
+    assert len(nested) == 1
+    assert set(compile_pool.CLOSURE_NAMES) <= set(nested[0].co_freevars), nested[0].co_freevars
+
+
+def test_workers_compile_into_tritons_cache_and_the_caller_loads_the_same_kernel(tmp_path):
+    """In a process with a fresh Triton cache: the first compile goes to a worker, and the caller gets the
+    kernel triton.compile builds from the same source (the same hash: the worker wrote it at the caller's
+    key); the same compile again is a cache hit, no worker asked. A kernel defined in the main script (no
+    worker can import it) compiles on the caller's thread; one whose compile fails raises Triton's error
+    there. A worker killed under the pool: one warning, the kernel still compiled, and the next
+    compile starts a new worker. At shutdown every worker has exited."""
+    (tmp_path / "failing_kernel.py").write_text(FAILING_KERNEL)
+    (tmp_path / "pool_script.py").write_text(SCRIPT)         # (Triton reads a kernel's source from its file)
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"), CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([str(common.REPO_ROOT), str(tmp_path)]))
+    proc = subprocess.run([sys.executable, str(tmp_path / "pool_script.py")], capture_output=True, text=True, env=env, timeout=600)
+    if "Cannot find ptxas" in proc.stderr:
+        pytest.skip("this Triton install has no assembler for sm_90 (ptxas), so no kernel compiles here")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("POOL-JSON:")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    report = json.loads(lines[-1][len("POOL-JSON:"):])
+    assert report["worker_first"] == 1
+    assert report["same_as_triton"] and report["stores"]
+    assert report["worker_after_hit"] == 1 and report["hit_same"]
+    assert report["main_compiled_here"] == [True, 1]
+    assert report["failure"] == "CompilationError" and report["worker_after_failure"] == 1
+    same, warned = report["after_kill"]
+    assert same and len(warned) == 1 and "worker process exited" in warned[0], warned
+    assert report["worker_after_kill"] == 2
+    assert report["stopped"]
