@@ -17,6 +17,7 @@ torch version; where it cannot be built, the Python path serves, with a warning.
 (or `set_enabled(False)`) keeps every call on the Python path.
 """
 import os
+import sys
 import threading
 import warnings
 
@@ -49,8 +50,37 @@ def _module():
     except ImportError:
         pass
     version = "".join(c if c.isalnum() else "_" for c in torch.__version__)
-    return cpp_extension.load(name=f"conv_tutorial_native_{version}", sources=[os.path.join(_HERE, "native.cpp")],
-                              extra_cflags=["-O2"], verbose=False)
+    name = f"conv_tutorial_native_{version}"
+    # (under torch's build root, a folder per Python version, as torch's default folder has)
+    build_directory = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root(),
+                                   f"py{sys.version_info.major}{sys.version_info.minor}", name)
+    os.makedirs(build_directory, exist_ok=True)
+    return _built_under_lock(build_directory, lambda: cpp_extension.load(
+        name=name, sources=[os.path.join(_HERE, "native.cpp")], extra_cflags=["-O2"],
+        build_directory=build_directory, verbose=False))
+
+
+def _built_under_lock(build_directory, load):
+    """`load()` (torch.utils.cpp_extension.load into `build_directory`) while this process holds an
+    flock on the folder's conv_tutorial.lock. torch's own lock is a file that its builder deletes
+    when done: a process that dies while building leaves it behind, and every later load waits for it
+    forever. That happens when the process exits while this daemon thread builds, or on a Ctrl-C or a
+    kill. An flock ends with its process, so a torch lock file found while holding ours is such a
+    leftover, and is removed. Where flock is missing (not Linux or macOS), `load()` alone."""
+    try:
+        import fcntl
+    except ImportError:
+        return load()
+    with open(os.path.join(build_directory, "conv_tutorial.lock"), "a") as ours:
+        fcntl.flock(ours, fcntl.LOCK_EX)         # (waits while another process builds)
+        try:
+            try:
+                os.remove(os.path.join(build_directory, "lock"))       # (torch's, left by a build that died)
+            except FileNotFoundError:
+                pass
+            return load()
+        finally:
+            fcntl.flock(ours, fcntl.LOCK_UN)
 
 
 _LAUNCHES = {}      # what launch.py tells (`use_launches`): the packed launches' C entry, the profiler check

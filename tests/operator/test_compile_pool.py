@@ -110,7 +110,7 @@ def test_workers_compile_into_tritons_cache_and_the_caller_loads_the_same_kernel
     (tmp_path / "failing_kernel.py").write_text(FAILING_KERNEL)
     (tmp_path / "pool_script.py").write_text(SCRIPT)         # (Triton reads a kernel's source from its file)
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"), CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([str(common.REPO_ROOT), str(tmp_path)]))
+               PYTHONPATH=os.pathsep.join([str(common.REPO_ROOT), str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(tmp_path / "pool_script.py")], capture_output=True, text=True, env=env, timeout=600)
     if "Cannot find ptxas" in proc.stderr:
         pytest.skip("this Triton install has no assembler for sm_90 (ptxas), so no kernel compiles here")

@@ -220,3 +220,34 @@ def test_a_program_made_before_a_setting_changed_does_not_serve(operator):
     calls = len(operator.python_calls)
     operator.op(x, w, None, [1, 1])
     assert len(operator.python_calls) == calls + 1
+
+
+def test_a_build_lock_left_by_a_dead_process_does_not_stop_the_next_build(tmp_path):
+    """torch's build lock is a file its builder deletes when done; a process that died building (its exit
+    ended the background thread, a Ctrl-C) leaves it, and torch's next load would wait for it forever:
+    the native kernels would never serve again, silently. Under the package's flock, which a dead process
+    no longer holds, the leftover is removed before the load."""
+    (tmp_path / "lock").write_text("")
+    seen = []
+    assert native._built_under_lock(str(tmp_path), lambda: seen.append((tmp_path / "lock").exists()) or "built") \
+        == "built"
+    assert seen == [False]
+
+
+def test_a_build_under_way_in_another_process_is_waited_for(tmp_path):
+    """While another holder of the flock builds (here: this test, through a second open file), the load waits;
+    it runs once the flock is released."""
+    import fcntl
+    import threading
+    import time
+    holder = open(tmp_path / "conv_tutorial.lock", "a")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    loaded = threading.Event()
+    thread = threading.Thread(target=native._built_under_lock, args=(str(tmp_path), loaded.set))
+    thread.start()
+    time.sleep(0.3)
+    assert not loaded.is_set()
+    fcntl.flock(holder, fcntl.LOCK_UN)
+    holder.close()
+    thread.join(timeout=10)
+    assert loaded.is_set()
