@@ -42,8 +42,7 @@ from triton.runtime.jit import JITFunction
 CLOSURE_NAMES = ("src", "target", "options", "env_vars")
 
 _HEADER = struct.Struct("<Q")      # a request's length; 0 asks the worker to exit
-_WORKER_MAIN = ("import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
-                "from conv_tutorial.compile_pool import serve; serve()")
+_WORKER_MAIN = "from conv_tutorial.compile_pool import serve; serve()"
 
 _compiles_in_workers = 0           # compiles the workers finished, in this process (the tests read it)
 _count_lock = threading.Lock()
@@ -192,10 +191,9 @@ class _Worker:
     def start(cls):
         if not sys.executable:
             return None
-        paths = [os.path.abspath(path or os.curdir) for path in sys.path]
         try:
-            process = subprocess.Popen([sys.executable, "-c", _WORKER_MAIN, json.dumps(paths)],
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            process = subprocess.Popen(python_command(_WORKER_MAIN), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       stderr=subprocess.DEVNULL)
         except OSError:
             return None
         return cls(process)
@@ -227,6 +225,14 @@ class _Worker:
                 pipe.close()
             except OSError:
                 pass
+
+
+def python_command(code: str) -> list:
+    """The command of a Python process that runs `code` with this process's interpreter and module path
+    (so that it imports the same conv_tutorial, Triton and torch), not its main script."""
+    paths = [os.path.abspath(path or os.curdir) for path in sys.path]
+    return [sys.executable, "-c", f"import json, sys; sys.path[:0] = json.loads(sys.argv[1]); {code}",
+            json.dumps(paths)]
 
 
 def serve():

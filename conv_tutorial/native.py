@@ -11,9 +11,9 @@ program over (`offer`) on the first repeat call the C++ kernel could not serve; 
 (a gradient to record, a tensor subclass, a new key, anything but allocations and launches) goes
 to the Python kernel, as before.
 
-The extension is built with torch's headers at the first repeat call on a GPU, in a background
-thread (`start`; torch.utils.cpp_extension, which needs a C++ compiler and ninja), and cached per
-torch version; where it cannot be built, the Python path serves, with a warning. CONV_TUTORIAL_NATIVE=0
+The extension is built with torch's headers at the first repeat call on a GPU, in a child process
+that a background thread waits for (`start`; torch.utils.cpp_extension, which needs a C++ compiler
+and ninja), and cached per torch version; where it cannot be built, the Python path serves, with a warning. CONV_TUTORIAL_NATIVE=0
 (or `set_enabled(False)`) keeps every call on the Python path.
 """
 import os
@@ -117,11 +117,29 @@ def _attach_packed_launches():
 def _build():
     # (in a background thread: the compile and the load; the kernels are installed by a caller's thread, `start`)
     try:
+        _build_in_a_child_process()
         _attach(_module())
     except Exception as error:  # noqa: BLE001  (no compiler, no ninja, another torch: the Python path serves)
         _STATE["failed"] = True
         warnings.warn(f"conv_tutorial: the native repeat path could not be built ({type(error).__name__}: "
                       f"{error}); repeat calls take the Python path", RuntimeWarning)
+
+
+def _build_in_a_child_process() -> bool:
+    """Build the extension into its cache in another Python process, and wait for it: whether it built.
+    In a thread of this process, the build's Python shares this process's GIL with the operators'
+    calls, which ran several times slower while a build went on (RESULTS.md, "Host time"). After it, `_module()` here finds the build in the cache and only loads it; where the
+    child failed, `_module()` builds here and raises the build's own error."""
+    import subprocess
+    from .compile_pool import python_command
+    if not sys.executable:
+        return False
+    try:
+        return subprocess.run(python_command("from conv_tutorial import native; native._module()"),
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              check=False).returncode == 0
+    except OSError:
+        return False
 
 
 def start():

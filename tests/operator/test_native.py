@@ -251,3 +251,10 @@ def test_a_build_under_way_in_another_process_is_waited_for(tmp_path):
     holder.close()
     thread.join(timeout=10)
     assert loaded.is_set()
+
+
+def test_the_build_runs_in_a_child_process_and_this_process_loads_it(operator):
+    """The background build compiles in another Python process (none of its Python shares this process's GIL);
+    this process then finds the extension in the cache and loads it."""
+    assert native._build_in_a_child_process()
+    assert native._module() is not None
