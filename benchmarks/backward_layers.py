@@ -218,6 +218,12 @@ def main(argv=None):
     common.require_tma_mma_gpu("benchmarks/backward_layers.py")
     lesson06, lesson07 = common.load_lesson("06-conv-dgrad"), common.load_lesson("07-conv-wgrad")
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
+    if args.operator or args.operator_only:
+        # (the operator's repeat calls in C++ once built: wait for the build, so that no layer is timed while it
+        # runs, nor on the Python path before it)
+        from conv_tutorial import native
+        if not native.ensure():
+            print("the native kernels (conv_tutorial/native.py) are not built here: every call takes the Python path")
     if args.operator_only:
         return operator_only(args, lesson06)
     layers = BACKWARD_QUICK if args.quick else resnet50_layers(args.batch)

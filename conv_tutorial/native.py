@@ -127,8 +127,8 @@ def _build():
 
 def _build_in_a_child_process() -> bool:
     """Build the extension into its cache in another Python process, and wait for it: whether it built.
-    In a thread of this process, the build's Python shares this process's GIL with the operators'
-    calls, which ran several times slower while a build went on (RESULTS.md, "Host time"). After it, `_module()` here finds the build in the cache and only loads it; where the
+    So none of the build's Python runs on this process's interpreter beside the operators' calls: while a
+    build ran in a thread, calls measured several times slower (RESULTS.md, "Host time"). After it, `_module()` here finds the build in the cache and only loads it; where the
     child failed, `_module()` builds here and raises the build's own error."""
     import subprocess
     from .compile_pool import python_command
