@@ -40,17 +40,21 @@ def register(library, name, implementation, autograd=None):
             _STATE["module"].install(library.ns, name, "CUDA", implementation, autograd)
 
 
-def _module():
-    from torch.utils import cpp_extension
+def _extension_name():
     import torch
+    return "conv_tutorial_native_" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
+
+
+def _module():
+    """The extension, built into its folder of torch's build root if it is not there yet, and imported."""
+    from torch.utils import cpp_extension
     try:        # (pip's ninja: its binary sits beside the interpreter, which need not be on PATH)
         import ninja
         if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
-    version = "".join(c if c.isalnum() else "_" for c in torch.__version__)
-    name = f"conv_tutorial_native_{version}"
+    name = _extension_name()
     # (under torch's build root, a folder per Python version, as torch's default folder has)
     build_directory = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root(),
                                    f"py{sys.version_info.major}{sys.version_info.minor}", name)
@@ -115,31 +119,47 @@ def _attach_packed_launches():
 
 
 def _build():
-    # (in a background thread: the compile and the load; the kernels are installed by a caller's thread, `start`)
+    # (in a background thread: the build and the load; the kernels are installed by a caller's thread, `start`)
     try:
-        _build_in_a_child_process()
-        _attach(_module())
+        library = _build_in_a_child_process()
+        _attach(_imported(library) if library else _module())
     except Exception as error:  # noqa: BLE001  (no compiler, no ninja, another torch: the Python path serves)
         _STATE["failed"] = True
         warnings.warn(f"conv_tutorial: the native repeat path could not be built ({type(error).__name__}: "
                       f"{error}); repeat calls take the Python path", RuntimeWarning)
 
 
-def _build_in_a_child_process() -> bool:
-    """Build the extension into its cache in another Python process, and wait for it: whether it built.
-    So none of the build's Python runs on this process's interpreter beside the operators' calls: while a
-    build ran in a thread, calls measured several times slower (RESULTS.md, "Host time"). After it, `_module()` here finds the build in the cache and only loads it; where the
-    child failed, `_module()` builds here and raises the build's own error."""
+_LIBRARY_LINE = "conv_tutorial native library: "
+
+
+def _build_in_a_child_process():
+    """Build the extension (`_module()`) in another Python process, wait for it, and return the path of
+    the library it built; None where it failed (`_module()` then builds here, and raises the build's
+    own error). Built here, the build's Python (torch's build code, and setuptools and the other
+    modules it imports) would run on this process's interpreter beside the operators' calls: while a
+    build ran in a thread, calls measured several times slower (RESULTS.md, "Host time")."""
     import subprocess
     from .compile_pool import python_command
     if not sys.executable:
-        return False
+        return None
+    code = f"from conv_tutorial import native; print({_LIBRARY_LINE!r} + native._module().__file__)"
     try:
-        return subprocess.run(python_command("from conv_tutorial import native; native._module()"),
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              check=False).returncode == 0
+        child = subprocess.run(python_command(code), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True, check=False)
     except OSError:
-        return False
+        return None
+    paths = [line[len(_LIBRARY_LINE):] for line in child.stdout.splitlines() if line.startswith(_LIBRARY_LINE)]
+    return paths[-1] if child.returncode == 0 and paths and os.path.isfile(paths[-1]) else None
+
+
+def _imported(library):
+    """The extension at `library` (a path), imported as torch.utils.cpp_extension.load imports it, without
+    loading torch's build code here."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(_extension_name(), library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def start():

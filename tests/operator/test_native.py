@@ -5,6 +5,7 @@ the input into the output through the addresses it is given, as a kernel would).
 what goes to Python, and when a program is forgotten. On a GPU (test_replay.py): every path of the
 operators through the native kernels, with the bits of the Python path."""
 import ctypes
+import os
 
 import pytest
 import torch
@@ -254,7 +255,11 @@ def test_a_build_under_way_in_another_process_is_waited_for(tmp_path):
 
 
 def test_the_build_runs_in_a_child_process_and_this_process_loads_it(operator):
-    """The background build compiles in another Python process (none of its Python shares this process's GIL);
-    this process then finds the extension in the cache and loads it."""
-    assert native._build_in_a_child_process()
-    assert native._module() is not None
+    """The background build compiles in another Python process (none of its Python shares this process's
+    interpreter); this process then imports the library it built, without torch's build code: the same
+    module as the build's own load."""
+    library = native._build_in_a_child_process()
+    assert library is not None and os.path.isfile(library)
+    assert os.path.realpath(library) == os.path.realpath(native._module().__file__)
+    module = native._imported(library)
+    assert {"install", "counts", "set_enabled"} <= set(dir(module))
