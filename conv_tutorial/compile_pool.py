@@ -66,6 +66,7 @@ class ProcessCompiles(Executor):
         self._all = []
         self._lock = threading.Lock()
         self._warned = False
+        self._no_workers = False     # a worker died before its first answer: every compile on the threads
 
     def submit(self, fn, /, *args, **kwargs):
         return self._threads.submit(self._compile, fn, args, kwargs)
@@ -93,10 +94,14 @@ class ProcessCompiles(Executor):
 
     def _in_worker(self, request) -> bool:
         with self._lock:
+            if self._no_workers:
+                return False
             worker = self._idle.pop() if self._idle else None
         if worker is None:
             worker = _Worker.start()
             if worker is None:
+                with self._lock:
+                    self._no_workers = True
                 return self._say_once("no worker process could be started")
             with self._lock:
                 self._all.append(worker)
@@ -105,6 +110,9 @@ class ProcessCompiles(Executor):
             with self._lock:
                 self._idle.append(worker)
         elif not done:
+            if not worker.answered:     # (it died before its first answer: so would the next one; no more workers)
+                with self._lock:
+                    self._no_workers = True
             self._say_once(f"a worker process exited ({worker.returncode()})")
         return done
 
@@ -186,6 +194,7 @@ class _Worker:
     def __init__(self, process):
         self.process = process
         self.alive = True
+        self.answered = 0          # requests answered
 
     @classmethod
     def start(cls):
@@ -208,6 +217,8 @@ class _Worker:
             answer = b""
         if answer == b"":
             self.alive = False
+        else:
+            self.answered += 1
         return answer == b"1"
 
     def returncode(self):

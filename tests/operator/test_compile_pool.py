@@ -76,6 +76,16 @@ SCRIPT = textwrap.dedent("""
     workers = list(pool._all)
     pool.shutdown()
     report["stopped"] = bool(workers) and all(worker.process.poll() is not None for worker in workers)
+
+    compile_pool._WORKER_MAIN = "raise SystemExit(3)"      # (a worker that dies before its first answer)
+    broken = compile_pool.ProcessCompiles(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second = (broken.submit(closure(*zeros_source(block), env_vars)).result() for block in (8, 4))
+    report["dead_at_start"] = (len(broken._all), [str(w.message) for w in caught],
+                               all("st.global" in k.asm["ptx"] for k in (first, second)),
+                               compile_pool.compiles_in_workers())
+    broken.shutdown()
     print("POOL-JSON:" + json.dumps(report))
 """)
 
@@ -106,7 +116,9 @@ def test_workers_compile_into_tritons_cache_and_the_caller_loads_the_same_kernel
     key); the same compile again is a cache hit, no worker asked. A kernel defined in the main script (no
     worker can import it) compiles on the caller's thread; one whose compile fails raises Triton's error
     there. A worker killed under the pool: one warning, the kernel still compiled, and the next
-    compile starts a new worker. At shutdown every worker has exited."""
+    compile starts a new worker. At shutdown every worker has exited. A worker that dies before its
+    first answer (it could not start: so would the next) leaves every later compile on the threads:
+    one warning, one worker started, the kernels compiled."""
     (tmp_path / "failing_kernel.py").write_text(FAILING_KERNEL)
     (tmp_path / "pool_script.py").write_text(SCRIPT)         # (Triton reads a kernel's source from its file)
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"), CUDA_VISIBLE_DEVICES="",
@@ -126,3 +138,6 @@ def test_workers_compile_into_tritons_cache_and_the_caller_loads_the_same_kernel
     assert same and len(warned) == 1 and "worker process exited" in warned[0], warned
     assert report["worker_after_kill"] == 2
     assert report["stopped"]
+    started, warned, compiled, in_workers = report["dead_at_start"]
+    assert started == 1 and len(warned) == 1 and "exited (3)" in warned[0] and compiled and in_workers == 2, \
+        report["dead_at_start"]
