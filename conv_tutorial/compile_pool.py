@@ -85,43 +85,52 @@ class ProcessCompiles(Executor):
         self._stop_workers()
 
     def _compile(self, fn, args, kwargs):
-        request = None if args or kwargs else _request(fn)
-        if request is not None and self._in_worker(request):
+        job = None if args or kwargs else _job(fn)
+        request = None if job is None or _in_triton_cache(*job) else _pickled(job)
+        answer = None if request is None else self._in_worker(request)
+        if answer is True and _in_triton_cache(*job):
             global _compiles_in_workers
             with _count_lock:
                 _compiles_in_workers += 1
-        return fn(*args, **kwargs)     # (the kernel from Triton's cache where the worker compiled it)
+        elif answer is True:     # (compiled at another key: the closure below compiles it again, here)
+            self._say_once("a worker's kernel is not at this process's key in Triton's cache")
+        kernel = fn(*args, **kwargs)     # (the kernel from Triton's cache where the worker compiled it)
+        if answer is False:      # (this process compiled what the worker could not)
+            self._say_once("a worker could not compile a kernel that this process compiles")
+        return kernel
 
-    def _in_worker(self, request) -> bool:
+    def _in_worker(self, request):
+        """True: a worker compiled `request`; False: it answered that it could not; None: no worker took it."""
         with self._lock:
             if self._no_workers:
-                return False
+                return None
             worker = self._idle.pop() if self._idle else None
         if worker is None:
             worker = _Worker.start()
             if worker is None:
                 with self._lock:
                     self._no_workers = True
-                return self._say_once("no worker process could be started")
+                self._say_once("no worker process could be started")
+                return None
             with self._lock:
                 self._all.append(worker)
-        done = worker.compile(request)
+        answer = worker.compile(request)
         if worker.alive:
             with self._lock:
                 self._idle.append(worker)
-        elif not done:
-            if not worker.answered:     # (it died before its first answer: so would the next one; no more workers)
-                with self._lock:
-                    self._no_workers = True
-            self._say_once(f"a worker process exited ({worker.returncode()})")
-        return done
+            return answer
+        if not worker.answered:     # (it died before its first answer: so would the next one; no more workers)
+            with self._lock:
+                self._no_workers = True
+        self._say_once(f"a worker process exited ({worker.returncode()})")
+        return None
 
-    def _say_once(self, what) -> bool:
-        if not self._warned:
-            self._warned = True
+    def _say_once(self, what):
+        with self._lock:
+            warned, self._warned = self._warned, True
+        if not warned:
             warnings.warn(f"conv_tutorial: {what}; its kernel compiles in this process instead", RuntimeWarning,
                           stacklevel=2)
-        return False
 
     def _stop_workers(self):
         with self._lock:
@@ -130,10 +139,9 @@ class ProcessCompiles(Executor):
             worker.stop()
 
 
-def _request(fn):
-    """The pickled request for a worker to compile what Triton's closure `fn` compiles, or None where a
-    worker cannot or need not: the closure is not Triton's, the kernel is in Triton's cache already, or
-    its parts do not pickle."""
+def _job(fn):
+    """(src, target, options, env_vars) that Triton's compile closure `fn` compiles, or None where `fn` is not
+    Triton's closure."""
     try:
         names = inspect.getclosurevars(fn).nonlocals
     except (TypeError, ValueError):
@@ -142,12 +150,16 @@ def _request(fn):
         return None
     src, target, options, env_vars = (names[name] for name in CLOSURE_NAMES)
     options = getattr(options, "__dict__", options)
-    if not isinstance(options, dict) or _in_triton_cache(src, target, options, env_vars):
-        return None
+    return (src, target, options, env_vars) if isinstance(options, dict) else None
+
+
+def _pickled(job):
+    """A worker's request for `job`, or None where it does not pickle (a kernel a worker cannot import by
+    name, say)."""
     buffer = io.BytesIO()
     try:
-        _KernelsByName(buffer).dump((src, target, options, env_vars, triton.knobs.cache.dir))
-    except Exception:        # (a kernel a worker cannot import, or a part that does not pickle)
+        _KernelsByName(buffer).dump((*job, triton.knobs.cache.dir))
+    except Exception:
         return None
     return buffer.getvalue()
 
@@ -201,8 +213,9 @@ class _Worker:
         if not sys.executable:
             return None
         try:
+            # (no GPU: a compile for a given target needs none, and a worker holds no CUDA context)
             process = subprocess.Popen(python_command(_WORKER_MAIN), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       stderr=subprocess.DEVNULL)
+                                       stderr=subprocess.DEVNULL, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
         except OSError:
             return None
         return cls(process)
@@ -231,6 +244,10 @@ class _Worker:
             self.process.wait(timeout=10)
         except (BrokenPipeError, OSError, ValueError, subprocess.TimeoutExpired):
             self.process.kill()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
         for pipe in (self.process.stdin, self.process.stdout):
             try:
                 pipe.close()

@@ -324,8 +324,10 @@ class SmallLaunches:
         if compiling_ahead_active() and on_gpu:
             self.kernel.warmup(*args, grid=grid, **kwargs)
             return
-        # (the key holds every scalar: Triton specializes a kernel on their values, 1 and multiples of 16)
-        key = (tuple(arg for arg in args if not isinstance(arg, torch.Tensor)), tuple(sorted(kwargs.items())),
+        # (the key holds every scalar with its type: Triton specializes a kernel on their values, 1 and multiples
+        # of 16, and on their types, where True, 1 and 1.0 are one key of a dict)
+        key = (tuple((type(arg), arg) for arg in args if not isinstance(arg, torch.Tensor)),
+               tuple((name, type(value), value) for name, value in sorted(kwargs.items())),
                tuple(t.dtype for t in tensors), tensors[0].device if tensors else None)
         aligned = all(t.data_ptr() % 16 == 0 for t in tensors)      # (what a DirectLaunch was compiled for)
         direct = self._direct.get(key)

@@ -66,17 +66,22 @@ def _module():
 
 def _built_under_lock(build_directory, load):
     """`load()` (torch.utils.cpp_extension.load into `build_directory`) while this process holds an
-    flock on the folder's conv_tutorial.lock. torch's own lock is a file that its builder deletes
-    when done: a process that dies while building leaves it behind, and every later load waits for it
-    forever. That happens when the process exits while this daemon thread builds, or on a Ctrl-C or a
-    kill. An flock ends with its process, so a torch lock file found while holding ours is such a
-    leftover, and is removed. Where flock is missing (not Linux or macOS), `load()` alone."""
+    flock on the folder's conv_tutorial.lock. torch's own lock (torch 2.11's FileBaton) is a file that
+    its builder deletes when done: a process that dies while building leaves it behind, and every
+    later load waits for it forever. That happens when the process exits while this daemon thread
+    builds, or on a Ctrl-C or a kill. An flock ends with its process, so a torch lock file found while
+    holding ours is such a leftover (every build of this extension takes ours first), and is removed.
+    Where flock is missing (not Linux or macOS) or refused (some network file systems), `load()` alone,
+    with torch's lock as before."""
     try:
         import fcntl
     except ImportError:
         return load()
     with open(os.path.join(build_directory, "conv_tutorial.lock"), "a") as ours:
-        fcntl.flock(ours, fcntl.LOCK_EX)         # (waits while another process builds)
+        try:
+            fcntl.flock(ours, fcntl.LOCK_EX)         # (waits while another process builds)
+        except OSError:
+            return load()
         try:
             try:
                 os.remove(os.path.join(build_directory, "lock"))       # (torch's, left by a build that died)
@@ -121,8 +126,8 @@ def _attach_packed_launches():
 def _build():
     # (in a background thread: the build and the load; the kernels are installed by a caller's thread, `start`)
     try:
-        library = _build_in_a_child_process()
-        _attach(_imported(library) if library else _module())
+        _build_in_a_child_process()
+        _attach(_module())      # (built by the child: a cache hit, tens of milliseconds)
     except Exception as error:  # noqa: BLE001  (no compiler, no ninja, another torch: the Python path serves)
         _STATE["failed"] = True
         warnings.warn(f"conv_tutorial: the native repeat path could not be built ({type(error).__name__}: "
@@ -132,12 +137,17 @@ def _build():
 _LIBRARY_LINE = "conv_tutorial native library: "
 
 
+BUILD_SECONDS = 1800      # the child's build, at most (a compile of torch's headers takes ~20-60 s)
+
+
 def _build_in_a_child_process():
     """Build the extension (`_module()`) in another Python process, wait for it, and return the path of
-    the library it built; None where it failed (`_module()` then builds here, and raises the build's
-    own error). Built here, the build's Python (torch's build code, and setuptools and the other
-    modules it imports) would run on this process's interpreter beside the operators' calls: while a
-    build ran in a thread, calls measured several times slower (RESULTS.md, "Host time")."""
+    the library it built; None where no child could be started (`_module()` then builds here). A
+    child that fails, or runs past BUILD_SECONDS, raises RuntimeError with the end of its error output.
+    Built here, the build's Python (torch's build code and what it runs around the compiler) would run
+    on this process's interpreter beside the operators' calls: while a build ran in a thread, calls
+    measured several times slower (RESULTS.md, "Host time"). After it, `_module()` here finds the
+    build in its folder and only imports it."""
     import subprocess
     from .compile_pool import python_command
     if not sys.executable:
@@ -145,21 +155,15 @@ def _build_in_a_child_process():
     code = f"from conv_tutorial import native; print({_LIBRARY_LINE!r} + native._module().__file__)"
     try:
         child = subprocess.run(python_command(code), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL, text=True, check=False)
+                               stderr=subprocess.PIPE, text=True, check=False, timeout=BUILD_SECONDS)
     except OSError:
         return None
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the build did not finish in {BUILD_SECONDS} s") from None
     paths = [line[len(_LIBRARY_LINE):] for line in child.stdout.splitlines() if line.startswith(_LIBRARY_LINE)]
-    return paths[-1] if child.returncode == 0 and paths and os.path.isfile(paths[-1]) else None
-
-
-def _imported(library):
-    """The extension at `library` (a path), imported as torch.utils.cpp_extension.load imports it, without
-    loading torch's build code here."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(_extension_name(), library)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    if child.returncode != 0 or not paths or not os.path.isfile(paths[-1]):
+        raise RuntimeError(f"the build's process exited with {child.returncode}: {child.stderr[-2000:]}")
+    return paths[-1]
 
 
 def start():

@@ -15,7 +15,7 @@ import common
 # Triton's AsyncCompileMode hands it a compile (a closure over src, target, options and env_vars), beside
 # triton.compile's own build of the same source; then the cases a worker cannot take.
 SCRIPT = textwrap.dedent("""
-    import json, sys, warnings
+    import json, os, sys, warnings
     import torch, triton
     import triton.language as tl
     from triton._C.libtriton import get_cache_invalidating_env_vars
@@ -42,6 +42,8 @@ SCRIPT = textwrap.dedent("""
     src, target, options = zeros_source(16)
     kernel = pool.submit(closure(src, target, options, env_vars)).result()
     report["worker_first"] = compile_pool.compiles_in_workers()
+    cache = triton.knobs.cache.dir
+    report["cache_entries"] = len([d for d in os.listdir(cache) if os.path.isdir(os.path.join(cache, d))])
     report["same_as_triton"] = kernel.hash == triton.compile(src, target=target, options=options).hash
     report["stores"] = "st.global" in kernel.asm["ptx"]
     again = pool.submit(closure(src, target, options, env_vars)).result()
@@ -76,6 +78,17 @@ SCRIPT = textwrap.dedent("""
     workers = list(pool._all)
     pool.shutdown()
     report["stopped"] = bool(workers) and all(worker.process.poll() is not None for worker in workers)
+
+    # (a worker that compiles with other options: its kernel lands at another key)
+    compile_pool._WORKER_MAIN = ("import triton; compile = triton.compile; triton.compile = lambda src, target, options, "
+                                 "_env_vars: compile(src, target=target, options=dict(options, num_warps=8), "
+                                 "_env_vars=_env_vars); from conv_tutorial.compile_pool import serve; serve()")
+    elsewhere = compile_pool.ProcessCompiles(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        off_key = elsewhere.submit(closure(*zeros_source(2), env_vars)).result()
+    report["off_key"] = ([str(w.message) for w in caught], off_key.metadata.num_warps, compile_pool.compiles_in_workers())
+    elsewhere.shutdown()
 
     compile_pool._WORKER_MAIN = "raise SystemExit(3)"      # (a worker that dies before its first answer)
     broken = compile_pool.ProcessCompiles(2)
@@ -116,7 +129,8 @@ def test_workers_compile_into_tritons_cache_and_the_caller_loads_the_same_kernel
     key); the same compile again is a cache hit, no worker asked. A kernel defined in the main script (no
     worker can import it) compiles on the caller's thread; one whose compile fails raises Triton's error
     there. A worker killed under the pool: one warning, the kernel still compiled, and the next
-    compile starts a new worker. At shutdown every worker has exited. A worker that dies before its
+    compile starts a new worker. At shutdown every worker has exited. A worker whose kernel lands at another
+    key than the caller's is said (one warning) and not counted, and the caller compiles its own. A worker that dies before its
     first answer (it could not start: so would the next) leaves every later compile on the threads:
     one warning, one worker started, the kernels compiled."""
     (tmp_path / "failing_kernel.py").write_text(FAILING_KERNEL)
@@ -129,7 +143,7 @@ def test_workers_compile_into_tritons_cache_and_the_caller_loads_the_same_kernel
     lines = [line for line in proc.stdout.splitlines() if line.startswith("POOL-JSON:")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     report = json.loads(lines[-1][len("POOL-JSON:"):])
-    assert report["worker_first"] == 1
+    assert report["worker_first"] == 1 and report["cache_entries"] == 1     # (one key: the worker's and the caller's)
     assert report["same_as_triton"] and report["stores"]
     assert report["worker_after_hit"] == 1 and report["hit_same"]
     assert report["main_compiled_here"] == [True, 1]
@@ -138,6 +152,9 @@ def test_workers_compile_into_tritons_cache_and_the_caller_loads_the_same_kernel
     assert same and len(warned) == 1 and "worker process exited" in warned[0], warned
     assert report["worker_after_kill"] == 2
     assert report["stopped"]
+    warned, num_warps, in_workers = report["off_key"]
+    assert len(warned) == 1 and "not at this process's key" in warned[0] and in_workers == 2, report["off_key"]
+    assert num_warps == 4      # (the caller's own build, not the worker's)
     started, warned, compiled, in_workers = report["dead_at_start"]
     assert started == 1 and len(warned) == 1 and "exited (3)" in warned[0] and compiled and in_workers == 2, \
         report["dead_at_start"]
