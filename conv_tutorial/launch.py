@@ -16,8 +16,8 @@
   path costs: benchmarks/host_time.py measures it (figures in RESULTS.md).
 - Split-K's second kernel (lesson 05, section 7) is launched directly too.
 - Compiling ahead (`compiling_ahead`): a model's distinct kernels compiled side by side in worker
-  processes (Triton's `AsyncCompileMode`, compile_pool.py), before its first real call (RESULTS.md, "The first
-  call of a fused model").
+  processes (Triton's `AsyncCompileMode`, compile_pool.py), before its first real call (RESULTS.md,
+  "The first call of a fused model").
 """
 import contextlib
 import contextvars

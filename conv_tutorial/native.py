@@ -13,8 +13,8 @@ to the Python kernel, as before.
 
 The extension is built with torch's headers at the first repeat call on a GPU, in a child process
 that a background thread waits for (`start`; torch.utils.cpp_extension, which needs a C++ compiler
-and ninja), and cached per torch version; where it cannot be built, the Python path serves, with a warning. CONV_TUTORIAL_NATIVE=0
-(or `set_enabled(False)`) keeps every call on the Python path.
+and ninja), and cached per torch version; where it cannot be built, the Python path serves, with a
+warning. CONV_TUTORIAL_NATIVE=0 (or `set_enabled(False)`) keeps every call on the Python path.
 """
 import os
 import sys
@@ -40,21 +40,17 @@ def register(library, name, implementation, autograd=None):
             _STATE["module"].install(library.ns, name, "CUDA", implementation, autograd)
 
 
-def _extension_name():
-    import torch
-    return "conv_tutorial_native_" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
-
-
 def _module():
     """The extension, built into its folder of torch's build root if it is not there yet, and imported."""
     from torch.utils import cpp_extension
+    import torch
     try:        # (pip's ninja: its binary sits beside the interpreter, which need not be on PATH)
         import ninja
         if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
-    name = _extension_name()
+    name = "conv_tutorial_native_" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
     # (under torch's build root, a folder per Python version, as torch's default folder has)
     build_directory = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root(),
                                    f"py{sys.version_info.major}{sys.version_info.minor}", name)

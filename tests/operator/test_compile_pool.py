@@ -80,14 +80,16 @@ SCRIPT = textwrap.dedent("""
     report["stopped"] = bool(workers) and all(worker.process.poll() is not None for worker in workers)
 
     # (a worker that compiles with other options: its kernel lands at another key)
-    compile_pool._WORKER_MAIN = ("import triton; compile = triton.compile; triton.compile = lambda src, target, options, "
-                                 "_env_vars: compile(src, target=target, options=dict(options, num_warps=8), "
-                                 "_env_vars=_env_vars); from conv_tutorial.compile_pool import serve; serve()")
+    compile_pool._WORKER_MAIN = (
+        "import triton; compile = triton.compile; triton.compile = lambda src, target, options, _env_vars: "
+        "compile(src, target=target, options=dict(options, num_warps=8), _env_vars=_env_vars); "
+        "from conv_tutorial.compile_pool import serve; serve()")
     elsewhere = compile_pool.ProcessCompiles(1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         off_key = elsewhere.submit(closure(*zeros_source(2), env_vars)).result()
-    report["off_key"] = ([str(w.message) for w in caught], off_key.metadata.num_warps, compile_pool.compiles_in_workers())
+    report["off_key"] = ([str(w.message) for w in caught], off_key.metadata.num_warps,
+                         compile_pool.compiles_in_workers())
     elsewhere.shutdown()
 
     compile_pool._WORKER_MAIN = "raise SystemExit(3)"      # (a worker that dies before its first answer)
@@ -128,16 +130,17 @@ def test_workers_compile_into_tritons_cache_and_the_caller_loads_the_same_kernel
     kernel triton.compile builds from the same source (the same hash: the worker wrote it at the caller's
     key); the same compile again is a cache hit, no worker asked. A kernel defined in the main script (no
     worker can import it) compiles on the caller's thread; one whose compile fails raises Triton's error
-    there. A worker killed under the pool: one warning, the kernel still compiled, and the next
-    compile starts a new worker. At shutdown every worker has exited. A worker whose kernel lands at another
-    key than the caller's is said (one warning) and not counted, and the caller compiles its own. A worker that dies before its
-    first answer (it could not start: so would the next) leaves every later compile on the threads:
-    one warning, one worker started, the kernels compiled."""
+    there. A worker killed under the pool: one warning, the kernel still compiled, and the next compile
+    starts a new worker. At shutdown every worker has exited. A worker whose kernel lands at another key
+    than the caller's is said (one warning) and not counted, and the caller compiles its own. A worker
+    that dies before its first answer (it could not start: so would the next) leaves every later compile
+    on the threads: one warning, one worker started, the kernels compiled."""
     (tmp_path / "failing_kernel.py").write_text(FAILING_KERNEL)
     (tmp_path / "pool_script.py").write_text(SCRIPT)         # (Triton reads a kernel's source from its file)
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"), CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([str(common.REPO_ROOT), str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(tmp_path / "pool_script.py")], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, str(tmp_path / "pool_script.py")], capture_output=True, text=True, env=env,
+                          timeout=600)
     if "Cannot find ptxas" in proc.stderr:
         pytest.skip("this Triton install has no assembler for sm_90 (ptxas), so no kernel compiles here")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("POOL-JSON:")]
