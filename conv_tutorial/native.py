@@ -171,6 +171,8 @@ def start():
     a call under way in another thread could read a table being rewritten."""
     if ACTIVE[0] or not _ENABLED[0] or _STATE["failed"]:
         return
+    from . import launch  # noqa: F401  (its import tells `use_launches`, which `_attach` reads: a caller may
+    #                                   call `ensure()` before any operator has imported it)
     with _LOCK:
         if _STATE["thread"] is None:
             _STATE["thread"] = threading.Thread(target=_build, name="conv_tutorial_native_build", daemon=True)

@@ -284,3 +284,18 @@ def test_a_refused_flock_leaves_torchs_own_lock(tmp_path, monkeypatch):
     (tmp_path / "lock").write_text("")
     assert native._built_under_lock(str(tmp_path), lambda: "built") == "built"
     assert (tmp_path / "lock").exists()
+
+
+def test_ensure_in_a_process_that_imported_only_this_module_serves(operator):
+    """`native.ensure()` before any operator ran (a benchmark waits for the build before timing): the attach reads
+    what launch.py tells at its import, which nothing had imported yet (it raised KeyError, and every repeat call
+    took the Python path, with a warning)."""
+    import subprocess
+    import sys
+    code = ("from conv_tutorial import native\n"
+            "print('served', native.ensure(), native._STATE['failed'])\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0 and "served True False" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
+    assert "native repeat path could not be built" not in proc.stderr, proc.stderr[-2000:]
