@@ -94,13 +94,19 @@ _LAUNCHES = {}      # what launch.py tells (`use_launches`): the packed launches
 def use_launches(packed_api, hooks_set):
     """launch.py's part: `packed_api()`, packed_launch.c's capsule or None (packed launches not available),
     and `hooks_set()`, whether a profiler listens to Triton's launches (no program runs then)."""
-    _LAUNCHES.update(packed_api=packed_api, hooks_set=hooks_set)
+    with _LOCK:
+        _LAUNCHES.update(packed_api=packed_api, hooks_set=hooks_set)
+        if _STATE["module"] is not None:        # (attached before launch.py was imported: `ensure()` first)
+            _STATE["module"].set_hooks_check(hooks_set)
 
 
 def _attach(module, packed_launches=True):
-    # the module's settings from Python's: the packed launches' C entry, the profiler check, the suspensions
-    module.set_hooks_check(_LAUNCHES["hooks_set"])
+    # the module's settings from Python's: the packed launches' C entry, the profiler check, the suspensions.
+    # A process may build and attach before launch.py has said how launches are made (`ensure()` before any
+    # operator ran): no program exists then, and `use_launches` hands both over when it comes.
     with _LOCK:
+        if "hooks_set" in _LAUNCHES:
+            module.set_hooks_check(_LAUNCHES["hooks_set"])
         module.set_enabled(_ENABLED[0])
         if _STATE["module"] is not module:      # (attached once: the suspensions under way counted once)
             module.suspend(_SUSPENDED[0])
@@ -111,7 +117,7 @@ def _attach(module, packed_launches=True):
 
 def _attach_packed_launches():
     # packed_launch.c's C entry, once it is built (packed launches turned on later: at the first offer then)
-    if not _STATE["packed"]:
+    if not _STATE["packed"] and "packed_api" in _LAUNCHES:
         packed_api = _LAUNCHES["packed_api"]
         capsule = packed_api()
         if capsule is not None:
@@ -171,8 +177,6 @@ def start():
     a call under way in another thread could read a table being rewritten."""
     if ACTIVE[0] or not _ENABLED[0] or _STATE["failed"]:
         return
-    from . import launch  # noqa: F401  (its import tells `use_launches`, which `_attach` reads: a caller may
-    #                                   call `ensure()` before any operator has imported it)
     with _LOCK:
         if _STATE["thread"] is None:
             _STATE["thread"] = threading.Thread(target=_build, name="conv_tutorial_native_build", daemon=True)

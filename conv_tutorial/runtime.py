@@ -124,9 +124,10 @@ def fold_columns_kernel(x_ptr, out_ptr, rows, W, out_w, Ci, stride_w, pad_w, dil
                         channels_padded, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     """out[row, ox, s*Ci + c] = x[row, ox*stride_w + s*dil_w - pad_w, c] (0 outside, and in the
     padding channels), row = n*H + h: one pass that reads each input pixel from cache S/stride_w
-    times and writes the folded tensor once."""
+    times and writes the folded tensor once. Programs along axis 1 take BLOCK_C folded channels
+    each (a wgrad fold has up to S*Ci of them: 1,120 for a 1x7 filter on 160 channels)."""
     pixels = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)      # (row, ox), linearized
-    folded = tl.arange(0, BLOCK_C)                                    # s*Ci + c
+    folded = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)       # s*Ci + c
     row, ox = pixels // out_w, pixels % out_w
     s, c = folded // Ci, folded % Ci
     ix = ox[:, None] * stride_w + s[None, :] * dil_w - pad_w
@@ -139,7 +140,8 @@ def fold_columns_kernel(x_ptr, out_ptr, rows, W, out_w, Ci, stride_w, pad_w, dil
 
 
 class FoldedConv:
-    """The R x 1 convolution over folded channels that computes a small-Ci convolution."""
+    """The R x 1 convolution over folded channels that computes a small-Ci convolution (the forward's,
+    `folded_geometry`), or whose dW costs fewer MMA columns folded (wgrad.py, `column_fold_pays`)."""
 
     def __init__(self, geometry):
         g = self.original = geometry
@@ -156,11 +158,17 @@ class FoldedConv:
         past S*Ci. (Both are launches, so a replay of the call, launch.Replay, repeats them as it does
         the conv's.)"""
         g = self.original
-        x_fold = x_nhwc.new_empty(g.N, g.H, g.out_w, self.channels_padded)
+        x_fold = self.fold_input(x_nhwc)
         w_fold = w.new_empty(g.Co, g.R, 1, self.channels_padded)
-        self._copy(x_nhwc, x_fold, (g.N * g.H, g.W, g.out_w, g.Ci, g.stride[1], g.padding[1], g.dilation[1]))
         self._copy(w, w_fold, (g.Co * g.R, g.S, 1, g.Ci, 1, 0, 1))
         return x_fold, w_fold
+
+    def fold_input(self, x_nhwc):
+        """x_fold [N, H, out_w, channels_padded]: one launch of fold_columns_kernel."""
+        g = self.original
+        x_fold = x_nhwc.new_empty(g.N, g.H, g.out_w, self.channels_padded)
+        self._copy(x_nhwc, x_fold, (g.N * g.H, g.W, g.out_w, g.Ci, g.stride[1], g.padding[1], g.dilation[1]))
+        return x_fold
 
     def _copy(self, source, folded, scalars):
         """Fold `source` ([rows, W, Ci] as rows of pixels) into `folded` with fold_columns_kernel's
@@ -169,9 +177,9 @@ class FoldedConv:
             record_breaks()             # (a copy the replay would not make)
             source = source.contiguous()
         rows, out_w = scalars[0], scalars[2]
-        block_p = 64
-        kwargs = dict(BLOCK_P=block_p, BLOCK_C=triton.next_power_of_2(self.channels_padded), enable_fp_fusion=True)
-        _FOLD_COLUMNS((triton.cdiv(rows * out_w, block_p),),
+        block_p, block_c = 64, min(128, triton.next_power_of_2(self.channels_padded))
+        kwargs = dict(BLOCK_P=block_p, BLOCK_C=block_c, enable_fp_fusion=True)
+        _FOLD_COLUMNS((triton.cdiv(rows * out_w, block_p), triton.cdiv(self.channels_padded, block_c)),
                       (source, folded, *scalars, self.channels, self.channels_padded), kwargs, allocated=(folded,))
 
 

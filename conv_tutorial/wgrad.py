@@ -14,6 +14,10 @@ the same problem with plans (launch.py); this module does the same for wgrad:
 - A conv with few channels (ResNet-50's stem) runs as lesson 07's launcher runs it
   (`wgrad_problem`): the stride folded into the channels, the column taps too, x folded on each
   call, dW unfolded.
+- Any other conv whose channels fit the tiles badly (80, 144, 160 or 3 of them in boxes of 128 or 16
+  per tap) runs with its S column taps in the channels (runtime.FoldedConv, the forward's fold:
+  x_fold[n, h, ox, s*Ci + c], one launch) where that saves more MMA columns than the copy costs
+  (`column_fold_pays`): an R x 1 conv over S*Ci channels, whose dW [Co, R, 1, S*Ci] is the conv's.
 - Later calls pad x's channels and dY's Co to 16-byte rows where the shape needs it (lesson 07's
   `wgrad_operands`), allocate dW and, where some tiles are split, the fp32 workspace, and launch
   the kernel and (where some tiles are split) the sum directly: the
@@ -40,8 +44,41 @@ from .geometry import call_key, device_facts
 from .launch import (DirectLaunch, _check_tma_aligned, _descriptors, _new_like, _tensorless, compiling_ahead_active,
                      record_breaks, record_scratch, record_step)
 from .kernels import gradients, wgrad as wgrad_kernels
+from .runtime import FoldedConv
 
 DESCRIPTORS = ("dy_desc", "x_desc")     # lesson 07's WgradLaunch fields, in conv2d_wgrad_kernel's order
+
+# MMA FLOPs worth one byte copied: the wgrad kernel's ~600 TFLOPS on an H100 over its 3.35 TB/s, as
+# kernels/wgrad.py's workspace_k_steps counts a workspace's bytes
+FLOPS_PER_BYTE = 180
+
+
+def mma_columns(taps, channels, element_size=2):
+    """The MMA columns wgrad's tiles spend on `taps` taps of `channels` channels each: the channels
+    rounded up to whole tiles of wgrad_config's width (a channel box, 128 at most)."""
+    block_n = min(128, gradients.channel_box(channels, element_size))
+    return taps * -(-channels // block_n) * block_n
+
+
+def column_fold_pays(geometry, element_size=2):
+    """Whether dW costs less with the S column taps folded into the channels (runtime.FoldedConv): an
+    R x 1 conv over S*Ci channels (16-byte padded) spends R * mma_columns(S*Ci) columns against
+    R * S * mma_columns(Ci), for a copy of x (read once, written S/stride_w times as large). It pays
+    where the columns it saves, at FLOPS_PER_BYTE, outweigh the copy by 10%: 144 channels at 3x3
+    (3 x 2 x 128 columns a row of taps, folded 432 in 4 x 128), 80 (3 x 128, folded 240 in 256),
+    3 (3 x 16, folded 9 in 16); not 64 (3 x 64, folded 192 in 2 x 128) or 128 (3 x 128, folded 384
+    in 3 x 128). Arithmetic on the shape alone; grouped convs are left as they are."""
+    g = geometry
+    if g.groups != 1 or g.S == 1:
+        return False
+    fold = FoldedConv(g)
+    block_m = wgrad_kernels.wgrad_config(g.Co, g.Ci).block_m
+    rows = -(-g.Co // block_m) * block_m                           # output channels, in whole tiles
+    flops_per_column = 2 * g.M * rows
+    now = flops_per_column * mma_columns(g.R * g.S, g.Ci, element_size)
+    folded = flops_per_column * mma_columns(g.R, fold.channels_padded, element_size)
+    copy_bytes = element_size * g.N * g.H * (g.W * g.Ci + g.out_w * fold.channels_padded)
+    return folded + FLOPS_PER_BYTE * copy_bytes <= 0.9 * now
 
 
 class WgradPlan:
@@ -51,7 +88,13 @@ class WgradPlan:
         self.geometry, self.dtype, self.arch, self.num_sms = geometry, dtype, arch, num_sms
         # few channels (the stem): the conv lesson 07's launcher runs for it, folded (lesson 07's wgrad_problem)
         self.problem = wgrad_kernels.wgrad_problem(geometry, dtype.itemsize)
-        self.run_geometry = self.problem.geometry
+        # else, channels that fit the tiles badly: the column taps in the channels, where that pays
+        self.column_fold = (FoldedConv(geometry) if self.problem.fold is None
+                            and column_fold_pays(geometry, dtype.itemsize) else None)
+        self.run_geometry = self.column_fold.geometry if self.column_fold else self.problem.geometry
+        # dW is the kernel's output itself, or a view of it; else torch makes it from the kernel's (a "finish")
+        self.dw_is_kernels = self.problem.fold is None and (
+            self.column_fold is None or self.column_fold.channels == self.column_fold.channels_padded)
         self.template = None      # the first call's WgradLaunch without its tensors: descriptors, grid, shape, split
         self.kernel = None        # DirectLaunch of conv2d_wgrad_kernel
         self.sum = None           # DirectLaunch of wgrad_split_k_sum_kernel (split-K's ordered sum); None if
@@ -62,7 +105,10 @@ class WgradPlan:
         """dW [Co, R, S, Ci] in the plan's dtype of x [N, H, W, Ci] and dY [N, out_h, out_w, Co]:
         contiguous, of the plan's shapes, dtype and device (the caller has checked)."""
         x_given = x_nhwc
-        x_nhwc = wgrad_kernels.wgrad_input(x_nhwc, self.problem)       # x itself, unless folded
+        if self.column_fold is not None:        # (a launch: a replay repeats it, no "derive" step)
+            x_given = x_nhwc = self.column_fold.fold_input(x_nhwc)
+        else:
+            x_nhwc = wgrad_kernels.wgrad_input(x_nhwc, self.problem)       # x itself, unless folded
         g = self.run_geometry
         dw = torch.empty(g.Co, g.R * g.S * g.Ci_group, device=x_nhwc.device, dtype=self.dtype)
         if self.kernel is None:
@@ -89,7 +135,7 @@ class WgradPlan:
             if x_run is not x_given:
                 record_step(("derive", functools.partial(wgrad_kernels.wgrad_input, problem=self.problem),
                              x_given.data_ptr(), (x_run.data_ptr(), x_run.nbytes)), (x_run,))
-            if self.problem.fold is not None:
+            if not self.dw_is_kernels:
                 record_scratch(dw)
             record_scratch(partial)
             record_step(("launch", self.kernel, template.grid, (dy_2d.data_ptr(), x_nhwc.data_ptr(), dw.data_ptr(),
@@ -98,13 +144,16 @@ class WgradPlan:
             if self.sum is not None:
                 record_step(("launch", self.sum, self.sum_grid, (partial_ptr, dw.data_ptr(), *self.sum_scalars), (0, 1)))
         result = self._result(dw)
-        if self.kernel is not None and self.problem.fold is not None:
+        if self.kernel is not None and not self.dw_is_kernels:
             record_step(("finish", self._result, dw.data_ptr(), (result.data_ptr(), result.nbytes)), (result,))
         return result
 
     def _result(self, dw):
         # the conv's dW [Co, R, S, Ci] from the kernel's [Co, R' * S' * Ci'] (unfolded where the problem folds)
         g = self.run_geometry
+        if self.column_fold is not None:        # [Co, R, 1, S*Ci padded]: the padding channels dropped
+            o = self.geometry
+            return dw.view(o.Co, o.R, g.Ci)[..., :self.column_fold.channels].reshape(o.Co, o.R, o.S, o.Ci)
         return wgrad_kernels.wgrad_result(dw.view(g.Co, g.R, g.S, g.Ci_group), self.geometry, self.problem)
 
     def _prepared(self, x_nhwc, dy_nhwc):

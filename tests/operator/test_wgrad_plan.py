@@ -155,12 +155,15 @@ def expected_dw(x, w, dy, g):
     return lesson07.reference_gradients(x.float(), w.float(), dy.float(), g)[1]
 
 
-# (N, H, W, Ci, Co, R, S, stride, padding, dilation): Ci=3 (x padded), Co=20 (dY padded), stride 2, 1x1,
-# non-square, per-axis dilation, a stem (its stride folded into the channels); the last has 64 k-steps of
-# 128 pixels: 11 slices
+# (N, H, W, Ci, Co, R, S, stride, padding, dilation): Ci=3 (its columns folded: 9 channels of 16), Co=20
+# (dY padded), stride 2, 1x1, non-square, per-axis dilation, a stem (its stride folded into the channels),
+# columns folded with a column stride and dilation, and into 120 channels (no padding: dW a view); the
+# sixth has 64 k-steps of 128 pixels: 11 slices
 SHAPES = [(1, 9, 8, 3, 20, 3, 3, 1, 1, 1), (2, 9, 11, 8, 16, 3, 3, 2, 1, 1), (2, 6, 7, 16, 24, 1, 1, 2, 0, 1),
           (1, 10, 9, 8, 8, 3, 2, (1, 2), (2, 1), (2, 1)), (1, 13, 12, 3, 8, 7, 7, 2, 3, 1),
-          (2, 64, 64, 8, 16, 3, 3, 1, 1, 1)]
+          (2, 64, 64, 8, 16, 3, 3, 1, 1, 1), (1, 9, 12, 3, 20, 3, 3, (1, 2), (1, 2), (1, 2)),
+          (1, 6, 7, 40, 256, 3, 3, 1, 1, 1)]
+COLUMNS_FOLDED = [(3, 3, 3), (40, 3, 3)]        # (Ci, R, S) of the SHAPES whose columns the plan folds
 
 
 def launches_made():
@@ -212,22 +215,43 @@ def test_the_plan_is_built_once_per_shape(stand_ins):
     assert len(wgrad._PLANS) == 2 and len(stand_ins.made) == launches_made()
 
 
-@pytest.mark.parametrize("Ci, Co", [(8, 16), (3, 20)])
-def test_a_later_call_rebases_the_descriptors_on_its_tensors(stand_ins, Ci, Co):
-    wgrad.conv2d_weight_grad(*small_integer_inputs(2, 7, 6, Ci, Co, 3, 3, 1, 1, 1)[::2], (Co, 3, 3, Ci), 1, 1)
-    x, w, dy, g = small_integer_inputs(2, 7, 6, Ci, Co, 3, 3, 1, 1, 1, seed=5)
+def columns_folded(x, g):
+    """By torch, independently of runtime.FoldedConv: x_fold [N, H, out_w, S*Ci padded to 8] with
+    x_fold[n, h, ox, s*Ci + c] = x[n, h, ox*stride_w + s*dil_w - pad_w, c] (zeros outside x and past S*Ci),
+    and the conv that reads it, R x 1 over S*Ci channels, stride (stride_h, 1)."""
+    N, H, W, Ci = x.shape
+    channels = -(-g.S * Ci // 8) * 8
+    folded = x.new_zeros(N, H, g.out_w, channels)
+    for s in range(g.S):
+        columns = torch.arange(g.out_w) * g.stride[1] + s * g.dilation[1] - g.padding[1]
+        inside = (columns >= 0) & (columns < W)
+        folded[:, :, inside, s * Ci:(s + 1) * Ci] = x[:, :, columns[inside]]
+    return folded, common.conv_geometry((N, H, g.out_w, channels), (g.Co, g.R, 1, channels), (g.stride[0], 1),
+                                        (g.padding[0], 0), (g.dilation[0], 1))
+
+
+@pytest.mark.parametrize("Ci, Co, S", [(8, 16, 3), (3, 20, 1), (3, 20, 3)])
+def test_a_later_call_rebases_the_descriptors_on_its_tensors(stand_ins, Ci, Co, S):
+    wgrad.conv2d_weight_grad(*small_integer_inputs(2, 7, 6, Ci, Co, 3, S, 1, 1, 1)[::2], (Co, 3, S, Ci), 1, 1)
+    x, w, dy, g = small_integer_inputs(2, 7, 6, Ci, Co, 3, S, 1, 1, 1, seed=5)
     wgrad.conv2d_weight_grad(x, dy, w.shape, 1, 1)
-    (_, _, (dy_desc, x_desc)), = stand_ins.made[0].calls
-    fresh = wgrad_kernels.prepare_wgrad(x, dy, g, None, "sm_90", 132)        # what Triton validates for these tensors
+    plan, = wgrad._PLANS.values()
+    assert (plan.column_fold is not None) == ((Ci, S) == (3, 3))    # 9 taps of a 16-channel box -> 3 of 16
+    x_run, g_run = columns_folded(x, g) if plan.column_fold is not None else (x, g)
+    kernel = next(made for made in stand_ins.made if made.kernel_fn is wgrad_kernels.conv2d_wgrad_kernel)
+    (_, _, (dy_desc, x_desc)), = kernel.calls
+    fresh = wgrad_kernels.prepare_wgrad(x_run, dy, g_run, None, "sm_90", 132)   # what Triton validates for these tensors
     for rebased, built in ((dy_desc, fresh.dy_desc), (x_desc, fresh.x_desc)):
         assert {k: v for k, v in vars(rebased).items() if k != "base"} == {k: v for k, v in vars(built).items()
                                                                           if k != "base"}
         assert torch.equal(rebased.base, built.base)
     if Ci == 8:      # 16-byte rows already: the descriptors point at the call's own tensors, no copy
         assert x_desc.base.data_ptr() == x.data_ptr() and dy_desc.base.data_ptr() == dy.data_ptr()
-    else:            # Ci=3 and Co=20 in fp16: padded copies, zeros past the real channels
+    elif S == 1:     # Ci=3 and Co=20 in fp16: padded copies, zeros past the real channels
         assert x_desc.base.shape[-1] == 8 and dy_desc.base.shape[-1] == 24
         assert torch.equal(x_desc.base[..., :Ci], x) and not x_desc.base[..., Ci:].any()
+    else:            # folded: 9 channels of 16, zeros past them
+        assert x_desc.base.shape[-1] == 16 and torch.equal(x_desc.base, x_run)
 
 
 def test_kernel_arguments_follow_the_kernels_signatures(stand_ins):
@@ -260,9 +284,13 @@ def test_split_and_grid_are_prepare_wgrads(stand_ins, N, H, W, Ci, Co, R, S, str
         wgrad.conv2d_weight_grad(x, dy, w.shape, stride, padding, dilation)
     problem = wgrad_kernels.wgrad_problem(g, x.element_size())      # the stem's: lesson 07's launcher folds it too
     assert (problem.geometry != g) == (Ci == 3 and R == 7)
-    x, g = wgrad_kernels.wgrad_input(x, problem), problem.geometry
-    lesson = wgrad_kernels.prepare_wgrad(x, dy, g, None, "sm_90", 132)
     plan, = wgrad._PLANS.values()
+    assert (plan.column_fold is not None) == ((Ci, R, S) in COLUMNS_FOLDED)
+    if plan.column_fold is not None:
+        x, g = columns_folded(x, g)
+    else:
+        x, g = wgrad_kernels.wgrad_input(x, problem), problem.geometry
+    lesson = wgrad_kernels.prepare_wgrad(x, dy, g, None, "sm_90", 132)
     assert (plan.template.grid, plan.template.shape, plan.template.config) == (lesson.grid, lesson.shape, lesson.config)
     kernel_launch, *sum_launch = stand_ins.made
     assert kernel_launch.first[0] == kernel_launch.calls[0][0] == lesson.grid
@@ -328,6 +356,9 @@ GPU_SHAPES = [    # N, H, W, Ci, Co, R, S, stride, padding, dilation
     (2, 16, 16, 40, 36, 3, 3, 1, 2, 2),           # dilation 2, Co = 36 (dY's rows padded)
     (8, 28, 28, 128, 128, 3, 3, 1, 1, 1),         # 6272 pixels: several slices
     (128, 7, 7, 512, 512, 3, 3, 1, 1, 1),         # 144 tiles: on 132 SMs 132 whole, 12 in 7 slices
+    (2, 12, 13, 3, 24, 3, 3, 1, 1, 1),            # columns folded: 9 channels of 16, dW copied out
+    (1, 9, 12, 3, 20, 3, 3, (1, 2), (1, 2), (1, 2)),    # columns folded, with a column stride and dilation
+    (2, 10, 9, 144, 288, 3, 3, 1, 1, 1),          # columns folded: 432 channels, dW a view of the kernel's
 ]
 
 
@@ -340,8 +371,15 @@ def test_plan_matches_torch_and_the_plain_launcher(N, H, W, Ci, Co, R, S, stride
         dw = wgrad.conv2d_weight_grad(x, dy, w.shape, stride, padding, dilation)
         # common.assert_close_to_reference's tolerance: each dW element a sum of K = g.M products
         common.assert_close_to_reference(dw, lesson07.reference_gradients(x, w, dy, g)[1], dtype=dtype, K=g.M)
-        # the same kernel, split and sum as the plain launcher: the same bits
-        assert torch.equal(dw, lesson07.conv2d_wgrad_launch(x, dy, w.shape, stride, padding, dilation))
+        # the same kernel, split and sum as the plain launcher (on x with its columns folded, where the plan
+        # folds them): the same bits
+        if wgrad.plan_for(g, dtype, x.device).column_fold is None:
+            assert torch.equal(dw, lesson07.conv2d_wgrad_launch(x, dy, w.shape, stride, padding, dilation))
+        else:
+            x_fold, g_fold = columns_folded(x.cpu(), g)
+            dw_fold = lesson07.conv2d_wgrad_launch(x_fold.to(x.device), dy, (Co, R, 1, g_fold.Ci), g_fold.stride,
+                                                   g_fold.padding, g_fold.dilation)
+            assert torch.equal(dw, dw_fold[..., :S * Ci].reshape(Co, R, S, Ci))
 
 
 @needs_gpu
@@ -430,3 +468,22 @@ def test_split_choices():
     assert choose_split(200, 4, 132) == 1                   # 4 k-steps: nothing to gain
 
 
+
+
+@pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, folds", [
+    (128, 14, 14, 144, 288, 3, 3, 1, 1, True),     # GoogLeNet: 9 x 256 columns -> 3 x 512
+    (128, 7, 7, 160, 320, 3, 3, 1, 1, True),       # GoogLeNet: 9 x 256 -> 3 x 512
+    (128, 73, 73, 80, 192, 3, 3, 1, 0, True),      # Inception v3: 9 x 128 -> 3 x 256, for a copy of 4x x's size
+    (128, 224, 224, 3, 64, 3, 3, 1, 1, True),      # VGG's first conv: 9 x 16 -> 3 x 16
+    (128, 56, 56, 64, 64, 3, 3, 1, 1, False),      # 9 x 64 -> 3 x 256: more columns
+    (128, 28, 28, 128, 128, 3, 3, 1, 1, False),    # 9 x 128 -> 3 x 384: as many
+    (128, 8, 8, 448, 384, 3, 3, 1, 1, False),      # 9 x 512 -> 3 x 1408: 8% fewer, less than the copy costs
+    (128, 17, 17, 160, 160, 1, 7, 1, (0, 3), False),   # 7 x 256 -> 1152: 36% fewer, for a copy of 7x x's size
+    (128, 14, 14, 256, 256, 1, 1, 1, 0, False),    # 1x1: no columns to fold
+])
+def test_columns_fold_where_the_mma_columns_saved_outweigh_the_copy(N, H, W, Ci, Co, R, S, stride, padding, folds):
+    g = common.conv_geometry((N, H, W, Ci), (Co, R, S, Ci), stride, padding, 1)
+    assert wgrad.column_fold_pays(g) == folds
+    if Ci % 2 == 0:      # grouped convs keep their taps
+        grouped = common.conv_geometry((N, H, W, Ci), (Co, R, S, Ci // 2), stride, padding, 1, groups=2)
+        assert not wgrad.column_fold_pays(grouped)
