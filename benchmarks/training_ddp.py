@@ -172,8 +172,8 @@ def ddp_options(args):
 def worker(args):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")        # NVLink multicast off, as the GPU machines require
     if args.no_graph_split:
-        import torch._dynamo
-        torch._dynamo.config.optimize_ddp = False
+        from torch._dynamo import config as dynamo_config     # (an `import torch...` here would make torch local)
+        dynamo_config.optimize_ddp = False
     smoke = args.smoke
     if smoke:
         dist.init_process_group("gloo")

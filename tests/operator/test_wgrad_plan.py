@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import conv_tutorial
-from conv_tutorial import backward, launch, wgrad
+from conv_tutorial import backward, launch, runtime, wgrad
 from conv_tutorial.kernels import gradients, wgrad as wgrad_kernels
 
 needs_gpu = pytest.mark.skipif(not common.has_tma_mma_gpu(), reason=common.GLUON_SKIP_REASON)
@@ -121,6 +121,15 @@ class StandInLaunch:
                 partial[split, index] = tile_of(sliced, shape.whole_tiles + index)[0]
 
 
+def fold_on_gpu_copies(grid, args, kwargs, allocated=()):
+    """runtime._FOLD_COLUMNS's place for CPU tensors where Triton compiles for a GPU: the kernel on GPU copies."""
+    on_gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    runtime.fold_columns_kernel[grid](*on_gpu, **kwargs)
+    for given, copy in zip(args, on_gpu):
+        if isinstance(given, torch.Tensor):
+            given.copy_(copy.cpu())
+
+
 @pytest.fixture
 def stand_ins(monkeypatch):
     """The plan on a CPU: StandInLaunch for DirectLaunch, an H100's facts for the device's, the package's
@@ -130,6 +139,8 @@ def stand_ins(monkeypatch):
     monkeypatch.setattr(wgrad, "device_facts", lambda: ("sm_90", 132, 232448))
     monkeypatch.setattr(wgrad, "_PLANS", {})
     monkeypatch.setattr(wgrad, "_FAST_PLANS", {})
+    if not common.interpreter_mode():      # a GPU machine: the column fold's kernel, compiled, on copies
+        monkeypatch.setattr(runtime, "_FOLD_COLUMNS", fold_on_gpu_copies)
     checked = gradients.check_backward_call
 
     def checked_but_on_a_cpu(tensors, x_shape, w_shape, stride, padding, dilation, groups):
