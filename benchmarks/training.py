@@ -247,8 +247,8 @@ def interleaved(steps, data, rounds, round_steps, device):
 
 # kernel name fragment -> what the kernel does (the first match wins; lower-case)
 KERNEL_KINDS = (("conv2d_fprop_kernel", "conv forward (ours)"), ("split_k_epilogue", "conv forward (ours)"),
-                ("fold_columns", "conv forward (ours)"), ("flipped_weights", "dgrad weight flip (ours)"),
-                ("untapped_zeros", "copies and fills"),
+                ("flipped_weights", "dgrad weight flip (ours)"),
+                ("untapped_zeros", "copies and fills"), ("fold_columns", "copies and fills"),  # (stem's, wgrad's)
                 ("conv2d_wgrad", "wgrad (ours)"), ("wgrad_split_k_sum", "wgrad (ours)"),
                 ("triton_", "Inductor (BatchNorm, ReLU, add, pool, loss)"), ("dgrad", "cuDNN dgrad"), ("wgrad", "cuDNN wgrad"), ("fprop", "cuDNN forward"),
                 ("xmma", "cuDNN/cuBLAS other"), ("cudnn", "cuDNN/cuBLAS other"), ("cutlass", "cuDNN/cuBLAS other"),

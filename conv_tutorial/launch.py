@@ -720,8 +720,8 @@ def compiling_ahead(workers=None, wait=True):
     every compile has finished, and Triton's in-memory cache holds them: the calls after it launch
     without compiling. A model run once inside it has its distinct kernels compiled side by side
     instead of one after another (its outputs are garbage: run it for the compiles alone).
-    Depthwise convs (depthwise.py) and wgrad's kernels (wgrad.py), the folded stem's copies
-    (runtime.FoldedConv), the fp8 operator's fold of its scales (runtime.fold_fp8_scales) and
+    Depthwise convs (depthwise.py) and wgrad's kernels (wgrad.py), the column folds' copies
+    (runtime.FoldedConv: the folded stem's, wgrad's), the fp8 operator's fold of its scales (runtime.fold_fp8_scales) and
     dgrad's zero fill (backward.py) are compiled in the pool too and not run; dgrad's weight flips
     (kernels/dgrad.py) compile and run as usual, their launch waiting for its compile. A whole
     training step: compile_ahead.compile_kernels_ahead. Autotuning must be off inside (the tuner

@@ -224,7 +224,8 @@ def invalidate():
 def offer(qualified_name, replay):
     """Hand the program of `replay` (a launch.Replay that just served a call of operator `qualified_name`)
     to the C++ kernel serving that call, if one is, under the call's key. Programs with steps that run
-    torch's Python (a derived tensor, a finish: wgrad's folded stem) stay in Python."""
+    torch's Python (a derived tensor, a finish: wgrad's folded stem, a wgrad whose column fold pads
+    its channels) stay in Python."""
     steps = getattr(replay, "native_steps", None)      # (worked out once per replay)
     if steps is None:
         if not replay.program:

@@ -125,7 +125,7 @@ def fold_columns_kernel(x_ptr, out_ptr, rows, W, out_w, Ci, stride_w, pad_w, dil
     """out[row, ox, s*Ci + c] = x[row, ox*stride_w + s*dil_w - pad_w, c] (0 outside, and in the
     padding channels), row = n*H + h: one pass that reads each input pixel from cache S/stride_w
     times and writes the folded tensor once. Programs along axis 1 take BLOCK_C folded channels
-    each (a wgrad fold has up to S*Ci of them: 1,120 for a 1x7 filter on 160 channels)."""
+    each (a wgrad fold has up to S*Ci of them: 480 for a 3x3 filter on 160 channels)."""
     pixels = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)      # (row, ox), linearized
     folded = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)       # s*Ci + c
     row, ox = pixels // out_w, pixels % out_w
@@ -141,9 +141,11 @@ def fold_columns_kernel(x_ptr, out_ptr, rows, W, out_w, Ci, stride_w, pad_w, dil
 
 class FoldedConv:
     """The R x 1 convolution over folded channels that computes a small-Ci convolution (the forward's,
-    `folded_geometry`), or whose dW costs fewer MMA columns folded (wgrad.py, `column_fold_pays`)."""
+    `folded_geometry`), or whose dW costs fewer MMA columns folded (wgrad.py, `column_fold`)."""
 
     def __init__(self, geometry):
+        if geometry.groups != 1:
+            raise ValueError(f"FoldedConv folds ungrouped convs only, not groups={geometry.groups}")
         g = self.original = geometry
         self.channels = g.S * g.Ci
         self.channels_padded = -(-self.channels // 8) * 8       # 16-byte pixels for TMA

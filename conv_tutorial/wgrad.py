@@ -17,7 +17,11 @@ the same problem with plans (launch.py); this module does the same for wgrad:
 - Any other conv whose channels fit the tiles badly (80, 144, 160 or 3 of them in boxes of 128 or 16
   per tap) runs with its S column taps in the channels (runtime.FoldedConv, the forward's fold:
   x_fold[n, h, ox, s*Ci + c], one launch) where that saves more MMA columns than the copy costs
-  (`column_fold_pays`): an R x 1 conv over S*Ci channels, whose dW [Co, R, 1, S*Ci] is the conv's.
+  (`column_fold`): an R x 1 conv over S*Ci channels, whose dW [Co, R, 1, S*Ci] is the conv's (a
+  view of it where S*Ci fills whole 16-byte rows, else copied out by torch). Lesson 07's launcher
+  does not fold columns: such a conv runs other tiles and splits than the lesson's (its bits are
+  the lesson launcher's on the folded conv), and x_fold, S/stride_w times x's size, is a workspace
+  of the call (304 MiB for Inception v3's 73x73 80-channel layer at batch 128).
 - Later calls pad x's channels and dY's Co to 16-byte rows where the shape needs it (lesson 07's
   `wgrad_operands`), allocate dW and, where some tiles are split, the fp32 workspace, and launch
   the kernel and (where some tiles are split) the sum directly: the
@@ -60,17 +64,19 @@ def mma_columns(taps, channels, element_size=2):
     return taps * -(-channels // block_n) * block_n
 
 
-def column_fold_pays(geometry, element_size=2):
-    """Whether dW costs less with the S column taps folded into the channels (runtime.FoldedConv): an
-    R x 1 conv over S*Ci channels (16-byte padded) spends R * mma_columns(S*Ci) columns against
-    R * S * mma_columns(Ci), for a copy of x (read once, written S/stride_w times as large). It pays
-    where the columns it saves, at FLOPS_PER_BYTE, outweigh the copy by 10%: 144 channels at 3x3
-    (3 x 2 x 128 columns a row of taps, folded 432 in 4 x 128), 80 (3 x 128, folded 240 in 256),
-    3 (3 x 16, folded 9 in 16); not 64 (3 x 64, folded 192 in 2 x 128) or 128 (3 x 128, folded 384
-    in 3 x 128). Arithmetic on the shape alone; grouped convs are left as they are."""
+def column_fold(geometry, element_size=2):
+    """The runtime.FoldedConv whose R x 1 conv wgrad runs for `geometry`, where folding the S column
+    taps into the channels makes dW cheaper, else None. The folded conv, over S*Ci channels (16-byte
+    padded), spends R * mma_columns(S*Ci) columns against R * S * mma_columns(Ci), for a copy of x
+    (read once, written S/stride_w times as large). It pays where the columns it saves, at
+    FLOPS_PER_BYTE, outweigh the copy by 10%: 144 channels at 3x3 (3 x 2 x 128 columns a row of taps,
+    folded 432 in 4 x 128), 80 (3 x 128, folded 240 in 256), 3 (3 x 16, folded 9 in 16); not 64
+    (3 x 64, folded 192 in 2 x 128) or 128 (3 x 128, folded 384 in 3 x 128). Arithmetic on the shape
+    alone, at an H100's FLOPS_PER_BYTE whatever the GPU, and with wgrad_config's rows (not the narrow
+    tiles default_wgrad_config may pick); grouped convs are left as they are."""
     g = geometry
     if g.groups != 1 or g.S == 1:
-        return False
+        return None
     fold = FoldedConv(g)
     block_m = wgrad_kernels.wgrad_config(g.Co, g.Ci).block_m
     rows = -(-g.Co // block_m) * block_m                           # output channels, in whole tiles
@@ -78,7 +84,7 @@ def column_fold_pays(geometry, element_size=2):
     now = flops_per_column * mma_columns(g.R * g.S, g.Ci, element_size)
     folded = flops_per_column * mma_columns(g.R, fold.channels_padded, element_size)
     copy_bytes = element_size * g.N * g.H * (g.W * g.Ci + g.out_w * fold.channels_padded)
-    return folded + FLOPS_PER_BYTE * copy_bytes <= 0.9 * now
+    return fold if folded + FLOPS_PER_BYTE * copy_bytes <= 0.9 * now else None
 
 
 class WgradPlan:
@@ -89,10 +95,9 @@ class WgradPlan:
         # few channels (the stem): the conv lesson 07's launcher runs for it, folded (lesson 07's wgrad_problem)
         self.problem = wgrad_kernels.wgrad_problem(geometry, dtype.itemsize)
         # else, channels that fit the tiles badly: the column taps in the channels, where that pays
-        self.column_fold = (FoldedConv(geometry) if self.problem.fold is None
-                            and column_fold_pays(geometry, dtype.itemsize) else None)
+        self.column_fold = column_fold(geometry, dtype.itemsize) if self.problem.fold is None else None
         self.run_geometry = self.column_fold.geometry if self.column_fold else self.problem.geometry
-        # dW is the kernel's output itself, or a view of it; else torch makes it from the kernel's (a "finish")
+        # dW is the kernel's output itself, or a view of it; else torch copies it out of the kernel's (a "finish")
         self.dw_is_kernels = self.problem.fold is None and (
             self.column_fold is None or self.column_fold.channels == self.column_fold.channels_padded)
         self.template = None      # the first call's WgradLaunch without its tensors: descriptors, grid, shape, split
@@ -130,8 +135,9 @@ class WgradPlan:
             self.kernel(template.grid, dy_2d, x_nhwc, dw.data_ptr(), partial_ptr, template.shape)
             if self.sum is not None:
                 self.sum(self.sum_grid, partial_ptr, dw.data_ptr(), *self.sum_scalars)
-            # (for a replay of the operator's call: launch.Recording; a folded x, and a dW unfolded from a
-            # workspace, are remade by torch on each replay)
+            # (for a replay of the operator's call: launch.Recording; the stem's folded x, and a dW unfolded or
+            # copied out of a workspace, are remade by torch on each replay; a column fold's x is its launch,
+            # recorded as it ran)
             if x_run is not x_given:
                 record_step(("derive", functools.partial(wgrad_kernels.wgrad_input, problem=self.problem),
                              x_given.data_ptr(), (x_run.data_ptr(), x_run.nbytes)), (x_run,))
@@ -153,7 +159,9 @@ class WgradPlan:
         g = self.run_geometry
         if self.column_fold is not None:        # [Co, R, 1, S*Ci padded]: the padding channels dropped
             o = self.geometry
-            return dw.view(o.Co, o.R, g.Ci)[..., :self.column_fold.channels].reshape(o.Co, o.R, o.S, o.Ci)
+            kept = dw.view(o.Co, o.R, g.Ci)[..., :self.column_fold.channels]
+            # (a view where no channel is padding; else a contiguous copy, as callers and a replay's finish take it)
+            return (kept if self.dw_is_kernels else kept.contiguous()).view(o.Co, o.R, o.S, o.Ci)
         return wgrad_kernels.wgrad_result(dw.view(g.Co, g.R, g.S, g.Ci_group), self.geometry, self.problem)
 
     def _prepared(self, x_nhwc, dy_nhwc):
@@ -206,7 +214,9 @@ def conv2d_weight_grad(x_nhwc, dy_nhwc, w_shape, stride=1, padding=0, dilation=1
     """dW [Co, R, S, Ci] (w_shape) of a conv of x [N, H, W, Ci] from dY [N, out_h, out_w, Co] (fp16
     or bf16, contiguous NHWC, on a Hopper or Blackwell GPU), in x's dtype: lesson 07's
     `conv2d_wgrad_launch` with its default config, the same arguments, errors and result, through a
-    plan per shape. groups > 1 where the package's backward_groups_reason allows it."""
+    plan per shape; where the plan folds a conv's columns (`column_fold`), the lesson launcher's
+    result on the folded conv, and an x the fold reads without TMA need not be 16-byte aligned.
+    groups > 1 where the package's backward_groups_reason allows it."""
     key = call_key((x_nhwc, dy_nhwc), w_shape, stride, padding, dilation, type(groups), groups)
     plan = _FAST_PLANS.get(key) if key is not None else None
     if plan is None or not (x_nhwc.is_contiguous() and dy_nhwc.is_contiguous()):

@@ -289,13 +289,23 @@ def test_a_refused_flock_leaves_torchs_own_lock(tmp_path, monkeypatch):
 def test_ensure_in_a_process_that_imported_only_this_module_serves(operator):
     """`native.ensure()` before any operator ran (a benchmark waits for the build before timing): the attach reads
     what launch.py tells at its import, which nothing had imported yet (it raised KeyError, and every repeat call
-    took the Python path, with a warning)."""
+    took the Python path, with a warning). launch.py's import after it hands its profiler check to the module."""
     import subprocess
     import sys
     code = ("from conv_tutorial import native\n"
-            "print('served', native.ensure(), native._STATE['failed'])\n")
+            "served = native.ensure()\n"
+            "seen = []\n"
+            "class Watched:\n"          # the attached module, its set_hooks_check calls seen
+            "    def __init__(self, module): self.module = module\n"
+            "    def __getattr__(self, name): return getattr(self.module, name)\n"
+            "    def set_hooks_check(self, check): seen.append(check); self.module.set_hooks_check(check)\n"
+            "native._STATE['module'] = Watched(native._STATE['module'])\n"
+            "import conv_tutorial.launch\n"
+            "handed = len(seen) == 1 and seen[0] is native._LAUNCHES['hooks_set'] and seen[0]() is False\n"
+            "print('served', served, native._STATE['failed'], 'handed', handed)\n")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = dict(os.environ, CONV_TUTORIAL_NATIVE="1",
+               PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0 and "served True False" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
+    assert proc.returncode == 0 and "served True False handed True" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
     assert "native repeat path could not be built" not in proc.stderr, proc.stderr[-2000:]

@@ -187,7 +187,7 @@ def test_two_calls_of_one_shape_give_their_own_dw(stand_ins, N, H, W, Ci, Co, R,
     for seed in (0, 1):          # the first call (Triton's launch), then the direct one, on other tensors
         x, w, dy, g = small_integer_inputs(N, H, W, Ci, Co, R, S, stride, padding, dilation, seed=seed)
         dw = wgrad.conv2d_weight_grad(x, dy, w.shape, stride, padding, dilation)
-        assert dw.shape == w.shape and dw.dtype == x.dtype
+        assert dw.shape == w.shape and dw.dtype == x.dtype and dw.is_contiguous()
         assert torch.equal(dw.float(), expected_dw(x, w, dy, g))       # integers: exact
     # one plan: its first launches, then one direct call each
     assert [len(made.calls) for made in stand_ins.made] == [1] * launches_made()
@@ -312,6 +312,41 @@ def test_split_and_grid_are_prepare_wgrads(stand_ins, N, H, W, Ci, Co, R, S, str
     assert (lesson.shape.split_k > 1) == ((N, H) == (2, 64))      # the case with slices is one
 
 
+@pytest.mark.parametrize("Ci, Co, finish", [(3, 24, True), (40, 256, False)])
+def test_a_column_folded_call_records_a_replay(stand_ins, monkeypatch, Ci, Co, finish):
+    """A call whose columns the plan folds records the fold's launch (with its folded x a workspace), the kernel's
+    launch and, where the folded channels are padded (9 of 16), dW copied out by a finish step; the recording
+    gives a replay (a copy it did not record, or an address outside the call's tensors, would leave none)."""
+    class RecordedLaunch:       # the fold's DirectLaunch, as a recording holds it
+        lean = True
+    run_fold = fold_on_gpu_copies if not common.interpreter_mode() else (
+        lambda grid, args, kwargs, allocated=(): runtime.fold_columns_kernel[grid](*args, **kwargs))
+
+    def fold_recorded(grid, args, kwargs, allocated=()):       # what launch.SmallLaunches records after its first launch
+        run_fold(grid, args, kwargs)
+        for t in allocated:
+            launch.record_scratch(t)
+        places = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        launch.record_step(("launch", RecordedLaunch(), grid,
+                            tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args), places),
+                           tuple(args[i] for i in places))
+    monkeypatch.setattr(runtime, "_FOLD_COLUMNS", fold_recorded)
+    monkeypatch.setattr(StandInLaunch, "lean", True, raising=False)
+    x, w, dy, g = small_integer_inputs(1, 6, 7, Ci, Co, 3, 3, 1, 1, 1)
+    wgrad.conv2d_weight_grad(x, dy, w.shape, 1, 1)         # the plan and its first launches
+    x, w, dy, g = small_integer_inputs(1, 6, 7, Ci, Co, 3, 3, 1, 1, 1, seed=3)
+    with launch.recording() as recording:
+        dw = wgrad.conv2d_weight_grad(x, dy, w.shape, 1, 1)
+    plan, = wgrad._PLANS.values()
+    assert plan.column_fold is not None and plan.dw_is_kernels is not finish
+    assert torch.equal(dw.float(), expected_dw(x, w, dy, g)) and dw.is_contiguous()
+    kinds = [step[0] for step in recording.steps]
+    assert kinds[:2] == ["scratch", "launch"] and recording.steps[1][1].__class__ is RecordedLaunch
+    assert kinds.count("finish") == finish and "derive" not in kinds and not recording.broken
+    grad_weight = dw.permute(0, 3, 1, 2)             # as backward.py returns it: channels_last, NCHW-shaped
+    assert launch.Replay.of(recording, {"grad_output": dy, "input": x}, {"grad_weight": (grad_weight, False)}) is not None
+
+
 @pytest.mark.parametrize("changes, error, message", lesson07.BAD_CALLS)
 def test_bad_calls_get_lesson_07s_errors(changes, error, message):
     x, w, dy, _ = lesson07.backward_inputs(1, 8, 8, 8, 16, 3, 3, 1, 1, 1, torch.bfloat16, device_name="cpu")
@@ -371,6 +406,7 @@ GPU_SHAPES = [    # N, H, W, Ci, Co, R, S, stride, padding, dilation
     (1, 9, 12, 3, 20, 3, 3, (1, 2), (1, 2), (1, 2)),    # columns folded, with a column stride and dilation
     (2, 10, 9, 144, 288, 3, 3, 1, 1, 1),          # columns folded: 432 channels, dW a view of the kernel's
 ]
+GPU_COLUMNS_FOLDED = [(2, 12, 13, 3), (1, 9, 12, 3), (2, 10, 9, 144)]    # (N, H, W, Ci) of the three above
 
 
 @needs_gpu
@@ -382,9 +418,12 @@ def test_plan_matches_torch_and_the_plain_launcher(N, H, W, Ci, Co, R, S, stride
         dw = wgrad.conv2d_weight_grad(x, dy, w.shape, stride, padding, dilation)
         # common.assert_close_to_reference's tolerance: each dW element a sum of K = g.M products
         common.assert_close_to_reference(dw, lesson07.reference_gradients(x, w, dy, g)[1], dtype=dtype, K=g.M)
+        assert dw.is_contiguous()
         # the same kernel, split and sum as the plain launcher (on x with its columns folded, where the plan
         # folds them): the same bits
-        if wgrad.plan_for(g, dtype, x.device).column_fold is None:
+        folded = (N, H, W, Ci) in GPU_COLUMNS_FOLDED
+        assert (wgrad.plan_for(g, dtype, x.device).column_fold is not None) == folded
+        if not folded:
             assert torch.equal(dw, lesson07.conv2d_wgrad_launch(x, dy, w.shape, stride, padding, dilation))
         else:
             x_fold, g_fold = columns_folded(x.cpu(), g)
@@ -479,8 +518,6 @@ def test_split_choices():
     assert choose_split(200, 4, 132) == 1                   # 4 k-steps: nothing to gain
 
 
-
-
 @pytest.mark.parametrize("N, H, W, Ci, Co, R, S, stride, padding, folds", [
     (128, 14, 14, 144, 288, 3, 3, 1, 1, True),     # GoogLeNet: 9 x 256 columns -> 3 x 512
     (128, 7, 7, 160, 320, 3, 3, 1, 1, True),       # GoogLeNet: 9 x 256 -> 3 x 512
@@ -494,7 +531,7 @@ def test_split_choices():
 ])
 def test_columns_fold_where_the_mma_columns_saved_outweigh_the_copy(N, H, W, Ci, Co, R, S, stride, padding, folds):
     g = common.conv_geometry((N, H, W, Ci), (Co, R, S, Ci), stride, padding, 1)
-    assert wgrad.column_fold_pays(g) == folds
+    assert (wgrad.column_fold(g) is not None) == folds
     if Ci % 2 == 0:      # grouped convs keep their taps
         grouped = common.conv_geometry((N, H, W, Ci), (Co, R, S, Ci // 2), stride, padding, 1, groups=2)
-        assert not wgrad.column_fold_pays(grouped)
+        assert wgrad.column_fold(grouped) is None
