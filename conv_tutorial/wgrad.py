@@ -57,10 +57,10 @@ DESCRIPTORS = ("dy_desc", "x_desc")     # lesson 07's WgradLaunch fields, in con
 FLOPS_PER_BYTE = 180
 
 
-def mma_columns(taps, channels, element_size=2):
+def mma_columns(Co, taps, channels):
     """The MMA columns wgrad's tiles spend on `taps` taps of `channels` channels each: the channels
-    rounded up to whole tiles of wgrad_config's width (a channel box, 128 at most)."""
-    block_n = min(128, gradients.channel_box(channels, element_size))
+    rounded up to whole tiles of wgrad_config's width."""
+    block_n = wgrad_kernels.wgrad_config(Co, channels).block_n
     return taps * -(-channels // block_n) * block_n
 
 
@@ -81,8 +81,8 @@ def column_fold(geometry, element_size=2):
     block_m = wgrad_kernels.wgrad_config(g.Co, g.Ci).block_m
     rows = -(-g.Co // block_m) * block_m                           # output channels, in whole tiles
     flops_per_column = 2 * g.M * rows
-    now = flops_per_column * mma_columns(g.R * g.S, g.Ci, element_size)
-    folded = flops_per_column * mma_columns(g.R, fold.channels_padded, element_size)
+    now = flops_per_column * mma_columns(g.Co, g.R * g.S, g.Ci)
+    folded = flops_per_column * mma_columns(g.Co, g.R, fold.channels_padded)
     copy_bytes = element_size * g.N * g.H * (g.W * g.Ci + g.out_w * fold.channels_padded)
     return fold if folded + FLOPS_PER_BYTE * copy_bytes <= 0.9 * now else None
 
