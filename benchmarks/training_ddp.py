@@ -3,6 +3,7 @@
     torchrun --nproc-per-node N benchmarks/training_ddp.py [--nets resnet50] [--batch-per-gpu 128]
         [--steps 50] [--warmup 5] [--variants compile ours-lesson06-bnstats ...] [--compile-ahead] [--outdir DIR]
         [--bucket-cap-mb MB] [--gradient-as-bucket-view] [--no-graph-split]   # DDP's own settings, for every variant
+        [--no-at-once]                                          # leave out the N processes without DDP
     python benchmarks/training_ddp.py --smoke [--outdir DIR]    # two CPU processes over gloo: checks the script
 
 Every process runs the same variants as benchmarks/training.py (its `prepared`: eager, torch.compile in
@@ -15,10 +16,18 @@ of step s seeded by (s, c), made on the GPU); rank r trains on chunk r, DDP aver
 Then rank 0 alone runs the same variant on one GPU over the same global batches, accumulating the N
 chunks' gradients before each optimizer step: the same arithmetic as DDP's (BatchNorm's statistics
 per chunk, as each GPU computes them; the gradient the mean of the chunks'), summed in another order.
-It gives the scaling's baseline and the losses to compare:
+It gives the scaling's baseline and the losses to compare. Between the two (unless --no-at-once), every
+rank trains the same variant on its own chunk at the same time without DDP: no gradient crosses between
+the GPUs, and the host's cores, memory and PCIe serve N training processes as they do under DDP. It
+splits what the scaling loses into DDP's own cost and the cost of N processes sharing one host (a
+default-mode step, host-bound, slows when N of them run at once):
 - img_s: images per second in all, the global batch over the median step (each step synchronized;
   the slowest rank's time); per GPU: img_s / N.
 - scaling: img_s over N times the one-GPU run's img_s (1.0: linear).
+- img_s_at_once: the N processes without DDP, images per second in all (the same median of the slowest
+  rank's steps); ddp_efficiency: img_s over img_s_at_once, what DDP itself keeps; host_sharing:
+  img_s_at_once over N times the one-GPU run's img_s, what sharing the host keeps. Their product is
+  the scaling.
 - loss_gap: the largest |loss difference| per step between the N-GPU run and the one-GPU run, beside
   `loss_tolerance`: the two runs differ in the order of the gradients' fp32 sums, and through training
   that difference reaches the bf16 rounding of the convs' outputs; the tolerance is two bf16 roundings
@@ -28,8 +37,8 @@ its gradient buckets (25 MB); --gradient-as-bucket-view, gradients as views into
 into them); --no-graph-split, torch._dynamo.config.optimize_ddp off: torch.compile keeps the whole
 model one graph instead of breaking it at each bucket, so every all-reduce waits for the backward's end.
 JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "steps", "ddp", "rows": [{"net", "batch_per_gpu", "gpus",
-"variant", "img_s", "img_s_per_gpu", "scaling", "loss_50", "loss_last", "losses", "loss_gap",
-"loss_tolerance"}]}; a row per variant for N GPUs and one for the one-GPU run (gpus 1, scaling 1.0), or
+"variant", "img_s", "img_s_per_gpu", "scaling", "img_s_at_once", "ddp_efficiency", "host_sharing", "loss_50",
+"loss_last", "losses", "loss_gap", "loss_tolerance"}]}; a row per variant for N GPUs and one for the one-GPU run (gpus 1, scaling 1.0), or
 {"net", "variant", "gpus", "error"} for a variant that failed.
 """
 import argparse
@@ -63,9 +72,11 @@ def chunk(step, index, batch, size, classes, device):
 
 
 def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, autocast, compile_ahead=False,
-                ddp_options=None):
+                ddp_options=None, own_chunk=False):
     """(losses per step, seconds per timed step) of one variant: with `ddp` this rank's chunk of each step under
-    DistributedDataParallel, else every chunk of each step accumulated before the optimizer's step.
+    DistributedDataParallel, with `own_chunk` (every rank at once) this rank's chunk without DDP, else every
+    chunk of each step accumulated before the optimizer's step. Under `ddp` or `own_chunk` a step's
+    seconds are the slowest rank's; under `ddp` its loss is the mean of the ranks' (what DDP's gradient is of).
     `compile_ahead`: the operator's variants compile their kernels side by side first
     (conv_tutorial.compile_kernels_ahead, on the module DDP wraps: its pass reaches no DDP hook).
     `ddp_options`: DistributedDataParallel's keyword arguments beyond its devices (`ddp_settings`)."""
@@ -85,7 +96,8 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     losses, seconds = [], []
     for s in range(steps):
-        parts = [chunks(s, dist.get_rank())] if ddp else [chunks(s, c) for c in range(dist.get_world_size())]
+        parts = ([chunks(s, dist.get_rank())] if ddp or own_chunk
+                 else [chunks(s, c) for c in range(dist.get_world_size())])
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
@@ -98,7 +110,7 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
         if device == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        if ddp:        # the slowest rank's time, and the mean of the ranks' losses (what DDP's gradient is of)
+        if ddp or own_chunk:
             both = torch.tensor([elapsed, float(total)], dtype=torch.float64, device=device)
             slowest = both[:1].clone()
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -119,14 +131,16 @@ def measure(args, device, size, classes, nets):
         for variant in args.variants:
             row = {"net": net, "batch_per_gpu": args.batch_per_gpu, "variant": variant}
             results = {}
-            for gpus in (world, 1):
+            runs = (world, "at once", 1) if args.at_once and world > 1 else (world, 1)
+            for gpus in runs:
                 try:
-                    if gpus == world or rank == 0:
+                    if gpus != 1 or rank == 0:
                         with warnings.catch_warnings():
                             warnings.simplefilter("ignore")
                             results[gpus] = run_variant(variant, net, fp32_model, chunks, args.steps, args.warmup,
                                                         device, gpus == world and world > 1, device == "cuda",
-                                                        args.compile_ahead, ddp_options(args))
+                                                        args.compile_ahead, ddp_options(args),
+                                                        own_chunk=gpus == "at once")
                 except Exception as error:            # noqa: BLE001  (recorded: the other variants still run)
                     results[gpus] = f"{type(error).__name__}: {error}"[:400]
                 dist.barrier()
@@ -135,6 +149,11 @@ def measure(args, device, size, classes, nets):
             global_batch = args.batch_per_gpu * world
             one = results[1]
             unit = "GPU(s)" if device == "cuda" else "process(es)"
+            at_once = results.get("at once")
+            at_once_img_s = None if at_once is None or isinstance(at_once, str) else \
+                global_batch / statistics.median(at_once[1])
+            if isinstance(at_once, str):
+                print(f"  {net:<12} {variant:<34} {world} {unit} at once without DDP: failed: {at_once}", flush=True)
             for gpus in (world, 1):
                 got = results[gpus]
                 if isinstance(got, str):
@@ -145,14 +164,22 @@ def measure(args, device, size, classes, nets):
                 img_s = global_batch / statistics.median(seconds)
                 one_img_s = None if isinstance(one, str) else global_batch / statistics.median(one[1])
                 gap = None if isinstance(one, str) else max(abs(a - b) for a, b in zip(losses, one[0]))
+                shared = gpus > 1 and at_once_img_s is not None
                 rows.append({**row, "gpus": gpus, "img_s": img_s, "img_s_per_gpu": img_s / gpus,
                              "scaling": None if one_img_s is None else img_s / (gpus * one_img_s),
+                             "img_s_at_once": at_once_img_s if shared else None,
+                             "ddp_efficiency": img_s / at_once_img_s if shared else None,
+                             "host_sharing": (at_once_img_s / (gpus * one_img_s)
+                                              if shared and one_img_s is not None else None),
                              "loss_50": losses[49] if len(losses) >= 50 else None, "loss_last": losses[-1],
                              "losses": losses, "loss_gap": gap,
                              "loss_tolerance": 2 * BF16_ROUNDING * abs(losses[0])})
                 r = rows[-1]
                 print(f"  {net:<12} {variant:<34} {gpus} {unit}: {img_s:8.0f} img/s ({r['img_s_per_gpu']:.0f} each)"
                       + ("" if r["scaling"] is None else f", scaling {r['scaling']:.2f}")
+                      + ("" if r["ddp_efficiency"] is None else
+                         f" (at once without DDP {at_once_img_s:.0f} img/s: DDP keeps {r['ddp_efficiency']:.2f}"
+                         + ("" if r["host_sharing"] is None else f", the shared host {r['host_sharing']:.2f}") + ")")
                       + ("" if gap is None else f", largest loss gap to one GPU {gap:.4f} "
                                                 f"(tolerance {r['loss_tolerance']:.4f})")
                       + ("" if all(math.isfinite(v) for v in losses) else ", loss not finite"), flush=True)
@@ -225,6 +252,8 @@ def parse(argv=None):
                         help="DDP's bucket size in MB (default: DDP's own, 25)")
     parser.add_argument("--gradient-as-bucket-view", action="store_true",
                         help="DDP's gradients as views into its buckets")
+    parser.add_argument("--no-at-once", dest="at_once", action="store_false",
+                        help="leave out the run of every rank at once without DDP (img_s_at_once)")
     parser.add_argument("--no-graph-split", action="store_true",
                         help="torch._dynamo.config.optimize_ddp off: one graph, not one per bucket")
     args = parser.parse_args(argv)

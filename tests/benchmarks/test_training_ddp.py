@@ -28,18 +28,25 @@ def test_smoke_run_trains_each_variant_on_two_processes_and_one(tmp_path):
         # the same arithmetic in another order (fp32 sums): far inside the bf16 tolerance
         assert row["loss_gap"] < 1e-5 < row["loss_tolerance"]
     assert [row["scaling"] for row in data["rows"] if row["gpus"] == 1] == [1.0, 1.0]
+    for row in data["rows"]:    # the two processes at once without DDP: DDP's share and the host's of the scaling
+        if row["gpus"] == 1:
+            assert row["img_s_at_once"] is row["ddp_efficiency"] is row["host_sharing"] is None
+        else:
+            assert row["img_s_at_once"] > 0
+            assert abs(row["ddp_efficiency"] * row["img_s_at_once"] - row["img_s"]) < 1e-6 * row["img_s"]
+            assert abs(row["ddp_efficiency"] * row["host_sharing"] - row["scaling"]) < 1e-9
 
 
 def test_ddps_settings_reach_it_and_the_json(tmp_path):
     """--bucket-cap-mb, --gradient-as-bucket-view and --no-graph-split: the two processes train with them and
-    the JSON says them. (The next test checks the keyword arguments they make; that run_variant hands them
+    the JSON says them (--no-at-once: no run without DDP, no fields from it). (The next test checks the keyword arguments they make; that run_variant hands them
     to DistributedDataParallel is not checked here.)"""
     training_ddp.main(["--smoke", "--batch-per-gpu", "4", "--steps", "2", "--warmup", "1", "--variants", "eager",
-                       "--bucket-cap-mb", "1.5", "--gradient-as-bucket-view", "--no-graph-split",
+                       "--bucket-cap-mb", "1.5", "--gradient-as-bucket-view", "--no-graph-split", "--no-at-once",
                        "--port", str(free_port()), "--outdir", str(tmp_path)])
     data = json.loads((tmp_path / "training_ddp.json").read_text())
     assert data["ddp"] == {"bucket_cap_mb": 1.5, "gradient_as_bucket_view": True, "graph_split": False}
-    assert all(row["img_s"] > 0 for row in data["rows"])
+    assert all(row["img_s"] > 0 and row["img_s_at_once"] is None for row in data["rows"])
 
 
 def test_ddp_options_from_the_command_line():
