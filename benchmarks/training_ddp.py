@@ -94,18 +94,24 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
     if compile_ahead and variant.startswith("ours"):
         conv_tutorial.compile_kernels_ahead(model, chunks(0, 0)[0], autocast_dtype=torch.bfloat16 if autocast else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    graphs_output_grads = variant.endswith("-cudagraphs") and device == "cuda"
     losses, seconds = [], []
     for s in range(steps):
         parts = ([chunks(s, dist.get_rank())] if ddp or own_chunk
                  else [chunks(s, c) for c in range(dist.get_world_size())])
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        total = 0.0
+        total, summed = 0.0, None
         for x, y in parts:
             with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=autocast):
                 loss = torch.nn.functional.cross_entropy(step_model(x), y) / len(parts)
             loss.backward()
             total = total + loss.detach().clone()   # (a CUDA graph's next run overwrites its own output)
+            if graphs_output_grads and len(parts) > 1:
+                summed = gradients_out_of_the_graphs(model, summed)
+        if summed is not None:
+            for parameter, grad in summed.items():
+                parameter.grad = grad
         optimizer.step()
         if device == "cuda":
             torch.cuda.synchronize()
@@ -120,6 +126,25 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
             seconds.append(elapsed)
         losses.append(float(total))
     return losses, seconds
+
+
+def gradients_out_of_the_graphs(model, summed):
+    """Accumulating chunks under CUDA graphs (reduce-overhead): each parameter's gradient after a chunk's
+    backward is that graph's output (AccumulateGrad keeps the tensor it is given), which the next chunk's
+    replay overwrites; so the gradients are added into `summed` ({parameter: fp32 sum}, made on the
+    first chunk) and taken off the parameters. Two foreach launches a chunk; the caller sets the sums
+    as the gradients before the optimizer's step."""
+    summed = {} if summed is None else summed
+    parameters = [p for p in model.parameters() if p.grad is not None]
+    seen = [p for p in parameters if p in summed]
+    new = [p for p in parameters if p not in summed]
+    if seen:
+        torch._foreach_add_([summed[p] for p in seen], [p.grad for p in seen])
+    if new:
+        summed.update(zip(new, torch._foreach_mul([p.grad for p in new], 1.0)))
+    for parameter in parameters:
+        parameter.grad = None
+    return summed
 
 
 def measure(args, device, size, classes, nets):

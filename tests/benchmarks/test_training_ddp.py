@@ -59,3 +59,31 @@ def test_a_bucket_size_must_be_positive():
     import pytest
     with pytest.raises(ValueError, match="--bucket-cap-mb must be positive"):
         training_ddp.parse(["--bucket-cap-mb", "0"])
+
+
+def test_gradients_taken_out_of_the_graphs_sum_as_accumulation_does():
+    """The one-GPU run under CUDA graphs adds each chunk's gradients into sums of its own (a graph's next replay
+    overwrites the gradients it output): the sums equal what AccumulateGrad gives without graphs, bit for
+    bit, also for a parameter that gets its first gradient in a later chunk."""
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3))
+    late = torch.nn.Linear(5, 3)
+    chunks = [torch.randn(6, 5) for _ in range(3)]
+
+    def loss(i, x):
+        out = model(x).square().mean()
+        return out + late(x).sum() if i > 0 else out
+    for i, x in enumerate(chunks):
+        loss(i, x).backward()
+    reference = [p.grad.clone() for p in [*model.parameters(), *late.parameters()]]
+    for p in [*model.parameters(), *late.parameters()]:
+        p.grad = None
+
+    both = torch.nn.ModuleList([model, late])
+    summed = None
+    for i, x in enumerate(chunks):
+        loss(i, x).backward()
+        summed = training_ddp.gradients_out_of_the_graphs(both, summed)
+        assert all(p.grad is None for p in both.parameters())
+    assert all(torch.equal(summed[p], r) for p, r in zip(both.parameters(), reference))
