@@ -4,6 +4,7 @@
         [--steps 50] [--warmup 5] [--variants compile ours-lesson06-bnstats ...] [--compile-ahead] [--outdir DIR]
         [--bucket-cap-mb MB] [--gradient-as-bucket-view] [--no-graph-split]   # DDP's own settings, for every variant
         [--no-at-once]                                          # leave out the N processes without DDP
+        [--breakdown]                     # where a step's time goes: host, GPU, NCCL, the operator's C++ calls
     python benchmarks/training_ddp.py --smoke [--outdir DIR]    # two CPU processes over gloo: checks the script
 
 Every process runs the same variants as benchmarks/training.py (its `prepared`: eager, torch.compile in
@@ -28,6 +29,10 @@ default-mode step, host-bound, slows when N of them run at once):
   rank's steps); ddp_efficiency: img_s over img_s_at_once, what DDP itself keeps; host_sharing:
   img_s_at_once over N times the one-GPU run's img_s, what sharing the host keeps. Their product is
   the scaling.
+- with --breakdown, "breakdown" (and "breakdown_at_once" for the N processes without DDP): a few steps
+  more, timed apart (`step_breakdown`): the host's time to issue a step beside the step's and the GPU's
+  busy time, NCCL's, kernels a step; and for the operator's variants its calls a timed step served in C++
+  (`native_served`) and sent to its Python kernel (`native_python`).
 - loss_gap: the largest |loss difference| per step between the N-GPU run and the one-GPU run, beside
   `loss_tolerance`: the two runs differ in the order of the gradients' fp32 sums, and through training
   that difference reaches the bf16 rounding of the convs' outputs; the tolerance is two bf16 roundings
@@ -36,10 +41,11 @@ DDP's settings (the same for every variant; DDP's defaults unless given): --buck
 its gradient buckets (25 MB); --gradient-as-bucket-view, gradients as views into the buckets (no copy
 into them); --no-graph-split, torch._dynamo.config.optimize_ddp off: torch.compile keeps the whole
 model one graph instead of breaking it at each bucket, so every all-reduce waits for the backward's end.
-JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "steps", "ddp", "rows": [{"net", "batch_per_gpu", "gpus",
-"variant", "img_s", "img_s_per_gpu", "scaling", "img_s_at_once", "ddp_efficiency", "host_sharing", "loss_50",
-"loss_last", "losses", "loss_gap", "loss_tolerance"}]}; a row per variant for N GPUs and one for the one-GPU run (gpus 1, scaling 1.0), or
-{"net", "variant", "gpus", "error"} for a variant that failed.
+JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "steps", "ddp", "rows": [{"net", "batch_per_gpu",
+"gpus", "variant", "img_s", "img_s_per_gpu", "scaling", "img_s_at_once", "ddp_efficiency", "host_sharing",
+"loss_50", "loss_last", "losses", "loss_gap", "loss_tolerance", ["breakdown", "breakdown_at_once"]}]}; a row
+per variant for N GPUs and one for the one-GPU run (gpus 1, scaling 1.0), or {"net", "variant", "gpus",
+"error"} for a variant that failed.
 """
 import argparse
 import math
@@ -72,14 +78,15 @@ def chunk(step, index, batch, size, classes, device):
 
 
 def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, autocast, compile_ahead=False,
-                ddp_options=None, own_chunk=False):
-    """(losses per step, seconds per timed step) of one variant: with `ddp` this rank's chunk of each step under
-    DistributedDataParallel, with `own_chunk` (every rank at once) this rank's chunk without DDP, else every
-    chunk of each step accumulated before the optimizer's step. Under `ddp` or `own_chunk` a step's
-    seconds are the slowest rank's; under `ddp` its loss is the mean of the ranks' (what DDP's gradient is of).
-    `compile_ahead`: the operator's variants compile their kernels side by side first
+                ddp_options=None, own_chunk=False, breakdown=False):
+    """(losses per step, seconds per timed step, breakdown) of one variant: with `ddp` this rank's chunk of each
+    step under DistributedDataParallel, with `own_chunk` (every rank at once) this rank's chunk without DDP,
+    else every chunk of each step accumulated before the optimizer's step. Under `ddp` or `own_chunk` a
+    step's seconds are the slowest rank's; under `ddp` its loss is the mean of the ranks' (what DDP's
+    gradient is of). `compile_ahead`: the operator's variants compile their kernels side by side first
     (conv_tutorial.compile_kernels_ahead, on the module DDP wraps: its pass reaches no DDP hook).
-    `ddp_options`: DistributedDataParallel's keyword arguments beyond its devices (`ddp_settings`)."""
+    `ddp_options`: DistributedDataParallel's keyword arguments beyond its devices (`ddp_settings`).
+    `breakdown`: after the steps, `step_breakdown`'s figures of a few more (else None)."""
     import copy
     import conv_tutorial
     torch._dynamo.reset()
@@ -95,10 +102,11 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
         conv_tutorial.compile_kernels_ahead(model, chunks(0, 0)[0], autocast_dtype=torch.bfloat16 if autocast else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     graphs_output_grads = variant.endswith("-cudagraphs") and device == "cuda"
-    losses, seconds = [], []
-    for s in range(steps):
-        parts = ([chunks(s, dist.get_rank())] if ddp or own_chunk
-                 else [chunks(s, c) for c in range(dist.get_world_size())])
+    several = ddp or own_chunk
+
+    def one_step(s):
+        """Step `s` on its chunks (made first), its loss (a tensor) and the second its work was issued at."""
+        parts = [chunks(s, dist.get_rank())] if several else [chunks(s, c) for c in range(dist.get_world_size())]
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         total, summed = 0.0, None
@@ -113,10 +121,18 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
             for parameter, grad in summed.items():
                 parameter.grad = grad
         optimizer.step()
+        return total, start
+
+    losses, seconds = [], []
+    native_before = None
+    for s in range(steps):
+        if s == warmup:
+            native_before = native_calls()
+        total, start = one_step(s)
         if device == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        if ddp or own_chunk:
+        if several:
             both = torch.tensor([elapsed, float(total)], dtype=torch.float64, device=device)
             slowest = both[:1].clone()
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -125,7 +141,71 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
         if s >= warmup:
             seconds.append(elapsed)
         losses.append(float(total))
-    return losses, seconds
+    figures = None
+    if breakdown:
+        native_after = native_calls()
+        figures = step_breakdown(lambda i: one_step(steps + i), device, several)
+        figures.update({key: (native_after[key] - native_before[key]) / (steps - warmup) for key in native_after}
+                       if variant.startswith("ours") else {"native_served": None, "native_python": None})
+    return losses, seconds, figures
+
+
+def native_calls():
+    """{"native_served", "native_python"}: the operator's calls served in C++ and sent to its Python kernel
+    so far, over all its operators (conv_tutorial.native.counts(); zeros before its kernels are installed)."""
+    from conv_tutorial import native
+    counts = native.counts().values()
+    return {"native_served": sum(c[0] for c in counts), "native_python": sum(c[1] for c in counts)}
+
+
+BREAKDOWN_STEPS = 3
+
+
+def step_breakdown(one_step, device, several):
+    """Where a step's time goes, from BREAKDOWN_STEPS more steps (`one_step(i)` issues step i):
+    - host_ms: the host's time to issue a step (from its start until it returns, the GPU idle before
+      it), the median; across ranks the slowest's;
+    - step_ms: the same steps' time until the GPU finished them;
+    - gpu_busy_ms: the time a step keeps the GPU busy with kernels other than NCCL's (their intervals'
+      union), nccl_ms: the time NCCL's kernels ran, kernels: kernels a step (torch.profiler over the
+      same number of steps more; rank 0's; None on a CPU).
+    A step whose step_ms is near its host_ms and well above its gpu_busy_ms waits on the host."""
+    host, whole = [], []
+    for i in range(BREAKDOWN_STEPS):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        _, start = one_step(i)
+        issued = time.perf_counter()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        host.append(issued - start)
+        whole.append(time.perf_counter() - start)
+    figures = {"host_ms": 1e3 * statistics.median(host), "step_ms": 1e3 * statistics.median(whole)}
+    if several:
+        both = torch.tensor([figures["host_ms"], figures["step_ms"]], dtype=torch.float64, device=device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        figures = {"host_ms": float(both[0]), "step_ms": float(both[1])}
+    figures.update(gpu_busy_ms=None, nccl_ms=None, kernels=None)
+    if device != "cuda":
+        return figures
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:       # (every rank steps; rank 0's figures)
+        for i in range(BREAKDOWN_STEPS):
+            one_step(BREAKDOWN_STEPS + i)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    nccl = [e for e in kernels if "nccl" in e.name.lower()]
+    compute = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
+    busy, end = 0.0, None
+    for a, b in sorted(compute):
+        if end is None or a > end:
+            busy, end = busy + (b - a), b
+        elif b > end:
+            busy, end = busy + (b - end), b
+    figures.update(gpu_busy_ms=busy / 1e3 / BREAKDOWN_STEPS,
+                   nccl_ms=sum(e.time_range.end - e.time_range.start for e in nccl) / 1e3 / BREAKDOWN_STEPS,
+                   kernels=len(kernels) / BREAKDOWN_STEPS)
+    return figures
 
 
 def gradients_out_of_the_graphs(model, summed):
@@ -165,7 +245,7 @@ def measure(args, device, size, classes, nets):
                             results[gpus] = run_variant(variant, net, fp32_model, chunks, args.steps, args.warmup,
                                                         device, gpus == world and world > 1, device == "cuda",
                                                         args.compile_ahead, ddp_options(args),
-                                                        own_chunk=gpus == "at once")
+                                                        own_chunk=gpus == "at once", breakdown=args.breakdown)
                 except Exception as error:            # noqa: BLE001  (recorded: the other variants still run)
                     results[gpus] = f"{type(error).__name__}: {error}"[:400]
                 dist.barrier()
@@ -185,7 +265,7 @@ def measure(args, device, size, classes, nets):
                     rows.append({**row, "gpus": gpus, "error": got})
                     print(f"  {net:<12} {variant:<34} {gpus} {unit}: failed: {got}", flush=True)
                     continue
-                losses, seconds = got
+                losses, seconds, figures = got
                 img_s = global_batch / statistics.median(seconds)
                 one_img_s = None if isinstance(one, str) else global_batch / statistics.median(one[1])
                 gap = None if isinstance(one, str) else max(abs(a - b) for a, b in zip(losses, one[0]))
@@ -199,6 +279,11 @@ def measure(args, device, size, classes, nets):
                              "loss_50": losses[49] if len(losses) >= 50 else None, "loss_last": losses[-1],
                              "losses": losses, "loss_gap": gap,
                              "loss_tolerance": 2 * BF16_ROUNDING * abs(losses[0])})
+                if args.breakdown:
+                    rows[-1]["breakdown"] = figures
+                    if gpus > 1:
+                        rows[-1]["breakdown_at_once"] = None if at_once is None or isinstance(at_once, str) \
+                            else at_once[2]
                 r = rows[-1]
                 print(f"  {net:<12} {variant:<34} {gpus} {unit}: {img_s:8.0f} img/s ({r['img_s_per_gpu']:.0f} each)"
                       + ("" if r["scaling"] is None else f", scaling {r['scaling']:.2f}")
@@ -208,6 +293,11 @@ def measure(args, device, size, classes, nets):
                       + ("" if gap is None else f", largest loss gap to one GPU {gap:.4f} "
                                                 f"(tolerance {r['loss_tolerance']:.4f})")
                       + ("" if all(math.isfinite(v) for v in losses) else ", loss not finite"), flush=True)
+                if args.breakdown:
+                    for label, f in (("", figures), (" at once", r.get("breakdown_at_once"))):
+                        if f:
+                            print(f"      {label or ' ' + str(gpus) + ' ' + unit}: " + ", ".join(
+                                f"{k} {v:.1f}" for k, v in f.items() if v is not None), flush=True)
     return rows
 
 
@@ -277,6 +367,9 @@ def parse(argv=None):
                         help="DDP's bucket size in MB (default: DDP's own, 25)")
     parser.add_argument("--gradient-as-bucket-view", action="store_true",
                         help="DDP's gradients as views into its buckets")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="after each run's steps, where a step's time goes (host, GPU, NCCL; the operator's "
+                             "calls in C++ and in Python): `breakdown` in each row")
     parser.add_argument("--no-at-once", dest="at_once", action="store_false",
                         help="leave out the run of every rank at once without DDP (img_s_at_once)")
     parser.add_argument("--no-graph-split", action="store_true",

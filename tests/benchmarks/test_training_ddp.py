@@ -87,3 +87,22 @@ def test_gradients_taken_out_of_the_graphs_sum_as_accumulation_does():
         summed = training_ddp.gradients_out_of_the_graphs(both, summed)
         assert all(p.grad is None for p in both.parameters())
     assert all(torch.equal(summed[p], r) for p, r in zip(both.parameters(), reference))
+
+
+def test_a_breakdown_says_where_a_steps_time_goes(tmp_path):
+    """--breakdown: each run's row gains the host's and the step's time of a few more steps (the slowest rank's),
+    and for the operator's variants its calls served in C++ and in Python a step (none in C++ on a CPU: its
+    kernels are installed on a GPU only); the GPU's figures are None on a CPU."""
+    training_ddp.main(["--smoke", "--batch-per-gpu", "4", "--steps", "3", "--warmup", "1", "--variants", "eager",
+                       "ours", "--breakdown", "--port", str(free_port()), "--outdir", str(tmp_path)])
+    rows = json.loads((tmp_path / "training_ddp.json").read_text())["rows"]
+    for row in rows:
+        parts = [row["breakdown"]] + ([row["breakdown_at_once"]] if row["gpus"] == 2 else [])
+        assert "breakdown_at_once" in row or row["gpus"] == 1
+        for figures in parts:
+            assert 0 < figures["host_ms"] <= figures["step_ms"]
+            assert figures["gpu_busy_ms"] is figures["nccl_ms"] is figures["kernels"] is None
+            if row["variant"] == "ours":
+                assert figures["native_served"] == 0 and figures["native_python"] == 0
+            else:
+                assert figures["native_served"] is figures["native_python"] is None
