@@ -27,12 +27,17 @@ default-mode step, host-bound, slows when N of them run at once):
 - scaling: img_s over N times the one-GPU run's img_s (1.0: linear).
 - img_s_at_once: the N processes without DDP, images per second in all (the same median of the slowest
   rank's steps); ddp_efficiency: img_s over img_s_at_once, what DDP itself keeps; host_sharing:
-  img_s_at_once over N times the one-GPU run's img_s, what sharing the host keeps. Their product is
-  the scaling.
+  img_s_at_once over N times the one-GPU run's img_s, what sharing the host keeps, and also what an
+  optimizer step per chunk costs beside one per N chunks (the one-GPU run's; a few percent of a
+  default-mode step). Their product is the scaling. at_once_error: why that run failed, if it did.
 - with --breakdown, "breakdown" (and "breakdown_at_once" for the N processes without DDP): a few steps
   more, timed apart (`step_breakdown`): the host's time to issue a step beside the step's and the GPU's
-  busy time, NCCL's, kernels a step; and for the operator's variants its calls a timed step served in C++
-  (`native_served`) and sent to its Python kernel (`native_python`).
+  busy time, NCCL's, kernels a step; and for the operator's variants its calls per timed step (per
+  optimizer step: N chunks' calls in the one-GPU run; none under CUDA graphs, whose replays skip the
+  dispatcher) served in C++ (`native_served`) and sent to its Python kernel (`native_python`);
+  "breakdown_error" where the breakdown failed (the run's other figures stand).
+"native_built": whether the operator's C++ kernels were built before the first run (None: no operator
+variant, or a CPU).
 - loss_gap: the largest |loss difference| per step between the N-GPU run and the one-GPU run, beside
   `loss_tolerance`: the two runs differ in the order of the gradients' fp32 sums, and through training
   that difference reaches the bf16 rounding of the convs' outputs; the tolerance is two bf16 roundings
@@ -41,13 +46,15 @@ DDP's settings (the same for every variant; DDP's defaults unless given): --buck
 its gradient buckets (25 MB); --gradient-as-bucket-view, gradients as views into the buckets (no copy
 into them); --no-graph-split, torch._dynamo.config.optimize_ddp off: torch.compile keeps the whole
 model one graph instead of breaking it at each bucket, so every all-reduce waits for the backward's end.
-JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "steps", "ddp", "rows": [{"net", "batch_per_gpu",
+JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "steps", "ddp", "native_built", "rows": [{"net", "batch_per_gpu",
 "gpus", "variant", "img_s", "img_s_per_gpu", "scaling", "img_s_at_once", "ddp_efficiency", "host_sharing",
+["at_once_error"],
 "loss_50", "loss_last", "losses", "loss_gap", "loss_tolerance", ["breakdown", "breakdown_at_once"]}]}; a row
 per variant for N GPUs and one for the one-GPU run (gpus 1, scaling 1.0), or {"net", "variant", "gpus",
 "error"} for a variant that failed.
 """
 import argparse
+import datetime
 import math
 import os
 import statistics
@@ -82,8 +89,8 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
     """(losses per step, seconds per timed step, breakdown) of one variant: with `ddp` this rank's chunk of each
     step under DistributedDataParallel, with `own_chunk` (every rank at once) this rank's chunk without DDP,
     else every chunk of each step accumulated before the optimizer's step. Under `ddp` or `own_chunk` a
-    step's seconds are the slowest rank's; under `ddp` its loss is the mean of the ranks' (what DDP's
-    gradient is of). `compile_ahead`: the operator's variants compile their kernels side by side first
+    step's seconds are the slowest rank's and its loss the mean of the ranks' (under `ddp`, what DDP's
+    gradient is of), and a step that fails on one rank raises on every rank. `compile_ahead`: the operator's variants compile their kernels side by side first
     (conv_tutorial.compile_kernels_ahead, on the module DDP wraps: its pass reaches no DDP hook).
     `ddp_options`: DistributedDataParallel's keyword arguments beyond its devices (`ddp_settings`).
     `breakdown`: after the steps, `step_breakdown`'s figures of a few more (else None)."""
@@ -114,7 +121,7 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
             with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=autocast):
                 loss = torch.nn.functional.cross_entropy(step_model(x), y) / len(parts)
             loss.backward()
-            total = total + loss.detach().clone()   # (a CUDA graph's next run overwrites its own output)
+            total = total + loss.detach()
             if graphs_output_grads and len(parts) > 1:
                 summed = gradients_out_of_the_graphs(model, summed)
         if summed is not None:
@@ -128,15 +135,26 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
     for s in range(steps):
         if s == warmup:
             native_before = native_calls()
-        total, start = one_step(s)
-        if device == "cuda":
-            torch.cuda.synchronize()
+        failure = None
+        try:
+            total, start = one_step(s)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        except Exception as error:     # noqa: BLE001  (raised below, on every rank at once)
+            if not several:
+                raise
+            failure, total, start = error, 0.0, time.perf_counter()
         elapsed = time.perf_counter() - start
-        if several:
-            both = torch.tensor([elapsed, float(total)], dtype=torch.float64, device=device)
+        if several:     # (a failure on one rank under DDP may leave the others in DDP's own all-reduce)
+            both = torch.tensor([elapsed, float(total), float(failure is not None)], dtype=torch.float64,
+                                device=device)
             slowest = both[:1].clone()
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             dist.all_reduce(both[1:], op=dist.ReduceOp.SUM)
+            if failure is not None:
+                raise failure
+            if float(both[2]):
+                raise RuntimeError(f"step {s} failed on another rank")
             elapsed, total = float(slowest), float(both[1]) / dist.get_world_size()
         if s >= warmup:
             seconds.append(elapsed)
@@ -144,9 +162,13 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
     figures = None
     if breakdown:
         native_after = native_calls()
-        figures = step_breakdown(lambda i: one_step(steps + i), device, several)
-        figures.update({key: (native_after[key] - native_before[key]) / (steps - warmup) for key in native_after}
-                       if variant.startswith("ours") else {"native_served": None, "native_python": None})
+        figures = {key: (native_after[key] - native_before[key]) / (steps - warmup) for key in native_after} \
+            if variant.startswith("ours") else {"native_served": None, "native_python": None}
+        try:
+            figures.update(step_breakdown(lambda i: one_step(steps + i), device, several,
+                                          profiled=not variant.endswith("-cudagraphs")))
+        except Exception as error:    # noqa: BLE001  (the run's own figures stand without it)
+            figures["breakdown_error"] = f"{type(error).__name__}: {error}"[:400]
     return losses, seconds, figures
 
 
@@ -161,15 +183,32 @@ def native_calls():
 BREAKDOWN_STEPS = 3
 
 
-def step_breakdown(one_step, device, several):
-    """Where a step's time goes, from BREAKDOWN_STEPS more steps (`one_step(i)` issues step i):
+def union_length(intervals):
+    """The length of the union of (start, end) intervals: the time at least one of them covers."""
+    length, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            length, end = length + (b - a), b
+        elif b > end:
+            length, end = length + (b - end), b
+    return length
+
+
+def step_breakdown(one_step, device, several, profiled=True):
+    """Where a step's time goes, from BREAKDOWN_STEPS more steps (`one_step(i)` issues step i, its
+    chunks made first):
     - host_ms: the host's time to issue a step (from its start until it returns, the GPU idle before
       it), the median; across ranks the slowest's;
     - step_ms: the same steps' time until the GPU finished them;
-    - gpu_busy_ms: the time a step keeps the GPU busy with kernels other than NCCL's (their intervals'
-      union), nccl_ms: the time NCCL's kernels ran, kernels: kernels a step (torch.profiler over the
-      same number of steps more; rank 0's; None on a CPU).
-    A step whose step_ms is near its host_ms and well above its gpu_busy_ms waits on the host."""
+    - with `profiled` (not for CUDA graphs: profiling replays of graphs captured before the profiler
+      first started is unreliable), from torch.profiler over as many steps more, each rank's own,
+      rank 0's kept: gpu_busy_ms, the time a step keeps the GPU busy with kernels other than NCCL's
+      (their intervals' union; the chunks' random images and copies included); nccl_ms, the time
+      NCCL's kernels ran (waiting for the other ranks included); kernels, the kernels, copies and
+      fills a step. None on a CPU or without `profiled`.
+    A step whose step_ms is near its host_ms and well above its gpu_busy_ms waits on the host. A
+    profiler that fails to start on one rank skips the profile on every rank (its steps have DDP's
+    collectives)."""
     host, whole = [], []
     for i in range(BREAKDOWN_STEPS):
         if device == "cuda":
@@ -186,22 +225,30 @@ def step_breakdown(one_step, device, several):
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
         figures = {"host_ms": float(both[0]), "step_ms": float(both[1])}
     figures.update(gpu_busy_ms=None, nccl_ms=None, kernels=None)
-    if device != "cuda":
+    if device != "cuda" or not profiled:
         return figures
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:       # (every rank steps; rank 0's figures)
+    prof, started = profile(activities=[ProfilerActivity.CUDA]), True
+    try:
+        prof.__enter__()
+    except Exception as error:     # noqa: BLE001
+        started, figures["profile_error"] = False, f"{type(error).__name__}: {error}"[:400]
+    everyone = torch.tensor([float(started)], device=device)
+    if several:
+        dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
+    if not float(everyone):
+        if started:
+            prof.__exit__(None, None, None)
+        return figures
+    try:
         for i in range(BREAKDOWN_STEPS):
             one_step(BREAKDOWN_STEPS + i)
         torch.cuda.synchronize()
+    finally:
+        prof.__exit__(None, None, None)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     nccl = [e for e in kernels if "nccl" in e.name.lower()]
-    compute = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
-    busy, end = 0.0, None
-    for a, b in sorted(compute):
-        if end is None or a > end:
-            busy, end = busy + (b - a), b
-        elif b > end:
-            busy, end = busy + (b - end), b
+    busy = union_length([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()])
     figures.update(gpu_busy_ms=busy / 1e3 / BREAKDOWN_STEPS,
                    nccl_ms=sum(e.time_range.end - e.time_range.start for e in nccl) / 1e3 / BREAKDOWN_STEPS,
                    kernels=len(kernels) / BREAKDOWN_STEPS)
@@ -212,8 +259,9 @@ def gradients_out_of_the_graphs(model, summed):
     """Accumulating chunks under CUDA graphs (reduce-overhead): each parameter's gradient after a chunk's
     backward is that graph's output (AccumulateGrad keeps the tensor it is given), which the next chunk's
     replay overwrites; so the gradients are added into `summed` ({parameter: fp32 sum}, made on the
-    first chunk) and taken off the parameters. Two foreach launches a chunk; the caller sets the sums
-    as the gradients before the optimizer's step."""
+    first chunk) and taken off the parameters: one foreach call a chunk (two where a parameter gets its
+    first gradient after the first chunk); the caller sets the sums as the gradients before the
+    optimizer's step."""
     summed = {} if summed is None else summed
     parameters = [p for p in model.parameters() if p.grad is not None]
     seen = [p for p in parameters if p in summed]
@@ -276,6 +324,7 @@ def measure(args, device, size, classes, nets):
                              "ddp_efficiency": img_s / at_once_img_s if shared else None,
                              "host_sharing": (at_once_img_s / (gpus * one_img_s)
                                               if shared and one_img_s is not None else None),
+                             **({"at_once_error": at_once} if gpus > 1 and isinstance(at_once, str) else {}),
                              "loss_50": losses[49] if len(losses) >= 50 else None, "loss_last": losses[-1],
                              "losses": losses, "loss_gap": gap,
                              "loss_tolerance": 2 * BF16_ROUNDING * abs(losses[0])})
@@ -323,9 +372,18 @@ def worker(args):
     else:
         common.require_tma_mma_gpu("benchmarks/training_ddp.py")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl")
+        # (the other ranks wait in a barrier while rank 0 runs a variant on one GPU, its compiles included)
+        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=30))
         device, size, classes, nets = "cuda", 224, 1000, args.nets
     import conv_tutorial
+    native_built = None
+    if device == "cuda" and any(v.startswith("ours") for v in args.variants):
+        # (the operator's repeat calls in C++ once built: wait for the build, so that no run is timed while
+        # it builds, nor on the Python path before it while the runs after it take the C++ path)
+        from conv_tutorial import native
+        native_built = native.ensure()
+        if not native_built and dist.get_rank() == 0:
+            print("the native kernels (conv_tutorial/native.py) are not built here: every call takes the Python path")
     backend = conv_tutorial.backward_backend()
     try:
         rows = measure(args, device, size, classes, nets)
@@ -336,7 +394,8 @@ def worker(args):
         common.save_json(common.output_dir(args.outdir), "training_ddp",
                          {"device": info["device"], "gpus": dist.get_world_size(), "torch": info["torch"],
                           "triton": info["triton"], "steps": args.steps,
-                          "ddp": {**ddp_options(args), "graph_split": not args.no_graph_split}, "rows": rows})
+                          "ddp": {**ddp_options(args), "graph_split": not args.no_graph_split},
+                          "native_built": native_built, "rows": rows})
     dist.destroy_process_group()
     return rows
 

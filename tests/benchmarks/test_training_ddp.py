@@ -106,3 +106,10 @@ def test_a_breakdown_says_where_a_steps_time_goes(tmp_path):
                 assert figures["native_served"] == 0 and figures["native_python"] == 0
             else:
                 assert figures["native_served"] is figures["native_python"] is None
+
+
+def test_the_gpus_busy_time_counts_overlapping_kernels_once():
+    assert training_ddp.union_length([]) == 0
+    assert training_ddp.union_length([(0, 4), (2, 6), (10, 11), (3, 5)]) == 7     # [0, 6] and [10, 11]
+    assert training_ddp.union_length([(5, 6), (0, 10)]) == 10                   # one inside another
+    assert training_ddp.union_length([(0, 1), (1, 2)]) == 2                     # touching
