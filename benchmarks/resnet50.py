@@ -22,6 +22,8 @@ alone and to cuDNN's conv followed by what the fused op also does (BatchNorm, ad
 `--first-call-latency` adds the first call of a new layer in a fresh process with a cold Triton
 cache: with the heuristic config, with autotuning, and with a tuning file from an earlier process.
 Configs: the heuristic (what a user gets by default), or `--tune` to autotune every layer first.
+The operator's C++ kernels for repeat calls (conv_tutorial/native.py) are built before any variant is
+timed ("native_built" in the JSON: False where they cannot be built, every call then on the Python path).
 Writes resnet50.json and resnet50.png into the output folder. Needs a Hopper or Blackwell GPU.
 
 `--fp8`: the model in e4m3 (fp8.quantize_fp8 of ours-fused, calibrated on four batches of
@@ -43,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from conv_tutorial import fp8, fusion, ops, selection  # noqa: E402
+from conv_tutorial import fp8, fusion, native, ops, selection  # noqa: E402
 from layers import FIRST_CALL  # noqa: E402
 
 import torch  # noqa: E402
@@ -286,7 +288,7 @@ def main():
     configs = ("autotuned" if args.tune else f"a tuning file of {tuned} shapes, else the heuristic"
                if tuned else "heuristic (no tuning file)")
     print(f"tuning file: {selection.tuning_cache_path()} ({tuned} shapes)")
-    rows, layers, totals = [], [], None
+    rows, layers, totals, native_built = [], [], None, None
     for batch in args.batch:
         reference, cudnn_model, ours_model, fused_model, x = build_models(batch)
         print(f"\nResNet-50, batch {batch}, bf16, channels_last, {common.gpu_name()}; configs: {configs}; "
@@ -294,6 +296,11 @@ def main():
         for model in (ours_model, fused_model):
             print(f"   first forward of {'ours-fused' if model is fused_model else 'ours'} "
                   f"(compiles what it needs): {check_no_fallback(model, x):.1f} s")
+        # (the operator's repeat calls in C++ once built, in the background from the first repeat call: wait for
+        # it, so that no variant is timed while it builds, nor some on the Python path and others not)
+        if native_built is None:
+            native_built = native.ensure()
+            print(f"   the operator's C++ kernels: {'built' if native_built else 'not built here: the Python path'}")
         models = {"eager-cudnn": cudnn_model, "compile-cudnn": torch.compile(cudnn_model),
                   "ours": ours_model, "ours-fused": fused_model,
                   "ours-fused-compile": torch.compile(fused_model),
@@ -306,7 +313,7 @@ def main():
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     info = common.versions()
-    data = {**info, "configs": configs, "rows": rows,
+    data = {**info, "configs": configs, "native_built": native_built, "rows": rows,
             "fused_layers": layers, "fused_layer_totals_ms": totals}
     for batch in args.batch:
         by = {r["variant"]: r for r in rows if r["batch"] == batch}

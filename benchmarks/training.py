@@ -33,10 +33,12 @@ lesson 06's gradients the check that isolates the convs is "conv_grad_err" (conv
 one more step of the model, run eagerly, in which every conv gradient the operator computes is
 compared with torch's fp32 gradient of that call's own inputs, beside cuDNN's of the same inputs;
 null for other variants and with --no-gradient-check. Writes training.json
-({"device", "torch", "triton", "steps", "compile_ahead", "rows": [{"net", "batch", "variant", "img_s", "first_steps_s", "compile_ahead_s", "first_step", "loss_50", "loss_last",
+({"device", "torch", "triton", "steps", "compile_ahead", "rows": [{"net", "batch", "variant", "img_s", "first_steps_s", "compile_ahead_s", "first_step", "native_built", "loss_50", "loss_last",
 "losses", "grad_rel_err_median", "grad_rel_err_max", "conv_grad_err", "backward_fallbacks"}]}; first_steps_s: the wall
 seconds of each warm-up step, in which the variant compiles (in a fresh process: the first steps a user waits for,
-with the Triton and Inductor caches cold or warm from an earlier run); compile_ahead_s: with --compile-ahead, the
+with the Triton and Inductor caches cold or warm from an earlier run); native_built: after their warm-up steps the operator's variants wait for its C++ kernels for repeat calls
+(conv_tutorial/native.py) to be built, and this says whether they were (null for the other variants and on a
+CPU); compile_ahead_s: with --compile-ahead, the
 seconds the operator's variants spent in conv_tutorial.compile_kernels_ahead before their first step (else
 null; with --compile-ahead background, the pass alone: its compiles go on while the first step is traced, and
 the first step's first launches wait for them); first_step: with --first-step-breakdown, where the first step's seconds went (FirstStepBreakdown: Triton
@@ -163,8 +165,9 @@ class FirstStepBreakdown:
 
 def train(variant, fp32_model, data, warmup, device, profile=0, compile_ahead=None, breakdown=False, keep=False):
     """One variant trained from the same weights: {"losses": every step's, "seconds": each step's (the first
-    `warmup` compile), "by_kind": with `profile` steps the GPU ms per step by kind of kernel (else None),
-    "compile_ahead_s": the seconds of conv_tutorial.compile_kernels_ahead (with `compile_ahead`, "wait" or
+    `warmup` compile; for the operator's variants on a GPU, the steps after them wait for its C++ kernels
+    to be built: "native_built" says whether they were, None elsewhere), "by_kind": with `profile` steps
+    the GPU ms per step by kind of kernel (else None), "compile_ahead_s": the seconds of conv_tutorial.compile_kernels_ahead (with `compile_ahead`, "wait" or
     "background", the operator's variants, before the first step; else None), "first_step": with `breakdown`,
     FirstStepBreakdown's summary of the first step (else None)}; with `keep`, also "step": the step function
     (x, y) -> loss, which goes on training the same model (`interleaved`)."""
@@ -176,7 +179,7 @@ def train(variant, fp32_model, data, warmup, device, profile=0, compile_ahead=No
         ahead_s = conv_tutorial.compile_kernels_ahead(model, data[0][0], autocast_dtype=torch.bfloat16,
                                                       wait=compile_ahead != "background")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
-    losses, seconds = [], []
+    losses, seconds, native_built = [], [], None
     autocast = dict(device_type=device, dtype=torch.bfloat16)
 
     def step(x, y):
@@ -200,9 +203,14 @@ def train(variant, fp32_model, data, warmup, device, profile=0, compile_ahead=No
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
         losses.append(loss.item())
+        if i == warmup - 1 and device == "cuda" and variant.startswith("ours"):
+            # (the operator's C++ kernels for repeat calls build in the background from its first repeat call:
+            # the timed steps wait for them, as a long run's steps have them; the first steps, as a user's, do not)
+            from conv_tutorial import native
+            native_built = native.ensure()
     by_kind = profile_steps(lambda: step(*data[-1]), profile) if profile and device == "cuda" else None
     return {"losses": losses, "seconds": seconds, "by_kind": by_kind, "compile_ahead_s": ahead_s,
-            "first_step": first_step, **({"step": step} if keep else {})}
+            "first_step": first_step, "native_built": native_built, **({"step": step} if keep else {})}
 
 
 def interleaved(steps, data, rounds, round_steps, device):
@@ -463,7 +471,7 @@ def run(argv=None):
             row = {"net": net, "batch": args.batch, "variant": variant,
                    "img_s": args.batch / statistics.median(seconds),
                    "first_steps_s": all_seconds[:args.warmup], "compile_ahead_s": ahead_s,
-                   "first_step": trained["first_step"],
+                   "first_step": trained["first_step"], "native_built": trained["native_built"],
                    "loss_50": losses[49] if len(losses) >= 50 else None, "loss_last": losses[-1], "losses": losses,
                    "grad_rel_err_median": error[0], "grad_rel_err_max": error[1], "conv_grad_err": None,
                    "backward_fallbacks": conv_tutorial.backward_fallbacks()}

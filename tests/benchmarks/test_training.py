@@ -22,6 +22,7 @@ def test_smoke_run_writes_rows_and_plot(tmp_path):
         assert row["loss_50"] is None and row["loss_last"] == row["losses"][-1]
         # the warm-up step's own time (what a user waits for first), apart from the timed steps
         assert len(row["first_steps_s"]) == 1 and row["first_steps_s"][0] > 0 and row["compile_ahead_s"] is None
+        assert row["native_built"] is None        # (its C++ kernels serve GPU calls only)
         # bf16 autocast against fp32: each operand rounded to 2^-8 relative, a few percent after
         # several layers; a gradient that is mostly cancellation (BatchNorm's) errs most
         assert row["img_s"] > 0 and row["grad_rel_err_median"] < 0.05 and row["grad_rel_err_max"] < 0.25
