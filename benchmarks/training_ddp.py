@@ -34,7 +34,8 @@ default-mode step, host-bound, slows when N of them run at once):
   more, timed apart (`step_breakdown`): the host's time to issue a step beside the step's and the GPU's
   busy time, NCCL's, kernels a step; and for the operator's variants its calls per timed step (per
   optimizer step: N chunks' calls in the one-GPU run; none under CUDA graphs, whose replays skip the
-  dispatcher) served in C++ (`native_served`) and sent to its Python kernel (`native_python`);
+  dispatcher) served in C++ (`native_served`) and sent to its Python kernel (`native_python`), and why
+  those went there (`native_declines`: {reason: calls}, per kernel a call passed, conv_tutorial.native.declines);
   "breakdown_error" where the breakdown failed (the run's other figures stand).
 "native_built": whether the operator's C++ kernels were built before the first run (None: no operator
 variant, or a CPU).
@@ -162,8 +163,14 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
     figures = None
     if breakdown:
         native_after = native_calls()
-        figures = {key: (native_after[key] - native_before[key]) / (steps - warmup) for key in native_after} \
-            if variant.startswith("ours") else {"native_served": None, "native_python": None}
+        timed = steps - warmup
+        figures = {"native_served": None, "native_python": None, "native_declines": None}
+        if variant.startswith("ours"):
+            figures = {"native_served": (native_after["native_served"] - native_before["native_served"]) / timed,
+                       "native_python": (native_after["native_python"] - native_before["native_python"]) / timed,
+                       "native_declines": {why: (n - native_before["native_declines"].get(why, 0)) / timed
+                                           for why, n in native_after["native_declines"].items()
+                                           if n > native_before["native_declines"].get(why, 0)}}
         try:
             figures.update(step_breakdown(lambda i: one_step(steps + i), device, several,
                                           profiled=not variant.endswith("-cudagraphs")))
@@ -173,11 +180,17 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
 
 
 def native_calls():
-    """{"native_served", "native_python"}: the operator's calls served in C++ and sent to its Python kernel
-    so far, over all its operators (conv_tutorial.native.counts(); zeros before its kernels are installed)."""
+    """{"native_served", "native_python", "native_declines"}: the operator's calls so far, over all its
+    operators, served in C++ and sent to its Python kernel, and why those went there ({reason: calls};
+    conv_tutorial.native.counts() and .declines(); zeros before its kernels are installed)."""
     from conv_tutorial import native
     counts = native.counts().values()
-    return {"native_served": sum(c[0] for c in counts), "native_python": sum(c[1] for c in counts)}
+    declines = {}
+    for reasons in native.declines().values():
+        for why, n in reasons.items():
+            declines[why] = declines.get(why, 0) + n
+    return {"native_served": sum(c[0] for c in counts), "native_python": sum(c[1] for c in counts),
+            "native_declines": declines}
 
 
 BREAKDOWN_STEPS = 3
@@ -346,7 +359,8 @@ def measure(args, device, size, classes, nets):
                     for label, f in (("", figures), (" at once", r.get("breakdown_at_once"))):
                         if f:
                             print(f"      {label or ' ' + str(gpus) + ' ' + unit}: " + ", ".join(
-                                f"{k} {v:.1f}" for k, v in f.items() if v is not None), flush=True)
+                                f"{k} {v:.1f}" if isinstance(v, (int, float)) else f"{k} {v}"
+                                for k, v in f.items() if v is not None), flush=True)
     return rows
 
 

@@ -78,6 +78,26 @@ struct KeyHash {
 
 constexpr size_t kMaxPrograms = 4096;  // (hostpath.MAX_KEYS: shapes that keep changing start over)
 
+// Why a call went to the Python kernel (`declines` counts them per operator, for the benchmarks and the
+// tests: a model whose calls keep missing shows where)
+enum Decline {
+  kDisabled,       // the native kernels are off (set_enabled(false), CONV_TUTORIAL_NATIVE=0)
+  kOtherKey,       // a dispatch key below autograd other than the backend's (a tensor subclass, a mode)
+  kGradient,       // a gradient to record: grad mode on and an input that requires grad
+  kOtherDevice,    // a tensor on another device than the backend's
+  kUnkeyed,        // an argument of a kind no key holds
+  kSuspended,      // a recording or a compile-ahead pass under way
+  kNoProgram,      // no program for the key yet (its first calls, or one Python keeps)
+  kStale,          // a program handed over under settings that changed since
+  kMisaligned,     // a source's address not a multiple of 16 bytes
+  kHooksSet,       // a profiler listens to Triton's launches
+  kDeclines
+};
+const char *const kDeclineNames[kDeclines] = {"disabled", "other dispatch key", "gradient to record", "other device",
+                                              "unkeyed argument", "suspended", "no program", "stale program",
+                                              "misaligned address", "launch hooks set"};
+constexpr int kServed = -1;
+
 // One operator's programs, shared by its two kernels
 struct Operator {
   std::string name;                  // as Python names it: the library's operator name, no namespace
@@ -85,6 +105,7 @@ struct Operator {
   size_t n_returns = 0;
   std::unordered_map<Key, std::shared_ptr<const Program>, KeyHash> programs;
   uint64_t hits = 0, misses = 0;
+  uint64_t declined[kDeclines] = {};  // the misses by reason
 };
 
 // A call the Python kernel is serving, whose program Python may hand over (`offer`)
@@ -178,18 +199,29 @@ class Kernel : public c10::OperatorKernel {
     std::vector<c10::IValue> arguments = torch::jit::pop(*stack, schema.arguments().size());
     py::gil_scoped_acquire gil;
     Key key;
-    bool keyed = enabled && eligible(keys, arguments) && make_key(arguments, current_device(), key);
-    if (keyed && suspended.load() == 0) {
+    int why = enabled ? ineligible(keys, arguments) : kDisabled;
+    bool keyed = why == kServed && make_key(arguments, current_device(), key);
+    if (why == kServed && !keyed)
+      why = kUnkeyed;
+    if (keyed) {
       auto found = op_->programs.find(key);
-      if (found != op_->programs.end() && found->second->generation == generation) {
+      if (suspended.load() != 0) {
+        why = kSuspended;
+      } else if (found == op_->programs.end()) {
+        why = kNoProgram;
+      } else if (found->second->generation != generation) {
+        why = kStale;
+      } else {
         std::shared_ptr<const Program> program = found->second;  // (kept alive through the run)
-        if (run(*program, arguments, stack)) {
+        why = run(*program, arguments, stack);
+        if (why == kServed) {
           op_->hits++;
           return;
         }
       }
     }
     op_->misses++;
+    op_->declined[why]++;
     Pending call{op_, &key, &arguments, generation};
     if (keyed)
       pending.push_back(&call);
@@ -212,11 +244,12 @@ class Kernel : public c10::OperatorKernel {
  private:
   // A call a program may serve: no gradient to record, no tensor subclass or mode below autograd
   // (at the CUDA key the dispatcher has already sent those elsewhere), every tensor on the backend.
-  bool eligible(c10::DispatchKeySet keys, const std::vector<c10::IValue> &arguments) const {
+  // kServed where it may, else the Decline that sends it to Python.
+  int ineligible(c10::DispatchKeySet keys, const std::vector<c10::IValue> &arguments) const {
     if (autograd_) {
       c10::DispatchKeySet below = keys & c10::after_ADInplaceOrView_keyset;
       if (below.highestPriorityTypeId() != backend_)
-        return false;
+        return kOtherKey;
     }
     bool grad = autograd_ && at::GradMode::is_enabled();
     for (const c10::IValue &v : arguments) {
@@ -226,11 +259,11 @@ class Kernel : public c10::OperatorKernel {
       if (!t.defined())
         continue;
       if (grad && t.requires_grad())
-        return false;
+        return kGradient;
       if (t.device().type() != (backend_ == c10::DispatchKey::CUDA ? c10::DeviceType::CUDA : c10::DeviceType::CPU))
-        return false;
+        return kOtherDevice;
     }
-    return true;
+    return kServed;
   }
 
   int current_device() const {
@@ -239,17 +272,17 @@ class Kernel : public c10::OperatorKernel {
     return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index();
   }
 
-  // The program on these arguments, its results pushed; false (nothing run) where it must not run
-  bool run(const Program &program, const std::vector<c10::IValue> &arguments, torch::jit::Stack *stack) {
+  // The program on these arguments, its results pushed: kServed; else (nothing run) the Decline
+  int run(const Program &program, const std::vector<c10::IValue> &arguments, torch::jit::Stack *stack) {
     std::vector<uint64_t> bases(program.n_bases, 0);
     for (size_t i = 0; i < program.sources.size(); ++i) {
       uint64_t address = reinterpret_cast<uint64_t>(arguments[program.sources[i]].toTensor().data_ptr());
       if (address % 16)  // (the full path explains)
-        return false;
+        return kMisaligned;
       bases[i] = address;
     }
     if (hooks_set && (*hooks_set)().cast<bool>())
-      return false;
+      return kHooksSet;
     const at::Tensor &like = arguments[program.device_argument].toTensor();
     c10::Device device = like.device();  // the results' (the Python path's `device`: the input's)
     uint64_t stream = 0;                 // the launches', as Python's: the current device's current stream
@@ -288,7 +321,7 @@ class Kernel : public c10::OperatorKernel {
     }
     for (at::Tensor &t : results)
       torch::jit::push(*stack, std::move(t));
-    return true;
+    return kServed;
   }
 
   void push_results(const py::object &out, torch::jit::Stack *stack) const {
@@ -461,6 +494,19 @@ py::dict counts() {
   return out;
 }
 
+// {operator: {reason: calls}}: why each operator's calls went to Python (the reasons seen)
+py::dict declines() {
+  py::dict out;
+  for (auto &entry : operators) {
+    py::dict reasons;
+    for (int i = 0; i < kDeclines; ++i)
+      if (entry.second->declined[i])
+        reasons[py::str(kDeclineNames[i])] = entry.second->declined[i];
+    out[py::str(entry.first)] = reasons;
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -472,4 +518,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_enabled", &set_enabled);
   m.def("suspend", &suspend);
   m.def("counts", &counts);
+  m.def("declines", &declines);
 }

@@ -285,3 +285,12 @@ def counts():
     """{operator: (calls served natively, calls sent to Python, programs kept)} (the tests and the
     benchmarks read it); {} before the kernels are installed."""
     return {} if _STATE["module"] is None else dict(_STATE["module"].counts())
+
+
+def declines():
+    """{operator: {reason: calls}}: why the calls that `counts` sends to Python went there ("no program": a
+    key's first calls, or one whose path Python keeps; "gradient to record", "suspended", "misaligned
+    address", "launch hooks set", "stale program", "other dispatch key", "other device", "unkeyed
+    argument", "disabled"), counted per kernel: a call that the autograd kernel sends to Python and whose
+    call below autograd misses too counts twice; {} before the kernels are installed."""
+    return {} if _STATE["module"] is None else {op: dict(reasons) for op, reasons in _STATE["module"].declines().items()}

@@ -104,8 +104,9 @@ def test_a_breakdown_says_where_a_steps_time_goes(tmp_path):
             assert figures["gpu_busy_ms"] is figures["nccl_ms"] is figures["kernels"] is None
             if row["variant"] == "ours":
                 assert figures["native_served"] == 0 and figures["native_python"] == 0
+                assert figures["native_declines"] == {}
             else:
-                assert figures["native_served"] is figures["native_python"] is None
+                assert figures["native_served"] is figures["native_python"] is figures["native_declines"] is None
 
 
 def test_the_gpus_busy_time_counts_overlapping_kernels_once():

@@ -108,23 +108,29 @@ def test_python_takes_what_a_program_may_not_serve(operator):
     operator.op(x, w, None, [1, 1])                          # served natively from here
     n = len(operator.python_calls)
 
-    def python_serves(*args):
+    def python_serves(*args, why="no program"):
         calls = len(operator.python_calls)
+        before = native.declines()[QUALIFIED].get(why, 0)
         operator.op(*args)
         assert len(operator.python_calls) == calls + 1
+        # ... and says why, once for each of its kernels (AutogradCPU's, then CPU's below the Python autograd kernel)
+        assert native.declines()[QUALIFIED].get(why, 0) == before + 2
 
     # A gradient to record: the autograd kernel in Python (whose own call below autograd may then be served)
     autograd_calls = len(operator.autograd_calls)
+    gradients = native.declines()[QUALIFIED].get("gradient to record", 0)
     operator.op(x.clone().requires_grad_(), w, None, [1, 1])
     assert len(operator.autograd_calls) == autograd_calls + 1
+    assert native.declines()[QUALIFIED]["gradient to record"] == gradients + 1
     with torch.no_grad():                                    # ... and none without grad mode
         operator.op(x.clone().requires_grad_(), w, None, [1, 1])
     assert len(operator.autograd_calls) == autograd_calls + 1 and len(operator.python_calls) == n
     python_serves(x, w, None, [2, 2])                        # another key: its first call
     python_serves(x, w, torch.zeros(5), [1, 1])
-    python_serves(torch.randn(1 * 3 * 36 + 1)[1:].view(1, 3, 6, 6), w, None, [1, 1])  # 4 bytes off 16
+    python_serves(torch.randn(1 * 3 * 36 + 1)[1:].view(1, 3, 6, 6), w, None, [1, 1],  # 4 bytes off 16
+                  why="misaligned address")
     with native.suspended():                                 # a recording, a compile-ahead pass
-        python_serves(x, w, None, [1, 1])
+        python_serves(x, w, None, [1, 1], why="suspended")
 
     seen = []
 
@@ -133,12 +139,13 @@ def test_python_takes_what_a_program_may_not_serve(operator):
             seen.append(func)
             return func(*args, **(kwargs or {}))
 
+    other_keys = native.declines()[QUALIFIED].get("other dispatch key", 0)
     with Listening():                                        # a mode sees the call (not a program run past it)
         operator.op(x, w, None, [1, 1])
-    assert operator.op in seen
+    assert operator.op in seen and native.declines()[QUALIFIED]["other dispatch key"] == other_keys + 1
     previous = native.set_enabled(False)
     try:
-        python_serves(x, w, None, [1, 1])
+        python_serves(x, w, None, [1, 1], why="disabled")
     finally:
         native.set_enabled(previous)
     native.invalidate()                                      # a setting changed: programs forgotten
