@@ -91,8 +91,9 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
     step under DistributedDataParallel, with `own_chunk` (every rank at once) this rank's chunk without DDP,
     else every chunk of each step accumulated before the optimizer's step. Under `ddp` or `own_chunk` a
     step's seconds are the slowest rank's and its loss the mean of the ranks' (under `ddp`, what DDP's
-    gradient is of), and a step that fails on one rank raises on every rank. `compile_ahead`: the operator's variants compile their kernels side by side first
-    (conv_tutorial.compile_kernels_ahead, on the module DDP wraps: its pass reaches no DDP hook).
+    gradient is of), and a step that fails on one rank raises on every rank. `compile_ahead`: the
+    operator's variants compile their kernels side by side first (conv_tutorial.compile_kernels_ahead,
+    on the module DDP wraps: its pass reaches no DDP hook).
     `ddp_options`: DistributedDataParallel's keyword arguments beyond its devices (`ddp_settings`).
     `breakdown`: after the steps, `step_breakdown`'s figures of a few more (else None)."""
     import copy
