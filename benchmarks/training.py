@@ -32,20 +32,20 @@ from fp32 there: compare a variant's figure with eager's, and the loss curves. F
 lesson 06's gradients the check that isolates the convs is "conv_grad_err" (conv_gradient_errors):
 one more step of the model, run eagerly, in which every conv gradient the operator computes is
 compared with torch's fp32 gradient of that call's own inputs, beside cuDNN's of the same inputs;
-null for other variants and with --no-gradient-check. Writes training.json
-({"device", "torch", "triton", "steps", "compile_ahead", "rows": [{"net", "batch", "variant", "img_s", "first_steps_s", "compile_ahead_s", "first_step", "native_built", "loss_50", "loss_last",
-"losses", "grad_rel_err_median", "grad_rel_err_max", "conv_grad_err", "backward_fallbacks"}]}; first_steps_s: the wall
-seconds of each warm-up step, in which the variant compiles (in a fresh process: the first steps a user waits for,
-with the Triton and Inductor caches cold or warm from an earlier run); native_built: after their warm-up steps the operator's variants wait for its C++ kernels for repeat calls
-(conv_tutorial/native.py) to be built, and this says whether they were (null for the other variants and on a
-CPU); compile_ahead_s: with --compile-ahead, the
-seconds the operator's variants spent in conv_tutorial.compile_kernels_ahead before their first step (else
-null; with --compile-ahead background, the pass alone: its compiles go on while the first step is traced, and
-the first step's first launches wait for them); first_step: with --first-step-breakdown, where the first step's seconds went (FirstStepBreakdown: Triton
+null for other variants and with --no-gradient-check. Writes training.json ({"device", "torch", "triton",
+"steps", "compile_ahead", "rows": [{"net", "batch", "variant", "img_s", "first_steps_s", "compile_ahead_s",
+"first_step", "native_built", "loss_50", "loss_last", "losses", "grad_rel_err_median", "grad_rel_err_max",
+"conv_grad_err", "backward_fallbacks"}]}; first_steps_s: the wall seconds of each warm-up step, in which the
+variant compiles (in a fresh process: the first steps a user waits for, with the Triton and Inductor caches cold
+or warm from an earlier run); native_built: after their warm-up steps the operator's variants wait for its C++
+kernels for repeat calls (conv_tutorial/native.py) to be built, and this says whether they were (null for the
+other variants and on a CPU); compile_ahead_s: with --compile-ahead, the seconds the operator's variants spent
+in conv_tutorial.compile_kernels_ahead before their first step (else null; with --compile-ahead background, the
+pass alone: its compiles go on while the first step is traced, and the first step's first launches wait for
+them); first_step: with --first-step-breakdown, where the first step's seconds went (FirstStepBreakdown: Triton
 kernels compiled or loaded from its cache, torch.compile's own seconds and cache counters; else null); loss_50:
-the loss of the
-50th step, null in a run of fewer steps (loss_last: its last step's); backward_fallbacks: with lesson 06's
-gradients chosen, the conv gradients torch computed instead, by reason, over all of the variant's
+the loss of the 50th step, null in a run of fewer steps (loss_last: its last step's); backward_fallbacks: with
+lesson 06's gradients chosen, the conv gradients torch computed instead, by reason, over all of the variant's
 steps) and training_loss.png (the loss per step of every variant) to --outdir.
 --rounds R (--round-steps K) adds, per row, "img_s_interleaved" and "img_s_rounds": after every variant's run,
 the variants take turns, R rounds of K steps each (`interleaved`; R even balances the order), so that each
@@ -165,12 +165,13 @@ class FirstStepBreakdown:
 
 def train(variant, fp32_model, data, warmup, device, profile=0, compile_ahead=None, breakdown=False, keep=False):
     """One variant trained from the same weights: {"losses": every step's, "seconds": each step's (the first
-    `warmup` compile; for the operator's variants on a GPU, the steps after them wait for its C++ kernels
-    to be built: "native_built" says whether they were, None elsewhere), "by_kind": with `profile` steps
-    the GPU ms per step by kind of kernel (else None), "compile_ahead_s": the seconds of conv_tutorial.compile_kernels_ahead (with `compile_ahead`, "wait" or
-    "background", the operator's variants, before the first step; else None), "first_step": with `breakdown`,
-    FirstStepBreakdown's summary of the first step (else None)}; with `keep`, also "step": the step function
-    (x, y) -> loss, which goes on training the same model (`interleaved`)."""
+    `warmup` compile; for the operator's variants on a GPU, the steps after them wait for its C++ kernels to be
+    built: "native_built" says whether they were, None elsewhere), "by_kind": with `profile` steps the GPU ms
+    per step by kind of kernel (else None), "compile_ahead_s": the seconds of
+    conv_tutorial.compile_kernels_ahead (with `compile_ahead`, "wait" or "background", the operator's variants,
+    before the first step; else None), "first_step": with `breakdown`, FirstStepBreakdown's summary of the first
+    step (else None)}; with `keep`, also "step": the step function (x, y) -> loss, which goes on training the
+    same model (`interleaved`)."""
     model, step_model = prepared(variant, copy.deepcopy(fp32_model).to(device).to(memory_format=torch.channels_last))
     model.train()
     ahead_s = first_step = None

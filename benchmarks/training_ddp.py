@@ -47,12 +47,11 @@ DDP's settings (the same for every variant; DDP's defaults unless given): --buck
 its gradient buckets (25 MB); --gradient-as-bucket-view, gradients as views into the buckets (no copy
 into them); --no-graph-split, torch._dynamo.config.optimize_ddp off: torch.compile keeps the whole
 model one graph instead of breaking it at each bucket, so every all-reduce waits for the backward's end.
-JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "steps", "ddp", "native_built", "rows": [{"net", "batch_per_gpu",
-"gpus", "variant", "img_s", "img_s_per_gpu", "scaling", "img_s_at_once", "ddp_efficiency", "host_sharing",
-["at_once_error"],
-"loss_50", "loss_last", "losses", "loss_gap", "loss_tolerance", ["breakdown", "breakdown_at_once"]}]}; a row
-per variant for N GPUs and one for the one-GPU run (gpus 1, scaling 1.0), or {"net", "variant", "gpus",
-"error"} for a variant that failed.
+JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "steps", "ddp", "native_built", "rows": [{"net",
+"batch_per_gpu", "gpus", "variant", "img_s", "img_s_per_gpu", "scaling", "img_s_at_once", "ddp_efficiency",
+"host_sharing", ["at_once_error"], "loss_50", "loss_last", "losses", "loss_gap", "loss_tolerance", ["breakdown",
+"breakdown_at_once"]}]}; a row per variant for N GPUs and one for the one-GPU run (gpus 1, scaling 1.0), or
+{"net", "variant", "gpus", "error"} for a variant that failed.
 """
 import argparse
 import datetime

@@ -293,4 +293,6 @@ def declines():
     address", "launch hooks set", "stale program", "other dispatch key", "other device", "unkeyed
     argument", "disabled"), counted per kernel: a call that the autograd kernel sends to Python and whose
     call below autograd misses too counts twice; {} before the kernels are installed."""
-    return {} if _STATE["module"] is None else {op: dict(reasons) for op, reasons in _STATE["module"].declines().items()}
+    if _STATE["module"] is None:
+        return {}
+    return {op: dict(reasons) for op, reasons in _STATE["module"].declines().items()}
