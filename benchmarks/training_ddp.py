@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node N benchmarks/training_ddp.py [--nets resnet50] [--batch-per-gpu 128]
         [--steps 50] [--warmup 5] [--variants compile ours-lesson06-bnstats ...] [--compile-ahead] [--outdir DIR]
-        [--bucket-cap-mb MB] [--gradient-as-bucket-view] [--no-graph-split]   # DDP's own settings, for every variant
+        [--bucket-cap-mb MB] [--gradient-as-bucket-view] [--static-graph] [--no-graph-split]   # DDP's settings
         [--no-at-once]                                          # leave out the N processes without DDP
         [--breakdown]                     # where a step's time goes: host, GPU, NCCL, the operator's C++ calls
     python benchmarks/training_ddp.py --smoke [--outdir DIR]    # two CPU processes over gloo: checks the script
@@ -45,7 +45,8 @@ variant, or a CPU).
   (2 x 2^-8) of the first step's loss.
 DDP's settings (the same for every variant; DDP's defaults unless given): --bucket-cap-mb, the size of
 its gradient buckets (25 MB); --gradient-as-bucket-view, gradients as views into the buckets (no copy
-into them); --no-graph-split, torch._dynamo.config.optimize_ddp off: torch.compile keeps the whole
+into them); --static-graph, DDP's static_graph (the same parameters take part in every step: DDP skips
+looking for unused ones and settles its buckets once); --no-graph-split, torch._dynamo.config.optimize_ddp off: torch.compile keeps the whole
 model one graph instead of breaking it at each bucket, so every all-reduce waits for the backward's end.
 JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "steps", "ddp", "native_built", "rows": [{"net",
 "batch_per_gpu", "gpus", "variant", "img_s", "img_s_per_gpu", "scaling", "img_s_at_once", "ddp_efficiency",
@@ -371,6 +372,8 @@ def ddp_options(args):
         options["bucket_cap_mb"] = args.bucket_cap_mb
     if args.gradient_as_bucket_view:
         options["gradient_as_bucket_view"] = True
+    if args.static_graph:
+        options["static_graph"] = True
     return options
 
 
@@ -438,6 +441,8 @@ def parse(argv=None):
     parser.add_argument("--outdir", default=None)
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
                         help="DDP's bucket size in MB (default: DDP's own, 25)")
+    parser.add_argument("--static-graph", action="store_true",
+                        help="DDP's static_graph: the same parameters used every step (less bookkeeping a step)")
     parser.add_argument("--gradient-as-bucket-view", action="store_true",
                         help="DDP's gradients as views into its buckets")
     parser.add_argument("--breakdown", action="store_true",
