@@ -43,11 +43,12 @@ variant, or a CPU).
   `loss_tolerance`: the two runs differ in the order of the gradients' fp32 sums, and through training
   that difference reaches the bf16 rounding of the convs' outputs; the tolerance is two bf16 roundings
   (2 x 2^-8) of the first step's loss.
-DDP's settings (the same for every variant; DDP's defaults unless given): --bucket-cap-mb, the size of
-its gradient buckets (25 MB); --gradient-as-bucket-view, gradients as views into the buckets (no copy
-into them); --static-graph, DDP's static_graph (the same parameters take part in every step: DDP skips
-looking for unused ones and settles its buckets once); --no-graph-split, torch._dynamo.config.optimize_ddp off: torch.compile keeps the whole
-model one graph instead of breaking it at each bucket, so every all-reduce waits for the backward's end.
+DDP's settings (the same for every variant; DDP's defaults unless given): --bucket-cap-mb, the size of its
+gradient buckets (25 MB); --gradient-as-bucket-view, gradients as views into the buckets (no copy into them);
+--static-graph, DDP's static_graph (the same parameters take part in every step: DDP skips looking for unused
+ones and settles its buckets once); --no-graph-split, torch._dynamo.config.optimize_ddp off: torch.compile keeps
+the whole model one graph instead of breaking it at each bucket, so every all-reduce waits for the backward's
+end.
 JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "steps", "ddp", "native_built", "rows": [{"net",
 "batch_per_gpu", "gpus", "variant", "img_s", "img_s_per_gpu", "scaling", "img_s_at_once", "ddp_efficiency",
 "host_sharing", ["at_once_error"], "loss_50", "loss_last", "losses", "loss_gap", "loss_tolerance", ["breakdown",
