@@ -313,7 +313,7 @@ def main():
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     info = common.versions()
-    data = {**info, "configs": configs, "native_built": native_built, "rows": rows,
+    data = {**info, "configs": configs, "freezing": args.freezing, "native_built": native_built, "rows": rows,
             "fused_layers": layers, "fused_layer_totals_ms": totals}
     for batch in args.batch:
         by = {r["variant"]: r for r in rows if r["batch"] == batch}
@@ -347,7 +347,8 @@ def plot(data, outdir):
         ax.set_title(f"ResNet-50 inference, batch {batch}, bf16", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"{data['device']}, torch {data['torch']}, Triton {data['triton']}, cuDNN {data['cudnn']}\n"
-                 f"configs: {data['configs']}", fontsize=9)     # (two lines: a one-batch figure is narrow)
+                 f"configs: {data['configs']}" + ("; compiled with Inductor's freezing" if data.get("freezing") else ""),
+                 fontsize=9)     # (two lines: a one-batch figure is narrow)
     common.save_figure(fig, outdir, "resnet50", data)
 
 

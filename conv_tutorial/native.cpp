@@ -203,11 +203,11 @@ class Kernel : public c10::OperatorKernel {
     bool keyed = why == kServed && make_key(arguments, current_device(), key);
     if (why == kServed && !keyed)
       why = kUnkeyed;
-    if (keyed) {
+    if (keyed && suspended.load() != 0) {
+      why = kSuspended;
+    } else if (keyed) {
       auto found = op_->programs.find(key);
-      if (suspended.load() != 0) {
-        why = kSuspended;
-      } else if (found == op_->programs.end()) {
+      if (found == op_->programs.end()) {
         why = kNoProgram;
       } else if (found->second->generation != generation) {
         why = kStale;
