@@ -235,7 +235,11 @@ class _Worker:
         return answer == b"1"
 
     def returncode(self):
-        return self.process.poll()
+        # (called once its pipe closed: the process is exiting, but a loaded machine may not have reaped it yet)
+        try:
+            return self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return None
 
     def stop(self):
         try:

@@ -161,3 +161,15 @@ def test_workers_compile_into_tritons_cache_and_the_caller_loads_the_same_kernel
     started, warned, compiled, in_workers = report["dead_at_start"]
     assert started == 1 and len(warned) == 1 and "exited (3)" in warned[0] and compiled and in_workers == 2, \
         report["dead_at_start"]
+
+
+def test_a_worker_whose_pipe_closes_before_it_exits_is_said_with_its_exit_status():
+    """A worker's pipe can close a moment before its process ends: on a loaded machine the pool once said
+    "a worker process exited (None)". The status it reports waits for the process to end."""
+    from conv_tutorial import compile_pool
+    code = "import os, sys, time; os.close(1); time.sleep(0.5); sys.exit(3)"
+    process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL)
+    worker = compile_pool._Worker(process)
+    assert worker.compile(b"a request") is False and not worker.alive and worker.answered == 0
+    assert worker.returncode() == 3
