@@ -98,11 +98,16 @@ def batches(steps, batch, size, classes, device, seed=1):
              torch.randint(0, classes, (batch,), generator=generator).to(device)) for _ in range(steps)]
 
 
+def backward_of(variant):
+    """The conv gradients' backend a variant trains with (conv_tutorial.set_backward)."""
+    return "lesson06" if variant.startswith("ours-lesson06") else "torch"
+
+
 def prepared(variant, model, wrap=None):
     """The model (and the callable a step runs) of one variant. `wrap`: applied to the prepared module
     before torch.compile (DistributedDataParallel: training_ddp.py); the step then runs the wrapper."""
     import conv_tutorial
-    conv_tutorial.set_backward("lesson06" if variant.startswith("ours-lesson06") else "torch")
+    conv_tutorial.set_backward(backward_of(variant))
     if "-bnstats" in variant:      # sharing the model's parameters (first_step_gradients finds them by storage)
         model = conv_tutorial.fuse_conv_batchnorm_for_training(model, inplace=True)
     if "-relugrad" in variant:
@@ -214,6 +219,21 @@ def train(variant, fp32_model, data, warmup, device, profile=0, compile_ahead=No
             "first_step": first_step, "native_built": native_built, **({"step": step} if keep else {})}
 
 
+def compiled_side_by_side(models):
+    """torch._dynamo's settings while `models` compiled models take turns: a compiled version kept per
+    model (the recompile limit raised to their number), and an error rather than a silent eager run
+    past it."""
+    config = torch._dynamo.config
+    return config.patch(**{name: value for name, value in (("recompile_limit", max(8, models + 2)),
+                                                           ("fail_on_recompile_limit_hit", True))
+                           if hasattr(config, name)})
+
+
+def order_of_round(order, r):
+    """Round r's turns: the order given in even rounds, reversed in odd ones (each as often first as last)."""
+    return list(order) if r % 2 == 0 else list(order)[::-1]
+
+
 def interleaved(steps, data, rounds, round_steps, device):
     """Seconds of each variant's steps timed in turns: `rounds` rounds, in each every variant (`steps`:
     {variant: its step function}) runs one untimed step, then `round_steps` timed steps in a row; the order
@@ -234,19 +254,16 @@ def interleaved(steps, data, rounds, round_steps, device):
         return time.perf_counter() - start
 
     def backend_of(variant):
-        conv_tutorial.set_backward("lesson06" if variant.startswith("ours-lesson06") else "torch")
-    config = torch._dynamo.config
-    limits = {name: value for name, value in (("recompile_limit", max(8, len(steps) + 2)),
-                                              ("fail_on_recompile_limit_hit", True)) if hasattr(config, name)}
+        conv_tutorial.set_backward(backward_of(variant))
     order = list(steps)
     seconds = {variant: [] for variant in order}
-    with config.patch(**limits):
+    with compiled_side_by_side(len(steps)):
         for variant in order:
             backend_of(variant)
             for _ in range(2):
                 run(variant, *data[0])
         for r in range(rounds):
-            for variant in (order if r % 2 == 0 else order[::-1]):
+            for variant in order_of_round(order, r):
                 backend_of(variant)
                 run(variant, *data[(r * round_steps) % len(data)])          # (untimed: the switch's own cost)
                 seconds[variant].append([run(variant, *data[(r * round_steps + i) % len(data)])

@@ -5,6 +5,7 @@
         [--bucket-cap-mb MB] [--gradient-as-bucket-view] [--static-graph] [--no-graph-split]   # DDP's settings
         [--no-at-once]                                          # leave out the N processes without DDP
         [--breakdown]                     # where a step's time goes: host, GPU, NCCL, the operator's C++ calls
+        [--rounds R] [--round-steps K]    # then the N-process runs again, in turns: R rounds of K steps
     python benchmarks/training_ddp.py --smoke [--outdir DIR]    # two CPU processes over gloo: checks the script
 
 Every process runs the same variants as benchmarks/training.py (its `prepared`: eager, torch.compile in
@@ -37,6 +38,14 @@ default-mode step, host-bound, slows when N of them run at once):
   dispatcher) served in C++ (`native_served`) and sent to its Python kernel (`native_python`), and why
   those went there (`native_declines`: {reason: calls}, per kernel a call passed, conv_tutorial.native.declines);
   "breakdown_error" where the breakdown failed (the run's other figures stand).
+- with --rounds, after every variant's runs, the N-process runs of them all (under DDP, and at once without it)
+  take turns, R rounds of K steps each (`interleaved`; R even balances the order), each round timing them all on
+  the same host: a default-mode step is host-bound, and a run timed minutes after another can find the host
+  faster or slower (RESULTS.md, "Training on several GPUs": two runs of the same four processes, on two
+  machines alike, moved by up to 1.7x). Rank 0's N-GPU rows gain
+  img_s_interleaved (the global batch over the median step of all rounds) and img_s_rounds (each round's),
+  img_s_at_once_interleaved and img_s_at_once_rounds, and ddp_efficiency_interleaved; or rounds_error.
+  Every variant's kept runs (models, gradients, optimizer state) stay alive until the rounds.
 "native_built": whether the operator's C++ kernels were built before the first run (None: no operator
 variant, or a CPU).
 - loss_gap: the largest |loss difference| per step between the N-GPU run and the one-GPU run, beside
@@ -52,7 +61,7 @@ end.
 JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "steps", "ddp", "native_built", "rows": [{"net",
 "batch_per_gpu", "gpus", "variant", "img_s", "img_s_per_gpu", "scaling", "img_s_at_once", "ddp_efficiency",
 "host_sharing", ["at_once_error"], "loss_50", "loss_last", "losses", "loss_gap", "loss_tolerance", ["breakdown",
-"breakdown_at_once"]}]}; a row per variant for N GPUs and one for the one-GPU run (gpus 1, scaling 1.0), or
+"breakdown_at_once"], [the --rounds fields]}]}; a row per variant for N GPUs and one for the one-GPU run (gpus 1, scaling 1.0), or
 {"net", "variant", "gpus", "error"} for a variant that failed.
 """
 import argparse
@@ -87,7 +96,7 @@ def chunk(step, index, batch, size, classes, device):
 
 
 def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, autocast, compile_ahead=False,
-                ddp_options=None, own_chunk=False, breakdown=False):
+                ddp_options=None, own_chunk=False, breakdown=False, keep=None):
     """(losses per step, seconds per timed step, breakdown) of one variant: with `ddp` this rank's chunk of each
     step under DistributedDataParallel, with `own_chunk` (every rank at once) this rank's chunk without DDP,
     else every chunk of each step accumulated before the optimizer's step. Under `ddp` or `own_chunk` a
@@ -178,6 +187,8 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
                                           profiled=not variant.endswith("-cudagraphs")))
         except Exception as error:    # noqa: BLE001  (the run's own figures stand without it)
             figures["breakdown_error"] = f"{type(error).__name__}: {error}"[:400]
+    if keep is not None:      # (its model, gradients and optimizer state stay alive for the rounds)
+        keep(one_step)
     return losses, seconds, figures
 
 
@@ -296,6 +307,7 @@ def measure(args, device, size, classes, nets):
     for net in nets:
         fp32_model = training.initial_model(net)
         chunks = lambda s, c: chunk(s, c, args.batch_per_gpu, size, classes, device)  # noqa: E731
+        kept = {}
         for variant in args.variants:
             row = {"net": net, "batch_per_gpu": args.batch_per_gpu, "variant": variant}
             results = {}
@@ -308,7 +320,9 @@ def measure(args, device, size, classes, nets):
                             results[gpus] = run_variant(variant, net, fp32_model, chunks, args.steps, args.warmup,
                                                         device, gpus == world and world > 1, device == "cuda",
                                                         args.compile_ahead, ddp_options(args),
-                                                        own_chunk=gpus == "at once", breakdown=args.breakdown)
+                                                        own_chunk=gpus == "at once", breakdown=args.breakdown,
+                                                        keep=None if not args.rounds or gpus == 1 else
+                                                        (lambda step, key=(variant, gpus): kept.update({key: step})))
                 except Exception as error:            # noqa: BLE001  (recorded: the other variants still run)
                     results[gpus] = f"{type(error).__name__}: {error}"[:400]
                 dist.barrier()
@@ -363,7 +377,99 @@ def measure(args, device, size, classes, nets):
                             print(f"      {label or ' ' + str(gpus) + ' ' + unit}: " + ", ".join(
                                 f"{k} {v:.1f}" if isinstance(v, (int, float)) else f"{k} {v}"
                                 for k, v in f.items() if v is not None), flush=True)
+        if kept:
+            in_turns(args, [row for row in rows if row["net"] == net], kept, device)
+            kept.clear()
     return rows
+
+
+def in_turns(args, net_rows, kept, device):
+    """The N-process runs kept (`kept`: {(variant, N or "at once"): its step}) timed again in turns
+    (`interleaved`), their figures added to rank 0's rows of the N-GPU runs: img_s_interleaved and
+    img_s_rounds (each round's), img_s_at_once_interleaved and img_s_at_once_rounds, ddp_efficiency_interleaved;
+    or rounds_error, if a step failed."""
+    world = dist.get_world_size()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        timed = interleaved(kept, args.rounds, args.round_steps, device)
+    if dist.get_rank() != 0:
+        return
+    by_variant = {row["variant"]: row for row in net_rows if row["gpus"] == world and "img_s" in row}
+    if isinstance(timed, str):
+        for row in by_variant.values():
+            row["rounds_error"] = timed
+        print(f"  the rounds in turns failed: {timed}", flush=True)
+        return
+    global_batch = args.batch_per_gpu * world
+    for (variant, run), per_round in timed.items():
+        row = by_variant.get(variant)
+        if row is None:
+            continue
+        name = "img_s" if run == world else "img_s_at_once"
+        row[f"{name}_interleaved"] = global_batch / statistics.median([t for times in per_round for t in times])
+        row[f"{name}_rounds"] = [global_batch / statistics.median(times) for times in per_round]
+    first = by_variant.get(args.variants[0])
+    for variant, row in by_variant.items():
+        if "img_s_interleaved" not in row:
+            continue
+        if "img_s_at_once_interleaved" in row:
+            row["ddp_efficiency_interleaved"] = row["img_s_interleaved"] / row["img_s_at_once_interleaved"]
+        line = (f"  {row['net']:<12} {variant:<34} {world} GPU(s): {row['img_s_interleaved']:8.0f} img/s in "
+                f"{args.rounds} rounds of {args.round_steps} steps in turns")
+        if "ddp_efficiency_interleaved" in row:
+            line += (f"; at once without DDP {row['img_s_at_once_interleaved']:.0f} img/s: DDP keeps "
+                     f"{row['ddp_efficiency_interleaved']:.2f}")
+        if first is not None and "img_s_rounds" in first and variant != args.variants[0]:
+            ratios = [a / b for a, b in zip(row["img_s_rounds"], first["img_s_rounds"])]
+            line += (f"; against {args.variants[0]} round by round: median {statistics.median(ratios):.2f}x "
+                     f"({min(ratios):.2f}-{max(ratios):.2f}x)")
+        print(line, flush=True)
+
+
+def interleaved(kept, rounds, round_steps, device):
+    """Seconds of each kept run's steps timed in turns, as training.py's `interleaved` times its variants: two
+    untimed steps each first (torch._dynamo.reset() between the runs dropped their compiled code, which
+    compiles again from the caches), then `rounds` rounds, in each every run takes one untimed step and
+    `round_steps` timed ones, the order reversed every other round. Runs timed one after another move apart
+    when the host does; in turns, each round sees the same host. Every rank takes the same turns (DDP's
+    collectives); a step's seconds are the slowest rank's. Returns {key: [each round's step seconds]}, or
+    the error's text if a step failed on any rank (every rank stops at that step)."""
+    import conv_tutorial
+    order = list(kept)
+    seconds = {key: [] for key in order}
+    step_numbers = iter(range(10 ** 6, 10 ** 7))      # (chunks past the runs' own steps)
+
+    def run(key):
+        failure, start = None, time.perf_counter()
+        try:
+            _, start = kept[key](next(step_numbers))
+            if device == "cuda":
+                torch.cuda.synchronize()
+        except Exception as error:     # noqa: BLE001  (raised below on every rank at once)
+            failure = error
+        both = torch.tensor([time.perf_counter() - start, float(failure is not None)], dtype=torch.float64,
+                            device=device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        if failure is not None:
+            raise failure
+        if float(both[1]):
+            raise RuntimeError("a step failed on another rank")
+        return float(both[0])
+
+    try:
+        with training.compiled_side_by_side(len(order)):
+            for key in order:
+                conv_tutorial.set_backward(training.backward_of(key[0]))
+                run(key)
+                run(key)
+            for r in range(rounds):
+                for key in training.order_of_round(order, r):
+                    conv_tutorial.set_backward(training.backward_of(key[0]))
+                    run(key)                                # (untimed: the switch's own cost)
+                    seconds[key].append([run(key) for _ in range(round_steps)])
+    except Exception as error:     # noqa: BLE001  (the runs' own figures stand)
+        return f"{type(error).__name__}: {error}"[:400]
+    return seconds
 
 
 def ddp_options(args):
@@ -453,7 +559,13 @@ def parse(argv=None):
                         help="leave out the run of every rank at once without DDP (img_s_at_once)")
     parser.add_argument("--no-graph-split", action="store_true",
                         help="torch._dynamo.config.optimize_ddp off: one graph, not one per bucket")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="then time the N-process runs in turns: ROUNDS rounds of --round-steps steps each "
+                             "(img_s_interleaved, img_s_rounds, ... in the rows)")
+    parser.add_argument("--round-steps", type=int, default=10)
     args = parser.parse_args(argv)
+    if args.rounds < 0 or args.round_steps < 1:
+        raise ValueError(f"--rounds must be >= 0 and --round-steps >= 1, got {args.rounds} and {args.round_steps}")
     if args.bucket_cap_mb is not None and not args.bucket_cap_mb > 0:
         raise ValueError(f"--bucket-cap-mb must be positive, got {args.bucket_cap_mb}")
     if args.steps <= args.warmup:

@@ -117,3 +117,30 @@ def test_the_gpus_busy_time_counts_overlapping_kernels_once():
     assert training_ddp.union_length([(0, 4), (2, 6), (10, 11), (3, 5)]) == 7     # [0, 6] and [10, 11]
     assert training_ddp.union_length([(5, 6), (0, 10)]) == 10                   # one inside another
     assert training_ddp.union_length([(0, 1), (1, 2)]) == 2                     # touching
+
+
+def test_rounds_in_turns_time_every_kept_run_again(tmp_path):
+    """--rounds: after the variants' runs, their two-process runs (under DDP and at once without it) take turns;
+    each N-process row gains each round's images/s and their medians, and DDP's share of them."""
+    training_ddp.main(["--smoke", "--batch-per-gpu", "4", "--steps", "2", "--warmup", "1", "--variants", "eager",
+                       "ours", "--rounds", "2", "--round-steps", "2", "--port", str(free_port()),
+                       "--outdir", str(tmp_path)])
+    rows = json.loads((tmp_path / "training_ddp.json").read_text())["rows"]
+    for row in rows:
+        if row["gpus"] == 1:
+            assert "img_s_interleaved" not in row and "img_s_rounds" not in row
+            continue
+        assert "rounds_error" not in row
+        for name in ("img_s", "img_s_at_once"):
+            assert len(row[f"{name}_rounds"]) == 2 and all(v > 0 for v in row[f"{name}_rounds"])
+            assert min(row[f"{name}_rounds"]) * 0.999 <= row[f"{name}_interleaved"] <= max(row[f"{name}_rounds"]) * 1.001
+        assert abs(row["ddp_efficiency_interleaved"] * row["img_s_at_once_interleaved"]
+                   - row["img_s_interleaved"]) < 1e-6 * row["img_s_interleaved"]
+
+
+def test_rounds_must_be_counted_and_steps_positive():
+    import pytest
+    with pytest.raises(ValueError, match="--rounds must be >= 0 and --round-steps >= 1"):
+        training_ddp.parse(["--rounds", "-1"])
+    with pytest.raises(ValueError, match="--round-steps >= 1, got 2 and 0"):
+        training_ddp.parse(["--rounds", "2", "--round-steps", "0"])
