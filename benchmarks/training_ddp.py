@@ -41,11 +41,12 @@ default-mode step, host-bound, slows when N of them run at once):
 - with --rounds, after every variant's runs, the N-process runs of them all (under DDP, and at once without it)
   take turns, R rounds of K steps each (`interleaved`; R even balances the order), each round timing them all on
   the same host: a default-mode step is host-bound, and a run timed minutes after another can find the host
-  faster or slower (RESULTS.md, "Training on several GPUs": two runs of the same four processes, on two
-  machines alike, moved by up to 1.7x). Rank 0's N-GPU rows gain
+  faster or slower (RESULTS.md, "Training on several GPUs": two runs of the same command on four GPUs,
+  another machine and another variant order, moved the operator's figures by up to 1.7x). Rank 0's N-GPU rows gain
   img_s_interleaved (the global batch over the median step of all rounds) and img_s_rounds (each round's),
-  img_s_at_once_interleaved and img_s_at_once_rounds, and ddp_efficiency_interleaved; or rounds_error.
-  Every variant's kept runs (models, gradients, optimizer state) stay alive until the rounds.
+  img_s_at_once_interleaved and img_s_at_once_rounds, and ddp_efficiency_interleaved; or rounds_error (a
+  step failed, or the run was not kept on every rank). Every variant's N-process runs (models, gradients,
+  optimizer state, CUDA graphs) stay alive until the rounds: memory for 2 x the variants' models per GPU.
 "native_built": whether the operator's C++ kernels were built before the first run (None: no operator
 variant, or a CPU).
 - loss_gap: the largest |loss difference| per step between the N-GPU run and the one-GPU run, beside
@@ -58,7 +59,8 @@ gradient buckets (25 MB); --gradient-as-bucket-view, gradients as views into the
 ones and settles its buckets once); --no-graph-split, torch._dynamo.config.optimize_ddp off: torch.compile keeps
 the whole model one graph instead of breaking it at each bucket, so every all-reduce waits for the backward's
 end.
-JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "steps", "ddp", "native_built", "rows": [{"net",
+JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "steps", "warmup", "rounds", "round_steps", "ddp",
+"native_built", "rows": [{"net",
 "batch_per_gpu", "gpus", "variant", "img_s", "img_s_per_gpu", "scaling", "img_s_at_once", "ddp_efficiency",
 "host_sharing", ["at_once_error"], "loss_50", "loss_last", "losses", "loss_gap", "loss_tolerance", ["breakdown",
 "breakdown_at_once"], [the --rounds fields]}]}; a row per variant for N GPUs and one for the one-GPU run (gpus 1, scaling 1.0), or
@@ -326,6 +328,8 @@ def measure(args, device, size, classes, nets):
                 except Exception as error:            # noqa: BLE001  (recorded: the other variants still run)
                     results[gpus] = f"{type(error).__name__}: {error}"[:400]
                 dist.barrier()
+            if isinstance(results.get(world), str):     # (no DDP figures to set the at-once run's beside)
+                kept.pop((variant, "at once"), None)
             if rank != 0:
                 continue
             global_batch = args.batch_per_gpu * world
@@ -377,7 +381,7 @@ def measure(args, device, size, classes, nets):
                             print(f"      {label or ' ' + str(gpus) + ' ' + unit}: " + ", ".join(
                                 f"{k} {v:.1f}" if isinstance(v, (int, float)) else f"{k} {v}"
                                 for k, v in f.items() if v is not None), flush=True)
-        if kept:
+        if args.rounds and world > 1:      # (on every rank, whatever it kept: the ranks agree on the runs first)
             in_turns(args, [row for row in rows if row["net"] == net], kept, device)
             kept.clear()
     return rows
@@ -387,7 +391,7 @@ def in_turns(args, net_rows, kept, device):
     """The N-process runs kept (`kept`: {(variant, N or "at once"): its step}) timed again in turns
     (`interleaved`), their figures added to rank 0's rows of the N-GPU runs: img_s_interleaved and
     img_s_rounds (each round's), img_s_at_once_interleaved and img_s_at_once_rounds, ddp_efficiency_interleaved;
-    or rounds_error, if a step failed."""
+    or rounds_error, if a step failed or a run was not kept on every rank."""
     world = dist.get_world_size()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -395,6 +399,9 @@ def in_turns(args, net_rows, kept, device):
     if dist.get_rank() != 0:
         return
     by_variant = {row["variant"]: row for row in net_rows if row["gpus"] == world and "img_s" in row}
+    for variant, run in kept:
+        if not isinstance(timed, str) and (variant, run) not in timed and variant in by_variant:
+            by_variant[variant]["rounds_error"] = f"the run {run!r} was not kept on every rank"
     if isinstance(timed, str):
         for row in by_variant.values():
             row["rounds_error"] = timed
@@ -414,7 +421,8 @@ def in_turns(args, net_rows, kept, device):
             continue
         if "img_s_at_once_interleaved" in row:
             row["ddp_efficiency_interleaved"] = row["img_s_interleaved"] / row["img_s_at_once_interleaved"]
-        line = (f"  {row['net']:<12} {variant:<34} {world} GPU(s): {row['img_s_interleaved']:8.0f} img/s in "
+        unit = "GPU(s)" if device == "cuda" else "process(es)"
+        line = (f"  {row['net']:<12} {variant:<34} {world} {unit}: {row['img_s_interleaved']:8.0f} img/s in "
                 f"{args.rounds} rounds of {args.round_steps} steps in turns")
         if "ddp_efficiency_interleaved" in row:
             line += (f"; at once without DDP {row['img_s_at_once_interleaved']:.0f} img/s: DDP keeps "
@@ -427,16 +435,27 @@ def in_turns(args, net_rows, kept, device):
 
 
 def interleaved(kept, rounds, round_steps, device):
-    """Seconds of each kept run's steps timed in turns, as training.py's `interleaved` times its variants: two
-    untimed steps each first (torch._dynamo.reset() between the runs dropped their compiled code, which
-    compiles again from the caches), then `rounds` rounds, in each every run takes one untimed step and
-    `round_steps` timed ones, the order reversed every other round. Runs timed one after another move apart
-    when the host does; in turns, each round sees the same host. Every rank takes the same turns (DDP's
-    collectives); a step's seconds are the slowest rank's. Returns {key: [each round's step seconds]}, or
-    the error's text if a step failed on any rank (every rank stops at that step)."""
+    """Seconds of each kept run's steps timed in turns, as training.py's `interleaved` times its variants:
+    the ranks first agree on the runs every one of them kept (a run set up on some ranks only is left out),
+    in rank 0's order; torch._dynamo.reset() on every rank (the ranks' caches alike: rank 0's one-GPU runs
+    reset its own), then two untimed steps each (their code compiles again, from the caches the runs
+    filled), then `rounds` rounds, in each every run takes one untimed step and `round_steps` timed ones,
+    the order reversed every other round. Runs timed one after another move apart when the host does; in
+    turns, each round sees the same host. Every rank takes the same turns (DDP's collectives); a step's
+    seconds are the slowest rank's. Returns {key: [each round's step seconds]} for the agreed runs, or the
+    error's text if a step failed on every rank, or on one before DDP's all-reduces (every rank stops at that
+    step). A step that fails on one rank inside DDP's all-reduces leaves the others waiting in them: the job
+    ends at NCCL's time-out, as in the runs themselves."""
     import conv_tutorial
-    order = list(kept)
+    mine = [repr(key) for key in kept]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    order = sorted((key for key in kept if all(repr(key) in other for other in everyone)),
+                   key=lambda key: everyone[0].index(repr(key)))
     seconds = {key: [] for key in order}
+    if not order:
+        return seconds
+    torch._dynamo.reset()
     step_numbers = iter(range(10 ** 6, 10 ** 7))      # (chunks past the runs' own steps)
 
     def run(key):
@@ -517,7 +536,8 @@ def worker(args):
         info = common.versions()
         common.save_json(common.output_dir(args.outdir), "training_ddp",
                          {"device": info["device"], "gpus": dist.get_world_size(), "torch": info["torch"],
-                          "triton": info["triton"], "steps": args.steps,
+                          "triton": info["triton"], "steps": args.steps, "warmup": args.warmup,
+                          "rounds": args.rounds, "round_steps": args.round_steps,
                           "ddp": {**ddp_options(args), "graph_split": not args.no_graph_split},
                           "native_built": native_built, "rows": rows})
     dist.destroy_process_group()
@@ -564,6 +584,8 @@ def parse(argv=None):
                              "(img_s_interleaved, img_s_rounds, ... in the rows)")
     parser.add_argument("--round-steps", type=int, default=10)
     args = parser.parse_args(argv)
+    if len(set(args.variants)) != len(args.variants):
+        raise ValueError(f"--variants names a variant twice: {args.variants}")
     if args.rounds < 0 or args.round_steps < 1:
         raise ValueError(f"--rounds must be >= 0 and --round-steps >= 1, got {args.rounds} and {args.round_steps}")
     if args.bucket_cap_mb is not None and not args.bucket_cap_mb > 0:

@@ -122,13 +122,15 @@ class ProcessCompiles(Executor):
         if not worker.answered:     # (it died before its first answer: so would the next one; no more workers)
             with self._lock:
                 self._no_workers = True
-        self._say_once(f"a worker process exited ({worker.returncode()})")
+        self._say_once(lambda: f"a worker process exited ({worker.returncode()})")
         return None
 
     def _say_once(self, what):
+        """One warning per pool; `what` a message, or a function making it (called only if it is said)."""
         with self._lock:
             warned, self._warned = self._warned, True
         if not warned:
+            what = what() if callable(what) else what
             warnings.warn(f"conv_tutorial: {what}; its kernel compiles in this process instead", RuntimeWarning,
                           stacklevel=2)
 
@@ -235,7 +237,7 @@ class _Worker:
         return answer == b"1"
 
     def returncode(self):
-        # (called once its pipe closed: the process is exiting, but a loaded machine may not have reaped it yet)
+        # (called once its pipe closed: the pipe closes as the process exits, a moment before it has ended)
         try:
             return self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:

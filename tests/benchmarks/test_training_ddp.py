@@ -138,9 +138,49 @@ def test_rounds_in_turns_time_every_kept_run_again(tmp_path):
                    - row["img_s_interleaved"]) < 1e-6 * row["img_s_interleaved"]
 
 
-def test_rounds_must_be_counted_and_steps_positive():
+def test_rounds_must_be_counted_and_steps_positive_and_variants_named_once():
     import pytest
     with pytest.raises(ValueError, match="--rounds must be >= 0 and --round-steps >= 1"):
         training_ddp.parse(["--rounds", "-1"])
     with pytest.raises(ValueError, match="--round-steps >= 1, got 2 and 0"):
         training_ddp.parse(["--rounds", "2", "--round-steps", "0"])
+    with pytest.raises(ValueError, match="names a variant twice"):
+        training_ddp.parse(["--variants", "eager", "ours", "eager"])
+
+
+AGREEING_RANKS = """
+import datetime, os, sys, time
+sys.path.insert(0, {benchmarks!r})
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+import training_ddp
+
+def proc(rank, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    step = lambda s: (torch.zeros(()), time.perf_counter())
+    # rank 0 kept a run that rank 1 did not, and rank 1 one that rank 0 did not, in another order
+    kept = ({{("a", 2): step, ("a", "at once"): step, ("c", 2): step}} if rank == 0 else
+            {{("b", 2): step, ("c", 2): step, ("a", 2): step}})
+    out = training_ddp.interleaved(kept, 2, 3, "cpu")
+    line = f"RANK{{rank}}: {{[(key, [len(r) for r in rounds]) for key, rounds in out.items()]}}\\n"
+    os.write(1, line.encode())     # (one write: the two processes share the pipe)
+    dist.barrier()                 # (neither leaves while the other's last collective runs)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(proc, args=(int(sys.argv[1]),), nprocs=2, join=True)
+"""
+
+
+def test_the_ranks_take_turns_with_the_runs_they_all_kept(tmp_path):
+    """The rounds' collectives pair up only if every rank times the same runs in the same order: a run kept on
+    one rank only (its set-up failed on another) is left out on every rank, and the rest go in rank 0's order."""
+    import subprocess
+    script = tmp_path / "agreeing_ranks.py"
+    script.write_text(AGREEING_RANKS.format(benchmarks=str(Path(training_ddp.__file__).parent)))
+    proc = subprocess.run([sys.executable, str(script), str(free_port())], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("RANK"))
+    expected = "[(('a', 2), [3, 3]), (('c', 2), [3, 3])]"
+    assert lines == [f"RANK0: {expected}", f"RANK1: {expected}"], proc.stdout
