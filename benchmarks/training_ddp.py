@@ -33,7 +33,7 @@ default-mode step, host-bound, slows when N of them run at once):
   default-mode step). Their product is the scaling. at_once_error: why that run failed, if it did.
 - with --breakdown, "breakdown" (and "breakdown_at_once" for the N processes without DDP): a few steps
   more, timed apart (`step_breakdown`): the host's time to issue a step beside the step's and the GPU's
-  busy time, NCCL's, kernels a step; and for the operator's variants its calls per timed step (per
+  busy time, NCCL's, kernels a step and the copies and fills among them; and for the operator's variants its calls per timed step (per
   optimizer step: N chunks' calls in the one-GPU run; none under CUDA graphs, whose replays skip the
   dispatcher) served in C++ (`native_served`) and sent to its Python kernel (`native_python`), and why
   those went there (`native_declines`: {reason: calls}, per kernel a call passed, conv_tutorial.native.declines);
@@ -233,7 +233,8 @@ def step_breakdown(one_step, device, several, profiled=True):
       rank 0's kept: gpu_busy_ms, the time a step keeps the GPU busy with kernels other than NCCL's
       (their intervals' union; the chunks' random images and copies included); nccl_ms, the time
       NCCL's kernels ran (waiting for the other ranks included); kernels, the kernels, copies and
-      fills a step. None on a CPU or without `profiled`.
+      fills a step; copies and copies_ms, the copies and fills among them (`device_figures`). None on a
+      CPU or without `profiled`.
     A step whose step_ms is near its host_ms and well above its gpu_busy_ms waits on the host. A
     profiler that fails to start on one rank skips the profile on every rank (its steps have DDP's
     collectives)."""
@@ -252,7 +253,7 @@ def step_breakdown(one_step, device, several, profiled=True):
         both = torch.tensor([figures["host_ms"], figures["step_ms"]], dtype=torch.float64, device=device)
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
         figures = {"host_ms": float(both[0]), "step_ms": float(both[1])}
-    figures.update(gpu_busy_ms=None, nccl_ms=None, kernels=None)
+    figures.update(gpu_busy_ms=None, nccl_ms=None, kernels=None, copies=None, copies_ms=None)
     if device != "cuda" or not profiled:
         return figures
     from torch.profiler import ProfilerActivity, profile
@@ -274,13 +275,22 @@ def step_breakdown(one_step, device, several, profiled=True):
         torch.cuda.synchronize()
     finally:
         prof.__exit__(None, None, None)
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    nccl = [e for e in kernels if "nccl" in e.name.lower()]
-    busy = union_length([(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()])
-    figures.update(gpu_busy_ms=busy / 1e3 / BREAKDOWN_STEPS,
-                   nccl_ms=sum(e.time_range.end - e.time_range.start for e in nccl) / 1e3 / BREAKDOWN_STEPS,
-                   kernels=len(kernels) / BREAKDOWN_STEPS)
+    figures.update(device_figures([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                                   if e.device_type == torch.autograd.DeviceType.CUDA], BREAKDOWN_STEPS))
     return figures
+
+
+def device_figures(events, steps):
+    """From the profiler's GPU events of `steps` steps ((name, start us, end us)), per step: gpu_busy_ms, the
+    union of the intervals of every event but NCCL's (copies and fills included); nccl_ms, NCCL's kernels'
+    summed time; kernels, the events in all (copies and fills included, as before `copies` was counted);
+    copies, the copies and fills among them (the profiler names them Memcpy and Memset), and copies_ms,
+    their summed time."""
+    nccl = [(a, b) for name, a, b in events if "nccl" in name.lower()]
+    copies = [(a, b) for name, a, b in events if name.startswith(("Memcpy", "Memset"))]
+    return {"gpu_busy_ms": union_length([(a, b) for name, a, b in events if "nccl" not in name.lower()]) / 1e3 / steps,
+            "nccl_ms": sum(b - a for a, b in nccl) / 1e3 / steps, "kernels": len(events) / steps,
+            "copies": len(copies) / steps, "copies_ms": sum(b - a for a, b in copies) / 1e3 / steps}
 
 
 def gradients_out_of_the_graphs(model, summed):

@@ -119,6 +119,19 @@ def test_the_gpus_busy_time_counts_overlapping_kernels_once():
     assert training_ddp.union_length([(0, 1), (1, 2)]) == 2                     # touching
 
 
+def test_a_steps_device_figures_tell_nccl_and_copies_apart():
+    """Two steps' GPU events (us): NCCL's kernels are summed apart from the busy time; copies and fills are
+    counted among the events and on their own."""
+    events = [("conv2d_fprop_kernel", 0, 1000), ("Memcpy DtoD (Device -> Device)", 500, 700),
+              ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 800, 5800), ("triton_poi_fused_relu_0", 2000, 2500),
+              ("Memset (Device)", 3000, 3100), ("conv2d_wgrad_kernel", 4000, 6000)]
+    figures = training_ddp.device_figures(events, 2)
+    assert figures["gpu_busy_ms"] == (1000 + 500 + 100 + 2000) / 1e3 / 2
+    assert figures["nccl_ms"] == 5000 / 1e3 / 2
+    assert figures["kernels"] == 3 and figures["copies"] == 1
+    assert figures["copies_ms"] == (200 + 100) / 1e3 / 2
+
+
 def test_rounds_in_turns_time_every_kept_run_again(tmp_path):
     """--rounds: after the variants' runs, their two-process runs (under DDP and at once without it) take turns;
     each N-process row gains each round's images/s and their medians, and DDP's share of them."""
