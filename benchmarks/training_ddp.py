@@ -33,9 +33,9 @@ default-mode step, host-bound, slows when N of them run at once):
   default-mode step). Their product is the scaling. at_once_error: why that run failed, if it did.
 - with --breakdown, "breakdown" (and "breakdown_at_once" for the N processes without DDP): a few steps
   more, timed apart (`step_breakdown`): the host's time to issue a step beside the step's and the GPU's
-  busy time, NCCL's, kernels a step and the copies and fills among them; and for the operator's variants its calls per timed step (per
-  optimizer step: N chunks' calls in the one-GPU run; none under CUDA graphs, whose replays skip the
-  dispatcher) served in C++ (`native_served`) and sent to its Python kernel (`native_python`), and why
+  busy time, NCCL's, kernels a step and the copies and fills among them; and for the operator's variants
+  its calls per timed step (per optimizer step: N chunks' calls in the one-GPU run; none under CUDA graphs,
+  whose replays skip the dispatcher) served in C++ (`native_served`) and sent to its Python kernel (`native_python`), and why
   those went there (`native_declines`: {reason: calls}, per kernel a call passed, conv_tutorial.native.declines);
   "breakdown_error" where the breakdown failed (the run's other figures stand).
 - with --rounds, after every variant's runs, the N-process runs of them all (under DDP, and at once without it)
@@ -63,8 +63,8 @@ JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "steps", "warmup
 "native_built", "rows": [{"net",
 "batch_per_gpu", "gpus", "variant", "img_s", "img_s_per_gpu", "scaling", "img_s_at_once", "ddp_efficiency",
 "host_sharing", ["at_once_error"], "loss_50", "loss_last", "losses", "loss_gap", "loss_tolerance", ["breakdown",
-"breakdown_at_once"], [the --rounds fields]}]}; a row per variant for N GPUs and one for the one-GPU run (gpus 1, scaling 1.0), or
-{"net", "variant", "gpus", "error"} for a variant that failed.
+"breakdown_at_once"], [the --rounds fields]}]}; a row per variant for N GPUs and one for the one-GPU run (gpus 1,
+scaling 1.0), or {"net", "variant", "gpus", "error"} for a variant that failed.
 """
 import argparse
 import datetime

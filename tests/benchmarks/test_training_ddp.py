@@ -146,7 +146,8 @@ def test_rounds_in_turns_time_every_kept_run_again(tmp_path):
         assert "rounds_error" not in row
         for name in ("img_s", "img_s_at_once"):
             assert len(row[f"{name}_rounds"]) == 2 and all(v > 0 for v in row[f"{name}_rounds"])
-            assert min(row[f"{name}_rounds"]) * 0.999 <= row[f"{name}_interleaved"] <= max(row[f"{name}_rounds"]) * 1.001
+            rounds = row[f"{name}_rounds"]
+            assert min(rounds) * 0.999 <= row[f"{name}_interleaved"] <= max(rounds) * 1.001
         assert abs(row["ddp_efficiency_interleaved"] * row["img_s_at_once_interleaved"]
                    - row["img_s_interleaved"]) < 1e-6 * row["img_s_interleaved"]
 
