@@ -229,46 +229,45 @@ def compiled_side_by_side(models):
                            if hasattr(config, name)})
 
 
-def order_of_round(order, r):
-    """Round r's turns: the order given in even rounds, reversed in odd ones (each as often first as last)."""
-    return list(order) if r % 2 == 0 else list(order)[::-1]
+def take_turns(order, run, rounds, round_steps):
+    """The turns both training benchmarks time their runs in (`interleaved`, training_ddp.py's): each key of
+    `order` first takes two untimed steps (its code compiles again, from the caches its run filled), then
+    `rounds` rounds, in each every key takes one untimed step (the switch's own cost) and `round_steps`
+    timed ones; the order is given, then reversed, round after round (A B, B A, A B, ...: each key as often
+    first as last over an even number of rounds). `run(key, i)` runs key's step on step index i (0 for the
+    untimed first steps) and returns its seconds, its backend chosen. Returns {key: [each round's step
+    seconds]}."""
+    seconds = {key: [] for key in order}
+    for key in order:
+        run(key, 0)
+        run(key, 0)
+    for r in range(rounds):
+        for key in (order if r % 2 == 0 else order[::-1]):
+            run(key, r * round_steps)
+            seconds[key].append([run(key, r * round_steps + i) for i in range(round_steps)])
+    return seconds
 
 
 def interleaved(steps, data, rounds, round_steps, device):
-    """Seconds of each variant's steps timed in turns: `rounds` rounds, in each every variant (`steps`:
-    {variant: its step function}) runs one untimed step, then `round_steps` timed steps in a row; the order
-    is given, then reversed, round after round (A B, B A, A B, ...: each variant as often first as last,
-    over an even number of rounds). Variants timed one after another in a run move apart when the host
-    does (a default-mode step is host-bound); in turns, each round sees the same host. Before the rounds
-    each variant takes two untimed steps: torch._dynamo.reset() between the variants' runs dropped their
-    compiled code, which compiles again (from the caches the runs filled); torch.compile may keep a
-    compiled version per variant (its recompile limit raised to their number), and raises rather than run
-    one eagerly. Returns {variant: [each round's step seconds]}."""
+    """Seconds of each variant's steps timed in turns (`take_turns`; `steps`: {variant: its step function},
+    step index i on data[i % len(data)]). Variants timed one after another in a run move apart when the
+    host does (a default-mode step is host-bound); in turns, each round sees the same host.
+    torch._dynamo.reset() between the variants' runs dropped their compiled code, which compiles again
+    in the first untimed steps; torch.compile may keep a compiled version per variant (its recompile
+    limit raised to their number), and raises rather than run one eagerly. Returns {variant: [each
+    round's step seconds]}."""
     import conv_tutorial
 
-    def run(variant, x, y):
+    def run(variant, i):
+        conv_tutorial.set_backward(backward_of(variant))
         start = time.perf_counter()
-        steps[variant](x, y)
+        steps[variant](*data[i % len(data)])
         if device == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    def backend_of(variant):
-        conv_tutorial.set_backward(backward_of(variant))
-    order = list(steps)
-    seconds = {variant: [] for variant in order}
     with compiled_side_by_side(len(steps)):
-        for variant in order:
-            backend_of(variant)
-            for _ in range(2):
-                run(variant, *data[0])
-        for r in range(rounds):
-            for variant in order_of_round(order, r):
-                backend_of(variant)
-                run(variant, *data[(r * round_steps) % len(data)])          # (untimed: the switch's own cost)
-                seconds[variant].append([run(variant, *data[(r * round_steps + i) % len(data)])
-                                         for i in range(round_steps)])
-    return seconds
+        return take_turns(list(steps), run, rounds, round_steps)
 
 
 # kernel name fragment -> what the kernel does (the first match wins; lower-case)

@@ -445,12 +445,11 @@ def in_turns(args, net_rows, kept, device):
 
 
 def interleaved(kept, rounds, round_steps, device):
-    """Seconds of each kept run's steps timed in turns, as training.py's `interleaved` times its variants:
-    the ranks first agree on the runs every one of them kept (a run set up on some ranks only is left out),
-    in rank 0's order; torch._dynamo.reset() on every rank (the ranks' caches alike: rank 0's one-GPU runs
-    reset its own), then two untimed steps each (their code compiles again, from the caches the runs
-    filled), then `rounds` rounds, in each every run takes one untimed step and `round_steps` timed ones,
-    the order reversed every other round. Runs timed one after another move apart when the host does; in
+    """Seconds of each kept run's steps timed in turns (training.py's `take_turns`, as its `interleaved`
+    times its variants): the ranks first agree on the runs every one of them kept (a run set up on some
+    ranks only is left out), in rank 0's order; torch._dynamo.reset() on every rank (the ranks' caches
+    alike: rank 0's one-GPU runs reset its own), so the turns' first untimed steps compile every run again
+    from the caches the runs filled. Runs timed one after another move apart when the host does; in
     turns, each round sees the same host. Every rank takes the same turns (DDP's collectives); a step's
     seconds are the slowest rank's. Returns {key: [each round's step seconds]} for the agreed runs, or the
     error's text if a step failed on every rank, or on one before DDP's all-reduces (every rank stops at that
@@ -462,13 +461,13 @@ def interleaved(kept, rounds, round_steps, device):
     dist.all_gather_object(everyone, mine)
     order = sorted((key for key in kept if all(repr(key) in other for other in everyone)),
                    key=lambda key: everyone[0].index(repr(key)))
-    seconds = {key: [] for key in order}
     if not order:
-        return seconds
+        return {}
     torch._dynamo.reset()
     step_numbers = iter(range(10 ** 6, 10 ** 7))      # (chunks past the runs' own steps)
 
-    def run(key):
+    def run(key, _):
+        conv_tutorial.set_backward(training.backward_of(key[0]))
         failure, start = None, time.perf_counter()
         try:
             _, start = kept[key](next(step_numbers))
@@ -487,18 +486,9 @@ def interleaved(kept, rounds, round_steps, device):
 
     try:
         with training.compiled_side_by_side(len(order)):
-            for key in order:
-                conv_tutorial.set_backward(training.backward_of(key[0]))
-                run(key)
-                run(key)
-            for r in range(rounds):
-                for key in training.order_of_round(order, r):
-                    conv_tutorial.set_backward(training.backward_of(key[0]))
-                    run(key)                                # (untimed: the switch's own cost)
-                    seconds[key].append([run(key) for _ in range(round_steps)])
+            return training.take_turns(order, run, rounds, round_steps)
     except Exception as error:     # noqa: BLE001  (the runs' own figures stand)
         return f"{type(error).__name__}: {error}"[:400]
-    return seconds
 
 
 def ddp_options(args):
