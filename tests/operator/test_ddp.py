@@ -5,7 +5,8 @@ accumulator, in buckets), so a converted model trains under DDP if the operator'
 autograd its gradients as any op does. Checked here as a user would see it: two processes, each on
 half of the global batch, end with the same weights as one process on the whole batch, every
 parameter's gradient passing through DDP's buckets once per step (`find_unused_parameters` off);
-also with gradients accumulated over two micro-batches under `no_sync` (the all-reduce only on the last).
+also with gradients accumulated over two micro-batches under `no_sync` (the all-reduce only on the last),
+with and without the gradients as views into DDP's buckets (`gradient_as_bucket_view`).
 FSDP2 shards contiguous parameters only: with PyTorch's weight layout (convert_conv2d's
 channels_last_weight=False) the same holds; its own error refuses channels_last weights.
 On a CPU over gloo (the operator's CPU path: torch's conv in the forward, the backward's fallback
@@ -68,9 +69,10 @@ class _nothing:
         return False
 
 
-def ddp_worker(rank, init_file, out_file, backend, micro_batches, wrapper="ddp"):
+def ddp_worker(rank, init_file, out_file, backend, micro_batches, wrapper="ddp", bucket_view=False):
     """One process of WORLD: DDP (or FSDP2's fully_shard, `wrapper`) over `backend`, this rank's share of every
-    global batch; rank 0 saves the weights."""
+    global batch; rank 0 saves the weights. `bucket_view`: DDP's gradient_as_bucket_view (the gradients
+    views into its buckets, each in its parameter's strides: channels_last for the operator's weights)."""
     import conv_tutorial
     import torch.distributed as dist
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")      # NVLink multicast stays off
@@ -85,7 +87,8 @@ def ddp_worker(rank, init_file, out_file, backend, micro_batches, wrapper="ddp")
         model = model if cuda else model.double()
         buckets = []        # (the gradients' elements each all-reduce carried, per bucket)
         if wrapper == "ddp":
-            wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)
+            wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None,
+                                                                gradient_as_bucket_view=bucket_view)
 
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -125,11 +128,12 @@ def ddp_worker(rank, init_file, out_file, backend, micro_batches, wrapper="ddp")
         os._exit(0)
 
 
-def run_ddp(backend, micro_batches, wrapper="ddp"):
+def run_ddp(backend, micro_batches, wrapper="ddp", bucket_view=False):
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as folder:
         init_file, out_file = os.path.join(folder, "init"), os.path.join(folder, "weights.pt")
-        mp.spawn(ddp_worker, args=(init_file, out_file, backend, micro_batches, wrapper), nprocs=WORLD, join=True)
+        mp.spawn(ddp_worker, args=(init_file, out_file, backend, micro_batches, wrapper, bucket_view), nprocs=WORLD,
+                 join=True)
         return torch.load(out_file)
 
 
@@ -140,13 +144,14 @@ def one_process(dtype, device, autocast=None):
     return {k: v.cpu() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2], ids=["one step", "no_sync, then sync"])
-def test_two_processes_end_with_the_weights_of_one_on_the_whole_batch(micro_batches):
+@pytest.mark.parametrize("micro_batches, bucket_view", [(1, False), (2, False), (2, True)],
+                         ids=["one step", "no_sync, then sync", "no_sync, then sync, gradients as bucket views"])
+def test_two_processes_end_with_the_weights_of_one_on_the_whole_batch(micro_batches, bucket_view):
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # the CPU path's fallback says so once per reason
         want = one_process(torch.float64, "cpu")
-        got = run_ddp("gloo", micro_batches)
+        got = run_ddp("gloo", micro_batches, bucket_view=bucket_view)
     initial = {k: v.double() for k, v in small_net().state_dict().items()}
     assert got.keys() == want.keys()
     for name in want:
