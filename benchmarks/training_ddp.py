@@ -3,6 +3,7 @@
     torchrun --nproc-per-node N benchmarks/training_ddp.py [--nets resnet50] [--batch-per-gpu 128]
         [--steps 50] [--warmup 5] [--variants compile ours-lesson06-bnstats ...] [--compile-ahead] [--outdir DIR]
         [--bucket-cap-mb MB] [--gradient-as-bucket-view] [--static-graph] [--no-graph-split]   # DDP's settings
+        [--compiled-autograd]             # the backward under compiled autograd, DDP's all-reduces traced into it
         [--no-at-once]                                          # leave out the N processes without DDP
         [--breakdown]                     # where a step's time goes: host, GPU, NCCL, the operator's C++ calls
         [--rounds R] [--round-steps K]    # then the N-process runs again, in turns: R rounds of K steps
@@ -58,7 +59,9 @@ gradient buckets (25 MB); --gradient-as-bucket-view, gradients as views into the
 --static-graph, DDP's static_graph (the same parameters take part in every step: DDP skips looking for unused
 ones and settles its buckets once); --no-graph-split, torch._dynamo.config.optimize_ddp off: torch.compile keeps
 the whole model one graph instead of breaking it at each bucket, so every all-reduce waits for the backward's
-end.
+end; --compiled-autograd, the compiled variants' backward under compiled autograd (compiled with the forward's
+mode) and DDP's Python reducer (torch._dynamo.config.optimize_ddp = "python_reducer"): the backward one graph
+with DDP's all-reduces traced into it, in every run of the variant (DDP, at once, one GPU), eager's excepted.
 JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "steps", "warmup", "rounds", "round_steps", "ddp",
 "native_built", "rows": [{"net",
 "batch_per_gpu", "gpus", "variant", "img_s", "img_s_per_gpu", "scaling", "img_s_at_once", "ddp_efficiency",
@@ -67,7 +70,9 @@ JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "steps", "warmup
 scaling 1.0), or {"net", "variant", "gpus", "error"} for a variant that failed.
 """
 import argparse
+import contextlib
 import datetime
+import functools
 import math
 import os
 import statistics
@@ -98,7 +103,7 @@ def chunk(step, index, batch, size, classes, device):
 
 
 def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, autocast, compile_ahead=False,
-                ddp_options=None, own_chunk=False, breakdown=False, keep=None):
+                ddp_options=None, own_chunk=False, breakdown=False, keep=None, compiled_autograd=False):
     """(losses per step, seconds per timed step, breakdown) of one variant: with `ddp` this rank's chunk of each
     step under DistributedDataParallel, with `own_chunk` (every rank at once) this rank's chunk without DDP,
     else every chunk of each step accumulated before the optimizer's step. Under `ddp` or `own_chunk` a
@@ -107,7 +112,8 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
     operator's variants compile their kernels side by side first (conv_tutorial.compile_kernels_ahead,
     on the module DDP wraps: its pass reaches no DDP hook).
     `ddp_options`: DistributedDataParallel's keyword arguments beyond its devices (`ddp_settings`).
-    `breakdown`: after the steps, `step_breakdown`'s figures of a few more (else None)."""
+    `breakdown`: after the steps, `step_breakdown`'s figures of a few more (else None).
+    `compiled_autograd`: each backward under `compiled_backward(variant)`."""
     import copy
     import conv_tutorial
     torch._dynamo.reset()
@@ -134,7 +140,8 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
         for x, y in parts:
             with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=autocast):
                 loss = torch.nn.functional.cross_entropy(step_model(x), y) / len(parts)
-            loss.backward()
+            with compiled_backward(variant) if compiled_autograd else contextlib.nullcontext():
+                loss.backward()
             total = total + loss.detach()
             if graphs_output_grads and len(parts) > 1:
                 summed = gradients_out_of_the_graphs(model, summed)
@@ -334,7 +341,8 @@ def measure(args, device, size, classes, nets):
                                                         args.compile_ahead, ddp_options(args),
                                                         own_chunk=gpus == "at once", breakdown=args.breakdown,
                                                         keep=None if not args.rounds or gpus == 1 else
-                                                        (lambda step, key=(variant, gpus): kept.update({key: step})))
+                                                        (lambda step, key=(variant, gpus): kept.update({key: step})),
+                                                        compiled_autograd=args.compiled_autograd)
                 except Exception as error:            # noqa: BLE001  (recorded: the other variants still run)
                     results[gpus] = f"{type(error).__name__}: {error}"[:400]
                 dist.barrier()
@@ -491,6 +499,22 @@ def interleaved(kept, rounds, round_steps, device):
         return f"{type(error).__name__}: {error}"[:400]
 
 
+def compiled_backward(variant):
+    """The context a backward runs in under --compiled-autograd: compiled autograd, compiling the backward's graph
+    with torch.compile in the variant's mode (eager's backward stays eager)."""
+    if variant == "eager":
+        return contextlib.nullcontext()
+    from torch._dynamo import compiled_autograd
+    mode = "reduce-overhead" if variant.endswith("-cudagraphs") else None
+    return compiled_autograd._enable(_backward_compiler(mode))
+
+
+@functools.cache
+def _backward_compiler(mode):
+    """One compiler per mode for compiled autograd's graphs (a new one every step would be a new compile)."""
+    return torch.compile(mode=mode)
+
+
 def ddp_options(args):
     """DistributedDataParallel's keyword arguments from the command line (none: DDP's defaults)."""
     options = {}
@@ -505,9 +529,10 @@ def ddp_options(args):
 
 def worker(args):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")        # NVLink multicast off, as the GPU machines require
-    if args.no_graph_split:
+    if args.no_graph_split or args.compiled_autograd:
         from torch._dynamo import config as dynamo_config     # (an `import torch...` here would make torch local)
-        dynamo_config.optimize_ddp = False
+        # (set before any DistributedDataParallel is made: compiled autograd refuses DDP's C++ reducer)
+        dynamo_config.optimize_ddp = "python_reducer" if args.compiled_autograd else False
     smoke = args.smoke
     if smoke:
         dist.init_process_group("gloo")
@@ -538,7 +563,8 @@ def worker(args):
                          {"device": info["device"], "gpus": dist.get_world_size(), "torch": info["torch"],
                           "triton": info["triton"], "steps": args.steps, "warmup": args.warmup,
                           "rounds": args.rounds, "round_steps": args.round_steps,
-                          "ddp": {**ddp_options(args), "graph_split": not args.no_graph_split},
+                          "ddp": {**ddp_options(args), "graph_split": not args.no_graph_split,
+                                  **({"compiled_autograd": True} if args.compiled_autograd else {})},
                           "native_built": native_built, "rows": rows})
     dist.destroy_process_group()
     return rows
@@ -579,6 +605,9 @@ def parse(argv=None):
                         help="leave out the run of every rank at once without DDP (img_s_at_once)")
     parser.add_argument("--no-graph-split", action="store_true",
                         help="torch._dynamo.config.optimize_ddp off: one graph, not one per bucket")
+    parser.add_argument("--compiled-autograd", action="store_true",
+                        help="the compiled variants' backward under compiled autograd, with DDP's Python reducer "
+                             "(torch._dynamo.config.optimize_ddp='python_reducer'): the all-reduces in the backward's graph")
     parser.add_argument("--rounds", type=int, default=0,
                         help="then time the N-process runs in turns: ROUNDS rounds of --round-steps steps each "
                              "(img_s_interleaved, img_s_rounds, ... in the rows)")
@@ -588,6 +617,9 @@ def parse(argv=None):
         raise ValueError(f"--variants names a variant twice: {args.variants}")
     if args.rounds < 0 or args.round_steps < 1:
         raise ValueError(f"--rounds must be >= 0 and --round-steps >= 1, got {args.rounds} and {args.round_steps}")
+    if args.compiled_autograd and args.no_graph_split:
+        raise ValueError("--compiled-autograd and --no-graph-split both set torch._dynamo.config.optimize_ddp: "
+                         "give one of them")
     if args.bucket_cap_mb is not None and not args.bucket_cap_mb > 0:
         raise ValueError(f"--bucket-cap-mb must be positive, got {args.bucket_cap_mb}")
     if args.steps <= args.warmup:

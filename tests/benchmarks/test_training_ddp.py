@@ -198,3 +198,41 @@ def test_the_ranks_take_turns_with_the_runs_they_all_kept(tmp_path):
     lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("RANK"))
     expected = "[(('a', 2), [3, 3]), (('c', 2), [3, 3])]"
     assert lines == [f"RANK0: {expected}", f"RANK1: {expected}"], proc.stdout
+
+
+def test_compiled_autograd_trains_under_ddp_and_the_json_says_so(tmp_path):
+    """--compiled-autograd: the operator's variant trains on two processes with its backward under compiled autograd
+    and DDP's Python reducer, step by step as one process does."""
+    training_ddp.main(["--smoke", "--batch-per-gpu", "4", "--steps", "2", "--warmup", "1", "--variants", "ours",
+                       "--compiled-autograd", "--no-at-once", "--port", str(free_port()), "--outdir", str(tmp_path)])
+    data = json.loads((tmp_path / "training_ddp.json").read_text())
+    assert data["ddp"] == {"graph_split": True, "compiled_autograd": True}
+    assert [(r["variant"], r["gpus"]) for r in data["rows"]] == [("ours", 2), ("ours", 1)]
+    assert all(r["img_s"] > 0 and r["loss_gap"] < 1e-5 for r in data["rows"])
+
+
+def test_compiled_backward_runs_the_backward_through_compiled_autograd():
+    """The context of --compiled-autograd: a compiled variant's backward is captured by compiled autograd (its
+    counter moves) and gives autograd's gradients; eager's backward stays eager."""
+    import torch
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3))
+    x = torch.randn(6, 5)
+    model(x).square().sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    for variant, captured in (("eager", 0), ("compile", 1)):
+        torch._dynamo.reset()
+        model.zero_grad(set_to_none=True)
+        before = counters["compiled_autograd"]["captures"]
+        with training_ddp.compiled_backward(variant):
+            model(x).square().sum().backward()
+        assert counters["compiled_autograd"]["captures"] - before == captured, variant
+        for p, g in zip(model.parameters(), want):
+            torch.testing.assert_close(p.grad, g)
+
+
+def test_compiled_autograd_and_no_graph_split_are_refused_together():
+    import pytest
+    with pytest.raises(ValueError, match="--compiled-autograd and --no-graph-split"):
+        training_ddp.parse(["--compiled-autograd", "--no-graph-split"])
