@@ -3,7 +3,7 @@
     torchrun --nproc-per-node N benchmarks/training_ddp.py [--nets resnet50] [--batch-per-gpu 128]
         [--steps 50] [--warmup 5] [--variants compile ours-lesson06-bnstats ...] [--compile-ahead] [--outdir DIR]
         [--bucket-cap-mb MB] [--gradient-as-bucket-view] [--static-graph] [--no-graph-split]   # DDP's settings
-        [--compiled-autograd]             # the backward under compiled autograd, DDP's all-reduces traced into it
+        [--compiled-autograd]             # the backward under compiled autograd, DDP's Python reducer
         [--no-at-once]                                          # leave out the N processes without DDP
         [--breakdown]                     # where a step's time goes: host, GPU, NCCL, the operator's C++ calls
         [--rounds R] [--round-steps K]    # then the N-process runs again, in turns: R rounds of K steps
@@ -60,8 +60,9 @@ gradient buckets (25 MB); --gradient-as-bucket-view, gradients as views into the
 ones and settles its buckets once); --no-graph-split, torch._dynamo.config.optimize_ddp off: torch.compile keeps
 the whole model one graph instead of breaking it at each bucket, so every all-reduce waits for the backward's
 end; --compiled-autograd, the compiled variants' backward under compiled autograd (compiled with the forward's
-mode) and DDP's Python reducer (torch._dynamo.config.optimize_ddp = "python_reducer"): the backward one graph
-with DDP's all-reduces traced into it, in every run of the variant (DDP, at once, one GPU), eager's excepted.
+mode) and DDP's Python reducer (torch._dynamo.config.optimize_ddp = "python_reducer", which compiled autograd
+needs; whether its all-reduces land in the backward's graph is not checked here), in every run of the variant (DDP, at once, one GPU); refused with eager
+(the Python reducer is the whole process's: eager's DDP would lose its buckets).
 JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "steps", "warmup", "rounds", "round_steps", "ddp",
 "native_built", "rows": [{"net",
 "batch_per_gpu", "gpus", "variant", "img_s", "img_s_per_gpu", "scaling", "img_s_at_once", "ddp_efficiency",
@@ -505,7 +506,7 @@ def compiled_backward(variant):
     if variant == "eager":
         return contextlib.nullcontext()
     from torch._dynamo import compiled_autograd
-    mode = "reduce-overhead" if variant.endswith("-cudagraphs") else None
+    mode = "reduce-overhead" if variant.endswith("-cudagraphs") else {"compile-max-autotune": "max-autotune"}.get(variant)
     return compiled_autograd._enable(_backward_compiler(mode))
 
 
@@ -563,7 +564,9 @@ def worker(args):
                          {"device": info["device"], "gpus": dist.get_world_size(), "torch": info["torch"],
                           "triton": info["triton"], "steps": args.steps, "warmup": args.warmup,
                           "rounds": args.rounds, "round_steps": args.round_steps,
-                          "ddp": {**ddp_options(args), "graph_split": not args.no_graph_split,
+                          # (the Python reducer leaves the graph whole: Dynamo splits it in "ddp_optimizer" mode only)
+                          "ddp": {**ddp_options(args),
+                                  "graph_split": not (args.no_graph_split or args.compiled_autograd),
                                   **({"compiled_autograd": True} if args.compiled_autograd else {})},
                           "native_built": native_built, "rows": rows})
     dist.destroy_process_group()
@@ -617,6 +620,9 @@ def parse(argv=None):
         raise ValueError(f"--variants names a variant twice: {args.variants}")
     if args.rounds < 0 or args.round_steps < 1:
         raise ValueError(f"--rounds must be >= 0 and --round-steps >= 1, got {args.rounds} and {args.round_steps}")
+    if args.compiled_autograd and "eager" in args.variants:
+        raise ValueError("--compiled-autograd sets DDP's Python reducer for the whole process, eager's DDP too "
+                         "(no buckets): leave 'eager' out of --variants")
     if args.compiled_autograd and args.no_graph_split:
         raise ValueError("--compiled-autograd and --no-graph-split both set torch._dynamo.config.optimize_ddp: "
                          "give one of them")

@@ -206,7 +206,7 @@ def test_compiled_autograd_trains_under_ddp_and_the_json_says_so(tmp_path):
     training_ddp.main(["--smoke", "--batch-per-gpu", "4", "--steps", "2", "--warmup", "1", "--variants", "ours",
                        "--compiled-autograd", "--no-at-once", "--port", str(free_port()), "--outdir", str(tmp_path)])
     data = json.loads((tmp_path / "training_ddp.json").read_text())
-    assert data["ddp"] == {"graph_split": True, "compiled_autograd": True}
+    assert data["ddp"] == {"graph_split": False, "compiled_autograd": True}
     assert [(r["variant"], r["gpus"]) for r in data["rows"]] == [("ours", 2), ("ours", 1)]
     assert all(r["img_s"] > 0 and r["loss_gap"] < 1e-5 for r in data["rows"])
 
@@ -236,3 +236,5 @@ def test_compiled_autograd_and_no_graph_split_are_refused_together():
     import pytest
     with pytest.raises(ValueError, match="--compiled-autograd and --no-graph-split"):
         training_ddp.parse(["--compiled-autograd", "--no-graph-split"])
+    with pytest.raises(ValueError, match="leave 'eager' out"):
+        training_ddp.parse(["--compiled-autograd", "--variants", "eager", "ours"])
