@@ -117,9 +117,12 @@ def prepared(variant, model, wrap=None):
     wrapped = model if wrap is None else wrap(model)
     if variant == "eager":
         return model, wrapped
-    mode = {"compile-max-autotune": "max-autotune"}.get(variant)
-    mode = "reduce-overhead" if variant.endswith("-cudagraphs") else mode
-    return model, torch.compile(wrapped, mode=mode)
+    return model, torch.compile(wrapped, mode=compile_mode(variant))
+
+
+def compile_mode(variant):
+    """torch.compile's mode of a compiled variant (None: the default mode)."""
+    return "reduce-overhead" if variant.endswith("-cudagraphs") else {"compile-max-autotune": "max-autotune"}.get(variant)
 
 
 class FirstStepBreakdown:

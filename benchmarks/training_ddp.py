@@ -61,8 +61,9 @@ ones and settles its buckets once); --no-graph-split, torch._dynamo.config.optim
 the whole model one graph instead of breaking it at each bucket, so every all-reduce waits for the backward's
 end; --compiled-autograd, the compiled variants' backward under compiled autograd (compiled with the forward's
 mode) and DDP's Python reducer (torch._dynamo.config.optimize_ddp = "python_reducer", which compiled autograd
-needs; whether its all-reduces land in the backward's graph is not checked here), in every run of the variant (DDP, at once, one GPU); refused with eager
-(the Python reducer is the whole process's: eager's DDP would lose its buckets).
+needs; whether its all-reduces land in the backward's graph is not checked here), in every run of the variant
+(DDP, at once, one GPU); refused with eager (the Python reducer is the whole process's: eager's DDP would lose
+its buckets).
 JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "steps", "warmup", "rounds", "round_steps", "ddp",
 "native_built", "rows": [{"net",
 "batch_per_gpu", "gpus", "variant", "img_s", "img_s_per_gpu", "scaling", "img_s_at_once", "ddp_efficiency",
@@ -506,8 +507,7 @@ def compiled_backward(variant):
     if variant == "eager":
         return contextlib.nullcontext()
     from torch._dynamo import compiled_autograd
-    mode = "reduce-overhead" if variant.endswith("-cudagraphs") else {"compile-max-autotune": "max-autotune"}.get(variant)
-    return compiled_autograd._enable(_backward_compiler(mode))
+    return compiled_autograd._enable(_backward_compiler(training.compile_mode(variant)))
 
 
 @functools.cache
@@ -610,7 +610,7 @@ def parse(argv=None):
                         help="torch._dynamo.config.optimize_ddp off: one graph, not one per bucket")
     parser.add_argument("--compiled-autograd", action="store_true",
                         help="the compiled variants' backward under compiled autograd, with DDP's Python reducer "
-                             "(torch._dynamo.config.optimize_ddp='python_reducer'): the all-reduces in the backward's graph")
+                             "(torch._dynamo.config.optimize_ddp='python_reducer')")
     parser.add_argument("--rounds", type=int, default=0,
                         help="then time the N-process runs in turns: ROUNDS rounds of --round-steps steps each "
                              "(img_s_interleaved, img_s_rounds, ... in the rows)")
