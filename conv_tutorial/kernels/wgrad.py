@@ -342,14 +342,45 @@ def wgrad_config(Co, Ci_padded, groups=1):
     return WgradConfig(block_m, block_n, 128 if block_m * block_n <= 128 * 64 else 64)
 
 
+# A tile's MMA rate against a 128 x 128 tile's, by its rows and by its columns (a 64 x 64 tile: 0.9 x 0.9):
+# the wgrad kernel alone on the dense convs of Inception v3 and GoogLeNet at batch 128, an H200's medians
+# of padded MMA work per microsecond per tile shape, rounded (results/notebook.md, 2026-11-28, "wgrad tiles"). A 32-column
+# tile runs at half the rate: its k-step's MMAs are small next to the k-step's fixed costs.
+ROW_TILE_RATE = {128: 1.0, 64: 0.9}
+COLUMN_TILE_RATE = {128: 1.0, 64: 0.9, 32: 0.5, 16: 0.2}
+
+
+def least_padded_config(Co, Ci_padded, groups=1):
+    """wgrad_config's tile, or a narrower one where the channels fill its tiles so badly that the narrower
+    tile's MMA work (Co and Ci rounded up to its whole tiles), over its rate, is under 90% of
+    wgrad_config's: 160 input channels in 3 tiles of 64 columns (192) instead of 2 of 128 (256, 62%
+    useful), 192 output channels in 3 tiles of 64 rows instead of 2 of 128. Arithmetic on the channels
+    alone; a narrower tile takes 128-pixel k-steps where it has 128 x 64 elements or fewer, as
+    wgrad_config's do."""
+    widest = wgrad_config(Co, Ci_padded, groups)
+    Co_group, Ci_group = Co // groups, Ci_padded // groups
+
+    def work(block_m, block_n):
+        padded = -(-Co_group // block_m) * block_m * -(-Ci_group // block_n) * block_n
+        return padded / (ROW_TILE_RATE[block_m] * COLUMN_TILE_RATE[block_n])
+
+    tiles = [(m, n) for m in ROW_TILE_RATE if m <= widest.block_m for n in COLUMN_TILE_RATE if n <= widest.block_n]
+    block_m, block_n = min(tiles, key=lambda tile: work(*tile))       # (ties: the first, the widest)
+    if work(block_m, block_n) > 0.9 * work(widest.block_m, widest.block_n):
+        return widest
+    return WgradConfig(block_m, block_n, 128 if block_m * block_n <= 128 * 64 else 64)
+
+
 def default_wgrad_config(geometry, Ci_padded, num_sms):
-    """wgrad_config's tile, or 64-row tiles (128-pixel k-steps) where 128-row ones leave a wave mostly
+    """least_padded_config's narrower tile where the channels pad wgrad_config's badly; else
+    wgrad_config's tile, or 64-row tiles (128-pixel k-steps) where 128-row ones leave a wave mostly
     idle: where 128-row tiles fill at most half the SMs and 64-row ones three quarters or more,
     whole; or, for a conv whose x is read tiled and whose tiles are 128 channels wide, where the
     128-row tiles are fewer than the SMs and the 64-row tiles' slices fit one wave."""
     config = wgrad_config(geometry.Co, Ci_padded, geometry.groups)
-    if config.block_m == 64:
-        return config
+    narrower = least_padded_config(geometry.Co, Ci_padded, geometry.groups)
+    if narrower != config or config.block_m == 64:
+        return narrower
     narrow = config._replace(block_m=64, block_k=128)            # (64 x 128 elements or fewer: 128 pixels)
     tiles = wgrad_tiles(geometry, config)[2]
     _, _, narrow_tiles, narrow_k_blocks = wgrad_tiles(geometry, narrow)

@@ -141,7 +141,10 @@ def test_shared_memory_model_of_both_kernels_shares_its_barrier_rule():
 
 
 WGRAD_BUILDS = [("sm_90", dict()), ("sm_90", dict(N=8, H=14, W=14, Ci=256, Co=512, R=1, S=1, padding=0,
-                                                  default_config=True)), ("sm_100", dict())]
+                                                  default_config=True)), ("sm_100", dict()),
+                # least_padded_config's 64 x 64 tiles (160 channels each side): 128-pixel k-steps
+                ("sm_90", dict(N=8, H=14, W=14, Ci=160, Co=160, default_config=True)),
+                ("sm_100", dict(N=8, H=14, W=14, Ci=160, Co=160, default_config=True))]
 
 
 @pytest.mark.parametrize("arch, params", WGRAD_BUILDS, ids=lambda v: str(v))

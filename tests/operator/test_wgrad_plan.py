@@ -479,7 +479,7 @@ def test_negative_programs_or_slices_are_refused():
     (128, 7, 2048, 512, 1, 1, 64),
     (128, 8, 2048, 448, 1, 1, 64),     # 64 -> 112 tiles (85%)
     (128, 8, 2048, 384, 1, 1, 64),     # 48 -> 96 tiles (73%): x read tiled, the 96 whole in one wave
-    (128, 17, 192, 320, 3, 2, 128),    # 54 -> 90 tiles (68%), x through im2col: 128-row tiles
+    (128, 17, 256, 320, 3, 2, 128),    # 54 -> 90 tiles (68%), x through im2col: 128-row tiles
     (128, 14, 1024, 256, 1, 1, 64),    # 16 tiles in 8 slices -> 32 in 4: 128 units, one wave
     (128, 56, 256, 256, 1, 1, 64),     # 4 tiles in 33 slices -> 8 in 16
     (128, 7, 1024, 2048, 1, 1, 128),   # 128 tiles whole; 64-row tiles would need two waves
@@ -493,6 +493,32 @@ def test_64_row_tiles_where_they_fill_a_wave(N, H, Ci, Co, R, stride, block_m):
     assert config.block_m == block_m and config.num_buffers == 4
     wgrad_kernels.check_wgrad_config(config, "sm_90")
     wgrad_kernels.check_wgrad_config(config, "sm_100")
+
+
+@pytest.mark.parametrize("Ci, Co, tile", [
+    (160, 160, (64, 64)),     # columns 2 x 128 = 256 or 3 x 64 = 192 (/0.9: 213); rows alike: 213^2 < 0.9 x 256^2
+    (64, 192, (64, 64)),      # rows 2 x 128 = 256 or 3 x 64 = 192 (/0.9: 213); 64 columns either way
+    (192, 384, (128, 64)),    # rows whole in 128s; columns 256 or 192 (/0.9: 213), 83% of 256
+    (128, 192, (64, 128)),    # columns whole; rows 256 or 213
+    (32, 192, (64, 32)),      # 32 columns (a box of 32); rows 256 or 213
+    (256, 320, (128, 128)),   # rows 384 or 320 (/0.9: 356), 93% of 384: not under 90%, the widest
+    (96, 96, (128, 128)),     # 128 columns or 3 x 32 (/0.5: 192); rows 128 or 2 x 64 (/0.9: 142)
+    (2048, 448, (128, 128)),  # rows 512 or 448 (/0.9: 498)
+    (3, 32, (64, 16)),        # wgrad_config's own: 32 rows in one 64-row tile, a 16-channel box
+])
+def test_narrower_tiles_where_the_channels_pad_the_widest(Ci, Co, tile):
+    """least_padded_config by hand: Co and Ci rounded up to whole tiles, over the tile's rate (rows 1.0 or
+    0.9 for 128 or 64, columns 1.0, 0.9, 0.5 for 128, 64, 32), taken where under 90% of wgrad_config's;
+    128-pixel k-steps for 128 x 64 elements or fewer. Every tile it gives builds on both architectures."""
+    Ci_padded = -(-Ci // 8) * 8
+    config = wgrad_kernels.least_padded_config(Co, Ci_padded)
+    assert (config.block_m, config.block_n) == tile
+    assert config.block_k == (128 if tile[0] * tile[1] <= 128 * 64 else 64) and config.num_buffers == 4
+    wgrad_kernels.check_wgrad_config(config, "sm_90")
+    wgrad_kernels.check_wgrad_config(config, "sm_100")
+    g = common.conv_geometry((128, 17, 17, Ci), (Co, 3, 3, Ci), 1, 1)
+    if tile != tuple(wgrad_kernels.wgrad_config(Co, Ci_padded)[:2]):     # the plan's tile: the narrower one
+        assert wgrad_kernels.default_wgrad_config(g, Ci_padded, 132) == config
 
 
 @pytest.mark.parametrize("R, stride, padding, tiled", [(1, 1, 0, True), (1, 2, 0, False), (1, 1, 1, False),
