@@ -22,6 +22,11 @@ the same problem with plans (launch.py); this module does the same for wgrad:
   does not fold columns: such a conv runs other tiles and splits than the lesson's (its bits are
   the lesson launcher's on the folded conv), and x_fold, S/stride_w times x's size, is a workspace
   of the call (304 MiB for Inception v3's 73x73 80-channel layer at batch 128).
+- A conv the fold leaves as it is, and a folded one, take lesson 07's `default_wgrad_config`, which
+  gives channels that pad its widest tiles badly narrower tiles (`least_padded_config`: 160 channels
+  in 3 x 64 columns). The fold is decided against the widest tiles: on the four layers of the
+  probed networks it folds, the narrower tiles without the fold measured slower than the fold
+  (results/notebook.md, "wgrad tiles").
 - Later calls pad x's channels and dY's Co to 16-byte rows where the shape needs it (lesson 07's
   `wgrad_operands`), allocate dW and, where some tiles are split, the fp32 workspace, and launch
   the kernel and (where some tiles are split) the sum directly: the

@@ -343,9 +343,10 @@ def wgrad_config(Co, Ci_padded, groups=1):
 
 
 # A tile's MMA rate against a 128 x 128 tile's, by its rows and by its columns (a 64 x 64 tile: 0.9 x 0.9):
-# the wgrad kernel alone on the dense convs of Inception v3 and GoogLeNet at batch 128, an H200's medians
-# of padded MMA work per microsecond per tile shape, rounded (results/notebook.md, 2026-11-28, "wgrad tiles"). A 32-column
-# tile runs at half the rate: its k-step's MMAs are small next to the k-step's fixed costs.
+# of a few such sets, the one whose picks were fastest on the wgrad kernel alone over the dense convs of
+# Inception v3 and GoogLeNet at batch 128 (an H200), judged on DenseNet-121's, EfficientNet-B0's and
+# MobileNet v2's (results/notebook.md, 2026-11-28, "wgrad tiles"). A 32-column tile is slow: its
+# k-step's MMAs are small next to the k-step's fixed costs.
 ROW_TILE_RATE = {128: 1.0, 64: 0.9}
 COLUMN_TILE_RATE = {128: 1.0, 64: 0.9, 32: 0.5, 16: 0.2}
 
