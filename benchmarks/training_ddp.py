@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node N benchmarks/training_ddp.py [--nets resnet50] [--batch-per-gpu 128]
         [--steps 50] [--warmup 5] [--variants compile ours-lesson06-bnstats ...] [--compile-ahead] [--outdir DIR]
-        [--bucket-cap-mb MB] [--gradient-as-bucket-view] [--static-graph] [--no-graph-split]   # DDP's settings
+        [--bucket-cap-mb MB] [--gradient-as-bucket-view] [--static-graph] [--no-broadcast-buffers]
+        [--no-graph-split]                                                                      # DDP's settings
         [--compiled-autograd]             # the backward under compiled autograd, DDP's Python reducer
         [--no-at-once]                                          # leave out the N processes without DDP
         [--breakdown]                     # where a step's time goes: host, GPU, NCCL, the operator's C++ calls
@@ -57,7 +58,9 @@ variant, or a CPU).
 DDP's settings (the same for every variant; DDP's defaults unless given): --bucket-cap-mb, the size of its
 gradient buckets (25 MB); --gradient-as-bucket-view, gradients as views into the buckets (no copy into them);
 --static-graph, DDP's static_graph (the same parameters take part in every step: DDP skips looking for unused
-ones and settles its buckets once); --no-graph-split, torch._dynamo.config.optimize_ddp off: torch.compile keeps
+ones and settles its buckets once); --no-broadcast-buffers, DDP's broadcast_buffers off (by default DDP broadcasts
+rank 0's buffers, BatchNorm's running statistics, before every forward: a collective each step; training's
+losses do not depend on them); --no-graph-split, torch._dynamo.config.optimize_ddp off: torch.compile keeps
 the whole model one graph instead of breaking it at each bucket, so every all-reduce waits for the backward's
 end; --compiled-autograd, the compiled variants' backward under compiled autograd (compiled with the forward's
 mode) and DDP's Python reducer (torch._dynamo.config.optimize_ddp = "python_reducer", which compiled autograd
@@ -525,6 +528,8 @@ def ddp_options(args):
         options["gradient_as_bucket_view"] = True
     if args.static_graph:
         options["static_graph"] = True
+    if not args.broadcast_buffers:
+        options["broadcast_buffers"] = False
     return options
 
 
@@ -599,6 +604,9 @@ def parse(argv=None):
                         help="DDP's bucket size in MB (default: DDP's own, 25)")
     parser.add_argument("--static-graph", action="store_true",
                         help="DDP's static_graph: the same parameters used every step (less bookkeeping a step)")
+    parser.add_argument("--no-broadcast-buffers", dest="broadcast_buffers", action="store_false",
+                        help="DDP's broadcast_buffers off: no broadcast of rank 0's buffers (BatchNorm's running "
+                             "statistics) before each forward; each rank keeps its own")
     parser.add_argument("--gradient-as-bucket-view", action="store_true",
                         help="DDP's gradients as views into its buckets")
     parser.add_argument("--breakdown", action="store_true",

@@ -38,23 +38,25 @@ def test_smoke_run_trains_each_variant_on_two_processes_and_one(tmp_path):
 
 
 def test_ddps_settings_reach_it_and_the_json(tmp_path):
-    """--bucket-cap-mb, --gradient-as-bucket-view, --static-graph and --no-graph-split: the two processes train
-    with them and the JSON says them (--no-at-once: no run without DDP, no fields from it). (The next test
-    checks the keyword arguments they make; that run_variant hands them to DistributedDataParallel is not
-    checked here.)"""
+    """--bucket-cap-mb, --gradient-as-bucket-view, --static-graph, --no-broadcast-buffers and --no-graph-split: the
+    two processes train with them and the JSON says them (--no-at-once: no run without DDP, no fields from it).
+    (The next test checks the keyword arguments they make; that run_variant hands them to
+    DistributedDataParallel is not checked here.)"""
     training_ddp.main(["--smoke", "--batch-per-gpu", "4", "--steps", "2", "--warmup", "1", "--variants", "eager",
                        "--bucket-cap-mb", "1.5", "--gradient-as-bucket-view", "--static-graph", "--no-graph-split",
+                       "--no-broadcast-buffers",
                        "--no-at-once", "--port", str(free_port()), "--outdir", str(tmp_path)])
     data = json.loads((tmp_path / "training_ddp.json").read_text())
     assert data["ddp"] == {"bucket_cap_mb": 1.5, "gradient_as_bucket_view": True, "static_graph": True,
-                           "graph_split": False}
+                           "broadcast_buffers": False, "graph_split": False}
     assert all(row["img_s"] > 0 and row["img_s_at_once"] is None for row in data["rows"])
 
 
 def test_ddp_options_from_the_command_line():
-    args = training_ddp.parse(["--bucket-cap-mb", "50", "--gradient-as-bucket-view", "--static-graph"])
+    args = training_ddp.parse(["--bucket-cap-mb", "50", "--gradient-as-bucket-view", "--static-graph",
+                               "--no-broadcast-buffers"])
     assert training_ddp.ddp_options(args) == {"bucket_cap_mb": 50.0, "gradient_as_bucket_view": True,
-                                              "static_graph": True}
+                                              "static_graph": True, "broadcast_buffers": False}
     assert training_ddp.ddp_options(training_ddp.parse([])) == {}
 
 
