@@ -12,8 +12,10 @@ ASTSource, the GPU target, the options and the environment variables that key Tr
 kernel named by module and name) to an idle worker. The worker compiles into Triton's file cache,
 at the same key in the same folder. The closure then finds the kernel there and only loads it. Where the
 worker cannot help, the closure compiles on the thread, as a pool of threads would. That is a kernel
-already in the cache, one defined where a worker cannot import it, one whose parts do not pickle, or a
-worker that failed. So the result is the same kernel, and a compile that fails raises Triton's own error.
+defined where a worker cannot import it, one whose parts do not pickle, or a worker that failed. So the
+result is the same kernel, and a compile that fails raises Triton's own error. A kernel already in the
+cache needs no compile: `submit` loads it at once on the caller's thread, where it does not take turns
+for the GIL with what the caller runs next.
 
 Workers are `python -c` processes reading requests on their standard input. They are not
 multiprocessing's, which would import the caller's main script. They start at the first compile that
@@ -31,7 +33,7 @@ import subprocess
 import sys
 import threading
 import warnings
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import triton
 from triton.compiler import ASTSource
@@ -69,6 +71,18 @@ class ProcessCompiles(Executor):
         self._no_workers = False     # a worker died before its first answer: every compile on the threads
 
     def submit(self, fn, /, *args, **kwargs):
+        job = None if args or kwargs else _job(fn)
+        if job is not None and _cache_state(*job) == "hit":
+            # A kernel in Triton's cache loads here, on the caller's thread, in a millisecond or so. On a thread
+            # of the pool it would take turns for the GIL with whatever the caller runs beside it: with warm
+            # caches, ResNet-50's first steps took 1.8 s longer with the loads in the background than after
+            # them (results/notebook.md, 2026-11-28, "the first steps with warm caches").
+            future = Future()
+            try:
+                future.set_result(fn())
+            except BaseException as error:      # (Triton's own error, raised where the kernel is asked for)
+                future.set_exception(error)
+            return future
         return self._threads.submit(self._compile, fn, args, kwargs)
 
     def shutdown(self, wait=True, *, cancel_futures=False):
@@ -167,12 +181,19 @@ def _pickled(job):
 
 
 def _in_triton_cache(src, target, options, env_vars) -> bool:
-    """Whether triton.compile(src, target, options) would load the kernel from Triton's cache: its key
-    and file name as triton.compiler.compile makes them (Triton 3.9). Settings that make every compile
-    run (always_compile, a stages inspection hook) count as a hit: a worker's compile would be wasted."""
+    """Whether no worker should compile this: the kernel is in Triton's cache, or `_cache_state` cannot
+    tell (a worker's compile could be wasted)."""
+    return _cache_state(src, target, options, env_vars) != "miss"
+
+
+def _cache_state(src, target, options, env_vars) -> str:
+    """"hit" where triton.compile(src, target, options) would load the kernel from Triton's cache, "miss"
+    where it would compile it: its key and file name as triton.compiler.compile makes them (Triton 3.9).
+    "unknown" under settings that make every compile run (always_compile, a stages inspection hook) and
+    where Triton's internals are not those (another Triton)."""
     knobs = triton.knobs
     if knobs.compilation.always_compile or knobs.runtime.add_stages_inspection_hook is not None:
-        return True
+        return "unknown"
     try:
         from triton.compiler.compiler import make_backend
         from triton.runtime.cache import get_cache_key, get_cache_manager
@@ -181,9 +202,9 @@ def _in_triton_cache(src, target, options, env_vars) -> bool:
         key = get_cache_key(src, backend, parsed, env_vars=env_vars)
         metadata = f"{src.name[:150]}.json"
         group = get_cache_manager(hashlib.sha256(key.encode("utf-8")).hexdigest()).get_group(metadata) or {}
-        return group.get(metadata) is not None
+        return "hit" if group.get(metadata) is not None else "miss"
     except Exception:        # (another Triton's internals: no worker then, the closure decides)
-        return True
+        return "unknown"
 
 
 class _KernelsByName(pickle.Pickler):

@@ -716,7 +716,8 @@ def compiling_ahead(workers=None, wait=True):
     kernel's compile (and split-K's second kernel's) to a pool of `workers` (default: the CPUs this
     process may use, shared among the processes torchrun started on this node, at most 32) and
     returns its output unwritten. Each compile runs in a worker process where it can
-    (compile_pool.ProcessCompiles: the caller keeps the GIL), else on the pool's thread. On exit
+    (compile_pool.ProcessCompiles: the caller keeps the GIL), else on the pool's thread; a kernel
+    already in Triton's cache loads at once, on the caller's thread. On exit
     every compile has finished, and Triton's in-memory cache holds them: the calls after it launch
     without compiling. A model run once inside it has its distinct kernels compiled side by side
     instead of one after another (its outputs are garbage: run it for the compiles alone).
@@ -727,7 +728,8 @@ def compiling_ahead(workers=None, wait=True):
     training step: compile_ahead.compile_kernels_ahead. Autotuning must be off inside (the tuner
     times real launches). Triton reports a failed compile when the block exits.
 
-    `wait=False`: the block exits once every compile is submitted, and the pool goes on compiling.
+    `wait=False`: the block exits once every compile is submitted (and every kernel already in the cache
+    loaded), and the pool goes on compiling.
     Triton's cache holds each kernel's compile in progress (its FutureKernel): the kernel's first
     launch waits for that compile alone, and raises its failure, where a compile that failed is
     not reported at the block's exit (one whose kernel is never launched is not reported at all). The

@@ -23,8 +23,12 @@ SCRIPT = textwrap.dedent("""
     from conv_tutorial.kernels import aot, dgrad
     import failing_kernel
 
+    import threading
+    threads = []                     # (the thread each closure ran on, in order)
+
     def closure(src, target, options, env_vars):
         def async_compile():         # (what JITFunction._do_compile submits, with the same names)
+            threads.append(threading.current_thread().name)
             return triton.compile(src, target=target, options=options, _env_vars=env_vars)
         return async_compile
 
@@ -46,9 +50,12 @@ SCRIPT = textwrap.dedent("""
     report["cache_entries"] = len([d for d in os.listdir(cache) if os.path.isdir(os.path.join(cache, d))])
     report["same_as_triton"] = kernel.hash == triton.compile(src, target=target, options=options).hash
     report["stores"] = "st.global" in kernel.asm["ptx"]
-    again = pool.submit(closure(src, target, options, env_vars)).result()
+    hit = pool.submit(closure(src, target, options, env_vars))
+    report["hit_done_at_submit"] = hit.done()
+    again = hit.result()
     report["worker_after_hit"] = compile_pool.compiles_in_workers()
     report["hit_same"] = again.hash == kernel.hash
+    report["threads"] = list(threads)
 
     main_src, main_target, main_options = aot.compile_source(kernel_in_main, (torch.zeros(16),), dict(BLOCK=16),
                                                              "sm_90")
@@ -128,7 +135,8 @@ def test_tritons_compile_closure_has_the_names_the_pool_reads():
 def test_workers_compile_into_tritons_cache_and_the_caller_loads_the_same_kernel(tmp_path):
     """In a process with a fresh Triton cache: the first compile goes to a worker, and the caller gets the
     kernel triton.compile builds from the same source (the same hash: the worker wrote it at the caller's
-    key); the same compile again is a cache hit, no worker asked. A kernel defined in the main script (no
+    key); the same compile again is a cache hit, no worker asked, loaded on the caller's thread before submit
+    returns. A kernel defined in the main script (no
     worker can import it) compiles on the caller's thread; one whose compile fails raises Triton's error
     there. A worker killed under the pool: one warning, the kernel still compiled, and the next compile
     starts a new worker. At shutdown every worker has exited. A worker whose kernel lands at another key
@@ -149,6 +157,9 @@ def test_workers_compile_into_tritons_cache_and_the_caller_loads_the_same_kernel
     assert report["worker_first"] == 1 and report["cache_entries"] == 1     # (one key: the worker's and the caller's)
     assert report["same_as_triton"] and report["stores"]
     assert report["worker_after_hit"] == 1 and report["hit_same"]
+    # (the miss loaded on a thread of the pool once its worker had compiled it; the hit on the caller's, at submit)
+    assert report["threads"][0].startswith("conv_tutorial_compile") and report["threads"][1] == "MainThread"
+    assert report["hit_done_at_submit"]
     assert report["main_compiled_here"] == [True, 1]
     assert report["failure"] == "CompilationError" and report["worker_after_failure"] == 1
     same, warned = report["after_kill"]
