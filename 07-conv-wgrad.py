@@ -467,6 +467,9 @@ def sum_partials(launch, dw):
 # to one group: Co/groups a multiple of 64, Ci/groups of 8), lets the package's `prepare_wgrad`
 # build the launch (x padded to 16-byte pixels as in lesson 04, its descriptor, dY's,
 # `default_wgrad_config`'s tile, the split, the workspace, the grid), runs the kernel, then the sum.
+# The tile is 64 or 128 output channels by up to 128 input channels of one tap, narrower where the
+# channels fill wide tiles badly: 160 channels take 2 x 128 columns (62% used) or 3 x 64 (83%), and
+# `least_padded_config` weighs that against the narrower tile's lower rate.
 #
 # One layer fits these tiles badly: ResNet-50's stem, 7x7 at stride 2 on 3 channels read in
 # 16-channel boxes, 49 taps x 16 columns of MMA work for 49 x 3 useful ones. The launcher runs it
