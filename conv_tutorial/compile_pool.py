@@ -69,10 +69,14 @@ class ProcessCompiles(Executor):
         self._lock = threading.Lock()
         self._warned = False
         self._no_workers = False     # a worker died before its first answer: every compile on the threads
+        self._shut = False
 
     def submit(self, fn, /, *args, **kwargs):
+        if self._shut:
+            raise RuntimeError("cannot submit a compile after shutdown")
         job = None if args or kwargs else _job(fn)
-        if job is not None and _cache_state(*job) == "hit":
+        state = None if job is None else _cache_state(*job)
+        if state == "hit":
             # A kernel in Triton's cache loads here, on the caller's thread, in a millisecond or so. On a thread
             # of the pool it would take turns for the GIL with whatever the caller runs beside it: with warm
             # caches, ResNet-50's first steps took 1.8 s longer with the loads in the background than after
@@ -80,12 +84,13 @@ class ProcessCompiles(Executor):
             future = Future()
             try:
                 future.set_result(fn())
-            except BaseException as error:      # (Triton's own error, raised where the kernel is asked for)
+            except Exception as error:      # (Triton's own error, raised where the kernel is asked for)
                 future.set_exception(error)
             return future
-        return self._threads.submit(self._compile, fn, args, kwargs)
+        return self._threads.submit(self._compile, fn, args, kwargs, job, state)
 
     def shutdown(self, wait=True, *, cancel_futures=False):
+        self._shut = True
         if wait:
             self._threads.shutdown(wait=True, cancel_futures=cancel_futures)
             self._stop_workers()
@@ -98,9 +103,9 @@ class ProcessCompiles(Executor):
         self._threads.shutdown(wait=True)
         self._stop_workers()
 
-    def _compile(self, fn, args, kwargs):
-        job = None if args or kwargs else _job(fn)
-        request = None if job is None or _in_triton_cache(*job) else _pickled(job)
+    def _compile(self, fn, args, kwargs, job, state):
+        # (job and its cache state as submit found them: a miss goes to a worker; "unknown", or no job, stays here)
+        request = _pickled(job) if state == "miss" else None
         answer = None if request is None else self._in_worker(request)
         if answer is True and _in_triton_cache(*job):
             global _compiles_in_workers

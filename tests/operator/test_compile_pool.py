@@ -184,3 +184,12 @@ def test_a_worker_whose_pipe_closes_before_it_exits_is_said_with_its_exit_status
     worker = compile_pool._Worker(process)
     assert worker.compile(b"a request") is False and not worker.alive and worker.answered == 0
     assert worker.returncode() == 3
+
+
+def test_no_compile_is_taken_after_shutdown():
+    """As any Executor: submit after shutdown raises, a cached kernel's load (which submit runs itself) too."""
+    from conv_tutorial import compile_pool
+    pool = compile_pool.ProcessCompiles(1)
+    pool.shutdown()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        pool.submit(lambda: None)

@@ -480,6 +480,7 @@ def test_negative_programs_or_slices_are_refused():
     (128, 8, 2048, 448, 1, 1, 64),     # 64 -> 112 tiles (85%)
     (128, 8, 2048, 384, 1, 1, 64),     # 48 -> 96 tiles (73%): x read tiled, the 96 whole in one wave
     (128, 17, 256, 320, 3, 2, 128),    # 54 -> 90 tiles (68%), x through im2col: 128-row tiles
+    (128, 17, 192, 320, 3, 2, 64),     # the same at 192 channels: least_padded_config's 64 x 64 (135 tiles) first
     (128, 14, 1024, 256, 1, 1, 64),    # 16 tiles in 8 slices -> 32 in 4: 128 units, one wave
     (128, 56, 256, 256, 1, 1, 64),     # 4 tiles in 33 slices -> 8 in 16
     (128, 7, 1024, 2048, 1, 1, 128),   # 128 tiles whole; 64-row tiles would need two waves
@@ -509,7 +510,8 @@ def test_64_row_tiles_where_they_fill_a_wave(N, H, Ci, Co, R, stride, block_m):
 def test_narrower_tiles_where_the_channels_pad_the_widest(Ci, Co, tile):
     """least_padded_config by hand: Co and Ci rounded up to whole tiles, over the tile's rate (rows 1.0 or
     0.9 for 128 or 64, columns 1.0, 0.9, 0.5 for 128, 64, 32), taken where under 90% of wgrad_config's;
-    128-pixel k-steps for 128 x 64 elements or fewer. Every tile it gives builds on both architectures."""
+    128-pixel k-steps for 128 x 64 elements or fewer. Every tile it gives passes check_wgrad_config's model on
+    both architectures (the 64 x 64 tile's builds: tests/kernels/test_host_model.py)."""
     Ci_padded = -(-Ci // 8) * 8
     config = wgrad_kernels.least_padded_config(Co, Ci_padded)
     assert (config.block_m, config.block_n) == tile
@@ -519,6 +521,16 @@ def test_narrower_tiles_where_the_channels_pad_the_widest(Ci, Co, tile):
     g = common.conv_geometry((128, 17, 17, Ci), (Co, 3, 3, Ci), 1, 1)
     if tile != tuple(wgrad_kernels.wgrad_config(Co, Ci_padded)[:2]):     # the plan's tile: the narrower one
         assert wgrad_kernels.default_wgrad_config(g, Ci_padded, 132) == config
+
+
+def test_narrower_tiles_keep_a_grouped_convs_rows_in_one_group():
+    """960 output channels a group: 128-row tiles would cross a group's edge (960 = 7 x 128 + 64), so only
+    64-row ones are weighed, though 128 rows would pad less here (1024/1.0 against 960/0.9 = 1067: the
+    rule alone would take them). 160 channels a group: 3 x 64 columns (192/0.9 = 213) against 2 x 128 (256)."""
+    config = wgrad_kernels.least_padded_config(1920, 320, groups=2)
+    assert (config.block_m, config.block_n, config.block_k) == (64, 64, 128)
+    whole = wgrad_kernels.least_padded_config(2048, 320, groups=2)       # 1024 a group: 128-row tiles fit
+    assert (whole.block_m, whole.block_n) == (128, 64)
 
 
 @pytest.mark.parametrize("R, stride, padding, tiled", [(1, 1, 0, True), (1, 2, 0, False), (1, 1, 1, False),
