@@ -65,13 +65,14 @@ the whole model one graph instead of breaking it at each bucket, so every all-re
 end; --compiled-autograd, the compiled variants' backward under compiled autograd (compiled with the forward's
 mode) and DDP's Python reducer (torch._dynamo.config.optimize_ddp = "python_reducer", which compiled autograd
 needs; whether its all-reduces land in the backward's graph is not checked here), in every run of the variant
-(DDP, at once, one GPU); refused with eager (the Python reducer is the whole process's: eager's DDP would lose
-its buckets).
+(DDP, at once, one GPU); each row gains compiled_autograd_captures, the backward graphs compiled autograd
+captured over that run's steps (warm-up included; rank 0's count); refused with eager (the Python reducer is the
+whole process's: eager's DDP would lose its buckets).
 JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "steps", "warmup", "rounds", "round_steps", "ddp",
 "native_built", "rows": [{"net",
 "batch_per_gpu", "gpus", "variant", "img_s", "img_s_per_gpu", "scaling", "img_s_at_once", "ddp_efficiency",
-"host_sharing", ["at_once_error"], "loss_50", "loss_last", "losses", "loss_gap", "loss_tolerance", ["breakdown",
-"breakdown_at_once"], [the --rounds fields]}]}; a row per variant for N GPUs and one for the one-GPU run (gpus 1,
+"host_sharing", ["at_once_error"], "loss_50", "loss_last", "losses", "loss_gap", "loss_tolerance",
+["compiled_autograd_captures"], ["breakdown", "breakdown_at_once"], [the --rounds fields]}]}; a row per variant for N GPUs and one for the one-GPU run (gpus 1,
 scaling 1.0), or {"net", "variant", "gpus", "error"} for a variant that failed.
 """
 import argparse
@@ -109,7 +110,7 @@ def chunk(step, index, batch, size, classes, device):
 
 def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, autocast, compile_ahead=False,
                 ddp_options=None, own_chunk=False, breakdown=False, keep=None, compiled_autograd=False):
-    """(losses per step, seconds per timed step, breakdown) of one variant: with `ddp` this rank's chunk of each
+    """(losses per step, seconds per timed step, breakdown, captures) of one variant: with `ddp` this rank's chunk of each
     step under DistributedDataParallel, with `own_chunk` (every rank at once) this rank's chunk without DDP,
     else every chunk of each step accumulated before the optimizer's step. Under `ddp` or `own_chunk` a
     step's seconds are the slowest rank's and its loss the mean of the ranks' (under `ddp`, what DDP's
@@ -118,7 +119,8 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
     on the module DDP wraps: its pass reaches no DDP hook).
     `ddp_options`: DistributedDataParallel's keyword arguments beyond its devices (`ddp_settings`).
     `breakdown`: after the steps, `step_breakdown`'s figures of a few more (else None).
-    `compiled_autograd`: each backward under `compiled_backward(variant)`."""
+    `compiled_autograd`: each backward under `compiled_backward(variant)`; captures, the backward graphs compiled
+    autograd captured on this rank over the run's steps (torch._dynamo's counter; None without it)."""
     import copy
     import conv_tutorial
     torch._dynamo.reset()
@@ -158,6 +160,7 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
 
     losses, seconds = [], []
     native_before = None
+    captures_before = compiled_autograd_captures() if compiled_autograd else None
     for s in range(steps):
         if s == warmup:
             native_before = native_calls()
@@ -203,7 +206,8 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
             figures["breakdown_error"] = f"{type(error).__name__}: {error}"[:400]
     if keep is not None:      # (its model, gradients and optimizer state stay alive for the rounds)
         keep(one_step)
-    return losses, seconds, figures
+    captures = None if captures_before is None else compiled_autograd_captures() - captures_before
+    return losses, seconds, figures, captures
 
 
 def native_calls():
@@ -369,7 +373,7 @@ def measure(args, device, size, classes, nets):
                     rows.append({**row, "gpus": gpus, "error": got})
                     print(f"  {net:<12} {variant:<34} {gpus} {unit}: failed: {got}", flush=True)
                     continue
-                losses, seconds, figures = got
+                losses, seconds, figures, captures = got
                 img_s = global_batch / statistics.median(seconds)
                 one_img_s = None if isinstance(one, str) else global_batch / statistics.median(one[1])
                 gap = None if isinstance(one, str) else max(abs(a - b) for a, b in zip(losses, one[0]))
@@ -383,7 +387,8 @@ def measure(args, device, size, classes, nets):
                              **({"at_once_error": at_once} if gpus > 1 and isinstance(at_once, str) else {}),
                              "loss_50": losses[49] if len(losses) >= 50 else None, "loss_last": losses[-1],
                              "losses": losses, "loss_gap": gap,
-                             "loss_tolerance": 2 * BF16_ROUNDING * abs(losses[0])})
+                             "loss_tolerance": 2 * BF16_ROUNDING * abs(losses[0]),
+                             **({"compiled_autograd_captures": captures} if args.compiled_autograd else {})})
                 if args.breakdown:
                     rows[-1]["breakdown"] = figures
                     if gpus > 1:
@@ -502,6 +507,12 @@ def interleaved(kept, rounds, round_steps, device):
             return training.take_turns(order, run, rounds, round_steps)
     except Exception as error:     # noqa: BLE001  (the runs' own figures stand)
         return f"{type(error).__name__}: {error}"[:400]
+
+
+def compiled_autograd_captures():
+    """The backward graphs compiled autograd has captured in this process so far (torch._dynamo's counter)."""
+    from torch._dynamo.utils import counters
+    return counters["compiled_autograd"]["captures"]
 
 
 def compiled_backward(variant):

@@ -204,13 +204,15 @@ def test_the_ranks_take_turns_with_the_runs_they_all_kept(tmp_path):
 
 def test_compiled_autograd_trains_under_ddp_and_the_json_says_so(tmp_path):
     """--compiled-autograd: the operator's variant trains on two processes with its backward under compiled autograd
-    and DDP's Python reducer, step by step as one process does."""
+    and DDP's Python reducer, step by step as one process does, and each row counts the backward graphs captured."""
     training_ddp.main(["--smoke", "--batch-per-gpu", "4", "--steps", "2", "--warmup", "1", "--variants", "ours",
                        "--compiled-autograd", "--no-at-once", "--port", str(free_port()), "--outdir", str(tmp_path)])
     data = json.loads((tmp_path / "training_ddp.json").read_text())
     assert data["ddp"] == {"graph_split": False, "compiled_autograd": True}
     assert [(r["variant"], r["gpus"]) for r in data["rows"]] == [("ours", 2), ("ours", 1)]
     assert all(r["img_s"] > 0 and r["loss_gap"] < 1e-5 for r in data["rows"])
+    # (every run's backward went through compiled autograd: its capture counted in the run's own row)
+    assert all(r["compiled_autograd_captures"] >= 1 for r in data["rows"]), data["rows"]
 
 
 def test_compiled_backward_runs_the_backward_through_compiled_autograd():
