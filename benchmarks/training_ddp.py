@@ -594,6 +594,12 @@ def _spawned(rank, argv, init_file, world):
     args = parse(argv)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(args.port)
     worker(args)
+    # Done: the group destroyed and rank 0's JSON written. gloo sometimes aborts in a CPU process's own teardown
+    # after that ("terminate called without an active exception"), which mp.spawn would report as a failure:
+    # leave without it. (A failure in worker raises before this line, and mp.spawn reports it.)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def parse(argv=None):

@@ -182,6 +182,7 @@ def proc(rank, port):
     os.write(1, line.encode())     # (one write: the two processes share the pipe)
     dist.barrier()                 # (neither leaves while the other's last collective runs)
     dist.destroy_process_group()
+    os._exit(0)                    # (gloo sometimes aborts in a process's own teardown: leave without it)
 
 if __name__ == "__main__":
     mp.spawn(proc, args=(int(sys.argv[1]),), nprocs=2, join=True)
