@@ -46,8 +46,9 @@ def compile_kernels_ahead(model: torch.nn.Module, *example_inputs, backward: boo
     and its buffers are left as they were. On a CPU, or with autotuning on (the tuner compiles its
     candidates as it times them), nothing is compiled ahead and 0.0 is returned. `wait=False`:
     return once every compile is submitted (the seconds of the pass alone; kernels already in Triton's
-    cache are loaded by then); the compiles go on in the pool while the caller goes on (torch.compile tracing the step, say), and each kernel's first
-    launch waits for its own compile and raises its failure (launch.compiling_ahead)."""
+    cache are loaded by then); the compiles go on in the pool while the caller goes on (torch.compile
+    tracing the step, say), and each kernel's first launch waits for its own compile and raises its
+    failure (launch.compiling_ahead)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):

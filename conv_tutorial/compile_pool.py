@@ -77,10 +77,10 @@ class ProcessCompiles(Executor):
         job = None if args or kwargs else _job(fn)
         state = None if job is None else _cache_state(*job)
         if state == "hit":
-            # A kernel in Triton's cache loads here, on the caller's thread, in a millisecond or so. On a thread
-            # of the pool it would take turns for the GIL with whatever the caller runs beside it: with warm
-            # caches, ResNet-50's first steps took 1.8 s longer with the loads in the background than after
-            # them (results/notebook.md, 2026-11-28, "the first steps with warm caches").
+            # A kernel in Triton's cache loads here, on the caller's thread. On a thread of the pool it would take
+            # turns for the GIL with whatever the caller runs beside it, and with warm caches that made
+            # ResNet-50's first steps longer than loading the kernels first (RESULTS.md, "Training", "The warm
+            # first steps: the background's loads").
             future = Future()
             try:
                 future.set_result(fn())

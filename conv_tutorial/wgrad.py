@@ -26,7 +26,7 @@ the same problem with plans (launch.py); this module does the same for wgrad:
   gives channels that pad its widest tiles badly narrower tiles (`least_padded_config`: 160 channels
   in 3 x 64 columns). The fold is decided against the widest tiles: on the four layers of the
   probed networks it folds, the narrower tiles without the fold measured slower than the fold
-  (results/notebook.md, "wgrad tiles").
+  (RESULTS.md, "Narrower tiles where the channels pad the widest").
 - Later calls pad x's channels and dY's Co to 16-byte rows where the shape needs it (lesson 07's
   `wgrad_operands`), allocate dW and, where some tiles are split, the fp32 workspace, and launch
   the kernel and (where some tiles are split) the sum directly: the

@@ -339,15 +339,21 @@ def wgrad_config(Co, Ci_padded, groups=1):
     Co_group = Co // groups
     block_m = 64 if Co_group <= 64 or (groups > 1 and Co_group % 128) else 128
     block_n = min(128, channel_box(Ci_padded // groups))
-    return WgradConfig(block_m, block_n, 128 if block_m * block_n <= 128 * 64 else 64)
+    return WgradConfig(block_m, block_n, pixels_per_k_step(block_m, block_n))
+
+
+def pixels_per_k_step(block_m, block_n):
+    # 128 pixels a k-step for a tile of 128 x 64 elements or fewer, whose MMAs per k-step are small next to the
+    # k-step's fixed costs; else 64
+    return 128 if block_m * block_n <= 128 * 64 else 64
 
 
 # A tile's MMA rate against a 128 x 128 tile's, by its rows and by its columns (a 64 x 64 tile: 0.9 x 0.9),
 # and the 10% margin least_padded_config asks: chosen from a few such sets on the wgrad kernel alone over
-# the dense convs of Inception v3 and GoogLeNet at batch 128 (an H200). The set fastest there, with no
-# margin, lost up to 0.85x on two of MobileNet v2's small layers, so the margin stays; DenseNet-121's,
-# EfficientNet-B0's and MobileNet v2's layers judged it (results/notebook.md, 2026-11-28, "wgrad tiles").
-# A 32-column tile is slow: its k-step's MMAs are small next to the k-step's fixed costs.
+# the dense convs of Inception v3 and GoogLeNet, with a margin because the set fastest there lost on small
+# layers of MobileNet v2; judged on DenseNet-121, EfficientNet-B0 and MobileNet v2 (RESULTS.md, "The
+# backward", "Narrower tiles where the channels pad the widest"). A 32-column tile is slow: its k-step's
+# MMAs are small next to the k-step's fixed costs.
 ROW_TILE_RATE = {128: 1.0, 64: 0.9}
 COLUMN_TILE_RATE = {128: 1.0, 64: 0.9, 32: 0.5, 16: 0.2}
 
@@ -370,7 +376,7 @@ def least_padded_config(Co, Ci_padded, groups=1):
     block_m, block_n = min(tiles, key=lambda tile: work(*tile))       # (ties: the first, the widest)
     if work(block_m, block_n) > 0.9 * work(widest.block_m, widest.block_n):
         return widest
-    return WgradConfig(block_m, block_n, 128 if block_m * block_n <= 128 * 64 else 64)
+    return WgradConfig(block_m, block_n, pixels_per_k_step(block_m, block_n))
 
 
 def default_wgrad_config(geometry, Ci_padded, num_sms):
