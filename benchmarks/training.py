@@ -43,7 +43,9 @@ other variants and on a CPU); compile_ahead_s: with --compile-ahead, the seconds
 in conv_tutorial.compile_kernels_ahead before their first step (else null; with --compile-ahead background, the
 pass alone: its compiles go on while the first step is traced, and the first step's first launches wait for
 them); first_step: with --first-step-breakdown, where the first step's seconds went (FirstStepBreakdown: Triton
-kernels compiled or loaded from its cache, torch.compile's own seconds and cache counters; else null); loss_50:
+kernels compiled or loaded from its cache, torch.compile's own seconds and cache counters, and with --compile-ahead
+"compile_pool": when the pass's compiles ran and finished against the first step's start and end, `pool_timeline`;
+else null); loss_50:
 the loss of the 50th step, null in a run of fewer steps (loss_last: its last step's); backward_fallbacks: with
 lesson 06's gradients chosen, the conv gradients torch computed instead, by reason, over all of the variant's
 steps) and training_loss.png (the loss per step of every variant) to --outdir.
@@ -51,8 +53,8 @@ steps) and training_loss.png (the loss per step of every variant) to --outdir.
 the variants take turns, R rounds of K steps each (`interleaved`; R even balances the order), so that each
 round times them all on the same host: the batch over the median step of all rounds, and of each round. Every
 variant's model, gradients and optimizer state stay alive until the rounds. With --compile-ahead background,
-the first step's wait for the compiles still running is not broken out in "first_step" (Triton's hooks see
-no compile start there).
+the first step's wait for the compiles still running is not timed in "first_step" (Triton's hooks see
+no compile start there): its "compile_pool" says when the last compile finished against the step's end.
 --profile STEPS adds, per row, "gpu_ms_by_kind": the GPU time of one step's kernels by what they do
 (our forward conv, dgrad, wgrad; cuDNN/cuBLAS; Inductor's kernels; the optimizer; copies and fills),
 the mean over STEPS steps profiled by torch.profiler after the timed ones (kernel durations only:
@@ -171,6 +173,27 @@ class FirstStepBreakdown:
                 "torch_compile_s": self._dynamo_seconds() - self.dynamo_s, "torch_compile_caches": moved}
 
 
+def pool_timeline(pass_started, step_started, step_ended):
+    """What the compile-ahead pass's pool did around the first step (conv_tutorial.compile_pool.compile_timeline):
+    its compiles by where they ran ("cache": loaded at submit; "worker"; "here": on the pool's thread), their
+    summed seconds, and when the first and last finished, the first step started and ended, in seconds since
+    the pass began; "unfinished": compiles still running at the step's end; "native_building": whether the C++
+    kernels of the repeat calls were still building then."""
+    from conv_tutorial import compile_pool, native
+    entries = [e for e in compile_pool.compile_timeline() if e["submitted"] >= pass_started]
+    done = [e for e in entries if e["finished"] is not None]
+    since = lambda t: round(t - pass_started, 3)     # noqa: E731
+    thread = native._STATE.get("thread")
+    return {"compiles": {where: sum(e["where"] == where for e in entries) for where in ("cache", "worker", "here")},
+            "compile_s": round(sum(e["finished"] - e["started"] for e in done if e["where"] != "cache"), 3),
+            "load_s": round(sum(e["finished"] - e["started"] for e in done if e["where"] == "cache"), 3),
+            "first_finished_s": since(min(e["finished"] for e in done)) if done else None,
+            "last_finished_s": since(max(e["finished"] for e in done)) if done else None,
+            "first_step_started_s": since(step_started), "first_step_ended_s": since(step_ended),
+            "unfinished": len(entries) - len(done),
+            "native_building": bool(thread is not None and thread.is_alive())}
+
+
 def train(variant, fp32_model, data, warmup, device, profile=0, compile_ahead=None, breakdown=False, keep=False):
     """One variant trained from the same weights: {"losses": every step's, "seconds": each step's (the first
     `warmup` compile; for the operator's variants on a GPU, the steps after them wait for its C++ kernels to be
@@ -183,6 +206,7 @@ def train(variant, fp32_model, data, warmup, device, profile=0, compile_ahead=No
     model, step_model = prepared(variant, copy.deepcopy(fp32_model).to(device).to(memory_format=torch.channels_last))
     model.train()
     ahead_s = first_step = None
+    pass_started = time.perf_counter()
     if compile_ahead and variant.startswith("ours"):
         import conv_tutorial
         ahead_s = conv_tutorial.compile_kernels_ahead(model, data[0][0], autocast_dtype=torch.bfloat16,
@@ -206,6 +230,8 @@ def train(variant, fp32_model, data, warmup, device, profile=0, compile_ahead=No
                 if device == "cuda":
                     torch.cuda.synchronize()
             first_step = watch.summary()
+            if ahead_s is not None:
+                first_step["compile_pool"] = pool_timeline(pass_started, start, time.perf_counter())
         else:
             loss = step(x, y)
         if device == "cuda":

@@ -21,6 +21,7 @@ Workers are `python -c` processes reading requests on their standard input. They
 multiprocessing's, which would import the caller's main script. They start at the first compile that
 needs one, at most one per thread. They exit when the executor shuts down, or with the caller's process.
 """
+import collections
 import hashlib
 import importlib
 import inspect
@@ -32,6 +33,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
@@ -48,11 +50,30 @@ _WORKER_MAIN = "from conv_tutorial.compile_pool import serve; serve()"
 
 _compiles_in_workers = 0           # compiles the workers finished, in this process (the tests read it)
 _count_lock = threading.Lock()
+_TIMELINE = collections.deque(maxlen=4096)     # one dict per submitted compile (compile_timeline)
 
 
 def compiles_in_workers() -> int:
     """How many compiles worker processes have finished for this process so far."""
     return _compiles_in_workers
+
+
+def compile_timeline() -> list:
+    """The compiles submitted to any ProcessCompiles of this process, oldest first (the last 4096): a dict
+    each, {"kernel": its name, "where": "cache" (in Triton's cache: loaded at submit, on the caller's thread),
+    "worker" (compiled by a worker process) or "here" (on the pool's thread: a worker could not), "submitted",
+    "started", "finished": time.perf_counter() seconds, "finished" None while it runs}. What a benchmark
+    reads to see whether a first step waited for the pool."""
+    with _count_lock:
+        return [dict(entry) for entry in _TIMELINE]
+
+
+def _timed(job, where, submitted):
+    entry = {"kernel": getattr(getattr(job[0], "fn", None), "__name__", "?") if job else "?", "where": where,
+             "submitted": submitted, "started": time.perf_counter(), "finished": None}
+    with _count_lock:
+        _TIMELINE.append(entry)
+    return entry
 
 
 class ProcessCompiles(Executor):
@@ -74,6 +95,7 @@ class ProcessCompiles(Executor):
     def submit(self, fn, /, *args, **kwargs):
         if self._shut:
             raise RuntimeError("cannot submit a compile after shutdown")
+        submitted = time.perf_counter()
         job = None if args or kwargs else _job(fn)
         state = None if job is None else _cache_state(*job)
         if state == "hit":
@@ -81,13 +103,14 @@ class ProcessCompiles(Executor):
             # turns for the GIL with whatever the caller runs beside it, and with warm caches that made
             # ResNet-50's first steps longer than loading the kernels first (RESULTS.md, "Training", "The warm
             # first steps: the background's loads").
-            future = Future()
+            future, entry = Future(), _timed(job, "cache", submitted)
             try:
                 future.set_result(fn())
             except Exception as error:      # (Triton's own error, raised where the kernel is asked for)
                 future.set_exception(error)
+            entry["finished"] = time.perf_counter()
             return future
-        return self._threads.submit(self._compile, fn, args, kwargs, job, state)
+        return self._threads.submit(self._compile, fn, args, kwargs, job, state, submitted)
 
     def shutdown(self, wait=True, *, cancel_futures=False):
         self._shut = True
@@ -103,17 +126,22 @@ class ProcessCompiles(Executor):
         self._threads.shutdown(wait=True)
         self._stop_workers()
 
-    def _compile(self, fn, args, kwargs, job, state):
+    def _compile(self, fn, args, kwargs, job, state, submitted):
         # (job and its cache state as submit found them: a miss goes to a worker; "unknown", or no job, stays here)
+        entry = _timed(job, "here", submitted)
         request = _pickled(job) if state == "miss" else None
         answer = None if request is None else self._in_worker(request)
         if answer is True and _in_triton_cache(*job):
             global _compiles_in_workers
             with _count_lock:
                 _compiles_in_workers += 1
+                entry["where"] = "worker"
         elif answer is True:     # (compiled at another key: the closure below compiles it again, here)
             self._say_once("a worker's kernel is not at this process's key in Triton's cache")
-        kernel = fn(*args, **kwargs)     # (the kernel from Triton's cache where the worker compiled it)
+        try:
+            kernel = fn(*args, **kwargs)     # (the kernel from Triton's cache where the worker compiled it)
+        finally:
+            entry["finished"] = time.perf_counter()
         if answer is False:      # (this process compiled what the worker could not)
             self._say_once("a worker could not compile a kernel that this process compiles")
         return kernel

@@ -208,3 +208,33 @@ def test_rounds_must_be_counted_sensibly(tmp_path):
     import pytest
     with pytest.raises(ValueError, match="--round-steps"):
         training.main(["--smoke", "--rounds", "2", "--round-steps", "0", "--outdir", str(tmp_path)])
+
+
+def test_the_pools_timeline_around_the_first_step(monkeypatch):
+    """pool_timeline from compile_pool's timeline, entries made by hand (no compile runs on a CPU): the compiles
+    of the pass (those submitted before it began are not), by where they ran, their seconds apart from the
+    cache's loads, when the first and last finished and the step ran, relative to the pass's start, and one
+    still running."""
+    import collections
+    from conv_tutorial import compile_pool
+    entry = lambda where, submitted, started, finished: dict(kernel="k", where=where, submitted=submitted,  # noqa: E731
+                                                             started=started, finished=finished)
+    monkeypatch.setattr(compile_pool, "_TIMELINE", collections.deque([
+        entry("worker", 5.0, 5.0, 9.0),           # (before the pass)
+        entry("cache", 100.0, 100.0, 100.5), entry("worker", 100.1, 100.2, 103.2),
+        entry("here", 100.2, 103.2, 110.0), entry("worker", 100.3, 104.0, None)]))
+    summary = training.pool_timeline(100.0, 101.0, 120.0)
+    assert summary["compiles"] == {"cache": 1, "worker": 2, "here": 1} and summary["unfinished"] == 1
+    assert abs(summary["compile_s"] - 9.8) < 1e-9 and abs(summary["load_s"] - 0.5) < 1e-9
+    assert (summary["first_finished_s"], summary["last_finished_s"]) == (0.5, 10.0)
+    assert (summary["first_step_started_s"], summary["first_step_ended_s"]) == (1.0, 20.0)
+    assert summary["native_building"] in (True, False)
+
+
+def test_the_pools_timeline_is_in_the_first_step_of_the_operators_variants_compiled_ahead(tmp_path):
+    rows = training.main(["--smoke", "--batch", "4", "--steps", "2", "--warmup", "1", "--variants", "eager", "ours",
+                          "--no-gradient-check", "--compile-ahead", "--first-step-breakdown", "--outdir", str(tmp_path)])
+    assert "compile_pool" not in rows[0]["first_step"]
+    pool = rows[1]["first_step"]["compile_pool"]       # (a CPU: nothing compiled ahead)
+    assert pool["compiles"] == {"cache": 0, "worker": 0, "here": 0} and pool["last_finished_s"] is None
+    assert 0 <= pool["first_step_started_s"] < pool["first_step_ended_s"]

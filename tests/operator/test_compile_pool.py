@@ -61,6 +61,8 @@ SCRIPT = textwrap.dedent("""
                                                              "sm_90")
     in_main = pool.submit(closure(main_src, main_target, main_options, env_vars)).result()
     report["main_compiled_here"] = ("st.global" in in_main.asm["ptx"], compile_pool.compiles_in_workers())
+    report["timeline"] = [(e["kernel"], e["where"], e["submitted"] <= e["started"] <= e["finished"])
+                          for e in compile_pool.compile_timeline()]
 
     bad = aot.compile_source(failing_kernel.odd_block, (torch.zeros(16),), dict(BLOCK=3), "sm_90")
     try:
@@ -142,7 +144,8 @@ def test_workers_compile_into_tritons_cache_and_the_caller_loads_the_same_kernel
     starts a new worker. At shutdown every worker has exited. A worker whose kernel lands at another key
     than the caller's is said (one warning) and not counted, and the caller compiles its own. A worker
     that dies before its first answer (it could not start: so would the next) leaves every later compile
-    on the threads: one warning, one worker started, the kernels compiled."""
+    on the threads: one warning, one worker started, the kernels compiled. compile_timeline lists each compile
+    where it ran (a worker, the cache at submit, the pool's thread), its times in order."""
     (tmp_path / "failing_kernel.py").write_text(FAILING_KERNEL)
     (tmp_path / "pool_script.py").write_text(SCRIPT)         # (Triton reads a kernel's source from its file)
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"), CUDA_VISIBLE_DEVICES="",
@@ -161,6 +164,9 @@ def test_workers_compile_into_tritons_cache_and_the_caller_loads_the_same_kernel
     assert report["threads"][0].startswith("conv_tutorial_compile") and report["threads"][1] == "MainThread"
     assert report["hit_done_at_submit"]
     assert report["main_compiled_here"] == [True, 1]
+    # (compile_timeline: each compile where it ran, in order, its times in order)
+    assert report["timeline"] == [["untapped_zeros_kernel", "worker", True], ["untapped_zeros_kernel", "cache", True],
+                                  ["kernel_in_main", "here", True]], report["timeline"]
     assert report["failure"] == "CompilationError" and report["worker_after_failure"] == 1
     same, warned = report["after_kill"]
     assert same and len(warned) == 1 and "worker process exited" in warned[0], warned
