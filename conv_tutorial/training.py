@@ -246,19 +246,28 @@ class ConvBatchNorm2d(torch.nn.Module):
         if count <= 1:
             raise ValueError(f"BatchNorm2d in training needs more than 1 value per channel, got an output of "
                              f"shape {tuple(y.shape)}")
+        # In as few ops as the math allows: torch.compile traces each op of this forward (53 times in ResNet-50),
+        # and its first step's compile grows with them (RESULTS.md, "Training", "Where the first step's compile goes").
         mean, var = batch_stats_from_sums(stats, count)
         if bn.training and bn.track_running_stats:
             with torch.no_grad():
                 bn.num_batches_tracked.add_(1)
                 # BatchNorm's factor: its momentum, or 1 / steps seen (momentum=None: a cumulative average)
                 momentum = bn.momentum if bn.momentum is not None else 1.0 / bn.num_batches_tracked.to(mean.dtype)
-                bn.running_mean.lerp_(mean.detach().to(bn.running_mean.dtype), momentum)
-                bn.running_var.lerp_((var.detach() * (count / (count - 1))).to(bn.running_var.dtype), momentum)
-        scale = torch.rsqrt(var + bn.eps)
-        shift = -mean * scale
+                bn.running_mean.lerp_(_as(mean, bn.running_mean.dtype), momentum)
+                bn.running_var.lerp_(_as(var * (count / (count - 1)), bn.running_var.dtype), momentum)
+        scale = (var + bn.eps).rsqrt()
         if bn.affine:
-            scale, shift = scale * bn.weight, shift * bn.weight + bn.bias
-        return (_wide(y) * scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1)).to(y.dtype)
+            scale = scale * bn.weight
+            shift = torch.addcmul(bn.bias, mean, scale, value=-1)
+        else:
+            shift = -mean * scale
+        # (y * scale + shift, computed in fp32: the statistics' dtype; y's own on the way out)
+        return torch.addcmul(shift.view(1, -1, 1, 1), y, scale.view(1, -1, 1, 1)).to(y.dtype)
+
+
+def _as(t, dtype):
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def stats_kernel_runs(conv: torch.nn.Conv2d) -> bool:

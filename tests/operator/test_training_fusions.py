@@ -223,6 +223,24 @@ def test_fused_model_traces_whole_under_torch_compile():
                                rtol=1e-4, atol=1e-4)
 
 
+def test_fused_layer_gives_torch_compile_few_ops_to_trace():
+    """torch.compile traces each op of ConvBatchNorm2d's forward, in every fused layer, and the first step's
+    compile grows with them (RESULTS.md, "Training", "Where the first step's compile goes"): one fused layer in
+    training, affine and tracking its running statistics, is at most 22 ops in Dynamo's graph (the conv and
+    its sums, the statistics, the running statistics' updates, the normalization)."""
+    counted = []
+
+    def counting(graph_module, example_inputs):
+        counted.append(sum(node.op in ("call_function", "call_method") for node in graph_module.graph.nodes))
+        return graph_module.forward
+    layer = fuse_conv_batchnorm_for_training(torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3, padding=1, bias=False),
+                                                                 torch.nn.BatchNorm2d(16)))
+    assert layer.fused_pairs == 1
+    torch._dynamo.reset()
+    torch.compile(layer, backend=counting, fullgraph=True)(torch.randn(2, 8, 6, 6))
+    assert len(counted) == 1 and counted[0] <= 22, counted
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 def stats_case(N=3, H=13, W=11, Ci=64, Co=200, R=3, stride=1, dtype=torch.bfloat16):
