@@ -226,7 +226,7 @@ def test_fused_model_traces_whole_under_torch_compile():
 def test_fused_layer_gives_torch_compile_few_ops_to_trace():
     """torch.compile traces each op of ConvBatchNorm2d's forward, in every fused layer, and the first step's
     compile grows with them (RESULTS.md, "Training", "Where the first step's compile goes"): one fused layer in
-    training, affine and tracking its running statistics, is at most 22 ops in Dynamo's graph (the conv and
+    training, affine and tracking its running statistics, is at most 23 ops in Dynamo's graph (the conv and
     its sums, the statistics, the running statistics' updates, the normalization)."""
     counted = []
 
@@ -238,7 +238,7 @@ def test_fused_layer_gives_torch_compile_few_ops_to_trace():
     assert layer.fused_pairs == 1
     torch._dynamo.reset()
     torch.compile(layer, backend=counting, fullgraph=True)(torch.randn(2, 8, 6, 6))
-    assert len(counted) == 1 and counted[0] <= 22, counted
+    assert len(counted) == 1 and counted[0] <= 23, counted
 
 
 # ---------------------------------------------------------------------------------------------- GPU
