@@ -248,7 +248,8 @@ class ConvBatchNorm2d(torch.nn.Module):
                              f"shape {tuple(y.shape)}")
         # In as few ops as the math allows: torch.compile traces each op of this forward (53 times in ResNet-50),
         # and its first step's compile grows with them (RESULTS.md, "Training", "Where the first step's compile goes").
-        mean, var = batch_stats_from_sums(stats, count)
+        out, mean, var = batch_norm_from_sums_op(y, stats, bn.weight if bn.affine else None,
+                                                 bn.bias if bn.affine else None, count, bn.eps)
         if bn.training and bn.track_running_stats:
             with torch.no_grad():
                 bn.num_batches_tracked.add_(1)
@@ -256,14 +257,28 @@ class ConvBatchNorm2d(torch.nn.Module):
                 momentum = bn.momentum if bn.momentum is not None else 1.0 / bn.num_batches_tracked.to(mean.dtype)
                 bn.running_mean.lerp_(_as(mean, bn.running_mean.dtype), momentum)
                 bn.running_var.lerp_(_as(var * (count / (count - 1)), bn.running_var.dtype), momentum)
-        scale = (var + bn.eps).rsqrt()
-        if bn.affine:
-            scale = scale * bn.weight
-            shift = torch.addcmul(bn.bias, mean, scale, value=-1)
-        else:
-            shift = -mean * scale
-        # (y * scale + shift, computed in fp32: the statistics' dtype; y's own on the way out)
-        return torch.addcmul(shift.view(1, -1, 1, 1), y, scale.view(1, -1, 1, 1)).to(y.dtype)
+        return out
+
+
+def _batch_norm_from_sums(y: torch.Tensor, stats: torch.Tensor, weight: Optional[torch.Tensor],
+                          bias: Optional[torch.Tensor], count: int, eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(BatchNorm's output, mean, biased variance) of y (N, C, H, W) from its per-channel sums `stats` =
+    (sum y, sum y^2), fp32 [2, C]: y * scale + shift in fp32, returned in y's dtype."""
+    mean, var = batch_stats_from_sums(stats, count)
+    scale = (var + eps).rsqrt()
+    if weight is not None:
+        scale = scale * weight
+    shift = torch.addcmul(bias, mean, scale, value=-1) if bias is not None else -mean * scale
+    return torch.addcmul(shift.view(1, -1, 1, 1), y, scale.view(1, -1, 1, 1)).to(y.dtype), mean, var
+
+
+# One node in Dynamo's graph, which AOTAutograd decomposes into the ops above (CompositeImplicitAutograd: their
+# gradients torch's, and Inductor fuses them as before): torch.compile's Dynamo then traces no op of it one by one
+# (RESULTS.md, "Training", "Where the first step's compile goes").
+_LIBRARY.define("batch_norm_from_sums" + torch.library.infer_schema(_batch_norm_from_sums, mutates_args=()),
+                tags=(torch.Tag.pt2_compliant_tag,))
+_LIBRARY.impl("batch_norm_from_sums", _batch_norm_from_sums, "CompositeImplicitAutograd")
+batch_norm_from_sums_op = torch.ops.conv_tutorial.batch_norm_from_sums.default
 
 
 def _as(t, dtype):

@@ -4,6 +4,7 @@ gradients. On a CPU the operator falls back to torch's conv and torch's sums (th
 arithmetic, its gradient through the statistics and the pass are what is checked, in fp64); on a
 GPU the kernel's epilogue sums, through every Hopper candidate config of the runtime."""
 import copy
+import importlib
 import warnings
 
 import common
@@ -223,11 +224,42 @@ def test_fused_model_traces_whole_under_torch_compile():
                                rtol=1e-4, atol=1e-4)
 
 
+def test_normalization_op_is_torchs_batchnorm_and_passes_opcheck():
+    """batch_norm_from_sums against torch's BatchNorm in training (fp64, CPU): the same output, and the same
+    gradients for y, weight and bias with the sums' path included (the sums computed from y by torch ops), for an
+    affine and a plain BatchNorm; then torch.library's checks of its schema and registration."""
+    torch.manual_seed(0)
+    y = torch.randn(3, 5, 4, 6, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    for affine in (True, False):
+        bn = torch.nn.BatchNorm2d(5, eps=1e-3, affine=affine).double()
+        if affine:
+            with torch.no_grad():
+                bn.weight.uniform_(0.5, 1.5), bn.bias.uniform_(-1, 1)
+        ours_y, ref_y = y.clone().requires_grad_(), y.clone().requires_grad_()
+        stats = torch_channel_stats(ours_y)
+        out, mean, var = torch.ops.conv_tutorial.batch_norm_from_sums(ours_y, stats, bn.weight, bn.bias, 3 * 4 * 6,
+                                                                     bn.eps)
+        expected = bn(ref_y)
+        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(mean, ref_y.mean((0, 2, 3)), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(var, ref_y.var((0, 2, 3), unbiased=False), rtol=1e-12, atol=1e-12)
+        upstream = torch.randn_like(y)
+        parameters = [bn.weight, bn.bias] if affine else []
+        ours = torch.autograd.grad((out * upstream).sum(), [ours_y] + parameters)
+        expected_grads = torch.autograd.grad((expected * upstream).sum(), [ref_y] + parameters)
+        for got, want in zip(ours, expected_grads):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    weight, bias = torch.rand(5, dtype=torch.float64) + 0.5, torch.randn(5, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.conv_tutorial.batch_norm_from_sums.default,
+                          (y, torch_channel_stats(y), weight, bias, 72, 1e-5))
+
+
 def test_fused_layer_gives_torch_compile_few_ops_to_trace():
     """torch.compile traces each op of ConvBatchNorm2d's forward, in every fused layer, and the first step's
     compile grows with them (RESULTS.md, "Training", "Where the first step's compile goes"): one fused layer in
-    training, affine and tracking its running statistics, is at most 23 ops in Dynamo's graph (the conv and
-    its sums, the statistics, the running statistics' updates, the normalization)."""
+    training, affine and tracking its running statistics, is at most 13 ops in Dynamo's graph (the conv and its
+    sums, the normalization from them as one operator, the running statistics' updates), and Inductor's own
+    graph computes the normalization: no operator of the package but the conv is left for it to call."""
     counted = []
 
     def counting(graph_module, example_inputs):
@@ -238,7 +270,25 @@ def test_fused_layer_gives_torch_compile_few_ops_to_trace():
     assert layer.fused_pairs == 1
     torch._dynamo.reset()
     torch.compile(layer, backend=counting, fullgraph=True)(torch.randn(2, 8, 6, 6))
-    assert len(counted) == 1 and counted[0] <= 23, counted
+    assert len(counted) == 1 and counted[0] <= 13, counted
+
+    # (AOTAutograd with Inductor's decompositions, as torch.compile's default backend traces it)
+    from torch._functorch.aot_autograd import aot_module_simplified
+    importlib.import_module("torch._inductor.lowering")      # (before select_decomp_table, which needs it)
+    from torch._inductor.decomposition import select_decomp_table
+    targets = []
+
+    def traced(graph_module, example_inputs):
+        def keep(graph, inputs):
+            targets.extend(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
+            return graph
+        return aot_module_simplified(graph_module, example_inputs, fw_compiler=keep, bw_compiler=keep,
+                                     decompositions=select_decomp_table())
+    torch._dynamo.reset()
+    torch.compile(layer, backend=traced, fullgraph=True)(torch.randn(2, 8, 6, 6)).sum().backward()
+    ours = {t for t in targets if t.startswith("conv_tutorial.")}
+    assert ours == {"conv_tutorial.conv2d_channel_stats.default", "conv_tutorial.conv2d_weight_grad.default"}, ours
+    assert any("rsqrt" in t for t in targets)
 
 
 # ---------------------------------------------------------------------------------------------- GPU
