@@ -247,9 +247,12 @@ class ConvBatchNorm2d(torch.nn.Module):
             raise ValueError(f"BatchNorm2d in training needs more than 1 value per channel, got an output of "
                              f"shape {tuple(y.shape)}")
         # In as few ops as the math allows: torch.compile traces each op of this forward (53 times in ResNet-50),
-        # and its first step's compile grows with them (RESULTS.md, "Training", "Where the first step's compile goes").
-        out, mean, var = batch_norm_from_sums_op(y, stats, bn.weight if bn.affine else None,
-                                                 bn.bias if bn.affine else None, count, bn.eps)
+        # and its first step's compile grows with them (RESULTS.md, "Training", "Where the first step's compile goes"):
+        # the normalization is one operator where torch.compile traces this, and its function when called eagerly
+        # (no hop through the dispatcher).
+        normalize = batch_norm_from_sums_op if torch.compiler.is_compiling() else _batch_norm_from_sums
+        out, mean, var = normalize(y, stats, bn.weight if bn.affine else None, bn.bias if bn.affine else None,
+                                   count, bn.eps)
         if bn.training and bn.track_running_stats:
             with torch.no_grad():
                 bn.num_batches_tracked.add_(1)
