@@ -37,10 +37,10 @@ null for other variants and with --no-gradient-check. Writes training.json ({"de
 "first_step", "native_built", "loss_50", "loss_last", "losses", "grad_rel_err_median", "grad_rel_err_max",
 "conv_grad_err", "backward_fallbacks"}]}; first_steps_s: the wall seconds of each warm-up step, in which the
 variant compiles (in a fresh process: the first steps a user waits for, with the Triton and Inductor caches cold
-or warm from an earlier run; the variants run one after another in one process, where a later one may reuse
-Triton kernels Inductor compiled for an earlier one: compare first steps with one variant per process); native_built: after their warm-up steps the operator's variants wait for its C++
-kernels for repeat calls (conv_tutorial/native.py) to be built, and this says whether they were (null for the
-other variants and on a CPU); compile_ahead_s: with --compile-ahead, the seconds the operator's variants spent
+or warm from an earlier run; the variants run one after another in one process, on the same caches, where
+later ones measured faster than alone: compare first steps with one variant per process); native_built: after
+their warm-up steps the operator's variants wait for its C++ kernels for repeat calls (conv_tutorial/native.py)
+to be built, and this says whether they were (null for the other variants and on a CPU); compile_ahead_s: with --compile-ahead, the seconds the operator's variants spent
 in conv_tutorial.compile_kernels_ahead before their first step (else null; with --compile-ahead background, the
 pass alone: its compiles go on while the first step is traced, and the first step's first launches wait for
 them); first_step: with --first-step-breakdown, where the first step's seconds went (FirstStepBreakdown: Triton

@@ -129,16 +129,16 @@ class ProcessCompiles(Executor):
     def _compile(self, fn, args, kwargs, job, state, submitted):
         # (job and its cache state as submit found them: a miss goes to a worker; "unknown", or no job, stays here)
         entry = _timed(job, "here", submitted)
-        request = _pickled(job) if state == "miss" else None
-        answer = None if request is None else self._in_worker(request)
-        if answer is True and _in_triton_cache(*job):
-            global _compiles_in_workers
-            with _count_lock:
-                _compiles_in_workers += 1
-                entry["where"] = "worker"
-        elif answer is True:     # (compiled at another key: the closure below compiles it again, here)
-            self._say_once("a worker's kernel is not at this process's key in Triton's cache")
         try:
+            request = _pickled(job) if state == "miss" else None
+            answer = None if request is None else self._in_worker(request)
+            if answer is True and _in_triton_cache(*job):
+                global _compiles_in_workers
+                with _count_lock:
+                    _compiles_in_workers += 1
+                    entry["where"] = "worker"
+            elif answer is True:     # (compiled at another key: the closure below compiles it again, here)
+                self._say_once("a worker's kernel is not at this process's key in Triton's cache")
             kernel = fn(*args, **kwargs)     # (the kernel from Triton's cache where the worker compiled it)
         finally:
             entry["finished"] = time.perf_counter()

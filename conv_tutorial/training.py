@@ -264,9 +264,25 @@ class ConvBatchNorm2d(torch.nn.Module):
 
 
 def _batch_norm_from_sums(y: torch.Tensor, stats: torch.Tensor, weight: Optional[torch.Tensor],
-                          bias: Optional[torch.Tensor], count: int, eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(BatchNorm's output, mean, biased variance) of y (N, C, H, W) from its per-channel sums `stats` =
-    (sum y, sum y^2), fp32 [2, C]: y * scale + shift in fp32, returned in y's dtype."""
+                          bias: Optional[torch.Tensor], count: int,
+                          eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(BatchNorm's output, mean, biased variance) of y (N, C, H, W) from its per-channel sums over `count`
+    values each, `stats` = (sum y, sum y^2), fp32 [2, C] (fp64 for fp64 y): y * scale + shift in the
+    statistics' dtype, returned in y's dtype. `weight` and `bias`: BatchNorm's affine parameters [C], both or
+    neither."""
+    if y.dim() != 4:
+        raise ValueError(f"batch_norm_from_sums: y must be 4-D (N, C, H, W), got shape {tuple(y.shape)}")
+    if tuple(stats.shape) != (2, y.shape[1]):
+        raise ValueError(f"batch_norm_from_sums: stats must be [2, C] = [2, {y.shape[1]}] (each channel's sum and sum "
+                         f"of squares), got shape {tuple(stats.shape)}")
+    if (weight is None) != (bias is None):
+        raise ValueError("batch_norm_from_sums: weight and bias are BatchNorm's affine parameters: give both or "
+                         "neither")
+    if weight is not None and (tuple(weight.shape) != (y.shape[1],) or tuple(bias.shape) != (y.shape[1],)):
+        raise ValueError(f"batch_norm_from_sums: weight and bias must be [C] = [{y.shape[1]}], got "
+                         f"{tuple(weight.shape)} and {tuple(bias.shape)}")
+    if count < 2:
+        raise ValueError(f"batch_norm_from_sums: count (values per channel) must be at least 2, got {count}")
     mean, var = batch_stats_from_sums(stats, count)
     scale = (var + eps).rsqrt()
     if weight is not None:

@@ -252,6 +252,37 @@ def test_normalization_op_is_torchs_batchnorm_and_passes_opcheck():
     weight, bias = torch.rand(5, dtype=torch.float64) + 0.5, torch.randn(5, dtype=torch.float64)
     torch.library.opcheck(torch.ops.conv_tutorial.batch_norm_from_sums.default,
                           (y, torch_channel_stats(y), weight, bias, 72, 1e-5))
+    torch.library.opcheck(torch.ops.conv_tutorial.batch_norm_from_sums.default,
+                          (y.bfloat16(), torch_channel_stats(y.bfloat16()), None, None, 72, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_normalization_op_in_half_precision_computes_in_fp32_and_returns_ys_dtype(dtype):
+    """As under autocast in training: y in bf16/fp16, its sums and BatchNorm's parameters in fp32. The output is
+    y's dtype, channels_last as y, and equals fp32 BatchNorm of the same (rounded) y, rounded once to y's dtype;
+    mean and variance stay fp32."""
+    torch.manual_seed(1)
+    y = (torch.randn(4, 6, 5, 3) * 3 + 1).to(dtype).contiguous(memory_format=torch.channels_last)
+    weight, bias = torch.rand(6) + 0.5, torch.randn(6)
+    out, mean, var = torch.ops.conv_tutorial.batch_norm_from_sums(y, torch_channel_stats(y), weight, bias, 60, 1e-5)
+    assert out.dtype == dtype and mean.dtype == var.dtype == torch.float32
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    expected = torch.nn.functional.batch_norm(y.float(), None, None, weight, bias, training=True, eps=1e-5)
+    torch.testing.assert_close(out, expected.to(dtype), rtol=0, atol=float(expected.abs().max()) * 2 ** -7)
+    torch.testing.assert_close(mean, y.float().mean((0, 2, 3)), rtol=1e-5, atol=1e-6)
+
+
+def test_normalization_op_refuses_what_is_not_batchnorm():
+    y, stats = torch.randn(2, 3, 4, 4), torch.zeros(2, 3)
+    op = torch.ops.conv_tutorial.batch_norm_from_sums
+    cases = [((y[0], stats, None, None, 32, 1e-5), "4-D"),
+             ((y, torch.zeros(3, 3), None, None, 32, 1e-5), r"\[2, C\]"),
+             ((y, stats, torch.ones(3), None, 32, 1e-5), "both or neither"),
+             ((y, stats, torch.ones(4), torch.zeros(4), 32, 1e-5), r"\[C\] = \[3\]"),
+             ((y, stats, None, None, 1, 1e-5), "at least 2, got 1")]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            op(*args)
 
 
 def test_fused_layer_gives_torch_compile_few_ops_to_trace():
@@ -273,7 +304,7 @@ def test_fused_layer_gives_torch_compile_few_ops_to_trace():
     assert len(counted) == 1 and counted[0] <= 13, counted
 
     # (AOTAutograd with Inductor's decompositions, as torch.compile's default backend traces it)
-    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
     importlib.import_module("torch._inductor.lowering")      # (before select_decomp_table, which needs it)
     from torch._inductor.decomposition import select_decomp_table
     targets = []
@@ -281,7 +312,7 @@ def test_fused_layer_gives_torch_compile_few_ops_to_trace():
     def traced(graph_module, example_inputs):
         def keep(graph, inputs):
             targets.extend(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
-            return graph
+            return make_boxed_func(graph)
         return aot_module_simplified(graph_module, example_inputs, fw_compiler=keep, bw_compiler=keep,
                                      decompositions=select_decomp_table())
     torch._dynamo.reset()
