@@ -230,6 +230,7 @@ class ConvBatchNorm2d(torch.nn.Module):
                              f"output channels")
         self.conv = ops.TutorialConv2d(conv)      # its weight, bias and resolved arguments
         self.bn = bn
+        _inductor_decomposes()
 
     def forward(self, x, relu_input=None):
         """relu_input: given where x = relu(relu_input) (fuse_relu_into_dgrad): the backward routes
@@ -248,11 +249,9 @@ class ConvBatchNorm2d(torch.nn.Module):
                              f"shape {tuple(y.shape)}")
         # In as few ops as the math allows: torch.compile traces each op of this forward (53 times in ResNet-50),
         # and its first step's compile grows with them (RESULTS.md, "Training", "Where the first step's compile goes"):
-        # the normalization is one operator where torch.compile traces this, and its function when called eagerly
-        # (no hop through the dispatcher).
-        normalize = batch_norm_from_sums_op if torch.compiler.is_compiling() else _batch_norm_from_sums
-        out, mean, var = normalize(y, stats, bn.weight if bn.affine else None, bn.bias if bn.affine else None,
-                                   count, bn.eps)
+        # the normalization is one operator, with its gradient one operator too (batch_norm_from_sums).
+        out, mean, var = batch_norm_from_sums_op(y, stats, bn.weight if bn.affine else None,
+                                                 bn.bias if bn.affine else None, count, bn.eps)
         if bn.training and bn.track_running_stats:
             with torch.no_grad():
                 bn.num_batches_tracked.add_(1)
@@ -291,13 +290,92 @@ def _batch_norm_from_sums(y: torch.Tensor, stats: torch.Tensor, weight: Optional
     return torch.addcmul(shift.view(1, -1, 1, 1), y, scale.view(1, -1, 1, 1)).to(y.dtype), mean, var
 
 
-# One node in Dynamo's graph, which AOTAutograd decomposes into the ops above (CompositeImplicitAutograd: their
-# gradients torch's, and Inductor fuses them as before): torch.compile's Dynamo then traces no op of it one by one
-# (RESULTS.md, "Training", "Where the first step's compile goes").
-_LIBRARY.define("batch_norm_from_sums" + torch.library.infer_schema(_batch_norm_from_sums, mutates_args=()),
-                tags=(torch.Tag.pt2_compliant_tag,))
-_LIBRARY.impl("batch_norm_from_sums", _batch_norm_from_sums, "CompositeImplicitAutograd")
+def _batch_norm_from_sums_backward(grad: torch.Tensor, y: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
+                                   weight: Optional[torch.Tensor], count: int,
+                                   eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """batch_norm_from_sums' gradient from its output's, `grad`: (y's direct part, grad * a in y's dtype; stats'
+    part [2, C], which conv2d_channel_stats' backward adds to y's as d sum = 1, d sum_sq = 2y; weight's; bias's),
+    with a = weight / sqrt(var + eps) and b = bias - mean * a, by the chain rule through a and b, from two sums
+    over the pixels, sum(grad) and sum(grad * y). No gradient passes where the variance was clamped at 0.
+    Without weight (no affine parameters), weight's and bias's are empty."""
+    inv_std = (var + eps).rsqrt()
+    a = inv_std * weight if weight is not None else inv_std
+    wide = _wide(grad)
+    grad_b = wide.sum((0, 2, 3))                                   # dL/db; dL/da less b's share through a:
+    grad_a = (wide * y).sum((0, 2, 3)) - grad_b * mean
+    grad_inv_std = grad_a * weight if weight is not None else grad_a
+    grad_var = torch.where(var > 0, grad_inv_std * -0.5 * inv_std ** 3, 0.0)
+    grad_stats = torch.stack(((-grad_b * a - 2 * mean * grad_var) / count, grad_var / count))
+    grad_y = (wide * a.view(1, -1, 1, 1)).to(y.dtype)
+    if weight is None:
+        return grad_y, grad_stats, mean.new_empty(0), mean.new_empty(0)
+    return grad_y, grad_stats, grad_a * inv_std, grad_b
+
+
+# Two operators, as torch's own BatchNorm is built (native_batch_norm and its backward): Dynamo traces one node and
+# AOTAutograd one op for the gradient, where the ops above, traced one by one with their own gradients, cost the
+# first step's compile (RESULTS.md, "Training", "Where the first step's compile goes"). Inductor decomposes both
+# into the ops above and fuses them as before (_inductor_decomposes); elsewhere they run as Python functions.
+for _name, _function in (("batch_norm_from_sums", _batch_norm_from_sums),
+                         ("batch_norm_from_sums_backward", _batch_norm_from_sums_backward)):
+    _LIBRARY.define(_name + torch.library.infer_schema(_function, mutates_args=()), tags=(torch.Tag.pt2_compliant_tag,))
+    _LIBRARY.impl(_name, _function, "CompositeExplicitAutograd")
 batch_norm_from_sums_op = torch.ops.conv_tutorial.batch_norm_from_sums.default
+batch_norm_from_sums_backward_op = torch.ops.conv_tutorial.batch_norm_from_sums_backward.default
+
+
+@torch.library.register_fake("conv_tutorial::batch_norm_from_sums")
+def _(y, stats, weight, bias, count, eps):
+    return torch.empty_like(y), stats.new_empty(y.shape[1]), stats.new_empty(y.shape[1])
+
+
+@torch.library.register_fake("conv_tutorial::batch_norm_from_sums_backward")
+def _(grad, y, mean, var, weight, count, eps):
+    affine = y.shape[1] if weight is not None else 0
+    return torch.empty_like(y), mean.new_empty(2, y.shape[1]), mean.new_empty(affine), mean.new_empty(affine)
+
+
+def _batch_norm_setup(ctx, inputs, output):
+    y, stats, weight, bias, count, eps = inputs
+    ctx.save_for_backward(y, output[1], output[2], weight)
+    ctx.count, ctx.eps, ctx.affine = count, eps, weight is not None
+    ctx.set_materialize_grads(False)
+
+
+def _batch_norm_backward(ctx, grad, _mean_grad, _var_grad):
+    if grad is None:           # (only the statistics used, which carry no gradient)
+        return None, None, None, None, None, None
+    y, mean, var, weight = ctx.saved_tensors
+    grad_y, grad_stats, grad_weight, grad_bias = batch_norm_from_sums_backward_op(grad, y, mean, var, weight,
+                                                                                  ctx.count, ctx.eps)
+    return (grad_y, grad_stats, grad_weight if ctx.affine else None, grad_bias if ctx.affine else None, None, None)
+
+
+torch.library.register_autograd("conv_tutorial::batch_norm_from_sums", _batch_norm_backward,
+                                setup_context=_batch_norm_setup)
+_DECOMPOSED = []
+
+
+def _inductor_decomposes():
+    """Register both operators' functions as their decompositions in Inductor's table, once (ConvBatchNorm2d
+    calls it): Inductor then fuses their ops with the BatchNorm's neighbours; without it, it would call them
+    as opaque kernels. Where this torch's Inductor has no such table, a warning says so."""
+    if _DECOMPOSED:
+        return
+    _DECOMPOSED.append(True)
+    try:
+        import torch._inductor.lowering  # noqa: F401  (imported before the decomposition table, as Inductor does)
+        from torch._inductor import decomposition
+        for op, function in ((batch_norm_from_sums_op, _batch_norm_from_sums),
+                             (batch_norm_from_sums_backward_op, _batch_norm_from_sums_backward)):
+            if op not in decomposition.decompositions:
+                decomposition.register_decomposition(op)(function)
+        cached = getattr(decomposition, "fast_random_decomps", None)
+        if hasattr(cached, "cache_clear"):          # (a cached copy of the table, made at the first compile)
+            cached.cache_clear()
+    except (ImportError, AttributeError, TypeError) as error:
+        warnings.warn(f"conv_tutorial: Inductor's decomposition table could not take batch_norm_from_sums "
+                      f"({type(error).__name__}: {error}); torch.compile calls it unfused")
 
 
 def _as(t, dtype):

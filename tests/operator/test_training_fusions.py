@@ -254,6 +254,34 @@ def test_normalization_op_is_torchs_batchnorm_and_passes_opcheck():
                           (y, torch_channel_stats(y), weight, bias, 72, 1e-5))
     torch.library.opcheck(torch.ops.conv_tutorial.batch_norm_from_sums.default,
                           (y.bfloat16(), torch_channel_stats(y.bfloat16()), None, None, 72, 1e-5))
+    grad, mean, var = torch.randn_like(y), torch.randn(5, dtype=torch.float64), torch.rand(5, dtype=torch.float64)
+    for affine_weight in (weight, None):
+        torch.library.opcheck(torch.ops.conv_tutorial.batch_norm_from_sums_backward.default,
+                              (grad, y, mean, var, affine_weight, 72, 1e-5))
+
+
+def test_normalization_gradient_is_autograds_of_its_ops_where_the_variance_clamps():
+    """The operator's gradient formula (batch_norm_from_sums_backward) against autograd through the ops of its
+    forward (the function itself, fp64), with one channel constant, whose variance is 0 and clamped: no
+    gradient passes through it there, as through clamp_min; and a channel whose sums make the variance
+    negative by rounding."""
+    from conv_tutorial import training
+    torch.manual_seed(2)
+    y = torch.randn(2, 4, 3, 5, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    y[:, 0] = 2.0                                        # (mean 2, E[y^2] 4: variance exactly 0)
+    weight, bias = torch.rand(4, dtype=torch.float64) + 0.5, torch.randn(4, dtype=torch.float64)
+    stats = torch_channel_stats(y)
+    stats[1, 1] = stats[0, 1] ** 2 / 30 - 1e-9           # (the variance slightly negative, clamped)
+    upstream = torch.randn_like(y)
+    inputs = [t.clone().requires_grad_() for t in (y, stats, weight, bias)]
+    reference = [t.clone().requires_grad_() for t in (y, stats, weight, bias)]
+    out = torch.ops.conv_tutorial.batch_norm_from_sums(*inputs, 30, 1e-5)[0]
+    expected = training._batch_norm_from_sums(*reference, 30, 1e-5)[0]
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    got = torch.autograd.grad((out * upstream).sum(), inputs)
+    want = torch.autograd.grad((expected * upstream).sum(), reference)
+    for name, g, w in zip(("y", "stats", "weight", "bias"), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
