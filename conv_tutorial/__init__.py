@@ -23,10 +23,12 @@ Layers, each importing only those below it:
 
 `import conv_tutorial` loads nothing but this file: `conv_tutorial.core` and `conv_tutorial.kernels`
 can be imported without the torch layer. The first use of a name below (or `import conv_tutorial.training`,
-which imports `conv_tutorial.ops`; that alone registers all but training's operators) loads the torch layer, which registers the operators (torch.ops.conv_tutorial: conv2d, conv2d_fp8,
-the backward's conv2d_input_grad, conv2d_input_grad_relu and conv2d_weight_grad, and training's
-conv2d_channel_stats, batch_norm_from_sums with its backward, and conv2d_after_relu) and changes nothing else: no environment variable, no
-Triton mode, no stream redirected.
+which imports `conv_tutorial.ops`; that alone registers all but training's operators) loads the torch
+layer, which registers the operators (torch.ops.conv_tutorial: conv2d, conv2d_fp8, the backward's
+conv2d_input_grad, conv2d_input_grad_relu and conv2d_weight_grad, and training's conv2d_channel_stats,
+batch_norm_from_sums with its backward, and conv2d_after_relu) and changes nothing else: no environment
+variable, no Triton mode, no stream redirected. (A training.ConvBatchNorm2d, when built, adds its operators'
+decompositions to Inductor's table: training.py.)
 """
 import importlib
 

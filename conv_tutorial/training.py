@@ -12,7 +12,8 @@ adds each output channel's sum and sum of squares into fp32 sums as it stores th
 program into one [2, Co] tensor: lesson 08, "Training: BatchNorm's statistics from the
 forward's epilogue"), and the module below computes mean = sum / count and var = sum_sq / count -
 mean^2 from them: that read of the output is gone.
-The normalization, its gradient and the running statistics stay torch's (Inductor fuses them).
+The normalization and its gradient are two operators of the package (batch_norm_from_sums and its
+backward, which Inductor decomposes and fuses), the running statistics torch's.
 
 Measured before kept (RESULTS.md, "Training fusions: BatchNorm's statistics ..."): a ResNet-50
 training step under CUDA graphs ran faster with this pass than without. The pass is opt-in: it changes a
@@ -216,7 +217,7 @@ hostpath.register_autograd(_LIBRARY, "conv2d_after_relu", _conv2d_after_relu, _b
 
 class ConvBatchNorm2d(torch.nn.Module):
     """conv -> BatchNorm2d as one module: in training (batch statistics), the conv's epilogue sums
-    its output per channel (conv2d_channel_stats) and torch normalizes; in eval (running
+    its output per channel (conv2d_channel_stats) and batch_norm_from_sums normalizes; in eval (running
     statistics), the conv and F.batch_norm. Holds the conv's weight and bias (channels_last, as
     TutorialConv2d) and the BatchNorm2d module itself (its parameters, buffers and settings)."""
 
@@ -230,6 +231,10 @@ class ConvBatchNorm2d(torch.nn.Module):
                              f"output channels")
         self.conv = ops.TutorialConv2d(conv)      # its weight, bias and resolved arguments
         self.bn = bn
+        _inductor_decomposes()
+
+    def __setstate__(self, state):      # (a module unpickled, torch.load's: no __init__, so register here too)
+        super().__setstate__(state)
         _inductor_decomposes()
 
     def forward(self, x, relu_input=None):
@@ -332,11 +337,14 @@ def _(y, stats, weight, bias, count, eps):
 @torch.library.register_fake("conv_tutorial::batch_norm_from_sums_backward")
 def _(grad, y, mean, var, weight, count, eps):
     affine = y.shape[1] if weight is not None else 0
-    return torch.empty_like(y), mean.new_empty(2, y.shape[1]), mean.new_empty(affine), mean.new_empty(affine)
+    # (grad_y in grad's layout, as grad * a is, and y's dtype)
+    return (torch.empty_like(grad, dtype=y.dtype), mean.new_empty(2, y.shape[1]), mean.new_empty(affine),
+            mean.new_empty(affine))
 
 
 def _batch_norm_setup(ctx, inputs, output):
     y, stats, weight, bias, count, eps = inputs
+    ctx.mark_non_differentiable(output[1], output[2])      # (mean and var: the running statistics' inputs)
     ctx.save_for_backward(y, output[1], output[2], weight)
     ctx.count, ctx.eps, ctx.affine = count, eps, weight is not None
     ctx.set_materialize_grads(False)
@@ -353,6 +361,15 @@ def _batch_norm_backward(ctx, grad, _mean_grad, _var_grad):
 
 torch.library.register_autograd("conv_tutorial::batch_norm_from_sums", _batch_norm_backward,
                                 setup_context=_batch_norm_setup)
+
+
+def _no_double_backward(ctx, *grads):
+    raise NotImplementedError("conv_tutorial::batch_norm_from_sums has no second derivative (its backward "
+                              "operator, batch_norm_from_sums_backward, has no gradient of its own)")
+
+
+torch.library.register_autograd("conv_tutorial::batch_norm_from_sums_backward", _no_double_backward,
+                                setup_context=lambda ctx, inputs, output: None)
 _DECOMPOSED = []
 
 
@@ -373,6 +390,16 @@ def _inductor_decomposes():
         cached = getattr(decomposition, "fast_random_decomps", None)
         if hasattr(cached, "cache_clear"):          # (a cached copy of the table, made at the first compile)
             cached.cache_clear()
+        # AOTAutograd's cache keys a graph by its ops, not by their decompositions: the functions' source goes
+        # into the key, so that a cached graph built with other decompositions (or none) is not taken
+        marked = getattr(torch._inductor.config, "unsafe_marked_cacheable_functions", None)
+        if isinstance(marked, dict):
+            import hashlib
+            import inspect
+            source = inspect.getsource(_batch_norm_from_sums) + inspect.getsource(_batch_norm_from_sums_backward)
+            digest = hashlib.sha256(source.encode()).hexdigest()
+            for op in ("batch_norm_from_sums", "batch_norm_from_sums_backward"):
+                marked[f"conv_tutorial.{op}"] = digest
     except (ImportError, AttributeError, TypeError) as error:
         warnings.warn(f"conv_tutorial: Inductor's decomposition table could not take batch_norm_from_sums "
                       f"({type(error).__name__}: {error}); torch.compile calls it unfused")

@@ -256,8 +256,38 @@ def test_normalization_op_is_torchs_batchnorm_and_passes_opcheck():
                           (y.bfloat16(), torch_channel_stats(y.bfloat16()), None, None, 72, 1e-5))
     grad, mean, var = torch.randn_like(y), torch.randn(5, dtype=torch.float64), torch.rand(5, dtype=torch.float64)
     for affine_weight in (weight, None):
-        torch.library.opcheck(torch.ops.conv_tutorial.batch_norm_from_sums_backward.default,
-                              (grad, y, mean, var, affine_weight, 72, 1e-5))
+        # (grad in y's layout, and in another: grad_y's layout is grad's)
+        for upstream in (grad, grad.contiguous()):
+            torch.library.opcheck(torch.ops.conv_tutorial.batch_norm_from_sums_backward.default,
+                                  (upstream, y, mean, var, affine_weight, 72, 1e-5))
+
+
+def test_normalization_op_statistics_carry_no_gradient_and_no_second_derivative():
+    """mean and var feed the running statistics only: they carry no gradient (autograd refuses to differentiate
+    through them rather than give a wrong one); a second derivative raises rather than come out wrong."""
+    y = torch.randn(2, 3, 4, 4, dtype=torch.float64, requires_grad=True)
+    stats = torch_channel_stats(y)
+    out, mean, var = torch.ops.conv_tutorial.batch_norm_from_sums(y, stats, None, None, 32, 1e-5)
+    assert out.requires_grad and not mean.requires_grad and not var.requires_grad
+    (grad_y,) = torch.autograd.grad((out ** 2).sum(), y, create_graph=True)
+    with pytest.raises(NotImplementedError, match="no second derivative"):
+        torch.autograd.grad(grad_y.sum(), y)
+
+
+def test_unpickled_fused_layer_registers_inductors_decompositions(monkeypatch):
+    """torch.load builds modules without __init__: ConvBatchNorm2d registers its operators' decompositions in
+    Inductor's table when unpickled too."""
+    import io
+    from conv_tutorial import training
+    layer = fuse_conv_batchnorm_for_training(torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, bias=False),
+                                                                 torch.nn.BatchNorm2d(8)))
+    calls = []
+    monkeypatch.setattr(training, "_inductor_decomposes", lambda: calls.append(True))
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert isinstance(loaded.conv_bn_0, ConvBatchNorm2d) and calls
 
 
 def test_normalization_gradient_is_autograds_of_its_ops_where_the_variance_clamps():
