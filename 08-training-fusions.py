@@ -328,9 +328,10 @@ if __name__ == "__main__":
 # the conv with its sums took 1894 us over the 23 layers against 1706 us for the conv alone (a median
 # 1.14x the conv's time, 1.04-1.25x), and beat the conv followed by a separate reduction over its
 # output (5674 us) on all 23. In a step: `conv_tutorial.fuse_conv_batchnorm_for_training` routes each
-# conv -> BatchNorm pair of a model through it (torch then normalizes with the sums), and ResNet-50's
-# step ran 2.8% faster with it than without (5148 -> 5290 images/s under CUDA graphs, torch.compile
-# 5195; H100, 2026-11-26, `results/h100-2026-11-26/training_resnet50_cudagraphs_whole_waves.json`).
+# conv -> BatchNorm pair of a model through it (its `batch_norm_from_sums` then normalizes with the
+# sums, in torch ops that Inductor fuses), and ResNet-50's step ran 2.8% faster with it than without
+# (5148 -> 5290 images/s under CUDA graphs, torch.compile 5195; H100, 2026-11-26, with the same
+# normalization written inline, `results/h100-2026-11-26/training_resnet50_cudagraphs_whole_waves.json`).
 
 # %%
 # 3. ReLU's backward in dgrad's epilogue
