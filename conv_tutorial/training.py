@@ -54,6 +54,7 @@ relative error of about 2^-24 * (mean / std)^2 in the variance per rounding); Ba
 in a network at work have means of the order of their spread.
 """
 import copy
+import functools
 import warnings
 from typing import List, Optional, Tuple
 
@@ -288,9 +289,7 @@ def _batch_norm_from_sums(y: torch.Tensor, stats: torch.Tensor, weight: Optional
     if count < 2:
         raise ValueError(f"batch_norm_from_sums: count (values per channel) must be at least 2, got {count}")
     mean, var = batch_stats_from_sums(stats, count)
-    scale = (var + eps).rsqrt()
-    if weight is not None:
-        scale = scale * weight
+    _, scale = _inverse_std_and_scale(var, weight, eps)
     shift = torch.addcmul(bias, mean, scale, value=-1) if bias is not None else -mean * scale
     return torch.addcmul(shift.view(1, -1, 1, 1), y, scale.view(1, -1, 1, 1)).to(y.dtype), mean, var
 
@@ -303,8 +302,7 @@ def _batch_norm_from_sums_backward(grad: torch.Tensor, y: torch.Tensor, mean: to
     with a = weight / sqrt(var + eps) and b = bias - mean * a, by the chain rule through a and b, from two sums
     over the pixels, sum(grad) and sum(grad * y). No gradient passes where the variance was clamped at 0.
     Without weight (no affine parameters), weight's and bias's are empty."""
-    inv_std = (var + eps).rsqrt()
-    a = inv_std * weight if weight is not None else inv_std
+    inv_std, a = _inverse_std_and_scale(var, weight, eps)
     wide = _wide(grad)
     grad_b = wide.sum((0, 2, 3))                                   # dL/db; dL/da less b's share through a:
     grad_a = (wide * y).sum((0, 2, 3)) - grad_b * mean
@@ -315,6 +313,12 @@ def _batch_norm_from_sums_backward(grad: torch.Tensor, y: torch.Tensor, mean: to
     if weight is None:
         return grad_y, grad_stats, mean.new_empty(0), mean.new_empty(0)
     return grad_y, grad_stats, grad_a * inv_std, grad_b
+
+
+def _inverse_std_and_scale(var, weight, eps):
+    # (1 / sqrt(var + eps), and the scale a = weight / sqrt(var + eps): the forward's and its gradient's)
+    inv_std = (var + eps).rsqrt()
+    return inv_std, (inv_std * weight if weight is not None else inv_std)
 
 
 # Two operators, as torch's own BatchNorm is built (native_batch_norm and its backward): Dynamo traces one node and
@@ -370,16 +374,13 @@ def _no_double_backward(ctx, *grads):
 
 torch.library.register_autograd("conv_tutorial::batch_norm_from_sums_backward", _no_double_backward,
                                 setup_context=lambda ctx, inputs, output: None)
-_DECOMPOSED = []
 
 
+@functools.cache
 def _inductor_decomposes():
     """Register both operators' functions as their decompositions in Inductor's table, once (ConvBatchNorm2d
     calls it): Inductor then fuses their ops with the BatchNorm's neighbours; without it, it would call them
     as opaque kernels. Where this torch's Inductor has no such table, a warning says so."""
-    if _DECOMPOSED:
-        return
-    _DECOMPOSED.append(True)
     try:
         import torch._inductor.lowering  # noqa: F401  (imported before the decomposition table, as Inductor does)
         from torch._inductor import decomposition
@@ -396,7 +397,8 @@ def _inductor_decomposes():
         if isinstance(marked, dict):
             import hashlib
             import inspect
-            source = inspect.getsource(_batch_norm_from_sums) + inspect.getsource(_batch_norm_from_sums_backward)
+            source = "".join(inspect.getsource(f) for f in (_batch_norm_from_sums, _batch_norm_from_sums_backward,
+                                                           _inverse_std_and_scale, batch_stats_from_sums))
             digest = hashlib.sha256(source.encode()).hexdigest()
             for op in ("batch_norm_from_sums", "batch_norm_from_sums_backward"):
                 marked[f"conv_tutorial.{op}"] = digest
