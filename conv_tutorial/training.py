@@ -136,10 +136,12 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(input, weight, output[0])
     ctx.conv_args, ctx.has_bias = (stride, padding, dilation, groups), bias is not None
     ctx.relu_gated = relu_input is not None
+    ctx.set_materialize_grads(False)     # (no zeros for the statistics where nothing differentiates them)
 
 
 def _backward(ctx, grad_out, grad_stats):
-    """The output's gradient plus what the statistics add (d sum = 1, d sum_sq = 2 out per element),
+    """The output's gradient plus what the statistics add, if anything differentiates them (d sum = 1,
+    d sum_sq = 2 out per element; batch_norm_from_sums does not: its gradient reaches the output whole),
     then the conv's gradients and the bias's (with relu_input, the input's goes to it: _relu_routed)."""
     input, weight, out = ctx.saved_tensors
     needs = _relu_routed(ctx)
@@ -147,7 +149,7 @@ def _backward(ctx, grad_out, grad_stats):
     if grad_stats is not None:
         wide = _wide(grad_out) if grad_out is not None else 0.0
         grad = (wide + grad_stats[0].view(1, -1, 1, 1) + 2 * _wide(out) * grad_stats[1].view(1, -1, 1, 1))
-        grad = grad.to(out.dtype).contiguous(memory_format=torch.channels_last)
+    grad = grad.to(out.dtype).contiguous(memory_format=torch.channels_last)      # (the gradient ops' layout)
     grad_input, grad_weight = backward.conv_gradients(grad, input, weight, *ctx.conv_args, needs[0], needs[1],
                                                       relu_gated=ctx.relu_gated)
     grad_bias = _wide(grad).sum((0, 2, 3)) if ctx.has_bias and needs[2] else None
@@ -274,7 +276,8 @@ def _batch_norm_from_sums(y: torch.Tensor, stats: torch.Tensor, weight: Optional
     """(BatchNorm's output, mean, biased variance) of y (N, C, H, W) from its per-channel sums over `count`
     values each, `stats` = (sum y, sum y^2), fp32 [2, C] (fp64 for fp64 y): y * scale + shift in the
     statistics' dtype, returned in y's dtype. `weight` and `bias`: BatchNorm's affine parameters [C], both or
-    neither."""
+    neither. `stats` must be y's own sums (conv2d_channel_stats returns them with y): the output is then
+    BatchNorm's of y, and so is its gradient, all of it to y (through the sums too); stats get none."""
     if y.dim() != 4:
         raise ValueError(f"batch_norm_from_sums: y must be 4-D (N, C, H, W), got shape {tuple(y.shape)}")
     if tuple(stats.shape) != (2, y.shape[1]):
@@ -296,23 +299,32 @@ def _batch_norm_from_sums(y: torch.Tensor, stats: torch.Tensor, weight: Optional
 
 def _batch_norm_from_sums_backward(grad: torch.Tensor, y: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
                                    weight: Optional[torch.Tensor], count: int,
-                                   eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """batch_norm_from_sums' gradient from its output's, `grad`: (y's direct part, grad * a in y's dtype; stats'
-    part [2, C], which conv2d_channel_stats' backward adds to y's as d sum = 1, d sum_sq = 2y; weight's; bias's),
-    with a = weight / sqrt(var + eps) and b = bias - mean * a, by the chain rule through a and b, from two sums
-    over the pixels, sum(grad) and sum(grad * y). No gradient passes where the variance was clamped at 0.
-    Without weight (no affine parameters), weight's and bias's are empty."""
+                                   eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """batch_norm_from_sums' gradient from its output's, `grad`: (y's, in y's dtype and layout; weight's;
+    bias's). With a = weight / sqrt(var + eps) and b = bias - mean * a, by the chain rule through a and b, from
+    two sums over the pixels, sum(grad) and sum(grad * y), then through the sums that mean and var come from
+    (y's own: d sum y = 1, d sum y^2 = 2y per value), so y's is BatchNorm's whole gradient. No gradient passes
+    where the variance was clamped at 0. Without weight (no affine parameters), weight's and bias's are empty."""
     inv_std, a = _inverse_std_and_scale(var, weight, eps)
     wide = _wide(grad)
     grad_b = wide.sum((0, 2, 3))                                   # dL/db; dL/da less b's share through a:
     grad_a = (wide * y).sum((0, 2, 3)) - grad_b * mean
     grad_inv_std = grad_a * weight if weight is not None else grad_a
     grad_var = torch.where(var > 0, grad_inv_std * -0.5 * inv_std ** 3, 0.0)
-    grad_stats = torch.stack(((-grad_b * a - 2 * mean * grad_var) / count, grad_var / count))
-    grad_y = (wide * a.view(1, -1, 1, 1)).to(y.dtype)
+    per_sum = (-grad_b * a - 2 * mean * grad_var) / count         # dL/d(sum y): through mean and var
+    per_square = grad_var * (2.0 / count)                          # dL/d(sum y^2), times d(sum y^2)/dy = 2y
+    grad_y = torch.addcmul(wide * a.view(1, -1, 1, 1) + per_sum.view(1, -1, 1, 1), _wide(y),
+                           per_square.view(1, -1, 1, 1))
+    grad_y = grad_y.to(y.dtype).contiguous(memory_format=_memory_format(y))
     if weight is None:
-        return grad_y, grad_stats, mean.new_empty(0), mean.new_empty(0)
-    return grad_y, grad_stats, grad_a * inv_std, grad_b
+        return grad_y, mean.new_empty(0), mean.new_empty(0)
+    return grad_y, grad_a * inv_std, grad_b
+
+
+def _memory_format(y):
+    # (y's layout, which its gradient keeps: channels_last where y is stored so, else contiguous)
+    return (torch.channels_last if y.is_contiguous(memory_format=torch.channels_last) and not y.is_contiguous()
+            else torch.contiguous_format)
 
 
 def _inverse_std_and_scale(var, weight, eps):
@@ -341,9 +353,8 @@ def _(y, stats, weight, bias, count, eps):
 @torch.library.register_fake("conv_tutorial::batch_norm_from_sums_backward")
 def _(grad, y, mean, var, weight, count, eps):
     affine = y.shape[1] if weight is not None else 0
-    # (grad_y in grad's layout, as grad * a is, and y's dtype)
-    return (torch.empty_like(grad, dtype=y.dtype), mean.new_empty(2, y.shape[1]), mean.new_empty(affine),
-            mean.new_empty(affine))
+    return (torch.empty(y.shape, dtype=y.dtype, device=y.device, memory_format=_memory_format(y)),
+            mean.new_empty(affine), mean.new_empty(affine))
 
 
 def _batch_norm_setup(ctx, inputs, output):
@@ -358,9 +369,9 @@ def _batch_norm_backward(ctx, grad, _mean_grad, _var_grad):
     if grad is None:           # (only the statistics used, which carry no gradient)
         return None, None, None, None, None, None
     y, mean, var, weight = ctx.saved_tensors
-    grad_y, grad_stats, grad_weight, grad_bias = batch_norm_from_sums_backward_op(grad, y, mean, var, weight,
-                                                                                  ctx.count, ctx.eps)
-    return (grad_y, grad_stats, grad_weight if ctx.affine else None, grad_bias if ctx.affine else None, None, None)
+    grad_y, grad_weight, grad_bias = batch_norm_from_sums_backward_op(grad, y, mean, var, weight, ctx.count, ctx.eps)
+    # (stats are y's sums: their share of the gradient is in y's already)
+    return (grad_y, None, grad_weight if ctx.affine else None, grad_bias if ctx.affine else None, None, None)
 
 
 torch.library.register_autograd("conv_tutorial::batch_norm_from_sums", _batch_norm_backward,
@@ -398,7 +409,8 @@ def _inductor_decomposes():
             import hashlib
             import inspect
             source = "".join(inspect.getsource(f) for f in (_batch_norm_from_sums, _batch_norm_from_sums_backward,
-                                                           _inverse_std_and_scale, batch_stats_from_sums))
+                                                           _inverse_std_and_scale, _memory_format, _wide,
+                                                           batch_stats_from_sums))
             digest = hashlib.sha256(source.encode()).hexdigest()
             for op in ("batch_norm_from_sums", "batch_norm_from_sums_backward"):
                 marked[f"conv_tutorial.{op}"] = digest

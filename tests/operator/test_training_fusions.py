@@ -256,7 +256,7 @@ def test_normalization_op_is_torchs_batchnorm_and_passes_opcheck():
                           (y.bfloat16(), torch_channel_stats(y.bfloat16()), None, None, 72, 1e-5))
     grad, mean, var = torch.randn_like(y), torch.randn(5, dtype=torch.float64), torch.rand(5, dtype=torch.float64)
     for affine_weight in (weight, None):
-        # (grad in y's layout, and in another: grad_y's layout is grad's)
+        # (grad in y's layout, and in another: grad_y's layout is y's)
         for upstream in (grad, grad.contiguous()):
             torch.library.opcheck(torch.ops.conv_tutorial.batch_norm_from_sums_backward.default,
                                   (upstream, y, mean, var, affine_weight, 72, 1e-5))
@@ -264,11 +264,13 @@ def test_normalization_op_is_torchs_batchnorm_and_passes_opcheck():
 
 def test_normalization_op_statistics_carry_no_gradient_and_no_second_derivative():
     """mean and var feed the running statistics only: they carry no gradient (autograd refuses to differentiate
-    through them rather than give a wrong one); a second derivative raises rather than come out wrong."""
+    through them rather than give a wrong one); the sums get none either (their share is in y's, as they are y's
+    sums); a second derivative raises rather than come out wrong."""
     y = torch.randn(2, 3, 4, 4, dtype=torch.float64, requires_grad=True)
-    stats = torch_channel_stats(y)
+    stats = torch_channel_stats(y.detach()).requires_grad_()
     out, mean, var = torch.ops.conv_tutorial.batch_norm_from_sums(y, stats, None, None, 32, 1e-5)
     assert out.requires_grad and not mean.requires_grad and not var.requires_grad
+    assert torch.autograd.grad(out.sum(), stats, allow_unused=True, retain_graph=True) == (None,)
     (grad_y,) = torch.autograd.grad((out ** 2).sum(), y, create_graph=True)
     with pytest.raises(NotImplementedError, match="no second derivative"):
         torch.autograd.grad(grad_y.sum(), y)
@@ -292,25 +294,28 @@ def test_unpickled_fused_layer_registers_inductors_decompositions(monkeypatch):
 
 def test_normalization_gradient_is_autograds_of_its_ops_where_the_variance_clamps():
     """The operator's gradient formula (batch_norm_from_sums_backward) against autograd through the ops of its
-    forward (the function itself, fp64), with one channel constant, whose variance is 0 and clamped: no
-    gradient passes through it there, as through clamp_min; and a channel whose sums make the variance
-    negative by rounding."""
+    forward (the function itself, fp64) and through y's sums (torch ops), with one channel constant, whose
+    variance is 0 and clamped: no gradient passes through it there, as through clamp_min; and a channel whose
+    sums, offset by a constant, make the variance negative, clamped too."""
     from conv_tutorial import training
     torch.manual_seed(2)
     y = torch.randn(2, 4, 3, 5, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
     y[:, 0] = 2.0                                        # (mean 2, E[y^2] 4: variance exactly 0)
     weight, bias = torch.rand(4, dtype=torch.float64) + 0.5, torch.randn(4, dtype=torch.float64)
-    stats = torch_channel_stats(y)
-    stats[1, 1] = stats[0, 1] ** 2 / 30 - 1e-9           # (the variance slightly negative, clamped)
+    offset = torch.zeros(2, 4, dtype=torch.float64)      # (a constant: d sums / d y is the same with it)
+    sums = torch_channel_stats(y)
+    offset[1, 1] = sums[0, 1] ** 2 / 30 - 1e-9 - sums[1, 1]     # (the variance slightly negative, clamped)
     upstream = torch.randn_like(y)
-    inputs = [t.clone().requires_grad_() for t in (y, stats, weight, bias)]
-    reference = [t.clone().requires_grad_() for t in (y, stats, weight, bias)]
-    out = torch.ops.conv_tutorial.batch_norm_from_sums(*inputs, 30, 1e-5)[0]
-    expected = training._batch_norm_from_sums(*reference, 30, 1e-5)[0]
+    inputs = [t.clone().requires_grad_() for t in (y, weight, bias)]
+    reference = [t.clone().requires_grad_() for t in (y, weight, bias)]
+    stats = torch_channel_stats(inputs[0].detach()) + offset
+    out = torch.ops.conv_tutorial.batch_norm_from_sums(inputs[0], stats, *inputs[1:], 30, 1e-5)[0]
+    expected = training._batch_norm_from_sums(reference[0], torch_channel_stats(reference[0]) + offset,
+                                              *reference[1:], 30, 1e-5)[0]
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     got = torch.autograd.grad((out * upstream).sum(), inputs)
     want = torch.autograd.grad((expected * upstream).sum(), reference)
-    for name, g, w in zip(("y", "stats", "weight", "bias"), got, want):
+    for name, g, w in zip(("y", "weight", "bias"), got, want):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=name)
 
 
