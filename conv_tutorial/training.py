@@ -28,6 +28,11 @@ model's modules, and nothing else in the package uses it.
   kernel does not run the conv (ops.unsupported_reason, depthwise, CPU tensors), torch computes
   both, with the forward operator's warning. The kernel adds the statistics with atomics: their
   last bits vary from run to run (tiles arrive in any order).
+- `torch.ops.conv_tutorial.batch_norm_from_sums(y, stats, weight, bias, count, eps, stats_from_y=False)
+  -> (out, mean, var)`: BatchNorm's output in training, and its batch mean and biased variance, from
+  y's per-channel sums. Its gradient reaches y and stats (whatever made the sums takes theirs on);
+  with `stats_from_y=True`, which says that stats are y's own sums, as ConvBatchNorm2d passes them,
+  y takes BatchNorm's whole gradient and stats none: the same gradient in fewer ops.
 - `ConvBatchNorm2d(conv, bn)`: a conv and the BatchNorm2d that follows it, as PyTorch computes
   them in train and eval mode (batch statistics, running statistics with BatchNorm's momentum or
   cumulative average and the unbiased variance, affine or not, track_running_stats or not).
@@ -141,10 +146,12 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_stats):
     """The output's gradient plus what the statistics add, if anything differentiates them (d sum = 1,
-    d sum_sq = 2 out per element; batch_norm_from_sums does not: its gradient reaches the output whole),
+    d sum_sq = 2 out per element; ConvBatchNorm2d's batch_norm_from_sums does not: stats_from_y),
     then the conv's gradients and the bias's (with relu_input, the input's goes to it: _relu_routed)."""
     input, weight, out = ctx.saved_tensors
     needs = _relu_routed(ctx)
+    if grad_out is None and grad_stats is None:      # (called with neither: nothing reaches the conv)
+        return _routed_to_relu_input(ctx, None, None, None, 4)
     grad = grad_out
     if grad_stats is not None:
         wide = _wide(grad_out) if grad_out is not None else 0.0
@@ -259,7 +266,7 @@ class ConvBatchNorm2d(torch.nn.Module):
         # and its first step's compile grows with them (RESULTS.md, "Training", "Where the first step's compile goes"):
         # the normalization is one operator, with its gradient one operator too (batch_norm_from_sums).
         out, mean, var = batch_norm_from_sums_op(y, stats, bn.weight if bn.affine else None,
-                                                 bn.bias if bn.affine else None, count, bn.eps)
+                                                 bn.bias if bn.affine else None, count, bn.eps, True)
         if bn.training and bn.track_running_stats:
             with torch.no_grad():
                 bn.num_batches_tracked.add_(1)
@@ -271,13 +278,16 @@ class ConvBatchNorm2d(torch.nn.Module):
 
 
 def _batch_norm_from_sums(y: torch.Tensor, stats: torch.Tensor, weight: Optional[torch.Tensor],
-                          bias: Optional[torch.Tensor], count: int,
-                          eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          bias: Optional[torch.Tensor], count: int, eps: float,
+                          stats_from_y: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(BatchNorm's output, mean, biased variance) of y (N, C, H, W) from its per-channel sums over `count`
     values each, `stats` = (sum y, sum y^2), fp32 [2, C] (fp64 for fp64 y): y * scale + shift in the
     statistics' dtype, returned in y's dtype. `weight` and `bias`: BatchNorm's affine parameters [C], both or
-    neither. `stats` must be y's own sums (conv2d_channel_stats returns them with y): the output is then
-    BatchNorm's of y, and so is its gradient, all of it to y (through the sums too); stats get none."""
+    neither. The gradient reaches y directly and `stats` through the sums (which the caller passes on to what
+    made them); `stats_from_y=True` says that stats are y's own sums (conv2d_channel_stats returns them with y,
+    and ConvBatchNorm2d passes them on untouched): the sums' share then goes to y too, BatchNorm's whole
+    gradient in fewer ops, and stats get none. With other sums (a transformed y's, sums all-reduced across
+    processes) that would be wrong: keep the default there."""
     if y.dim() != 4:
         raise ValueError(f"batch_norm_from_sums: y must be 4-D (N, C, H, W), got shape {tuple(y.shape)}")
     if tuple(stats.shape) != (2, y.shape[1]):
@@ -298,13 +308,15 @@ def _batch_norm_from_sums(y: torch.Tensor, stats: torch.Tensor, weight: Optional
 
 
 def _batch_norm_from_sums_backward(grad: torch.Tensor, y: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
-                                   weight: Optional[torch.Tensor], count: int,
-                                   eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """batch_norm_from_sums' gradient from its output's, `grad`: (y's, in y's dtype and layout; weight's;
-    bias's). With a = weight / sqrt(var + eps) and b = bias - mean * a, by the chain rule through a and b, from
-    two sums over the pixels, sum(grad) and sum(grad * y), then through the sums that mean and var come from
-    (y's own: d sum y = 1, d sum y^2 = 2y per value), so y's is BatchNorm's whole gradient. No gradient passes
-    where the variance was clamped at 0. Without weight (no affine parameters), weight's and bias's are empty."""
+                                   weight: Optional[torch.Tensor], count: int, eps: float,
+                                   stats_from_y: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """batch_norm_from_sums' gradient from its output's, `grad`: (y's, in y's dtype, channels_last where y is,
+    else contiguous; stats', [2, C], or empty with `stats_from_y`; weight's; bias's). With a = weight /
+    sqrt(var + eps) and b = bias - mean * a, by the chain rule through a and b, from two sums over the pixels,
+    sum(grad) and sum(grad * y), then through the sums that mean and var come from: stats' gradient, or with
+    `stats_from_y` (stats are y's own sums: d sum y = 1, d sum y^2 = 2y per value) y's, which is then
+    BatchNorm's whole gradient. No gradient passes where the variance was clamped at 0. Without weight (no
+    affine parameters), weight's and bias's are empty."""
     inv_std, a = _inverse_std_and_scale(var, weight, eps)
     wide = _wide(grad)
     grad_b = wide.sum((0, 2, 3))                                   # dL/db; dL/da less b's share through a:
@@ -312,13 +324,17 @@ def _batch_norm_from_sums_backward(grad: torch.Tensor, y: torch.Tensor, mean: to
     grad_inv_std = grad_a * weight if weight is not None else grad_a
     grad_var = torch.where(var > 0, grad_inv_std * -0.5 * inv_std ** 3, 0.0)
     per_sum = (-grad_b * a - 2 * mean * grad_var) / count         # dL/d(sum y): through mean and var
-    per_square = grad_var * (2.0 / count)                          # dL/d(sum y^2), times d(sum y^2)/dy = 2y
-    grad_y = torch.addcmul(wide * a.view(1, -1, 1, 1) + per_sum.view(1, -1, 1, 1), _wide(y),
-                           per_square.view(1, -1, 1, 1))
+    per_square = grad_var / count                                  # dL/d(sum y^2)
+    if stats_from_y:      # (the sums' share, d sum y = 1 and d sum y^2 = 2y, added to y's here)
+        grad_y = torch.addcmul(wide * a.view(1, -1, 1, 1) + per_sum.view(1, -1, 1, 1), _wide(y),
+                               2 * per_square.view(1, -1, 1, 1))
+        grad_stats = mean.new_empty(0)
+    else:
+        grad_y, grad_stats = wide * a.view(1, -1, 1, 1), torch.stack((per_sum, per_square))
     grad_y = grad_y.to(y.dtype).contiguous(memory_format=_memory_format(y))
     if weight is None:
-        return grad_y, mean.new_empty(0), mean.new_empty(0)
-    return grad_y, grad_a * inv_std, grad_b
+        return grad_y, grad_stats, mean.new_empty(0), mean.new_empty(0)
+    return grad_y, grad_stats, grad_a * inv_std, grad_b
 
 
 def _memory_format(y):
@@ -346,32 +362,36 @@ batch_norm_from_sums_backward_op = torch.ops.conv_tutorial.batch_norm_from_sums_
 
 
 @torch.library.register_fake("conv_tutorial::batch_norm_from_sums")
-def _(y, stats, weight, bias, count, eps):
+def _(y, stats, weight, bias, count, eps, stats_from_y=False):
     return torch.empty_like(y), stats.new_empty(y.shape[1]), stats.new_empty(y.shape[1])
 
 
 @torch.library.register_fake("conv_tutorial::batch_norm_from_sums_backward")
-def _(grad, y, mean, var, weight, count, eps):
+def _(grad, y, mean, var, weight, count, eps, stats_from_y):
     affine = y.shape[1] if weight is not None else 0
     return (torch.empty(y.shape, dtype=y.dtype, device=y.device, memory_format=_memory_format(y)),
-            mean.new_empty(affine), mean.new_empty(affine))
+            mean.new_empty(0) if stats_from_y else mean.new_empty(2, y.shape[1]), mean.new_empty(affine),
+            mean.new_empty(affine))
 
 
 def _batch_norm_setup(ctx, inputs, output):
-    y, stats, weight, bias, count, eps = inputs
+    y, stats, weight, bias, count, eps, *given = inputs
     ctx.mark_non_differentiable(output[1], output[2])      # (mean and var: the running statistics' inputs)
     ctx.save_for_backward(y, output[1], output[2], weight)
     ctx.count, ctx.eps, ctx.affine = count, eps, weight is not None
+    ctx.stats_from_y = bool(given[0]) if given else False
     ctx.set_materialize_grads(False)
 
 
 def _batch_norm_backward(ctx, grad, _mean_grad, _var_grad):
     if grad is None:           # (only the statistics used, which carry no gradient)
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None
     y, mean, var, weight = ctx.saved_tensors
-    grad_y, grad_weight, grad_bias = batch_norm_from_sums_backward_op(grad, y, mean, var, weight, ctx.count, ctx.eps)
-    # (stats are y's sums: their share of the gradient is in y's already)
-    return (grad_y, None, grad_weight if ctx.affine else None, grad_bias if ctx.affine else None, None, None)
+    grad_y, grad_stats, grad_weight, grad_bias = batch_norm_from_sums_backward_op(grad, y, mean, var, weight, ctx.count,
+                                                                                  ctx.eps, ctx.stats_from_y)
+    # (with stats_from_y, the sums' share is in y's: stats get none)
+    return (grad_y, None if ctx.stats_from_y else grad_stats, grad_weight if ctx.affine else None,
+            grad_bias if ctx.affine else None, None, None, None)
 
 
 torch.library.register_autograd("conv_tutorial::batch_norm_from_sums", _batch_norm_backward,

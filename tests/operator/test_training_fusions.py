@@ -235,42 +235,49 @@ def test_normalization_op_is_torchs_batchnorm_and_passes_opcheck():
         if affine:
             with torch.no_grad():
                 bn.weight.uniform_(0.5, 1.5), bn.bias.uniform_(-1, 1)
-        ours_y, ref_y = y.clone().requires_grad_(), y.clone().requires_grad_()
-        stats = torch_channel_stats(ours_y)
-        out, mean, var = torch.ops.conv_tutorial.batch_norm_from_sums(ours_y, stats, bn.weight, bn.bias, 3 * 4 * 6,
-                                                                     bn.eps)
-        expected = bn(ref_y)
-        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(mean, ref_y.mean((0, 2, 3)), rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(var, ref_y.var((0, 2, 3), unbiased=False), rtol=1e-12, atol=1e-12)
-        upstream = torch.randn_like(y)
-        parameters = [bn.weight, bn.bias] if affine else []
-        ours = torch.autograd.grad((out * upstream).sum(), [ours_y] + parameters)
-        expected_grads = torch.autograd.grad((expected * upstream).sum(), [ref_y] + parameters)
-        for got, want in zip(ours, expected_grads):
-            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        for stats_from_y in (False, True):      # (the sums' share through stats, or folded into y's)
+            ours_y, ref_y = y.clone().requires_grad_(), y.clone().requires_grad_()
+            stats = torch_channel_stats(ours_y)
+            out, mean, var = torch.ops.conv_tutorial.batch_norm_from_sums(ours_y, stats, bn.weight, bn.bias,
+                                                                         3 * 4 * 6, bn.eps, stats_from_y)
+            expected = bn(ref_y)
+            torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(mean, ref_y.mean((0, 2, 3)), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(var, ref_y.var((0, 2, 3), unbiased=False), rtol=1e-12, atol=1e-12)
+            upstream = torch.randn_like(y)
+            parameters = [bn.weight, bn.bias] if affine else []
+            ours = torch.autograd.grad((out * upstream).sum(), [ours_y] + parameters)
+            expected_grads = torch.autograd.grad((expected * upstream).sum(), [ref_y] + parameters)
+            for got, want in zip(ours, expected_grads):
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     weight, bias = torch.rand(5, dtype=torch.float64) + 0.5, torch.randn(5, dtype=torch.float64)
-    torch.library.opcheck(torch.ops.conv_tutorial.batch_norm_from_sums.default,
-                          (y, torch_channel_stats(y), weight, bias, 72, 1e-5))
-    torch.library.opcheck(torch.ops.conv_tutorial.batch_norm_from_sums.default,
-                          (y.bfloat16(), torch_channel_stats(y.bfloat16()), None, None, 72, 1e-5))
+    for stats_from_y in (False, True):
+        torch.library.opcheck(torch.ops.conv_tutorial.batch_norm_from_sums.default,
+                              (y, torch_channel_stats(y), weight, bias, 72, 1e-5, stats_from_y))
+        torch.library.opcheck(torch.ops.conv_tutorial.batch_norm_from_sums.default,
+                              (y.bfloat16(), torch_channel_stats(y.bfloat16()), None, None, 72, 1e-5, stats_from_y))
     grad, mean, var = torch.randn_like(y), torch.randn(5, dtype=torch.float64), torch.rand(5, dtype=torch.float64)
     for affine_weight in (weight, None):
         # (grad in y's layout, and in another: grad_y's layout is y's)
         for upstream in (grad, grad.contiguous()):
-            torch.library.opcheck(torch.ops.conv_tutorial.batch_norm_from_sums_backward.default,
-                                  (upstream, y, mean, var, affine_weight, 72, 1e-5))
+            for stats_from_y in (False, True):
+                torch.library.opcheck(torch.ops.conv_tutorial.batch_norm_from_sums_backward.default,
+                                      (upstream, y, mean, var, affine_weight, 72, 1e-5, stats_from_y))
 
 
 def test_normalization_op_statistics_carry_no_gradient_and_no_second_derivative():
     """mean and var feed the running statistics only: they carry no gradient (autograd refuses to differentiate
-    through them rather than give a wrong one); the sums get none either (their share is in y's, as they are y's
-    sums); a second derivative raises rather than come out wrong."""
+    through them rather than give a wrong one); the sums get theirs, or with stats_from_y none (their share is in
+    y's); a second derivative raises rather than come out wrong."""
     y = torch.randn(2, 3, 4, 4, dtype=torch.float64, requires_grad=True)
     stats = torch_channel_stats(y.detach()).requires_grad_()
-    out, mean, var = torch.ops.conv_tutorial.batch_norm_from_sums(y, stats, None, None, 32, 1e-5)
+    op = torch.ops.conv_tutorial.batch_norm_from_sums
+    assert torch.autograd.grad(op(y, stats, None, None, 32, 1e-5, True)[0].pow(3).sum(), stats,
+                               allow_unused=True) == (None,)
+    (grad_stats,) = torch.autograd.grad(op(y, stats, None, None, 32, 1e-5)[0].pow(3).sum(), stats)
+    assert grad_stats.shape == (2, 3) and grad_stats.abs().max() > 0
+    out, mean, var = op(y, stats, None, None, 32, 1e-5)
     assert out.requires_grad and not mean.requires_grad and not var.requires_grad
-    assert torch.autograd.grad(out.sum(), stats, allow_unused=True, retain_graph=True) == (None,)
     (grad_y,) = torch.autograd.grad((out ** 2).sum(), y, create_graph=True)
     with pytest.raises(NotImplementedError, match="no second derivative"):
         torch.autograd.grad(grad_y.sum(), y)
@@ -292,30 +299,64 @@ def test_unpickled_fused_layer_registers_inductors_decompositions(monkeypatch):
     assert isinstance(loaded.conv_bn_0, ConvBatchNorm2d) and calls
 
 
-def test_normalization_gradient_is_autograds_of_its_ops_where_the_variance_clamps():
+def test_channel_stats_backward_with_no_gradient_reaching_it():
+    """A backward that gives the fused pair's output no gradient (a custom Function's None) still calls the
+    conv's node, with neither of its outputs' gradients: it passes nothing on, and the rest of the graph's
+    gradients come out."""
+    from conv_tutorial.training import conv2d_channel_stats_op
+
+    class Blocked(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 3, 3, 3, dtype=torch.float64, requires_grad=True)
+    y, stats = conv2d_channel_stats_op(x, w, None, [1, 1], [1, 1], [1, 1], 1)
+    out = torch.ops.conv_tutorial.batch_norm_from_sums(y, stats, None, None, 72, 1e-5, True)[0]
+    grad_x, grad_w = torch.autograd.grad(Blocked.apply(out).sum() + (w ** 2).sum(), (x, w), allow_unused=True)
+    assert grad_x is None
+    torch.testing.assert_close(grad_w, 2 * w)
+
+
+@pytest.mark.parametrize("stats_from_y", [False, True])
+def test_normalization_gradient_is_autograds_of_its_ops_where_the_variance_clamps(stats_from_y):
     """The operator's gradient formula (batch_norm_from_sums_backward) against autograd through the ops of its
-    forward (the function itself, fp64) and through y's sums (torch ops), with one channel constant, whose
-    variance is 0 and clamped: no gradient passes through it there, as through clamp_min; and a channel whose
-    sums, offset by a constant, make the variance negative, clamped too."""
+    forward (the function itself, fp64), with one channel constant, whose variance is 0 and clamped: no
+    gradient passes through it there, as through clamp_min; and a channel whose sums make the variance
+    negative, clamped too. The sums are given (their gradient compared too), or with stats_from_y computed
+    from y by torch ops, autograd's reference going through them to y (with a constant offset, which the
+    negative variance needs: d sums / d y is the same with it)."""
     from conv_tutorial import training
     torch.manual_seed(2)
     y = torch.randn(2, 4, 3, 5, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
     y[:, 0] = 2.0                                        # (mean 2, E[y^2] 4: variance exactly 0)
     weight, bias = torch.rand(4, dtype=torch.float64) + 0.5, torch.randn(4, dtype=torch.float64)
-    offset = torch.zeros(2, 4, dtype=torch.float64)      # (a constant: d sums / d y is the same with it)
     sums = torch_channel_stats(y)
+    offset = torch.zeros(2, 4, dtype=torch.float64)
     offset[1, 1] = sums[0, 1] ** 2 / 30 - 1e-9 - sums[1, 1]     # (the variance slightly negative, clamped)
     upstream = torch.randn_like(y)
-    inputs = [t.clone().requires_grad_() for t in (y, weight, bias)]
-    reference = [t.clone().requires_grad_() for t in (y, weight, bias)]
-    stats = torch_channel_stats(inputs[0].detach()) + offset
-    out = torch.ops.conv_tutorial.batch_norm_from_sums(inputs[0], stats, *inputs[1:], 30, 1e-5)[0]
-    expected = training._batch_norm_from_sums(reference[0], torch_channel_stats(reference[0]) + offset,
-                                              *reference[1:], 30, 1e-5)[0]
+    op = torch.ops.conv_tutorial.batch_norm_from_sums
+    if stats_from_y:
+        inputs = [t.clone().requires_grad_() for t in (y, weight, bias)]
+        reference = [t.clone().requires_grad_() for t in (y, weight, bias)]
+        out = op(inputs[0], torch_channel_stats(inputs[0].detach()) + offset, *inputs[1:], 30, 1e-5, True)[0]
+        expected = training._batch_norm_from_sums(reference[0], torch_channel_stats(reference[0]) + offset,
+                                                  *reference[1:], 30, 1e-5)[0]
+        names = ("y", "weight", "bias")
+    else:
+        inputs = [t.clone().requires_grad_() for t in (y, sums + offset, weight, bias)]
+        reference = [t.clone().requires_grad_() for t in (y, sums + offset, weight, bias)]
+        out = op(*inputs, 30, 1e-5)[0]
+        expected = training._batch_norm_from_sums(*reference, 30, 1e-5)[0]
+        names = ("y", "stats", "weight", "bias")
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     got = torch.autograd.grad((out * upstream).sum(), inputs)
     want = torch.autograd.grad((expected * upstream).sum(), reference)
-    for name, g, w in zip(("y", "weight", "bias"), got, want):
+    for name, g, w in zip(names, got, want):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=name)
 
 
