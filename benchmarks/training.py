@@ -42,8 +42,8 @@ later ones measured faster than alone: compare first steps with one variant per 
 their warm-up steps the operator's variants wait for its C++ kernels for repeat calls (conv_tutorial/native.py)
 to be built, and this says whether they were (null for the other variants and on a CPU); compile_ahead_s:
 with --compile-ahead, the seconds the operator's variants spent in conv_tutorial.compile_kernels_ahead before
-their first step (else null; with --compile-ahead background, the pass alone: its compiles go on while the first step is traced, and the first step's first launches wait for
-them); first_step: with --first-step-breakdown, where the first step's seconds went (FirstStepBreakdown: Triton
+their first step (else null; with --compile-ahead background, the pass alone: its compiles go on while the
+first step is traced, and the first step's first launches wait for them); first_step: with --first-step-breakdown, where the first step's seconds went (FirstStepBreakdown: Triton
 kernels compiled or loaded from its cache, torch.compile's own seconds and cache counters, and with --compile-ahead
 "compile_pool": when the pass's compiles ran and finished against the first step's start and end, `pool_timeline`;
 else null); loss_50:
