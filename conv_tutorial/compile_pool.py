@@ -20,6 +20,12 @@ for the GIL with what the caller runs next.
 Workers are `python -c` processes reading requests on their standard input. They are not
 multiprocessing's, which would import the caller's main script. They start at the first compile that
 needs one, at most one per thread. They exit when the executor shuts down, or with the caller's process.
+
+Priority: compiles in the background share the CPUs with the caller's own work, and a worker (with its
+ptxas) is one more task for the scheduler to give each core's turns to. `niceness` lowers the workers'
+priority (os.nice) so that the caller's thread is not the one that waits: ResNet-50's cold first step,
+traced beside 16 workers, spent 4.0 s of its thread's wall time off a CPU at the same priority and 2.8 s
+at niceness 10, torch.compile's own step 1.0-1.4 s (RESULTS.md, "Where the first step's compile goes").
 """
 import collections
 import hashlib
@@ -81,9 +87,14 @@ class ProcessCompiles(Executor):
     process of its own where one can take it (module docstring). `shutdown(wait=False)` returns at
     once; the compiles submitted finish and the workers exit after them."""
 
-    def __init__(self, workers: int):
+    def __init__(self, workers: int, niceness: int = 0):
+        """niceness: how much lower than this process's the workers' scheduling priority is (os.nice's
+        increment, 0 to 19; 0 where the platform has no os.nice)."""
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
             raise ValueError(f"workers must be a positive int, got {workers!r}")
+        if not isinstance(niceness, int) or isinstance(niceness, bool) or not 0 <= niceness <= 19:
+            raise ValueError(f"niceness must be an int from 0 to 19, got {niceness!r}")
+        self._niceness = niceness if hasattr(os, "nice") else 0
         self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="conv_tutorial_compile")
         self._idle = []            # workers waiting for a request
         self._all = []
@@ -153,7 +164,7 @@ class ProcessCompiles(Executor):
                 return None
             worker = self._idle.pop() if self._idle else None
         if worker is None:
-            worker = _Worker.start()
+            worker = _Worker.start(self._niceness)
             if worker is None:
                 with self._lock:
                     self._no_workers = True
@@ -265,12 +276,13 @@ class _Worker:
         self.answered = 0          # requests answered
 
     @classmethod
-    def start(cls):
+    def start(cls, niceness=0):
         if not sys.executable:
             return None
+        code = f"import os; os.nice({niceness}); {_WORKER_MAIN}" if niceness else _WORKER_MAIN
         try:
             # (no GPU: a compile for a given target needs none, and a worker holds no CUDA context)
-            process = subprocess.Popen(python_command(_WORKER_MAIN), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            process = subprocess.Popen(python_command(code), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        stderr=subprocess.DEVNULL, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
         except OSError:
             return None

@@ -709,6 +709,11 @@ class ConvPlan:
 
 _COMPILE_ONLY = contextvars.ContextVar("conv_tutorial_compile_only", default=False)
 
+# How much lower the background's compile workers run than the caller (compile_pool.ProcessCompiles'
+# niceness): low enough that the caller's thread keeps a CPU, not so low (19) that busy data-loader
+# workers at the caller's priority would starve the compiles the first step is about to need.
+BACKGROUND_NICENESS = 10
+
 
 @contextlib.contextmanager
 def compiling_ahead(workers=None, wait=True):
@@ -729,7 +734,8 @@ def compiling_ahead(workers=None, wait=True):
     times real launches). Triton reports a failed compile when the block exits.
 
     `wait=False`: the block exits once every compile is submitted (and every kernel already in the cache
-    loaded), and the pool goes on compiling.
+    loaded), and the pool goes on compiling, its workers at a lower priority (BACKGROUND_NICENESS) than
+    the caller, which goes on with its own work.
     Triton's cache holds each kernel's compile in progress (its FutureKernel): the kernel's first
     launch waits for that compile alone, and raises its failure, where a compile that failed is
     not reported at the block's exit (one whose kernel is never launched is not reported at all). The
@@ -737,7 +743,7 @@ def compiling_ahead(workers=None, wait=True):
     if not isinstance(wait, bool):
         raise TypeError(f"wait must be a bool, got {wait!r}")
     workers = workers or _compile_pool_size()
-    pool = compile_pool.ProcessCompiles(workers)
+    pool = compile_pool.ProcessCompiles(workers, niceness=0 if wait else BACKGROUND_NICENESS)
     if wait:
         with pool, triton.AsyncCompileMode(pool) as mode, native.suspended():
             token = _COMPILE_ONLY.set(True)

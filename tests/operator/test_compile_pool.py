@@ -199,3 +199,43 @@ def test_no_compile_is_taken_after_shutdown():
     pool.shutdown()
     with pytest.raises(RuntimeError, match="after shutdown"):
         pool.submit(lambda: None)
+
+
+@pytest.mark.parametrize("niceness", [-1, 20, True, 1.5, "10"])
+def test_a_niceness_outside_0_to_19_is_refused_by_name(niceness):
+    from conv_tutorial import compile_pool
+    with pytest.raises(ValueError, match=r"niceness must be an int from 0 to 19, got " + repr(niceness).replace(".", r"\.")):
+        compile_pool.ProcessCompiles(1, niceness=niceness)
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="the platform has no os.getpriority")
+def test_a_worker_runs_at_the_niceness_asked_below_the_caller():
+    """A worker started with niceness 3 runs 3 below this process's priority (read off the worker's
+    process once it has answered a request, so after its os.nice ran); one started with 0, at this one's."""
+    from conv_tutorial import compile_pool
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    for niceness in (0, 3):
+        worker = compile_pool._Worker.start(niceness)
+        try:
+            assert worker.compile(b"not a pickle") is False and worker.alive     # (answered b"0": it could not)
+            assert os.getpriority(os.PRIO_PROCESS, worker.process.pid) == min(19, own + niceness)
+        finally:
+            worker.stop()
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_compiling_ahead_lowers_the_workers_priority_only_in_the_background(monkeypatch, wait):
+    """Waited for, the compiles are all the caller runs: the workers keep its priority. In the background
+    they run beside the caller's own work (torch.compile tracing the first step), BACKGROUND_NICENESS below."""
+    from conv_tutorial import compile_pool, launch
+    made = []
+
+    class Recorded(compile_pool.ProcessCompiles):
+        def __init__(self, workers, niceness=0):
+            made.append(niceness)
+            super().__init__(workers, niceness)
+
+    monkeypatch.setattr(compile_pool, "ProcessCompiles", Recorded)
+    with launch.compiling_ahead(workers=1, wait=wait):
+        pass
+    assert made == [0 if wait else launch.BACKGROUND_NICENESS] and 0 < launch.BACKGROUND_NICENESS <= 19
