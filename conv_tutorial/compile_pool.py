@@ -23,9 +23,9 @@ needs one, at most one per thread. They exit when the executor shuts down, or wi
 
 Priority: compiles in the background share the CPUs with the caller's own work, and a worker (with its
 ptxas) is one more task for the scheduler to give each core's turns to. `niceness` lowers the workers'
-priority (os.nice) so that the caller's thread is not the one that waits: ResNet-50's cold first step,
-traced beside 16 workers, spent 4.0 s of its thread's wall time off a CPU at the same priority and 2.8 s
-at niceness 10, torch.compile's own step 1.0-1.4 s (RESULTS.md, "Where the first step's compile goes").
+priority (os.nice) so that the caller's thread is not the one that waits for a core: measured as the
+seconds ResNet-50's first step's thread spent off a CPU while it was traced beside the pool (RESULTS.md,
+"Where the first step's compile goes").
 """
 import collections
 import hashlib
