@@ -268,12 +268,13 @@ class ConvBatchNorm2d(torch.nn.Module):
         out, mean, var = batch_norm_from_sums_op(y, stats, bn.weight if bn.affine else None,
                                                  bn.bias if bn.affine else None, count, bn.eps, True)
         if bn.training and bn.track_running_stats:
-            with torch.no_grad():
-                bn.num_batches_tracked.add_(1)
-                # BatchNorm's factor: its momentum, or 1 / steps seen (momentum=None: a cumulative average)
-                momentum = bn.momentum if bn.momentum is not None else 1.0 / bn.num_batches_tracked.to(mean.dtype)
-                bn.running_mean.lerp_(_as(mean, bn.running_mean.dtype), momentum)
-                bn.running_var.lerp_(_as(var * (count / (count - 1)), bn.running_var.dtype), momentum)
+            # (no torch.no_grad() needed: mean and var carry no gradient, the operator marks them so; its enter
+            # and exit would be two more nodes per layer for torch.compile to trace)
+            bn.num_batches_tracked.add_(1)
+            # BatchNorm's factor: its momentum, or 1 / steps seen (momentum=None: a cumulative average)
+            momentum = bn.momentum if bn.momentum is not None else 1.0 / bn.num_batches_tracked.to(mean.dtype)
+            bn.running_mean.lerp_(_as(mean, bn.running_mean.dtype), momentum)
+            bn.running_var.lerp_(_as(var * (count / (count - 1)), bn.running_var.dtype), momentum)
         return out
 
 

@@ -86,6 +86,7 @@ def test_module_trains_as_conv_then_batchnorm(layer, momentum, affine, track):
                 torch.testing.assert_close(bn.running_mean, bn_ref.running_mean, rtol=1e-10, atol=1e-12)
                 torch.testing.assert_close(bn.running_var, bn_ref.running_var, rtol=1e-10, atol=1e-12)
                 assert bn.num_batches_tracked.item() == bn_ref.num_batches_tracked.item() == step + 1
+                assert not (bn.running_mean.requires_grad or bn.running_var.requires_grad)     # (buffers, as torch's)
         reference.eval()
         fused.eval()
         x = inputs(layer, seed=7)
