@@ -89,7 +89,8 @@ class ProcessCompiles(Executor):
 
     def __init__(self, workers: int, niceness: int = 0):
         """niceness: how much lower than this process's the workers' scheduling priority is (os.nice's
-        increment, 0 to 19; 0 where the platform has no os.nice)."""
+        increment, 0 to 19; the result is capped at 19, the lowest, so a caller already at 10 or more gets
+        less of a gap; 0 where the platform has no os.nice)."""
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
             raise ValueError(f"workers must be a positive int, got {workers!r}")
         if not isinstance(niceness, int) or isinstance(niceness, bool) or not 0 <= niceness <= 19:
@@ -279,7 +280,9 @@ class _Worker:
     def start(cls, niceness=0):
         if not sys.executable:
             return None
-        code = f"import os; os.nice({niceness}); {_WORKER_MAIN}" if niceness else _WORKER_MAIN
+        # (a sandbox that refuses setpriority leaves the worker at the caller's priority, still a worker)
+        code = (f"import os\ntry:\n    os.nice({niceness})\nexcept OSError:\n    pass\n{_WORKER_MAIN}" if niceness
+                else _WORKER_MAIN)
         try:
             # (no GPU: a compile for a given target needs none, and a worker holds no CUDA context)
             process = subprocess.Popen(python_command(code), stdin=subprocess.PIPE, stdout=subprocess.PIPE,

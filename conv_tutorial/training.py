@@ -268,13 +268,18 @@ class ConvBatchNorm2d(torch.nn.Module):
         out, mean, var = batch_norm_from_sums_op(y, stats, bn.weight if bn.affine else None,
                                                  bn.bias if bn.affine else None, count, bn.eps, True)
         if bn.training and bn.track_running_stats:
-            # (no torch.no_grad() needed: mean and var carry no gradient, the operator marks them so; its enter
-            # and exit would be two more nodes per layer for torch.compile to trace)
-            bn.num_batches_tracked.add_(1)
-            # BatchNorm's factor: its momentum, or 1 / steps seen (momentum=None: a cumulative average)
-            momentum = bn.momentum if bn.momentum is not None else 1.0 / bn.num_batches_tracked.to(mean.dtype)
-            bn.running_mean.lerp_(_as(mean, bn.running_mean.dtype), momentum)
-            bn.running_var.lerp_(_as(var * (count / (count - 1)), bn.running_var.dtype), momentum)
+            # As BatchNorm2d's forward: the steps counted where it has the buffer, the running statistics updated
+            # where it has them. (No torch.no_grad() around it: mean and var carry no gradient, the operator marks
+            # them so, and no_grad()'s enter and exit would be two more nodes per layer for torch.compile to trace.)
+            if bn.num_batches_tracked is not None:
+                bn.num_batches_tracked.add_(1)
+            if bn.running_mean is not None and bn.running_var is not None:
+                # BatchNorm's factor: its momentum, or 1 / steps seen (momentum=None: a cumulative average; 0.0
+                # without a count, as BatchNorm2d's)
+                momentum = bn.momentum if bn.momentum is not None else (
+                    1.0 / bn.num_batches_tracked.to(mean.dtype) if bn.num_batches_tracked is not None else 0.0)
+                bn.running_mean.lerp_(_as(mean, bn.running_mean.dtype), momentum)
+                bn.running_var.lerp_(_as(var * (count / (count - 1)), bn.running_var.dtype), momentum)
         return out
 
 

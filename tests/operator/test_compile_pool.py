@@ -223,6 +223,19 @@ def test_a_worker_runs_at_the_niceness_asked_below_the_caller():
             worker.stop()
 
 
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="the platform has no os.getpriority")
+def test_the_pool_starts_its_workers_at_its_niceness():
+    """The pool's own path to a worker (a request with no worker idle starts one) passes its niceness on."""
+    from conv_tutorial import compile_pool
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    pool = compile_pool.ProcessCompiles(1, niceness=3)
+    try:
+        assert pool._in_worker(b"not a pickle") is False and len(pool._all) == 1     # (answered: it could not)
+        assert os.getpriority(os.PRIO_PROCESS, pool._all[0].process.pid) == min(19, own + 3)
+    finally:
+        pool.shutdown()
+
+
 @pytest.mark.parametrize("wait", [True, False])
 def test_compiling_ahead_lowers_the_workers_priority_only_in_the_background(monkeypatch, wait):
     """Waited for, the compiles are all the caller runs: the workers keep its priority. In the background

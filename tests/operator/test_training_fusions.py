@@ -93,6 +93,27 @@ def test_module_trains_as_conv_then_batchnorm(layer, momentum, affine, track):
         torch.testing.assert_close(fused(x), reference(x), rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_module_without_running_buffers_trains_as_batchnorm(momentum):
+    """A BatchNorm2d that tracks running statistics but whose buffers were set to None (as some code does to
+    train on batch statistics alone): BatchNorm2d normalizes with the batch's and updates nothing but its step
+    count; so does the fused module, with the same output and gradients."""
+    layer = LAYERS[1]
+    reference, fused = pair(layer, momentum)
+    for bn in (reference[1], fused.bn):
+        bn.running_mean = bn.running_var = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")         # the operator's "using torch" warning on a CPU
+        x_ref, x = inputs(layer), inputs(layer)
+        out_ref, out = reference(x_ref), fused(x)
+    torch.testing.assert_close(out, out_ref, rtol=1e-10, atol=1e-10)
+    out_ref.square().sum().backward()
+    out.square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-9, atol=1e-9)
+    assert fused.bn.running_mean is None and fused.bn.running_var is None
+    assert fused.bn.num_batches_tracked.item() == reference[1].num_batches_tracked.item() == 1
+
+
 def test_op_falls_back_to_torch_with_its_sums():
     layer = LAYERS[0]
     x = inputs(layer).detach()
