@@ -44,7 +44,8 @@ to be built, and this says whether they were (null for the other variants and on
 with --compile-ahead, the seconds the operator's variants spent in conv_tutorial.compile_kernels_ahead before
 their first step (else null; with --compile-ahead background, the pass alone: its compiles go on while the
 first step is traced, and the first step's first launches wait for them); first_step: with --first-step-breakdown, where the first step's seconds went (FirstStepBreakdown: Triton
-kernels compiled or loaded from its cache, torch.compile's own seconds and cache counters, and with --compile-ahead
+kernels compiled or loaded from its cache, torch.compile's own seconds and cache counters, "main_thread": the
+calling thread's CPU seconds against wall, sampled (MainThreadCPU; null without a per-thread clock), and with --compile-ahead
 "compile_pool": when the pass's compiles ran and finished against the first step's start and end, `pool_timeline`;
 else null); loss_50:
 the loss of the 50th step, null in a run of fewer steps (loss_last: its last step's); backward_fallbacks: with
@@ -68,6 +69,7 @@ import copy
 import math
 import statistics
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -128,11 +130,51 @@ def compile_mode(variant):
     return "reduce-overhead" if variant.endswith("-cudagraphs") else {"compile-max-autotune": "max-autotune"}.get(variant)
 
 
+class MainThreadCPU:
+    """The calling thread's CPU seconds against wall seconds, sampled every SAMPLE_S by a thread of its own
+    (Linux: time.pthread_getcpuclockid). A sample where the thread ran for part of its time but not all of it
+    (PARTLY, 5-97%) counts as partly off a CPU: mostly a thread with work waiting for a core, as when other
+    processes compile beside it. A sample below 5% counts as waiting: for the GPU, for a lock, or for autograd's
+    thread, which compiles the backward of a compiled step while the caller waits in backward()."""
+    SAMPLE_S = 0.25
+    PARTLY = (0.05, 0.97)
+
+    def __init__(self):
+        self.samples, self._stop = [], threading.Event()
+        try:
+            self._clock = time.pthread_getcpuclockid(threading.get_ident())
+        except (AttributeError, OSError):         # (no per-thread CPU clock on this platform)
+            self._clock = None
+        if self._clock is not None:
+            self._thread = threading.Thread(target=self._sample, daemon=True, name="first_step_cpu_sampler")
+            self._thread.start()
+
+    def _sample(self):
+        wall, cpu = time.perf_counter(), time.clock_gettime(self._clock)
+        while not self._stop.wait(self.SAMPLE_S):
+            now, used = time.perf_counter(), time.clock_gettime(self._clock)
+            self.samples.append((now - wall, used - cpu))
+            wall, cpu = now, used
+
+    def stop(self):
+        """{"wall_s", "cpu_s", "partly_off_cpu_s", "waiting_s"} of the samples, or None without a thread clock."""
+        if self._clock is None:
+            return None
+        self._stop.set()
+        self._thread.join()
+        low, high = self.PARTLY
+        partly = [(w, c) for w, c in self.samples if w > 0 and low < c / w < high]
+        return {"wall_s": round(sum(w for w, _ in self.samples), 3), "cpu_s": round(sum(c for _, c in self.samples), 3),
+                "partly_off_cpu_s": round(sum(w - c for w, c in partly), 3),
+                "waiting_s": round(sum(w - c for w, c in self.samples if w > 0 and c / w <= low), 3)}
+
+
 class FirstStepBreakdown:
     """Where a first step's seconds go, beside its wall time: the Triton kernels it compiled or loaded
     from Triton's cache (each a call of Triton's JIT hooks, the one after the other timed: a kernel that
-    took more than COMPILED_S counts as compiled), and torch.compile's own compile time and cache
-    counters (torch._dynamo's). Triton kernels that Inductor launches are not seen here."""
+    took more than COMPILED_S counts as compiled), torch.compile's own compile time and cache
+    counters (torch._dynamo's), and the calling thread's CPU seconds (MainThreadCPU). Triton kernels that
+    Inductor launches are not seen here."""
     COMPILED_S = 0.2
 
     def __enter__(self):
@@ -152,10 +194,12 @@ class FirstStepBreakdown:
             if begun is not None:
                 self.kernels.append((fn.name, time.perf_counter() - begun))
         self.knobs.jit_cache_hook, self.knobs.jit_post_compile_hook = before, after
+        self.cpu, self.main_thread = MainThreadCPU(), None
         return self
 
     def __exit__(self, *exc):
         self.knobs.jit_cache_hook, self.knobs.jit_post_compile_hook = self.hooks
+        self.main_thread = self.cpu.stop()
 
     @staticmethod
     def _dynamo_seconds():
@@ -171,7 +215,8 @@ class FirstStepBreakdown:
         return {"triton_kernels_compiled": len(compiled), "triton_compile_s": sum(compiled),
                 "triton_kernels_from_cache": len(self.kernels) - len(compiled),
                 "triton_from_cache_s": sum(s for _, s in self.kernels) - sum(compiled),
-                "torch_compile_s": self._dynamo_seconds() - self.dynamo_s, "torch_compile_caches": moved}
+                "torch_compile_s": self._dynamo_seconds() - self.dynamo_s, "torch_compile_caches": moved,
+                "main_thread": self.main_thread}
 
 
 def pool_timeline(pass_started, step_started, step_ended):

@@ -176,6 +176,25 @@ def test_first_step_breakdown_sorts_kernels_compiled_from_loaded(monkeypatch):
     assert summary["triton_kernels_from_cache"] == 1 and summary["triton_from_cache_s"] < 0.02
 
 
+def test_main_thread_cpu_tells_running_from_waiting():
+    """MainThreadCPU on this thread: a busy loop is CPU seconds, a sleep is waiting; its samples add up to the
+    wall time it watched. (On a loaded machine the busy loop may lose a core now and then: the bounds allow it.)"""
+    import threading
+    if not hasattr(time, "pthread_getcpuclockid"):
+        assert training.MainThreadCPU().stop() is None
+        return
+    watch = training.MainThreadCPU()
+    end = time.perf_counter() + 1.0
+    while time.perf_counter() < end:
+        pass
+    time.sleep(1.0)
+    result = watch.stop()
+    assert 1.5 < result["wall_s"] <= 2.3
+    assert 0.5 < result["cpu_s"] <= result["wall_s"]
+    assert 0.5 < result["waiting_s"] and result["partly_off_cpu_s"] + result["waiting_s"] <= result["wall_s"] - 0.4
+    assert not any(t.name == "first_step_cpu_sampler" for t in threading.enumerate())     # (stopped)
+
+
 def test_rounds_time_the_variants_in_turns(tmp_path):
     rows = training.main(["--smoke", "--batch", "4", "--steps", "2", "--warmup", "1", "--variants", "eager", "ours",
                           "--no-gradient-check", "--rounds", "3", "--round-steps", "2", "--outdir", str(tmp_path)])
