@@ -19,6 +19,7 @@ a heuristic that needs no timing, an autotuner that times, and the tuning file t
   ~/.cache/conv_tutorial/tuning.json; entries carry a `version`, older ones are tuned again)
   that later processes read.
 """
+import functools
 import json
 import os
 import warnings
@@ -45,15 +46,7 @@ def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
     are the shape's."""
     smem_limit = smem_limit or SMEM_LIMIT_BYTES[arch]
     kept, runnable = [], []     # suited to the shape; able to run it at all (a grouped conv's last resort)
-    for config in map(lambda c: KernelConfig(*c), candidates):
-        try:
-            check_config(config, arch)   # what the kernel does not run on the arch (ping-pong, TMEM columns,
-        except ValueError:               # row tails on Blackwell, warps that overfill the register file, ...)
-            continue
-        if not fits_shared_memory(config, smem_limit):
-            continue                            # per program, and its programs per SM
-        if arch == "sm_90" and accumulator_registers(config) > register_budget(config, arch):
-            continue                            # accumulators that would spill
+    for config in _device_fit(tuple(map(tuple, candidates)), arch, smem_limit):
         if geometry.groups > 1 and not groups_fit(config, geometry.Ci_group, geometry.Co_group):
             continue                            # a grouped conv's tiles in one group each (lesson 05, section 10)
         runnable.append(config)
@@ -71,6 +64,25 @@ def prune_configs(candidates, geometry, arch, smem_limit=None, num_sms=132):
         kept.append(config)
     # a grouped conv may fit only configs the shape rules would drop: it takes those
     return runnable if not kept and geometry.groups > 1 else kept
+
+
+@functools.lru_cache(maxsize=None)
+def _device_fit(candidates, arch, smem_limit):
+    """The candidates (a tuple of config tuples) that the kernel runs on `arch` with `smem_limit` bytes of shared
+    memory per program, whatever the shape: once per device, not per shape (the kernel's models answer through
+    its constexpr functions, which cost tens of microseconds a call from the host)."""
+    fit = []
+    for config in map(lambda c: KernelConfig(*c), candidates):
+        try:
+            check_config(config, arch)   # what the kernel does not run on the arch (ping-pong, TMEM columns,
+        except ValueError:               # row tails on Blackwell, warps that overfill the register file, ...)
+            continue
+        if not fits_shared_memory(config, smem_limit):
+            continue                            # per program, and its programs per SM
+        if arch == "sm_90" and accumulator_registers(config) > register_budget(config, arch):
+            continue                            # accumulators that would spill
+        fit.append(config)
+    return tuple(fit)
 
 
 # %% Choosing a config: the heuristic, the autotuner, and the tuning file ----------------------
