@@ -3,8 +3,10 @@
     conv_tutorial.set_backward("lesson06")   # dgrad and wgrad on the kernels lessons 06 and 07 teach, where they run
     conv_tutorial.set_backward("torch")      # the default: aten.convolution_backward (cuDNN)
 
-The default stays torch's until the package's kernels measure faster in a whole training step with
-and without CUDA graphs (RESULTS.md, "The operator's gradients" and "Training"). With "lesson06", each gradient
+The default stays torch's: with the package's kernels a training step runs at torch.compile's pace with and
+without CUDA graphs, but its first steps do not (each kernel compiles at its first call unless
+`compile_kernels_ahead` ran, and even then the warm first steps take longer; RESULTS.md, "Training", "Where the
+first step's compile goes"), so the kernels are a choice made with the training recipe. With "lesson06", each gradient
 a call needs runs on the lessons' kernels where they cover the call (fp16 or bf16; groups 1, or
 groups whose channels the kernels' tiles keep to; input, weight and gradient on one Hopper or
 data-centre Blackwell GPU): dgrad as lesson 06's phases (or, with few channels at a stride, its
