@@ -44,7 +44,8 @@ to be built, and this says whether they were (null for the other variants and on
 with --compile-ahead, the seconds the operator's variants spent in conv_tutorial.compile_kernels_ahead before
 their first step (else null; with --compile-ahead background, the pass alone: its compiles go on while the
 first step is traced, and the first step's first launches wait for them); first_step: with --first-step-breakdown, where the first step's seconds went (FirstStepBreakdown: Triton
-kernels compiled or loaded from its cache, torch.compile's own seconds and cache counters, "main_thread": the
+kernels compiled or loaded from its cache, torch.compile's own seconds, its phases ("torch_compile_phases": the
+seconds of each phase that torch.compile times, nested, 0.05 s or more) and cache counters, "main_thread": the
 calling thread's CPU seconds against wall, sampled (MainThreadCPU; null without a per-thread clock), and with --compile-ahead
 "compile_pool": when the pass's compiles ran and finished against the first step's start and end, `pool_timeline`;
 else null); loss_50:
@@ -184,6 +185,7 @@ class FirstStepBreakdown:
         self.hooks = (self.knobs.jit_cache_hook, self.knobs.jit_post_compile_hook)
         self.counters = {k: dict(counters[k]) for k in ("inductor", "aot_autograd")}
         self.dynamo_s = self._dynamo_seconds()
+        self.phases_seen = {name: len(times) for name, times in self._compile_metrics().items()}
 
         def before(*, key, fn, **_):
             self.started[(fn.name, str(key))] = time.perf_counter()
@@ -201,10 +203,23 @@ class FirstStepBreakdown:
         self.knobs.jit_cache_hook, self.knobs.jit_post_compile_hook = self.hooks
         self.main_thread = self.cpu.stop()
 
+    PHASE_MIN_S = 0.05      # phases shorter than this, in all, are left out of "torch_compile_phases"
+
     @staticmethod
-    def _dynamo_seconds():
-        metrics = getattr(torch._dynamo.utils, "compilation_time_metrics", {})
-        return sum(metrics.get("_compile.compile_inner", []))
+    def _compile_metrics():
+        # torch.compile's timed phases: name -> the seconds of each time it ran, in this process
+        return getattr(torch._dynamo.utils, "compilation_time_metrics", {})
+
+    @classmethod
+    def _dynamo_seconds(cls):
+        return sum(cls._compile_metrics().get("_compile.compile_inner", []))
+
+    def _phases(self):
+        """torch.compile's phases timed since __enter__ (Dynamo's tracing, AOTAutograd's, Inductor's; nested, so
+        they do not add up), the seconds of each name in all, PHASE_MIN_S or more, longest first."""
+        phases = {name: sum(times[self.phases_seen.get(name, 0):]) for name, times in self._compile_metrics().items()}
+        return {name: round(seconds, 3) for name, seconds in sorted(phases.items(), key=lambda item: -item[1])
+                if seconds >= self.PHASE_MIN_S}
 
     def summary(self):
         from torch._dynamo.utils import counters
@@ -215,7 +230,8 @@ class FirstStepBreakdown:
         return {"triton_kernels_compiled": len(compiled), "triton_compile_s": sum(compiled),
                 "triton_kernels_from_cache": len(self.kernels) - len(compiled),
                 "triton_from_cache_s": sum(s for _, s in self.kernels) - sum(compiled),
-                "torch_compile_s": self._dynamo_seconds() - self.dynamo_s, "torch_compile_caches": moved,
+                "torch_compile_s": self._dynamo_seconds() - self.dynamo_s, "torch_compile_phases": self._phases(),
+                "torch_compile_caches": moved,
                 "main_thread": self.main_thread}
 
 

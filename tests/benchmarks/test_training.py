@@ -6,6 +6,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import training  # noqa: E402
 
@@ -105,7 +107,6 @@ def test_conv_gradient_errors_see_a_wrong_gradient(monkeypatch):
 def test_conv_gradient_errors_refuse_a_step_without_operator_gradients():
     # the eager model calls no conv_tutorial gradient op: the check would measure nothing, so it says so
     import conv_tutorial
-    import pytest
     x, y = training.batches(1, 2, 32, 10, "cpu")[0]
     before = conv_tutorial.backward_backend()
     with pytest.raises(RuntimeError, match="no call"):
@@ -153,6 +154,12 @@ def test_first_step_breakdown_is_recorded_and_leaves_tritons_hooks(tmp_path):
         assert first["triton_kernels_compiled"] == 0 and first["triton_compile_s"] == 0
         assert first["torch_compile_s"] >= 0 and isinstance(first["torch_compile_caches"], dict)
     assert rows[1]["first_step"]["torch_compile_s"] > rows[0]["first_step"]["torch_compile_s"] == 0
+    # torch.compile's phases: none for eager; for the compiled variant, Dynamo's whole compile of the forward
+    # (the figure above) and phases inside it, each at least PHASE_MIN_S
+    assert rows[0]["first_step"]["torch_compile_phases"] == {}
+    phases = rows[1]["first_step"]["torch_compile_phases"]
+    assert phases["_compile.compile_inner"] == pytest.approx(rows[1]["first_step"]["torch_compile_s"], abs=2e-3)
+    assert len(phases) > 1 and min(phases.values()) >= training.FirstStepBreakdown.PHASE_MIN_S
     assert (triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook) == hooks
 
 
@@ -224,7 +231,6 @@ def test_interleaved_alternates_the_order_and_sets_each_variants_backward():
 
 
 def test_rounds_must_be_counted_sensibly(tmp_path):
-    import pytest
     with pytest.raises(ValueError, match="--round-steps"):
         training.main(["--smoke", "--rounds", "2", "--round-steps", "0", "--outdir", str(tmp_path)])
 
