@@ -417,7 +417,8 @@ class TutorialConv2d(torch.nn.Module):
         epilogue)."""
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
-            return x.to(dtype), self.weight.to(dtype)
+            # (x mostly arrives in it already, from the layer before: no cast for torch.compile to trace then)
+            return x if x.dtype == dtype else x.to(dtype), self.weight.to(dtype)
         return x, self.weight
 
     def forward(self, x):
