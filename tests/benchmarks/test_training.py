@@ -183,6 +183,29 @@ def test_first_step_breakdown_sorts_kernels_compiled_from_loaded(monkeypatch):
     assert summary["triton_kernels_from_cache"] == 1 and summary["triton_from_cache_s"] < 0.02
 
 
+def test_first_step_breakdown_counts_only_the_phases_of_its_own_step():
+    """Two watched compiles one after the other in one process: each breakdown's phases are its own compile's, not
+    the process's running totals (torch.compile keeps every phase's times since the process began)."""
+    import torch
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    seen = []
+    for scale in (2.0, 3.0):
+        # (a new function each time: a compile of its own, whatever Dynamo's caches hold)
+        step = torch.compile(lambda x, scale=scale: (x * scale).relu().sum(), backend="aot_eager")
+        with training.FirstStepBreakdown() as watch:
+            step(torch.randn(8))
+        seen.append(watch.summary())
+    for summary in seen:
+        phases = summary["torch_compile_phases"]
+        assert summary["torch_compile_s"] > 0
+        # (phases under PHASE_MIN_S are left out: the whole compile is in only where it lasted that long)
+        assert phases.get("_compile.compile_inner", summary["torch_compile_s"]) == \
+            pytest.approx(summary["torch_compile_s"], abs=2e-3)
+        assert all(seconds <= summary["torch_compile_s"] + 2e-3 for seconds in phases.values())
+
+
 def test_main_thread_cpu_tells_running_from_waiting():
     """MainThreadCPU on this thread: a busy loop is CPU seconds, a sleep is waiting; its samples add up to the
     wall time it watched. (On a loaded machine the busy loop may lose a core now and then: the bounds allow it.)"""
