@@ -184,7 +184,6 @@ class FirstStepBreakdown:
         self.knobs, self.started, self.kernels = triton.knobs.runtime, {}, []
         self.hooks = (self.knobs.jit_cache_hook, self.knobs.jit_post_compile_hook)
         self.counters = {k: dict(counters[k]) for k in ("inductor", "aot_autograd")}
-        self.dynamo_s = self._dynamo_seconds()
         self.phases_seen = {name: len(times) for name, times in self._compile_metrics().items()}
 
         def before(*, key, fn, **_):
@@ -210,19 +209,19 @@ class FirstStepBreakdown:
         # torch.compile's timed phases: name -> the seconds of each time it ran, in this process
         return getattr(torch._dynamo.utils, "compilation_time_metrics", {})
 
-    @classmethod
-    def _dynamo_seconds(cls):
-        return sum(cls._compile_metrics().get("_compile.compile_inner", []))
+    def _seconds_since_enter(self):
+        # each phase's seconds since __enter__ (the times recorded after the count seen there)
+        return {name: sum(times[self.phases_seen.get(name, 0):]) for name, times in self._compile_metrics().items()}
 
-    def _phases(self):
+    def _phases(self, phases):
         """torch.compile's phases timed since __enter__ (Dynamo's tracing, AOTAutograd's, Inductor's; nested, so
         they do not add up), the seconds of each name in all, PHASE_MIN_S or more, longest first."""
-        phases = {name: sum(times[self.phases_seen.get(name, 0):]) for name, times in self._compile_metrics().items()}
         return {name: round(seconds, 3) for name, seconds in sorted(phases.items(), key=lambda item: -item[1])
                 if seconds >= self.PHASE_MIN_S}
 
     def summary(self):
         from torch._dynamo.utils import counters
+        phases = self._seconds_since_enter()
         compiled = [s for _, s in self.kernels if s > self.COMPILED_S]
         moved = {f"{group}.{name}": value - self.counters[group].get(name, 0)
                  for group in self.counters for name, value in counters[group].items()
@@ -230,8 +229,8 @@ class FirstStepBreakdown:
         return {"triton_kernels_compiled": len(compiled), "triton_compile_s": sum(compiled),
                 "triton_kernels_from_cache": len(self.kernels) - len(compiled),
                 "triton_from_cache_s": sum(s for _, s in self.kernels) - sum(compiled),
-                "torch_compile_s": self._dynamo_seconds() - self.dynamo_s, "torch_compile_phases": self._phases(),
-                "torch_compile_caches": moved,
+                "torch_compile_s": phases.get("_compile.compile_inner", 0.0),
+                "torch_compile_phases": self._phases(phases), "torch_compile_caches": moved,
                 "main_thread": self.main_thread}
 
 
