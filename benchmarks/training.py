@@ -1,7 +1,7 @@
 """Training steps of torchvision networks: eager cuDNN, torch.compile, and the operator under torch.compile.
 
     python benchmarks/training.py [--nets resnet50 regnet_y_3_2gf] [--batch 128] [--steps 50] [--max-autotune]
-                                  [--no-gradient-check] [--profile STEPS] [--compile-ahead [background]] [--first-step-breakdown]
+                                  [--no-gradient-check] [--profile STEPS] [--compile-ahead [background|tracing]] [--first-step-breakdown]
                                   [--variants eager compile ours ours-lesson06] [--outdir DIR]
 
 Each network is torchvision's with its own random initialisation (seed 0), channels_last, trained
@@ -43,7 +43,8 @@ their warm-up steps the operator's variants wait for its C++ kernels for repeat 
 to be built, and this says whether they were (null for the other variants and on a CPU); compile_ahead_s:
 with --compile-ahead, the seconds the operator's variants spent in conv_tutorial.compile_kernels_ahead before
 their first step (else null; with --compile-ahead background, the pass alone: its compiles go on while the
-first step is traced, and the first step's first launches wait for them); first_step: with --first-step-breakdown, where the first step's seconds went (FirstStepBreakdown: Triton
+first step is traced, and the first step's first launches wait for them; with --compile-ahead tracing, no pass:
+the seconds of turning conv_tutorial.compile_while_tracing on, the compiles starting as the first step is traced); first_step: with --first-step-breakdown, where the first step's seconds went (FirstStepBreakdown: Triton
 kernels compiled or loaded from its cache, torch.compile's own seconds, its phases ("torch_compile_phases": the
 seconds of each phase that torch.compile times, nested, 0.05 s or more) and cache counters, "main_thread": the
 calling thread's CPU seconds against wall, sampled (MainThreadCPU; null without a per-thread clock), and with --compile-ahead
@@ -261,17 +262,23 @@ def train(variant, fp32_model, data, warmup, device, profile=0, compile_ahead=No
     built: "native_built" says whether they were, None elsewhere), "by_kind": with `profile` steps the GPU ms
     per step by kind of kernel (else None), "compile_ahead_s": the seconds of
     conv_tutorial.compile_kernels_ahead (with `compile_ahead`, "wait" or "background", the operator's variants,
-    before the first step; else None), "first_step": with `breakdown`, FirstStepBreakdown's summary of the first
+    before the first step; with "tracing", those of turning conv_tutorial.compile_while_tracing on, which is
+    turned off after the steps; else None), "first_step": with `breakdown`, FirstStepBreakdown's summary of the first
     step (else None)}; with `keep`, also "step": the step function (x, y) -> loss, which goes on training the
     same model (`interleaved`)."""
     model, step_model = prepared(variant, copy.deepcopy(fp32_model).to(device).to(memory_format=torch.channels_last))
     model.train()
     ahead_s = first_step = None
     pass_started = time.perf_counter()
+    tracing = compile_ahead == "tracing" and variant.startswith("ours")
     if compile_ahead and variant.startswith("ours"):
         import conv_tutorial
-        ahead_s = conv_tutorial.compile_kernels_ahead(model, data[0][0], autocast_dtype=torch.bfloat16,
-                                                      wait=compile_ahead != "background")
+        if tracing:        # (no pass: torch.compile's tracing of the first step hands the compiles over)
+            conv_tutorial.compile_while_tracing()
+            ahead_s = time.perf_counter() - pass_started
+        else:
+            ahead_s = conv_tutorial.compile_kernels_ahead(model, data[0][0], autocast_dtype=torch.bfloat16,
+                                                          wait=compile_ahead != "background")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     losses, seconds, native_built = [], [], None
     autocast = dict(device_type=device, dtype=torch.bfloat16)
@@ -304,6 +311,8 @@ def train(variant, fp32_model, data, warmup, device, profile=0, compile_ahead=No
             # the timed steps wait for them, as a long run's steps have them; the first steps, as a user's, do not)
             from conv_tutorial import native
             native_built = native.ensure()
+    if tracing:
+        conv_tutorial.compile_while_tracing(False)
     by_kind = profile_steps(lambda: step(*data[-1]), profile) if profile and device == "cuda" else None
     return {"losses": losses, "seconds": seconds, "by_kind": by_kind, "compile_ahead_s": ahead_s,
             "first_step": first_step, "native_built": native_built, **({"step": step} if keep else {})}
@@ -527,9 +536,11 @@ def run(argv=None):
     parser.add_argument("--variants", nargs="+", default=["eager", "compile", "ours", "ours-lesson06"],
                         choices=VARIANTS)
     parser.add_argument("--max-autotune", action="store_true", help="also torch.compile(mode='max-autotune')")
-    parser.add_argument("--compile-ahead", nargs="?", const="wait", choices=["wait", "background"], default=None,
+    parser.add_argument("--compile-ahead", nargs="?", const="wait", choices=["wait", "background", "tracing"],
+                        default=None,
                         help="the operator's variants: conv_tutorial.compile_kernels_ahead before the first step "
-                             "(background: wait=False, the compiles going on during the first step)")
+                             "(background: wait=False, the compiles going on during the first step; tracing: no "
+                             "pass, conv_tutorial.compile_while_tracing on for the steps instead)")
     parser.add_argument("--first-step-breakdown", action="store_true",
                         help="where each variant's first step goes (first_step in the rows)")
     parser.add_argument("--no-gradient-check", action="store_true",

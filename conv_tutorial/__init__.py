@@ -14,7 +14,8 @@ Layers, each importing only those below it:
 - kernels: the device code and plain launchers (fprop: the forward kernel; dgrad: the backward's
   plans on it; wgrad: the weight-gradient kernel; blocks, windows: their parts);
 - the runtime: geometry (the operator's checks, fp8 scales, the device), configs (candidates),
-  launch (plans, direct launch), selection (pruning, heuristic, autotuner, tuning file),
+  launch (plans, direct launch), traced_compiles (kernels compiled from torch.compile's tracing, opt-in),
+  selection (pruning, heuristic, autotuner, tuning file),
   runtime (`conv2d` on NHWC tensors), depthwise, wgrad (dW through a plan per shape), backward (the
   conv's gradients);
 - the torch layer: ops (torch.library operators), fusion (the fx pass), fp8 (the e4m3 pass),
@@ -37,6 +38,7 @@ _API = {
     **dict.fromkeys(["backward_backend", "backward_fallbacks", "reset_backward_fallbacks", "set_backward"], "backward"),
     **dict.fromkeys(["CANDIDATES", "FIXED_CONFIG", "KernelConfig"], "configs"),
     "compile_kernels_ahead": "compile_ahead",
+    "compile_while_tracing": "traced_compiles",
     "depthwise_conv2d": "depthwise",
     "quantize_fp8": "fp8",
     **dict.fromkeys(["FusedConv2d", "TorchConvEpilogue", "fuse_conv_bn_act", "keep_faster_convs"], "fusion"),

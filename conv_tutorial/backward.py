@@ -28,7 +28,8 @@ import torch
 from . import hostpath, native, runtime, selection, wgrad
 from .configs import grouped_conv_fits
 from .geometry import current_arch, device_facts, nhwc_view
-from .launch import SmallLaunches, plan_for, record_breaks
+from .launch import SmallLaunches, compiling_ahead_active, plan_for, record_breaks
+from .traced_compiles import compiles_when_traced
 from . import core
 from .kernels import dgrad as dgrad_kernels, fprop, gradients
 
@@ -96,6 +97,8 @@ def reset_backward_fallbacks():
 
 
 def _count_fallback(reason):
+    if compiling_ahead_active():     # (a pass that compiles ahead, on stand-ins or garbage: not the model's gradients)
+        return
     if reason not in _FALLBACKS:
         warnings.warn(f"conv_tutorial::conv2d backward: {reason}; using torch's convolution_backward instead "
                       f"(said once; conv_tutorial.backward_fallbacks() counts every such gradient)", stacklevel=4)
@@ -255,4 +258,4 @@ for _name, _function, _like in (("conv2d_input_grad", _input_grad, "input"),
     def _fake(grad_output, input, weight, stride, padding, dilation, groups, _like=_like):
         like = input if _like == "input" else weight
         return torch.empty(like.shape, dtype=like.dtype, device=like.device, memory_format=torch.channels_last)
-    torch.library.register_fake("conv_tutorial::" + _name, _fake)
+    torch.library.register_fake("conv_tutorial::" + _name, compiles_when_traced(_function)(_fake))

@@ -755,15 +755,26 @@ def compiling_ahead(workers=None, wait=True):
             finally:
                 _COMPILE_ONLY.reset(token)
     else:
-        triton.AsyncCompileMode(pool).__enter__()
-        token = _COMPILE_ONLY.set(True)
         try:
-            with native.suspended():
+            with compiling_into(pool):
                 yield
         finally:
-            _COMPILE_ONLY.reset(token)
-            _async_compile.active_mode.set(None)    # (not the mode's __exit__, which waits for every compile)
             pool.shutdown(wait=False)                # (its threads finish the compiles submitted)
+
+
+@contextlib.contextmanager
+def compiling_into(pool):
+    """compiling_ahead's compile-only mode, its compiles handed to `pool` (an executor, as
+    compile_pool.ProcessCompiles), for the block alone: on exit nothing waits, and the pool goes on with
+    what it was handed (traced_compiles.py keeps one pool across many such blocks)."""
+    triton.AsyncCompileMode(pool).__enter__()
+    token = _COMPILE_ONLY.set(True)
+    try:
+        with native.suspended():
+            yield
+    finally:
+        _COMPILE_ONLY.reset(token)
+        _async_compile.active_mode.set(None)    # (not the mode's __exit__, which waits for every compile)
 
 
 def _compile_pool_size():

@@ -44,6 +44,7 @@ from . import hostpath
 from .hostpath import register_autograd, replay_key
 from .configs import grouped_conv_fits
 from .launch import record_breaks
+from .traced_compiles import compiles_when_traced
 from .geometry import (FP8, FP8_MAX, KERNEL_DTYPES, check_epilogue, check_fp8_dtypes, check_fp8_scales,
                        conv_output_size, current_arch, fp8_epilogue, nhwc_view, output_dtype, pair)
 from . import core
@@ -183,6 +184,7 @@ conv2d_op = torch.ops.conv_tutorial.conv2d.default
 
 
 @torch.library.register_fake("conv_tutorial::conv2d")
+@compiles_when_traced(_conv2d_with_epilogue)     # (with compile_while_tracing on: traced_compiles.py)
 def _(input, weight, bias, stride, padding, dilation, groups, scale=None, residual=None, activation="none",
       out_dtype=None):
     check_operand_dtypes(input, weight)

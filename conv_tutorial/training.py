@@ -73,6 +73,7 @@ from .ops import _wide
 from .core.batchnorm import batch_stats_from_sums
 from .kernels import dgrad as dgrad_kernels
 from .launch import record_breaks
+from .traced_compiles import compiles_when_traced
 
 _LIBRARY = torch.library.Library("conv_tutorial", "FRAGMENT")
 
@@ -127,6 +128,7 @@ conv2d_channel_stats_op = torch.ops.conv_tutorial.conv2d_channel_stats.default
 
 
 @torch.library.register_fake("conv_tutorial::conv2d_channel_stats")
+@compiles_when_traced(_conv2d_channel_stats)
 def _(input, weight, bias, stride, padding, dilation, groups, relu_input=None):
     ops.check_operand_dtypes(input, weight)
     out = input.new_empty(ops._out_shape(input, weight, stride, padding, dilation))
@@ -198,6 +200,7 @@ conv2d_after_relu_op = torch.ops.conv_tutorial.conv2d_after_relu.default
 
 
 @torch.library.register_fake("conv_tutorial::conv2d_after_relu")
+@compiles_when_traced(_conv2d_after_relu)
 def _(input, relu_input, weight, bias, stride, padding, dilation, groups):
     ops.check_operand_dtypes(input, weight)
     out = input.new_empty(ops._out_shape(input, weight, stride, padding, dilation))

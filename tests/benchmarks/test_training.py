@@ -143,6 +143,18 @@ def test_compile_ahead_in_the_background_is_said_in_the_json(tmp_path):
     assert json.loads((tmp_path / "training.json").read_text())["compile_ahead"] == "background"
 
 
+def test_compile_ahead_while_tracing_is_turned_on_for_the_steps_and_off_after(tmp_path, monkeypatch):
+    import conv_tutorial
+    seen = []
+    monkeypatch.setattr(conv_tutorial, "compile_while_tracing", lambda enabled=True, workers=None: seen.append(enabled))
+    rows = training.main(["--smoke", "--batch", "4", "--steps", "2", "--warmup", "1", "--variants", "eager", "ours",
+                          "--no-gradient-check", "--compile-ahead", "tracing", "--outdir", str(tmp_path)])
+    # the operator's variant alone: on before its first step, off after its steps; a time, not a pass's None
+    assert seen == [True, False]
+    assert rows[0]["compile_ahead_s"] is None and 0 <= rows[1]["compile_ahead_s"] < 1
+    assert json.loads((tmp_path / "training.json").read_text())["compile_ahead"] == "tracing"
+
+
 def test_first_step_breakdown_is_recorded_and_leaves_tritons_hooks(tmp_path):
     import triton
     hooks = (triton.knobs.runtime.jit_cache_hook, triton.knobs.runtime.jit_post_compile_hook)

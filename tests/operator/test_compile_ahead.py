@@ -6,7 +6,9 @@ moves them; a buffer the forward replaces, the random number generator, the back
 count); an output it cannot differentiate is said; an operator call inside `launch.compiling_ahead`
 records no replay. On a GPU: the
 backward's calls see the compile-only mode (autograd would otherwise run them on a thread of its
-own), the step after the pass compiles no Gluon kernel of its own, and its gradients are torch's."""
+own), the step after the pass compiles no Gluon kernel of its own, and its gradients are torch's; with
+compile_while_tracing instead of the pass (traced_compiles.py), a compiled step's kernels are compiled by
+the workers from its tracing, and its gradients are torch's."""
 import copy
 import warnings
 
@@ -246,3 +248,45 @@ def test_the_step_after_it_compiles_nothing_and_trains_as_torch(wait, tmp_path, 
                                        msg=lambda m, name=name: f"{name}: {m}")
     finally:
         conv_tutorial.set_backward(before)
+
+
+@needs_gpu
+def test_a_compiled_step_has_its_kernels_compiled_in_the_workers_and_trains_as_cudnn(tmp_path, monkeypatch):
+    """With Triton's file cache empty and its in-memory caches of the forward's and wgrad's kernels cleared,
+    torch.compile's tracing of one training step (BatchNorm's sums fused, lesson 06's gradients, bf16
+    autocast) hands the step's compiles to the workers: every forward (dgrad's phases among them) and wgrad
+    kernel in Triton's caches after the step was compiled by a worker (one the tracing missed would have
+    compiled at its launch, in this process), and the step's gradients match the same net's on cuDNN (bf16's
+    rounding through three convs and two BatchNorms: 5e-2 of each gradient's largest value)."""
+    from conv_tutorial import compile_pool
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))       # (every compile a miss: to the workers)
+    _clear_in_memory_caches()
+    in_workers = compile_pool.compiles_in_workers()
+    before = conv_tutorial.backward_backend()
+    conv_tutorial.set_backward("lesson06")
+    torch._dynamo.reset()
+    conv_tutorial.compile_while_tracing(workers=4)
+    try:
+        reference = small_net("cuda")
+        twin = copy.deepcopy(reference)
+        names = {p.data_ptr(): name for name, p in twin.named_parameters()}
+        model = conv_tutorial.convert_conv2d(conv_tutorial.fuse_conv_batchnorm_for_training(twin, inplace=True))
+        step = torch.compile(model)
+        x = torch.randn(16, 3, 36, 44, device="cuda").contiguous(memory_format=torch.channels_last)
+        with torch.autocast("cuda", torch.bfloat16), warnings.catch_warnings():
+            warnings.filterwarnings("error", message="conv_tutorial.compile_while_tracing")   # (no hand-over fails)
+            step(x).float().square().sum().backward()
+        with torch.autocast("cuda", torch.bfloat16):
+            reference(x).float().square().sum().backward()
+        entries = _cache_entries()
+        assert entries and compile_pool.compiles_in_workers() - in_workers >= len(entries), sorted(entries)
+        ours = {names[p.data_ptr()]: p.grad for p in model.parameters()}
+        assert ours.keys() == {name for name, _ in reference.named_parameters()}
+        for name, expected in reference.named_parameters():
+            scale = expected.grad.abs().max().item()
+            torch.testing.assert_close(ours[name].float(), expected.grad.float(), rtol=5e-2, atol=5e-2 * scale,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+    finally:
+        conv_tutorial.compile_while_tracing(False)
+        conv_tutorial.set_backward(before)
+        torch._dynamo.reset()

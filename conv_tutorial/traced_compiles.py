@@ -1,0 +1,152 @@
+"""Kernels compiled while torch.compile traces the step: no eager pass (opt-in).
+
+    conv_tutorial.set_backward("lesson06")
+    conv_tutorial.compile_while_tracing()       # instead of compile_kernels_ahead(model, x, ...)
+    step = torch.compile(model)                  # its tracing starts the compiles; train as usual
+
+Why: `compile_kernels_ahead` learns which kernels a step needs by running the step once, eagerly,
+before torch.compile traces it. With warm caches that pass (0.7-0.9 s for ResNet-50 at batch 128) is
+most of what the first steps spend beyond torch.compile's own (RESULTS.md, "Where the first step's
+compile goes"). Yet torch.compile calls every operator of the step already: Dynamo calls the forward's
+operators' fake implementations with fake tensors of the step's shapes, strides and dtypes, and
+AOTAutograd the backward's as it traces the joint graph. Here, while `compile_while_tracing()` is on,
+each such call on a CUDA device also runs the operator's implementation once on stand-ins (real tensors
+of the fake ones' shapes, strides, storage offsets and dtypes, whose values nothing reads) in
+launch.compiling_ahead's compile-only mode: its kernels go to a pool of worker processes, nothing is
+launched, and torch.compile goes on tracing while they compile. Each kernel's first launch waits for
+its own compile (and raises its failure), as with `compile_kernels_ahead(..., wait=False)`.
+
+What differs from compile_kernels_ahead:
+- Nothing of the model runs eagerly and nothing needs putting back (BatchNorm's running statistics,
+  the random generators, the gradients): the stand-ins belong to the call alone.
+- A call seen before (the same operator, tensor facts and other arguments) is not handed over again.
+- With warm caches AOTAutograd's cache skips the backward's tracing: the backward's kernels then load
+  from Triton's cache at their first call, as without either.
+- Sizes or strides that are symbolic (dynamic shapes) are skipped: those kernels compile at their first
+  call. So is a call the stand-ins' run fails on: one warning, and torch.compile goes on tracing.
+- The stand-ins take the traced tensors' storage offsets, so the pointer alignments Triton specializes
+  on are the step's where its tensors start where the fake ones do.
+- The memory: each call's stand-ins (its inputs, and the outputs its implementation allocates) live for
+  the call alone, returned to torch's caching allocator after it.
+"""
+import functools
+import threading
+import warnings
+
+import torch
+
+from . import compile_pool, launch
+
+_STATE = {"on": False, "pool": None, "workers": None, "warned": False}
+_SEEN = set()                # calls handed over (`_call_key`)
+_LOCK = threading.Lock()
+
+
+def compile_while_tracing(enabled: bool = True, workers=None) -> None:
+    """While on, each operator call that torch.compile traces on a CUDA device hands its kernels' compiles
+    to a pool of `workers` processes (default: launch.compiling_ahead's count), at a lower priority than
+    this process (launch.BACKGROUND_NICENESS). `enabled=False` turns it off and lets the pool finish what
+    it was handed (nothing waits for it). Turning it on again forgets the calls seen before."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {enabled!r}")
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
+        raise ValueError(f"workers must be None or a positive int, got {workers!r}")
+    with _LOCK:
+        pool, _STATE["pool"] = _STATE["pool"], None
+        _SEEN.clear()
+        _STATE.update(on=enabled, workers=workers, warned=False)
+    if pool is not None:
+        pool.shutdown(wait=False)
+
+
+def compiling_while_tracing() -> bool:
+    """Whether compile_while_tracing is on."""
+    return _STATE["on"]
+
+
+def compiles_when_traced(implementation):
+    """Decorate an operator's fake implementation: after it, while compile_while_tracing is on, the call's
+    kernels are compiled from stand-ins through `implementation` (the operator's own, at its
+    CompositeExplicitAutograd key)."""
+    def decorate(fake):
+        @functools.wraps(fake)
+        def traced(*args, **kwargs):
+            out = fake(*args, **kwargs)
+            if _STATE["on"]:
+                hand_over(implementation, args, kwargs)
+            return out
+        return traced
+    return decorate
+
+
+def hand_over(implementation, args, kwargs):
+    """Run `implementation(*args, **kwargs)` on stand-ins of its fake CUDA tensors in compile-only mode,
+    once per distinct call (module docstring). Any other call (no fake CUDA tensor, a symbolic size, one
+    seen before, one inside a compile-ahead pass) is left alone."""
+    values = list(args) + list(kwargs.values())
+    fakes = [v for v in values if isinstance(v, torch._subclasses.fake_tensor.FakeTensor)]
+    if not fakes or not all(t.device.type == "cuda" for t in fakes) or launch.compiling_ahead_active():
+        return
+    key = _call_key(implementation, args, kwargs)
+    if key is None:
+        return
+    with _LOCK:
+        if key in _SEEN:
+            return
+        _SEEN.add(key)
+    try:
+        with torch.utils._python_dispatch._disable_current_modes(), torch.no_grad():
+            stand_in = lambda v: stand_in_for(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
+            real_args = [stand_in(v) for v in args]
+            real_kwargs = {name: stand_in(v) for name, v in kwargs.items()}
+            with torch.cuda.device(fakes[0].device), torch.autocast("cuda", enabled=False), \
+                    launch.compiling_into(_pool()):
+                implementation(*real_args, **real_kwargs)
+    except Exception as error:      # (the step compiles this call's kernels at their first launch instead)
+        with _LOCK:
+            warned, _STATE["warned"] = _STATE["warned"], True
+        if not warned:
+            warnings.warn(f"conv_tutorial.compile_while_tracing: a traced call of {implementation.__name__} could "
+                          f"not compile its kernels ahead ({type(error).__name__}: {error}); they compile at its "
+                          f"first launch", RuntimeWarning, stacklevel=2)
+
+
+def _call_key(implementation, args, kwargs):
+    """A hashable key of the call: each tensor's shape, strides, storage offset, dtype and device, and the
+    other arguments; None where a size or stride is symbolic."""
+    def fact(v):
+        if isinstance(v, torch.Tensor):
+            numbers = (*v.shape, *v.stride(), v.storage_offset())
+            if not all(type(n) is int for n in numbers):
+                raise _Symbolic
+            return ("tensor", tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, str(v.device))
+        if isinstance(v, (list, tuple)):
+            return tuple(fact(x) for x in v)
+        if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise _Symbolic
+        return v
+    try:
+        return (implementation.__module__, implementation.__qualname__, tuple(fact(v) for v in args),
+                tuple(sorted((name, fact(v)) for name, v in kwargs.items())))
+    except _Symbolic:
+        return None
+
+
+class _Symbolic(Exception):
+    pass
+
+
+def stand_in_for(t: torch.Tensor) -> torch.Tensor:
+    """A real tensor of t's shape, strides, storage offset, dtype and device (t may be fake), its values
+    uninitialized."""
+    shape, strides, offset = tuple(t.shape), t.stride(), t.storage_offset()
+    extent = offset + (1 + sum((n - 1) * s for n, s in zip(shape, strides)) if all(shape) else 0)
+    return torch.empty(max(extent, 1), dtype=t.dtype, device=t.device).as_strided(shape, strides, offset)
+
+
+def _pool():
+    with _LOCK:
+        if _STATE["pool"] is None:
+            _STATE["pool"] = compile_pool.ProcessCompiles(_STATE["workers"] or launch._compile_pool_size(),
+                                                          niceness=launch.BACKGROUND_NICENESS)
+        return _STATE["pool"]
