@@ -39,6 +39,7 @@ from . import compile_pool, launch
 
 _STATE = {"on": False, "pool": None, "workers": None, "warned": False}
 _SEEN = set()                # calls handed over (`_call_key`)
+_DEVICES = ("cuda",)         # the devices whose calls are handed over (where the operators' kernels run)
 _LOCK = threading.Lock()
 
 
@@ -85,7 +86,7 @@ def hand_over(implementation, args, kwargs):
     seen before, one inside a compile-ahead pass) is left alone."""
     values = list(args) + list(kwargs.values())
     fakes = [v for v in values if isinstance(v, torch._subclasses.fake_tensor.FakeTensor)]
-    if not fakes or not all(t.device.type == "cuda" for t in fakes) or launch.compiling_ahead_active():
+    if not fakes or not all(t.device.type in _DEVICES for t in fakes) or launch.compiling_ahead_active():
         return
     key = _call_key(implementation, args, kwargs)
     if key is None:

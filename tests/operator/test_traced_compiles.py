@@ -22,14 +22,16 @@ from conv_tutorial import launch, traced_compiles
 @pytest.fixture
 def handed(monkeypatch):
     """compile_while_tracing on; yields the hand-overs made, each the list of its stand-ins' facts (shape,
-    strides, storage offset, dtype, and the type of the tensor it stands in for), made on the CPU, the
+    strides, storage offset, dtype, the type of the tensor it stands in for and its own), made on the CPU, the
     compile-only block and the pool replaced by stand-ins of their own."""
     calls, pending = [], []
 
     def cpu_stand_in(t):
-        pending.append((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, type(t).__name__))
         extent = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
-        return torch.empty(extent, dtype=t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+        stand_in = torch.empty(extent, dtype=t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+        pending.append((tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, type(t).__name__,
+                        type(stand_in).__name__))     # (a real tensor: made outside the tracing's modes)
+        return stand_in
 
     real_compiling_into = launch.compiling_into
 
@@ -76,8 +78,8 @@ def test_a_traced_call_is_handed_over_once_with_its_tensors_facts(handed):
     calls = handed
     y = fake_conv()
     assert tuple(y.shape) == (2, 32, 8, 8)       # (the fake's own result, unchanged)
-    assert calls == [[((2, 16, 8, 8), (1024, 1, 128, 16), 0, torch.bfloat16, "FakeTensor"),
-                      ((32, 16, 3, 3), (144, 1, 48, 16), 0, torch.bfloat16, "FakeTensor")]]
+    assert calls == [[((2, 16, 8, 8), (1024, 1, 128, 16), 0, torch.bfloat16, "FakeTensor", "Tensor"),
+                      ((32, 16, 3, 3), (144, 1, 48, 16), 0, torch.bfloat16, "FakeTensor", "Tensor")]]
     fake_conv()                                   # the same call again: nothing more
     assert len(calls) == 1
     fake_conv(stride=2)                           # another argument: handed over
@@ -149,3 +151,36 @@ def test_a_stand_in_has_the_tensors_facts():
     stand_in = traced_compiles.stand_in_for(fake)
     assert type(stand_in) is torch.Tensor and (stand_in.shape, stand_in.stride(), stand_in.storage_offset()) == \
            (fake.shape, fake.stride(), fake.storage_offset())
+
+
+def test_torch_compiles_tracing_hands_over_the_forwards_and_the_backwards_calls(handed, monkeypatch):
+    """torch.compile's own tracing, on a CPU (the CPU's calls let through for the test; torch's convs serve
+    them): Dynamo's calls of the fused forward operator and AOTAutograd's of the backward's hand each call over
+    once, their stand-ins run outside the tracing's modes (no warning), and the step's gradients are those of
+    the same step in eager mode."""
+    import warnings
+    monkeypatch.setattr(traced_compiles, "_DEVICES", ("cuda", "cpu"))
+    before = conv_tutorial.backward_backend()
+    conv_tutorial.set_backward("lesson06")
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
+                                  torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, stride=2, padding=1))
+        net = conv_tutorial.convert_conv2d(conv_tutorial.fuse_conv_batchnorm_for_training(net))
+        x = torch.randn(2, 3, 8, 8, requires_grad=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="conv_tutorial.compile_while_tracing")
+            torch.compile(net, backend="aot_eager")(x).square().sum().backward()
+        compiled = [p.grad.clone() for p in net.parameters()] + [x.grad.clone()]
+        for p in [*net.parameters(), x]:
+            p.grad = None
+        net(x).square().sum().backward()
+        for ours, eager in zip(compiled, [p.grad for p in net.parameters()] + [x.grad]):
+            torch.testing.assert_close(ours, eager)
+        names = sorted({key[1] for key in traced_compiles._SEEN})
+        assert names == ["_conv2d_channel_stats", "_conv2d_with_epilogue", "_input_grad", "_weight_grad"], names
+        assert len(handed) == len(traced_compiles._SEEN)
+        assert {fact[-1] for call in handed for fact in call} == {"Tensor"}       # (no fake, functional or traced one)
+    finally:
+        conv_tutorial.set_backward(before)
+        torch._dynamo.reset()
