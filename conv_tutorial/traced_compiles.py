@@ -5,9 +5,8 @@
     step = torch.compile(model)                  # its tracing starts the compiles; train as usual
 
 Why: `compile_kernels_ahead` learns which kernels a step needs by running the step once, eagerly,
-before torch.compile traces it. With warm caches that pass (0.7-0.9 s for ResNet-50 at batch 128) is
-most of what the first steps spend beyond torch.compile's own (RESULTS.md, "Where the first step's
-compile goes"). Yet torch.compile calls every operator of the step already: Dynamo calls the forward's
+before torch.compile traces it. With warm caches that pass is most of what the first steps spend
+beyond torch.compile's own (RESULTS.md, "Where the first step's compile goes"). Yet torch.compile calls every operator of the step already: Dynamo calls the forward's
 operators' fake implementations with fake tensors of the step's shapes, strides and dtypes, and
 AOTAutograd the backward's as it traces the joint graph. Here, while `compile_while_tracing()` is on,
 each such call on a CUDA device also runs the operator's implementation once on stand-ins (real tensors
