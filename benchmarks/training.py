@@ -34,7 +34,7 @@ one more step of the model, run eagerly, in which every conv gradient the operat
 compared with torch's fp32 gradient of that call's own inputs, beside cuDNN's of the same inputs;
 null for other variants and with --no-gradient-check. Writes training.json ({"device", "torch", "triton",
 "steps", "compile_ahead", "rows": [{"net", "batch", "variant", "img_s", "first_steps_s", "compile_ahead_s",
-"first_step", "native_built", "loss_50", "loss_last", "losses", "grad_rel_err_median", "grad_rel_err_max",
+"traced_compile_failures", "first_step", "native_built", "loss_50", "loss_last", "losses", "grad_rel_err_median", "grad_rel_err_max",
 "conv_grad_err", "backward_fallbacks"}]}; first_steps_s: the wall seconds of each warm-up step, in which the
 variant compiles (in a fresh process: the first steps a user waits for, with the Triton and Inductor caches cold
 or warm from an earlier run; the variants run one after another in one process, on the same caches, where
@@ -44,7 +44,9 @@ to be built, and this says whether they were (null for the other variants and on
 with --compile-ahead, the seconds the operator's variants spent in conv_tutorial.compile_kernels_ahead before
 their first step (else null; with --compile-ahead background, the pass alone: its compiles go on while the
 first step is traced, and the first step's first launches wait for them; with --compile-ahead tracing, no pass:
-the seconds of turning conv_tutorial.compile_while_tracing on, the compiles starting as the first step is traced); first_step: with --first-step-breakdown, where the first step's seconds went (FirstStepBreakdown: Triton
+the seconds of turning conv_tutorial.compile_while_tracing on, the compiles starting as the first step is traced);
+traced_compile_failures: with --compile-ahead tracing, the traced calls whose kernels could not be compiled from
+stand-ins (conv_tutorial.traced_compiles.hand_over_failures; they compiled at their first launch), else null; first_step: with --first-step-breakdown, where the first step's seconds went (FirstStepBreakdown: Triton
 kernels compiled or loaded from its cache, torch.compile's own seconds, its phases ("torch_compile_phases": the
 seconds of each phase that torch.compile times, nested, 0.05 s or more) and cache counters, "main_thread": the
 calling thread's CPU seconds against wall, sampled (MainThreadCPU; null without a per-thread clock), and with --compile-ahead
@@ -311,10 +313,14 @@ def train(variant, fp32_model, data, warmup, device, profile=0, compile_ahead=No
             # the timed steps wait for them, as a long run's steps have them; the first steps, as a user's, do not)
             from conv_tutorial import native
             native_built = native.ensure()
+    traced_failures = None
     if tracing:
+        from conv_tutorial import traced_compiles
+        traced_failures = traced_compiles.hand_over_failures()
         conv_tutorial.compile_while_tracing(False)
     by_kind = profile_steps(lambda: step(*data[-1]), profile) if profile and device == "cuda" else None
     return {"losses": losses, "seconds": seconds, "by_kind": by_kind, "compile_ahead_s": ahead_s,
+            "traced_compile_failures": traced_failures,
             "first_step": first_step, "native_built": native_built, **({"step": step} if keep else {})}
 
 
@@ -589,7 +595,7 @@ def run(argv=None):
             row = {"net": net, "batch": args.batch, "variant": variant,
                    "img_s": args.batch / statistics.median(seconds),
                    "first_steps_s": all_seconds[:args.warmup], "compile_ahead_s": ahead_s,
-                   "first_step": trained["first_step"], "native_built": trained["native_built"],
+                   "traced_compile_failures": trained["traced_compile_failures"], "first_step": trained["first_step"], "native_built": trained["native_built"],
                    "loss_50": losses[49] if len(losses) >= 50 else None, "loss_last": losses[-1], "losses": losses,
                    "grad_rel_err_median": error[0], "grad_rel_err_max": error[1], "conv_grad_err": None,
                    "backward_fallbacks": conv_tutorial.backward_fallbacks()}

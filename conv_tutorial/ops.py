@@ -43,7 +43,7 @@ from . import backward, depthwise, runtime, selection
 from . import hostpath
 from .hostpath import register_autograd, replay_key
 from .configs import grouped_conv_fits
-from .launch import record_breaks
+from .launch import compiling_ahead_active, record_breaks
 from .traced_compiles import compiles_when_traced
 from .geometry import (FP8, FP8_MAX, KERNEL_DTYPES, check_epilogue, check_fp8_dtypes, check_fp8_scales,
                        conv_output_size, current_arch, fp8_epilogue, nhwc_view, output_dtype, pair)
@@ -53,8 +53,9 @@ _WARNED = set()
 
 
 def _fall_back(reason):
-    """Say once per reason that calls go to torch.nn.functional.conv2d."""
-    if reason not in _WARNED:
+    """Say once per reason that calls go to torch.nn.functional.conv2d (a pass that compiles ahead says
+    nothing: its calls are not the model's, whose own call says it)."""
+    if reason not in _WARNED and not compiling_ahead_active():
         _WARNED.add(reason)
         warnings.warn(f"conv_tutorial::conv2d: {reason}; using torch.nn.functional.conv2d instead",
                       stacklevel=4)

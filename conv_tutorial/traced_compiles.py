@@ -11,32 +11,42 @@ operators' fake implementations with fake tensors of the step's shapes, strides 
 AOTAutograd the backward's as it traces the joint graph. Here, while `compile_while_tracing()` is on,
 each such call on a CUDA device also runs the operator's implementation once on stand-ins (real tensors
 of the fake ones' shapes, strides, storage offsets and dtypes, whose values nothing reads) in
-launch.compiling_ahead's compile-only mode: its kernels go to a pool of worker processes, nothing is
-launched, and torch.compile goes on tracing while they compile. Each kernel's first launch waits for
-its own compile (and raises its failure), as with `compile_kernels_ahead(..., wait=False)`.
+launch.compiling_ahead's compile-only mode: its kernels go to a pool of worker processes and are not
+launched (what the implementation does besides runs as in compile_kernels_ahead's pass: torch's own ops on
+the stand-ins, a weight flip whose launch waits for its compile), and torch.compile goes on tracing while
+they compile. Each kernel's first launch waits for its own compile (and raises its failure), as with
+`compile_kernels_ahead(..., wait=False)`. The workers live until the switch is turned off (or the process
+ends).
 
 What differs from compile_kernels_ahead:
 - Nothing of the model runs eagerly and nothing needs putting back (BatchNorm's running statistics,
   the random generators, the gradients): the stand-ins belong to the call alone.
 - A call seen before (the same operator, tensor facts and other arguments) is not handed over again.
-- With warm caches AOTAutograd's cache skips the backward's tracing: the backward's kernels then load
-  from Triton's cache at their first call, as without either.
-- Sizes or strides that are symbolic (dynamic shapes) are skipped: those kernels compile at their first
-  call. So is a call the stand-ins' run fails on: one warning, and torch.compile goes on tracing.
+- With warm caches AOTAutograd's cache skips the backward's tracing: the backward's kernels then compile
+  (or load from Triton's cache) at their first call, as without either.
+- Sizes or strides that are symbolic (dynamic shapes) are skipped, and so are the backward's operators when
+  torch's backward computes the gradients (`set_backward("torch")`: nothing to compile), every call while
+  autotuning is on (the tuner compiles as it times) and calls while a CUDA graph is being captured: those
+  kernels compile at their first call. So are those of a call the stand-ins' run fails on: it is counted
+  (`hand_over_failures`), the first failure after the switch is turned on is said in a warning (never raised,
+  whatever the warning filters), and torch.compile goes on tracing.
 - The stand-ins take the traced tensors' storage offsets, so the pointer alignments Triton specializes
   on are the step's where its tensors start where the fake ones do.
 - The memory: each call's stand-ins (its inputs, and the outputs its implementation allocates) live for
   the call alone, returned to torch's caching allocator after it.
 """
+import contextlib
 import functools
 import threading
 import warnings
 
 import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 
-from . import compile_pool, launch
+from . import compile_pool, launch, selection
 
-_STATE = {"on": False, "pool": None, "workers": None, "warned": False}
+_STATE = {"on": False, "pool": None, "workers": None, "failures": 0}
 _SEEN = set()                # calls handed over (`_call_key`)
 _DEVICES = ("cuda",)         # the devices whose calls are handed over (where the operators' kernels run)
 _LOCK = threading.Lock()
@@ -54,7 +64,7 @@ def compile_while_tracing(enabled: bool = True, workers=None) -> None:
     with _LOCK:
         pool, _STATE["pool"] = _STATE["pool"], None
         _SEEN.clear()
-        _STATE.update(on=enabled, workers=workers, warned=False)
+        _STATE.update(on=enabled, workers=workers, failures=0)
     if pool is not None:
         pool.shutdown(wait=False)
 
@@ -64,15 +74,20 @@ def compiling_while_tracing() -> bool:
     return _STATE["on"]
 
 
-def compiles_when_traced(implementation):
-    """Decorate an operator's fake implementation: after it, while compile_while_tracing is on, the call's
-    kernels are compiled from stand-ins through `implementation` (the operator's own, at its
-    CompositeExplicitAutograd key)."""
+def hand_over_failures() -> int:
+    """How many traced calls' kernels could not be compiled from stand-ins since the switch was turned on."""
+    return _STATE["failures"]
+
+
+def compiles_when_traced(implementation, when=None):
+    """Decorate an operator's fake implementation: after it, while compile_while_tracing is on (and `when()`,
+    if given, is true), the call's kernels are compiled from stand-ins through `implementation` (the
+    operator's own, at its CompositeExplicitAutograd key)."""
     def decorate(fake):
         @functools.wraps(fake)
         def traced(*args, **kwargs):
             out = fake(*args, **kwargs)
-            if _STATE["on"]:
+            if _STATE["on"] and (when is None or when()):
                 hand_over(implementation, args, kwargs)
             return out
         return traced
@@ -82,33 +97,40 @@ def compiles_when_traced(implementation):
 def hand_over(implementation, args, kwargs):
     """Run `implementation(*args, **kwargs)` on stand-ins of its fake CUDA tensors in compile-only mode,
     once per distinct call (module docstring). Any other call (no fake CUDA tensor, a symbolic size, one
-    seen before, one inside a compile-ahead pass) is left alone."""
-    values = list(args) + list(kwargs.values())
-    fakes = [v for v in values if isinstance(v, torch._subclasses.fake_tensor.FakeTensor)]
-    if not fakes or not all(t.device.type in _DEVICES for t in fakes) or launch.compiling_ahead_active():
-        return
-    key = _call_key(implementation, args, kwargs)
-    if key is None:
-        return
-    with _LOCK:
-        if key in _SEEN:
-            return
-        _SEEN.add(key)
+    seen before, one inside a compile-ahead pass, autotuning on, a CUDA graph being captured) is left alone.
+    Raises nothing: a failure is counted, and the first one said."""
     try:
+        tensors = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+        if (not tensors or not all(isinstance(t, FakeTensor) and t.device.type in _DEVICES for t in tensors)
+                or launch.compiling_ahead_active() or selection.autotune_enabled()):
+            return
+        device = tensors[0].device
+        if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
+        key = _call_key(implementation, args, kwargs)
+        with _LOCK:
+            if key is None or key in _SEEN:
+                return
+            _SEEN.add(key)
         with torch.utils._python_dispatch._disable_current_modes(), torch.no_grad():
-            stand_in = lambda v: stand_in_for(v) if isinstance(v, torch.Tensor) else v  # noqa: E731
-            real_args = [stand_in(v) for v in args]
-            real_kwargs = {name: stand_in(v) for name, v in kwargs.items()}
-            with torch.cuda.device(fakes[0].device), torch.autocast("cuda", enabled=False), \
-                    launch.compiling_into(_pool()):
+            real_args, real_kwargs = pytree.tree_map_only(torch.Tensor, stand_in_for, (args, kwargs))
+            with _on_device(device), torch.autocast("cuda", enabled=False), launch.compiling_into(_pool()):
                 implementation(*real_args, **real_kwargs)
     except Exception as error:      # (the step compiles this call's kernels at their first launch instead)
         with _LOCK:
-            warned, _STATE["warned"] = _STATE["warned"], True
-        if not warned:
-            warnings.warn(f"conv_tutorial.compile_while_tracing: a traced call of {implementation.__name__} could "
-                          f"not compile its kernels ahead ({type(error).__name__}: {error}); they compile at its "
-                          f"first launch", RuntimeWarning, stacklevel=2)
+            _STATE["failures"] += 1
+            first = _STATE["failures"] == 1
+        if first:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")      # (said, never raised into torch.compile's tracing)
+                warnings.warn(f"conv_tutorial.compile_while_tracing: a traced call of {implementation.__name__} "
+                              f"could not compile its kernels ahead ({type(error).__name__}: {error}); they compile "
+                              f"at its first launch (conv_tutorial.traced_compiles.hand_over_failures() counts such "
+                              f"calls)", RuntimeWarning, stacklevel=2)
+
+
+def _on_device(device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _call_key(implementation, args, kwargs):
@@ -146,6 +168,8 @@ def stand_in_for(t: torch.Tensor) -> torch.Tensor:
 
 def _pool():
     with _LOCK:
+        if not _STATE["on"]:         # (turned off by another thread meanwhile: no pool left running)
+            raise RuntimeError("compile_while_tracing was turned off")
         if _STATE["pool"] is None:
             _STATE["pool"] = compile_pool.ProcessCompiles(_STATE["workers"] or launch._compile_pool_size(),
                                                           niceness=launch.BACKGROUND_NICENESS)

@@ -152,6 +152,7 @@ def test_compile_ahead_while_tracing_is_turned_on_for_the_steps_and_off_after(tm
     # the operator's variant alone: on before its first step, off after its steps; a time, not a pass's None
     assert seen == [True, False]
     assert rows[0]["compile_ahead_s"] is None and 0 <= rows[1]["compile_ahead_s"] < 1
+    assert rows[0]["traced_compile_failures"] is None and rows[1]["traced_compile_failures"] == 0
     assert json.loads((tmp_path / "training.json").read_text())["compile_ahead"] == "tracing"
 
 

@@ -252,16 +252,23 @@ def test_the_step_after_it_compiles_nothing_and_trains_as_torch(wait, tmp_path, 
 
 @needs_gpu
 def test_a_compiled_step_has_its_kernels_compiled_in_the_workers_and_trains_as_cudnn(tmp_path, monkeypatch):
-    """With Triton's file cache empty and its in-memory caches of the forward's and wgrad's kernels cleared,
-    torch.compile's tracing of one training step (BatchNorm's sums fused, lesson 06's gradients, bf16
-    autocast) hands the step's compiles to the workers: every forward (dgrad's phases among them) and wgrad
-    kernel in Triton's caches after the step was compiled by a worker (one the tracing missed would have
-    compiled at its launch, in this process), and the step's gradients match the same net's on cuDNN (bf16's
-    rounding through three convs and two BatchNorms: 5e-2 of each gradient's largest value)."""
-    from conv_tutorial import compile_pool
+    """compile_while_tracing instead of the pass. With Triton's file cache empty, its in-memory caches of the
+    forward's and wgrad's kernels cleared, and AOTAutograd's and Inductor's caches off (so the backward is
+    traced here, not loaded), torch.compile's tracing of one training step (BatchNorm's sums fused, lesson 06's
+    gradients, bf16 autocast) hands the step's compiles to the workers: every forward (dgrad's phases among
+    them) and wgrad kernel in Triton's caches after the step was compiled by a worker (one the tracing missed
+    would have compiled at its launch, in this process), no hand-over failed, and the step's gradients match
+    the same net's on cuDNN (bf16's rounding through three convs and two BatchNorms: 5e-2 of each gradient's
+    largest value)."""
+    import time
+    import torch._functorch.config
+    import torch._inductor.config
+    from conv_tutorial import compile_pool, traced_compiles
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))       # (every compile a miss: to the workers)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     _clear_in_memory_caches()
-    in_workers = compile_pool.compiles_in_workers()
+    started = time.perf_counter()
     before = conv_tutorial.backward_backend()
     conv_tutorial.set_backward("lesson06")
     torch._dynamo.reset()
@@ -273,13 +280,16 @@ def test_a_compiled_step_has_its_kernels_compiled_in_the_workers_and_trains_as_c
         model = conv_tutorial.convert_conv2d(conv_tutorial.fuse_conv_batchnorm_for_training(twin, inplace=True))
         step = torch.compile(model)
         x = torch.randn(16, 3, 36, 44, device="cuda").contiguous(memory_format=torch.channels_last)
-        with torch.autocast("cuda", torch.bfloat16), warnings.catch_warnings():
-            warnings.filterwarnings("error", message="conv_tutorial.compile_while_tracing")   # (no hand-over fails)
-            step(x).float().square().sum().backward()
         with torch.autocast("cuda", torch.bfloat16):
+            step(x).float().square().sum().backward()
             reference(x).float().square().sum().backward()
+        assert traced_compiles.hand_over_failures() == 0
         entries = _cache_entries()
-        assert entries and compile_pool.compiles_in_workers() - in_workers >= len(entries), sorted(entries)
+        by_workers = [entry["kernel"] for entry in compile_pool.compile_timeline()
+                      if entry["submitted"] >= started and entry["where"] == "worker"]
+        for kernel in ("conv2d_fprop_kernel", "conv2d_wgrad_kernel"):
+            in_cache = [key for name, key in entries if name == kernel]
+            assert in_cache and by_workers.count(kernel) >= len(in_cache), (kernel, len(in_cache), by_workers)
         ours = {names[p.data_ptr()]: p.grad for p in model.parameters()}
         assert ours.keys() == {name for name, _ in reference.named_parameters()}
         for name, expected in reference.named_parameters():

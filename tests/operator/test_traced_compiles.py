@@ -4,11 +4,13 @@ torch.compile's own tracing (the operators' fake implementations), with no eager
 On a CPU, with fake CUDA tensors (which need no GPU) and the compile-only block and the stand-ins
 replaced by CPU stand-ins: a traced call is handed over once, with stand-ins of its tensors' shapes,
 strides, storage offsets and dtypes; a call seen before, a CPU call, a symbolic size and a call with
-the switch off are not; a failing hand-over warns once and tracing goes on; the backward's operators
+the switch off are not, nor are calls while autotuning is on or torch computes the gradients; a failing
+hand-over is counted, warns once and never raises into the tracing; the backward's operators
 are handed over too; the backward's fallback count is the step's alone. The GPU test, a compiled training
 step with it on, is test_compile_ahead.py's (its net and Triton's caches are there)."""
 import concurrent.futures
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -109,7 +111,7 @@ def test_a_symbolic_size_is_left_alone():
     assert traced_compiles._call_key(len, (torch.zeros(2), [1, 2], "relu"), {"groups": 1}) is not None
 
 
-def test_a_failing_hand_over_warns_once_and_tracing_goes_on(handed, monkeypatch):
+def test_a_failing_hand_over_warns_once_is_counted_and_tracing_goes_on(handed, monkeypatch):
     def broken(t):
         raise RuntimeError("no stand-in")
     monkeypatch.setattr(traced_compiles, "stand_in_for", broken)
@@ -117,7 +119,39 @@ def test_a_failing_hand_over_warns_once_and_tracing_goes_on(handed, monkeypatch)
         y = fake_conv()
         fake_conv(stride=2)
     assert len([w for w in record if "compile_while_tracing" in str(w.message)]) == 1
-    assert tuple(y.shape) == (2, 32, 8, 8)
+    assert tuple(y.shape) == (2, 32, 8, 8) and traced_compiles.hand_over_failures() == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")           # (said at most, never raised into the tracing)
+        fake_conv(stride=3)
+    assert traced_compiles.hand_over_failures() == 3
+    conv_tutorial.compile_while_tracing()        # (on again: counted afresh)
+    assert traced_compiles.hand_over_failures() == 0
+
+
+def test_an_argument_that_makes_no_key_is_a_failure_not_an_error(handed):
+    with FakeTensorMode():
+        x = torch.empty(2, 3, device="cuda")
+    with pytest.warns(RuntimeWarning, match="unhashable"):
+        traced_compiles.hand_over(len, (x,), {"options": {"a": 1}})
+    assert handed == [] and traced_compiles.hand_over_failures() == 1
+
+
+def test_autotuning_on_and_torchs_backward_are_left_alone(handed):
+    before_backend, before_tune = conv_tutorial.backward_backend(), conv_tutorial.autotune_enabled()
+    try:
+        conv_tutorial.set_autotune(True)
+        fake_conv()
+        assert handed == []
+        conv_tutorial.set_autotune(False)
+        conv_tutorial.set_backward("torch")     # (its gradients: torch's convolution_backward, nothing to compile)
+        with FakeTensorMode():
+            g, x, w = (torch.empty(shape, device="cuda", dtype=torch.bfloat16)
+                       for shape in ((2, 32, 8, 8), (2, 16, 8, 8), (32, 16, 3, 3)))
+            torch.ops.conv_tutorial.conv2d_input_grad(g, x, w, [1, 1], [1, 1], [1, 1], 1)
+        assert handed == []
+    finally:
+        conv_tutorial.set_autotune(before_tune)
+        conv_tutorial.set_backward(before_backend)
 
 
 def test_the_backwards_operators_are_handed_over_and_the_fallback_count_is_the_steps(handed):
@@ -158,7 +192,6 @@ def test_torch_compiles_tracing_hands_over_the_forwards_and_the_backwards_calls(
     them): Dynamo's calls of the fused forward operator and AOTAutograd's of the backward's hand each call over
     once, their stand-ins run outside the tracing's modes (no warning), and the step's gradients are those of
     the same step in eager mode."""
-    import warnings
     monkeypatch.setattr(traced_compiles, "_DEVICES", ("cuda", "cpu"))
     before = conv_tutorial.backward_backend()
     conv_tutorial.set_backward("lesson06")
@@ -168,9 +201,8 @@ def test_torch_compiles_tracing_hands_over_the_forwards_and_the_backwards_calls(
                                   torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, stride=2, padding=1))
         net = conv_tutorial.convert_conv2d(conv_tutorial.fuse_conv_batchnorm_for_training(net))
         x = torch.randn(2, 3, 8, 8, requires_grad=True)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("error", message="conv_tutorial.compile_while_tracing")
-            torch.compile(net, backend="aot_eager")(x).square().sum().backward()
+        torch.compile(net, backend="aot_eager")(x).square().sum().backward()
+        assert traced_compiles.hand_over_failures() == 0
         compiled = [p.grad.clone() for p in net.parameters()] + [x.grad.clone()]
         for p in [*net.parameters(), x]:
             p.grad = None
