@@ -27,6 +27,9 @@ an input of the step's shape, dtype and device, in the mode (train or eval) and 
 dtype the step will use: the kernels compiled are those of these shapes and dtypes. A kernel the
 step needs that this pass did not compile (another shape, a checkpointed segment whose backward
 `torch.autograd.grad` does not reach) compiles at its first call, as without it.
+
+Under torch.compile the step's operator calls can also be learned from torch.compile's own tracing, with no
+pass of the model: traced_compiles.py (`compile_while_tracing`, opt-in).
 """
 import time
 import warnings
