@@ -1,7 +1,8 @@
 """Training steps of torchvision networks: eager cuDNN, torch.compile, and the operator under torch.compile.
 
     python benchmarks/training.py [--nets resnet50 regnet_y_3_2gf] [--batch 128] [--steps 50] [--max-autotune]
-                                  [--no-gradient-check] [--profile STEPS] [--compile-ahead [background|tracing]] [--first-step-breakdown]
+                                  [--no-gradient-check] [--profile STEPS] [--compile-ahead [background|tracing]]
+                                  [--first-step-breakdown]
                                   [--variants eager compile ours ours-lesson06] [--outdir DIR]
 
 Each network is torchvision's with its own random initialisation (seed 0), channels_last, trained
@@ -46,7 +47,8 @@ their first step (else null; with --compile-ahead background, the pass alone: it
 first step is traced, and the first step's first launches wait for them; with --compile-ahead tracing, no pass:
 the seconds of turning conv_tutorial.compile_while_tracing on, the compiles starting as the first step is traced);
 traced_compile_failures: with --compile-ahead tracing, the traced calls whose kernels could not be compiled from
-stand-ins (conv_tutorial.traced_compiles.hand_over_failures; they compiled at their first launch), else null; first_step: with --first-step-breakdown, where the first step's seconds went (FirstStepBreakdown: Triton
+stand-ins (conv_tutorial.traced_compiles.hand_over_failures; they compiled at their first launch), else null;
+first_step: with --first-step-breakdown, where the first step's seconds went (FirstStepBreakdown: Triton
 kernels compiled or loaded from its cache, torch.compile's own seconds, its phases ("torch_compile_phases": the
 seconds of each phase that torch.compile times, nested, 0.05 s or more) and cache counters, "main_thread": the
 calling thread's CPU seconds against wall, sampled (MainThreadCPU; null without a per-thread clock), and with --compile-ahead
@@ -595,7 +597,8 @@ def run(argv=None):
             row = {"net": net, "batch": args.batch, "variant": variant,
                    "img_s": args.batch / statistics.median(seconds),
                    "first_steps_s": all_seconds[:args.warmup], "compile_ahead_s": ahead_s,
-                   "traced_compile_failures": trained["traced_compile_failures"], "first_step": trained["first_step"], "native_built": trained["native_built"],
+                   "traced_compile_failures": trained["traced_compile_failures"], "first_step": trained["first_step"],
+                   "native_built": trained["native_built"],
                    "loss_50": losses[49] if len(losses) >= 50 else None, "loss_last": losses[-1], "losses": losses,
                    "grad_rel_err_median": error[0], "grad_rel_err_max": error[1], "conv_grad_err": None,
                    "backward_fallbacks": conv_tutorial.backward_fallbacks()}

@@ -16,8 +16,9 @@ pool too; dgrad's weight flips compile and run as usual.
 
 The pass computes garbage (the operators launch nothing) and keeps none of it: it differentiates the
 sum of the outputs with `torch.autograd.grad`, so no parameter's `.grad` is touched; it puts every
-buffer back (BatchNorm's running statistics, which a forward in train mode updates), the random
-number generators' states and the count of `backward_fallbacks()`. What it cannot keep from seeing
+buffer back (BatchNorm's running statistics, which a forward in train mode updates) and the random
+number generators' states; `backward_fallbacks()` counts none of its calls (backward.py: a compile-only
+pass is not the model's). What it cannot keep from seeing
 the garbage: hooks on the model's tensors run (a gradient hook that all-reduces would wait for
 ranks that do not run the pass), and code that branches on values takes whichever branch. Call it on
 the module itself, before torch.compile or DistributedDataParallel wrap it (either wrapper is refused:
@@ -36,7 +37,7 @@ import warnings
 
 import torch
 
-from . import backward as backward_module, native, selection
+from . import native, selection
 from .launch import compiling_ahead
 
 
@@ -100,12 +101,12 @@ def compile_kernels_ahead(model: torch.nn.Module, *example_inputs, backward: boo
 
 def _step_once(model, example_inputs, backward, autocast_dtype, workers, wait=True):
     """One step's forward and, with `backward`, its gradients, inside launch.compiling_ahead, keeping
-    nothing: no `.grad` written; every buffer (the same tensor, its values and shape), the random
-    number generators and the backward's fallback count put back as they were."""
+    nothing: no `.grad` written; every buffer (the same tensor, its values and shape) and the random
+    number generators put back as they were (the backward's fallbacks are not counted inside
+    compiling_ahead)."""
     device = example_inputs[0].device
     buffers = [(module, name, b, b.detach().clone()) for module in model.modules()
                for name, b in module._buffers.items() if b is not None]
-    fallbacks = backward_module.backward_fallbacks()
     inputs = [p for p in model.parameters() if p.requires_grad] + [x for x in example_inputs if x.requires_grad]
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
@@ -131,8 +132,6 @@ def _step_once(model, example_inputs, backward, autocast_dtype, workers, wait=Tr
                 if original.shape != saved.shape:
                     original.resize_(saved.shape)
                 original.copy_(saved)
-        backward_module._FALLBACKS.clear()
-        backward_module._FALLBACKS.update(fallbacks)
 
 
 def _tensors(outputs):
