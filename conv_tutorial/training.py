@@ -157,7 +157,7 @@ def _backward(ctx, grad_out, grad_stats):
     grad = grad_out
     if grad_stats is not None:
         wide = _wide(grad_out) if grad_out is not None else 0.0
-        grad = (wide + grad_stats[0].view(1, -1, 1, 1) + 2 * _wide(out) * grad_stats[1].view(1, -1, 1, 1))
+        grad = (wide + _per_channel(grad_stats[0]) + 2 * _wide(out) * _per_channel(grad_stats[1]))
     grad = grad.to(out.dtype).contiguous(memory_format=torch.channels_last)      # (the gradient ops' layout)
     grad_input, grad_weight = backward.conv_gradients(grad, input, weight, *ctx.conv_args, needs[0], needs[1],
                                                       relu_gated=ctx.relu_gated)
@@ -313,7 +313,7 @@ def _batch_norm_from_sums(y: torch.Tensor, stats: torch.Tensor, weight: Optional
     mean, var = batch_stats_from_sums(stats, count)
     _, scale = _inverse_std_and_scale(var, weight, eps)
     shift = torch.addcmul(bias, mean, scale, value=-1) if bias is not None else -mean * scale
-    return torch.addcmul(shift.view(1, -1, 1, 1), y, scale.view(1, -1, 1, 1)).to(y.dtype), mean, var
+    return torch.addcmul(_per_channel(shift), y, _per_channel(scale)).to(y.dtype), mean, var
 
 
 def _batch_norm_from_sums_backward(grad: torch.Tensor, y: torch.Tensor, mean: torch.Tensor, var: torch.Tensor,
@@ -335,15 +335,22 @@ def _batch_norm_from_sums_backward(grad: torch.Tensor, y: torch.Tensor, mean: to
     per_sum = (-grad_b * a - 2 * mean * grad_var) / count         # dL/d(sum y): through mean and var
     per_square = grad_var / count                                  # dL/d(sum y^2)
     if stats_from_y:      # (the sums' share, d sum y = 1 and d sum y^2 = 2y, added to y's here)
-        grad_y = torch.addcmul(wide * a.view(1, -1, 1, 1) + per_sum.view(1, -1, 1, 1), _wide(y),
-                               2 * per_square.view(1, -1, 1, 1))
+        grad_y = torch.addcmul(wide * _per_channel(a) + _per_channel(per_sum), _wide(y),
+                               2 * _per_channel(per_square))
         grad_stats = mean.new_empty(0)
     else:
-        grad_y, grad_stats = wide * a.view(1, -1, 1, 1), torch.stack((per_sum, per_square))
+        grad_y, grad_stats = wide * _per_channel(a), torch.stack((per_sum, per_square))
     grad_y = grad_y.to(y.dtype).contiguous(memory_format=_memory_format(y))
     if weight is None:
         return grad_y, grad_stats, mean.new_empty(0), mean.new_empty(0)
     return grad_y, grad_stats, grad_a * inv_std, grad_b
+
+
+def _per_channel(values):
+    # ([C] -> [C, 1, 1], to broadcast over (N, C, H, W): unsqueezes, not a view to (1, C, 1, 1), whose
+    # `aten.view` nodes Inductor's joint-graph pattern pass tries every multi-output pattern at (RESULTS.md,
+    # "Where the first step's compile goes"))
+    return values.unsqueeze(-1).unsqueeze(-1)
 
 
 def _memory_format(y):
