@@ -295,7 +295,12 @@ def wgrad_split(tiles, split_k, num_sms):
     return programs, whole_tiles, tiles - whole_tiles
 
 
-@triton.jit
+# Triton compiles a kernel once per specialization of its integer arguments (each one equal to 1, or divisible
+# by 16, or neither): the counts below only steer each program's scalar arithmetic, so they are left
+# unspecialized, and one program serves every layer whose tile, dtypes and Co, Ci_group alignments it shares
+# (fewer compiles in a network's first step: RESULTS.md, "Compiled while torch.compile traces"). Co and
+# Ci_group stay specialized: they place dW's rows and mask its columns, which 16-byte vector stores need aligned.
+@triton.jit(do_not_specialize=["taps", "num_pid_m", "ci_blocks", "whole_tiles", "split_tiles", "split_k"])
 def wgrad_split_k_sum_kernel(partial_ptr, dw_ptr, Co, Ci_group, taps, num_pid_m, ci_blocks, whole_tiles, split_tiles,
                              split_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr):
     # Split tile whole_tiles + program_id(0) of dW: partial[0] + partial[1] + ... + partial[split_k - 1]

@@ -57,3 +57,28 @@ def test_building_the_kernels_warns_of_nothing():
     assert proc.returncode == 0 and "built" in proc.stdout, proc.stderr[-3000:]
     assert "FP_FUSION" not in proc.stderr, proc.stderr[-3000:]
     assert common   # (conftest's kit set the lessons' environment in this process, not in the child's)
+
+
+
+def test_the_split_k_sum_compiles_once_for_every_count():
+    """The split-K sum kernel's specialization (what keys its compiles) depends on its tile, dtypes and the
+    alignment of Co and Ci_group alone: layers that differ in their counts (taps, tiles, slices; 1, a multiple
+    of 16, or neither) share one build, and a Ci_group that breaks 16-element vectors gets its own. (Worked
+    out in a child process where Triton is not the interpreter, as a GPU's process would.)"""
+    code = ("import torch\n"
+            "from conv_tutorial.kernels import aot, wgrad\n"
+            "partial, dw = torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16)\n"
+            "def specialization(Co, Ci_group, *counts):\n"
+            "    src, _, _ = aot.compile_source(wgrad.wgrad_split_k_sum_kernel, (partial, dw, Co, Ci_group, *counts),\n"
+            "                                   dict(BLOCK_M=128, BLOCK_N=128, BLOCK=256), 'sm_90')\n"
+            "    return repr((src.constants, src.attrs))\n"
+            # (Co, Ci_group, then taps, num_pid_m, ci_blocks, whole_tiles, split_tiles, split_k)
+            "layers = [(256, 64, 9, 2, 1, 0, 16, 2), (512, 128, 1, 1, 3, 132, 7, 11), (64, 64, 1, 16, 32, 48, 1, 3)]\n"
+            "print('builds', len({specialization(*layer) for layer in layers}),\n"
+            "      specialization(256, 24, 9, 2, 1, 0, 16, 2) != specialization(*layers[0]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPATH=os.pathsep.join(
+                              [str(PACKAGE.parent), *filter(None, [os.environ.get("PYTHONPATH")])])),
+                          capture_output=True, text=True, timeout=600, cwd=PACKAGE.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "builds 1 True" in proc.stdout, proc.stdout
