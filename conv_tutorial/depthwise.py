@@ -30,7 +30,11 @@ apply_epilogue = fprop.apply_epilogue     # act(acc * scale + bias + residual), 
 DEPTHWISE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@triton.jit
+# The sizes are left unspecialized (Triton would build once per batch or image size that is 1, or a multiple of
+# 16, or neither): they only index pixels and bound the padding, which a known alignment does not speed up, so a
+# new batch or image size reuses the build. The strides and dilations stay specialized (1 folds a multiply in the
+# taps' loop), and C is a constexpr (the 16-byte loads along channels).
+@triton.jit(do_not_specialize=["N", "H", "W", "out_h", "out_w", "pad_h", "pad_w"])
 def depthwise_conv2d_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, residual_ptr, out_ptr,
                             N, H, W, out_h, out_w, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
                             C: tl.constexpr, R: tl.constexpr, S: tl.constexpr, BLOCK_P: tl.constexpr,

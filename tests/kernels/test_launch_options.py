@@ -82,3 +82,30 @@ def test_the_split_k_sum_compiles_once_for_every_count():
                           capture_output=True, text=True, timeout=600, cwd=PACKAGE.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "builds 1 True" in proc.stdout, proc.stdout
+
+
+def test_the_depthwise_kernel_builds_once_for_every_batch_and_image_size():
+    """The depthwise kernel's specialization depends on its channels, filter, strides, dilations, blocks and
+    epilogue, not on the batch or image size: a batch of 1 and one of 128, 224x224 and 7x9 images share a build
+    (in a child process where Triton is not the interpreter, as on a GPU)."""
+    code = ("import torch\n"
+            "from conv_tutorial import depthwise\n"
+            "from conv_tutorial.kernels import aot\n"
+            "def specialization(N, H, W, stride, padding):\n"
+            "    C, R = 32, 3\n"
+            "    x, w = torch.zeros(N, H, W, C, dtype=torch.bfloat16), torch.zeros(C, R, R, dtype=torch.bfloat16)\n"
+            "    out_h, out_w = (H + 2 * padding - R) // stride + 1, (W + 2 * padding - R) // stride + 1\n"
+            "    out = torch.zeros(N, out_h, out_w, C, dtype=torch.bfloat16)\n"
+            "    args = (x, w, out, out, out, out, N, H, W, out_h, out_w, stride, stride, padding, padding, 1, 1)\n"
+            "    kwargs = dict(C=C, R=R, S=R, BLOCK_P=128, BLOCK_C=32, EPILOGUE=depthwise.fprop.Epilogue())\n"
+            "    src, _, _ = aot.compile_source(depthwise.depthwise_conv2d_kernel, args, kwargs, 'sm_90')\n"
+            "    return repr((src.constants, src.attrs))\n"
+            "sizes = [(1, 224, 224, 1, 1), (128, 7, 9, 1, 1), (16, 16, 16, 1, 0), (3, 33, 17, 1, 1)]\n"
+            "print('builds', len({specialization(*size) for size in sizes}),\n"
+            "      specialization(1, 224, 224, 2, 1) != specialization(*sizes[0]))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPATH=os.pathsep.join(
+                              [str(PACKAGE.parent), *filter(None, [os.environ.get("PYTHONPATH")])])),
+                          capture_output=True, text=True, timeout=600, cwd=PACKAGE.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "builds 1 True" in proc.stdout, proc.stdout      # (a stride of 2 is another build: it stays specialized)
