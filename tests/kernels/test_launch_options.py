@@ -26,6 +26,15 @@ def launches_without_fp_fusion(source, filename="<source>"):
     return found
 
 
+def run_without_interpreter(code, unset=(), timeout=600):
+    """Run `code` in a child Python process that imports this package, with TRITON_INTERPRET (and the
+    variables in `unset`) left out of its environment: Triton builds real kernels there, as on a GPU."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", *unset)}
+    return subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPATH=os.pathsep.join(
+                              [str(PACKAGE.parent), *filter(None, [os.environ.get("PYTHONPATH")])])),
+                          capture_output=True, text=True, timeout=timeout, cwd=PACKAGE.parent)
+
+
 def test_every_launch_in_the_package_asks_for_fp_fusion():
     missing = {f"{path.relative_to(PACKAGE.parent)}:{line}: {text}"
                for path in sorted(PACKAGE.rglob("*.py"))
@@ -42,22 +51,18 @@ def test_the_check_sees_a_launch_without_it():
 def test_building_the_kernels_warns_of_nothing():
     """The forward and wgrad kernels compiled ahead of time for sm_90 in a fresh process whose
     environment leaves fusion unset: no warning from Triton."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_DEFAULT_FP_FUSION", "TRITON_INTERPRET")}
     code = ("import warnings; warnings.simplefilter('always')\n"
             "from conv_tutorial.kernels import aot\n"
             "for build in (aot.fprop_build, aot.wgrad_build):\n"
             "    aot.compile_for_target(*build('sm_90'), 'sm_90')\n"
             "print('built')\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPATH=os.pathsep.join(
-                              [str(PACKAGE.parent), *filter(None, [os.environ.get("PYTHONPATH")])])),
-                          capture_output=True, text=True, timeout=900, cwd=PACKAGE.parent)
+    proc = run_without_interpreter(code, unset=("TRITON_DEFAULT_FP_FUSION",), timeout=900)
     if "Cannot find ptxas" in proc.stderr:
         import pytest
         pytest.skip("this Triton install has no assembler for sm_90")
     assert proc.returncode == 0 and "built" in proc.stdout, proc.stderr[-3000:]
     assert "FP_FUSION" not in proc.stderr, proc.stderr[-3000:]
     assert common   # (conftest's kit set the lessons' environment in this process, not in the child's)
-
 
 
 def test_the_split_k_sum_compiles_once_for_every_count():
@@ -76,10 +81,7 @@ def test_the_split_k_sum_compiles_once_for_every_count():
             "layers = [(256, 64, 9, 2, 1, 0, 16, 2), (512, 128, 1, 1, 3, 132, 7, 11), (64, 64, 1, 16, 32, 48, 1, 3)]\n"
             "print('builds', len({specialization(*layer) for layer in layers}),\n"
             "      specialization(256, 24, 9, 2, 1, 0, 16, 2) != specialization(*layers[0]))\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPATH=os.pathsep.join(
-                              [str(PACKAGE.parent), *filter(None, [os.environ.get("PYTHONPATH")])])),
-                          capture_output=True, text=True, timeout=600, cwd=PACKAGE.parent)
+    proc = run_without_interpreter(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "builds 1 True" in proc.stdout, proc.stdout
 
@@ -103,9 +105,6 @@ def test_the_depthwise_kernel_builds_once_for_every_batch_and_image_size():
             "sizes = [(1, 224, 224, 1, 1), (128, 7, 9, 1, 1), (16, 16, 16, 1, 0), (3, 33, 17, 1, 1)]\n"
             "print('builds', len({specialization(*size) for size in sizes}),\n"
             "      specialization(1, 224, 224, 2, 1) != specialization(*sizes[0]))\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPATH=os.pathsep.join(
-                              [str(PACKAGE.parent), *filter(None, [os.environ.get("PYTHONPATH")])])),
-                          capture_output=True, text=True, timeout=600, cwd=PACKAGE.parent)
+    proc = run_without_interpreter(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "builds 1 True" in proc.stdout, proc.stdout      # (a stride of 2 is another build: it stays specialized)
