@@ -34,8 +34,9 @@ default-mode step, host-bound, slows when N of them run at once):
   optimizer step per chunk costs beside one per N chunks (the one-GPU run's; a few percent of a
   default-mode step). Their product is the scaling. at_once_error: why that run failed, if it did.
 - with --breakdown, "breakdown" (and "breakdown_at_once" for the N processes without DDP): a few steps
-  more, timed apart (`step_breakdown`): the host's time to issue a step beside the step's and the GPU's
-  busy time, NCCL's, kernels a step and the copies and fills among them; and for the operator's variants
+  more, timed apart (`step_breakdown`): the host's time to issue a step beside the step's, the GPU's time in
+  the forward, the backward and the optimizer's step (CUDA events, so under CUDA graphs too), the GPU's busy
+  time, NCCL's, kernels a step and the copies and fills among them; and for the operator's variants
   its calls per timed step (per optimizer step: N chunks' calls in the one-GPU run; none under CUDA graphs,
   whose replays skip the dispatcher) served in C++ (`native_served`) and sent to its Python kernel (`native_python`), and why
   those went there (`native_declines`: {reason: calls}, per kernel a call passed, conv_tutorial.native.declines);
@@ -138,17 +139,23 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
     graphs_output_grads = variant.endswith("-cudagraphs") and device == "cuda"
     several = ddp or own_chunk
 
-    def one_step(s):
-        """Step `s` on its chunks (made first), its loss (a tensor) and the second its work was issued at."""
+    def one_step(s, marks=None):
+        """Step `s` on its chunks (made first), its loss (a tensor) and the second its work was issued at.
+        `marks` (a list; CUDA only): gains a CUDA event recorded at the step's start, after each chunk's
+        forward and after its backward, and after the optimizer's step (`phase_times`)."""
         parts = [chunks(s, dist.get_rank())] if several else [chunks(s, c) for c in range(dist.get_world_size())]
         start = time.perf_counter()
+        mark = (lambda: None) if marks is None else (lambda: marks.append(recorded_event()))
+        mark()
         optimizer.zero_grad(set_to_none=True)
         total, summed = 0.0, None
         for x, y in parts:
             with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=autocast):
                 loss = torch.nn.functional.cross_entropy(step_model(x), y) / len(parts)
+            mark()
             with compiled_backward(variant) if compiled_autograd else contextlib.nullcontext():
                 loss.backward()
+            mark()
             total = total + loss.detach()
             if graphs_output_grads and len(parts) > 1:
                 summed = gradients_out_of_the_graphs(model, summed)
@@ -156,6 +163,7 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
             for parameter, grad in summed.items():
                 parameter.grad = grad
         optimizer.step()
+        mark()
         return total, start
 
     losses, seconds = [], []
@@ -200,7 +208,7 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
                                            for why, n in native_after["native_declines"].items()
                                            if n > native_before["native_declines"].get(why, 0)}}
         try:
-            figures.update(step_breakdown(lambda i: one_step(steps + i), device, several,
+            figures.update(step_breakdown(lambda i, marks=None: one_step(steps + i, marks), device, several,
                                           profiled=not variant.endswith("-cudagraphs")))
         except Exception as error:    # noqa: BLE001  (the run's own figures stand without it)
             figures["breakdown_error"] = f"{type(error).__name__}: {error}"[:400]
@@ -238,12 +246,35 @@ def union_length(intervals):
     return length
 
 
+PHASES = ("gpu_forward_ms", "gpu_backward_ms", "gpu_optimizer_ms")
+
+
+def recorded_event():
+    """A CUDA event recorded now on the current stream (timed)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def phase_times(marks):
+    """(forward, backward, optimizer) GPU milliseconds of one step from its `marks` (one_step's events, the
+    GPU finished with them): the chunks' forwards summed (from the step's start or the last backward's end:
+    zero_grad and, under DDP, its buffer broadcast before the forward, included), their backwards summed
+    (under DDP, the wait for the last bucket's all-reduce included), then the optimizer's step."""
+    forward = sum(marks[k].elapsed_time(marks[k + 1]) for k in range(0, len(marks) - 2, 2))
+    backward = sum(marks[k].elapsed_time(marks[k + 1]) for k in range(1, len(marks) - 2, 2))
+    return forward, backward, marks[-2].elapsed_time(marks[-1])
+
+
 def step_breakdown(one_step, device, several, profiled=True):
     """Where a step's time goes, from BREAKDOWN_STEPS more steps (`one_step(i)` issues step i, its
     chunks made first):
     - host_ms: the host's time to issue a step (from its start until it returns, the GPU idle before
       it), the median; across ranks the slowest's;
     - step_ms: the same steps' time until the GPU finished them;
+    - gpu_forward_ms, gpu_backward_ms, gpu_optimizer_ms: the same steps' GPU time between CUDA events at the
+      phases' ends (`phase_times`; idle time between kernels included, so under CUDA graphs too), the median;
+      across ranks the slowest's; None on a CPU;
     - with `profiled` (not for CUDA graphs: profiling replays of graphs captured before the profiler
       first started is unreliable), from torch.profiler over as many steps more, each rank's own,
       rank 0's kept: gpu_busy_ms, the time a step keeps the GPU busy with kernels other than NCCL's
@@ -254,21 +285,26 @@ def step_breakdown(one_step, device, several, profiled=True):
     A step whose step_ms is near its host_ms and well above its gpu_busy_ms waits on the host. A
     profiler that fails to start on one rank skips the profile on every rank (its steps have DDP's
     collectives)."""
-    host, whole = [], []
+    host, whole, phases = [], [], []
     for i in range(BREAKDOWN_STEPS):
+        marks = [] if device == "cuda" else None
         if device == "cuda":
             torch.cuda.synchronize()
-        _, start = one_step(i)
+        _, start = one_step(i, marks)
         issued = time.perf_counter()
         if device == "cuda":
             torch.cuda.synchronize()
+            phases.append(phase_times(marks))
         host.append(issued - start)
         whole.append(time.perf_counter() - start)
-    figures = {"host_ms": 1e3 * statistics.median(host), "step_ms": 1e3 * statistics.median(whole)}
+    figures = {"host_ms": 1e3 * statistics.median(host), "step_ms": 1e3 * statistics.median(whole),
+               **{name: statistics.median(step[k] for step in phases) if phases else None
+                  for k, name in enumerate(PHASES)}}
     if several:
-        both = torch.tensor([figures["host_ms"], figures["step_ms"]], dtype=torch.float64, device=device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        figures = {"host_ms": float(both[0]), "step_ms": float(both[1])}
+        kept = [name for name in ("host_ms", "step_ms", *PHASES) if figures[name] is not None]
+        slowest = torch.tensor([figures[name] for name in kept], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        figures.update(zip(kept, map(float, slowest)))
     figures.update(gpu_busy_ms=None, nccl_ms=None, kernels=None, copies=None, copies_ms=None)
     if device != "cuda" or not profiled:
         return figures

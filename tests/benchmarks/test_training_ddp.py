@@ -107,11 +107,28 @@ def test_a_breakdown_says_where_a_steps_time_goes(tmp_path):
         for figures in parts:
             assert 0 < figures["host_ms"] <= figures["step_ms"]
             assert figures["gpu_busy_ms"] is figures["nccl_ms"] is figures["kernels"] is None
+            assert figures["gpu_forward_ms"] is figures["gpu_backward_ms"] is figures["gpu_optimizer_ms"] is None
             if row["variant"] == "ours":
                 assert figures["native_served"] == 0 and figures["native_python"] == 0
                 assert figures["native_declines"] == {}
             else:
                 assert figures["native_served"] is figures["native_python"] is figures["native_declines"] is None
+
+
+class Mark:
+    """A stand-in for a recorded CUDA event at `at` milliseconds."""
+    def __init__(self, at):
+        self.at = at
+
+    def elapsed_time(self, later):
+        return later.at - self.at
+
+
+def test_a_steps_phases_split_at_its_marks():
+    """One chunk: start 0, forward to 5, backward to 12, optimizer to 13. Two chunks (the one-GPU run): the
+    forwards 0-4 and 9-12, the backwards 4-9 and 12-20, then the optimizer 20-21."""
+    assert training_ddp.phase_times([Mark(t) for t in (0, 5, 12, 13)]) == (5, 7, 1)
+    assert training_ddp.phase_times([Mark(t) for t in (0, 4, 9, 12, 20, 21)]) == (7, 13, 1)
 
 
 def test_the_gpus_busy_time_counts_overlapping_kernels_once():
