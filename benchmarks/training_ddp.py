@@ -28,6 +28,10 @@ default-mode step, host-bound, slows when N of them run at once):
 - img_s: images per second in all, the global batch over the median step (each step synchronized;
   the slowest rank's time); per GPU: img_s / N.
 - scaling: img_s over N times the one-GPU run's img_s (1.0: linear).
+- img_s_back_to_back, scaling_back_to_back: the same from windows of steps issued back to back, with no
+  synchronization between them (`back_to_back_seconds`), as a training loop runs: the host issues a step while
+  the GPU runs the one before, so host work before a step's first kernel (DDP's buffer broadcast, a graph's
+  replay) hides behind the GPU's, where each timed step starts on an idle GPU.
 - img_s_at_once: the N processes without DDP, images per second in all (the same median of the slowest
   rank's steps); ddp_efficiency: img_s over img_s_at_once, what DDP itself keeps; host_sharing:
   img_s_at_once over N times the one-GPU run's img_s, what sharing the host keeps, and also what an
@@ -71,7 +75,8 @@ captured over that run's steps (warm-up included; rank 0's count); refused with 
 whole process's: eager's DDP would lose its buckets).
 JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "steps", "warmup", "rounds", "round_steps", "ddp",
 "native_built", "rows": [{"net",
-"batch_per_gpu", "gpus", "variant", "img_s", "img_s_per_gpu", "scaling", "img_s_at_once", "ddp_efficiency",
+"batch_per_gpu", "gpus", "variant", "img_s", "img_s_per_gpu", "scaling", "img_s_back_to_back", "scaling_back_to_back",
+"img_s_at_once", "ddp_efficiency",
 "host_sharing", ["at_once_error"], "loss_50", "loss_last", "losses", "loss_gap", "loss_tolerance",
 ["compiled_autograd_captures"], ["breakdown", "breakdown_at_once"], [the --rounds fields]}]}; a row per variant for N GPUs and one for the one-GPU run (gpus 1,
 scaling 1.0), or {"net", "variant", "gpus", "error"} for a variant that failed.
@@ -196,6 +201,7 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
         if s >= warmup:
             seconds.append(elapsed)
         losses.append(float(total))
+    back_to_back = back_to_back_seconds(lambda i: one_step(steps + 2 * BREAKDOWN_STEPS + i), device, several)
     figures = None
     if breakdown:
         native_after = native_calls()
@@ -215,7 +221,36 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
     if keep is not None:      # (its model, gradients and optimizer state stay alive for the rounds)
         keep(one_step)
     captures = None if captures_before is None else compiled_autograd_captures() - captures_before
-    return losses, seconds, figures, captures
+    return losses, seconds, figures, captures, back_to_back
+
+
+BACK_TO_BACK_WINDOWS, BACK_TO_BACK_STEPS = 3, 8
+
+
+def back_to_back_seconds(one_step, device, several):
+    """Seconds a step, in BACK_TO_BACK_WINDOWS windows of BACK_TO_BACK_STEPS steps issued one after another with
+    no synchronization between them (`one_step(i)` issues step i, its chunks made within the window), as a
+    training loop runs: the host issues a step while the GPU still runs the one before, where the timed steps
+    each start on an idle GPU. Each window starts together on every rank (a barrier) and ends when the GPU
+    finished; across ranks the slowest's."""
+    windows = []
+    for w in range(BACK_TO_BACK_WINDOWS):
+        if several:
+            dist.barrier()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        begin = time.perf_counter()
+        for i in range(BACK_TO_BACK_STEPS):
+            one_step(w * BACK_TO_BACK_STEPS + i)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        elapsed = (time.perf_counter() - begin) / BACK_TO_BACK_STEPS
+        if several:
+            slowest = torch.tensor([elapsed], dtype=torch.float64, device=device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            elapsed = float(slowest)
+        windows.append(elapsed)
+    return windows
 
 
 def native_calls():
@@ -409,13 +444,17 @@ def measure(args, device, size, classes, nets):
                     rows.append({**row, "gpus": gpus, "error": got})
                     print(f"  {net:<12} {variant:<34} {gpus} {unit}: failed: {got}", flush=True)
                     continue
-                losses, seconds, figures, captures = got
+                losses, seconds, figures, captures, windows = got
                 img_s = global_batch / statistics.median(seconds)
                 one_img_s = None if isinstance(one, str) else global_batch / statistics.median(one[1])
+                img_s_b2b = global_batch / statistics.median(windows)
+                one_b2b = None if isinstance(one, str) else global_batch / statistics.median(one[4])
                 gap = None if isinstance(one, str) else max(abs(a - b) for a, b in zip(losses, one[0]))
                 shared = gpus > 1 and at_once_img_s is not None
                 rows.append({**row, "gpus": gpus, "img_s": img_s, "img_s_per_gpu": img_s / gpus,
                              "scaling": None if one_img_s is None else img_s / (gpus * one_img_s),
+                             "img_s_back_to_back": img_s_b2b,
+                             "scaling_back_to_back": None if one_b2b is None else img_s_b2b / (gpus * one_b2b),
                              "img_s_at_once": at_once_img_s if shared else None,
                              "ddp_efficiency": img_s / at_once_img_s if shared else None,
                              "host_sharing": (at_once_img_s / (gpus * one_img_s)
@@ -433,6 +472,8 @@ def measure(args, device, size, classes, nets):
                 r = rows[-1]
                 print(f"  {net:<12} {variant:<34} {gpus} {unit}: {img_s:8.0f} img/s ({r['img_s_per_gpu']:.0f} each)"
                       + ("" if r["scaling"] is None else f", scaling {r['scaling']:.2f}")
+                      + f"; back to back {img_s_b2b:.0f} img/s"
+                      + ("" if r["scaling_back_to_back"] is None else f", scaling {r['scaling_back_to_back']:.2f}")
                       + ("" if r["ddp_efficiency"] is None else
                          f" (at once without DDP {at_once_img_s:.0f} img/s: DDP keeps {r['ddp_efficiency']:.2f}"
                          + ("" if r["host_sharing"] is None else f", the shared host {r['host_sharing']:.2f}") + ")")

@@ -28,6 +28,8 @@ def test_smoke_run_trains_each_variant_on_two_processes_and_one(tmp_path):
         # the same arithmetic in another order (fp32 sums): far inside the bf16 tolerance
         assert row["loss_gap"] < 1e-5 < row["loss_tolerance"]
     assert [row["scaling"] for row in data["rows"] if row["gpus"] == 1] == [1.0, 1.0]
+    assert [row["scaling_back_to_back"] for row in data["rows"] if row["gpus"] == 1] == [1.0, 1.0]
+    assert all(row["img_s_back_to_back"] > 0 for row in data["rows"])
     for row in data["rows"]:    # the two processes at once without DDP: DDP's share and the host's of the scaling
         if row["gpus"] == 1:
             assert row["img_s_at_once"] is row["ddp_efficiency"] is row["host_sharing"] is None
