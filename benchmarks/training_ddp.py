@@ -29,9 +29,11 @@ default-mode step, host-bound, slows when N of them run at once):
   the slowest rank's time); per GPU: img_s / N.
 - scaling: img_s over N times the one-GPU run's img_s (1.0: linear).
 - img_s_back_to_back, scaling_back_to_back: the same from windows of steps issued back to back, with no
-  synchronization between them (`back_to_back_seconds`), as a training loop runs: the host issues a step while
-  the GPU runs the one before, so host work before a step's first kernel (DDP's buffer broadcast, a graph's
-  replay) hides behind the GPU's, where each timed step starts on an idle GPU.
+  synchronization between them (`back_to_back_seconds`; each step's chunks, random images made on the GPU,
+  within the window), as a training loop runs: the host issues a step while the GPU runs the one before, so
+  host work before a step's first kernel (DDP's buffer broadcast, a graph's replay) hides behind the GPU's,
+  where each timed step starts on an idle GPU. After the run's other steps (and the breakdown's); a step that
+  failed there: back_to_back_error, and None for both.
 - img_s_at_once: the N processes without DDP, images per second in all (the same median of the slowest
   rank's steps); ddp_efficiency: img_s over img_s_at_once, what DDP itself keeps; host_sharing:
   img_s_at_once over N times the one-GPU run's img_s, what sharing the host keeps, and also what an
@@ -75,7 +77,7 @@ captured over that run's steps (warm-up included; rank 0's count); refused with 
 whole process's: eager's DDP would lose its buckets).
 JSON (training_ddp.json): {"device", "gpus", "torch", "triton", "steps", "warmup", "rounds", "round_steps", "ddp",
 "native_built", "rows": [{"net",
-"batch_per_gpu", "gpus", "variant", "img_s", "img_s_per_gpu", "scaling", "img_s_back_to_back", "scaling_back_to_back",
+"batch_per_gpu", "gpus", "variant", "img_s", "img_s_per_gpu", "scaling", "img_s_back_to_back", "scaling_back_to_back", ["back_to_back_error"],
 "img_s_at_once", "ddp_efficiency",
 "host_sharing", ["at_once_error"], "loss_50", "loss_last", "losses", "loss_gap", "loss_tolerance",
 ["compiled_autograd_captures"], ["breakdown", "breakdown_at_once"], [the --rounds fields]}]}; a row per variant for N GPUs and one for the one-GPU run (gpus 1,
@@ -116,7 +118,7 @@ def chunk(step, index, batch, size, classes, device):
 
 def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, autocast, compile_ahead=False,
                 ddp_options=None, own_chunk=False, breakdown=False, keep=None, compiled_autograd=False):
-    """(losses per step, seconds per timed step, breakdown, captures) of one variant: with `ddp` this rank's chunk of each
+    """(losses per step, seconds per timed step, breakdown, captures, back-to-back seconds) of one variant: with `ddp` this rank's chunk of each
     step under DistributedDataParallel, with `own_chunk` (every rank at once) this rank's chunk without DDP,
     else every chunk of each step accumulated before the optimizer's step. Under `ddp` or `own_chunk` a
     step's seconds are the slowest rank's and its loss the mean of the ranks' (under `ddp`, what DDP's
@@ -125,6 +127,8 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
     on the module DDP wraps: its pass reaches no DDP hook).
     `ddp_options`: DistributedDataParallel's keyword arguments beyond its devices (`ddp_settings`).
     `breakdown`: after the steps, `step_breakdown`'s figures of a few more (else None).
+    Then the steps back to back: `back_to_back_seconds`' (after the breakdown's steps, if any, and the count of
+    captures).
     `compiled_autograd`: each backward under `compiled_backward(variant)`; captures, the backward graphs compiled
     autograd captured on this rank over the run's steps (torch._dynamo's counter; None without it)."""
     import copy
@@ -201,7 +205,6 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
         if s >= warmup:
             seconds.append(elapsed)
         losses.append(float(total))
-    back_to_back = back_to_back_seconds(lambda i: one_step(steps + 2 * BREAKDOWN_STEPS + i), device, several)
     figures = None
     if breakdown:
         native_after = native_calls()
@@ -218,9 +221,10 @@ def run_variant(variant, net, fp32_model, chunks, steps, warmup, device, ddp, au
                                           profiled=not variant.endswith("-cudagraphs")))
         except Exception as error:    # noqa: BLE001  (the run's own figures stand without it)
             figures["breakdown_error"] = f"{type(error).__name__}: {error}"[:400]
+    captures = None if captures_before is None else compiled_autograd_captures() - captures_before
+    back_to_back = back_to_back_seconds(lambda i: one_step(steps + 2 * BREAKDOWN_STEPS + i), device, several)
     if keep is not None:      # (its model, gradients and optimizer state stay alive for the rounds)
         keep(one_step)
-    captures = None if captures_before is None else compiled_autograd_captures() - captures_before
     return losses, seconds, figures, captures, back_to_back
 
 
@@ -229,26 +233,36 @@ BACK_TO_BACK_WINDOWS, BACK_TO_BACK_STEPS = 3, 8
 
 def back_to_back_seconds(one_step, device, several):
     """Seconds a step, in BACK_TO_BACK_WINDOWS windows of BACK_TO_BACK_STEPS steps issued one after another with
-    no synchronization between them (`one_step(i)` issues step i, its chunks made within the window), as a
-    training loop runs: the host issues a step while the GPU still runs the one before, where the timed steps
-    each start on an idle GPU. Each window starts together on every rank (a barrier) and ends when the GPU
-    finished; across ranks the slowest's."""
+    no synchronization between them (`one_step(i)` issues step i, its chunks made within the window: random
+    images on the GPU), as a training loop runs: the host issues a step while the GPU still runs the one before,
+    where the timed steps each start on an idle GPU. Each window starts together on every rank (a barrier) and
+    ends when the GPU finished; across ranks the slowest's. A step that fails (on any rank, every rank says it)
+    gives its error instead, a string: the run's other figures stand."""
     windows = []
     for w in range(BACK_TO_BACK_WINDOWS):
         if several:
             dist.barrier()
         if device == "cuda":
             torch.cuda.synchronize()
-        begin = time.perf_counter()
-        for i in range(BACK_TO_BACK_STEPS):
-            one_step(w * BACK_TO_BACK_STEPS + i)
-        if device == "cuda":
-            torch.cuda.synchronize()
+        begin, failure = time.perf_counter(), None
+        try:
+            for i in range(BACK_TO_BACK_STEPS):
+                one_step(w * BACK_TO_BACK_STEPS + i)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        except Exception as error:     # noqa: BLE001  (said on every rank at once, as the timed steps' failures)
+            failure = error
         elapsed = (time.perf_counter() - begin) / BACK_TO_BACK_STEPS
+        failed_anywhere = failure is not None
         if several:
-            slowest = torch.tensor([elapsed], dtype=torch.float64, device=device)
+            both = torch.tensor([elapsed, float(failure is not None)], dtype=torch.float64, device=device)
+            slowest = both[:1].clone()
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            elapsed = float(slowest)
+            dist.all_reduce(both[1:], op=dist.ReduceOp.SUM)
+            elapsed, failed_anywhere = float(slowest), bool(float(both[1]))
+        if failed_anywhere:
+            return (f"{type(failure).__name__}: {failure}"[:400] if failure is not None
+                    else "a step failed on another rank")
         windows.append(elapsed)
     return windows
 
@@ -294,16 +308,18 @@ def recorded_event():
 def phase_times(marks):
     """(forward, backward, optimizer) GPU milliseconds of one step from its `marks` (one_step's events, the
     GPU finished with them): the chunks' forwards summed (from the step's start or the last backward's end:
-    zero_grad and, under DDP, its buffer broadcast before the forward, included), their backwards summed
-    (under DDP, the wait for the last bucket's all-reduce included), then the optimizer's step."""
+    zero_grad and, under DDP, its buffer broadcast before the forward, included; in the one-GPU run under
+    CUDA graphs, the previous chunk's gradients taken into their sums too), their backwards summed (under DDP,
+    the wait for the last bucket's all-reduce included), then the optimizer's step (in that run, after the
+    last chunk's gradient sums)."""
     forward = sum(marks[k].elapsed_time(marks[k + 1]) for k in range(0, len(marks) - 2, 2))
     backward = sum(marks[k].elapsed_time(marks[k + 1]) for k in range(1, len(marks) - 2, 2))
     return forward, backward, marks[-2].elapsed_time(marks[-1])
 
 
 def step_breakdown(one_step, device, several, profiled=True):
-    """Where a step's time goes, from BREAKDOWN_STEPS more steps (`one_step(i)` issues step i, its
-    chunks made first):
+    """Where a step's time goes, from BREAKDOWN_STEPS more steps (`one_step(i, marks)` issues step i, its
+    chunks made first, and records its phases' CUDA events into `marks`, a list, unless None):
     - host_ms: the host's time to issue a step (from its start until it returns, the GPU idle before
       it), the median; across ranks the slowest's;
     - step_ms: the same steps' time until the GPU finished them;
@@ -447,14 +463,17 @@ def measure(args, device, size, classes, nets):
                 losses, seconds, figures, captures, windows = got
                 img_s = global_batch / statistics.median(seconds)
                 one_img_s = None if isinstance(one, str) else global_batch / statistics.median(one[1])
-                img_s_b2b = global_batch / statistics.median(windows)
-                one_b2b = None if isinstance(one, str) else global_batch / statistics.median(one[4])
+                img_s_b2b = None if isinstance(windows, str) else global_batch / statistics.median(windows)
+                one_b2b = None if isinstance(one, str) or isinstance(one[4], str) else \
+                    global_batch / statistics.median(one[4])
                 gap = None if isinstance(one, str) else max(abs(a - b) for a, b in zip(losses, one[0]))
                 shared = gpus > 1 and at_once_img_s is not None
                 rows.append({**row, "gpus": gpus, "img_s": img_s, "img_s_per_gpu": img_s / gpus,
                              "scaling": None if one_img_s is None else img_s / (gpus * one_img_s),
                              "img_s_back_to_back": img_s_b2b,
-                             "scaling_back_to_back": None if one_b2b is None else img_s_b2b / (gpus * one_b2b),
+                             "scaling_back_to_back": None if one_b2b is None or img_s_b2b is None
+                             else img_s_b2b / (gpus * one_b2b),
+                             **({"back_to_back_error": windows} if isinstance(windows, str) else {}),
                              "img_s_at_once": at_once_img_s if shared else None,
                              "ddp_efficiency": img_s / at_once_img_s if shared else None,
                              "host_sharing": (at_once_img_s / (gpus * one_img_s)
@@ -472,7 +491,8 @@ def measure(args, device, size, classes, nets):
                 r = rows[-1]
                 print(f"  {net:<12} {variant:<34} {gpus} {unit}: {img_s:8.0f} img/s ({r['img_s_per_gpu']:.0f} each)"
                       + ("" if r["scaling"] is None else f", scaling {r['scaling']:.2f}")
-                      + f"; back to back {img_s_b2b:.0f} img/s"
+                      + (f"; back to back: failed: {windows}" if img_s_b2b is None
+                         else f"; back to back {img_s_b2b:.0f} img/s")
                       + ("" if r["scaling_back_to_back"] is None else f", scaling {r['scaling_back_to_back']:.2f}")
                       + ("" if r["ddp_efficiency"] is None else
                          f" (at once without DDP {at_once_img_s:.0f} img/s: DDP keeps {r['ddp_efficiency']:.2f}"

@@ -133,6 +133,21 @@ def test_a_steps_phases_split_at_its_marks():
     assert training_ddp.phase_times([Mark(t) for t in (0, 4, 9, 12, 20, 21)]) == (7, 13, 1)
 
 
+def test_steps_back_to_back_are_timed_in_windows_and_a_failure_is_said():
+    """Every step of every window runs, each window gives seconds a step; a step that raises ends the timing with
+    its error (a string), which the row carries instead of the figure."""
+    issued = []
+    windows = training_ddp.back_to_back_seconds(issued.append, "cpu", several=False)
+    assert issued == list(range(training_ddp.BACK_TO_BACK_WINDOWS * training_ddp.BACK_TO_BACK_STEPS))
+    assert len(windows) == training_ddp.BACK_TO_BACK_WINDOWS and all(w >= 0 for w in windows)
+
+    def fails_in_the_second_window(i):
+        if i == training_ddp.BACK_TO_BACK_STEPS + 1:
+            raise RuntimeError("out of memory")
+    assert training_ddp.back_to_back_seconds(fails_in_the_second_window, "cpu", several=False) == \
+        "RuntimeError: out of memory"
+
+
 def test_the_gpus_busy_time_counts_overlapping_kernels_once():
     assert training_ddp.union_length([]) == 0
     assert training_ddp.union_length([(0, 4), (2, 6), (10, 11), (3, 5)]) == 7     # [0, 6] and [10, 11]
