@@ -65,9 +65,10 @@ variant, or a CPU).
 DDP's settings (the same for every variant; DDP's defaults unless given): --bucket-cap-mb, the size of its
 gradient buckets (25 MB); --gradient-as-bucket-view, gradients as views into the buckets (no copy into them);
 --static-graph, DDP's static_graph (the same parameters take part in every step: DDP skips looking for unused
-ones and settles its buckets once); --no-broadcast-buffers, DDP's broadcast_buffers off (by default DDP broadcasts
-rank 0's buffers, BatchNorm's running statistics, before every forward: a collective each step; training's
-losses do not depend on them); --no-graph-split, torch._dynamo.config.optimize_ddp off: torch.compile keeps
+ones and settles its buckets once; torch's DDP does not take it with no_sync, pytorch/pytorch#143580);
+--no-broadcast-buffers, DDP's broadcast_buffers off (forward_sync_buffers from torch 2.14: `NO_FORWARD_BROADCAST`;
+by default DDP broadcasts rank 0's buffers, BatchNorm's running statistics, before every forward: a collective
+each step; training's losses do not depend on them); --no-graph-split, torch._dynamo.config.optimize_ddp off: torch.compile keeps
 the whole model one graph instead of breaking it at each bucket, so every all-reduce waits for the backward's
 end; --compiled-autograd, the compiled variants' backward under compiled autograd (compiled with the forward's
 mode) and DDP's Python reducer (torch._dynamo.config.optimize_ddp = "python_reducer", which compiled autograd
@@ -87,6 +88,7 @@ import argparse
 import contextlib
 import datetime
 import functools
+import inspect
 import math
 import os
 import statistics
@@ -627,6 +629,12 @@ def _backward_compiler(mode):
     return torch.compile(mode=mode)
 
 
+# DDP's keyword that turns off the broadcast of buffers before each forward: torch 2.14 named it
+# forward_sync_buffers and deprecated broadcast_buffers (which also skips the broadcast at construction).
+NO_FORWARD_BROADCAST = ("forward_sync_buffers" if "forward_sync_buffers" in
+                        inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters else "broadcast_buffers")
+
+
 def ddp_options(args):
     """DistributedDataParallel's keyword arguments from the command line (none: DDP's defaults)."""
     options = {}
@@ -637,7 +645,7 @@ def ddp_options(args):
     if args.static_graph:
         options["static_graph"] = True
     if not args.broadcast_buffers:
-        options["broadcast_buffers"] = False
+        options[NO_FORWARD_BROADCAST] = False
     return options
 
 

@@ -50,7 +50,7 @@ def test_ddps_settings_reach_it_and_the_json(tmp_path):
                        "--no-at-once", "--port", str(free_port()), "--outdir", str(tmp_path)])
     data = json.loads((tmp_path / "training_ddp.json").read_text())
     assert data["ddp"] == {"bucket_cap_mb": 1.5, "gradient_as_bucket_view": True, "static_graph": True,
-                           "broadcast_buffers": False, "graph_split": False}
+                           training_ddp.NO_FORWARD_BROADCAST: False, "graph_split": False}
     assert all(row["img_s"] > 0 and row["img_s_at_once"] is None for row in data["rows"])
 
 
@@ -58,7 +58,7 @@ def test_ddp_options_from_the_command_line():
     args = training_ddp.parse(["--bucket-cap-mb", "50", "--gradient-as-bucket-view", "--static-graph",
                                "--no-broadcast-buffers"])
     assert training_ddp.ddp_options(args) == {"bucket_cap_mb": 50.0, "gradient_as_bucket_view": True,
-                                              "static_graph": True, "broadcast_buffers": False}
+                                              "static_graph": True, training_ddp.NO_FORWARD_BROADCAST: False}
     assert training_ddp.ddp_options(training_ddp.parse([])) == {}
 
 

@@ -6,7 +6,9 @@ autograd its gradients as any op does. Checked here as a user would see it: two 
 half of the global batch, end with the same weights as one process on the whole batch, every
 parameter's gradient passing through DDP's buckets once per step (`find_unused_parameters` off);
 also with gradients accumulated over two micro-batches under `no_sync` (the all-reduce only on the last),
-with and without the gradients as views into DDP's buckets (`gradient_as_bucket_view`).
+with and without the gradients as views into DDP's buckets (`gradient_as_bucket_view`), and with those views,
+DDP's static graph and no broadcast of buffers (the settings README.md recommends; not with `no_sync`, which
+torch's DDP refuses under a static graph with an internal assert, pytorch/pytorch#143580, the operator or not).
 FSDP2 shards contiguous parameters only: with PyTorch's weight layout (convert_conv2d's
 channels_last_weight=False) the same holds; its own error refuses channels_last weights.
 On a CPU over gloo (the operator's CPU path: torch's conv in the forward, the backward's fallback
@@ -69,10 +71,11 @@ class _nothing:
         return False
 
 
-def ddp_worker(rank, init_file, out_file, backend, micro_batches, wrapper="ddp", bucket_view=False):
+def ddp_worker(rank, init_file, out_file, backend, micro_batches, wrapper="ddp", bucket_view=False, static=False):
     """One process of WORLD: DDP (or FSDP2's fully_shard, `wrapper`) over `backend`, this rank's share of every
     global batch; rank 0 saves the weights. `bucket_view`: DDP's gradient_as_bucket_view (the gradients
-    views into its buckets, each in its parameter's strides: channels_last for the operator's weights)."""
+    views into its buckets, each in its parameter's strides: channels_last for the operator's weights). `static`:
+    DDP's static_graph and no broadcast of buffers before each forward (the settings README.md recommends)."""
     import conv_tutorial
     import torch.distributed as dist
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")      # NVLink multicast stays off
@@ -88,7 +91,8 @@ def ddp_worker(rank, init_file, out_file, backend, micro_batches, wrapper="ddp",
         buckets = []        # (the gradients' elements each all-reduce carried, per bucket)
         if wrapper == "ddp":
             wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None,
-                                                                gradient_as_bucket_view=bucket_view)
+                                                                gradient_as_bucket_view=bucket_view,
+                                                                static_graph=static, broadcast_buffers=not static)
 
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -128,11 +132,12 @@ def ddp_worker(rank, init_file, out_file, backend, micro_batches, wrapper="ddp",
         os._exit(0)
 
 
-def run_ddp(backend, micro_batches, wrapper="ddp", bucket_view=False):
+def run_ddp(backend, micro_batches, wrapper="ddp", bucket_view=False, static=False):
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as folder:
         init_file, out_file = os.path.join(folder, "init"), os.path.join(folder, "weights.pt")
-        mp.spawn(ddp_worker, args=(init_file, out_file, backend, micro_batches, wrapper, bucket_view), nprocs=WORLD,
+        mp.spawn(ddp_worker, args=(init_file, out_file, backend, micro_batches, wrapper, bucket_view, static),
+                 nprocs=WORLD,
                  join=True)
         return torch.load(out_file)
 
@@ -144,14 +149,16 @@ def one_process(dtype, device, autocast=None):
     return {k: v.cpu() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("micro_batches, bucket_view", [(1, False), (2, False), (2, True)],
-                         ids=["one step", "no_sync, then sync", "no_sync, then sync, gradients as bucket views"])
-def test_two_processes_end_with_the_weights_of_one_on_the_whole_batch(micro_batches, bucket_view):
+@pytest.mark.parametrize("micro_batches, bucket_view, static", [(1, False, False), (2, False, False), (2, True, False),
+                                                                 (1, True, True)],
+                         ids=["one step", "no_sync, then sync", "no_sync, then sync, gradients as bucket views",
+                              "one step, gradients as bucket views, static graph, no buffer broadcast"])
+def test_two_processes_end_with_the_weights_of_one_on_the_whole_batch(micro_batches, bucket_view, static):
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # the CPU path's fallback says so once per reason
         want = one_process(torch.float64, "cpu")
-        got = run_ddp("gloo", micro_batches, bucket_view=bucket_view)
+        got = run_ddp("gloo", micro_batches, bucket_view=bucket_view, static=static)
     initial = {k: v.double() for k, v in small_net().state_dict().items()}
     assert got.keys() == want.keys()
     for name in want:
