@@ -257,7 +257,7 @@ def back_to_back_seconds(one_step, device, several):
         elapsed = (time.perf_counter() - begin) / BACK_TO_BACK_STEPS
         failed_anywhere = failure is not None
         if several:
-            both = torch.tensor([elapsed, float(failure is not None)], dtype=torch.float64, device=device)
+            both = torch.tensor([elapsed, float(failed_anywhere)], dtype=torch.float64, device=device)
             slowest = both[:1].clone()
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             dist.all_reduce(both[1:], op=dist.ReduceOp.SUM)
